@@ -1,0 +1,154 @@
+//! The token bucket of `lua/token_bucket.lua`, as a pure function. The script is what runs
+//! (Redis owns the state and the clock); this model states the same math in Rust so it
+//! can be tested exhaustively and reused where the proxy must decide alone. Both are
+//! tested against one case table, `tests/cases/token_bucket.json`.
+
+use crate::protocol::{BucketOutcome, BucketSpec, BucketStatus, TokenBucketReply};
+
+/// A bucket as stored: its level at `updated_ms`. No state means a full bucket.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct BucketState {
+    pub tokens: f64,
+    pub updated_ms: f64,
+}
+
+/// Refills every bucket to `now_ms`, then charges each its cost if all have room.
+/// `states[i]` belongs to `specs[i]`; charged buckets are updated in place.
+pub fn check_and_charge(states: &mut [Option<BucketState>], specs: &[BucketSpec], now_ms: f64) -> TokenBucketReply {
+    let levels: Vec<f64> = specs
+        .iter()
+        .zip(states.iter())
+        .map(|(spec, state)| level_at(spec, *state, now_ms))
+        .collect();
+    let allowed = specs.len() == states.len()
+        && specs.iter().zip(&levels).all(|(spec, &tokens)| {
+            let cost = spec.cost as f64;
+            cost <= spec.capacity as f64 && tokens >= cost
+        });
+    let limits = specs
+        .iter()
+        .zip(levels)
+        .zip(states.iter_mut())
+        .map(|((spec, mut tokens), state)| {
+            let (capacity, window_ms, cost) = (spec.capacity as f64, spec.window_ms as f64, spec.cost as f64);
+            let (status, retry_after_ms) = if cost > capacity {
+                (BucketStatus::Never, 0)
+            } else if tokens < cost {
+                (BucketStatus::Limited, ((cost - tokens) * window_ms / capacity).ceil() as u64)
+            } else {
+                (BucketStatus::Allowed, 0)
+            };
+            if allowed && spec.cost > 0 {
+                tokens -= cost;
+                *state = Some(BucketState { tokens, updated_ms: now_ms });
+            }
+            BucketOutcome {
+                name: spec.name.clone(),
+                status,
+                limit: spec.capacity,
+                remaining: tokens.floor().max(0.0) as u64,
+                reset_after_ms: ((capacity - tokens) * window_ms / capacity).ceil() as u64,
+                retry_after_ms,
+            }
+        })
+        .collect();
+    TokenBucketReply { allowed, limits }
+}
+
+fn level_at(spec: &BucketSpec, state: Option<BucketState>, now_ms: f64) -> f64 {
+    let capacity = spec.capacity as f64;
+    match state {
+        None => capacity,
+        Some(BucketState { tokens, updated_ms }) => {
+            let elapsed = (now_ms - updated_ms).max(0.0);
+            (tokens + elapsed * capacity / spec.window_ms as f64).min(capacity)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde::Deserialize;
+
+    #[derive(Deserialize)]
+    struct Table {
+        cases: Vec<Case>,
+    }
+
+    #[derive(Deserialize)]
+    struct Case {
+        name: String,
+        limits: Vec<CaseLimit>,
+        steps: Vec<Step>,
+    }
+
+    #[derive(Deserialize)]
+    struct CaseLimit {
+        name: String,
+        capacity: u64,
+        window_ms: u64,
+    }
+
+    #[derive(Deserialize)]
+    struct Step {
+        advance_ms: u64,
+        costs: Vec<u64>,
+        allowed: bool,
+        /// status, remaining, reset_after_ms, retry_after_ms
+        outcomes: Vec<(BucketStatus, u64, u64, u64)>,
+    }
+
+    #[test]
+    fn model_matches_the_shared_case_table() {
+        let table: Table = serde_json::from_str(include_str!("../tests/cases/token_bucket.json")).expect("case table");
+        for case in table.cases {
+            let mut states = vec![None; case.limits.len()];
+            let mut now_ms = 1_700_000_000_000.0;
+            for (i, step) in case.steps.iter().enumerate() {
+                now_ms += step.advance_ms as f64;
+                let specs: Vec<BucketSpec> = case
+                    .limits
+                    .iter()
+                    .zip(&step.costs)
+                    .map(|(l, &cost)| BucketSpec { name: l.name.clone(), capacity: l.capacity, window_ms: l.window_ms, cost })
+                    .collect();
+                let reply = check_and_charge(&mut states, &specs, now_ms);
+                let what = format!("{} / step {i}", case.name);
+                assert_eq!(reply.allowed, step.allowed, "{what}");
+                let got: Vec<_> = reply
+                    .limits
+                    .iter()
+                    .map(|o| (o.status, o.remaining, o.reset_after_ms, o.retry_after_ms))
+                    .collect();
+                assert_eq!(got, step.outcomes, "{what}");
+                for (outcome, spec) in reply.limits.iter().zip(&specs) {
+                    assert_eq!(outcome.limit, spec.capacity, "{what}");
+                    assert_eq!(outcome.name, spec.name, "{what}");
+                }
+            }
+        }
+    }
+
+    /// However calls are spaced, a bucket never admits more than capacity plus what the
+    /// elapsed time refilled.
+    #[test]
+    fn never_admits_more_than_capacity_plus_refill() {
+        let spec = BucketSpec { name: "rpm".into(), capacity: 7, window_ms: 1_000, cost: 1 };
+        for gap_ms in [0.0, 1.0, 13.0, 97.0, 142.857, 400.0] {
+            let mut states = [None];
+            let mut admitted = 0u64;
+            let calls = 500;
+            for call in 0..calls {
+                let now = f64::from(call) * gap_ms;
+                if check_and_charge(&mut states, std::slice::from_ref(&spec), now).allowed {
+                    admitted += 1;
+                }
+            }
+            let elapsed = f64::from(calls - 1) * gap_ms;
+            let bound = 7.0 + elapsed * 7.0 / 1_000.0;
+            assert!(admitted as f64 <= bound + 1e-9, "gap {gap_ms}: {admitted} > {bound}");
+            assert!(admitted as f64 >= bound.floor().min(f64::from(calls)) - 1.0, "gap {gap_ms}: only {admitted}");
+        }
+    }
+}

@@ -1,0 +1,92 @@
+//! Who is asking: the API key (or other identifying header) found in the request, turned
+//! into a tenant id by hashing, so the key itself never leaves the filter: not in Redis
+//! keys, not in logs, not in callouts.
+
+use crate::config::IdentitySource;
+use sha2::{Digest, Sha256};
+
+/// The tenant id used when identity is missing and the config says `anonymous`.
+pub const ANONYMOUS_TENANT: &str = "anonymous";
+
+/// Returns the credential of the first source that is present and non-empty.
+/// `header` looks a request header up by its lower-case name.
+pub fn find_credential(sources: &[IdentitySource], header: impl Fn(&str) -> Option<String>) -> Option<String> {
+    sources.iter().find_map(|source| {
+        let raw = header(&source.header)?;
+        let value = raw.trim();
+        let value = match &source.prefix {
+            Some(prefix) => strip_prefix_ignore_case(value, prefix)?.trim(),
+            None => value,
+        };
+        (!value.is_empty()).then(|| value.to_string())
+    })
+}
+
+fn strip_prefix_ignore_case<'a>(value: &'a str, prefix: &str) -> Option<&'a str> {
+    let head = value.get(..prefix.len())?;
+    head.eq_ignore_ascii_case(prefix).then(|| value.get(prefix.len()..)).flatten()
+}
+
+/// A stable, non-reversible tenant id: the first 16 bytes of SHA-256 over a domain
+/// separator and the credential, as 32 hex digits.
+pub fn tenant_id(credential: &str) -> String {
+    let digest = Sha256::new()
+        .chain_update(b"llm-ratelimit/tenant/v1\0")
+        .chain_update(credential.as_bytes())
+        .finalize();
+    digest.iter().take(16).map(|b| format!("{b:02x}")).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn default_sources() -> Vec<IdentitySource> {
+        vec![
+            IdentitySource { header: "authorization".into(), prefix: Some("Bearer ".into()) },
+            IdentitySource { header: "x-api-key".into(), prefix: None },
+        ]
+    }
+
+    fn lookup<'a>(headers: &'a HashMap<&str, &str>) -> impl Fn(&str) -> Option<String> + 'a {
+        move |name| headers.get(name).map(|v| v.to_string())
+    }
+
+    #[test]
+    fn finds_the_first_matching_source() {
+        let cases: &[(&[(&str, &str)], Option<&str>)] = &[
+            (&[("authorization", "Bearer sk-abc")], Some("sk-abc")),
+            (&[("authorization", "bearer   sk-abc  ")], Some("sk-abc")),
+            (&[("x-api-key", "ak-1")], Some("ak-1")),
+            (&[("authorization", "Bearer sk-abc"), ("x-api-key", "ak-1")], Some("sk-abc")),
+            // Basic auth is not an API key: fall through to the next source.
+            (&[("authorization", "Basic dXNlcg=="), ("x-api-key", "ak-1")], Some("ak-1")),
+            (&[("authorization", "Basic dXNlcg==")], None),
+            (&[("authorization", "Bearer ")], None),
+            (&[("authorization", "Bear")], None),
+            (&[("x-api-key", "  ")], None),
+            (&[], None),
+        ];
+        for (headers, expected) in cases {
+            let map: HashMap<&str, &str> = headers.iter().copied().collect();
+            assert_eq!(find_credential(&default_sources(), lookup(&map)).as_deref(), *expected, "{headers:?}");
+        }
+    }
+
+    #[test]
+    fn prefix_match_survives_multibyte_values() {
+        let map: HashMap<&str, &str> = [("authorization", "Bé")].into_iter().collect();
+        assert_eq!(find_credential(&default_sources(), lookup(&map)), None);
+    }
+
+    #[test]
+    fn tenant_ids_are_stable_distinct_and_hide_the_key() {
+        let a = tenant_id("sk-live-123");
+        assert_eq!(a, tenant_id("sk-live-123"));
+        assert_ne!(a, tenant_id("sk-live-124"));
+        assert_eq!(a.len(), 32);
+        assert!(a.bytes().all(|b| b.is_ascii_hexdigit()));
+        assert!(!a.contains("123"));
+    }
+}

@@ -1,0 +1,16 @@
+//! llm-ratelimit: distributed, token-aware rate limiting for LLM APIs, as a proxy-wasm
+//! HTTP filter.
+//!
+//! Everything but `filter` is plain Rust with no proxy-wasm types, unit tested natively;
+//! `filter` is the thin glue to the proxy-wasm host and exists only in the wasm build.
+#![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing))]
+
+pub mod bucket;
+pub mod config;
+pub mod decision;
+pub mod duration;
+pub mod identity;
+pub mod protocol;
+
+#[cfg(target_arch = "wasm32")]
+mod filter;

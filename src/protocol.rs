@@ -1,0 +1,162 @@
+//! The JSON the filter and the companion exchange. One type per message, shared by both
+//! sides (the companion depends on this crate), so the wire format lives in one place.
+
+use serde::{Deserialize, Serialize};
+
+/// Header carrying the shared secret on every callout to the companion.
+pub const TOKEN_HEADER: &str = "x-llmrl-token";
+/// Endpoint that runs `lua/token_bucket.lua`.
+pub const TOKEN_BUCKET_PATH: &str = "/v1/token_bucket";
+
+/// Check several buckets of one tenant and charge them all, or none.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TokenBucketRequest {
+    /// Namespace of the counters (the filter config's `domain`).
+    pub domain: String,
+    /// Hashed tenant id; never a raw credential.
+    pub tenant: String,
+    pub limits: Vec<BucketSpec>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BucketSpec {
+    pub name: String,
+    /// Tokens the bucket holds when full.
+    pub capacity: u64,
+    /// Time in which an empty bucket refills to `capacity`.
+    pub window_ms: u64,
+    /// Tokens this request takes (0 only looks).
+    pub cost: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TokenBucketReply {
+    /// True when every bucket had room and all were charged; false means none was.
+    pub allowed: bool,
+    /// One outcome per requested bucket, in request order.
+    pub limits: Vec<BucketOutcome>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct BucketOutcome {
+    pub name: String,
+    pub status: BucketStatus,
+    /// The bucket's capacity.
+    pub limit: u64,
+    /// Whole tokens left (after the charge, if there was one).
+    pub remaining: u64,
+    /// Time until the bucket is full again.
+    pub reset_after_ms: u64,
+    /// Time until this bucket has room for the cost (0 when it has now, or never can).
+    pub retry_after_ms: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum BucketStatus {
+    Allowed,
+    Limited,
+    /// The cost is larger than the capacity: no wait will make room.
+    Never,
+}
+
+/// Longest id or name accepted in a key part; the filter's ids are far shorter.
+const MAX_KEY_PART: usize = 64;
+/// More buckets than this in one call is a bug in the caller, not a policy.
+pub const MAX_LIMITS_PER_CALL: usize = 32;
+
+/// Characters allowed in the parts of a Redis key: no `{}` (hash tags), no `:`
+/// (separator), nothing that needs escaping.
+pub fn is_key_part(text: &str) -> bool {
+    !text.is_empty()
+        && text.len() <= MAX_KEY_PART
+        && text.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-' || b == b'.')
+}
+
+impl TokenBucketRequest {
+    /// Checks what the script cannot: names safe for keys, positive sizes, bounded counts.
+    pub fn validate(&self) -> Result<(), String> {
+        if !is_key_part(&self.domain) {
+            return Err(format!("domain {:?} must be 1-{MAX_KEY_PART} of [A-Za-z0-9_.-]", self.domain));
+        }
+        if !is_key_part(&self.tenant) {
+            return Err(format!("tenant must be 1-{MAX_KEY_PART} of [A-Za-z0-9_.-]"));
+        }
+        if self.limits.is_empty() || self.limits.len() > MAX_LIMITS_PER_CALL {
+            return Err(format!("limits must have 1 to {MAX_LIMITS_PER_CALL} entries, got {}", self.limits.len()));
+        }
+        for (i, limit) in self.limits.iter().enumerate() {
+            if !is_key_part(&limit.name) {
+                return Err(format!("limits[{i}].name {:?} must be 1-{MAX_KEY_PART} of [A-Za-z0-9_.-]", limit.name));
+            }
+            if limit.capacity == 0 {
+                return Err(format!("limits[{i}].capacity must be positive"));
+            }
+            if limit.window_ms == 0 {
+                return Err(format!("limits[{i}].window_ms must be positive"));
+            }
+            if self.limits.iter().take(i).any(|other| other.name == limit.name) {
+                return Err(format!("limits[{i}].name {:?} appears twice", limit.name));
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn request() -> TokenBucketRequest {
+        TokenBucketRequest {
+            domain: "llm".into(),
+            tenant: "0123abcd".into(),
+            limits: vec![BucketSpec { name: "rpm".into(), capacity: 5, window_ms: 60_000, cost: 1 }],
+        }
+    }
+
+    #[test]
+    fn accepts_a_well_formed_request() {
+        assert_eq!(request().validate(), Ok(()));
+    }
+
+    #[test]
+    fn rejects_what_would_break_keys_or_the_script() {
+        let cases: Vec<(fn(&mut TokenBucketRequest), &str)> = vec![
+            (|r| r.tenant = "{x}".into(), "tenant"),
+            (|r| r.tenant = String::new(), "tenant"),
+            (|r| r.domain = "a:b".into(), "domain"),
+            (|r| r.limits.clear(), "limits must have"),
+            (|r| r.limits[0].name = "r pm".into(), "limits[0].name"),
+            (|r| r.limits[0].capacity = 0, "limits[0].capacity"),
+            (|r| r.limits[0].window_ms = 0, "limits[0].window_ms"),
+            (|r| { let again = r.limits[0].clone(); r.limits.push(again) }, "appears twice"),
+        ];
+        for (mutate, fragment) in cases {
+            let mut r = request();
+            mutate(&mut r);
+            let err = r.validate().expect_err(fragment);
+            assert!(err.contains(fragment), "{err}");
+        }
+    }
+
+    #[test]
+    fn the_reply_round_trips_through_json() {
+        let reply = TokenBucketReply {
+            allowed: false,
+            limits: vec![BucketOutcome {
+                name: "rpm".into(),
+                status: BucketStatus::Limited,
+                limit: 5,
+                remaining: 0,
+                reset_after_ms: 60_000,
+                retry_after_ms: 12_000,
+            }],
+        };
+        let json = serde_json::to_string(&reply).expect("serialise");
+        assert!(json.contains(r#""status":"limited""#), "{json}");
+        assert_eq!(serde_json::from_str::<TokenBucketReply>(&json).expect("parse"), reply);
+    }
+}
