@@ -1,0 +1,193 @@
+//! The companion: a small stateless HTTP service through which llm-ratelimit's proxy-wasm
+//! filter runs its Lua scripts in Redis, Valkey or Redis Cluster. The filter cannot open
+//! TCP connections to Redis itself (proxy-wasm offers HTTP callouts only), so it calls
+//! this service through a proxy upstream.
+//!
+//! Endpoints: `POST /v1/token_bucket` (JSON in and out, see `llm_ratelimit::protocol`),
+//! `GET /healthz`. Every endpoint but `/healthz` requires the shared token in
+//! `x-llmrl-token`.
+
+mod store;
+mod token_bucket;
+
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::serve::ListenerExt;
+use axum::Router;
+use clap::Parser;
+use llm_ratelimit::duration::parse_duration;
+use llm_ratelimit::protocol::{TokenBucketRequest, TOKEN_BUCKET_PATH, TOKEN_HEADER};
+use serde_json::json;
+use std::sync::Arc;
+use std::time::Duration;
+use store::{Script, Store, Target};
+
+#[derive(Parser, Debug)]
+#[command(version, about = "Runs llm-ratelimit's Lua scripts in Redis for the proxy-wasm filter")]
+struct Args {
+    /// Address to listen on.
+    #[arg(long, env = "LLMRL_LISTEN", default_value = "127.0.0.1:8081")]
+    listen: String,
+    /// redis://host:port/db, rediss://..., or redis+cluster://host:port,host:port for a cluster.
+    #[arg(long, env = "LLMRL_REDIS_URL", default_value = "redis://127.0.0.1:6379")]
+    redis_url: String,
+    /// Prefix of every key this service writes.
+    #[arg(long, env = "LLMRL_KEY_PREFIX", default_value = "llmrl:")]
+    key_prefix: String,
+    /// Longest wait for one Redis call (the filter's own timeout should be longer).
+    #[arg(long, env = "LLMRL_REDIS_TIMEOUT", default_value = "50ms", value_parser = parse_duration)]
+    redis_timeout: Duration,
+    /// Longest wait for Redis at start-up before giving up.
+    #[arg(long, env = "LLMRL_STARTUP_WAIT", default_value = "30s", value_parser = parse_duration)]
+    startup_wait: Duration,
+    /// Shared secret the filter sends; prefer the environment variable or --token-file.
+    #[arg(long, env = "LLMRL_COMPANION_TOKEN", hide_env_values = true)]
+    token: Option<String>,
+    /// File holding the shared secret (trailing whitespace ignored).
+    #[arg(long, env = "LLMRL_COMPANION_TOKEN_FILE")]
+    token_file: Option<std::path::PathBuf>,
+}
+
+struct App {
+    store: Store,
+    token: String,
+    key_prefix: String,
+    token_bucket: Script,
+}
+
+fn error(status: StatusCode, message: impl Into<String>) -> Response {
+    (status, [("content-type", "application/json")], json!({"error": message.into()}).to_string()).into_response()
+}
+
+/// Compares without an early exit, so timing does not reveal how much of a guess matched.
+fn same_secret(given: &[u8], expected: &[u8]) -> bool {
+    given.len() == expected.len() && given.iter().zip(expected).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0
+}
+
+fn authorised(app: &App, headers: &HeaderMap) -> bool {
+    headers.get(TOKEN_HEADER).is_some_and(|v| same_secret(v.as_bytes(), app.token.as_bytes()))
+}
+
+async fn run_token_bucket(State(app): State<Arc<App>>, headers: HeaderMap, body: Bytes) -> Response {
+    if !authorised(&app, &headers) {
+        return error(StatusCode::UNAUTHORIZED, format!("missing or wrong {TOKEN_HEADER}"));
+    }
+    let request: TokenBucketRequest = match serde_json::from_slice(&body) {
+        Ok(request) => request,
+        Err(err) => return error(StatusCode::BAD_REQUEST, format!("invalid request body: {err}")),
+    };
+    if let Err(message) = request.validate() {
+        return error(StatusCode::BAD_REQUEST, format!("invalid request: {message}"));
+    }
+    let keys = token_bucket::keys(&app.key_prefix, &request);
+    let args = token_bucket::args(&request);
+    let value = match app.store.run(&app.token_bucket, &keys, &args).await {
+        Ok(value) => value,
+        Err(err) => return error(StatusCode::SERVICE_UNAVAILABLE, format!("redis: {err}")),
+    };
+    match token_bucket::reply(&request, &value) {
+        Ok(reply) => (StatusCode::OK, [("content-type", "application/json")], json!(reply).to_string()).into_response(),
+        Err(err) => error(StatusCode::BAD_GATEWAY, format!("unexpected script reply: {err}")),
+    }
+}
+
+async fn healthz(State(app): State<Arc<App>>) -> Response {
+    match app.store.ping().await {
+        Ok(()) => (StatusCode::OK, [("content-type", "application/json")], json!({"redis": "ok"}).to_string()).into_response(),
+        Err(err) => error(StatusCode::SERVICE_UNAVAILABLE, format!("redis unreachable: {err}")),
+    }
+}
+
+fn read_token(args: &Args) -> Result<String, String> {
+    let token = match (&args.token, &args.token_file) {
+        (Some(token), None) => token.clone(),
+        (None, Some(path)) => std::fs::read_to_string(path)
+            .map_err(|e| format!("cannot read --token-file {}: {e}", path.display()))?
+            .trim_end()
+            .to_string(),
+        (Some(_), Some(_)) => return Err("give the token once: --token (LLMRL_COMPANION_TOKEN) or --token-file".into()),
+        (None, None) => return Err("a shared token is required: set LLMRL_COMPANION_TOKEN or --token-file".into()),
+    };
+    if token.is_empty() {
+        return Err("the shared token must not be empty".into());
+    }
+    Ok(token)
+}
+
+/// Redis may come up after us (a fresh stack, a restart): keep trying for a while.
+async fn connect(target: &Target, args: &Args) -> Result<Store, String> {
+    let deadline = tokio::time::Instant::now() + args.startup_wait;
+    loop {
+        match Store::connect(target, args.redis_timeout).await {
+            Ok(store) => return Ok(store),
+            Err(err) if tokio::time::Instant::now() < deadline => {
+                eprintln!("companion: waiting for Redis: {err}");
+                tokio::time::sleep(Duration::from_millis(250)).await;
+            }
+            Err(err) => return Err(format!("cannot reach Redis: {err}")),
+        }
+    }
+}
+
+async fn serve(args: Args) -> Result<(), String> {
+    let token = read_token(&args)?;
+    let target = Target::parse(&args.redis_url).map_err(|e| format!("--redis-url: {e}"))?;
+    if !args.key_prefix.chars().all(|c| c.is_ascii_graphic() && c != '{' && c != '}') {
+        return Err("--key-prefix must be printable ASCII without '{' or '}'".into());
+    }
+    let store = connect(&target, &args).await?;
+    let token_bucket = Script::new("token_bucket", token_bucket::SOURCE);
+    let deadline = tokio::time::Instant::now() + args.startup_wait;
+    while let Err(err) = store.load(&token_bucket).await {
+        if tokio::time::Instant::now() >= deadline {
+            return Err(format!("cannot load {}: {err}", token_bucket.name));
+        }
+        eprintln!("companion: retrying SCRIPT LOAD of {}: {err}", token_bucket.name);
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    eprintln!("companion: loaded {} ({})", token_bucket.name, token_bucket.sha);
+    let mode = match &target {
+        Target::Single(_) => "single server".to_string(),
+        Target::Cluster(nodes) => format!("cluster, {} seed node(s)", nodes.len()),
+    };
+    let app = Arc::new(App { store, token, key_prefix: args.key_prefix.clone(), token_bucket });
+    let router = Router::new()
+        .route(TOKEN_BUCKET_PATH, post(run_token_bucket))
+        .route("/healthz", get(healthz))
+        .with_state(app);
+    let listener = tokio::net::TcpListener::bind(&args.listen)
+        .await
+        .map_err(|e| format!("cannot listen on {}: {e}", args.listen))?
+        // Replies are small: without TCP_NODELAY, Nagle and delayed ACKs add ~40 ms.
+        .tap_io(|tcp| {
+            let _ = tcp.set_nodelay(true);
+        });
+    eprintln!("companion: listening on {} (Redis: {mode})", args.listen);
+    axum::serve(listener, router)
+        .with_graceful_shutdown(async {
+            let _ = tokio::signal::ctrl_c().await;
+        })
+        .await
+        .map_err(|e| format!("server error: {e}"))
+}
+
+fn main() -> std::process::ExitCode {
+    let args = Args::parse();
+    let runtime = match tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build() {
+        Ok(runtime) => runtime,
+        Err(err) => {
+            eprintln!("companion: cannot start the runtime: {err}");
+            return std::process::ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(serve(args)) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(err) => {
+            eprintln!("companion: {err}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}

