@@ -1,0 +1,63 @@
+# llm-ratelimit: `make help` lists the targets.
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+WASM_TARGET := wasm32-unknown-unknown
+WASM := target/$(WASM_TARGET)/wasm/llm_ratelimit.wasm
+PY := .venv/bin/python
+
+# A rustup wasm32 target where there is one; otherwise Debian's rustc-web, which must
+# build std itself (RUSTC_BOOTSTRAP lets a stable compiler take -Zbuild-std).
+ifeq ($(shell rustup target list --installed 2>/dev/null | grep -x $(WASM_TARGET)),$(WASM_TARGET))
+WASM_CARGO := cargo
+WASM_FLAGS :=
+else
+WASM_CARGO := RUSTC_BOOTSTRAP=1 RUSTC=/usr/bin/rustc /usr/bin/cargo
+WASM_FLAGS := -Zbuild-std=std,panic_abort
+endif
+
+.PHONY: help setup build wasm native test unit integration up down demo bench lint clean
+
+help: ## List the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
+
+setup: ## Install what is missing (wasm toolchain, redis-server, wrk, Envoy and Python packages)
+	@scripts/setup.sh
+
+build: setup wasm native ## Build the filter (.wasm), the companion and the mock upstream
+
+wasm:
+	$(WASM_CARGO) rustc -p llm-ratelimit --profile wasm --lib --crate-type cdylib --target $(WASM_TARGET) $(WASM_FLAGS)
+	@ls -l $(WASM)
+
+native:
+	cargo build --release -p llm-ratelimit-companion -p mock-llm
+
+test: build ## Run every test: unit (cargo), Lua against Redis, companion, end to end through Envoy
+	cargo test --workspace
+	$(PY) -m pytest tests -q -p no:cacheprovider
+
+unit: ## Native unit tests only
+	cargo test --workspace
+
+integration: build ## Python-driven tests only (Redis, companion, Envoy)
+	$(PY) -m pytest tests -q -p no:cacheprovider
+
+up: build ## Start the demo stack in the background (Envoy on 127.0.0.1:10000)
+	$(PY) scripts/demo.py up
+
+down: ## Stop the demo stack
+	@if [ -x $(PY) ]; then $(PY) scripts/demo.py down; else echo "nothing to stop"; fi
+
+demo: up ## Start the demo stack and send a short burst through it
+	$(PY) scripts/demo.py burst
+
+bench: build ## Measure Envoy without and with the filter in one run and print ratios
+	$(PY) scripts/bench.py
+
+lint: ## rustfmt and clippy (native)
+	cargo fmt --all -- --check
+	cargo clippy --workspace --all-targets -- -D warnings
+
+clean: down ## Remove build output and the demo's run directory
+	rm -rf target run
