@@ -14,7 +14,11 @@ pub struct BucketState {
 
 /// Refills every bucket to `now_ms`, then charges each its cost if all have room.
 /// `states[i]` belongs to `specs[i]`; charged buckets are updated in place.
-pub fn check_and_charge(states: &mut [Option<BucketState>], specs: &[BucketSpec], now_ms: f64) -> TokenBucketReply {
+pub fn check_and_charge(
+    states: &mut [Option<BucketState>],
+    specs: &[BucketSpec],
+    now_ms: f64,
+) -> TokenBucketReply {
     let levels: Vec<f64> = specs
         .iter()
         .zip(states.iter())
@@ -30,17 +34,27 @@ pub fn check_and_charge(states: &mut [Option<BucketState>], specs: &[BucketSpec]
         .zip(levels)
         .zip(states.iter_mut())
         .map(|((spec, mut tokens), state)| {
-            let (capacity, window_ms, cost) = (spec.capacity as f64, spec.window_ms as f64, spec.cost as f64);
+            let (capacity, window_ms, cost) = (
+                spec.capacity as f64,
+                spec.window_ms as f64,
+                spec.cost as f64,
+            );
             let (status, retry_after_ms) = if cost > capacity {
                 (BucketStatus::Never, 0)
             } else if tokens < cost {
-                (BucketStatus::Limited, ((cost - tokens) * window_ms / capacity).ceil() as u64)
+                (
+                    BucketStatus::Limited,
+                    ((cost - tokens) * window_ms / capacity).ceil() as u64,
+                )
             } else {
                 (BucketStatus::Allowed, 0)
             };
             if allowed && spec.cost > 0 {
                 tokens -= cost;
-                *state = Some(BucketState { tokens, updated_ms: now_ms });
+                *state = Some(BucketState {
+                    tokens,
+                    updated_ms: now_ms,
+                });
             }
             BucketOutcome {
                 name: spec.name.clone(),
@@ -101,7 +115,8 @@ mod tests {
 
     #[test]
     fn model_matches_the_shared_case_table() {
-        let table: Table = serde_json::from_str(include_str!("../tests/cases/token_bucket.json")).expect("case table");
+        let table: Table = serde_json::from_str(include_str!("../tests/cases/token_bucket.json"))
+            .expect("case table");
         for case in table.cases {
             let mut states = vec![None; case.limits.len()];
             let mut now_ms = 1_700_000_000_000.0;
@@ -111,7 +126,12 @@ mod tests {
                     .limits
                     .iter()
                     .zip(&step.costs)
-                    .map(|(l, &cost)| BucketSpec { name: l.name.clone(), capacity: l.capacity, window_ms: l.window_ms, cost })
+                    .map(|(l, &cost)| BucketSpec {
+                        name: l.name.clone(),
+                        capacity: l.capacity,
+                        window_ms: l.window_ms,
+                        cost,
+                    })
                     .collect();
                 let reply = check_and_charge(&mut states, &specs, now_ms);
                 let what = format!("{} / step {i}", case.name);
@@ -134,7 +154,12 @@ mod tests {
     /// elapsed time refilled.
     #[test]
     fn never_admits_more_than_capacity_plus_refill() {
-        let spec = BucketSpec { name: "rpm".into(), capacity: 7, window_ms: 1_000, cost: 1 };
+        let spec = BucketSpec {
+            name: "rpm".into(),
+            capacity: 7,
+            window_ms: 1_000,
+            cost: 1,
+        };
         for gap_ms in [0.0, 1.0, 13.0, 97.0, 142.857, 400.0] {
             let mut states = [None];
             let mut admitted = 0u64;
@@ -147,8 +172,14 @@ mod tests {
             }
             let elapsed = f64::from(calls - 1) * gap_ms;
             let bound = 7.0 + elapsed * 7.0 / 1_000.0;
-            assert!(admitted as f64 <= bound + 1e-9, "gap {gap_ms}: {admitted} > {bound}");
-            assert!(admitted as f64 >= bound.floor().min(f64::from(calls)) - 1.0, "gap {gap_ms}: only {admitted}");
+            assert!(
+                admitted as f64 <= bound + 1e-9,
+                "gap {gap_ms}: {admitted} > {bound}"
+            );
+            assert!(
+                admitted as f64 >= bound.floor().min(f64::from(calls)) - 1.0,
+                "gap {gap_ms}: only {admitted}"
+            );
         }
     }
 }

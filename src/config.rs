@@ -60,7 +60,10 @@ pub struct Identity {
 
 impl Default for Identity {
     fn default() -> Self {
-        Identity { sources: default_identity_sources(), missing: MissingIdentity::default() }
+        Identity {
+            sources: default_identity_sources(),
+            missing: MissingIdentity::default(),
+        }
     }
 }
 
@@ -111,7 +114,9 @@ pub struct ConfigDuration(pub Duration);
 impl<'de> Deserialize<'de> for ConfigDuration {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
         let text = String::deserialize(deserializer)?;
-        parse_duration(&text).map(ConfigDuration).map_err(serde::de::Error::custom)
+        parse_duration(&text)
+            .map(ConfigDuration)
+            .map_err(serde::de::Error::custom)
     }
 }
 
@@ -141,14 +146,21 @@ pub struct ConfigError {
 
 impl fmt::Display for ConfigError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "invalid filter config: field `{}`: {}", self.field, self.message)
+        write!(
+            f,
+            "invalid filter config: field `{}`: {}",
+            self.field, self.message
+        )
     }
 }
 
 impl std::error::Error for ConfigError {}
 
 fn invalid(field: impl Into<String>, message: impl Into<String>) -> ConfigError {
-    ConfigError { field: field.into(), message: message.into() }
+    ConfigError {
+        field: field.into(),
+        message: message.into(),
+    }
 }
 
 fn default_domain() -> String {
@@ -161,8 +173,14 @@ fn default_companion_timeout() -> ConfigDuration {
 
 fn default_identity_sources() -> Vec<IdentitySource> {
     vec![
-        IdentitySource { header: "authorization".into(), prefix: Some("Bearer ".into()) },
-        IdentitySource { header: "x-api-key".into(), prefix: None },
+        IdentitySource {
+            header: "authorization".into(),
+            prefix: Some("Bearer ".into()),
+        },
+        IdentitySource {
+            header: "x-api-key".into(),
+            prefix: None,
+        },
     ]
 }
 
@@ -171,11 +189,16 @@ fn default_identity_sources() -> Vec<IdentitySource> {
 fn check_name(field: &str, name: &str) -> Result<(), ConfigError> {
     let ok = !name.is_empty()
         && name.len() <= 32
-        && name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_' || b == b'-');
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_' || b == b'-');
     if ok {
         Ok(())
     } else {
-        Err(invalid(field, format!("{name:?} is not a valid name: use 1 to 32 of a-z, 0-9, '_', '-'")))
+        Err(invalid(
+            field,
+            format!("{name:?} is not a valid name: use 1 to 32 of a-z, 0-9, '_', '-'"),
+        ))
     }
 }
 
@@ -183,25 +206,36 @@ impl Config {
     /// Parses and validates the plugin configuration.
     pub fn from_json(bytes: &[u8]) -> Result<Config, ConfigError> {
         let mut deserializer = serde_json::Deserializer::from_slice(bytes);
-        let mut config: Config = serde_path_to_error::deserialize(&mut deserializer).map_err(|e| {
-            let path = e.path().to_string();
-            let field = if path == "." { "(top level)".to_string() } else { path };
-            invalid(field, e.into_inner().to_string())
-        })?;
+        let mut config: Config =
+            serde_path_to_error::deserialize(&mut deserializer).map_err(|e| {
+                let path = e.path().to_string();
+                let field = if path == "." {
+                    "(top level)".to_string()
+                } else {
+                    path
+                };
+                invalid(field, e.into_inner().to_string())
+            })?;
         config.validate()?;
         Ok(config)
     }
 
     fn validate(&mut self) -> Result<(), ConfigError> {
         if self.companion.upstream.trim().is_empty() {
-            return Err(invalid("companion.upstream", "must name the companion's cluster (Envoy) or host:port"));
+            return Err(invalid(
+                "companion.upstream",
+                "must name the companion's cluster (Envoy) or host:port",
+            ));
         }
         if self.companion.token.expose().is_empty() {
             return Err(invalid("companion.token", "must not be empty"));
         }
         let timeout = self.companion.timeout.0;
         if timeout < Duration::from_millis(1) || timeout > Duration::from_secs(60) {
-            return Err(invalid("companion.timeout", format!("{timeout:?} is outside 1ms..60s")));
+            return Err(invalid(
+                "companion.timeout",
+                format!("{timeout:?} is outside 1ms..60s"),
+            ));
         }
         check_name("domain", &self.domain)?;
         if self.identity.sources.is_empty() {
@@ -210,9 +244,14 @@ impl Config {
         for (i, source) in self.identity.sources.iter_mut().enumerate() {
             let header = source.header.trim().to_ascii_lowercase();
             let valid = !header.is_empty()
-                && header.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
+                && header
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
             if !valid {
-                return Err(invalid(format!("identity.sources[{i}].header"), format!("{:?} is not a header name", source.header)));
+                return Err(invalid(
+                    format!("identity.sources[{i}].header"),
+                    format!("{:?} is not a header name", source.header),
+                ));
             }
             source.header = header;
         }
@@ -223,14 +262,23 @@ impl Config {
         for (i, limit) in self.limits.iter().enumerate() {
             check_name(&format!("limits[{i}].name"), &limit.name)?;
             if !names.insert(limit.name.as_str()) {
-                return Err(invalid(format!("limits[{i}].name"), format!("{:?} is used by another limit", limit.name)));
+                return Err(invalid(
+                    format!("limits[{i}].name"),
+                    format!("{:?} is used by another limit", limit.name),
+                ));
             }
             if limit.requests == 0 || limit.requests > 1_000_000_000 {
-                return Err(invalid(format!("limits[{i}].requests"), format!("{} is outside 1..1000000000", limit.requests)));
+                return Err(invalid(
+                    format!("limits[{i}].requests"),
+                    format!("{} is outside 1..1000000000", limit.requests),
+                ));
             }
             let window = limit.window.0;
             if window < Duration::from_millis(100) || window > Duration::from_secs(366 * 86_400) {
-                return Err(invalid(format!("limits[{i}].window"), format!("{window:?} is outside 100ms..366d")));
+                return Err(invalid(
+                    format!("limits[{i}].window"),
+                    format!("{window:?} is outside 100ms..366d"),
+                ));
             }
         }
         Ok(())
@@ -259,7 +307,13 @@ mod tests {
         assert_eq!(config.companion.authority(), "companion");
         assert_eq!(config.companion.timeout.0, Duration::from_millis(250));
         assert_eq!(config.domain, "prod");
-        assert_eq!(config.identity.sources, vec![IdentitySource { header: "x-tenant".into(), prefix: None }]);
+        assert_eq!(
+            config.identity.sources,
+            vec![IdentitySource {
+                header: "x-tenant".into(),
+                prefix: None
+            }]
+        );
         assert_eq!(config.identity.missing, MissingIdentity::Anonymous);
         assert_eq!(config.failure_mode, FailureMode::Deny);
         assert_eq!(config.limits.len(), 2);
@@ -291,27 +345,131 @@ mod tests {
         let companion = r#""companion": {"upstream": "c", "token": "t"}"#;
         let cases: Vec<(String, &str, &str)> = vec![
             ("not json".into(), "(top level)", "expected ident"),
-            (format!("{{{limits}}}"), "(top level)", "missing field `companion`"),
-            (format!("{{{companion}}}"), "(top level)", "missing field `limits`"),
-            (format!("{{{companion}, {limits}, \"colour\": 1}}"), "colour", "unknown field `colour`"),
-            (format!(r#"{{"companion": {{"upstream": "c", "token": "t", "tmeout": "1s"}}, {limits}}}"#), "companion.tmeout", "unknown field `tmeout`"),
-            (format!(r#"{{"companion": {{"upstream": "", "token": "t"}}, {limits}}}"#), "companion.upstream", "must name"),
-            (format!(r#"{{"companion": {{"upstream": "c", "token": ""}}, {limits}}}"#), "companion.token", "must not be empty"),
-            (format!(r#"{{"companion": {{"upstream": "c", "token": "t", "timeout": "soon"}}, {limits}}}"#), "companion.timeout", "invalid duration \"soon\""),
-            (format!(r#"{{"companion": {{"upstream": "c", "token": "t", "timeout": "2m"}}, {limits}}}"#), "companion.timeout", "outside 1ms..60s"),
-            (format!(r#"{{{companion}, {limits}, "failure_mode": "maybe"}}"#), "failure_mode", "unknown variant `maybe`"),
-            (format!(r#"{{{companion}, {limits}, "domain": "Prod!"}}"#), "domain", "\"Prod!\" is not a valid name"),
-            (format!(r#"{{{companion}, {limits}, "identity": {{"missing": "ignore"}}}}"#), "identity.missing", "unknown variant `ignore`"),
-            (format!(r#"{{{companion}, {limits}, "identity": {{"sources": []}}}}"#), "identity.sources", "at least one header"),
-            (format!(r#"{{{companion}, {limits}, "identity": {{"sources": [{{"header": "a b"}}]}}}}"#), "identity.sources[0].header", "\"a b\" is not a header name"),
-            (format!(r#"{{{companion}, "limits": []}}"#), "limits", "at least one limit"),
-            (format!(r#"{{{companion}, "limits": [{{"name": "rpm", "requests": 0, "window": "1m"}}]}}"#), "limits[0].requests", "0 is outside"),
-            (format!(r#"{{{companion}, "limits": [{{"name": "rpm", "requests": -3, "window": "1m"}}]}}"#), "limits[0].requests", "invalid value: integer `-3`"),
-            (format!(r#"{{{companion}, "limits": [{{"name": "rpm", "requests": 1, "window": "1x"}}]}}"#), "limits[0].window", "unknown unit \"x\""),
-            (format!(r#"{{{companion}, "limits": [{{"name": "rpm", "requests": 1, "window": "10ms"}}]}}"#), "limits[0].window", "outside 100ms..366d"),
-            (format!(r#"{{{companion}, "limits": [{{"name": "rpm", "requests": 1, "window": "1m"}}, {{"name": "rpm", "requests": 2, "window": "1h"}}]}}"#), "limits[1].name", "used by another limit"),
-            (format!(r#"{{{companion}, "limits": [{{"name": "r{{x}}", "requests": 1, "window": "1m"}}]}}"#), "limits[0].name", "not a valid name"),
-            (format!(r#"{{{companion}, "limits": [{{"name": "rpm", "window": "1m"}}]}}"#), "limits[0]", "missing field `requests`"),
+            (
+                format!("{{{limits}}}"),
+                "(top level)",
+                "missing field `companion`",
+            ),
+            (
+                format!("{{{companion}}}"),
+                "(top level)",
+                "missing field `limits`",
+            ),
+            (
+                format!("{{{companion}, {limits}, \"colour\": 1}}"),
+                "colour",
+                "unknown field `colour`",
+            ),
+            (
+                format!(
+                    r#"{{"companion": {{"upstream": "c", "token": "t", "tmeout": "1s"}}, {limits}}}"#
+                ),
+                "companion.tmeout",
+                "unknown field `tmeout`",
+            ),
+            (
+                format!(r#"{{"companion": {{"upstream": "", "token": "t"}}, {limits}}}"#),
+                "companion.upstream",
+                "must name",
+            ),
+            (
+                format!(r#"{{"companion": {{"upstream": "c", "token": ""}}, {limits}}}"#),
+                "companion.token",
+                "must not be empty",
+            ),
+            (
+                format!(
+                    r#"{{"companion": {{"upstream": "c", "token": "t", "timeout": "soon"}}, {limits}}}"#
+                ),
+                "companion.timeout",
+                "invalid duration \"soon\"",
+            ),
+            (
+                format!(
+                    r#"{{"companion": {{"upstream": "c", "token": "t", "timeout": "2m"}}, {limits}}}"#
+                ),
+                "companion.timeout",
+                "outside 1ms..60s",
+            ),
+            (
+                format!(r#"{{{companion}, {limits}, "failure_mode": "maybe"}}"#),
+                "failure_mode",
+                "unknown variant `maybe`",
+            ),
+            (
+                format!(r#"{{{companion}, {limits}, "domain": "Prod!"}}"#),
+                "domain",
+                "\"Prod!\" is not a valid name",
+            ),
+            (
+                format!(r#"{{{companion}, {limits}, "identity": {{"missing": "ignore"}}}}"#),
+                "identity.missing",
+                "unknown variant `ignore`",
+            ),
+            (
+                format!(r#"{{{companion}, {limits}, "identity": {{"sources": []}}}}"#),
+                "identity.sources",
+                "at least one header",
+            ),
+            (
+                format!(
+                    r#"{{{companion}, {limits}, "identity": {{"sources": [{{"header": "a b"}}]}}}}"#
+                ),
+                "identity.sources[0].header",
+                "\"a b\" is not a header name",
+            ),
+            (
+                format!(r#"{{{companion}, "limits": []}}"#),
+                "limits",
+                "at least one limit",
+            ),
+            (
+                format!(
+                    r#"{{{companion}, "limits": [{{"name": "rpm", "requests": 0, "window": "1m"}}]}}"#
+                ),
+                "limits[0].requests",
+                "0 is outside",
+            ),
+            (
+                format!(
+                    r#"{{{companion}, "limits": [{{"name": "rpm", "requests": -3, "window": "1m"}}]}}"#
+                ),
+                "limits[0].requests",
+                "invalid value: integer `-3`",
+            ),
+            (
+                format!(
+                    r#"{{{companion}, "limits": [{{"name": "rpm", "requests": 1, "window": "1x"}}]}}"#
+                ),
+                "limits[0].window",
+                "unknown unit \"x\"",
+            ),
+            (
+                format!(
+                    r#"{{{companion}, "limits": [{{"name": "rpm", "requests": 1, "window": "10ms"}}]}}"#
+                ),
+                "limits[0].window",
+                "outside 100ms..366d",
+            ),
+            (
+                format!(
+                    r#"{{{companion}, "limits": [{{"name": "rpm", "requests": 1, "window": "1m"}}, {{"name": "rpm", "requests": 2, "window": "1h"}}]}}"#
+                ),
+                "limits[1].name",
+                "used by another limit",
+            ),
+            (
+                format!(
+                    r#"{{{companion}, "limits": [{{"name": "r{{x}}", "requests": 1, "window": "1m"}}]}}"#
+                ),
+                "limits[0].name",
+                "not a valid name",
+            ),
+            (
+                format!(r#"{{{companion}, "limits": [{{"name": "rpm", "window": "1m"}}]}}"#),
+                "limits[0]",
+                "missing field `requests`",
+            ),
         ];
         for (json, field, fragment) in cases {
             let err = Config::from_json(json.as_bytes()).expect_err(&json);

@@ -38,8 +38,14 @@ pub fn request_headers(reply: &TokenBucketReply) -> Vec<Header> {
 
 /// The 429 for a reply that was not allowed. It names the limit that binds longest; when
 /// a limit can never fit the request it says so and gives no `Retry-After`.
-pub fn rejection(reply: &TokenBucketReply, window_ms_of: impl Fn(&str) -> Option<u64>) -> LocalReply {
-    let never = reply.limits.iter().find(|o| o.status == BucketStatus::Never);
+pub fn rejection(
+    reply: &TokenBucketReply,
+    window_ms_of: impl Fn(&str) -> Option<u64>,
+) -> LocalReply {
+    let never = reply
+        .limits
+        .iter()
+        .find(|o| o.status == BucketStatus::Never);
     let binding = never.or_else(|| {
         reply
             .limits
@@ -72,7 +78,11 @@ pub fn rejection(reply: &TokenBucketReply, window_ms_of: impl Fn(&str) -> Option
         }
     };
     headers.push(("content-type", "application/json".to_string()));
-    LocalReply { status: 429, headers, body: error_body(&message, "requests", "rate_limit_exceeded") }
+    LocalReply {
+        status: 429,
+        headers,
+        body: error_body(&message, "requests", "rate_limit_exceeded"),
+    }
 }
 
 /// 401 for a request without the identifying header, when the config says `reject`.
@@ -107,7 +117,9 @@ pub fn retry_after_seconds(ms: u64) -> u64 {
 }
 
 fn per_window(window_ms: Option<u64>) -> String {
-    window_ms.map(|ms| format!(" per {}", format_reset(ms))).unwrap_or_default()
+    window_ms
+        .map(|ms| format!(" per {}", format_reset(ms)))
+        .unwrap_or_default()
 }
 
 fn error_body(message: &str, kind: &str, code: &str) -> String {
@@ -118,12 +130,29 @@ fn error_body(message: &str, kind: &str, code: &str) -> String {
 mod tests {
     use super::*;
 
-    fn outcome(name: &str, status: BucketStatus, limit: u64, remaining: u64, reset: u64, retry: u64) -> BucketOutcome {
-        BucketOutcome { name: name.into(), status, limit, remaining, reset_after_ms: reset, retry_after_ms: retry }
+    fn outcome(
+        name: &str,
+        status: BucketStatus,
+        limit: u64,
+        remaining: u64,
+        reset: u64,
+        retry: u64,
+    ) -> BucketOutcome {
+        BucketOutcome {
+            name: name.into(),
+            status,
+            limit,
+            remaining,
+            reset_after_ms: reset,
+            retry_after_ms: retry,
+        }
     }
 
     fn header<'a>(headers: &'a [Header], name: &str) -> Option<&'a str> {
-        headers.iter().find(|(n, _)| *n == name).map(|(_, v)| v.as_str())
+        headers
+            .iter()
+            .find(|(n, _)| *n == name)
+            .map(|(_, v)| v.as_str())
     }
 
     #[test]
@@ -138,8 +167,14 @@ mod tests {
         };
         let headers = request_headers(&reply);
         assert_eq!(header(&headers, "x-ratelimit-limit-requests"), Some("1000"));
-        assert_eq!(header(&headers, "x-ratelimit-remaining-requests"), Some("7"));
-        assert_eq!(header(&headers, "x-ratelimit-reset-requests"), Some("10m0s"));
+        assert_eq!(
+            header(&headers, "x-ratelimit-remaining-requests"),
+            Some("7")
+        );
+        assert_eq!(
+            header(&headers, "x-ratelimit-reset-requests"),
+            Some("10m0s")
+        );
     }
 
     #[test]
@@ -159,12 +194,18 @@ mod tests {
         let reply = rejection(&reply, windows);
         assert_eq!(reply.status, 429);
         assert_eq!(header(&reply.headers, "retry-after"), Some("37"));
-        assert_eq!(header(&reply.headers, "x-ratelimit-remaining-requests"), Some("0"));
+        assert_eq!(
+            header(&reply.headers, "x-ratelimit-remaining-requests"),
+            Some("0")
+        );
         let body: serde_json::Value = serde_json::from_str(&reply.body).expect("json body");
         assert_eq!(body["error"]["code"], "rate_limit_exceeded");
         assert_eq!(body["error"]["type"], "requests");
         let message = body["error"]["message"].as_str().expect("message");
-        assert!(message.contains("\"rph\" allows 100 per 1h0m0s"), "{message}");
+        assert!(
+            message.contains("\"rph\" allows 100 per 1h0m0s"),
+            "{message}"
+        );
         assert!(message.contains("try again in 36.001s"), "{message}");
     }
 
@@ -180,7 +221,11 @@ mod tests {
         let reply = rejection(&reply, |_| Some(1_000));
         assert_eq!(reply.status, 429);
         assert_eq!(header(&reply.headers, "retry-after"), None);
-        assert!(reply.body.contains("can never be admitted"), "{}", reply.body);
+        assert!(
+            reply.body.contains("can never be admitted"),
+            "{}",
+            reply.body
+        );
     }
 
     #[test]
@@ -192,7 +237,10 @@ mod tests {
 
     #[test]
     fn other_local_replies_parse_as_openai_errors() {
-        for (reply, status, code) in [(missing_identity(), 401, "missing_api_key"), (limiter_unavailable(), 503, "rate_limiter_unavailable")] {
+        for (reply, status, code) in [
+            (missing_identity(), 401, "missing_api_key"),
+            (limiter_unavailable(), 503, "rate_limiter_unavailable"),
+        ] {
             assert_eq!(reply.status, status);
             let body: serde_json::Value = serde_json::from_str(&reply.body).expect("json body");
             assert_eq!(body["error"]["code"], code);

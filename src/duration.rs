@@ -74,7 +74,11 @@ mod tests {
             ("0.5ms", 500),
         ];
         for (text, micros) in cases {
-            assert_eq!(parse_duration(text), Ok(Duration::from_micros(micros)), "{text}");
+            assert_eq!(
+                parse_duration(text),
+                Ok(Duration::from_micros(micros)),
+                "{text}"
+            );
         }
     }
 

@@ -10,7 +10,10 @@ pub const ANONYMOUS_TENANT: &str = "anonymous";
 
 /// Returns the credential of the first source that is present and non-empty.
 /// `header` looks a request header up by its lower-case name.
-pub fn find_credential(sources: &[IdentitySource], header: impl Fn(&str) -> Option<String>) -> Option<String> {
+pub fn find_credential(
+    sources: &[IdentitySource],
+    header: impl Fn(&str) -> Option<String>,
+) -> Option<String> {
     sources.iter().find_map(|source| {
         let raw = header(&source.header)?;
         let value = raw.trim();
@@ -24,7 +27,9 @@ pub fn find_credential(sources: &[IdentitySource], header: impl Fn(&str) -> Opti
 
 fn strip_prefix_ignore_case<'a>(value: &'a str, prefix: &str) -> Option<&'a str> {
     let head = value.get(..prefix.len())?;
-    head.eq_ignore_ascii_case(prefix).then(|| value.get(prefix.len()..)).flatten()
+    head.eq_ignore_ascii_case(prefix)
+        .then(|| value.get(prefix.len()..))
+        .flatten()
 }
 
 /// A stable, non-reversible tenant id: the first 16 bytes of SHA-256 over a domain
@@ -44,8 +49,14 @@ mod tests {
 
     fn default_sources() -> Vec<IdentitySource> {
         vec![
-            IdentitySource { header: "authorization".into(), prefix: Some("Bearer ".into()) },
-            IdentitySource { header: "x-api-key".into(), prefix: None },
+            IdentitySource {
+                header: "authorization".into(),
+                prefix: Some("Bearer ".into()),
+            },
+            IdentitySource {
+                header: "x-api-key".into(),
+                prefix: None,
+            },
         ]
     }
 
@@ -55,13 +66,20 @@ mod tests {
 
     #[test]
     fn finds_the_first_matching_source() {
-        let cases: &[(&[(&str, &str)], Option<&str>)] = &[
+        type Headers<'a> = &'a [(&'a str, &'a str)];
+        let cases: &[(Headers, Option<&str>)] = &[
             (&[("authorization", "Bearer sk-abc")], Some("sk-abc")),
             (&[("authorization", "bearer   sk-abc  ")], Some("sk-abc")),
             (&[("x-api-key", "ak-1")], Some("ak-1")),
-            (&[("authorization", "Bearer sk-abc"), ("x-api-key", "ak-1")], Some("sk-abc")),
+            (
+                &[("authorization", "Bearer sk-abc"), ("x-api-key", "ak-1")],
+                Some("sk-abc"),
+            ),
             // Basic auth is not an API key: fall through to the next source.
-            (&[("authorization", "Basic dXNlcg=="), ("x-api-key", "ak-1")], Some("ak-1")),
+            (
+                &[("authorization", "Basic dXNlcg=="), ("x-api-key", "ak-1")],
+                Some("ak-1"),
+            ),
             (&[("authorization", "Basic dXNlcg==")], None),
             (&[("authorization", "Bearer ")], None),
             (&[("authorization", "Bear")], None),
@@ -70,7 +88,11 @@ mod tests {
         ];
         for (headers, expected) in cases {
             let map: HashMap<&str, &str> = headers.iter().copied().collect();
-            assert_eq!(find_credential(&default_sources(), lookup(&map)).as_deref(), *expected, "{headers:?}");
+            assert_eq!(
+                find_credential(&default_sources(), lookup(&map)).as_deref(),
+                *expected,
+                "{headers:?}"
+            );
         }
     }
 

@@ -72,24 +72,35 @@ pub const MAX_LIMITS_PER_CALL: usize = 32;
 pub fn is_key_part(text: &str) -> bool {
     !text.is_empty()
         && text.len() <= MAX_KEY_PART
-        && text.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-' || b == b'.')
+        && text
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-' || b == b'.')
 }
 
 impl TokenBucketRequest {
     /// Checks what the script cannot: names safe for keys, positive sizes, bounded counts.
     pub fn validate(&self) -> Result<(), String> {
         if !is_key_part(&self.domain) {
-            return Err(format!("domain {:?} must be 1-{MAX_KEY_PART} of [A-Za-z0-9_.-]", self.domain));
+            return Err(format!(
+                "domain {:?} must be 1-{MAX_KEY_PART} of [A-Za-z0-9_.-]",
+                self.domain
+            ));
         }
         if !is_key_part(&self.tenant) {
             return Err(format!("tenant must be 1-{MAX_KEY_PART} of [A-Za-z0-9_.-]"));
         }
         if self.limits.is_empty() || self.limits.len() > MAX_LIMITS_PER_CALL {
-            return Err(format!("limits must have 1 to {MAX_LIMITS_PER_CALL} entries, got {}", self.limits.len()));
+            return Err(format!(
+                "limits must have 1 to {MAX_LIMITS_PER_CALL} entries, got {}",
+                self.limits.len()
+            ));
         }
         for (i, limit) in self.limits.iter().enumerate() {
             if !is_key_part(&limit.name) {
-                return Err(format!("limits[{i}].name {:?} must be 1-{MAX_KEY_PART} of [A-Za-z0-9_.-]", limit.name));
+                return Err(format!(
+                    "limits[{i}].name {:?} must be 1-{MAX_KEY_PART} of [A-Za-z0-9_.-]",
+                    limit.name
+                ));
             }
             if limit.capacity == 0 {
                 return Err(format!("limits[{i}].capacity must be positive"));
@@ -97,7 +108,12 @@ impl TokenBucketRequest {
             if limit.window_ms == 0 {
                 return Err(format!("limits[{i}].window_ms must be positive"));
             }
-            if self.limits.iter().take(i).any(|other| other.name == limit.name) {
+            if self
+                .limits
+                .iter()
+                .take(i)
+                .any(|other| other.name == limit.name)
+            {
                 return Err(format!("limits[{i}].name {:?} appears twice", limit.name));
             }
         }
@@ -113,7 +129,12 @@ mod tests {
         TokenBucketRequest {
             domain: "llm".into(),
             tenant: "0123abcd".into(),
-            limits: vec![BucketSpec { name: "rpm".into(), capacity: 5, window_ms: 60_000, cost: 1 }],
+            limits: vec![BucketSpec {
+                name: "rpm".into(),
+                capacity: 5,
+                window_ms: 60_000,
+                cost: 1,
+            }],
         }
     }
 
@@ -124,7 +145,8 @@ mod tests {
 
     #[test]
     fn rejects_what_would_break_keys_or_the_script() {
-        let cases: Vec<(fn(&mut TokenBucketRequest), &str)> = vec![
+        type Mutation = fn(&mut TokenBucketRequest);
+        let cases: Vec<(Mutation, &str)> = vec![
             (|r| r.tenant = "{x}".into(), "tenant"),
             (|r| r.tenant = String::new(), "tenant"),
             (|r| r.domain = "a:b".into(), "domain"),
@@ -132,7 +154,13 @@ mod tests {
             (|r| r.limits[0].name = "r pm".into(), "limits[0].name"),
             (|r| r.limits[0].capacity = 0, "limits[0].capacity"),
             (|r| r.limits[0].window_ms = 0, "limits[0].window_ms"),
-            (|r| { let again = r.limits[0].clone(); r.limits.push(again) }, "appears twice"),
+            (
+                |r| {
+                    let again = r.limits[0].clone();
+                    r.limits.push(again)
+                },
+                "appears twice",
+            ),
         ];
         for (mutate, fragment) in cases {
             let mut r = request();
@@ -157,6 +185,9 @@ mod tests {
         };
         let json = serde_json::to_string(&reply).expect("serialise");
         assert!(json.contains(r#""status":"limited""#), "{json}");
-        assert_eq!(serde_json::from_str::<TokenBucketReply>(&json).expect("parse"), reply);
+        assert_eq!(
+            serde_json::from_str::<TokenBucketReply>(&json).expect("parse"),
+            reply
+        );
     }
 }

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import redis
 
-from stack import envoy_config, free_port
+from stack import envoy_config, free_port, http_get
 
 TOKEN = "e2e-companion-token"
 CHAT = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "Say hello"}]}
@@ -56,7 +56,7 @@ def send(port, key="sk-tenant-a", path="/v1/chat/completions", body=CHAT, header
     if key is not None:
         all_headers["authorization"] = f"Bearer {key}"
     try:
-        conn.request("POST", path, body=json.dumps(body), headers=all_headers)
+        conn.request("POST", path, body=None if body is None else json.dumps(body), headers=all_headers)
         resp = conn.getresponse()
         return resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read()
     finally:
@@ -87,6 +87,23 @@ def test_each_tenant_gets_exactly_its_limit_and_refills(backend):
     # After a full window, tenant A has its whole budget again, and no more.
     time.sleep(4.2)
     assert [send(port, key="sk-tenant-a")[0] for _ in range(6)] == [200] * 5 + [429]
+
+
+def upstream_received(backend):
+    return json.loads(http_get(f"http://127.0.0.1:{backend.mock_port}/mock/stats")[1])["received"]
+
+
+@pytest.mark.parametrize("body_bytes", [0, 60, 256 * 1024])
+def test_a_rejected_request_never_reaches_the_upstream(backend, body_bytes):
+    """Regression: with allow_on_headers_stop_iteration Envoy delivers the body while the
+    headers wait, and letting the body continue released the request before the decision."""
+    port = start_envoy(backend, filter_config([{"name": "rpm", "requests": 3, "window": "1h"}]))
+    body = {**CHAT, "messages": [{"role": "user", "content": "x" * body_bytes}]} if body_bytes else None
+    results = [send(port, body=body) for _ in range(6)]
+    upstream_status = 200 if body else 400  # the mock refuses a chat request without a body
+    assert [r[0] for r in results] == [upstream_status] * 3 + [429] * 3
+    assert all("x-ratelimit-remaining-requests" in r[1] for r in results)
+    assert upstream_received(backend) == 3
 
 
 def test_several_windows_are_charged_together(backend):

@@ -26,13 +26,20 @@ use std::time::Duration;
 use store::{Script, Store, Target};
 
 #[derive(Parser, Debug)]
-#[command(version, about = "Runs llm-ratelimit's Lua scripts in Redis for the proxy-wasm filter")]
+#[command(
+    version,
+    about = "Runs llm-ratelimit's Lua scripts in Redis for the proxy-wasm filter"
+)]
 struct Args {
     /// Address to listen on.
     #[arg(long, env = "LLMRL_LISTEN", default_value = "127.0.0.1:8081")]
     listen: String,
     /// redis://host:port/db, rediss://..., or redis+cluster://host:port,host:port for a cluster.
-    #[arg(long, env = "LLMRL_REDIS_URL", default_value = "redis://127.0.0.1:6379")]
+    #[arg(
+        long,
+        env = "LLMRL_REDIS_URL",
+        default_value = "redis://127.0.0.1:6379"
+    )]
     redis_url: String,
     /// Prefix of every key this service writes.
     #[arg(long, env = "LLMRL_KEY_PREFIX", default_value = "llmrl:")]
@@ -59,28 +66,55 @@ struct App {
 }
 
 fn error(status: StatusCode, message: impl Into<String>) -> Response {
-    (status, [("content-type", "application/json")], json!({"error": message.into()}).to_string()).into_response()
+    (
+        status,
+        [("content-type", "application/json")],
+        json!({"error": message.into()}).to_string(),
+    )
+        .into_response()
 }
 
 /// Compares without an early exit, so timing does not reveal how much of a guess matched.
 fn same_secret(given: &[u8], expected: &[u8]) -> bool {
-    given.len() == expected.len() && given.iter().zip(expected).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0
+    given.len() == expected.len()
+        && given
+            .iter()
+            .zip(expected)
+            .fold(0u8, |acc, (a, b)| acc | (a ^ b))
+            == 0
 }
 
 fn authorised(app: &App, headers: &HeaderMap) -> bool {
-    headers.get(TOKEN_HEADER).is_some_and(|v| same_secret(v.as_bytes(), app.token.as_bytes()))
+    headers
+        .get(TOKEN_HEADER)
+        .is_some_and(|v| same_secret(v.as_bytes(), app.token.as_bytes()))
 }
 
-async fn run_token_bucket(State(app): State<Arc<App>>, headers: HeaderMap, body: Bytes) -> Response {
+async fn run_token_bucket(
+    State(app): State<Arc<App>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
     if !authorised(&app, &headers) {
-        return error(StatusCode::UNAUTHORIZED, format!("missing or wrong {TOKEN_HEADER}"));
+        return error(
+            StatusCode::UNAUTHORIZED,
+            format!("missing or wrong {TOKEN_HEADER}"),
+        );
     }
     let request: TokenBucketRequest = match serde_json::from_slice(&body) {
         Ok(request) => request,
-        Err(err) => return error(StatusCode::BAD_REQUEST, format!("invalid request body: {err}")),
+        Err(err) => {
+            return error(
+                StatusCode::BAD_REQUEST,
+                format!("invalid request body: {err}"),
+            )
+        }
     };
     if let Err(message) = request.validate() {
-        return error(StatusCode::BAD_REQUEST, format!("invalid request: {message}"));
+        return error(
+            StatusCode::BAD_REQUEST,
+            format!("invalid request: {message}"),
+        );
     }
     let keys = token_bucket::keys(&app.key_prefix, &request);
     let args = token_bucket::args(&request);
@@ -89,15 +123,31 @@ async fn run_token_bucket(State(app): State<Arc<App>>, headers: HeaderMap, body:
         Err(err) => return error(StatusCode::SERVICE_UNAVAILABLE, format!("redis: {err}")),
     };
     match token_bucket::reply(&request, &value) {
-        Ok(reply) => (StatusCode::OK, [("content-type", "application/json")], json!(reply).to_string()).into_response(),
-        Err(err) => error(StatusCode::BAD_GATEWAY, format!("unexpected script reply: {err}")),
+        Ok(reply) => (
+            StatusCode::OK,
+            [("content-type", "application/json")],
+            json!(reply).to_string(),
+        )
+            .into_response(),
+        Err(err) => error(
+            StatusCode::BAD_GATEWAY,
+            format!("unexpected script reply: {err}"),
+        ),
     }
 }
 
 async fn healthz(State(app): State<Arc<App>>) -> Response {
     match app.store.ping().await {
-        Ok(()) => (StatusCode::OK, [("content-type", "application/json")], json!({"redis": "ok"}).to_string()).into_response(),
-        Err(err) => error(StatusCode::SERVICE_UNAVAILABLE, format!("redis unreachable: {err}")),
+        Ok(()) => (
+            StatusCode::OK,
+            [("content-type", "application/json")],
+            json!({"redis": "ok"}).to_string(),
+        )
+            .into_response(),
+        Err(err) => error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("redis unreachable: {err}"),
+        ),
     }
 }
 
@@ -108,8 +158,16 @@ fn read_token(args: &Args) -> Result<String, String> {
             .map_err(|e| format!("cannot read --token-file {}: {e}", path.display()))?
             .trim_end()
             .to_string(),
-        (Some(_), Some(_)) => return Err("give the token once: --token (LLMRL_COMPANION_TOKEN) or --token-file".into()),
-        (None, None) => return Err("a shared token is required: set LLMRL_COMPANION_TOKEN or --token-file".into()),
+        (Some(_), Some(_)) => {
+            return Err(
+                "give the token once: --token (LLMRL_COMPANION_TOKEN) or --token-file".into(),
+            )
+        }
+        (None, None) => {
+            return Err(
+                "a shared token is required: set LLMRL_COMPANION_TOKEN or --token-file".into(),
+            )
+        }
     };
     if token.is_empty() {
         return Err("the shared token must not be empty".into());
@@ -135,7 +193,11 @@ async fn connect(target: &Target, args: &Args) -> Result<Store, String> {
 async fn serve(args: Args) -> Result<(), String> {
     let token = read_token(&args)?;
     let target = Target::parse(&args.redis_url).map_err(|e| format!("--redis-url: {e}"))?;
-    if !args.key_prefix.chars().all(|c| c.is_ascii_graphic() && c != '{' && c != '}') {
+    if !args
+        .key_prefix
+        .chars()
+        .all(|c| c.is_ascii_graphic() && c != '{' && c != '}')
+    {
         return Err("--key-prefix must be printable ASCII without '{' or '}'".into());
     }
     let store = connect(&target, &args).await?;
@@ -145,15 +207,26 @@ async fn serve(args: Args) -> Result<(), String> {
         if tokio::time::Instant::now() >= deadline {
             return Err(format!("cannot load {}: {err}", token_bucket.name));
         }
-        eprintln!("companion: retrying SCRIPT LOAD of {}: {err}", token_bucket.name);
+        eprintln!(
+            "companion: retrying SCRIPT LOAD of {}: {err}",
+            token_bucket.name
+        );
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
-    eprintln!("companion: loaded {} ({})", token_bucket.name, token_bucket.sha);
+    eprintln!(
+        "companion: loaded {} ({})",
+        token_bucket.name, token_bucket.sha
+    );
     let mode = match &target {
         Target::Single(_) => "single server".to_string(),
         Target::Cluster(nodes) => format!("cluster, {} seed node(s)", nodes.len()),
     };
-    let app = Arc::new(App { store, token, key_prefix: args.key_prefix.clone(), token_bucket });
+    let app = Arc::new(App {
+        store,
+        token,
+        key_prefix: args.key_prefix.clone(),
+        token_bucket,
+    });
     let router = Router::new()
         .route(TOKEN_BUCKET_PATH, post(run_token_bucket))
         .route("/healthz", get(healthz))
@@ -176,7 +249,11 @@ async fn serve(args: Args) -> Result<(), String> {
 
 fn main() -> std::process::ExitCode {
     let args = Args::parse();
-    let runtime = match tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build() {
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+    {
         Ok(runtime) => runtime,
         Err(err) => {
             eprintln!("companion: cannot start the runtime: {err}");

@@ -12,7 +12,12 @@ pub fn keys(prefix: &str, request: &TokenBucketRequest) -> Vec<String> {
     request
         .limits
         .iter()
-        .map(|limit| format!("{prefix}{{{}:{}}}:tb:{}", request.domain, request.tenant, limit.name))
+        .map(|limit| {
+            format!(
+                "{prefix}{{{}:{}}}:tb:{}",
+                request.domain, request.tenant, limit.name
+            )
+        })
         .collect()
 }
 
@@ -20,7 +25,13 @@ pub fn args(request: &TokenBucketRequest) -> Vec<String> {
     request
         .limits
         .iter()
-        .flat_map(|l| [l.capacity.to_string(), l.window_ms.to_string(), l.cost.to_string()])
+        .flat_map(|l| {
+            [
+                l.capacity.to_string(),
+                l.window_ms.to_string(),
+                l.cost.to_string(),
+            ]
+        })
         .collect()
 }
 
@@ -28,13 +39,20 @@ pub fn reply(request: &TokenBucketRequest, value: &Value) -> Result<TokenBucketR
     let items = as_array(value)?;
     let (allowed, outcomes) = items.split_first().ok_or("empty reply")?;
     if outcomes.len() != request.limits.len() {
-        return Err(format!("reply has {} outcomes for {} limits", outcomes.len(), request.limits.len()));
+        return Err(format!(
+            "reply has {} outcomes for {} limits",
+            outcomes.len(),
+            request.limits.len()
+        ));
     }
     let limits = outcomes
         .iter()
         .zip(&request.limits)
         .map(|(outcome, spec)| {
-            let fields: Vec<i64> = as_array(outcome)?.iter().map(as_int).collect::<Result<_, _>>()?;
+            let fields: Vec<i64> = as_array(outcome)?
+                .iter()
+                .map(as_int)
+                .collect::<Result<_, _>>()?;
             let [status, limit, remaining, reset_after_ms, retry_after_ms] = fields[..] else {
                 return Err(format!("outcome has {} fields, expected 5", fields.len()));
             };
@@ -55,7 +73,10 @@ pub fn reply(request: &TokenBucketRequest, value: &Value) -> Result<TokenBucketR
             })
         })
         .collect::<Result<_, String>>()?;
-    Ok(TokenBucketReply { allowed: as_int(allowed)? == 1, limits })
+    Ok(TokenBucketReply {
+        allowed: as_int(allowed)? == 1,
+        limits,
+    })
 }
 
 fn as_array(value: &Value) -> Result<&[Value], String> {
@@ -82,22 +103,50 @@ mod tests {
             domain: "llm".into(),
             tenant: "abc123".into(),
             limits: vec![
-                BucketSpec { name: "rpm".into(), capacity: 20, window_ms: 60_000, cost: 1 },
-                BucketSpec { name: "rpd".into(), capacity: 1000, window_ms: 86_400_000, cost: 1 },
+                BucketSpec {
+                    name: "rpm".into(),
+                    capacity: 20,
+                    window_ms: 60_000,
+                    cost: 1,
+                },
+                BucketSpec {
+                    name: "rpd".into(),
+                    capacity: 1000,
+                    window_ms: 86_400_000,
+                    cost: 1,
+                },
             ],
         }
     }
 
     #[test]
     fn keys_share_one_hash_tag_per_tenant() {
-        assert_eq!(keys("llmrl:", &request()), vec!["llmrl:{llm:abc123}:tb:rpm", "llmrl:{llm:abc123}:tb:rpd"]);
-        assert_eq!(args(&request()), vec!["20", "60000", "1", "1000", "86400000", "1"]);
+        assert_eq!(
+            keys("llmrl:", &request()),
+            vec!["llmrl:{llm:abc123}:tb:rpm", "llmrl:{llm:abc123}:tb:rpd"]
+        );
+        assert_eq!(
+            args(&request()),
+            vec!["20", "60000", "1", "1000", "86400000", "1"]
+        );
     }
 
     #[test]
     fn maps_the_script_reply() {
-        let outcome = |s, l, r, reset, retry| Value::Array(vec![Value::Int(s), Value::Int(l), Value::Int(r), Value::Int(reset), Value::Int(retry)]);
-        let value = Value::Array(vec![Value::Int(0), outcome(1, 20, 3, 51_000, 0), outcome(0, 1000, 0, 86_400_000, 86_400)]);
+        let outcome = |s, l, r, reset, retry| {
+            Value::Array(vec![
+                Value::Int(s),
+                Value::Int(l),
+                Value::Int(r),
+                Value::Int(reset),
+                Value::Int(retry),
+            ])
+        };
+        let value = Value::Array(vec![
+            Value::Int(0),
+            outcome(1, 20, 3, 51_000, 0),
+            outcome(0, 1000, 0, 86_400_000, 86_400),
+        ]);
         let reply = reply(&request(), &value).expect("valid reply");
         assert!(!reply.allowed);
         assert_eq!(reply.limits[0].status, BucketStatus::Allowed);
@@ -109,7 +158,12 @@ mod tests {
 
     #[test]
     fn rejects_malformed_replies() {
-        for value in [Value::Int(1), Value::Array(vec![]), Value::Array(vec![Value::Int(1)]), Value::Array(vec![Value::Int(1), Value::Int(2), Value::Int(3)])] {
+        for value in [
+            Value::Int(1),
+            Value::Array(vec![]),
+            Value::Array(vec![Value::Int(1)]),
+            Value::Array(vec![Value::Int(1), Value::Int(2), Value::Int(3)]),
+        ] {
             assert!(reply(&request(), &value).is_err(), "{value:?}");
         }
     }

@@ -27,7 +27,9 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 #[derive(Parser, Debug, Clone)]
-#[command(about = "Test fixture: a mock LLM upstream speaking OpenAI's and Anthropic's wire formats")]
+#[command(
+    about = "Test fixture: a mock LLM upstream speaking OpenAI's and Anthropic's wire formats"
+)]
 struct Args {
     #[arg(long, default_value = "127.0.0.1:8090")]
     listen: String,
@@ -44,11 +46,16 @@ struct Args {
 
 struct Mock {
     args: Args,
+    /// Every request that reached a provider endpoint, valid or not (`GET /mock/stats`):
+    /// tests use it to prove that rejected requests never got here.
+    received: AtomicU64,
     served: AtomicU64,
 }
 
 /// Words that are one token each in cl100k_base and o200k_base.
-const WORDS: [&str; 10] = [" The", " quick", " brown", " fox", " jumps", " over", " the", " lazy", " dog", "."];
+const WORDS: [&str; 10] = [
+    " The", " quick", " brown", " fox", " jumps", " over", " the", " lazy", " dog", ".",
+];
 
 struct Plan {
     model: String,
@@ -67,7 +74,10 @@ fn header_u64(headers: &HeaderMap, name: &str) -> Option<u64> {
 }
 
 fn now_secs() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
 }
 
 /// About four characters a token over every string in the messages.
@@ -86,40 +96,69 @@ fn estimate_prompt_tokens(request: &Value) -> u64 {
 
 impl Mock {
     fn plan(&self, headers: &HeaderMap, request: &Value, max_tokens: Option<u64>) -> Plan {
-        let wanted = header_u64(headers, "x-mock-completion-tokens").unwrap_or(self.args.completion_tokens);
+        let wanted =
+            header_u64(headers, "x-mock-completion-tokens").unwrap_or(self.args.completion_tokens);
         let completion_tokens = max_tokens.map_or(wanted, |cap| wanted.min(cap));
         Plan {
             model: request["model"].as_str().unwrap_or("unknown").to_string(),
             stream: request["stream"].as_bool().unwrap_or(false),
-            include_usage: request["stream_options"]["include_usage"].as_bool().unwrap_or(false),
+            include_usage: request["stream_options"]["include_usage"]
+                .as_bool()
+                .unwrap_or(false),
             prompt_tokens: estimate_prompt_tokens(request),
             completion_tokens,
             truncated: completion_tokens < wanted,
-            first_delay: Duration::from_millis(header_u64(headers, "x-mock-first-token-delay-ms").unwrap_or(self.args.first_token_delay_ms)),
-            chunk_delay: Duration::from_millis(header_u64(headers, "x-mock-chunk-delay-ms").unwrap_or(self.args.chunk_delay_ms)),
+            first_delay: Duration::from_millis(
+                header_u64(headers, "x-mock-first-token-delay-ms")
+                    .unwrap_or(self.args.first_token_delay_ms),
+            ),
+            chunk_delay: Duration::from_millis(
+                header_u64(headers, "x-mock-chunk-delay-ms").unwrap_or(self.args.chunk_delay_ms),
+            ),
             id: self.served.fetch_add(1, Ordering::Relaxed),
         }
     }
 }
 
 fn completion_text(tokens: u64) -> Vec<&'static str> {
-    WORDS.iter().cycle().take(tokens as usize).copied().collect()
+    WORDS
+        .iter()
+        .cycle()
+        .take(tokens as usize)
+        .copied()
+        .collect()
+}
+
+/// Sleeps, but not for zero: tokio's timer ticks in whole milliseconds, so even a zero
+/// sleep would add about 1 ms to every reply.
+async fn pause(delay: Duration) {
+    if !delay.is_zero() {
+        tokio::time::sleep(delay).await;
+    }
 }
 
 fn json_response(status: StatusCode, body: &Value) -> Response {
-    (status, [("content-type", "application/json")], body.to_string()).into_response()
+    (
+        status,
+        [("content-type", "application/json")],
+        body.to_string(),
+    )
+        .into_response()
 }
 
 /// Sends `events` after `first` delay, then one every `gap`.
 fn sse_response(events: Vec<String>, first: Duration, gap: Duration) -> Response {
-    let stream = futures_util::stream::unfold((events.into_iter(), true), move |(mut events, is_first)| async move {
-        let event = events.next()?;
-        let delay = if is_first { first } else { gap };
-        if !delay.is_zero() {
-            tokio::time::sleep(delay).await;
-        }
-        Some((Ok::<Bytes, std::convert::Infallible>(Bytes::from(event)), (events, false)))
-    });
+    let stream = futures_util::stream::unfold(
+        (events.into_iter(), true),
+        move |(mut events, is_first)| async move {
+            let event = events.next()?;
+            pause(if is_first { first } else { gap }).await;
+            Some((
+                Ok::<Bytes, std::convert::Infallible>(Bytes::from(event)),
+                (events, false),
+            ))
+        },
+    );
     Response::builder()
         .status(StatusCode::OK)
         .header("content-type", "text/event-stream; charset=utf-8")
@@ -129,22 +168,43 @@ fn sse_response(events: Vec<String>, first: Duration, gap: Duration) -> Response
 }
 
 fn openai_error(status: StatusCode, message: &str) -> Response {
-    json_response(status, &json!({"error": {"message": message, "type": "invalid_request_error", "param": null, "code": null}}))
+    json_response(
+        status,
+        &json!({"error": {"message": message, "type": "invalid_request_error", "param": null, "code": null}}),
+    )
 }
 
 fn anthropic_error(status: StatusCode, message: &str) -> Response {
-    json_response(status, &json!({"type": "error", "error": {"type": "invalid_request_error", "message": message}}))
+    json_response(
+        status,
+        &json!({"type": "error", "error": {"type": "invalid_request_error", "message": message}}),
+    )
 }
 
-async fn chat_completions(mock: axum::extract::State<Arc<Mock>>, headers: HeaderMap, body: Bytes) -> Response {
+async fn chat_completions(
+    mock: axum::extract::State<Arc<Mock>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    mock.received.fetch_add(1, Ordering::Relaxed);
     let request: Value = match serde_json::from_slice(&body) {
         Ok(value @ Value::Object(_)) => value,
-        _ => return openai_error(StatusCode::BAD_REQUEST, "We could not parse the JSON body of your request."),
+        _ => {
+            return openai_error(
+                StatusCode::BAD_REQUEST,
+                "We could not parse the JSON body of your request.",
+            )
+        }
     };
     if !request["messages"].is_array() {
-        return openai_error(StatusCode::BAD_REQUEST, "Missing required parameter: 'messages'.");
+        return openai_error(
+            StatusCode::BAD_REQUEST,
+            "Missing required parameter: 'messages'.",
+        );
     }
-    let max_tokens = request["max_completion_tokens"].as_u64().or(request["max_tokens"].as_u64());
+    let max_tokens = request["max_completion_tokens"]
+        .as_u64()
+        .or(request["max_tokens"].as_u64());
     let plan = mock.plan(&headers, &request, max_tokens);
     let id = format!("chatcmpl-mock{:08}", plan.id);
     let created = now_secs();
@@ -158,12 +218,15 @@ async fn chat_completions(mock: axum::extract::State<Arc<Mock>>, headers: Header
         "completion_tokens_details": {"reasoning_tokens": 0, "audio_tokens": 0, "accepted_prediction_tokens": 0, "rejected_prediction_tokens": 0}
     });
     if !plan.stream {
-        tokio::time::sleep(plan.first_delay).await;
-        return json_response(StatusCode::OK, &json!({
-            "id": id, "object": "chat.completion", "created": created, "model": plan.model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": words.concat(), "refusal": null, "annotations": []}, "logprobs": null, "finish_reason": finish_reason}],
-            "usage": usage, "service_tier": "default", "system_fingerprint": "fp_mock"
-        }));
+        pause(plan.first_delay).await;
+        return json_response(
+            StatusCode::OK,
+            &json!({
+                "id": id, "object": "chat.completion", "created": created, "model": plan.model,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": words.concat(), "refusal": null, "annotations": []}, "logprobs": null, "finish_reason": finish_reason}],
+                "usage": usage, "service_tier": "default", "system_fingerprint": "fp_mock"
+            }),
+        );
     }
     // With include_usage every chunk carries `"usage": null` and one extra chunk with empty
     // choices carries the totals, as OpenAI sends them.
@@ -178,8 +241,15 @@ async fn chat_completions(mock: axum::extract::State<Arc<Mock>>, headers: Header
         }
         format!("data: {chunk}\n\n")
     };
-    let mut events = vec![chunk(json!({"role": "assistant", "content": "", "refusal": null}), Value::Null)];
-    events.extend(words.iter().map(|w| chunk(json!({"content": w}), Value::Null)));
+    let mut events = vec![chunk(
+        json!({"role": "assistant", "content": "", "refusal": null}),
+        Value::Null,
+    )];
+    events.extend(
+        words
+            .iter()
+            .map(|w| chunk(json!({"content": w}), Value::Null)),
+    );
     events.push(chunk(json!({}), json!(finish_reason)));
     if plan.include_usage {
         let last = json!({
@@ -192,10 +262,20 @@ async fn chat_completions(mock: axum::extract::State<Arc<Mock>>, headers: Header
     sse_response(events, plan.first_delay, plan.chunk_delay)
 }
 
-async fn messages(mock: axum::extract::State<Arc<Mock>>, headers: HeaderMap, body: Bytes) -> Response {
+async fn messages(
+    mock: axum::extract::State<Arc<Mock>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    mock.received.fetch_add(1, Ordering::Relaxed);
     let request: Value = match serde_json::from_slice(&body) {
         Ok(value @ Value::Object(_)) => value,
-        _ => return anthropic_error(StatusCode::BAD_REQUEST, "There was an error parsing the body of your request."),
+        _ => {
+            return anthropic_error(
+                StatusCode::BAD_REQUEST,
+                "There was an error parsing the body of your request.",
+            )
+        }
     };
     let Some(max_tokens) = request["max_tokens"].as_u64() else {
         return anthropic_error(StatusCode::BAD_REQUEST, "max_tokens: Field required");
@@ -206,40 +286,68 @@ async fn messages(mock: axum::extract::State<Arc<Mock>>, headers: HeaderMap, bod
     let plan = mock.plan(&headers, &request, Some(max_tokens));
     let id = format!("msg_mock{:016}", plan.id);
     let words = completion_text(plan.completion_tokens);
-    let stop_reason = if plan.truncated { "max_tokens" } else { "end_turn" };
+    let stop_reason = if plan.truncated {
+        "max_tokens"
+    } else {
+        "end_turn"
+    };
     if !plan.stream {
-        tokio::time::sleep(plan.first_delay).await;
-        return json_response(StatusCode::OK, &json!({
-            "id": id, "type": "message", "role": "assistant", "model": plan.model,
-            "content": [{"type": "text", "text": words.concat()}],
-            "stop_reason": stop_reason, "stop_sequence": null,
-            "usage": {"input_tokens": plan.prompt_tokens, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0, "output_tokens": plan.completion_tokens, "service_tier": "standard"}
-        }));
+        pause(plan.first_delay).await;
+        return json_response(
+            StatusCode::OK,
+            &json!({
+                "id": id, "type": "message", "role": "assistant", "model": plan.model,
+                "content": [{"type": "text", "text": words.concat()}],
+                "stop_reason": stop_reason, "stop_sequence": null,
+                "usage": {"input_tokens": plan.prompt_tokens, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0, "output_tokens": plan.completion_tokens, "service_tier": "standard"}
+            }),
+        );
     }
     let event = |name: &str, data: Value| format!("event: {name}\ndata: {data}\n\n");
     let mut events = vec![
-        event("message_start", json!({"type": "message_start", "message": {
-            "id": id, "type": "message", "role": "assistant", "model": plan.model, "content": [],
-            "stop_reason": null, "stop_sequence": null,
-            "usage": {"input_tokens": plan.prompt_tokens, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0, "output_tokens": 1, "service_tier": "standard"}
-        }})),
-        event("content_block_start", json!({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}})),
+        event(
+            "message_start",
+            json!({"type": "message_start", "message": {
+                "id": id, "type": "message", "role": "assistant", "model": plan.model, "content": [],
+                "stop_reason": null, "stop_sequence": null,
+                "usage": {"input_tokens": plan.prompt_tokens, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0, "output_tokens": 1, "service_tier": "standard"}
+            }}),
+        ),
+        event(
+            "content_block_start",
+            json!({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}),
+        ),
         event("ping", json!({"type": "ping"})),
     ];
     events.extend(words.iter().map(|w| event("content_block_delta", json!({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": w}}))));
-    events.push(event("content_block_stop", json!({"type": "content_block_stop", "index": 0})));
+    events.push(event(
+        "content_block_stop",
+        json!({"type": "content_block_stop", "index": 0}),
+    ));
     events.push(event("message_delta", json!({"type": "message_delta", "delta": {"stop_reason": stop_reason, "stop_sequence": null}, "usage": {"output_tokens": plan.completion_tokens}})));
     events.push(event("message_stop", json!({"type": "message_stop"})));
     sse_response(events, plan.first_delay, plan.chunk_delay)
 }
 
+async fn stats(mock: axum::extract::State<Arc<Mock>>) -> Response {
+    json_response(
+        StatusCode::OK,
+        &json!({"received": mock.received.load(Ordering::Relaxed)}),
+    )
+}
+
 async fn run(args: Args) -> Result<(), String> {
     let listen = args.listen.clone();
-    let mock = Arc::new(Mock { args, served: AtomicU64::new(0) });
+    let mock = Arc::new(Mock {
+        args,
+        received: AtomicU64::new(0),
+        served: AtomicU64::new(0),
+    });
     let router = Router::new()
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/messages", post(messages))
         .route("/healthz", get(|| async { "ok" }))
+        .route("/mock/stats", get(stats))
         .with_state(mock);
     let listener = tokio::net::TcpListener::bind(&listen)
         .await

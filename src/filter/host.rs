@@ -42,11 +42,16 @@ pub fn increment(metric: Metric) {
 }
 
 pub fn plugin_configuration() -> Vec<u8> {
-    hostcalls::get_buffer(BufferType::PluginConfiguration, 0, usize::MAX).ok().flatten().unwrap_or_default()
+    hostcalls::get_buffer(BufferType::PluginConfiguration, 0, usize::MAX)
+        .ok()
+        .flatten()
+        .unwrap_or_default()
 }
 
 pub fn request_header(name: &str) -> Option<String> {
-    hostcalls::get_map_value(MapType::HttpRequestHeaders, name).ok().flatten()
+    hostcalls::get_map_value(MapType::HttpRequestHeaders, name)
+        .ok()
+        .flatten()
 }
 
 pub fn set_response_header(name: &str, value: &str) {
@@ -55,18 +60,30 @@ pub fn set_response_header(name: &str, value: &str) {
     }
 }
 
-pub fn dispatch(upstream: &str, headers: Vec<(&str, &str)>, body: &[u8], timeout: Duration) -> Result<(), String> {
+pub fn dispatch(
+    upstream: &str,
+    headers: Vec<(&str, &str)>,
+    body: &[u8],
+    timeout: Duration,
+) -> Result<(), String> {
     hostcalls::dispatch_http_call(upstream, headers, Some(body), Vec::new(), timeout)
         .map(|_token| ())
         .map_err(|status| format!("callout to {upstream:?} refused by the host: {status:?}"))
 }
 
 pub fn callout_status() -> Option<u32> {
-    hostcalls::get_map_value(MapType::HttpCallResponseHeaders, ":status").ok().flatten()?.parse().ok()
+    hostcalls::get_map_value(MapType::HttpCallResponseHeaders, ":status")
+        .ok()
+        .flatten()?
+        .parse()
+        .ok()
 }
 
 pub fn callout_body(size: usize) -> Vec<u8> {
-    hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, size).ok().flatten().unwrap_or_default()
+    hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, size)
+        .ok()
+        .flatten()
+        .unwrap_or_default()
 }
 
 pub fn resume_request() {
@@ -76,8 +93,14 @@ pub fn resume_request() {
 }
 
 pub fn send_reply(reply: &LocalReply) {
-    let headers: Vec<(&str, &str)> = reply.headers.iter().map(|(n, v)| (*n, v.as_str())).collect();
-    if let Err(status) = hostcalls::send_http_response(reply.status, headers, Some(reply.body.as_bytes())) {
+    let headers: Vec<(&str, &str)> = reply
+        .headers
+        .iter()
+        .map(|(n, v)| (*n, v.as_str()))
+        .collect();
+    if let Err(status) =
+        hostcalls::send_http_response(reply.status, headers, Some(reply.body.as_bytes()))
+    {
         log::warn!("llm-ratelimit: cannot send the local reply: {status:?}");
     }
 }

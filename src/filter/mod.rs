@@ -8,7 +8,9 @@ mod host;
 use crate::config::{Config, FailureMode, MissingIdentity};
 use crate::decision::{self, Header, LocalReply, DEGRADED_HEADER};
 use crate::identity::{find_credential, tenant_id, ANONYMOUS_TENANT};
-use crate::protocol::{BucketSpec, TokenBucketReply, TokenBucketRequest, TOKEN_BUCKET_PATH, TOKEN_HEADER};
+use crate::protocol::{
+    BucketSpec, TokenBucketReply, TokenBucketRequest, TOKEN_BUCKET_PATH, TOKEN_HEADER,
+};
 use host::Metric;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, ContextType, LogLevel};
@@ -50,7 +52,12 @@ impl RootContext for Root {
 
     fn create_http_context(&self, _context_id: u32) -> Option<Box<dyn HttpContext>> {
         // The SDK panics on None; a VM whose config was refused gets pass-through contexts.
-        Some(Box::new(RequestFilter { config: self.config.clone(), limits: Vec::new(), response_headers: Vec::new() }))
+        Some(Box::new(RequestFilter {
+            config: self.config.clone(),
+            limits: Vec::new(),
+            response_headers: Vec::new(),
+            awaiting_decision: false,
+        }))
     }
 
     fn get_type(&self) -> Option<ContextType> {
@@ -64,6 +71,8 @@ struct RequestFilter {
     limits: Vec<BucketSpec>,
     /// Added to the upstream's response once it arrives.
     response_headers: Vec<Header>,
+    /// A callout is out: the request must not move on, body and trailers included.
+    awaiting_decision: bool,
 }
 
 /// What to do with the paused request.
@@ -93,8 +102,13 @@ impl RequestFilter {
                 cost: 1,
             })
             .collect();
-        let request = TokenBucketRequest { domain: config.domain.clone(), tenant, limits: self.limits.clone() };
-        let body = serde_json::to_vec(&request).map_err(|_| self.companion_failed(config, "cannot encode request"))?;
+        let request = TokenBucketRequest {
+            domain: config.domain.clone(),
+            tenant,
+            limits: self.limits.clone(),
+        };
+        let body = serde_json::to_vec(&request)
+            .map_err(|_| self.companion_failed(config, "cannot encode request"))?;
         let companion = &config.companion;
         let headers = vec![
             (":method", "POST"),
@@ -112,32 +126,58 @@ impl RequestFilter {
         if status != Some(200) {
             return self.companion_failed(config, &format!("companion answered status {status:?}"));
         }
-        let reply = match serde_json::from_slice::<TokenBucketReply>(&host::callout_body(body_size)) {
+        let reply = match serde_json::from_slice::<TokenBucketReply>(&host::callout_body(body_size))
+        {
             Ok(reply) if reply.limits.len() == self.limits.len() => reply,
-            Ok(_) => return self.companion_failed(config, "companion reply has the wrong number of limits"),
-            Err(err) => return self.companion_failed(config, &format!("companion reply is not valid: {err}")),
+            Ok(_) => {
+                return self
+                    .companion_failed(config, "companion reply has the wrong number of limits")
+            }
+            Err(err) => {
+                return self
+                    .companion_failed(config, &format!("companion reply is not valid: {err}"))
+            }
         };
         if reply.allowed {
             host::increment(Metric::Allowed);
             Verdict::Forward(decision::request_headers(&reply))
         } else {
             host::increment(Metric::Limited);
-            let window_ms_of = |name: &str| self.limits.iter().find(|l| l.name == name).map(|l| l.window_ms);
+            let window_ms_of = |name: &str| {
+                self.limits
+                    .iter()
+                    .find(|l| l.name == name)
+                    .map(|l| l.window_ms)
+            };
             Verdict::Reply(decision::rejection(&reply, window_ms_of))
         }
     }
 
     fn companion_failed(&self, config: &Config, why: &str) -> Verdict {
         host::increment(Metric::CompanionFailures);
-        log::warn!("llm-ratelimit: no decision from the companion ({why}); failure_mode {:?}", config.failure_mode);
+        log::warn!(
+            "llm-ratelimit: no decision from the companion ({why}); failure_mode {:?}",
+            config.failure_mode
+        );
         match config.failure_mode {
-            FailureMode::Allow => Verdict::Forward(vec![(DEGRADED_HEADER, "companion-unavailable".to_string())]),
+            FailureMode::Allow => {
+                Verdict::Forward(vec![(DEGRADED_HEADER, "companion-unavailable".to_string())])
+            }
             FailureMode::Deny => Verdict::Reply(decision::limiter_unavailable()),
+        }
+    }
+
+    fn hold_while_deciding(&self) -> Action {
+        if self.awaiting_decision {
+            Action::Pause
+        } else {
+            Action::Continue
         }
     }
 
     /// Carries a verdict out. `paused` says whether the request is waiting on us.
     fn apply(&mut self, verdict: Verdict, paused: bool) -> Action {
+        self.awaiting_decision = false;
         match verdict {
             Verdict::Forward(headers) => {
                 self.response_headers = headers;
@@ -156,8 +196,16 @@ impl RequestFilter {
 }
 
 impl Context for RequestFilter {
-    fn on_http_call_response(&mut self, _token: u32, _headers: usize, body_size: usize, _trailers: usize) {
-        let Some(config) = self.config.clone() else { return };
+    fn on_http_call_response(
+        &mut self,
+        _token: u32,
+        _headers: usize,
+        body_size: usize,
+        _trailers: usize,
+    ) {
+        let Some(config) = self.config.clone() else {
+            return;
+        };
         let verdict = self.decide(&config, body_size);
         self.apply(verdict, true);
     }
@@ -165,12 +213,28 @@ impl Context for RequestFilter {
 
 impl HttpContext for RequestFilter {
     fn on_http_request_headers(&mut self, _headers: usize, _end_of_stream: bool) -> Action {
-        let Some(config) = self.config.clone() else { return Action::Continue };
+        let Some(config) = self.config.clone() else {
+            return Action::Continue;
+        };
         match self.start(&config) {
             // With `allow_on_headers_stop_iteration` the headers wait here for the decision.
-            Ok(()) => Action::Pause,
+            Ok(()) => {
+                self.awaiting_decision = true;
+                Action::Pause
+            }
             Err(verdict) => self.apply(verdict, false),
         }
+    }
+
+    // Envoy with `allow_on_headers_stop_iteration` still delivers the body while the
+    // headers are held, and a Continue here would send headers and body upstream before
+    // the decision: hold (and buffer) them until the callout answers.
+    fn on_http_request_body(&mut self, _body_size: usize, _end_of_stream: bool) -> Action {
+        self.hold_while_deciding()
+    }
+
+    fn on_http_request_trailers(&mut self, _trailers: usize) -> Action {
+        self.hold_while_deciding()
     }
 
     fn on_http_response_headers(&mut self, _headers: usize, _end_of_stream: bool) -> Action {

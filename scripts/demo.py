@@ -1,0 +1,140 @@
+"""The demo stack on fixed loopback ports: `up` starts it in the background, `down` stops
+exactly the processes `up` started, `burst` sends a short scripted burst through it.
+
+    Envoy listener   127.0.0.1:10000   (admin 127.0.0.1:9901)
+    companion        127.0.0.1:8081
+    mock LLM         127.0.0.1:8090
+    Redis            127.0.0.1:6380
+"""
+
+import http.client
+import json
+import os
+import secrets
+import signal
+import sys
+import time
+from pathlib import Path
+
+from stack import ROOT, DEMO_ENVOY_CONFIG, Stack, filter_config_of, http_get, wait_until
+import yaml
+
+RUN = ROOT / "run/demo"
+PIDS = RUN / "pids.json"
+ENVOY_PORT, ADMIN_PORT, COMPANION_PORT, MOCK_PORT, REDIS_PORT = 10000, 9901, 8081, 8090, 6380
+
+
+def running() -> dict:
+    """The demo's processes that are still alive, checked against their command lines so a
+    reused PID is never mistaken for ours."""
+    if not PIDS.exists():
+        return {}
+    alive = {}
+    for name, entry in json.loads(PIDS.read_text()).items():
+        try:
+            cmdline = Path(f"/proc/{entry['pid']}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if entry["exe"] in cmdline:
+            alive[name] = entry
+    return alive
+
+
+def up() -> None:
+    if running():
+        print("The demo stack is already up (make down stops it).")
+        return
+    demo_config = yaml.safe_load(DEMO_ENVOY_CONFIG.read_text())
+    token = filter_config_of(demo_config)["companion"]["token"]
+    stack = Stack(RUN)
+    try:
+        _, redis_port = stack.redis(REDIS_PORT, name="redis")
+        stack.companion(f"redis://127.0.0.1:{redis_port}", token, port=COMPANION_PORT)
+        stack.mock(MOCK_PORT, extra=["--completion-tokens", "40", "--chunk-delay-ms", "5"])
+        os.chdir(ROOT)  # the committed config names the .wasm relative to the repository root
+        stack.envoy(demo_config, name="envoy", concurrency=2)
+    except Exception:
+        stack.stop_all()
+        raise
+    PIDS.write_text(json.dumps({p.name: {"pid": p.pid, "exe": Path(p.args[0]).name} for p in stack.processes}, indent=1))
+    for proc in stack.processes:
+        proc.log.close()  # the processes keep running after we exit
+    print(f"""The demo stack is up:
+  Envoy with the filter  http://127.0.0.1:{ENVOY_PORT}   (admin, /stats: http://127.0.0.1:{ADMIN_PORT})
+  companion              http://127.0.0.1:{COMPANION_PORT}/healthz
+  mock LLM upstream      http://127.0.0.1:{MOCK_PORT}
+  Redis                  127.0.0.1:{REDIS_PORT}
+  logs                   {RUN.relative_to(ROOT)}/*.log
+  Envoy config           {DEMO_ENVOY_CONFIG.relative_to(ROOT)}
+Stop it with: make down""")
+
+
+def down() -> None:
+    alive = running()
+    if not alive:
+        print("The demo stack is not running.")
+    for name, entry in reversed(list(alive.items())):  # Envoy first, Redis last
+        try:
+            os.killpg(entry["pid"], signal.SIGTERM)
+        except ProcessLookupError:
+            continue
+        for _ in range(100):
+            if not Path(f"/proc/{entry['pid']}").exists() or "zombie" in _state(entry["pid"]):
+                break
+            time.sleep(0.05)
+        else:
+            os.killpg(entry["pid"], signal.SIGKILL)
+        print(f"stopped {name} (pid {entry['pid']})")
+    PIDS.unlink(missing_ok=True)
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/status").read_text().lower()
+    except OSError:
+        return "zombie"
+
+
+def post(key: str, body: dict) -> tuple[int, dict, bytes]:
+    conn = http.client.HTTPConnection("127.0.0.1", ENVOY_PORT, timeout=30)
+    try:
+        conn.request("POST", "/v1/chat/completions", body=json.dumps(body),
+                     headers={"authorization": f"Bearer {key}", "content-type": "application/json"})
+        resp = conn.getresponse()
+        return resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read()
+    finally:
+        conn.close()
+
+
+def burst() -> None:
+    limits = filter_config_of(yaml.safe_load(DEMO_ENVOY_CONFIG.read_text()))["limits"]
+    print("Policy:", ", ".join(f"{l['name']} = {l['requests']} requests per {l['window']}" for l in limits))
+    key = f"sk-demo-{secrets.token_hex(4)}"  # a fresh tenant, so every run starts full
+    count = min(l["requests"] for l in limits) + 3
+    print(f"\nSending {count} requests as tenant {key[:11]}...:")
+    body = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "Tell me about rate limits."}]}
+    for i in range(1, count + 1):
+        status, headers, payload = post(key, body)
+        remaining = headers.get("x-ratelimit-remaining-requests", "?")
+        limit = headers.get("x-ratelimit-limit-requests", "?")
+        line = f"  #{i:<3} {status}  remaining {remaining:>3}/{limit}  reset in {headers.get('x-ratelimit-reset-requests', '?')}"
+        if status == 429:
+            message = json.loads(payload)["error"]["message"]
+            line += f"  Retry-After: {headers.get('retry-after')}s  \"{message}\""
+        print(line)
+    other = f"sk-demo-{secrets.token_hex(4)}"
+    status, headers, _ = post(other, body)
+    print(f"\nAnother tenant ({other[:11]}...) is unaffected: {status}, remaining {headers.get('x-ratelimit-remaining-requests')}")
+    print(f"""
+Send your own requests:
+  curl -s http://127.0.0.1:{ENVOY_PORT}/v1/chat/completions -H 'Authorization: Bearer sk-my-key' \\
+       -H 'content-type: application/json' -d '{{"model":"gpt-4o-mini","messages":[{{"role":"user","content":"hi"}}]}}' -i
+  OpenAI SDK:  OpenAI(base_url="http://127.0.0.1:{ENVOY_PORT}/v1", api_key="sk-my-key")
+Stop the stack with: make down""")
+
+
+if __name__ == "__main__":
+    commands = {"up": up, "down": down, "burst": burst}
+    if len(sys.argv) != 2 or sys.argv[1] not in commands:
+        sys.exit(f"usage: {sys.argv[0]} {'|'.join(commands)}")
+    commands[sys.argv[1]]()
