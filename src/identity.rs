@@ -48,16 +48,7 @@ mod tests {
     use std::collections::HashMap;
 
     fn default_sources() -> Vec<IdentitySource> {
-        vec![
-            IdentitySource {
-                header: "authorization".into(),
-                prefix: Some("Bearer ".into()),
-            },
-            IdentitySource {
-                header: "x-api-key".into(),
-                prefix: None,
-            },
-        ]
+        crate::config::Identity::default().sources
     }
 
     fn lookup<'a>(headers: &'a HashMap<&str, &str>) -> impl Fn(&str) -> Option<String> + 'a {
