@@ -19,6 +19,10 @@ pub mod decision;
 pub mod duration;
 pub mod identity;
 pub mod protocol;
+pub mod request;
+pub mod sse;
+pub mod tokens;
+pub mod usage;
 
 #[cfg(target_arch = "wasm32")]
 mod filter;

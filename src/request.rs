@@ -1,0 +1,461 @@
+//! What a request body asks for: which API, which model, whether it streams, the output
+//! cap, and how many prompt tokens it carries. Bodies are parsed as JSON once and walked;
+//! nothing here panics on any input.
+//!
+//! Chat messages are counted as OpenAI bills them (the cookbook's `num_tokens_from_messages`:
+//! 3 tokens per message, 1 per `name`, 3 to prime the reply). Tool definitions, images and
+//! the other APIs' structures have no published formula; they are approximated (tool JSON
+//! counted as text, an image as a fixed cost) and settled against the provider's own usage
+//! afterwards.
+
+use crate::tokens::Encoding;
+use serde_json::Value;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Api {
+    /// OpenAI `/v1/chat/completions` (and Azure's deployments path).
+    ChatCompletions,
+    /// OpenAI legacy `/v1/completions`.
+    Completions,
+    /// OpenAI `/v1/responses`.
+    Responses,
+    /// OpenAI `/v1/embeddings`.
+    Embeddings,
+    /// Anthropic `/v1/messages`.
+    Messages,
+}
+
+impl Api {
+    /// Recognises the API by the path's last segments, ignoring the query string, so
+    /// prefixes (`/openai/deployments/x/...`, `/proxy/v1/...`) work too.
+    pub fn from_path(path: &str) -> Option<Api> {
+        let path = path
+            .split(['?', '#'])
+            .next()
+            .unwrap_or("")
+            .trim_end_matches('/');
+        if path.ends_with("/chat/completions") {
+            Some(Api::ChatCompletions)
+        } else if path.ends_with("/completions") {
+            Some(Api::Completions)
+        } else if path.ends_with("/responses") {
+            Some(Api::Responses)
+        } else if path.ends_with("/embeddings") {
+            Some(Api::Embeddings)
+        } else if path.ends_with("/messages") && !path.ends_with("/threads/messages") {
+            Some(Api::Messages)
+        } else {
+            None
+        }
+    }
+
+    pub fn produces_output(self) -> bool {
+        self != Api::Embeddings
+    }
+}
+
+/// Tokens charged for one image part: a 1024x1024 image at high detail for GPT-4o.
+pub const IMAGE_TOKENS: u64 = 765;
+const TOKENS_PER_MESSAGE: u64 = 3;
+const TOKENS_PER_NAME: u64 = 1;
+const REPLY_PRIMING: u64 = 3;
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct LlmRequest {
+    pub api: Api,
+    pub model: Option<String>,
+    pub stream: bool,
+    /// `stream_options.include_usage` as the client sent it.
+    pub include_usage: bool,
+    /// `max_completion_tokens`, `max_tokens` or `max_output_tokens`, whichever applies.
+    pub max_output: Option<u64>,
+    body: Value,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum BodyError {
+    NotJson(String),
+    NotAnObject,
+}
+
+impl std::fmt::Display for BodyError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            BodyError::NotJson(err) => write!(f, "the body is not JSON: {err}"),
+            BodyError::NotAnObject => f.write_str("the body is not a JSON object"),
+        }
+    }
+}
+
+fn as_count(value: &Value) -> Option<u64> {
+    value
+        .as_u64()
+        .or_else(|| value.as_f64().filter(|f| *f >= 0.0).map(|f| f as u64))
+}
+
+impl LlmRequest {
+    pub fn parse(api: Api, body: &[u8]) -> Result<LlmRequest, BodyError> {
+        let body: Value =
+            serde_json::from_slice(body).map_err(|e| BodyError::NotJson(e.to_string()))?;
+        if !body.is_object() {
+            return Err(BodyError::NotAnObject);
+        }
+        let max_output = match api {
+            Api::ChatCompletions => {
+                as_count(&body["max_completion_tokens"]).or_else(|| as_count(&body["max_tokens"]))
+            }
+            Api::Completions | Api::Messages => as_count(&body["max_tokens"]),
+            Api::Responses => as_count(&body["max_output_tokens"]),
+            Api::Embeddings => Some(0),
+        };
+        Ok(LlmRequest {
+            api,
+            model: body["model"].as_str().map(str::to_string),
+            stream: body["stream"].as_bool().unwrap_or(false),
+            include_usage: body["stream_options"]["include_usage"]
+                .as_bool()
+                .unwrap_or(false),
+            max_output,
+            body,
+        })
+    }
+
+    /// Prompt tokens under `encoding`, before any correction factor.
+    pub fn prompt_tokens(&self, encoding: Encoding) -> u64 {
+        let count = |text: &str| encoding.count(text);
+        let body = &self.body;
+        match self.api {
+            Api::ChatCompletions => {
+                chat_messages(&body["messages"], &count) + tools(&body["tools"], &count)
+            }
+            Api::Messages => {
+                content(&body["system"], &count)
+                    + chat_messages(&body["messages"], &count)
+                    + tools(&body["tools"], &count)
+            }
+            Api::Responses => {
+                content(&body["instructions"], &count)
+                    + content(&body["input"], &count)
+                    + tools(&body["tools"], &count)
+            }
+            Api::Completions => inputs(&body["prompt"], &count),
+            Api::Embeddings => inputs(&body["input"], &count),
+        }
+    }
+
+    /// Sets `stream_options.include_usage` to true and returns the new body, so a streamed
+    /// OpenAI chat reply ends with a usage chunk. `None` if nothing needs to change.
+    pub fn with_usage_requested(&self) -> Option<Vec<u8>> {
+        if self.api != Api::ChatCompletions || !self.stream || self.include_usage {
+            return None;
+        }
+        let mut body = self.body.clone();
+        let object = body.as_object_mut()?;
+        let options = object
+            .entry("stream_options")
+            .or_insert_with(|| Value::Object(Default::default()));
+        if !options.is_object() {
+            *options = Value::Object(Default::default());
+        }
+        options
+            .as_object_mut()?
+            .insert("include_usage".into(), Value::Bool(true));
+        serde_json::to_vec(&body).ok()
+    }
+}
+
+/// OpenAI's message formula, also used for Anthropic's messages.
+fn chat_messages(messages: &Value, count: &impl Fn(&str) -> u64) -> u64 {
+    let Some(messages) = messages.as_array() else {
+        return 0;
+    };
+    let mut total = REPLY_PRIMING;
+    for message in messages {
+        total += TOKENS_PER_MESSAGE;
+        let Some(fields) = message.as_object() else {
+            continue;
+        };
+        for (key, value) in fields {
+            total += match key.as_str() {
+                "role" => value.as_str().map_or(0, count),
+                "name" => value.as_str().map_or(0, count) + TOKENS_PER_NAME,
+                "content" => content(value, count),
+                "tool_calls" => value.as_array().map_or(0, |calls| {
+                    calls
+                        .iter()
+                        .map(|c| text_leaves(&c["function"], count))
+                        .sum()
+                }),
+                "function_call" => text_leaves(value, count),
+                "tool_call_id" => 0,
+                _ => 0,
+            };
+        }
+    }
+    total
+}
+
+/// Content as a string, or a list of parts (text, image, tool use and result, input
+/// items). Text is counted; images cost `IMAGE_TOKENS`; structured inputs count as text.
+fn content(value: &Value, count: &impl Fn(&str) -> u64) -> u64 {
+    match value {
+        Value::String(text) => count(text),
+        Value::Array(parts) => parts.iter().map(|part| content_part(part, count)).sum(),
+        Value::Object(_) => content_part(value, count),
+        _ => 0,
+    }
+}
+
+fn content_part(part: &Value, count: &impl Fn(&str) -> u64) -> u64 {
+    match part["type"].as_str().unwrap_or("") {
+        "image_url" | "input_image" | "image" => IMAGE_TOKENS,
+        // Responses API message items: {role, content}; count like a chat message.
+        _ if part.get("role").is_some() && part.get("content").is_some() => {
+            TOKENS_PER_MESSAGE
+                + part["role"].as_str().map_or(0, count)
+                + content(&part["content"], count)
+        }
+        _ => text_leaves(part, count),
+    }
+}
+
+/// Every string in a JSON value except identifiers and data blobs, plus the key names of
+/// objects that carry free-form JSON (tool arguments, schemas).
+fn text_leaves(value: &Value, count: &impl Fn(&str) -> u64) -> u64 {
+    const SKIPPED: [&str; 9] = [
+        "type",
+        "id",
+        "call_id",
+        "tool_use_id",
+        "tool_call_id",
+        "cache_control",
+        "source",
+        "detail",
+        "status",
+    ];
+    match value {
+        Value::String(text) => count(text),
+        Value::Array(items) => items.iter().map(|v| text_leaves(v, count)).sum(),
+        Value::Object(map) => map
+            .iter()
+            .filter(|(key, _)| !SKIPPED.contains(&key.as_str()))
+            .map(|(key, v)| match v {
+                Value::Object(_) | Value::Array(_)
+                    if key == "input"
+                        || key == "parameters"
+                        || key == "input_schema"
+                        || key == "properties" =>
+                {
+                    // Schemas and tool inputs reach the model as JSON text.
+                    count(&v.to_string())
+                }
+                _ => text_leaves(v, count),
+            })
+            .sum(),
+        Value::Number(n) => count(&n.to_string()),
+        _ => 0,
+    }
+}
+
+fn tools(value: &Value, count: &impl Fn(&str) -> u64) -> u64 {
+    value
+        .as_array()
+        .map_or(0, |tools| tools.iter().map(|t| text_leaves(t, count)).sum())
+}
+
+/// A prompt or embedding input: a string, strings, token ids, or lists of token ids.
+fn inputs(value: &Value, count: &impl Fn(&str) -> u64) -> u64 {
+    match value {
+        Value::String(text) => count(text),
+        Value::Number(_) => 1,
+        Value::Array(items) => items.iter().map(|item| inputs(item, count)).sum(),
+        _ => 0,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const O200K: Encoding = Encoding::O200kBase;
+
+    fn parse(api: Api, body: &str) -> LlmRequest {
+        LlmRequest::parse(api, body.as_bytes()).expect(body)
+    }
+
+    #[test]
+    fn recognises_apis_by_path() {
+        let cases = [
+            ("/v1/chat/completions", Some(Api::ChatCompletions)),
+            (
+                "/openai/deployments/gpt4o/chat/completions?api-version=2024-10-21",
+                Some(Api::ChatCompletions),
+            ),
+            ("/v1/completions", Some(Api::Completions)),
+            ("/v1/responses", Some(Api::Responses)),
+            ("/v1/embeddings/", Some(Api::Embeddings)),
+            ("/v1/messages", Some(Api::Messages)),
+            ("/v1/threads/messages", None),
+            ("/v1/models", None),
+            ("", None),
+        ];
+        for (path, api) in cases {
+            assert_eq!(Api::from_path(path), api, "{path}");
+        }
+    }
+
+    #[test]
+    fn chat_counts_follow_openais_formula() {
+        // "hello world" is 2 tokens; "user" 1; 3 per message; 3 priming; "bob" 1 + 1 per name.
+        let request = parse(
+            Api::ChatCompletions,
+            r#"{"model":"gpt-4o","messages":[{"role":"user","content":"hello world"}]}"#,
+        );
+        assert_eq!(request.prompt_tokens(O200K), 3 + 1 + 2 + 3);
+        let named = parse(
+            Api::ChatCompletions,
+            r#"{"model":"gpt-4o","messages":[{"role":"user","name":"bob","content":"hello world"}]}"#,
+        );
+        assert_eq!(named.prompt_tokens(O200K), 3 + 1 + 2 + 3 + 1 + 1);
+        let parts = parse(
+            Api::ChatCompletions,
+            r#"{"messages":[{"role":"user","content":[{"type":"text","text":"hello world"},{"type":"image_url","image_url":{"url":"data:image/png;base64,AAAA"}}]}]}"#,
+        );
+        assert_eq!(parts.prompt_tokens(O200K), 3 + 1 + 2 + IMAGE_TOKENS + 3);
+    }
+
+    #[test]
+    fn reads_model_stream_and_output_caps() {
+        let chat = parse(
+            Api::ChatCompletions,
+            r#"{"model":"gpt-4o","stream":true,"stream_options":{"include_usage":true},"max_tokens":50,"max_completion_tokens":70,"messages":[]}"#,
+        );
+        assert_eq!(
+            (
+                chat.model.as_deref(),
+                chat.stream,
+                chat.include_usage,
+                chat.max_output
+            ),
+            (Some("gpt-4o"), true, true, Some(70))
+        );
+        let responses = parse(
+            Api::Responses,
+            r#"{"model":"o3","input":"hi","max_output_tokens":900}"#,
+        );
+        assert_eq!(responses.max_output, Some(900));
+        let messages = parse(
+            Api::Messages,
+            r#"{"model":"claude","max_tokens":1024,"messages":[]}"#,
+        );
+        assert_eq!(messages.max_output, Some(1024));
+        let embeddings = parse(
+            Api::Embeddings,
+            r#"{"model":"text-embedding-3-small","input":["a","b"]}"#,
+        );
+        assert_eq!(embeddings.max_output, Some(0));
+        let unset = parse(
+            Api::ChatCompletions,
+            r#"{"messages":[],"max_tokens":"lots"}"#,
+        );
+        assert_eq!(
+            (unset.model, unset.stream, unset.max_output),
+            (None, false, None)
+        );
+    }
+
+    #[test]
+    fn counts_every_api_shape() {
+        let hw = O200K.count("hello world");
+        let cases = [
+            (Api::Completions, r#"{"prompt":"hello world"}"#, hw),
+            (
+                Api::Completions,
+                r#"{"prompt":["hello world","hello world"]}"#,
+                2 * hw,
+            ),
+            (Api::Completions, r#"{"prompt":[1,2,3]}"#, 3),
+            (Api::Embeddings, r#"{"input":"hello world"}"#, hw),
+            (Api::Embeddings, r#"{"input":[[1,2],[3]]}"#, 3),
+            (Api::Responses, r#"{"input":"hello world"}"#, hw),
+            (
+                Api::Responses,
+                r#"{"instructions":"hello world","input":[{"role":"user","content":[{"type":"input_text","text":"hello world"}]}]}"#,
+                hw + 3 + 1 + hw,
+            ),
+            (
+                Api::Messages,
+                r#"{"system":"hello world","messages":[{"role":"user","content":"hello world"}]}"#,
+                hw + 3 + 3 + 1 + hw,
+            ),
+            (
+                Api::Messages,
+                r#"{"system":[{"type":"text","text":"hello world","cache_control":{"type":"ephemeral"}}],"messages":[]}"#,
+                hw + 3,
+            ),
+        ];
+        for (api, body, expected) in cases {
+            assert_eq!(parse(api, body).prompt_tokens(O200K), expected, "{body}");
+        }
+    }
+
+    #[test]
+    fn tools_and_tool_calls_add_tokens() {
+        let base = r#"{"messages":[{"role":"user","content":"hi"}]}"#;
+        let with_tools = r#"{"messages":[{"role":"user","content":"hi"}],"tools":[{"type":"function","function":{"name":"get_weather","description":"Weather for a city","parameters":{"type":"object","properties":{"city":{"type":"string"}}}}}]}"#;
+        let with_call = r#"{"messages":[{"role":"user","content":"hi"},{"role":"assistant","content":null,"tool_calls":[{"id":"call_1","type":"function","function":{"name":"get_weather","arguments":"{\"city\":\"Paris\"}"}}]},{"role":"tool","tool_call_id":"call_1","content":"sunny"}]}"#;
+        let base = parse(Api::ChatCompletions, base).prompt_tokens(O200K);
+        assert!(parse(Api::ChatCompletions, with_tools).prompt_tokens(O200K) > base + 10);
+        assert!(parse(Api::ChatCompletions, with_call).prompt_tokens(O200K) > base + 10);
+    }
+
+    #[test]
+    fn bad_bodies_are_errors_not_panics() {
+        assert!(matches!(
+            LlmRequest::parse(Api::ChatCompletions, b"{oops"),
+            Err(BodyError::NotJson(_))
+        ));
+        assert_eq!(
+            LlmRequest::parse(Api::ChatCompletions, b"[1,2]"),
+            Err(BodyError::NotAnObject)
+        );
+        // Wrong types inside are ignored, not fatal.
+        let odd = parse(
+            Api::ChatCompletions,
+            r#"{"messages":{"role":"user"},"tools":"none","stream":"yes"}"#,
+        );
+        assert_eq!(odd.prompt_tokens(O200K), 0);
+        assert!(!odd.stream);
+    }
+
+    #[test]
+    fn requests_usage_in_streamed_chat_only_when_missing() {
+        let streamed = parse(
+            Api::ChatCompletions,
+            r#"{"model":"m","stream":true,"messages":[]}"#,
+        );
+        let body: Value =
+            serde_json::from_slice(&streamed.with_usage_requested().expect("rewritten"))
+                .expect("json");
+        assert_eq!(body["stream_options"]["include_usage"], true);
+        assert_eq!(body["model"], "m");
+        let odd_options = parse(
+            Api::ChatCompletions,
+            r#"{"stream":true,"stream_options":5,"messages":[]}"#,
+        );
+        assert!(odd_options.with_usage_requested().is_some());
+        for already_fine in [
+            r#"{"stream":true,"stream_options":{"include_usage":true},"messages":[]}"#,
+            r#"{"stream":false,"messages":[]}"#,
+        ] {
+            assert_eq!(
+                parse(Api::ChatCompletions, already_fine).with_usage_requested(),
+                None
+            );
+        }
+        assert_eq!(
+            parse(Api::Messages, r#"{"stream":true,"messages":[]}"#).with_usage_requested(),
+            None
+        );
+    }
+}

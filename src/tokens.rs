@@ -1,0 +1,186 @@
+//! Prompt and completion token counting with OpenAI's BPE encodings (tiktoken-rs), and the
+//! choice of encoding for a model.
+//!
+//! Only the vocabularies compiled in (cargo features `o200k`, `cl100k`) are linked: the
+//! singletons are referenced one by one, never through `get_bpe_from_model`, which would
+//! link every vocabulary. Each is built on first use.
+
+use serde::Deserialize;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Encoding {
+    /// GPT-4o, GPT-4.1, GPT-4.5, GPT-5, o-series, gpt-oss.
+    O200kBase,
+    /// GPT-4, GPT-3.5, text-embedding-3 and ada-002.
+    Cl100kBase,
+}
+
+impl Encoding {
+    pub fn name(self) -> &'static str {
+        match self {
+            Encoding::O200kBase => "o200k_base",
+            Encoding::Cl100kBase => "cl100k_base",
+        }
+    }
+
+    /// Whether this build links the vocabulary.
+    pub fn available(self) -> bool {
+        match self {
+            Encoding::O200kBase => cfg!(feature = "o200k"),
+            Encoding::Cl100kBase => cfg!(feature = "cl100k"),
+        }
+    }
+
+    /// Tokens in `text`, special-token text counted as ordinary text (as it is billed when
+    /// a user sends it). Zero for an encoding the build lacks (config validation refuses
+    /// those, so this does not happen in a running filter).
+    pub fn count(self, text: &str) -> u64 {
+        if text.is_empty() {
+            return 0;
+        }
+        match self {
+            #[cfg(feature = "o200k")]
+            Encoding::O200kBase => tiktoken_rs::o200k_base_singleton().count_ordinary(text) as u64,
+            #[cfg(feature = "cl100k")]
+            Encoding::Cl100kBase => {
+                tiktoken_rs::cl100k_base_singleton().count_ordinary(text) as u64
+            }
+            #[allow(unreachable_patterns)]
+            _ => 0,
+        }
+    }
+
+    /// Builds the vocabulary now rather than on the first request that needs it.
+    pub fn warm_up(self) {
+        self.count("warm up");
+    }
+}
+
+/// How a model's tokens are counted and capped.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelRule {
+    /// Model name, with `*` matching any run of characters (`gpt-4o*`, `*-mini`).
+    #[serde(rename = "match")]
+    pub pattern: String,
+    pub encoding: Encoding,
+    /// Multiplies counted prompt tokens: for providers whose tokenizer is not OpenAI's.
+    #[serde(default = "one")]
+    pub factor: f64,
+    /// Output cap assumed when the request sets none.
+    #[serde(default)]
+    pub max_output: Option<u64>,
+}
+
+fn one() -> f64 {
+    1.0
+}
+
+/// OpenAI's model families, tried after the operator's own rules.
+pub fn builtin_rules() -> Vec<ModelRule> {
+    let rule = |pattern: &str, encoding| ModelRule {
+        pattern: pattern.into(),
+        encoding,
+        factor: 1.0,
+        max_output: None,
+    };
+    let o200k = [
+        "gpt-4o*",
+        "chatgpt-4o*",
+        "gpt-4.1*",
+        "gpt-4.5*",
+        "gpt-5*",
+        "o1*",
+        "o3*",
+        "o4*",
+        "gpt-oss*",
+        "gpt-realtime*",
+        "gpt-audio*",
+    ];
+    let cl100k = [
+        "gpt-4*",
+        "gpt-3.5*",
+        "gpt-35*",
+        "text-embedding-3*",
+        "text-embedding-ada-002*",
+    ];
+    o200k
+        .iter()
+        .map(|p| rule(p, Encoding::O200kBase))
+        .chain(cl100k.iter().map(|p| rule(p, Encoding::Cl100kBase)))
+        .collect()
+}
+
+/// `*` matches any run of characters, everything else itself; case-sensitive.
+pub fn glob_match(pattern: &str, text: &str) -> bool {
+    let mut parts = pattern.split('*');
+    let first = parts.next().unwrap_or("");
+    let Some(mut rest) = text.strip_prefix(first) else {
+        return false;
+    };
+    let parts: Vec<&str> = parts.collect();
+    let Some((last, middle)) = parts.split_last() else {
+        return rest.is_empty(); // no `*`: exact match
+    };
+    for part in middle {
+        match rest.find(part) {
+            Some(at) => rest = &rest[at + part.len()..],
+            None => return false,
+        }
+    }
+    rest.len() >= last.len() && rest.ends_with(last)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn globs() {
+        let cases = [
+            ("gpt-4o*", "gpt-4o-mini", true),
+            ("gpt-4o*", "gpt-4o", true),
+            ("gpt-4o*", "gpt-4", false),
+            ("*-mini", "gpt-4o-mini", true),
+            ("*-mini", "gpt-4o-mini-2024", false),
+            ("gpt-*-mini", "gpt-4o-mini", true),
+            ("a*b*c", "abc", true),
+            ("a*b*c", "aXbYc", true),
+            ("a*b*c", "acb", false),
+            ("ab*ba", "aba", false),
+            ("exact", "exact", true),
+            ("exact", "exactly", false),
+            ("*", "", true),
+        ];
+        for (pattern, text, expected) in cases {
+            assert_eq!(glob_match(pattern, text), expected, "{pattern} vs {text}");
+        }
+    }
+
+    #[test]
+    fn builtin_rules_put_families_before_prefixes_they_share() {
+        let rules = builtin_rules();
+        let pick = |model: &str| {
+            rules
+                .iter()
+                .find(|r| glob_match(&r.pattern, model))
+                .map(|r| r.encoding)
+        };
+        assert_eq!(pick("gpt-4o-mini"), Some(Encoding::O200kBase));
+        assert_eq!(pick("gpt-4.1-nano"), Some(Encoding::O200kBase));
+        assert_eq!(pick("gpt-4-turbo"), Some(Encoding::Cl100kBase));
+        assert_eq!(pick("o3-mini"), Some(Encoding::O200kBase));
+        assert_eq!(pick("text-embedding-3-small"), Some(Encoding::Cl100kBase));
+        assert_eq!(pick("claude-sonnet-4-5"), None);
+    }
+
+    #[test]
+    fn counts_known_strings() {
+        // Checked against OpenAI's tiktoken; tests/cases/token_counts.json holds many more.
+        assert_eq!(Encoding::O200kBase.count("hello world"), 2);
+        assert_eq!(Encoding::Cl100kBase.count("hello world"), 2);
+        assert_eq!(Encoding::O200kBase.count(""), 0);
+        assert_eq!(Encoding::Cl100kBase.count("<|endoftext|>"), 7);
+    }
+}
