@@ -1,74 +1,117 @@
--- token_bucket.lua: check several token buckets and charge them all, or none.
+-- token_bucket.lua: charge several token buckets all or nothing, and settle what a
+-- charge reserved once the real cost is known.
 --
--- KEYS[i]  bucket of limit i: a hash {tokens, ts}. All keys must share one hash slot
---          (the companion puts the tenant in a hash tag), so this runs on Redis Cluster.
--- ARGV     three numbers per key, in KEYS order:
---            capacity   (> 0)  tokens the bucket holds when full
---            window_ms  (> 0)  time in which an empty bucket refills to capacity
---            cost       (>= 0) tokens this call takes; 0 only looks
--- Reply    { allowed, {status, limit, remaining, reset_after_ms, retry_after_ms} per key }
---            allowed         1: every bucket had room and all were charged; 0: none was
---            status          1 room, 0 not now, -1 never (cost > capacity)
---            limit           the capacity
---            remaining       whole tokens left (after the charge, when charged)
---            reset_after_ms  time until the bucket is full again
---            retry_after_ms  time until the bucket has room for cost (0 if now or never)
+-- KEYS[1..n]  bucket of limit i: a hash {tokens, ts}.
+-- KEYS[n+1]   optional: the reservation record of this request (a string).
+--             All keys must share one hash slot (the companion puts the tenant in a hash
+--             tag), so this runs on Redis Cluster.
+-- ARGV[1]     "charge" or "settle"
+-- ARGV[2]     n, the number of buckets
+-- ARGV[3]     charge: how long the reservation record lives (ms); settle: ignored
+-- ARGV[4..]   three numbers per bucket, in KEYS order:
+--               capacity   (> 0)  tokens the bucket holds when full
+--               window_ms  (> 0)  time in which an empty bucket refills to capacity
+--               amount     charge: the cost (>= 0; 0 only looks)
+--                          settle: tokens to give back (> 0) or to take as well (< 0)
+--
+-- charge: every bucket is refilled to now; if each has room for its cost, all are
+-- charged and the reservation record (if given) is written; otherwise none is.
+-- settle: if the reservation record exists it is deleted and each bucket gets its amount
+-- back (never above capacity; a debit may take it below zero, so the tenant waits it
+-- off); if the record is gone (settled before, or expired) nothing changes. So a
+-- settlement applies at most once, and a reservation never settled simply stands.
+--
+-- Reply  { done, {status, limit, remaining, reset_after_ms, retry_after_ms} per bucket }
+--          done            charge: 1 if charged; settle: 1 if applied
+--          status          1 room, 0 not now, -1 never (cost > capacity); settle: 1
+--          limit           the capacity
+--          remaining       whole tokens left (after the charge or settlement, if done)
+--          reset_after_ms  time until the bucket is full again
+--          retry_after_ms  time until the bucket has room for the cost (0 if now or never)
 --
 -- Time is Redis's own (TIME), so every proxy shares one clock. Buckets refill
--- continuously and hold fractional tokens. A charged bucket expires when it would be full
+-- continuously and hold fractional tokens. A written bucket expires when it would be full
 -- again: a missing key and a full bucket are the same state.
--- The Rust model of this script is src/bucket.rs; tests/cases/token_bucket.json is the case
--- table both are tested with.
+-- The Rust model of this script is src/bucket.rs; tests/cases/token_bucket.json is the
+-- case table both are tested with.
 
-local n = #KEYS
-if n == 0 or #ARGV ~= 3 * n then
-  return redis.error_reply('ERR token_bucket: need 3 ARGV per key, got ' .. #ARGV .. ' for ' .. n)
+local op = ARGV[1]
+local n = tonumber(ARGV[2])
+if (op ~= 'charge' and op ~= 'settle') or not n or n < 1 or #ARGV ~= 3 + 3 * n or (#KEYS ~= n and #KEYS ~= n + 1) then
+  return redis.error_reply('ERR token_bucket: expected op, n, ttl and 3 ARGV per bucket, with n or n+1 keys')
 end
+local reservation = KEYS[n + 1]
+local reservation_ttl_ms = tonumber(ARGV[3])
 
 local time = redis.call('TIME')
 local now_ms = tonumber(time[1]) * 1000 + tonumber(time[2]) / 1000
 
 local specs, levels = {}, {}
-local allowed = 1
 for i = 1, n do
-  local capacity = tonumber(ARGV[3 * i - 2])
-  local window_ms = tonumber(ARGV[3 * i - 1])
-  local cost = tonumber(ARGV[3 * i])
-  if not capacity or capacity <= 0 or not window_ms or window_ms <= 0 or not cost or cost < 0 then
-    return redis.error_reply('ERR token_bucket: bad capacity, window_ms or cost for key ' .. i)
+  local capacity = tonumber(ARGV[3 * i + 1])
+  local window_ms = tonumber(ARGV[3 * i + 2])
+  local amount = tonumber(ARGV[3 * i + 3])
+  if not capacity or capacity <= 0 or not window_ms or window_ms <= 0 or not amount or (op == 'charge' and amount < 0) then
+    return redis.error_reply('ERR token_bucket: bad capacity, window_ms or amount for bucket ' .. i)
   end
   local state = redis.call('HMGET', KEYS[i], 'tokens', 'ts')
   local tokens, ts = tonumber(state[1]), tonumber(state[2])
   if tokens == nil or ts == nil then
     tokens = capacity
   else
-    local elapsed = math.max(0, now_ms - ts)
-    tokens = math.min(capacity, tokens + elapsed * capacity / window_ms)
+    tokens = math.min(capacity, tokens + math.max(0, now_ms - ts) * capacity / window_ms)
   end
-  specs[i] = { capacity, window_ms, cost }
+  specs[i] = { capacity, window_ms, amount }
   levels[i] = tokens
-  if cost > capacity or tokens < cost then
-    allowed = 0
+end
+
+local function store(i, tokens)
+  local capacity, window_ms = specs[i][1], specs[i][2]
+  redis.call('HSET', KEYS[i], 'tokens', string.format('%.17g', tokens), 'ts', string.format('%.17g', now_ms))
+  redis.call('PEXPIRE', KEYS[i], math.max(1, math.ceil((capacity - tokens) * window_ms / capacity)))
+end
+
+local done = 1
+local statuses, retries = {}, {}
+if op == 'charge' then
+  for i = 1, n do
+    local capacity, window_ms, cost = specs[i][1], specs[i][2], specs[i][3]
+    statuses[i], retries[i] = 1, 0
+    if cost > capacity then
+      statuses[i], done = -1, 0
+    elseif levels[i] < cost then
+      statuses[i], done = 0, 0
+      retries[i] = math.ceil((cost - levels[i]) * window_ms / capacity)
+    end
+  end
+  if done == 1 then
+    for i = 1, n do
+      if specs[i][3] > 0 then
+        levels[i] = levels[i] - specs[i][3]
+        store(i, levels[i])
+      end
+    end
+    if reservation then
+      redis.call('SET', reservation, '1', 'PX', math.max(1, math.floor(reservation_ttl_ms or 0)))
+    end
+  end
+else
+  if reservation and redis.call('DEL', reservation) == 0 then
+    done = 0
+  end
+  for i = 1, n do
+    statuses[i], retries[i] = 1, 0
+    if done == 1 and specs[i][3] ~= 0 then
+      levels[i] = math.min(specs[i][1], levels[i] + specs[i][3])
+      store(i, levels[i])
+    end
   end
 end
 
-local reply = { allowed }
+local reply = { done }
 for i = 1, n do
-  local capacity, window_ms, cost = specs[i][1], specs[i][2], specs[i][3]
+  local capacity, window_ms = specs[i][1], specs[i][2]
   local tokens = levels[i]
-  local status, retry_after_ms = 1, 0
-  if cost > capacity then
-    status = -1
-  elseif tokens < cost then
-    status = 0
-    retry_after_ms = math.ceil((cost - tokens) * window_ms / capacity)
-  end
-  if allowed == 1 and cost > 0 then
-    tokens = tokens - cost
-    redis.call('HSET', KEYS[i], 'tokens', string.format('%.17g', tokens), 'ts', string.format('%.17g', now_ms))
-    redis.call('PEXPIRE', KEYS[i], math.max(1, math.ceil((capacity - tokens) * window_ms / capacity)))
-  end
-  local reset_after_ms = math.ceil((capacity - tokens) * window_ms / capacity)
-  reply[i + 1] = { status, capacity, math.floor(tokens), reset_after_ms, retry_after_ms }
+  reply[i + 1] = { statuses[i], capacity, math.max(0, math.floor(tokens)), math.ceil((capacity - tokens) * window_ms / capacity), retries[i] }
 end
 return reply

@@ -1,4 +1,4 @@
-//! The token bucket of `lua/token_bucket.lua`, as a pure function. The script is what runs
+//! The token bucket of `lua/token_bucket.lua`, as pure functions. The script is what runs
 //! (Redis owns the state and the clock); this model states the same math in Rust so it
 //! can be tested exhaustively and reused where the proxy must decide alone. Both are
 //! tested against one case table, `tests/cases/token_bucket.json`.
@@ -69,6 +69,44 @@ pub fn check_and_charge(
     TokenBucketReply { allowed, limits }
 }
 
+/// Gives each bucket `credits[i]` tokens back (never above capacity), or takes `-credits[i]`
+/// more (possibly below zero): the settlement of a reservation once the real cost is known.
+pub fn settle(
+    states: &mut [Option<BucketState>],
+    specs: &[BucketSpec],
+    credits: &[i64],
+    now_ms: f64,
+) -> TokenBucketReply {
+    let limits = specs
+        .iter()
+        .zip(states.iter_mut())
+        .zip(credits)
+        .map(|((spec, state), &credit)| {
+            let (capacity, window_ms) = (spec.capacity as f64, spec.window_ms as f64);
+            let mut tokens = level_at(spec, *state, now_ms);
+            if credit != 0 {
+                tokens = (tokens + credit as f64).min(capacity);
+                *state = Some(BucketState {
+                    tokens,
+                    updated_ms: now_ms,
+                });
+            }
+            BucketOutcome {
+                name: spec.name.clone(),
+                status: BucketStatus::Allowed,
+                limit: spec.capacity,
+                remaining: tokens.floor().max(0.0) as u64,
+                reset_after_ms: ((capacity - tokens) * window_ms / capacity).ceil() as u64,
+                retry_after_ms: 0,
+            }
+        })
+        .collect();
+    TokenBucketReply {
+        allowed: true,
+        limits,
+    }
+}
+
 fn level_at(spec: &BucketSpec, state: Option<BucketState>, now_ms: f64) -> f64 {
     let capacity = spec.capacity as f64;
     match state {
@@ -84,6 +122,14 @@ fn level_at(spec: &BucketSpec, state: Option<BucketState>, now_ms: f64) -> f64 {
 mod tests {
     use super::*;
     use serde::Deserialize;
+
+    #[derive(Deserialize, Default)]
+    #[serde(rename_all = "snake_case")]
+    enum Op {
+        #[default]
+        Charge,
+        Settle,
+    }
 
     #[derive(Deserialize)]
     struct Table {
@@ -106,9 +152,11 @@ mod tests {
 
     #[derive(Deserialize)]
     struct Step {
+        #[serde(default)]
+        op: Op,
         advance_ms: u64,
-        costs: Vec<u64>,
-        allowed: bool,
+        amounts: Vec<i64>,
+        done: bool,
         /// status, remaining, reset_after_ms, retry_after_ms
         outcomes: Vec<(BucketStatus, u64, u64, u64)>,
     }
@@ -125,17 +173,20 @@ mod tests {
                 let specs: Vec<BucketSpec> = case
                     .limits
                     .iter()
-                    .zip(&step.costs)
-                    .map(|(l, &cost)| BucketSpec {
+                    .zip(&step.amounts)
+                    .map(|(l, &amount)| BucketSpec {
                         name: l.name.clone(),
                         capacity: l.capacity,
                         window_ms: l.window_ms,
-                        cost,
+                        cost: amount.max(0) as u64,
                     })
                     .collect();
-                let reply = check_and_charge(&mut states, &specs, now_ms);
+                let reply = match step.op {
+                    Op::Charge => check_and_charge(&mut states, &specs, now_ms),
+                    Op::Settle => settle(&mut states, &specs, &step.amounts, now_ms),
+                };
                 let what = format!("{} / step {i}", case.name);
-                assert_eq!(reply.allowed, step.allowed, "{what}");
+                assert_eq!(reply.allowed, step.done, "{what}");
                 let got: Vec<_> = reply
                     .limits
                     .iter()

@@ -4,6 +4,7 @@
 //! message that says what to fix.
 
 use crate::duration::parse_duration;
+use crate::tokens::{builtin_rules, glob_match, Encoding, ModelRule};
 use serde::{Deserialize, Deserializer};
 use std::collections::HashSet;
 use std::fmt;
@@ -25,6 +26,14 @@ pub struct Config {
     pub failure_mode: FailureMode,
     /// Every request is charged against each of these, all or nothing.
     pub limits: Vec<Limit>,
+    #[serde(default)]
+    pub tokens: TokenPolicy,
+    /// Hold the request headers while the body is read and the decision made (needs
+    /// Envoy's `allow_on_headers_stop_iteration: true`). Turn off on hosts that cannot
+    /// read a body while the headers wait: the headers then go upstream first and the body
+    /// waits for the decision.
+    #[serde(default = "yes")]
+    pub hold_request_headers: bool,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -101,10 +110,127 @@ pub enum FailureMode {
 pub struct Limit {
     /// Names the counter in Redis and in headers and 429 bodies.
     pub name: String,
-    /// Requests admitted per `window`.
-    pub requests: u64,
+    /// Requests admitted per `window` (set this or `tokens`).
+    #[serde(default)]
+    pub requests: Option<u64>,
+    /// Tokens (prompt and completion) admitted per `window` (set this or `requests`).
+    #[serde(default)]
+    pub tokens: Option<u64>,
     /// The time in which a spent budget refills completely.
     pub window: ConfigDuration,
+}
+
+/// What a limit counts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Dimension {
+    Requests,
+    Tokens,
+}
+
+impl Dimension {
+    /// As OpenAI names it in headers and error types.
+    pub fn name(self) -> &'static str {
+        match self {
+            Dimension::Requests => "requests",
+            Dimension::Tokens => "tokens",
+        }
+    }
+}
+
+impl Limit {
+    pub fn dimension(&self) -> Dimension {
+        if self.tokens.is_some() {
+            Dimension::Tokens
+        } else {
+            Dimension::Requests
+        }
+    }
+
+    /// The budget per window, in requests or tokens.
+    pub fn capacity(&self) -> u64 {
+        self.tokens.or(self.requests).unwrap_or(0)
+    }
+
+    pub fn window_ms(&self) -> u64 {
+        self.window.0.as_millis() as u64
+    }
+}
+
+/// How prompts are counted, completions estimated, and reservations settled.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TokenPolicy {
+    /// Encoding for models no rule matches.
+    pub default_encoding: Encoding,
+    /// Tried in order before the built-in OpenAI families; the first match wins.
+    pub models: Vec<ModelRule>,
+    /// Output cap assumed when neither the request nor a model rule sets one.
+    pub default_max_output: u64,
+    /// The completion estimate is `min(max_output, factor x this tenant's running
+    /// average completion for the model)`.
+    pub output_estimate_factor: f64,
+    /// Tokens charged for a request whose body cannot be read (unknown path, not JSON).
+    pub unparsed_request_cost: u64,
+    /// Largest request body read for counting; a larger one is answered 413.
+    pub max_request_bytes: u64,
+    /// How long a reservation waits for its settlement before the estimate stands.
+    pub reservation_ttl: ConfigDuration,
+    /// What an upstream error (status >= 400) is charged.
+    pub on_upstream_error: UpstreamErrorCharge,
+    /// Add `stream_options.include_usage` to streamed OpenAI chat requests that lack it
+    /// (and remove the extra usage chunk from what the client receives).
+    pub request_stream_usage: bool,
+    /// Build the vocabularies on the first timer tick rather than on the first request.
+    pub warm_up: bool,
+}
+
+impl Default for TokenPolicy {
+    fn default() -> Self {
+        TokenPolicy {
+            default_encoding: Encoding::O200kBase,
+            models: Vec::new(),
+            default_max_output: 4096,
+            output_estimate_factor: 1.5,
+            unparsed_request_cost: 1000,
+            max_request_bytes: 1 << 20,
+            reservation_ttl: ConfigDuration(Duration::from_secs(15 * 60)),
+            on_upstream_error: UpstreamErrorCharge::default(),
+            request_stream_usage: false,
+            warm_up: true,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum UpstreamErrorCharge {
+    /// Charge the prompt only: the provider generated nothing.
+    #[default]
+    PromptOnly,
+    /// Keep the whole estimate.
+    Estimate,
+}
+
+/// The rule that applies to a model: the operator's first match, then the built-in
+/// OpenAI families, then the default encoding.
+pub fn model_rule(policy: &TokenPolicy, model: Option<&str>) -> ModelRule {
+    let model = model.unwrap_or("");
+    policy
+        .models
+        .iter()
+        .find(|rule| glob_match(&rule.pattern, model))
+        .cloned()
+        .or_else(|| {
+            builtin_rules()
+                .into_iter()
+                .find(|rule| glob_match(&rule.pattern, model))
+        })
+        .unwrap_or(ModelRule {
+            pattern: "*".into(),
+            encoding: policy.default_encoding,
+            factor: 1.0,
+            max_output: None,
+        })
 }
 
 /// A duration written as a string (`"250ms"`, `"1m"`).
@@ -161,6 +287,10 @@ fn invalid(field: impl Into<String>, message: impl Into<String>) -> ConfigError 
         field: field.into(),
         message: message.into(),
     }
+}
+
+fn yes() -> bool {
+    true
 }
 
 fn default_domain() -> String {
@@ -267,10 +397,20 @@ impl Config {
                     format!("{:?} is used by another limit", limit.name),
                 ));
             }
-            if limit.requests == 0 || limit.requests > 1_000_000_000 {
+            let (field, amount) = match (limit.requests, limit.tokens) {
+                (Some(requests), None) => ("requests", requests),
+                (None, Some(tokens)) => ("tokens", tokens),
+                _ => {
+                    return Err(invalid(
+                        format!("limits[{i}]"),
+                        "set exactly one of `requests` and `tokens`",
+                    ))
+                }
+            };
+            if amount == 0 || amount > 1_000_000_000_000 {
                 return Err(invalid(
-                    format!("limits[{i}].requests"),
-                    format!("{} is outside 1..1000000000", limit.requests),
+                    format!("limits[{i}].{field}"),
+                    format!("{amount} is outside 1..1000000000000"),
                 ));
             }
             let window = limit.window.0;
@@ -281,7 +421,85 @@ impl Config {
                 ));
             }
         }
+        self.validate_tokens()
+    }
+
+    fn validate_tokens(&self) -> Result<(), ConfigError> {
+        let policy = &self.tokens;
+        let encodings = std::iter::once((
+            "tokens.default_encoding".to_string(),
+            policy.default_encoding,
+        ))
+        .chain(
+            policy
+                .models
+                .iter()
+                .enumerate()
+                .map(|(i, r)| (format!("tokens.models[{i}].encoding"), r.encoding)),
+        );
+        for (field, encoding) in encodings {
+            if !encoding.available() {
+                return Err(invalid(
+                    field,
+                    format!("{} is not compiled into this build", encoding.name()),
+                ));
+            }
+        }
+        for (i, rule) in policy.models.iter().enumerate() {
+            if rule.pattern.is_empty() {
+                return Err(invalid(
+                    format!("tokens.models[{i}].match"),
+                    "must not be empty",
+                ));
+            }
+            if !(rule.factor.is_finite() && rule.factor > 0.0 && rule.factor <= 10.0) {
+                return Err(invalid(
+                    format!("tokens.models[{i}].factor"),
+                    format!("{} is outside (0, 10]", rule.factor),
+                ));
+            }
+            if rule.max_output == Some(0) {
+                return Err(invalid(
+                    format!("tokens.models[{i}].max_output"),
+                    "must be positive",
+                ));
+            }
+        }
+        if policy.default_max_output == 0 {
+            return Err(invalid("tokens.default_max_output", "must be positive"));
+        }
+        let factor = policy.output_estimate_factor;
+        if !(factor.is_finite() && (0.1..=10.0).contains(&factor)) {
+            return Err(invalid(
+                "tokens.output_estimate_factor",
+                format!("{factor} is outside 0.1..10"),
+            ));
+        }
+        if policy.max_request_bytes < 1024 || policy.max_request_bytes > 64 << 20 {
+            return Err(invalid(
+                "tokens.max_request_bytes",
+                format!("{} is outside 1024..67108864", policy.max_request_bytes),
+            ));
+        }
+        let ttl = policy.reservation_ttl.0;
+        if ttl < Duration::from_secs(1) || ttl > Duration::from_secs(86_400) {
+            return Err(invalid(
+                "tokens.reservation_ttl",
+                format!("{ttl:?} is outside 1s..1d"),
+            ));
+        }
         Ok(())
+    }
+
+    /// Whether any limit counts tokens, so the body must be read.
+    pub fn counts_tokens(&self) -> bool {
+        self.limits
+            .iter()
+            .any(|l| l.dimension() == Dimension::Tokens)
+    }
+
+    pub fn limit(&self, name: &str) -> Option<&Limit> {
+        self.limits.iter().find(|l| l.name == name)
     }
 }
 
@@ -296,8 +514,14 @@ mod tests {
         "failure_mode": "deny",
         "limits": [
             {"name": "rpm", "requests": 20, "window": "1m"},
-            {"name": "rpd", "requests": 1000, "window": "1d"}
-        ]
+            {"name": "rpd", "requests": 1000, "window": "1d"},
+            {"name": "tpm", "tokens": 10000, "window": "1m"}
+        ],
+        "tokens": {
+            "models": [{"match": "claude-*", "encoding": "cl100k_base", "factor": 1.1, "max_output": 8192}],
+            "reservation_ttl": "10m",
+            "on_upstream_error": "estimate"
+        }
     }"#;
 
     #[test]
@@ -316,8 +540,27 @@ mod tests {
         );
         assert_eq!(config.identity.missing, MissingIdentity::Anonymous);
         assert_eq!(config.failure_mode, FailureMode::Deny);
-        assert_eq!(config.limits.len(), 2);
+        assert_eq!(config.limits.len(), 3);
         assert_eq!(config.limits[1].window.0, Duration::from_secs(86_400));
+        assert_eq!(
+            (config.limits[2].dimension(), config.limits[2].capacity()),
+            (Dimension::Tokens, 10_000)
+        );
+        assert!(config.counts_tokens());
+        assert_eq!(config.tokens.models[0].encoding, Encoding::Cl100kBase);
+        assert_eq!(config.tokens.reservation_ttl.0, Duration::from_secs(600));
+        assert_eq!(
+            model_rule(&config.tokens, Some("claude-3-haiku")).factor,
+            1.1
+        );
+        assert_eq!(
+            model_rule(&config.tokens, Some("gpt-4-turbo")).encoding,
+            Encoding::Cl100kBase
+        );
+        assert_eq!(
+            model_rule(&config.tokens, Some("mystery")).encoding,
+            Encoding::O200kBase
+        );
     }
 
     #[test]
@@ -330,6 +573,13 @@ mod tests {
         assert_eq!(config.identity.sources, default_identity_sources());
         assert_eq!(config.identity.missing, MissingIdentity::Reject);
         assert_eq!(config.failure_mode, FailureMode::Allow);
+        assert!(!config.counts_tokens());
+        assert!(config.hold_request_headers);
+        assert_eq!(config.tokens.default_encoding, Encoding::O200kBase);
+        assert_eq!(
+            config.tokens.on_upstream_error,
+            UpstreamErrorCharge::PromptOnly
+        );
     }
 
     #[test]
@@ -468,7 +718,81 @@ mod tests {
             (
                 format!(r#"{{{companion}, "limits": [{{"name": "rpm", "window": "1m"}}]}}"#),
                 "limits[0]",
-                "missing field `requests`",
+                "exactly one of `requests` and `tokens`",
+            ),
+            (
+                format!(
+                    r#"{{{companion}, "limits": [{{"name": "x", "requests": 1, "tokens": 5, "window": "1m"}}]}}"#
+                ),
+                "limits[0]",
+                "exactly one of",
+            ),
+            (
+                format!(
+                    r#"{{{companion}, "limits": [{{"name": "tpm", "tokens": 0, "window": "1m"}}]}}"#
+                ),
+                "limits[0].tokens",
+                "0 is outside",
+            ),
+            (
+                format!(
+                    r#"{{{companion}, {limits}, "tokens": {{"default_encoding": "p50k_base"}}}}"#
+                ),
+                "tokens.default_encoding",
+                "unknown variant `p50k_base`",
+            ),
+            (
+                format!(
+                    r#"{{{companion}, {limits}, "tokens": {{"models": [{{"match": "x*", "encoding": "o200k_base", "factor": 0}}]}}}}"#
+                ),
+                "tokens.models[0].factor",
+                "outside (0, 10]",
+            ),
+            (
+                format!(
+                    r#"{{{companion}, {limits}, "tokens": {{"models": [{{"match": "x*"}}]}}}}"#
+                ),
+                "tokens.models[0]",
+                "missing field `encoding`",
+            ),
+            (
+                format!(
+                    r#"{{{companion}, {limits}, "tokens": {{"models": [{{"match": "", "encoding": "o200k_base"}}]}}}}"#
+                ),
+                "tokens.models[0].match",
+                "must not be empty",
+            ),
+            (
+                format!(r#"{{{companion}, {limits}, "tokens": {{"output_estimate_factor": 0}}}}"#),
+                "tokens.output_estimate_factor",
+                "outside 0.1..10",
+            ),
+            (
+                format!(r#"{{{companion}, {limits}, "tokens": {{"max_request_bytes": 10}}}}"#),
+                "tokens.max_request_bytes",
+                "outside 1024",
+            ),
+            (
+                format!(r#"{{{companion}, {limits}, "tokens": {{"reservation_ttl": "1ms"}}}}"#),
+                "tokens.reservation_ttl",
+                "outside 1s..1d",
+            ),
+            (
+                format!(
+                    r#"{{{companion}, {limits}, "tokens": {{"on_upstream_error": "ignore"}}}}"#
+                ),
+                "tokens.on_upstream_error",
+                "unknown variant `ignore`",
+            ),
+            (
+                format!(r#"{{{companion}, {limits}, "tokens": {{"default_max_output": 0}}}}"#),
+                "tokens.default_max_output",
+                "must be positive",
+            ),
+            (
+                format!(r#"{{{companion}, {limits}, "tokens": {{"colour": 1}}}}"#),
+                "tokens.colour",
+                "unknown field `colour`",
             ),
         ];
         for (json, field, fragment) in cases {

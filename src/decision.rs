@@ -1,6 +1,7 @@
 //! What the client sees: rate-limit headers on every response, and the local replies (429,
-//! 401, 503) in OpenAI's error shape, so existing SDKs parse them and back off correctly.
+//! 401, 413, 503) in OpenAI's error shape, so existing SDKs parse them and back off.
 
+use crate::config::{Config, Dimension};
 use crate::duration::format_reset;
 use crate::protocol::{BucketOutcome, BucketStatus, TokenBucketReply};
 use serde_json::json;
@@ -10,6 +11,8 @@ pub type Header = (&'static str, String);
 /// Set on responses that passed without a limiter decision (companion unavailable and
 /// `failure_mode: allow`), so operators and clients can tell.
 pub const DEGRADED_HEADER: &str = "x-llm-ratelimit-degraded";
+/// The tokens a request reserved (prompt counted in the proxy plus completion estimate).
+pub const RESERVED_TOKENS_HEADER: &str = "x-llm-ratelimit-reserved-tokens";
 
 /// A response the filter sends itself instead of forwarding the request.
 #[derive(Debug, Clone, PartialEq)]
@@ -19,29 +22,73 @@ pub struct LocalReply {
     pub body: String,
 }
 
-/// OpenAI's `x-ratelimit-*-requests` headers for the most restrictive limit: the one with
-/// the fewest requests left (on a tie, the one that takes longest to reset).
-pub fn request_headers(reply: &TokenBucketReply) -> Vec<Header> {
-    let tightest = reply
-        .limits
-        .iter()
-        .min_by_key(|o| (o.remaining, std::cmp::Reverse(o.reset_after_ms)));
-    match tightest {
-        Some(o) => vec![
-            ("x-ratelimit-limit-requests", o.limit.to_string()),
-            ("x-ratelimit-remaining-requests", o.remaining.to_string()),
-            ("x-ratelimit-reset-requests", format_reset(o.reset_after_ms)),
-        ],
-        None => Vec::new(),
+fn dimension_of(config: &Config, outcome: &BucketOutcome) -> Dimension {
+    config
+        .limit(&outcome.name)
+        .map_or(Dimension::Requests, |l| l.dimension())
+}
+
+/// OpenAI's `x-ratelimit-*-requests` and `x-ratelimit-*-tokens` headers, each for the
+/// most restrictive limit of its dimension (fewest left; on a tie, longest to reset), and
+/// the IETF `RateLimit-Policy` / `RateLimit` fields listing every limit.
+pub fn rate_limit_headers(reply: &TokenBucketReply, config: &Config) -> Vec<Header> {
+    let mut headers = Vec::new();
+    for dimension in [Dimension::Requests, Dimension::Tokens] {
+        let tightest = reply
+            .limits
+            .iter()
+            .filter(|o| dimension_of(config, o) == dimension)
+            .min_by_key(|o| (o.remaining, std::cmp::Reverse(o.reset_after_ms)));
+        if let Some(o) = tightest {
+            let (limit, remaining, reset) = match dimension {
+                Dimension::Requests => (
+                    "x-ratelimit-limit-requests",
+                    "x-ratelimit-remaining-requests",
+                    "x-ratelimit-reset-requests",
+                ),
+                Dimension::Tokens => (
+                    "x-ratelimit-limit-tokens",
+                    "x-ratelimit-remaining-tokens",
+                    "x-ratelimit-reset-tokens",
+                ),
+            };
+            headers.push((limit, o.limit.to_string()));
+            headers.push((remaining, o.remaining.to_string()));
+            headers.push((reset, format_reset(o.reset_after_ms)));
+        }
     }
+    if !reply.limits.is_empty() {
+        let seconds = |ms: u64| ms.div_ceil(1000);
+        let policy = reply
+            .limits
+            .iter()
+            .map(|o| {
+                let window = config.limit(&o.name).map_or(0, |l| l.window_ms());
+                format!("\"{}\";q={};w={}", o.name, o.limit, seconds(window))
+            })
+            .collect::<Vec<_>>();
+        let state = reply
+            .limits
+            .iter()
+            .map(|o| {
+                format!(
+                    "\"{}\";r={};t={}",
+                    o.name,
+                    o.remaining,
+                    seconds(o.reset_after_ms)
+                )
+            })
+            .collect::<Vec<_>>();
+        headers.push(("ratelimit-policy", policy.join(", ")));
+        headers.push(("ratelimit", state.join(", ")));
+    }
+    headers
 }
 
 /// The 429 for a reply that was not allowed. It names the limit that binds longest; when
 /// a limit can never fit the request it says so and gives no `Retry-After`.
-pub fn rejection(
-    reply: &TokenBucketReply,
-    window_ms_of: impl Fn(&str) -> Option<u64>,
-) -> LocalReply {
+/// `requested_tokens` is what the request asked of token limits.
+pub fn rejection(reply: &TokenBucketReply, config: &Config, requested_tokens: u64) -> LocalReply {
     let never = reply
         .limits
         .iter()
@@ -53,73 +100,105 @@ pub fn rejection(
             .filter(|o| o.status == BucketStatus::Limited)
             .max_by_key(|o| o.retry_after_ms)
     });
-    let mut headers = request_headers(reply);
-    let message = match binding {
-        Some(o @ BucketOutcome { status: BucketStatus::Never, .. }) => format!(
-            "Request too large for limit \"{}\": it allows {} requests{}, so this request can never be admitted.",
-            o.name,
-            o.limit,
-            per_window(window_ms_of(&o.name)),
+    let mut headers = rate_limit_headers(reply, config);
+    let Some(outcome) = binding else {
+        // Not allowed yet nothing limited: only an inconsistent reply gets here.
+        headers.push(("retry-after", "1".to_string()));
+        headers.push(("content-type", "application/json".to_string()));
+        let body = error_body(
+            "Rate limit reached. Please try again in 1s.",
+            "requests",
+            "rate_limit_exceeded",
+        );
+        return LocalReply {
+            status: 429,
+            headers,
+            body,
+        };
+    };
+    let dimension = dimension_of(config, outcome);
+    let window = config.limit(&outcome.name).map_or(String::new(), |l| {
+        format!(" per {}", format_reset(l.window_ms()))
+    });
+    let (name, limit) = (&outcome.name, outcome.limit);
+    let message = match (outcome.status, dimension) {
+        (BucketStatus::Never, Dimension::Tokens) => format!(
+            "Request too large for limit \"{name}\": it needs {requested_tokens} tokens (prompt and completion allowance), \
+             but the limit allows {limit}{window}, so it can never be admitted. Shorten the prompt or lower max_tokens."
         ),
-        Some(o) => {
-            headers.push(("retry-after", retry_after_seconds(o.retry_after_ms).to_string()));
+        (BucketStatus::Never, Dimension::Requests) => format!(
+            "Request too large for limit \"{name}\": it allows {limit} requests{window}, so this request can never be admitted."
+        ),
+        (_, Dimension::Tokens) => {
+            headers.push(("retry-after", retry_after_seconds(outcome.retry_after_ms).to_string()));
             format!(
-                "Rate limit reached for requests: limit \"{}\" allows {}{}. Please try again in {}.",
-                o.name,
-                o.limit,
-                per_window(window_ms_of(&o.name)),
-                format_reset(o.retry_after_ms),
+                "Rate limit reached for tokens: limit \"{name}\" allows {limit}{window}, {} left, and this request needs \
+                 {requested_tokens} (prompt and completion allowance). Please try again in {}.",
+                outcome.remaining,
+                format_reset(outcome.retry_after_ms)
             )
         }
-        // Not allowed yet nothing limited: only an inconsistent reply gets here.
-        None => {
-            headers.push(("retry-after", "1".to_string()));
-            "Rate limit reached for requests. Please try again in 1s.".to_string()
+        (_, Dimension::Requests) => {
+            headers.push(("retry-after", retry_after_seconds(outcome.retry_after_ms).to_string()));
+            format!(
+                "Rate limit reached for requests: limit \"{name}\" allows {limit}{window}. Please try again in {}.",
+                format_reset(outcome.retry_after_ms)
+            )
         }
     };
     headers.push(("content-type", "application/json".to_string()));
     LocalReply {
         status: 429,
         headers,
-        body: error_body(&message, "requests", "rate_limit_exceeded"),
+        body: error_body(&message, dimension.name(), "rate_limit_exceeded"),
     }
 }
 
 /// 401 for a request without the identifying header, when the config says `reject`.
 pub fn missing_identity() -> LocalReply {
-    LocalReply {
-        status: 401,
-        headers: vec![("content-type", "application/json".to_string())],
-        body: error_body(
-            "No API key provided. Send it as 'Authorization: Bearer <key>' or in the header the operator configured.",
-            "invalid_request_error",
-            "missing_api_key",
+    local_error(
+        401,
+        "No API key provided. Send it as 'Authorization: Bearer <key>' or in the header the operator configured.",
+        "invalid_request_error",
+        "missing_api_key",
+    )
+}
+
+/// 413 for a body too large to count.
+pub fn body_too_large(limit: u64) -> LocalReply {
+    local_error(
+        413,
+        &format!(
+            "The request body is larger than the {limit} bytes this gateway reads to count tokens."
         ),
-    }
+        "invalid_request_error",
+        "request_too_large",
+    )
 }
 
 /// 503 when the limiter cannot decide and the config says `deny`.
 pub fn limiter_unavailable() -> LocalReply {
+    let mut reply = local_error(
+        503,
+        "The rate limiter is unavailable, so the request was not forwarded. Please try again shortly.",
+        "server_error",
+        "rate_limiter_unavailable",
+    );
+    reply.headers.insert(0, ("retry-after", "1".to_string()));
+    reply
+}
+
+fn local_error(status: u32, message: &str, kind: &str, code: &str) -> LocalReply {
     LocalReply {
-        status: 503,
-        headers: vec![("retry-after", "1".to_string()), ("content-type", "application/json".to_string())],
-        body: error_body(
-            "The rate limiter is unavailable, so the request was not forwarded. Please try again shortly.",
-            "server_error",
-            "rate_limiter_unavailable",
-        ),
+        status,
+        headers: vec![("content-type", "application/json".to_string())],
+        body: error_body(message, kind, code),
     }
 }
 
 /// Whole seconds, rounded up and at least 1: a client that waits this long finds room.
 pub fn retry_after_seconds(ms: u64) -> u64 {
     ms.div_ceil(1000).max(1)
-}
-
-fn per_window(window_ms: Option<u64>) -> String {
-    window_ms
-        .map(|ms| format!(" per {}", format_reset(ms)))
-        .unwrap_or_default()
 }
 
 fn error_body(message: &str, kind: &str, code: &str) -> String {
@@ -129,6 +208,15 @@ fn error_body(message: &str, kind: &str, code: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn config() -> Config {
+        let json = r#"{"companion": {"upstream": "c", "token": "t"}, "limits": [
+            {"name": "rpm", "requests": 20, "window": "1m"},
+            {"name": "rph", "requests": 100, "window": "1h"},
+            {"name": "rpd", "requests": 1000, "window": "1d"},
+            {"name": "tpm", "tokens": 10000, "window": "1m"}]}"#;
+        Config::from_json(json.as_bytes()).expect("config")
+    }
 
     fn outcome(
         name: &str,
@@ -156,16 +244,16 @@ mod tests {
     }
 
     #[test]
-    fn headers_describe_the_tightest_limit() {
+    fn headers_describe_the_tightest_limit_of_each_dimension() {
         let reply = TokenBucketReply {
             allowed: true,
             limits: vec![
                 outcome("rpm", BucketStatus::Allowed, 20, 7, 39_000, 0),
                 outcome("rpd", BucketStatus::Allowed, 1000, 7, 600_000, 0),
-                outcome("rps", BucketStatus::Allowed, 10, 9, 100, 0),
+                outcome("tpm", BucketStatus::Allowed, 10_000, 8_800, 7_200, 0),
             ],
         };
-        let headers = request_headers(&reply);
+        let headers = rate_limit_headers(&reply, &config());
         assert_eq!(header(&headers, "x-ratelimit-limit-requests"), Some("1000"));
         assert_eq!(
             header(&headers, "x-ratelimit-remaining-requests"),
@@ -174,6 +262,34 @@ mod tests {
         assert_eq!(
             header(&headers, "x-ratelimit-reset-requests"),
             Some("10m0s")
+        );
+        assert_eq!(header(&headers, "x-ratelimit-limit-tokens"), Some("10000"));
+        assert_eq!(
+            header(&headers, "x-ratelimit-remaining-tokens"),
+            Some("8800")
+        );
+        assert_eq!(header(&headers, "x-ratelimit-reset-tokens"), Some("7.2s"));
+        assert_eq!(
+            header(&headers, "ratelimit-policy"),
+            Some(r#""rpm";q=20;w=60, "rpd";q=1000;w=86400, "tpm";q=10000;w=60"#)
+        );
+        assert_eq!(
+            header(&headers, "ratelimit"),
+            Some(r#""rpm";r=7;t=39, "rpd";r=7;t=600, "tpm";r=8800;t=8"#)
+        );
+    }
+
+    #[test]
+    fn request_only_replies_carry_no_token_headers() {
+        let reply = TokenBucketReply {
+            allowed: true,
+            limits: vec![outcome("rpm", BucketStatus::Allowed, 20, 19, 3_000, 0)],
+        };
+        let headers = rate_limit_headers(&reply, &config());
+        assert_eq!(header(&headers, "x-ratelimit-remaining-tokens"), None);
+        assert_eq!(
+            header(&headers, "x-ratelimit-remaining-requests"),
+            Some("19")
         );
     }
 
@@ -187,17 +303,9 @@ mod tests {
                 outcome("rpd", BucketStatus::Allowed, 1000, 500, 100, 0),
             ],
         };
-        let windows = |name: &str| match name {
-            "rph" => Some(3_600_000),
-            _ => Some(60_000),
-        };
-        let reply = rejection(&reply, windows);
+        let reply = rejection(&reply, &config(), 0);
         assert_eq!(reply.status, 429);
         assert_eq!(header(&reply.headers, "retry-after"), Some("37"));
-        assert_eq!(
-            header(&reply.headers, "x-ratelimit-remaining-requests"),
-            Some("0")
-        );
         let body: serde_json::Value = serde_json::from_str(&reply.body).expect("json body");
         assert_eq!(body["error"]["code"], "rate_limit_exceeded");
         assert_eq!(body["error"]["type"], "requests");
@@ -210,19 +318,44 @@ mod tests {
     }
 
     #[test]
+    fn a_token_429_says_what_the_request_needs() {
+        let reply = TokenBucketReply {
+            allowed: false,
+            limits: vec![
+                outcome("rpm", BucketStatus::Allowed, 20, 12, 24_000, 0),
+                outcome("tpm", BucketStatus::Limited, 10_000, 300, 58_200, 5_400),
+            ],
+        };
+        let reply = rejection(&reply, &config(), 1_200);
+        assert_eq!(header(&reply.headers, "retry-after"), Some("6"));
+        assert_eq!(
+            header(&reply.headers, "x-ratelimit-remaining-tokens"),
+            Some("300")
+        );
+        let body: serde_json::Value = serde_json::from_str(&reply.body).expect("json body");
+        assert_eq!(body["error"]["type"], "tokens");
+        let message = body["error"]["message"].as_str().expect("message");
+        assert!(
+            message.contains("300 left, and this request needs 1200"),
+            "{message}"
+        );
+    }
+
+    #[test]
     fn a_request_that_can_never_fit_gets_no_retry_after() {
         let reply = TokenBucketReply {
             allowed: false,
             limits: vec![
                 outcome("rpm", BucketStatus::Limited, 20, 0, 60_000, 2_500),
-                outcome("burst", BucketStatus::Never, 1, 1, 0, 0),
+                outcome("tpm", BucketStatus::Never, 10_000, 10_000, 0, 0),
             ],
         };
-        let reply = rejection(&reply, |_| Some(1_000));
+        let reply = rejection(&reply, &config(), 12_000);
         assert_eq!(reply.status, 429);
         assert_eq!(header(&reply.headers, "retry-after"), None);
         assert!(
-            reply.body.contains("can never be admitted"),
+            reply.body.contains("needs 12000 tokens")
+                && reply.body.contains("can never be admitted"),
             "{}",
             reply.body
         );
@@ -237,10 +370,12 @@ mod tests {
 
     #[test]
     fn other_local_replies_parse_as_openai_errors() {
-        for (reply, status, code) in [
+        let cases = [
             (missing_identity(), 401, "missing_api_key"),
             (limiter_unavailable(), 503, "rate_limiter_unavailable"),
-        ] {
+            (body_too_large(1024), 413, "request_too_large"),
+        ];
+        for (reply, status, code) in cases {
             assert_eq!(reply.status, status);
             let body: serde_json::Value = serde_json::from_str(&reply.body).expect("json body");
             assert_eq!(body["error"]["code"], code);

@@ -14,12 +14,16 @@
 )]
 
 pub mod bucket;
+pub mod charge;
 pub mod config;
 pub mod decision;
 pub mod duration;
 pub mod identity;
+mod json;
 pub mod protocol;
 pub mod request;
+pub mod reservation;
+pub mod settle_queue;
 pub mod sse;
 pub mod tokens;
 pub mod usage;

@@ -5,8 +5,10 @@ use serde::{Deserialize, Serialize};
 
 /// Header carrying the shared secret on every callout to the companion.
 pub const TOKEN_HEADER: &str = "x-llmrl-token";
-/// Endpoint that runs `lua/token_bucket.lua`.
+/// Endpoint that charges buckets with `lua/token_bucket.lua`.
 pub const TOKEN_BUCKET_PATH: &str = "/v1/token_bucket";
+/// Endpoint that settles reservations with `lua/token_bucket.lua`, many per call.
+pub const SETTLE_PATH: &str = "/v1/settle";
 
 /// Check several buckets of one tenant and charge them all, or none.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -17,7 +19,64 @@ pub struct TokenBucketRequest {
     /// Hashed tenant id; never a raw credential.
     pub tenant: String,
     pub limits: Vec<BucketSpec>,
+    /// Record this charge so that a later settlement can adjust it, once.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reservation: Option<Reservation>,
 }
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Reservation {
+    /// Unique per request.
+    pub id: String,
+    /// How long the record waits for its settlement; after that the charge stands.
+    pub ttl_ms: u64,
+}
+
+/// Settle many reservations (of any tenants) in one call.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SettleRequest {
+    pub settlements: Vec<Settlement>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Settlement {
+    pub domain: String,
+    pub tenant: String,
+    pub reservation: String,
+    pub limits: Vec<Adjustment>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Adjustment {
+    pub name: String,
+    pub capacity: u64,
+    pub window_ms: u64,
+    /// Tokens given back (> 0) or taken as well (< 0).
+    pub credit: i64,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SettleReply {
+    /// One per settlement, in request order.
+    pub results: Vec<SettleOutcome>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SettleOutcome {
+    Applied,
+    /// Settled before, or the reservation expired: nothing changed.
+    AlreadySettled,
+    /// Redis failed; safe to send again.
+    Failed,
+}
+
+/// Most settlements in one call.
+pub const MAX_SETTLEMENTS_PER_CALL: usize = 1000;
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -77,45 +136,85 @@ pub fn is_key_part(text: &str) -> bool {
             .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-' || b == b'.')
 }
 
+/// Checks what the script cannot: names safe for keys, positive sizes, bounded counts.
+fn validate_buckets<'a>(
+    domain: &str,
+    tenant: &str,
+    buckets: impl ExactSizeIterator<Item = (&'a str, u64, u64)> + Clone,
+) -> Result<(), String> {
+    if !is_key_part(domain) {
+        return Err(format!(
+            "domain {domain:?} must be 1-{MAX_KEY_PART} of [A-Za-z0-9_.-]"
+        ));
+    }
+    if !is_key_part(tenant) {
+        return Err(format!("tenant must be 1-{MAX_KEY_PART} of [A-Za-z0-9_.-]"));
+    }
+    if buckets.len() == 0 || buckets.len() > MAX_LIMITS_PER_CALL {
+        return Err(format!(
+            "limits must have 1 to {MAX_LIMITS_PER_CALL} entries, got {}",
+            buckets.len()
+        ));
+    }
+    for (i, (name, capacity, window_ms)) in buckets.clone().enumerate() {
+        if !is_key_part(name) {
+            return Err(format!(
+                "limits[{i}].name {name:?} must be 1-{MAX_KEY_PART} of [A-Za-z0-9_.-]"
+            ));
+        }
+        if capacity == 0 {
+            return Err(format!("limits[{i}].capacity must be positive"));
+        }
+        if window_ms == 0 {
+            return Err(format!("limits[{i}].window_ms must be positive"));
+        }
+        if buckets.clone().take(i).any(|(other, _, _)| other == name) {
+            return Err(format!("limits[{i}].name {name:?} appears twice"));
+        }
+    }
+    Ok(())
+}
+
+fn validate_reservation_id(id: &str) -> Result<(), String> {
+    if is_key_part(id) {
+        Ok(())
+    } else {
+        Err(format!(
+            "reservation id must be 1-{MAX_KEY_PART} of [A-Za-z0-9_.-]"
+        ))
+    }
+}
+
 impl TokenBucketRequest {
-    /// Checks what the script cannot: names safe for keys, positive sizes, bounded counts.
     pub fn validate(&self) -> Result<(), String> {
-        if !is_key_part(&self.domain) {
+        let buckets = self
+            .limits
+            .iter()
+            .map(|l| (l.name.as_str(), l.capacity, l.window_ms));
+        validate_buckets(&self.domain, &self.tenant, buckets)?;
+        match &self.reservation {
+            Some(reservation) => validate_reservation_id(&reservation.id),
+            None => Ok(()),
+        }
+    }
+}
+
+impl SettleRequest {
+    pub fn validate(&self) -> Result<(), String> {
+        if self.settlements.len() > MAX_SETTLEMENTS_PER_CALL {
             return Err(format!(
-                "domain {:?} must be 1-{MAX_KEY_PART} of [A-Za-z0-9_.-]",
-                self.domain
+                "at most {MAX_SETTLEMENTS_PER_CALL} settlements per call, got {}",
+                self.settlements.len()
             ));
         }
-        if !is_key_part(&self.tenant) {
-            return Err(format!("tenant must be 1-{MAX_KEY_PART} of [A-Za-z0-9_.-]"));
-        }
-        if self.limits.is_empty() || self.limits.len() > MAX_LIMITS_PER_CALL {
-            return Err(format!(
-                "limits must have 1 to {MAX_LIMITS_PER_CALL} entries, got {}",
-                self.limits.len()
-            ));
-        }
-        for (i, limit) in self.limits.iter().enumerate() {
-            if !is_key_part(&limit.name) {
-                return Err(format!(
-                    "limits[{i}].name {:?} must be 1-{MAX_KEY_PART} of [A-Za-z0-9_.-]",
-                    limit.name
-                ));
-            }
-            if limit.capacity == 0 {
-                return Err(format!("limits[{i}].capacity must be positive"));
-            }
-            if limit.window_ms == 0 {
-                return Err(format!("limits[{i}].window_ms must be positive"));
-            }
-            if self
+        for (i, s) in self.settlements.iter().enumerate() {
+            let buckets = s
                 .limits
                 .iter()
-                .take(i)
-                .any(|other| other.name == limit.name)
-            {
-                return Err(format!("limits[{i}].name {:?} appears twice", limit.name));
-            }
+                .map(|l| (l.name.as_str(), l.capacity, l.window_ms));
+            validate_buckets(&s.domain, &s.tenant, buckets)
+                .and_then(|()| validate_reservation_id(&s.reservation))
+                .map_err(|e| format!("settlements[{i}]: {e}"))?;
         }
         Ok(())
     }
@@ -135,6 +234,7 @@ mod tests {
                 window_ms: 60_000,
                 cost: 1,
             }],
+            reservation: None,
         }
     }
 
@@ -161,6 +261,15 @@ mod tests {
                 },
                 "appears twice",
             ),
+            (
+                |r| {
+                    r.reservation = Some(Reservation {
+                        id: "a:b".into(),
+                        ttl_ms: 1,
+                    })
+                },
+                "reservation id",
+            ),
         ];
         for (mutate, fragment) in cases {
             let mut r = request();
@@ -168,6 +277,34 @@ mod tests {
             let err = r.validate().expect_err(fragment);
             assert!(err.contains(fragment), "{err}");
         }
+    }
+
+    #[test]
+    fn settlements_are_validated_one_by_one() {
+        let settlement = |tenant: &str| Settlement {
+            domain: "llm".into(),
+            tenant: tenant.into(),
+            reservation: "r1".into(),
+            limits: vec![Adjustment {
+                name: "tpm".into(),
+                capacity: 100,
+                window_ms: 60_000,
+                credit: -5,
+            }],
+        };
+        assert_eq!(
+            SettleRequest {
+                settlements: vec![settlement("a")]
+            }
+            .validate(),
+            Ok(())
+        );
+        let err = SettleRequest {
+            settlements: vec![settlement("a"), settlement("{b}")],
+        }
+        .validate()
+        .expect_err("bad tenant");
+        assert!(err.starts_with("settlements[1]: tenant"), "{err}");
     }
 
     #[test]

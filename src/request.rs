@@ -8,6 +8,7 @@
 //! counted as text, an image as a fixed cost) and settled against the provider's own usage
 //! afterwards.
 
+use crate::json::Field;
 use crate::tokens::Encoding;
 use serde_json::Value;
 
@@ -101,18 +102,19 @@ impl LlmRequest {
             return Err(BodyError::NotAnObject);
         }
         let max_output = match api {
-            Api::ChatCompletions => {
-                as_count(&body["max_completion_tokens"]).or_else(|| as_count(&body["max_tokens"]))
-            }
-            Api::Completions | Api::Messages => as_count(&body["max_tokens"]),
-            Api::Responses => as_count(&body["max_output_tokens"]),
+            Api::ChatCompletions => as_count(body.at("max_completion_tokens"))
+                .or_else(|| as_count(body.at("max_tokens"))),
+            Api::Completions | Api::Messages => as_count(body.at("max_tokens")),
+            Api::Responses => as_count(body.at("max_output_tokens")),
             Api::Embeddings => Some(0),
         };
         Ok(LlmRequest {
             api,
-            model: body["model"].as_str().map(str::to_string),
-            stream: body["stream"].as_bool().unwrap_or(false),
-            include_usage: body["stream_options"]["include_usage"]
+            model: body.at("model").as_str().map(str::to_string),
+            stream: body.at("stream").as_bool().unwrap_or(false),
+            include_usage: body
+                .at("stream_options")
+                .at("include_usage")
                 .as_bool()
                 .unwrap_or(false),
             max_output,
@@ -126,20 +128,20 @@ impl LlmRequest {
         let body = &self.body;
         match self.api {
             Api::ChatCompletions => {
-                chat_messages(&body["messages"], &count) + tools(&body["tools"], &count)
+                chat_messages(body.at("messages"), &count) + tools(body.at("tools"), &count)
             }
             Api::Messages => {
-                content(&body["system"], &count)
-                    + chat_messages(&body["messages"], &count)
-                    + tools(&body["tools"], &count)
+                content(body.at("system"), &count)
+                    + chat_messages(body.at("messages"), &count)
+                    + tools(body.at("tools"), &count)
             }
             Api::Responses => {
-                content(&body["instructions"], &count)
-                    + content(&body["input"], &count)
-                    + tools(&body["tools"], &count)
+                content(body.at("instructions"), &count)
+                    + content(body.at("input"), &count)
+                    + tools(body.at("tools"), &count)
             }
-            Api::Completions => inputs(&body["prompt"], &count),
-            Api::Embeddings => inputs(&body["input"], &count),
+            Api::Completions => inputs(body.at("prompt"), &count),
+            Api::Embeddings => inputs(body.at("input"), &count),
         }
     }
 
@@ -183,7 +185,7 @@ fn chat_messages(messages: &Value, count: &impl Fn(&str) -> u64) -> u64 {
                 "tool_calls" => value.as_array().map_or(0, |calls| {
                     calls
                         .iter()
-                        .map(|c| text_leaves(&c["function"], count))
+                        .map(|c| text_leaves(c.at("function"), count))
                         .sum()
                 }),
                 "function_call" => text_leaves(value, count),
@@ -207,13 +209,13 @@ fn content(value: &Value, count: &impl Fn(&str) -> u64) -> u64 {
 }
 
 fn content_part(part: &Value, count: &impl Fn(&str) -> u64) -> u64 {
-    match part["type"].as_str().unwrap_or("") {
+    match part.at("type").as_str().unwrap_or("") {
         "image_url" | "input_image" | "image" => IMAGE_TOKENS,
         // Responses API message items: {role, content}; count like a chat message.
         _ if part.get("role").is_some() && part.get("content").is_some() => {
             TOKENS_PER_MESSAGE
-                + part["role"].as_str().map_or(0, count)
-                + content(&part["content"], count)
+                + part.at("role").as_str().map_or(0, count)
+                + content(part.at("content"), count)
         }
         _ => text_leaves(part, count),
     }

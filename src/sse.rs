@@ -4,6 +4,8 @@
 //! are skipped; several `data:` lines join with `\n`. Memory is bounded: an event larger
 //! than the limit is dropped, never buffered without end.
 
+use crate::json::Field;
+
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct SseEvent {
     /// The `event:` field, empty if none.
@@ -119,6 +121,64 @@ impl SseParser {
     }
 }
 
+/// Removes the usage-only chunk (`"choices": []` with `usage`) that
+/// `stream_options.include_usage` adds to an OpenAI chat stream, for a client that did not
+/// ask for it: such a client may read `choices[0]` of every chunk. Complete events pass
+/// on as they arrive; an incomplete one waits for its end.
+#[derive(Debug, Default)]
+pub struct UsageChunkRemover {
+    pending: Vec<u8>,
+}
+
+impl UsageChunkRemover {
+    /// The bytes to pass on for this chunk (`end`: the stream's last).
+    pub fn filter(&mut self, chunk: &[u8], end: bool) -> Vec<u8> {
+        self.pending.extend_from_slice(chunk);
+        let mut out = Vec::with_capacity(self.pending.len());
+        let mut start = 0;
+        while let Some(len) = event_length(self.pending.get(start..).unwrap_or(&[])) {
+            let event = self.pending.get(start..start + len).unwrap_or(&[]);
+            if !is_usage_only(event) {
+                out.extend_from_slice(event);
+            }
+            start += len;
+        }
+        self.pending.drain(..start);
+        if end {
+            out.append(&mut self.pending);
+        }
+        out
+    }
+}
+
+/// Length of the first complete event in `bytes`, its closing blank line included.
+fn event_length(bytes: &[u8]) -> Option<usize> {
+    (0..bytes.len()).find_map(|i| {
+        let rest = bytes.get(i..)?;
+        [&b"\r\n\r\n"[..], b"\n\n", b"\r\r"]
+            .iter()
+            .find(|end| rest.starts_with(end))
+            .map(|end| i + end.len())
+    })
+}
+
+fn is_usage_only(event: &[u8]) -> bool {
+    let text = String::from_utf8_lossy(event);
+    let data: String = text
+        .lines()
+        .filter_map(|line| line.strip_prefix("data:"))
+        .map(|value| value.strip_prefix(' ').unwrap_or(value))
+        .collect::<Vec<_>>()
+        .join("\n");
+    match serde_json::from_str::<serde_json::Value>(&data) {
+        Ok(chunk) => {
+            chunk.at("choices").as_array().is_some_and(|c| c.is_empty())
+                && chunk.at("usage").is_object()
+        }
+        Err(_) => false,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -172,6 +232,32 @@ mod tests {
                 let (b, c) = rest.split_at(j - i);
                 assert_eq!(parse_all(&[a, b, c]), whole, "split at {i}, {j}");
             }
+        }
+    }
+
+    #[test]
+    fn removes_only_the_usage_chunk_whatever_the_split() {
+        let stream = include_str!("../tests/cases/streams/openai_chat_usage.sse").as_bytes();
+        let events: Vec<&str> = std::str::from_utf8(stream)
+            .expect("utf8")
+            .split_inclusive("\n\n")
+            .collect();
+        let expected: String = events
+            .iter()
+            .filter(|e| !e.contains(r#""choices":[]"#))
+            .copied()
+            .collect();
+        assert_eq!(events.len(), expected.split_inclusive("\n\n").count() + 1);
+        for at in 0..=stream.len() {
+            let mut remover = UsageChunkRemover::default();
+            let (a, b) = stream.split_at(at);
+            let mut out = remover.filter(a, false);
+            out.extend(remover.filter(b, true));
+            assert_eq!(
+                String::from_utf8(out).expect("utf8"),
+                expected,
+                "split at {at}"
+            );
         }
     }
 

@@ -10,6 +10,7 @@
 //! A stream without usage is settled on its text: the streamed deltas are counted with
 //! the tokenizer.
 
+use crate::json::Field;
 use crate::sse::{SseEvent, SseParser};
 use crate::tokens::Encoding;
 use serde_json::Value;
@@ -50,9 +51,9 @@ impl ReportedUsage {
 pub fn reported_usage(message: &Value) -> ReportedUsage {
     let mut found = ReportedUsage::default();
     for usage in [
-        &message["usage"],
-        &message["message"]["usage"],
-        &message["response"]["usage"],
+        &message.at("usage"),
+        &message.at("message").at("usage"),
+        &message.at("response").at("usage"),
     ] {
         if usage.is_object() {
             found.merge(from_usage_object(usage));
@@ -212,7 +213,7 @@ impl StreamUsage {
             return;
         };
         self.reported.merge(reported_usage(&message));
-        let kind = message["type"].as_str().unwrap_or(event.event.as_str());
+        let kind = message.at("type").as_str().unwrap_or(event.event.as_str());
         if matches!(
             kind,
             "message_stop" | "response.completed" | "response.incomplete" | "response.failed"
@@ -226,35 +227,36 @@ impl StreamUsage {
     /// arguments), legacy completions, Anthropic text and tool-input deltas, Responses
     /// text and argument deltas.
     fn collect_text(&mut self, message: &Value) {
-        if let Some(choices) = message["choices"].as_array() {
+        if let Some(choices) = message.at("choices").as_array() {
             for choice in choices {
-                let delta = &choice["delta"];
+                let delta = &choice.at("delta");
                 for text in [
-                    &delta["content"],
-                    &delta["refusal"],
-                    &delta["reasoning_content"],
-                    &choice["text"],
+                    &delta.at("content"),
+                    &delta.at("refusal"),
+                    &delta.at("reasoning_content"),
+                    &choice.at("text"),
                 ] {
                     self.push_text(text.as_str());
                 }
-                for call in delta["tool_calls"].as_array().into_iter().flatten() {
-                    self.push_text(call["function"]["arguments"].as_str());
-                    self.push_text(call["function"]["name"].as_str());
+                for call in delta.at("tool_calls").as_array().into_iter().flatten() {
+                    self.push_text(call.at("function").at("arguments").as_str());
+                    self.push_text(call.at("function").at("name").as_str());
                 }
             }
         }
-        match message["type"].as_str() {
+        match message.at("type").as_str() {
             Some("content_block_delta") => {
-                let delta = &message["delta"];
+                let delta = &message.at("delta");
                 self.push_text(
-                    delta["text"]
+                    delta
+                        .at("text")
                         .as_str()
-                        .or(delta["partial_json"].as_str())
-                        .or(delta["thinking"].as_str()),
+                        .or(delta.at("partial_json").as_str())
+                        .or(delta.at("thinking").as_str()),
                 );
             }
             Some(kind) if kind.starts_with("response.") && kind.ends_with(".delta") => {
-                self.push_text(message["delta"].as_str())
+                self.push_text(message.at("delta").as_str())
             }
             _ => {}
         }

@@ -13,12 +13,12 @@ from stack import http_get, wait_until
 TOKEN = "companion-test-token"
 
 
-def call(port, body, token=TOKEN):
+def call(port, body, token=TOKEN, path="/v1/token_bucket"):
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
     headers = {"content-type": "application/json"}
     if token is not None:
         headers["x-llmrl-token"] = token
-    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/token_bucket", data=data, headers=headers)
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data, headers=headers)
     try:
         with urllib.request.urlopen(request, timeout=5) as resp:
             return resp.status, json.loads(resp.read())
@@ -76,6 +76,31 @@ def test_enforces_limits_in_prefixed_hash_tagged_keys(single):
     assert [o["status"] for o in replies[3][1]["limits"]] == ["limited", "limited"]
     keys = sorted(k.decode() for k in redis.Redis(port=redis_port).keys("*"))
     assert keys == ["t1:{llm:tenant1}:tb:rpd", "t1:{llm:tenant1}:tb:rpm"]
+
+
+def settlement(tenant, reservation, credit):
+    return {"domain": "llm", "tenant": tenant, "reservation": reservation,
+            "limits": [{"name": "tpm", "capacity": 1000, "window_ms": 3_600_000, "credit": credit}]}
+
+
+def test_settles_each_reservation_once(single):
+    _, redis_port, port = single
+    charge = {"domain": "llm", "tenant": "t9", "reservation": {"id": "res1", "ttl_ms": 60_000},
+              "limits": [{"name": "tpm", "capacity": 1000, "window_ms": 3_600_000, "cost": 700}]}
+    status, reply = call(port, charge)
+    assert status == 200 and reply["limits"][0]["remaining"] == 300
+    store = redis.Redis(port=redis_port)
+    assert store.exists("t1:{llm:t9}:res:res1") == 1
+    batch = {"settlements": [settlement("t9", "res1", 650), settlement("t9", "never-charged", 100)]}
+    status, reply = call(port, batch, path="/v1/settle")
+    assert status == 200 and reply["results"] == ["applied", "already_settled"]
+    assert float(store.hget("t1:{llm:t9}:tb:tpm", "tokens")) == pytest.approx(950, abs=1)
+    status, reply = call(port, batch, path="/v1/settle")
+    assert reply["results"] == ["already_settled", "already_settled"]
+    assert float(store.hget("t1:{llm:t9}:tb:tpm", "tokens")) == pytest.approx(950, abs=1)
+    assert call(port, batch, token=None, path="/v1/settle")[0] == 401
+    status, reply = call(port, {"settlements": [settlement("{bad}", "r", 1)]}, path="/v1/settle")
+    assert status == 400 and "settlements[0]: tenant" in reply["error"]
 
 
 def test_reloads_scripts_after_script_flush(single):

@@ -2,6 +2,7 @@
 model (src/bucket.rs) is tested with; and on a three-node Redis Cluster."""
 
 import json
+import time
 import uuid
 from pathlib import Path
 
@@ -31,6 +32,18 @@ def client(module_stack):
     return redis.Redis(port=port)
 
 
+def bucket_args(op, limits, amounts, ttl_ms=0):
+    args = [op, len(limits), ttl_ms]
+    for limit, amount in zip(limits, amounts):
+        args += [limit["capacity"], limit["window_ms"], amount]
+    return args
+
+
+def call(client, op, keys, limits, amounts, reservation=None, ttl_ms=60_000):
+    all_keys = keys + ([reservation] if reservation else [])
+    return client.eval(SCRIPT, len(all_keys), *all_keys, *bucket_args(op, limits, amounts, ttl_ms))
+
+
 def run_case(client, case, tolerance_ms=1):
     tag = uuid.uuid4().hex
     keys = [f"test:{{{tag}}}:{limit['name']}" for limit in case["limits"]]
@@ -42,16 +55,13 @@ def run_case(client, case, tolerance_ms=1):
         for key in keys:
             if key in written_at:
                 pipe.eval(SET_AGE, 1, key, clock - written_at[key])
-        args = []
-        for limit, cost in zip(case["limits"], step["costs"]):
-            args += [limit["capacity"], limit["window_ms"], cost]
-        pipe.eval(SCRIPT, len(keys), *keys, *args)
+        pipe.eval(SCRIPT, len(keys), *keys, *bucket_args(step.get("op", "charge"), case["limits"], step["amounts"]))
         reply = pipe.execute()[-1]
         what = f"{case['name']} / step {i}"
-        assert reply[0] == int(step["allowed"]), what
-        if step["allowed"]:
-            for key, cost in zip(keys, step["costs"]):
-                if cost > 0:
+        assert reply[0] == int(step["done"]), what
+        if step["done"]:
+            for key, amount in zip(keys, step["amounts"]):
+                if amount != 0:
                     written_at[key] = clock
         for got, want, limit in zip(reply[1:], step["outcomes"], case["limits"]):
             status, cap, remaining, reset_after_ms, retry_after_ms = got
@@ -68,9 +78,12 @@ def test_case_table(client, case):
     run_case(client, case)
 
 
+RPM10 = [{"capacity": 10, "window_ms": 60_000}]
+
+
 def test_charged_buckets_expire_when_they_would_be_full(client):
     key = f"test:{{{uuid.uuid4().hex}}}:rpm"
-    client.eval(SCRIPT, 1, key, 10, 60_000, 4)
+    call(client, "charge", [key], RPM10, [4])
     ttl = client.pttl(key)
     # 4 of 10 spent, refilling 10 per minute: full again in 24 s.
     assert 23_000 < ttl <= 24_000
@@ -78,19 +91,39 @@ def test_charged_buckets_expire_when_they_would_be_full(client):
 
 def test_a_look_writes_nothing(client):
     key = f"test:{{{uuid.uuid4().hex}}}:rpm"
-    client.eval(SCRIPT, 1, key, 10, 60_000, 0)
+    call(client, "charge", [key], RPM10, [0])
     assert client.exists(key) == 0
+
+
+def test_a_reservation_settles_at_most_once_and_expires(client):
+    tag = uuid.uuid4().hex
+    key, reservation = f"test:{{{tag}}}:tpm", f"test:{{{tag}}}:res:r1"
+    assert call(client, "charge", [key], RPM10, [8], reservation, ttl_ms=60_000)[0] == 1
+    assert 59_000 < client.pttl(reservation) <= 60_000
+    first = call(client, "settle", [key], RPM10, [5], reservation)
+    again = call(client, "settle", [key], RPM10, [5], reservation)
+    assert (first[0], first[1][2]) == (1, 7)
+    assert (again[0], again[1][2]) == (0, 7)  # not applied twice
+    assert client.exists(reservation) == 0
+    # A denied charge writes no reservation; an expired one settles nothing.
+    call(client, "charge", [key], RPM10, [9], f"test:{{{tag}}}:res:r2")
+    assert client.exists(f"test:{{{tag}}}:res:r2") == 0
+    call(client, "charge", [key], RPM10, [1], f"test:{{{tag}}}:res:r3", ttl_ms=1)
+    time.sleep(0.01)
+    assert call(client, "settle", [key], RPM10, [1], f"test:{{{tag}}}:res:r3")[0] == 0
 
 
 @pytest.mark.parametrize(
     "args, message",
     [
-        ([], "need 3 ARGV per key"),
-        ([5, 1000], "need 3 ARGV per key"),
-        ([0, 1000, 1], "bad capacity"),
-        ([5, 0, 1], "bad capacity"),
-        ([5, 1000, -1], "bad capacity"),
-        (["x", 1000, 1], "bad capacity"),
+        ([], "expected op, n, ttl"),
+        (["charge", 1, 0, 5, 1000], "expected op, n, ttl"),
+        (["refund", 1, 0, 5, 1000, 1], "expected op, n, ttl"),
+        (["charge", 2, 0, 5, 1000, 1], "expected op, n, ttl"),
+        (["charge", 1, 0, 0, 1000, 1], "bad capacity"),
+        (["charge", 1, 0, 5, 0, 1], "bad capacity"),
+        (["charge", 1, 0, 5, 1000, -1], "bad capacity"),
+        (["settle", 1, 0, "x", 1000, 1], "bad capacity"),
     ],
 )
 def test_bad_arguments_are_errors(client, args, message):
@@ -108,11 +141,12 @@ def test_runs_on_a_cluster_with_one_hash_tag_per_tenant(module_stack):
             slot = cluster.keyslot(keys[0])
             assert cluster.keyslot(keys[1]) == slot
             nodes_used.add(cluster.nodes_manager.get_node_from_slot(slot).port)
-            results = [cluster.eval(SCRIPT, 2, *keys, 2, 60_000, 1, 100, 86_400_000, 1)[0] for _ in range(3)]
+            limits = [{"capacity": 2, "window_ms": 60_000}, {"capacity": 100, "window_ms": 86_400_000}]
+            results = [cluster.eval(SCRIPT, 2, *keys, *bucket_args("charge", limits, [1, 1]))[0] for _ in range(3)]
             assert results == [1, 1, 0], tenant
         assert len(nodes_used) > 1, "tenants should spread over the cluster's nodes"
         # Without a shared tag the keys land in different slots, which the cluster refuses.
         with pytest.raises(redis.RedisClusterException):
-            cluster.eval(SCRIPT, 2, "test:a:rpm", "test:b:rpm", 2, 60_000, 1, 2, 60_000, 1)
+            cluster.eval(SCRIPT, 2, "test:a:rpm", "test:b:rpm", *bucket_args("charge", RPM10 * 2, [1, 1]))
     finally:
         cluster.close()

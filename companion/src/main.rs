@@ -3,8 +3,8 @@
 //! TCP connections to Redis itself (proxy-wasm offers HTTP callouts only), so it calls
 //! this service through a proxy upstream.
 //!
-//! Endpoints: `POST /v1/token_bucket` (JSON in and out, see `llm_ratelimit::protocol`),
-//! `GET /healthz`. Every endpoint but `/healthz` requires the shared token in
+//! Endpoints: `POST /v1/token_bucket` and `POST /v1/settle` (JSON in and out, see
+//! `llm_ratelimit::protocol`), `GET /healthz`. Every endpoint but `/healthz` requires the shared token in
 //! `x-llmrl-token`.
 
 mod store;
@@ -19,7 +19,10 @@ use axum::serve::ListenerExt;
 use axum::Router;
 use clap::Parser;
 use llm_ratelimit::duration::parse_duration;
-use llm_ratelimit::protocol::{TokenBucketRequest, TOKEN_BUCKET_PATH, TOKEN_HEADER};
+use llm_ratelimit::protocol::{
+    SettleOutcome, SettleReply, SettleRequest, TokenBucketRequest, SETTLE_PATH, TOKEN_BUCKET_PATH,
+    TOKEN_HEADER,
+};
 use serde_json::json;
 use std::sync::Arc;
 use std::time::Duration;
@@ -90,6 +93,26 @@ fn authorised(app: &App, headers: &HeaderMap) -> bool {
         .is_some_and(|v| same_secret(v.as_bytes(), app.token.as_bytes()))
 }
 
+/// Parses and validates a JSON body, or says what is wrong with it (for a 400).
+fn parse_body<T: serde::de::DeserializeOwned>(
+    body: &[u8],
+    validate: impl Fn(&T) -> Result<(), String>,
+) -> Result<T, String> {
+    let request: T =
+        serde_json::from_slice(body).map_err(|err| format!("invalid request body: {err}"))?;
+    validate(&request).map_err(|message| format!("invalid request: {message}"))?;
+    Ok(request)
+}
+
+fn json_reply(value: impl serde::Serialize) -> Response {
+    (
+        StatusCode::OK,
+        [("content-type", "application/json")],
+        json!(value).to_string(),
+    )
+        .into_response()
+}
+
 async fn run_token_bucket(
     State(app): State<Arc<App>>,
     headers: HeaderMap,
@@ -101,39 +124,77 @@ async fn run_token_bucket(
             format!("missing or wrong {TOKEN_HEADER}"),
         );
     }
-    let request: TokenBucketRequest = match serde_json::from_slice(&body) {
+    let request = match parse_body(&body, TokenBucketRequest::validate) {
         Ok(request) => request,
-        Err(err) => {
-            return error(
-                StatusCode::BAD_REQUEST,
-                format!("invalid request body: {err}"),
-            )
-        }
+        Err(message) => return error(StatusCode::BAD_REQUEST, message),
     };
-    if let Err(message) = request.validate() {
-        return error(
-            StatusCode::BAD_REQUEST,
-            format!("invalid request: {message}"),
-        );
-    }
-    let keys = token_bucket::keys(&app.key_prefix, &request);
-    let args = token_bucket::args(&request);
-    let value = match app.store.run(&app.token_bucket, &keys, &args).await {
+    let call = token_bucket::charge(&app.key_prefix, &request);
+    let value = match app
+        .store
+        .run(&app.token_bucket, &call.keys, &call.args)
+        .await
+    {
         Ok(value) => value,
         Err(err) => return error(StatusCode::SERVICE_UNAVAILABLE, format!("redis: {err}")),
     };
-    match token_bucket::reply(&request, &value) {
-        Ok(reply) => (
-            StatusCode::OK,
-            [("content-type", "application/json")],
-            json!(reply).to_string(),
-        )
-            .into_response(),
+    match token_bucket::reply(request.limits.iter().map(|l| l.name.as_str()), &value) {
+        Ok(reply) => json_reply(reply),
         Err(err) => error(
             StatusCode::BAD_GATEWAY,
             format!("unexpected script reply: {err}"),
         ),
     }
+}
+
+/// Settles each reservation with its own script call (they may belong to different
+/// tenants, so to different cluster slots), all at once.
+async fn run_settle(State(app): State<Arc<App>>, headers: HeaderMap, body: Bytes) -> Response {
+    if !authorised(&app, &headers) {
+        return error(
+            StatusCode::UNAUTHORIZED,
+            format!("missing or wrong {TOKEN_HEADER}"),
+        );
+    }
+    let request = match parse_body(&body, SettleRequest::validate) {
+        Ok(request) => request,
+        Err(message) => return error(StatusCode::BAD_REQUEST, message),
+    };
+    let mut tasks = tokio::task::JoinSet::new();
+    for (index, settlement) in request.settlements.into_iter().enumerate() {
+        let app = app.clone();
+        tasks.spawn(async move {
+            let call = token_bucket::settle(&app.key_prefix, &settlement);
+            let names = settlement.limits.iter().map(|l| l.name.as_str());
+            let outcome = match app
+                .store
+                .run(&app.token_bucket, &call.keys, &call.args)
+                .await
+            {
+                Ok(value) => match token_bucket::reply(names, &value) {
+                    Ok(reply) if reply.allowed => SettleOutcome::Applied,
+                    Ok(_) => SettleOutcome::AlreadySettled,
+                    Err(err) => {
+                        eprintln!("companion: unexpected settle reply: {err}");
+                        SettleOutcome::Failed
+                    }
+                },
+                Err(err) => {
+                    eprintln!("companion: settle failed: {err}");
+                    SettleOutcome::Failed
+                }
+            };
+            (index, outcome)
+        });
+    }
+    let mut results = vec![SettleOutcome::Failed; tasks.len()];
+    while let Some(joined) = tasks.join_next().await {
+        if let Ok((index, outcome)) = joined {
+            if let Some(slot) = results.get_mut(index) {
+                *slot = outcome;
+            }
+        }
+    }
+    json_reply(SettleReply { results })
 }
 
 async fn healthz(State(app): State<Arc<App>>) -> Response {
@@ -229,6 +290,7 @@ async fn serve(args: Args) -> Result<(), String> {
     });
     let router = Router::new()
         .route(TOKEN_BUCKET_PATH, post(run_token_bucket))
+        .route(SETTLE_PATH, post(run_settle))
         .route("/healthz", get(healthz))
         .with_state(app);
     let listener = tokio::net::TcpListener::bind(&args.listen)

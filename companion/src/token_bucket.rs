@@ -1,54 +1,108 @@
-//! The `/v1/token_bucket` endpoint's translation: JSON request to KEYS/ARGV of
-//! `lua/token_bucket.lua`, and the script's reply back to JSON.
+//! The translation between the JSON endpoints and `lua/token_bucket.lua`: KEYS and ARGV
+//! for a charge or a settlement, and the script's reply back to JSON.
 
-use llm_ratelimit::protocol::{BucketOutcome, BucketStatus, TokenBucketReply, TokenBucketRequest};
+use llm_ratelimit::protocol::{
+    BucketOutcome, BucketStatus, Settlement, TokenBucketReply, TokenBucketRequest,
+};
 use redis::Value;
 
 pub const SOURCE: &str = include_str!("../../lua/token_bucket.lua");
 
-/// `<prefix>{<domain>:<tenant>}:tb:<limit>`: the braces are a Redis Cluster hash tag, so
-/// all of a tenant's buckets share a slot and one script call can touch them together.
-pub fn keys(prefix: &str, request: &TokenBucketRequest) -> Vec<String> {
-    request
-        .limits
-        .iter()
-        .map(|limit| {
-            format!(
-                "{prefix}{{{}:{}}}:tb:{}",
-                request.domain, request.tenant, limit.name
-            )
-        })
-        .collect()
+/// A script call: its keys and arguments.
+pub struct Call {
+    pub keys: Vec<String>,
+    pub args: Vec<String>,
 }
 
-pub fn args(request: &TokenBucketRequest) -> Vec<String> {
-    request
-        .limits
-        .iter()
-        .flat_map(|l| {
-            [
-                l.capacity.to_string(),
-                l.window_ms.to_string(),
-                l.cost.to_string(),
-            ]
-        })
-        .collect()
+/// `<prefix>{<domain>:<tenant>}:<kind>:<name>`: the braces are a Redis Cluster hash tag,
+/// so all keys of a tenant share a slot and one script call can touch them together.
+fn key(prefix: &str, domain: &str, tenant: &str, kind: &str, name: &str) -> String {
+    format!("{prefix}{{{domain}:{tenant}}}:{kind}:{name}")
 }
 
-pub fn reply(request: &TokenBucketRequest, value: &Value) -> Result<TokenBucketReply, String> {
+fn call<'a>(
+    prefix: &str,
+    op: &str,
+    domain: &str,
+    tenant: &str,
+    buckets: impl Iterator<Item = (&'a str, u64, u64, String)>,
+    reservation: Option<(&str, u64)>,
+) -> Call {
+    let mut keys = Vec::new();
+    let mut triplets = Vec::new();
+    for (name, capacity, window_ms, amount) in buckets {
+        keys.push(key(prefix, domain, tenant, "tb", name));
+        triplets.extend([capacity.to_string(), window_ms.to_string(), amount]);
+    }
+    let mut args = vec![
+        op.to_string(),
+        keys.len().to_string(),
+        reservation.map_or(0, |r| r.1).to_string(),
+    ];
+    args.extend(triplets);
+    if let Some((id, _)) = reservation {
+        keys.push(key(prefix, domain, tenant, "res", id));
+    }
+    Call { keys, args }
+}
+
+pub fn charge(prefix: &str, request: &TokenBucketRequest) -> Call {
+    let buckets = request
+        .limits
+        .iter()
+        .map(|l| (l.name.as_str(), l.capacity, l.window_ms, l.cost.to_string()));
+    let reservation = request
+        .reservation
+        .as_ref()
+        .map(|r| (r.id.as_str(), r.ttl_ms));
+    call(
+        prefix,
+        "charge",
+        &request.domain,
+        &request.tenant,
+        buckets,
+        reservation,
+    )
+}
+
+pub fn settle(prefix: &str, settlement: &Settlement) -> Call {
+    let buckets = settlement.limits.iter().map(|l| {
+        (
+            l.name.as_str(),
+            l.capacity,
+            l.window_ms,
+            l.credit.to_string(),
+        )
+    });
+    let reservation = Some((settlement.reservation.as_str(), 0));
+    call(
+        prefix,
+        "settle",
+        &settlement.domain,
+        &settlement.tenant,
+        buckets,
+        reservation,
+    )
+}
+
+/// The script's reply for buckets named `names`, in order.
+pub fn reply<'a>(
+    names: impl ExactSizeIterator<Item = &'a str>,
+    value: &Value,
+) -> Result<TokenBucketReply, String> {
     let items = as_array(value)?;
-    let (allowed, outcomes) = items.split_first().ok_or("empty reply")?;
-    if outcomes.len() != request.limits.len() {
+    let (done, outcomes) = items.split_first().ok_or("empty reply")?;
+    if outcomes.len() != names.len() {
         return Err(format!(
             "reply has {} outcomes for {} limits",
             outcomes.len(),
-            request.limits.len()
+            names.len()
         ));
     }
     let limits = outcomes
         .iter()
-        .zip(&request.limits)
-        .map(|(outcome, spec)| {
+        .zip(names)
+        .map(|(outcome, name)| {
             let fields: Vec<i64> = as_array(outcome)?
                 .iter()
                 .map(as_int)
@@ -64,7 +118,7 @@ pub fn reply(request: &TokenBucketRequest, value: &Value) -> Result<TokenBucketR
             };
             let non_negative = |n: i64| u64::try_from(n).unwrap_or(0);
             Ok(BucketOutcome {
-                name: spec.name.clone(),
+                name: name.to_string(),
                 status,
                 limit: non_negative(limit),
                 remaining: non_negative(remaining),
@@ -74,7 +128,7 @@ pub fn reply(request: &TokenBucketRequest, value: &Value) -> Result<TokenBucketR
         })
         .collect::<Result<_, String>>()?;
     Ok(TokenBucketReply {
-        allowed: as_int(allowed)? == 1,
+        allowed: as_int(done)? == 1,
         limits,
     })
 }
@@ -96,7 +150,7 @@ fn as_int(value: &Value) -> Result<i64, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use llm_ratelimit::protocol::BucketSpec;
+    use llm_ratelimit::protocol::{Adjustment, BucketSpec, Reservation};
 
     fn request() -> TokenBucketRequest {
         TokenBucketRequest {
@@ -110,24 +164,62 @@ mod tests {
                     cost: 1,
                 },
                 BucketSpec {
-                    name: "rpd".into(),
-                    capacity: 1000,
-                    window_ms: 86_400_000,
-                    cost: 1,
+                    name: "tpm".into(),
+                    capacity: 10_000,
+                    window_ms: 60_000,
+                    cost: 750,
                 },
             ],
+            reservation: Some(Reservation {
+                id: "r42".into(),
+                ttl_ms: 900_000,
+            }),
         }
     }
 
     #[test]
-    fn keys_share_one_hash_tag_per_tenant() {
+    fn a_charge_puts_every_key_under_one_hash_tag() {
+        let call = charge("llmrl:", &request());
         assert_eq!(
-            keys("llmrl:", &request()),
-            vec!["llmrl:{llm:abc123}:tb:rpm", "llmrl:{llm:abc123}:tb:rpd"]
+            call.keys,
+            vec![
+                "llmrl:{llm:abc123}:tb:rpm",
+                "llmrl:{llm:abc123}:tb:tpm",
+                "llmrl:{llm:abc123}:res:r42"
+            ]
         );
         assert_eq!(
-            args(&request()),
-            vec!["20", "60000", "1", "1000", "86400000", "1"]
+            call.args,
+            vec!["charge", "2", "900000", "20", "60000", "1", "10000", "60000", "750"]
+        );
+        let mut plain = request();
+        plain.reservation = None;
+        let call = charge("p:", &plain);
+        assert_eq!(call.keys.len(), 2);
+        assert_eq!(call.args[..3], ["charge", "2", "0"]);
+    }
+
+    #[test]
+    fn a_settlement_carries_signed_credits_and_its_reservation() {
+        let settlement = Settlement {
+            domain: "llm".into(),
+            tenant: "abc123".into(),
+            reservation: "r42".into(),
+            limits: vec![Adjustment {
+                name: "tpm".into(),
+                capacity: 10_000,
+                window_ms: 60_000,
+                credit: -120,
+            }],
+        };
+        let call = settle("llmrl:", &settlement);
+        assert_eq!(
+            call.keys,
+            vec!["llmrl:{llm:abc123}:tb:tpm", "llmrl:{llm:abc123}:res:r42"]
+        );
+        assert_eq!(
+            call.args,
+            vec!["settle", "1", "0", "10000", "60000", "-120"]
         );
     }
 
@@ -145,26 +237,30 @@ mod tests {
         let value = Value::Array(vec![
             Value::Int(0),
             outcome(1, 20, 3, 51_000, 0),
-            outcome(0, 1000, 0, 86_400_000, 86_400),
+            outcome(0, 10_000, 0, 60_000, 4_500),
         ]);
-        let reply = reply(&request(), &value).expect("valid reply");
+        let reply = reply(["rpm", "tpm"].into_iter(), &value).expect("valid reply");
         assert!(!reply.allowed);
         assert_eq!(reply.limits[0].status, BucketStatus::Allowed);
         assert_eq!(reply.limits[0].remaining, 3);
         assert_eq!(reply.limits[1].status, BucketStatus::Limited);
-        assert_eq!(reply.limits[1].retry_after_ms, 86_400);
-        assert_eq!(reply.limits[1].name, "rpd");
+        assert_eq!(reply.limits[1].retry_after_ms, 4_500);
+        assert_eq!(reply.limits[1].name, "tpm");
     }
 
     #[test]
     fn rejects_malformed_replies() {
-        for value in [
+        let malformed = [
             Value::Int(1),
             Value::Array(vec![]),
             Value::Array(vec![Value::Int(1)]),
             Value::Array(vec![Value::Int(1), Value::Int(2), Value::Int(3)]),
-        ] {
-            assert!(reply(&request(), &value).is_err(), "{value:?}");
+        ];
+        for value in malformed {
+            assert!(
+                reply(["rpm", "tpm"].into_iter(), &value).is_err(),
+                "{value:?}"
+            );
         }
     }
 }

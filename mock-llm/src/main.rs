@@ -13,6 +13,10 @@
 //! content chunk is one token. Delays: `--first-token-delay-ms` / `--chunk-delay-ms`, or per
 //! request `x-mock-first-token-delay-ms` / `x-mock-chunk-delay-ms`. Prompt tokens are an
 //! estimate (about 4 characters a token): the fixture does not tokenize.
+//!
+//! For tests: every reply carries `x-mock-prompt-tokens` and `x-mock-completion-tokens`,
+//! the usage it reports (or would, for a stream without a usage chunk); a request with
+//! `x-mock-status: <code>` gets that error status with the provider's error body.
 
 use axum::body::{Body, Bytes};
 use axum::http::{HeaderMap, StatusCode};
@@ -137,6 +141,27 @@ async fn pause(delay: Duration) {
     }
 }
 
+/// Adds the usage the reply reports, for tests to compare with what was charged.
+fn with_usage(mut response: Response, plan: &Plan) -> Response {
+    let headers = response.headers_mut();
+    for (name, value) in [
+        ("x-mock-prompt-tokens", plan.prompt_tokens),
+        ("x-mock-completion-tokens", plan.completion_tokens),
+    ] {
+        if let Ok(value) = value.to_string().parse() {
+            headers.insert(name, value);
+        }
+    }
+    response
+}
+
+/// The status a test asked for with `x-mock-status`, if it is an error status.
+fn forced_error(headers: &HeaderMap) -> Option<StatusCode> {
+    header_u64(headers, "x-mock-status")
+        .and_then(|code| StatusCode::from_u16(u16::try_from(code).ok()?).ok())
+        .filter(|status| status.is_client_error() || status.is_server_error())
+}
+
 fn json_response(status: StatusCode, body: &Value) -> Response {
     (
         status,
@@ -205,6 +230,9 @@ async fn chat_completions(
     let max_tokens = request["max_completion_tokens"]
         .as_u64()
         .or(request["max_tokens"].as_u64());
+    if let Some(status) = forced_error(&headers) {
+        return openai_error(status, "The mock was asked to fail this request.");
+    }
     let plan = mock.plan(&headers, &request, max_tokens);
     let id = format!("chatcmpl-mock{:08}", plan.id);
     let created = now_secs();
@@ -219,13 +247,16 @@ async fn chat_completions(
     });
     if !plan.stream {
         pause(plan.first_delay).await;
-        return json_response(
-            StatusCode::OK,
-            &json!({
-                "id": id, "object": "chat.completion", "created": created, "model": plan.model,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": words.concat(), "refusal": null, "annotations": []}, "logprobs": null, "finish_reason": finish_reason}],
-                "usage": usage, "service_tier": "default", "system_fingerprint": "fp_mock"
-            }),
+        return with_usage(
+            json_response(
+                StatusCode::OK,
+                &json!({
+                    "id": id, "object": "chat.completion", "created": created, "model": plan.model,
+                    "choices": [{"index": 0, "message": {"role": "assistant", "content": words.concat(), "refusal": null, "annotations": []}, "logprobs": null, "finish_reason": finish_reason}],
+                    "usage": usage, "service_tier": "default", "system_fingerprint": "fp_mock"
+                }),
+            ),
+            &plan,
         );
     }
     // With include_usage every chunk carries `"usage": null` and one extra chunk with empty
@@ -259,7 +290,10 @@ async fn chat_completions(
         events.push(format!("data: {last}\n\n"));
     }
     events.push("data: [DONE]\n\n".to_string());
-    sse_response(events, plan.first_delay, plan.chunk_delay)
+    with_usage(
+        sse_response(events, plan.first_delay, plan.chunk_delay),
+        &plan,
+    )
 }
 
 async fn messages(
@@ -283,6 +317,9 @@ async fn messages(
     if !request["messages"].is_array() {
         return anthropic_error(StatusCode::BAD_REQUEST, "messages: Field required");
     }
+    if let Some(status) = forced_error(&headers) {
+        return anthropic_error(status, "The mock was asked to fail this request.");
+    }
     let plan = mock.plan(&headers, &request, Some(max_tokens));
     let id = format!("msg_mock{:016}", plan.id);
     let words = completion_text(plan.completion_tokens);
@@ -293,14 +330,17 @@ async fn messages(
     };
     if !plan.stream {
         pause(plan.first_delay).await;
-        return json_response(
-            StatusCode::OK,
-            &json!({
-                "id": id, "type": "message", "role": "assistant", "model": plan.model,
-                "content": [{"type": "text", "text": words.concat()}],
-                "stop_reason": stop_reason, "stop_sequence": null,
-                "usage": {"input_tokens": plan.prompt_tokens, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0, "output_tokens": plan.completion_tokens, "service_tier": "standard"}
-            }),
+        return with_usage(
+            json_response(
+                StatusCode::OK,
+                &json!({
+                    "id": id, "type": "message", "role": "assistant", "model": plan.model,
+                    "content": [{"type": "text", "text": words.concat()}],
+                    "stop_reason": stop_reason, "stop_sequence": null,
+                    "usage": {"input_tokens": plan.prompt_tokens, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0, "output_tokens": plan.completion_tokens, "service_tier": "standard"}
+                }),
+            ),
+            &plan,
         );
     }
     let event = |name: &str, data: Value| format!("event: {name}\ndata: {data}\n\n");
@@ -326,7 +366,10 @@ async fn messages(
     ));
     events.push(event("message_delta", json!({"type": "message_delta", "delta": {"stop_reason": stop_reason, "stop_sequence": null}, "usage": {"output_tokens": plan.completion_tokens}})));
     events.push(event("message_stop", json!({"type": "message_stop"})));
-    sse_response(events, plan.first_delay, plan.chunk_delay)
+    with_usage(
+        sse_response(events, plan.first_delay, plan.chunk_delay),
+        &plan,
+    )
 }
 
 async fn stats(mock: axum::extract::State<Arc<Mock>>) -> Response {

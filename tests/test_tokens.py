@@ -1,0 +1,226 @@
+"""Token-aware limits end to end through Envoy: prompts counted in the proxy, a
+reservation charged before the request goes upstream, and the real usage settled after,
+for OpenAI and Anthropic, JSON and streams, completed, failed and interrupted."""
+
+import concurrent.futures
+import hashlib
+import http.client
+import json
+import socket
+import time
+from types import SimpleNamespace
+
+import pytest
+import redis
+
+from stack import envoy_config, free_port, wait_until
+
+TOKEN = "tokens-companion-token"
+# A budget so long-lived that refill during a test is below one token.
+BIG = 1_000_000
+LONG = "366d"
+
+
+def tenant_of(key):
+    return hashlib.sha256(b"llm-ratelimit/tenant/v1\0" + key.encode()).hexdigest()[:32]
+
+
+@pytest.fixture
+def env(stack):
+    _, redis_port = stack.redis()
+    _, companion_port = stack.companion(f"redis://127.0.0.1:{redis_port}", TOKEN)
+    _, mock_port = stack.mock(extra=["--completion-tokens", "20"])
+    state = SimpleNamespace(stack=stack, redis=redis.Redis(port=redis_port), companion_port=companion_port, mock_port=mock_port)
+
+    def start(limits, tokens=None, name="envoy", **extra):
+        config = {
+            "companion": {"upstream": "llm_ratelimit_companion", "token": TOKEN, "timeout": "2s"},
+            "failure_mode": "deny",
+            "limits": limits,
+            **({"tokens": tokens} if tokens else {}),
+            **extra,
+        }
+        port = free_port()
+        stack.envoy(envoy_config(listen_port=port, admin_port=free_port(), upstream_port=mock_port,
+                                 companion_port=companion_port, filter_config=config), name=name)
+        return port
+
+    state.start = start
+    return state
+
+
+def bucket_level(env, key, limit="tpm"):
+    raw = env.redis.hget(f"llmrl:{{llm:{tenant_of(key)}}}:tb:{limit}", "tokens")
+    return None if raw is None else float(raw)
+
+
+def wait_level(env, key, expected, limit="tpm"):
+    """Settlement is asynchronous (the next tick): wait for the bucket to show it."""
+    return wait_until(lambda: bucket_level(env, key, limit) is not None and abs(bucket_level(env, key, limit) - expected) < 1.5,
+                      10, f"bucket {limit} at {expected} (now {bucket_level(env, key, limit)})")
+
+
+def post(port, path, body, key, headers=None):
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        conn.request("POST", path, body=json.dumps(body),
+                     headers={"content-type": "application/json", "authorization": f"Bearer {key}", **(headers or {})})
+        resp = conn.getresponse()
+        return resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read()
+    finally:
+        conn.close()
+
+
+def chat(content="Tell me a story about rate limits.", **extra):
+    return {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": content}], **extra}
+
+
+def anthropic(content="Tell me a story about rate limits.", **extra):
+    return {"model": "claude-sonnet-4-5", "max_tokens": 300, "messages": [{"role": "user", "content": content}], **extra}
+
+
+def sse_events(body):
+    return [e for e in body.decode().split("\n\n") if e.strip()]
+
+
+@pytest.mark.parametrize(
+    "path, body, streamed",
+    [
+        ("/v1/chat/completions", chat(max_tokens=500), False),
+        ("/v1/chat/completions", chat(max_tokens=500, stream=True, stream_options={"include_usage": True}), True),
+        ("/v1/messages", anthropic(), False),
+        ("/v1/messages", anthropic(stream=True), True),
+    ],
+    ids=["openai-json", "openai-stream", "anthropic-json", "anthropic-stream"],
+)
+def test_the_reported_usage_is_charged_not_the_estimate(env, path, body, streamed):
+    port = env.start([{"name": "tpm", "tokens": BIG, "window": LONG}])
+    key = "sk-usage"
+    status, headers, payload = post(port, path, body, key)
+    assert status == 200
+    reserved = int(headers["x-llm-ratelimit-reserved-tokens"])
+    cap = body.get("max_tokens")
+    assert reserved > cap  # the prompt, counted in the proxy, plus the output cap
+    assert int(headers["x-ratelimit-remaining-tokens"]) == BIG - reserved
+    assert headers["x-ratelimit-limit-tokens"] == str(BIG)
+    actual = int(headers["x-mock-prompt-tokens"]) + int(headers["x-mock-completion-tokens"])
+    assert actual < reserved
+    if streamed:
+        assert sse_events(payload)[-1] in ("data: [DONE]", 'event: message_stop\ndata: {"type":"message_stop"}')
+    wait_level(env, key, BIG - actual)
+
+
+def test_a_stream_without_usage_is_charged_its_counted_text(env):
+    port = env.start([{"name": "tpm", "tokens": BIG, "window": LONG}])
+    status, headers, _ = post(port, "/v1/chat/completions", chat(max_tokens=500, stream=True), "sk-nousage",
+                              {"x-mock-completion-tokens": "30"})
+    assert status == 200
+    reserved = int(headers["x-llm-ratelimit-reserved-tokens"])
+    prompt_in_proxy = reserved - 500
+    # The mock streams one token per chunk; the proxy counted 30 and its own prompt count.
+    wait_level(env, "sk-nousage", BIG - (prompt_in_proxy + 30))
+
+
+def test_the_filter_can_ask_for_stream_usage_and_hide_it_from_the_client(env):
+    port = env.start([{"name": "tpm", "tokens": BIG, "window": LONG}], tokens={"request_stream_usage": True})
+    status, headers, payload = post(port, "/v1/chat/completions", chat(max_tokens=500, stream=True), "sk-inject")
+    assert status == 200
+    events = sse_events(payload)
+    assert events[-1] == "data: [DONE]"
+    assert not any('"choices":[]' in e for e in events), "the client did not ask for the usage chunk"
+    chunks = [json.loads(e[len("data: "):]) for e in events[:-1]]
+    assert all(c["choices"] for c in chunks)
+    # Charged what the provider reported (its own prompt count), not what the proxy counted.
+    actual = int(headers["x-mock-prompt-tokens"]) + int(headers["x-mock-completion-tokens"])
+    wait_level(env, "sk-inject", BIG - actual)
+
+
+def test_an_upstream_error_is_charged_the_prompt_only(env):
+    port = env.start([{"name": "tpm", "tokens": BIG, "window": LONG}])
+    status, headers, _ = post(port, "/v1/chat/completions", chat(max_tokens=800), "sk-error", {"x-mock-status": "500"})
+    assert status == 500
+    reserved = int(headers["x-llm-ratelimit-reserved-tokens"])
+    wait_level(env, "sk-error", BIG - (reserved - 800))
+
+
+def test_a_client_that_disconnects_mid_stream_is_charged_what_was_streamed(env):
+    port = env.start([{"name": "tpm", "tokens": BIG, "window": LONG}])
+    body = json.dumps(chat(max_tokens=1000, stream=True)).encode()
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    sock.sendall(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-leaver\r\n"
+        b"x-mock-completion-tokens: 1000\r\nx-mock-chunk-delay-ms: 20\r\ncontent-type: application/json\r\n"
+        + f"content-length: {len(body)}\r\n\r\n".encode() + body
+    )
+    received = b""
+    while received.count(b"data: ") < 12:
+        received += sock.recv(65536)
+    head = received.split(b"\r\n\r\n", 1)[0].decode().lower()
+    reserved = int(next(l.split(":", 1)[1] for l in head.split("\r\n") if l.startswith("x-llm-ratelimit-reserved-tokens")))
+    sock.close()
+    prompt = reserved - 1000
+    # Charged the prompt and the tokens streamed before the disconnect: far below the
+    # reservation, at least what the client saw.
+    def settled():
+        level = bucket_level(env, "sk-leaver")
+        return level is not None and BIG - level < prompt + 200 and BIG - level >= prompt + 10
+    wait_until(settled, 10, f"settlement after disconnect (level {bucket_level(env, 'sk-leaver')})")
+
+
+def test_a_token_limit_rejects_with_its_own_429(env):
+    port = env.start([{"name": "rpm", "requests": 100, "window": "1m"}, {"name": "tpm", "tokens": 1000, "window": "1h"}])
+    status, headers, _ = post(port, "/v1/chat/completions", chat(max_tokens=600), "sk-tokens", {"x-mock-completion-tokens": "600"})
+    assert status == 200
+    wait_level(env, "sk-tokens", 1000 - 600 - int(headers["x-mock-prompt-tokens"]))
+    status, headers, payload = post(port, "/v1/chat/completions", chat(max_tokens=600), "sk-tokens")
+    assert status == 429
+    error = json.loads(payload)["error"]
+    assert error["type"] == "tokens" and error["code"] == "rate_limit_exceeded"
+    assert '"tpm"' in error["message"] and "this request needs" in error["message"]
+    assert int(headers["retry-after"]) >= 1
+    assert headers["x-ratelimit-limit-tokens"] == "1000"
+    assert headers["x-ratelimit-remaining-requests"] == "99"  # the rejected request charged nothing
+    # A request that could never fit says so, without a Retry-After.
+    status, headers, payload = post(port, "/v1/chat/completions", chat(max_tokens=5000), "sk-huge")
+    assert status == 429 and "retry-after" not in headers
+    assert "can never be admitted" in json.loads(payload)["error"]["message"]
+
+
+def test_parallel_long_completions_never_overshoot_the_limit(env):
+    """40 parallel streams of long completions against a TPM limit: the reservations
+    (prompt + max_tokens) hold the limit; settlement only gives back what was unused."""
+    limit = 20_000
+    port = env.start([{"name": "tpm", "tokens": limit, "window": LONG}])
+
+    def one(i):
+        body = chat(f"Request {i}: write a long essay.", max_tokens=1000, stream=True, stream_options={"include_usage": True})
+        status, headers, payload = post(port, "/v1/chat/completions", body, "sk-burst",
+                                        {"x-mock-completion-tokens": "1000", "x-mock-chunk-delay-ms": "1"})
+        if status != 200:
+            return status, 0
+        usage = json.loads(sse_events(payload)[-2][len("data: "):])["usage"]
+        return status, usage["total_tokens"]
+
+    with concurrent.futures.ThreadPoolExecutor(40) as pool:
+        results = list(pool.map(one, range(40)))
+    admitted = sum(tokens for status, tokens in results if status == 200)
+    statuses = [status for status, _ in results]
+    assert statuses.count(200) + statuses.count(429) == 40
+    assert 0 < statuses.count(200) < 40
+    overshoot = (admitted - limit) / limit
+    print(f"\nadmitted {admitted} tokens of {limit} in {statuses.count(200)} requests: overshoot {overshoot:+.2%}")
+    assert admitted <= limit
+    wait_level(env, "sk-burst", limit - admitted)
+
+
+def test_requests_without_a_body_and_bad_bodies_cost_the_fallback(env):
+    port = env.start([{"name": "tpm", "tokens": BIG, "window": LONG}], tokens={"unparsed_request_cost": 123})
+    status, headers, _ = post(port, "/v1/chat/completions", "not json at all", "sk-bad")
+    assert status == 400  # the mock's answer; the filter counted the fallback
+    assert headers["x-llm-ratelimit-reserved-tokens"] == "123"
+
+
+def test_a_body_over_the_limit_is_refused_with_413(env):
+    port = env.start([{"name": "tpm", "tokens": BIG, "window": LONG}], tokens={"max_request_bytes": 2048})
+    status, _, payload = post(port, "/v1/chat/completions", chat("x" * 4096), "sk-big")
+    assert status == 413 and json.loads(payload)["error"]["code"] == "request_too_large"
