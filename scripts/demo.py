@@ -7,11 +7,13 @@ exactly the processes `up` started, `burst` sends a short scripted burst through
     Redis            127.0.0.1:6380
 """
 
+import hashlib
 import http.client
 import json
 import os
 import secrets
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -95,36 +97,64 @@ def _state(pid: int) -> str:
         return "zombie"
 
 
-def post(key: str, body: dict) -> tuple[int, dict, bytes]:
-    conn = http.client.HTTPConnection("127.0.0.1", ENVOY_PORT, timeout=30)
+def post(key: str, body: dict, headers: dict | None = None) -> tuple[int, dict, bytes]:
+    conn = http.client.HTTPConnection("127.0.0.1", ENVOY_PORT, timeout=60)
     try:
         conn.request("POST", "/v1/chat/completions", body=json.dumps(body),
-                     headers={"authorization": f"Bearer {key}", "content-type": "application/json"})
+                     headers={"authorization": f"Bearer {key}", "content-type": "application/json", **(headers or {})})
         resp = conn.getresponse()
         return resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read()
     finally:
         conn.close()
 
 
+def settled_tokens(key: str, capacity: int) -> float:
+    """The tenant's token bucket as Redis holds it (the filter hashes the key the same way).
+    A bucket that refilled completely has expired: no key means full."""
+    tenant = hashlib.sha256(b"llm-ratelimit/tenant/v1\0" + key.encode()).hexdigest()[:32]
+    out = subprocess.run(["redis-cli", "-p", str(REDIS_PORT), "hget", f"llmrl:{{llm:{tenant}}}:tb:tpm", "tokens"],
+                         capture_output=True, text=True).stdout.strip()
+    return float(out) if out else float(capacity)
+
+
+def error_message(payload: bytes) -> str:
+    return json.loads(payload)["error"]["message"]
+
+
 def burst() -> None:
     limits = filter_config_of(yaml.safe_load(DEMO_ENVOY_CONFIG.read_text()))["limits"]
-    print("Policy:", ", ".join(f"{l['name']} = {l['requests']} requests per {l['window']}" for l in limits))
-    key = f"sk-demo-{secrets.token_hex(4)}"  # a fresh tenant, so every run starts full
-    count = min(l["requests"] for l in limits) + 3
-    print(f"\nSending {count} requests as tenant {key[:11]}...:")
-    body = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "Tell me about rate limits."}]}
-    for i in range(1, count + 1):
+    describe = lambda l: f"{l['name']} = {l.get('requests') or l.get('tokens')} {'requests' if 'requests' in l else 'tokens'} per {l['window']}"
+    print("Policy:", ", ".join(describe(l) for l in limits))
+    request_limit = min(l["requests"] for l in limits if "requests" in l)
+    body = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "Tell me about rate limits."}], "max_tokens": 50}
+
+    key = f"sk-demo-{secrets.token_hex(4)}"  # fresh tenants, so every run starts full
+    print(f"\n1. Many small requests from tenant {key[:11]}...: the request limit answers first.")
+    for i in range(1, request_limit + 4):
         status, headers, payload = post(key, body)
-        remaining = headers.get("x-ratelimit-remaining-requests", "?")
-        limit = headers.get("x-ratelimit-limit-requests", "?")
-        line = f"  #{i:<3} {status}  remaining {remaining:>3}/{limit}  reset in {headers.get('x-ratelimit-reset-requests', '?')}"
+        line = (f"  #{i:<3} {status}  requests left {headers.get('x-ratelimit-remaining-requests', '?'):>3}"
+                f"/{headers.get('x-ratelimit-limit-requests', '?')}  reset in {headers.get('x-ratelimit-reset-requests', '?')}")
         if status == 429:
-            message = json.loads(payload)["error"]["message"]
-            line += f"  Retry-After: {headers.get('retry-after')}s  \"{message}\""
+            line += f"  Retry-After: {headers.get('retry-after')}s  \"{error_message(payload)}\""
         print(line)
-    other = f"sk-demo-{secrets.token_hex(4)}"
-    status, headers, _ = post(other, body)
-    print(f"\nAnother tenant ({other[:11]}...) is unaffected: {status}, remaining {headers.get('x-ratelimit-remaining-requests')}")
+
+    key = f"sk-demo-{secrets.token_hex(4)}"
+    print(f"\n2. Long streamed completions from tenant {key[:11]}...: each reserves its prompt (counted in the")
+    print("   proxy) plus max_tokens, then the real usage from the stream is settled and the rest given back.")
+    stream_body = {**body, "max_tokens": 2000, "stream": True, "stream_options": {"include_usage": True}}
+    for i in range(1, 10):
+        status, headers, payload = post(key, stream_body, {"x-mock-completion-tokens": "1500", "x-mock-chunk-delay-ms": "0"})
+        if status != 200:
+            print(f"  #{i:<3} {status}  \"{error_message(payload)}\"")
+            break
+        usage = json.loads(payload.decode().split("\n\n")[-3][len("data: "):])["usage"]
+        reserved = int(headers["x-llm-ratelimit-reserved-tokens"])
+        time.sleep(0.15)  # settlements go out on the filter's next 50 ms tick
+        level = settled_tokens(key, int(headers["x-ratelimit-limit-tokens"]))
+        print(f"  #{i:<3} {status}  reserved {reserved:>5,}  tokens left {int(headers['x-ratelimit-remaining-tokens']):>6,}"
+              f"  | used {usage['total_tokens']:>5,}  settled: {reserved - usage['total_tokens']:>4,} given back,"
+              f" {level:>8,.0f} left")
+
     print(f"""
 Send your own requests:
   curl -s http://127.0.0.1:{ENVOY_PORT}/v1/chat/completions -H 'Authorization: Bearer sk-my-key' \\

@@ -175,6 +175,39 @@ mod tests {
         assert_eq!(pick("claude-sonnet-4-5"), None);
     }
 
+    /// Counts from OpenAI's own tiktoken (tests/cases/make_token_counts.py) for a corpus
+    /// of prose, code, JSON, CJK, RTL, emoji, numbers and special-token text.
+    #[test]
+    fn counts_match_openais_tiktoken() {
+        #[derive(serde::Deserialize)]
+        struct Case {
+            text: String,
+            o200k_base: u64,
+            cl100k_base: u64,
+        }
+        #[derive(serde::Deserialize)]
+        struct Table {
+            cases: Vec<Case>,
+        }
+        let table: Table =
+            serde_json::from_str(include_str!("../tests/cases/token_counts.json")).expect("table");
+        assert!(table.cases.len() >= 30);
+        for case in table.cases {
+            assert_eq!(
+                Encoding::O200kBase.count(&case.text),
+                case.o200k_base,
+                "o200k: {:?}",
+                case.text
+            );
+            assert_eq!(
+                Encoding::Cl100kBase.count(&case.text),
+                case.cl100k_base,
+                "cl100k: {:?}",
+                case.text
+            );
+        }
+    }
+
     #[test]
     fn counts_known_strings() {
         // Checked against OpenAI's tiktoken; tests/cases/token_counts.json holds many more.
