@@ -16,7 +16,7 @@ WASM_CARGO := RUSTC_BOOTSTRAP=1 RUSTC=/usr/bin/rustc /usr/bin/cargo
 WASM_FLAGS := -Zbuild-std=std,panic_abort
 endif
 
-.PHONY: help setup build wasm native test unit integration up down demo bench lint clean
+.PHONY: help setup build wasm empty-filter native test unit integration up down demo bench lint clean
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -29,6 +29,11 @@ build: setup wasm native ## Build the filter (.wasm), the companion and the mock
 wasm:
 	$(WASM_CARGO) rustc -p llm-ratelimit --profile wasm --lib --crate-type cdylib --target $(WASM_TARGET) $(WASM_FLAGS)
 	@ls -l $(WASM)
+
+EMPTY_WASM := target/$(WASM_TARGET)/release/empty_filter.wasm
+
+empty-filter: setup
+	CARGO_TARGET_DIR=$(CURDIR)/target $(WASM_CARGO) build --release --manifest-path bench/empty-filter/Cargo.toml --target $(WASM_TARGET) $(WASM_FLAGS)
 
 native:
 	cargo build --release -p llm-ratelimit-companion -p mock-llm
@@ -52,7 +57,8 @@ down: ## Stop the demo stack
 demo: up ## Start the demo stack and send a short burst through it
 	$(PY) scripts/demo.py burst
 
-bench: build ## Measure Envoy without and with the filter in one run and print ratios
+bench: build empty-filter ## Measure Envoy without and with the filter in one run and print ratios
+	cargo build --release --example tokenize_bench
 	$(PY) scripts/bench.py
 
 lint: ## rustfmt and clippy (native)

@@ -1,31 +1,47 @@
-"""Benchmark: the same small non-streaming POST through Envoy without the filter and with
-it, measured in one run on this machine so the ratios mean something on a noisy host.
+"""Benchmark: llm-ratelimit against Envoy without a filter and with an empty wasm filter,
+all measured in one run on this machine so the ratios mean something on a noisy host.
 
-Envoy runs with --concurrency 1 pinned to CPU 0; wrk, the mock upstream, the companion and
-Redis share CPU 1 (as in shared/notes/anchors.md). The filter's limit is far above the
-offered load, so every request takes the full path (callout, Lua, response headers) and
-none is rejected. Requests rotate over 1,000 API keys.
+1. Start-up: time from starting Envoy (--concurrency 2) to /ready, and the first request
+   after it, for no filter, the empty filter and llm-ratelimit (o200k + cl100k linked).
+2. Small requests: requests/s at 16 connections and p50/p99 at 1 connection, Redis round
+   trips per request. Envoy --concurrency 1 on CPU 0; wrk, the mock upstream, the
+   companion and Redis share CPU 1 (as in shared/notes/anchors.md).
+3. Prompt size: p50 at 1 connection for 1k- and 32k-token prompts, with and without the
+   filter; the difference between the two added latencies gives the filter's prompt
+   processing rate (read, JSON parse and tokenize) in MB/s, next to native tiktoken-rs on
+   the same text.
 
-Prints requests/s at 16 connections, p50/p99 latency at 1 connection, the ratios, and
-Redis round trips (script calls) per request.
+Limits are far above the offered load: every request takes the whole path and none is
+rejected. Requests rotate over 1,000 API keys.
 """
 
 import argparse
-import os
+import json
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
+import time
+import urllib.request
 from pathlib import Path
 
-from stack import Stack, envoy_config, free_port, http_get
+from stack import ROOT, Stack, envoy_config, free_port, http_get
 
 TOKEN = "bench-token"
+EMPTY_WASM = ROOT / "target/wasm32-unknown-unknown/release/empty_filter.wasm"
+COMPANION = {"upstream": "llm_ratelimit_companion", "token": TOKEN, "timeout": "1s"}
+REQUESTS_ONLY = {"companion": COMPANION, "failure_mode": "deny",
+                 "limits": [{"name": "rpm", "requests": 1_000_000_000, "window": "1m"}]}
+WITH_TOKENS = {**REQUESTS_ONLY, "limits": REQUESTS_ONLY["limits"] + [{"name": "tpm", "tokens": 10**12, "window": "1m"}]}
+
 WRK_SCRIPT = r"""
 wrk.method = "POST"
 wrk.headers["content-type"] = "application/json"
-wrk.body = '{"model":"gpt-4o-mini","messages":[{"role":"user","content":"Say hello"}],"max_tokens":8}'
+local f = io.open("BODY_FILE", "rb")
+wrk.body = f:read("*a")
+f:close()
 local n = 0
 request = function()
   n = n + 1
@@ -37,27 +53,119 @@ response = function(status)
 end
 """
 
+WORDS = ("limit token request budget window proxy reserve settle stream usage model tenant quota burst "
+         "latency throughput gateway envoy filter redis cluster lease prompt completion the a of to and in "
+         "is for on with as by at from that this it be are was were 2026 42 3.14 {json} [list] (note), "
+         "naïve café 東京 Zürich").split()
+
+
+def prompt_text(words: int) -> str:
+    """Deterministic, varied text (a linear congruential walk over a word list)."""
+    state, out = 12345, []
+    for i in range(words):
+        state = (state * 1103515245 + 12345) % 2**31
+        out.append(WORDS[state % len(WORDS)])
+        if i % 17 == 16:
+            out[-1] += "."
+    return " ".join(out)
+
 
 def wrk(url: str, script: Path, connections: int, seconds: int) -> dict:
     out = subprocess.run(
         ["taskset", "-c", "1", "wrk", "-t1", f"-c{connections}", f"-d{seconds}s", "--latency", "-s", str(script), url],
         capture_output=True, text=True, check=True,
     ).stdout
-    if "Non-2xx" in out or "error" in out.lower() and "Socket errors" in out:
+    if "Non-2xx" in out:
         raise RuntimeError(f"wrk saw errors:\n{out}")
-    rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))
-    requests = int(re.search(r"(\d+) requests in", out).group(1))
     def pct(p):
         value, unit = re.search(rf"^\s+{p}%\s+([\d.]+)(us|ms|s)\s*$", out, re.M).groups()
         return float(value) * {"us": 0.001, "ms": 1.0, "s": 1000.0}[unit]
-    return {"rps": rps, "requests": requests, "p50": pct(50), "p99": pct(99)}
+    return {
+        "rps": float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1)),
+        "requests": int(re.search(r"(\d+) requests in", out).group(1)),
+        "p50": pct(50),
+        "p99": pct(99),
+    }
 
 
 def redis_round_trips(port: int) -> int:
-    """Script calls Redis has served (INFO commandstats): one per round trip, where
+    """Script calls Redis served (INFO commandstats): one per round trip, where
     total_commands_processed would also count the commands inside each script."""
     out = subprocess.run(["redis-cli", "-p", str(port), "info", "commandstats"], capture_output=True, text=True, check=True).stdout
     return sum(int(n) for n in re.findall(r"^cmdstat_(?:evalsha|eval):calls=(\d+)", out, re.M))
+
+
+def script_for(workdir: Path, name: str, body: dict) -> Path:
+    body_file = workdir / f"{name}.json"
+    body_file.write_text(json.dumps(body))
+    script = workdir / f"{name}.lua"
+    script.write_text(WRK_SCRIPT.replace("BODY_FILE", str(body_file)))
+    return script
+
+
+class Bench:
+    def __init__(self, workdir: Path, seconds: int):
+        self.workdir, self.seconds = workdir, seconds
+        self.stack = Stack(workdir)
+        _, self.redis_port = self.stack.redis()
+        self.companion, self.companion_port = self.stack.companion(f"redis://127.0.0.1:{self.redis_port}", TOKEN)
+        self.mock, self.mock_port = self.stack.mock(extra=["--completion-tokens", "8"])
+        for proc in (self.companion, self.mock):
+            subprocess.run(["taskset", "-pc", "1", str(proc.pid)], check=True, capture_output=True)
+
+    def config(self, filter_config, wasm=None, port=None):
+        config = envoy_config(listen_port=port or free_port(), admin_port=free_port(), upstream_port=self.mock_port,
+                              companion_port=self.companion_port, filter_config=filter_config or REQUESTS_ONLY,
+                              with_filter=filter_config is not None or wasm is not None)
+        if wasm is not None:
+            config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]["http_filters"][0][
+                "typed_config"]["config"]["vm_config"]["code"]["local"]["filename"] = str(wasm)
+        return config
+
+    def envoy(self, name, filter_config, wasm=None, concurrency=1):
+        port = free_port()
+        proc, _ = self.stack.envoy(self.config(filter_config, wasm, port), name=name, concurrency=concurrency)
+        if concurrency == 1:
+            subprocess.run(["taskset", "-pc", "0", str(proc.pid)], check=True, capture_output=True)
+        return proc, f"http://127.0.0.1:{port}/v1/chat/completions"
+
+    def startup(self, name, filter_config, wasm=None, runs=3):
+        """Median seconds to /ready and latency of the first request after it."""
+        ready, first = [], []
+        for run in range(runs):
+            port, admin = free_port(), free_port()
+            config = self.config(filter_config, wasm, port)
+            config["admin"]["address"]["socket_address"]["port_value"] = admin
+            started = time.monotonic()
+            proc, _ = self.stack.envoy(config, name=f"start-{name}-{run}", concurrency=2, wait=False)
+            while not _ready(proc, admin):
+                time.sleep(0.005)
+            ready.append(time.monotonic() - started)
+            body = json.dumps({"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}).encode()
+            started = time.monotonic()
+            req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=body,
+                                         headers={"authorization": "Bearer sk-first", "content-type": "application/json"})
+            urllib.request.urlopen(req, timeout=30).read()
+            first.append(time.monotonic() - started)
+            proc.stop()
+            self.stack.processes.remove(proc)
+        return statistics.median(ready), statistics.median(first)
+
+    def run(self, url, script):
+        wrk(url, script, 4, 2)  # warm up connections, VMs and caches
+        before = redis_round_trips(self.redis_port)
+        throughput = wrk(url, script, 16, self.seconds)
+        trips = (redis_round_trips(self.redis_port) - before) / throughput["requests"]
+        return {**throughput, "trips": trips, "latency": wrk(url, script, 1, max(3, self.seconds // 2))}
+
+
+def _ready(proc, admin_port: int) -> bool:
+    if proc.popen.poll() is not None:
+        raise RuntimeError(f"{proc.name} exited:\n{proc.log_tail()}")
+    try:
+        return http_get(f"http://127.0.0.1:{admin_port}/ready", timeout=1)[0] == 200
+    except OSError:
+        return False
 
 
 def main() -> None:
@@ -67,49 +175,59 @@ def main() -> None:
     for tool in ("wrk", "taskset"):
         if not shutil.which(tool):
             sys.exit(f"bench: {tool} is missing (make setup installs wrk)")
+    if not EMPTY_WASM.exists():
+        sys.exit(f"bench: {EMPTY_WASM} is missing (make empty-filter builds it)")
 
     workdir = Path(tempfile.mkdtemp(prefix="llmrl-bench-"))
-    script = workdir / "post.lua"
-    script.write_text(WRK_SCRIPT)
-    stack = Stack(workdir)
+    bench = Bench(workdir, args.seconds)
     try:
-        _, redis_port = stack.redis()
-        companion, companion_port = stack.companion(f"redis://127.0.0.1:{redis_port}", TOKEN)
-        mock, mock_port = stack.mock()
-        filter_config = {
-            "companion": {"upstream": "llm_ratelimit_companion", "token": TOKEN, "timeout": "1s"},
-            "failure_mode": "deny",
-            "limits": [{"name": "rpm", "requests": 1_000_000_000, "window": "1m"}],
-        }
-        variants = {}
-        for name, with_filter in (("passthrough", False), ("llm-ratelimit", True)):
-            port = free_port()
-            proc, _ = stack.envoy(
-                envoy_config(listen_port=port, admin_port=free_port(), upstream_port=mock_port,
-                             companion_port=companion_port, filter_config=filter_config, with_filter=with_filter),
-                name=f"envoy-{name}", concurrency=1,
-            )
-            subprocess.run(["taskset", "-pc", "0", str(proc.pid)], check=True, capture_output=True)
-            variants[name] = f"http://127.0.0.1:{port}/v1/chat/completions"
-        for proc in (companion, mock):
-            subprocess.run(["taskset", "-pc", "1", str(proc.pid)], check=True, capture_output=True)
+        print("1. Start-up (Envoy --concurrency 2, median of 3)")
+        print(f"   {'filter':<28}{'to /ready':>12}{'first request':>16}")
+        for name, config, wasm in (("none", None, None), ("empty wasm filter", None, EMPTY_WASM),
+                                   ("llm-ratelimit, tokens", WITH_TOKENS, None)):
+            ready, first = bench.startup(name.split(",")[0].replace(" ", "-"), config, wasm)
+            print(f"   {name:<28}{ready:>10.2f} s{first * 1000:>13.1f} ms")
 
+        small = script_for(workdir, "small", {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "Say hello"}], "max_tokens": 8})
+        variants = [("passthrough", None, None), ("empty wasm filter", None, EMPTY_WASM),
+                    ("requests only", REQUESTS_ONLY, None), ("requests + tokens", WITH_TOKENS, None)]
         results = {}
-        for name, url in variants.items():
-            wrk(url, script, 4, 2)  # warm up connections, VMs and caches
-            before = redis_round_trips(redis_port)
-            throughput = wrk(url, script, 16, args.seconds)
-            calls = (redis_round_trips(redis_port) - before) / throughput["requests"]
-            results[name] = {**throughput, "redis_calls": calls, "latency": wrk(url, script, 1, max(3, args.seconds // 2))}
+        urls = {}
+        for name, config, wasm in variants:
+            _, urls[name] = bench.envoy(name.replace(" ", "-").replace("+", "and"), config, wasm)
+            results[name] = bench.run(urls[name], small)
         base = results["passthrough"]
-        print(f"\n{'path':<16}{'req/s (16 conn)':>16}{'ratio':>8}{'p50 1 conn':>13}{'p99 1 conn':>13}{'added p50':>12}{'Redis trips/req':>17}")
+        print("\n2. Small request (Envoy --concurrency 1 on CPU 0; the rest on CPU 1)")
+        print(f"   {'path':<20}{'req/s (16 conn)':>16}{'ratio':>8}{'p50 1 conn':>13}{'p99 1 conn':>13}{'added p50':>12}{'Redis trips/req':>17}")
         for name, r in results.items():
             lat = r["latency"]
-            print(f"{name:<16}{r['rps']:>16,.0f}{r['rps'] / base['rps']:>8.2f}{lat['p50']:>10.3f} ms{lat['p99']:>10.3f} ms"
-                  f"{lat['p50'] - base['latency']['p50']:>9.3f} ms{r['redis_calls']:>17.2f}")
-        print(f"\n(wrk -t1, {args.seconds}s per throughput run; Envoy --concurrency 1 on CPU 0; everything else on CPU 1)")
+            print(f"   {name:<20}{r['rps']:>16,.0f}{r['rps'] / base['rps']:>8.2f}{lat['p50']:>10.3f} ms{lat['p99']:>10.3f} ms"
+                  f"{lat['p50'] - base['latency']['p50']:>9.3f} ms{r['trips']:>17.2f}")
+
+        print("\n3. Prompt size (1 connection; filter with a token limit)")
+        sizes = {}
+        for label, words in (("1k", 700), ("32k", 22_500)):
+            text = prompt_text(words)
+            text_file = workdir / f"prompt-{label}.txt"
+            text_file.write_text(text)
+            native = json.loads(subprocess.run([str(ROOT / "target/release/examples/tokenize_bench"), str(text_file)],
+                                               capture_output=True, text=True, check=True).stdout)
+            script = script_for(workdir, f"prompt-{label}", {"model": "gpt-4o-mini", "max_tokens": 8,
+                                                              "messages": [{"role": "user", "content": text}]})
+            plain = wrk(urls["passthrough"], script, 1, max(3, args.seconds // 2))
+            filtered = wrk(urls["requests + tokens"], script, 1, max(3, args.seconds // 2))
+            sizes[label] = {"native": native, "added": filtered["p50"] - plain["p50"], "plain": plain, "filtered": filtered}
+            print(f"   {label:>4} prompt ({native['tokens']:>6,} tokens, {native['bytes'] / 1000:>6.1f} kB): p50 "
+                  f"{plain['p50']:.3f} ms without, {filtered['p50']:.3f} ms with the filter: +{sizes[label]['added']:.3f} ms")
+        extra_bytes = sizes["32k"]["native"]["bytes"] - sizes["1k"]["native"]["bytes"]
+        extra_ms = sizes["32k"]["added"] - sizes["1k"]["added"]
+        in_filter = extra_bytes / (extra_ms / 1000) / 1e6 if extra_ms > 0 else float("nan")
+        native_rate = sizes["32k"]["native"]["mb_per_s"]
+        print(f"   prompt processing in the filter (read, parse, tokenize): {in_filter:.1f} MB/s; "
+              f"native tiktoken-rs on the same text: {native_rate:.1f} MB/s (ratio {in_filter / native_rate:.2f})")
+        print(f"\n(wrk -t1, {args.seconds}s per throughput run; {time.strftime('%Y-%m-%d')})")
     finally:
-        stack.stop_all()
+        bench.stack.stop_all()
         shutil.rmtree(workdir, ignore_errors=True)
 
 
