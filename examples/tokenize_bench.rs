@@ -27,8 +27,5 @@ fn main() {
     }
     let seconds = started.elapsed().as_secs_f64();
     let mb_per_s = text.len() as f64 * f64::from(rounds) / seconds / 1e6;
-    println!(
-        "{{\"bytes\": {}, \"tokens\": {tokens}, \"mb_per_s\": {mb_per_s:.2}}}",
-        text.len()
-    );
+    println!("{{\"bytes\": {}, \"tokens\": {tokens}, \"mb_per_s\": {mb_per_s:.2}}}", text.len());
 }

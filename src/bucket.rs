@@ -12,49 +12,47 @@ pub struct BucketState {
     pub updated_ms: f64,
 }
 
-/// Refills every bucket to `now_ms`, then charges each its cost if all have room.
-/// `states[i]` belongs to `specs[i]`; charged buckets are updated in place.
-pub fn check_and_charge(
-    states: &mut [Option<BucketState>],
-    specs: &[BucketSpec],
-    now_ms: f64,
-) -> TokenBucketReply {
-    let levels: Vec<f64> = specs
+/// Refills every bucket to `now_ms`, then charges each its cost if all have room. Elastic
+/// buckets (`min_cost` below `cost`) all give up the same reduction, the smallest that
+/// makes each fit, as long as none falls below its minimum. `states[i]` belongs to
+/// `specs[i]`; charged buckets are updated in place.
+pub fn check_and_charge(states: &mut [Option<BucketState>], specs: &[BucketSpec], now_ms: f64) -> TokenBucketReply {
+    let levels: Vec<f64> =
+        specs.iter().zip(states.iter()).map(|(spec, state)| level_at(spec, *state, now_ms)).collect();
+    let elastic = |spec: &BucketSpec| spec.min() < spec.cost;
+    let wanted = specs
         .iter()
-        .zip(states.iter())
-        .map(|(spec, state)| level_at(spec, *state, now_ms))
-        .collect();
+        .zip(&levels)
+        .filter(|(spec, _)| elastic(spec))
+        .map(|(spec, &level)| spec.cost as f64 - level.max(0.0))
+        .fold(0.0f64, f64::max);
+    let most = specs.iter().filter(|spec| elastic(spec)).map(|spec| spec.cost - spec.min()).min().unwrap_or(0);
+    let reduction = wanted.min(most as f64).ceil() as u64;
+    let costs: Vec<u64> =
+        specs.iter().map(|spec| if elastic(spec) { spec.cost - reduction } else { spec.cost }).collect();
     let allowed = specs.len() == states.len()
-        && specs.iter().zip(&levels).all(|(spec, &tokens)| {
-            let cost = spec.cost as f64;
-            cost <= spec.capacity as f64 && tokens >= cost
-        });
+        && specs
+            .iter()
+            .zip(&levels)
+            .zip(&costs)
+            .all(|((spec, &level), &cost)| spec.min() <= spec.capacity && level >= cost as f64);
     let limits = specs
         .iter()
         .zip(levels)
         .zip(states.iter_mut())
-        .map(|((spec, mut tokens), state)| {
-            let (capacity, window_ms, cost) = (
-                spec.capacity as f64,
-                spec.window_ms as f64,
-                spec.cost as f64,
-            );
-            let (status, retry_after_ms) = if cost > capacity {
+        .zip(costs)
+        .map(|(((spec, mut tokens), state), cost)| {
+            let (capacity, window_ms) = (spec.capacity as f64, spec.window_ms as f64);
+            let (status, retry_after_ms) = if spec.min() > spec.capacity {
                 (BucketStatus::Never, 0)
-            } else if tokens < cost {
-                (
-                    BucketStatus::Limited,
-                    ((cost - tokens) * window_ms / capacity).ceil() as u64,
-                )
+            } else if tokens < cost as f64 {
+                (BucketStatus::Limited, ((cost as f64 - tokens) * window_ms / capacity).ceil() as u64)
             } else {
                 (BucketStatus::Allowed, 0)
             };
-            if allowed && spec.cost > 0 {
-                tokens -= cost;
-                *state = Some(BucketState {
-                    tokens,
-                    updated_ms: now_ms,
-                });
+            if allowed && cost > 0 {
+                tokens -= cost as f64;
+                *state = Some(BucketState { tokens, updated_ms: now_ms });
             }
             BucketOutcome {
                 name: spec.name.clone(),
@@ -63,6 +61,7 @@ pub fn check_and_charge(
                 remaining: tokens.floor().max(0.0) as u64,
                 reset_after_ms: ((capacity - tokens) * window_ms / capacity).ceil() as u64,
                 retry_after_ms,
+                charged: if allowed { cost } else { 0 },
             }
         })
         .collect();
@@ -86,10 +85,7 @@ pub fn settle(
             let mut tokens = level_at(spec, *state, now_ms);
             if credit != 0 {
                 tokens = (tokens + credit as f64).min(capacity);
-                *state = Some(BucketState {
-                    tokens,
-                    updated_ms: now_ms,
-                });
+                *state = Some(BucketState { tokens, updated_ms: now_ms });
             }
             BucketOutcome {
                 name: spec.name.clone(),
@@ -98,13 +94,11 @@ pub fn settle(
                 remaining: tokens.floor().max(0.0) as u64,
                 reset_after_ms: ((capacity - tokens) * window_ms / capacity).ceil() as u64,
                 retry_after_ms: 0,
+                charged: 0,
             }
         })
         .collect();
-    TokenBucketReply {
-        allowed: true,
-        limits,
-    }
+    TokenBucketReply { allowed: true, limits }
 }
 
 fn level_at(spec: &BucketSpec, state: Option<BucketState>, now_ms: f64) -> f64 {
@@ -156,6 +150,12 @@ mod tests {
         op: Op,
         advance_ms: u64,
         amounts: Vec<i64>,
+        /// Least each bucket may be charged (elastic buckets); default: the amount.
+        #[serde(default)]
+        mins: Option<Vec<u64>>,
+        /// What each bucket was charged, when the case checks it.
+        #[serde(default)]
+        charged: Option<Vec<u64>>,
         done: bool,
         /// status, remaining, reset_after_ms, retry_after_ms
         outcomes: Vec<(BucketStatus, u64, u64, u64)>,
@@ -163,8 +163,7 @@ mod tests {
 
     #[test]
     fn model_matches_the_shared_case_table() {
-        let table: Table = serde_json::from_str(include_str!("../tests/cases/token_bucket.json"))
-            .expect("case table");
+        let table: Table = serde_json::from_str(include_str!("../tests/cases/token_bucket.json")).expect("case table");
         for case in table.cases {
             let mut states = vec![None; case.limits.len()];
             let mut now_ms = 1_700_000_000_000.0;
@@ -174,11 +173,13 @@ mod tests {
                     .limits
                     .iter()
                     .zip(&step.amounts)
-                    .map(|(l, &amount)| BucketSpec {
+                    .enumerate()
+                    .map(|(j, (l, &amount))| BucketSpec {
                         name: l.name.clone(),
                         capacity: l.capacity,
                         window_ms: l.window_ms,
                         cost: amount.max(0) as u64,
+                        min_cost: step.mins.as_ref().and_then(|m| m.get(j).copied()),
                     })
                     .collect();
                 let reply = match step.op {
@@ -187,12 +188,12 @@ mod tests {
                 };
                 let what = format!("{} / step {i}", case.name);
                 assert_eq!(reply.allowed, step.done, "{what}");
-                let got: Vec<_> = reply
-                    .limits
-                    .iter()
-                    .map(|o| (o.status, o.remaining, o.reset_after_ms, o.retry_after_ms))
-                    .collect();
+                let got: Vec<_> =
+                    reply.limits.iter().map(|o| (o.status, o.remaining, o.reset_after_ms, o.retry_after_ms)).collect();
                 assert_eq!(got, step.outcomes, "{what}");
+                if let Some(charged) = &step.charged {
+                    assert_eq!(&reply.limits.iter().map(|o| o.charged).collect::<Vec<_>>(), charged, "{what}");
+                }
                 for (outcome, spec) in reply.limits.iter().zip(&specs) {
                     assert_eq!(outcome.limit, spec.capacity, "{what}");
                     assert_eq!(outcome.name, spec.name, "{what}");
@@ -205,12 +206,7 @@ mod tests {
     /// elapsed time refilled.
     #[test]
     fn never_admits_more_than_capacity_plus_refill() {
-        let spec = BucketSpec {
-            name: "rpm".into(),
-            capacity: 7,
-            window_ms: 1_000,
-            cost: 1,
-        };
+        let spec = BucketSpec { name: "rpm".into(), capacity: 7, window_ms: 1_000, cost: 1, min_cost: None };
         for gap_ms in [0.0, 1.0, 13.0, 97.0, 142.857, 400.0] {
             let mut states = [None];
             let mut admitted = 0u64;
@@ -223,14 +219,8 @@ mod tests {
             }
             let elapsed = f64::from(calls - 1) * gap_ms;
             let bound = 7.0 + elapsed * 7.0 / 1_000.0;
-            assert!(
-                admitted as f64 <= bound + 1e-9,
-                "gap {gap_ms}: {admitted} > {bound}"
-            );
-            assert!(
-                admitted as f64 >= bound.floor().min(f64::from(calls)) - 1.0,
-                "gap {gap_ms}: only {admitted}"
-            );
+            assert!(admitted as f64 <= bound + 1e-9, "gap {gap_ms}: {admitted} > {bound}");
+            assert!(admitted as f64 >= bound.floor().min(f64::from(calls)) - 1.0, "gap {gap_ms}: only {admitted}");
         }
     }
 }

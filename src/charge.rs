@@ -17,21 +17,30 @@ pub struct ChargePlan {
     pub encoding: Encoding,
     /// The model, for the running average of completion lengths.
     pub model: String,
-    /// The body to send upstream instead of the client's (usage requested in the stream).
-    pub rewritten_body: Option<Vec<u8>>,
+    /// The parsed request, when its body may be rewritten once the decision is known.
+    pub request: Option<LlmRequest>,
+    /// Whether the output cap follows what the charge granted (`tokens.clamp_max_tokens`).
+    pub clamped: bool,
 }
 
 impl ChargePlan {
+    /// After the charge: the output allowance granted (`charged` is what the token
+    /// buckets were charged) and the body to send upstream instead of the client's, if
+    /// it changes. Shrinks the estimate to the grant, so the settlement is against it.
+    pub fn apply_grant(&mut self, config: &Config, charged: Option<u64>) -> Option<Vec<u8>> {
+        let granted = match (self.clamped, &mut self.estimate, charged) {
+            (true, Some(estimate), Some(charged)) => {
+                estimate.output = charged.saturating_sub(estimate.prompt);
+                Some(estimate.output)
+            }
+            _ => None,
+        };
+        self.request.as_ref()?.rewritten(config.tokens.request_stream_usage, granted)
+    }
+
     /// Buckets charged by the token estimate, for settling.
-    pub fn token_buckets<'a>(
-        &'a self,
-        config: &'a Config,
-    ) -> impl Iterator<Item = &'a BucketSpec> + 'a {
-        self.buckets.iter().filter(|b| {
-            config
-                .limit(&b.name)
-                .is_some_and(|l| l.dimension() == Dimension::Tokens)
-        })
+    pub fn token_buckets<'a>(&'a self, config: &'a Config) -> impl Iterator<Item = &'a BucketSpec> + 'a {
+        self.buckets.iter().filter(|b| config.limit(&b.name).is_some_and(|l| l.dimension() == Dimension::Tokens))
     }
 }
 
@@ -49,32 +58,28 @@ pub fn plan(
     average: impl Fn(&str) -> Option<OutputAverage>,
 ) -> ChargePlan {
     let policy = &config.tokens;
-    let request = body
-        .and_then(|body| Api::from_path(path).and_then(|api| LlmRequest::parse(api, body).ok()));
-    let model = request
-        .as_ref()
-        .and_then(|r| r.model.clone())
-        .unwrap_or_default();
+    let request = body.and_then(|body| Api::from_path(path).and_then(|api| LlmRequest::parse(api, body).ok()));
+    let model = request.as_ref().and_then(|r| r.model.clone()).unwrap_or_default();
     let rule = model_rule(policy, request.as_ref().and_then(|r| r.model.as_deref()));
+    let clamped = policy.clamp_max_tokens && request.as_ref().is_some_and(|r| r.api.produces_output());
+    let mut min_output = None;
     let estimate = match (&request, body) {
         (_, None) => None,
         (Some(request), Some(_)) => {
             let prompt = (request.prompt_tokens(rule.encoding) as f64 * rule.factor).ceil() as u64;
-            let output = if request.api.produces_output() {
-                let cap = request
-                    .max_output
-                    .or(rule.max_output)
-                    .unwrap_or(policy.default_max_output);
-                estimate_output(cap, average(&model), policy.output_estimate_factor)
-            } else {
+            let cap = request.max_output.or(rule.max_output).unwrap_or(policy.default_max_output);
+            let output = if !request.api.produces_output() {
                 0
+            } else if clamped {
+                // The true upper bound, elastic down to a useful minimum.
+                min_output = Some(policy.min_output_tokens.min(cap));
+                cap
+            } else {
+                estimate_output(cap, average(&model), policy.output_estimate_factor)
             };
             Some(TokenEstimate { prompt, output })
         }
-        (None, Some(_)) => Some(TokenEstimate {
-            prompt: policy.unparsed_request_cost,
-            output: 0,
-        }),
+        (None, Some(_)) => Some(TokenEstimate { prompt: policy.unparsed_request_cost, output: 0 }),
     };
     let buckets = config
         .limits
@@ -87,19 +92,13 @@ pub fn plan(
                 Dimension::Requests => 1,
                 Dimension::Tokens => estimate.map_or(0, TokenEstimate::total),
             },
+            min_cost: match (limit.dimension(), estimate, min_output) {
+                (Dimension::Tokens, Some(estimate), Some(min_output)) => Some(estimate.prompt + min_output),
+                _ => None,
+            },
         })
         .collect();
-    let rewritten_body = match &request {
-        Some(request) if policy.request_stream_usage => request.with_usage_requested(),
-        _ => None,
-    };
-    ChargePlan {
-        buckets,
-        estimate,
-        encoding: rule.encoding,
-        model,
-        rewritten_body,
-    }
+    ChargePlan { buckets, estimate, encoding: rule.encoding, model, request, clamped }
 }
 
 #[cfg(test)]
@@ -116,53 +115,29 @@ mod tests {
 
     const CHAT: &str = r#"{"model":"gpt-4o","messages":[{"role":"user","content":"hello world"}],"max_tokens":300}"#;
 
+    fn json(bytes: Option<Vec<u8>>) -> serde_json::Value {
+        serde_json::from_slice(&bytes.expect("rewritten")).expect("json")
+    }
+
     #[test]
     fn charges_one_request_and_the_token_estimate() {
         let config = config("{}");
-        let plan = plan(
-            &config,
-            "/v1/chat/completions",
-            Some(CHAT.as_bytes()),
-            |_| None,
-        );
-        assert_eq!(
-            plan.estimate,
-            Some(TokenEstimate {
-                prompt: 9,
-                output: 300
-            })
-        );
+        let plan = plan(&config, "/v1/chat/completions", Some(CHAT.as_bytes()), |_| None);
+        assert_eq!(plan.estimate, Some(TokenEstimate { prompt: 9, output: 300 }));
         let costs: Vec<u64> = plan.buckets.iter().map(|b| b.cost).collect();
         assert_eq!(costs, [1, 309]);
-        assert_eq!(
-            plan.token_buckets(&config)
-                .map(|b| b.name.as_str())
-                .collect::<Vec<_>>(),
-            ["tpm"]
-        );
-        assert_eq!(
-            (plan.model.as_str(), plan.encoding),
-            ("gpt-4o", Encoding::O200kBase)
-        );
-        assert_eq!(plan.rewritten_body, None);
+        assert_eq!(plan.token_buckets(&config).map(|b| b.name.as_str()).collect::<Vec<_>>(), ["tpm"]);
+        assert_eq!((plan.model.as_str(), plan.encoding), ("gpt-4o", Encoding::O200kBase));
+        assert!(!plan.clamped && plan.buckets.iter().all(|b| b.min_cost.is_none()));
     }
 
     #[test]
     fn the_running_average_shortens_the_estimate() {
         let config = config("{}");
-        let plan = plan(
-            &config,
-            "/v1/chat/completions",
-            Some(CHAT.as_bytes()),
-            |model| (model == "gpt-4o").then(|| OutputAverage::first(40)),
-        );
-        assert_eq!(
-            plan.estimate,
-            Some(TokenEstimate {
-                prompt: 9,
-                output: 60
-            })
-        );
+        let plan = plan(&config, "/v1/chat/completions", Some(CHAT.as_bytes()), |model| {
+            (model == "gpt-4o").then(|| OutputAverage::first(40))
+        });
+        assert_eq!(plan.estimate, Some(TokenEstimate { prompt: 9, output: 60 }));
     }
 
     #[test]
@@ -170,36 +145,18 @@ mod tests {
         let config = config(
             r#"{"models": [{"match": "claude-*", "encoding": "cl100k_base", "factor": 2.0, "max_output": 64}]}"#,
         );
-        let body =
-            r#"{"model":"claude-sonnet-4-5","messages":[{"role":"user","content":"hello world"}]}"#;
+        let body = r#"{"model":"claude-sonnet-4-5","messages":[{"role":"user","content":"hello world"}]}"#;
         let plan = plan(&config, "/v1/messages", Some(body.as_bytes()), |_| None);
-        assert_eq!(
-            plan.estimate,
-            Some(TokenEstimate {
-                prompt: 18,
-                output: 64
-            })
-        );
+        assert_eq!(plan.estimate, Some(TokenEstimate { prompt: 18, output: 64 }));
         assert_eq!(plan.encoding, Encoding::Cl100kBase);
     }
 
     #[test]
     fn unknown_paths_and_bad_bodies_cost_the_configured_fallback() {
         let config = config(r#"{"unparsed_request_cost": 250}"#);
-        for (path, body) in [
-            ("/v1/models", ""),
-            ("/v1/chat/completions", "{not json"),
-            ("/v1/chat/completions", ""),
-        ] {
+        for (path, body) in [("/v1/models", ""), ("/v1/chat/completions", "{not json"), ("/v1/chat/completions", "")] {
             let plan = plan(&config, path, Some(body.as_bytes()), |_| None);
-            assert_eq!(
-                plan.estimate,
-                Some(TokenEstimate {
-                    prompt: 250,
-                    output: 0
-                }),
-                "{path} {body}"
-            );
+            assert_eq!(plan.estimate, Some(TokenEstimate { prompt: 250, output: 0 }), "{path} {body}");
         }
     }
 
@@ -208,13 +165,7 @@ mod tests {
         let config = config("{}");
         let body = r#"{"model":"text-embedding-3-small","input":"hello world"}"#;
         let plan = plan(&config, "/v1/embeddings", Some(body.as_bytes()), |_| None);
-        assert_eq!(
-            plan.estimate,
-            Some(TokenEstimate {
-                prompt: 2,
-                output: 0
-            })
-        );
+        assert_eq!(plan.estimate, Some(TokenEstimate { prompt: 2, output: 0 }));
         assert_eq!(plan.encoding, Encoding::Cl100kBase);
         let plan = super::plan(&config, "/v1/chat/completions", None, |_| None);
         assert_eq!((plan.estimate, plan.buckets[1].cost), (None, 0));
@@ -224,14 +175,26 @@ mod tests {
     fn asks_for_stream_usage_when_configured() {
         let config = config(r#"{"request_stream_usage": true}"#);
         let body = r#"{"model":"gpt-4o","stream":true,"messages":[]}"#;
-        let plan = plan(
-            &config,
-            "/v1/chat/completions",
-            Some(body.as_bytes()),
-            |_| None,
-        );
-        let rewritten: serde_json::Value =
-            serde_json::from_slice(&plan.rewritten_body.expect("rewritten")).expect("json");
+        let mut plan = plan(&config, "/v1/chat/completions", Some(body.as_bytes()), |_| None);
+        let rewritten = json(plan.apply_grant(&config, Some(999)));
         assert_eq!(rewritten["stream_options"]["include_usage"], true);
+        assert!(rewritten.get("max_completion_tokens").is_none(), "not clamping: {rewritten}");
+    }
+
+    #[test]
+    fn clamping_reserves_the_upper_bound_elastically_and_caps_the_grant() {
+        let config = config(r#"{"clamp_max_tokens": true, "min_output_tokens": 50}"#);
+        let mut plan = plan(&config, "/v1/chat/completions", Some(CHAT.as_bytes()), |_| Some(OutputAverage::first(10)));
+        // The average is ignored: the reservation is the true upper bound.
+        assert_eq!(plan.estimate, Some(TokenEstimate { prompt: 9, output: 300 }));
+        let tpm = &plan.buckets[1];
+        assert_eq!((tpm.cost, tpm.min_cost), (309, Some(59)));
+        assert_eq!(plan.buckets[0].min_cost, None);
+        // Charged 129 of 309: the request may generate 120 tokens, and is told so.
+        assert_eq!(json(plan.apply_grant(&config, Some(129)))["max_tokens"], 120);
+        assert_eq!(plan.estimate, Some(TokenEstimate { prompt: 9, output: 120 }));
+        // Granted in full: the body stays as it was.
+        let mut plan = super::plan(&config, "/v1/chat/completions", Some(CHAT.as_bytes()), |_| None);
+        assert_eq!(plan.apply_grant(&config, Some(309)), None);
     }
 }

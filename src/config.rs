@@ -69,10 +69,7 @@ pub struct Identity {
 
 impl Default for Identity {
     fn default() -> Self {
-        Identity {
-            sources: default_identity_sources(),
-            missing: MissingIdentity::default(),
-        }
+        Identity { sources: default_identity_sources(), missing: MissingIdentity::default() }
     }
 }
 
@@ -180,6 +177,12 @@ pub struct TokenPolicy {
     /// Add `stream_options.include_usage` to streamed OpenAI chat requests that lack it
     /// (and remove the extra usage chunk from what the client receives).
     pub request_stream_usage: bool,
+    /// Reserve each request's true upper bound (prompt + output cap), shrunk to what the
+    /// tenant has left if need be, and set the request's output cap to match: the limit
+    /// then holds exactly, whatever the completions turn out to be.
+    pub clamp_max_tokens: bool,
+    /// With clamping, the smallest output allowance worth admitting a request with.
+    pub min_output_tokens: u64,
     /// Build the vocabularies on the first timer tick rather than on the first request.
     pub warm_up: bool,
 }
@@ -196,6 +199,8 @@ impl Default for TokenPolicy {
             reservation_ttl: ConfigDuration(Duration::from_secs(15 * 60)),
             on_upstream_error: UpstreamErrorCharge::default(),
             request_stream_usage: false,
+            clamp_max_tokens: false,
+            min_output_tokens: 64,
             warm_up: true,
         }
     }
@@ -220,17 +225,8 @@ pub fn model_rule(policy: &TokenPolicy, model: Option<&str>) -> ModelRule {
         .iter()
         .find(|rule| glob_match(&rule.pattern, model))
         .cloned()
-        .or_else(|| {
-            builtin_rules()
-                .into_iter()
-                .find(|rule| glob_match(&rule.pattern, model))
-        })
-        .unwrap_or(ModelRule {
-            pattern: "*".into(),
-            encoding: policy.default_encoding,
-            factor: 1.0,
-            max_output: None,
-        })
+        .or_else(|| builtin_rules().into_iter().find(|rule| glob_match(&rule.pattern, model)))
+        .unwrap_or(ModelRule { pattern: "*".into(), encoding: policy.default_encoding, factor: 1.0, max_output: None })
 }
 
 /// A duration written as a string (`"250ms"`, `"1m"`).
@@ -240,9 +236,7 @@ pub struct ConfigDuration(pub Duration);
 impl<'de> Deserialize<'de> for ConfigDuration {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
         let text = String::deserialize(deserializer)?;
-        parse_duration(&text)
-            .map(ConfigDuration)
-            .map_err(serde::de::Error::custom)
+        parse_duration(&text).map(ConfigDuration).map_err(serde::de::Error::custom)
     }
 }
 
@@ -272,21 +266,14 @@ pub struct ConfigError {
 
 impl fmt::Display for ConfigError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "invalid filter config: field `{}`: {}",
-            self.field, self.message
-        )
+        write!(f, "invalid filter config: field `{}`: {}", self.field, self.message)
     }
 }
 
 impl std::error::Error for ConfigError {}
 
 fn invalid(field: impl Into<String>, message: impl Into<String>) -> ConfigError {
-    ConfigError {
-        field: field.into(),
-        message: message.into(),
-    }
+    ConfigError { field: field.into(), message: message.into() }
 }
 
 fn yes() -> bool {
@@ -303,14 +290,8 @@ fn default_companion_timeout() -> ConfigDuration {
 
 fn default_identity_sources() -> Vec<IdentitySource> {
     vec![
-        IdentitySource {
-            header: "authorization".into(),
-            prefix: Some("Bearer ".into()),
-        },
-        IdentitySource {
-            header: "x-api-key".into(),
-            prefix: None,
-        },
+        IdentitySource { header: "authorization".into(), prefix: Some("Bearer ".into()) },
+        IdentitySource { header: "x-api-key".into(), prefix: None },
     ]
 }
 
@@ -319,16 +300,11 @@ fn default_identity_sources() -> Vec<IdentitySource> {
 fn check_name(field: &str, name: &str) -> Result<(), ConfigError> {
     let ok = !name.is_empty()
         && name.len() <= 32
-        && name
-            .bytes()
-            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_' || b == b'-');
+        && name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_' || b == b'-');
     if ok {
         Ok(())
     } else {
-        Err(invalid(
-            field,
-            format!("{name:?} is not a valid name: use 1 to 32 of a-z, 0-9, '_', '-'"),
-        ))
+        Err(invalid(field, format!("{name:?} is not a valid name: use 1 to 32 of a-z, 0-9, '_', '-'")))
     }
 }
 
@@ -336,36 +312,25 @@ impl Config {
     /// Parses and validates the plugin configuration.
     pub fn from_json(bytes: &[u8]) -> Result<Config, ConfigError> {
         let mut deserializer = serde_json::Deserializer::from_slice(bytes);
-        let mut config: Config =
-            serde_path_to_error::deserialize(&mut deserializer).map_err(|e| {
-                let path = e.path().to_string();
-                let field = if path == "." {
-                    "(top level)".to_string()
-                } else {
-                    path
-                };
-                invalid(field, e.into_inner().to_string())
-            })?;
+        let mut config: Config = serde_path_to_error::deserialize(&mut deserializer).map_err(|e| {
+            let path = e.path().to_string();
+            let field = if path == "." { "(top level)".to_string() } else { path };
+            invalid(field, e.into_inner().to_string())
+        })?;
         config.validate()?;
         Ok(config)
     }
 
     fn validate(&mut self) -> Result<(), ConfigError> {
         if self.companion.upstream.trim().is_empty() {
-            return Err(invalid(
-                "companion.upstream",
-                "must name the companion's cluster (Envoy) or host:port",
-            ));
+            return Err(invalid("companion.upstream", "must name the companion's cluster (Envoy) or host:port"));
         }
         if self.companion.token.expose().is_empty() {
             return Err(invalid("companion.token", "must not be empty"));
         }
         let timeout = self.companion.timeout.0;
         if timeout < Duration::from_millis(1) || timeout > Duration::from_secs(60) {
-            return Err(invalid(
-                "companion.timeout",
-                format!("{timeout:?} is outside 1ms..60s"),
-            ));
+            return Err(invalid("companion.timeout", format!("{timeout:?} is outside 1ms..60s")));
         }
         check_name("domain", &self.domain)?;
         if self.identity.sources.is_empty() {
@@ -373,10 +338,8 @@ impl Config {
         }
         for (i, source) in self.identity.sources.iter_mut().enumerate() {
             let header = source.header.trim().to_ascii_lowercase();
-            let valid = !header.is_empty()
-                && header
-                    .bytes()
-                    .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
+            let valid =
+                !header.is_empty() && header.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
             if !valid {
                 return Err(invalid(
                     format!("identity.sources[{i}].header"),
@@ -392,33 +355,19 @@ impl Config {
         for (i, limit) in self.limits.iter().enumerate() {
             check_name(&format!("limits[{i}].name"), &limit.name)?;
             if !names.insert(limit.name.as_str()) {
-                return Err(invalid(
-                    format!("limits[{i}].name"),
-                    format!("{:?} is used by another limit", limit.name),
-                ));
+                return Err(invalid(format!("limits[{i}].name"), format!("{:?} is used by another limit", limit.name)));
             }
             let (field, amount) = match (limit.requests, limit.tokens) {
                 (Some(requests), None) => ("requests", requests),
                 (None, Some(tokens)) => ("tokens", tokens),
-                _ => {
-                    return Err(invalid(
-                        format!("limits[{i}]"),
-                        "set exactly one of `requests` and `tokens`",
-                    ))
-                }
+                _ => return Err(invalid(format!("limits[{i}]"), "set exactly one of `requests` and `tokens`")),
             };
             if amount == 0 || amount > 1_000_000_000_000 {
-                return Err(invalid(
-                    format!("limits[{i}].{field}"),
-                    format!("{amount} is outside 1..1000000000000"),
-                ));
+                return Err(invalid(format!("limits[{i}].{field}"), format!("{amount} is outside 1..1000000000000")));
             }
             let window = limit.window.0;
             if window < Duration::from_millis(100) || window > Duration::from_secs(366 * 86_400) {
-                return Err(invalid(
-                    format!("limits[{i}].window"),
-                    format!("{window:?} is outside 100ms..366d"),
-                ));
+                return Err(invalid(format!("limits[{i}].window"), format!("{window:?} is outside 100ms..366d")));
             }
         }
         self.validate_tokens()
@@ -426,31 +375,16 @@ impl Config {
 
     fn validate_tokens(&self) -> Result<(), ConfigError> {
         let policy = &self.tokens;
-        let encodings = std::iter::once((
-            "tokens.default_encoding".to_string(),
-            policy.default_encoding,
-        ))
-        .chain(
-            policy
-                .models
-                .iter()
-                .enumerate()
-                .map(|(i, r)| (format!("tokens.models[{i}].encoding"), r.encoding)),
-        );
+        let encodings = std::iter::once(("tokens.default_encoding".to_string(), policy.default_encoding))
+            .chain(policy.models.iter().enumerate().map(|(i, r)| (format!("tokens.models[{i}].encoding"), r.encoding)));
         for (field, encoding) in encodings {
             if !encoding.available() {
-                return Err(invalid(
-                    field,
-                    format!("{} is not compiled into this build", encoding.name()),
-                ));
+                return Err(invalid(field, format!("{} is not compiled into this build", encoding.name())));
             }
         }
         for (i, rule) in policy.models.iter().enumerate() {
             if rule.pattern.is_empty() {
-                return Err(invalid(
-                    format!("tokens.models[{i}].match"),
-                    "must not be empty",
-                ));
+                return Err(invalid(format!("tokens.models[{i}].match"), "must not be empty"));
             }
             if !(rule.factor.is_finite() && rule.factor > 0.0 && rule.factor <= 10.0) {
                 return Err(invalid(
@@ -459,21 +393,18 @@ impl Config {
                 ));
             }
             if rule.max_output == Some(0) {
-                return Err(invalid(
-                    format!("tokens.models[{i}].max_output"),
-                    "must be positive",
-                ));
+                return Err(invalid(format!("tokens.models[{i}].max_output"), "must be positive"));
             }
+        }
+        if policy.min_output_tokens == 0 {
+            return Err(invalid("tokens.min_output_tokens", "must be positive"));
         }
         if policy.default_max_output == 0 {
             return Err(invalid("tokens.default_max_output", "must be positive"));
         }
         let factor = policy.output_estimate_factor;
         if !(factor.is_finite() && (0.1..=10.0).contains(&factor)) {
-            return Err(invalid(
-                "tokens.output_estimate_factor",
-                format!("{factor} is outside 0.1..10"),
-            ));
+            return Err(invalid("tokens.output_estimate_factor", format!("{factor} is outside 0.1..10")));
         }
         if policy.max_request_bytes < 1024 || policy.max_request_bytes > 64 << 20 {
             return Err(invalid(
@@ -483,19 +414,14 @@ impl Config {
         }
         let ttl = policy.reservation_ttl.0;
         if ttl < Duration::from_secs(1) || ttl > Duration::from_secs(86_400) {
-            return Err(invalid(
-                "tokens.reservation_ttl",
-                format!("{ttl:?} is outside 1s..1d"),
-            ));
+            return Err(invalid("tokens.reservation_ttl", format!("{ttl:?} is outside 1s..1d")));
         }
         Ok(())
     }
 
     /// Whether any limit counts tokens, so the body must be read.
     pub fn counts_tokens(&self) -> bool {
-        self.limits
-            .iter()
-            .any(|l| l.dimension() == Dimension::Tokens)
+        self.limits.iter().any(|l| l.dimension() == Dimension::Tokens)
     }
 
     pub fn limit(&self, name: &str) -> Option<&Limit> {
@@ -531,36 +457,18 @@ mod tests {
         assert_eq!(config.companion.authority(), "companion");
         assert_eq!(config.companion.timeout.0, Duration::from_millis(250));
         assert_eq!(config.domain, "prod");
-        assert_eq!(
-            config.identity.sources,
-            vec![IdentitySource {
-                header: "x-tenant".into(),
-                prefix: None
-            }]
-        );
+        assert_eq!(config.identity.sources, vec![IdentitySource { header: "x-tenant".into(), prefix: None }]);
         assert_eq!(config.identity.missing, MissingIdentity::Anonymous);
         assert_eq!(config.failure_mode, FailureMode::Deny);
         assert_eq!(config.limits.len(), 3);
         assert_eq!(config.limits[1].window.0, Duration::from_secs(86_400));
-        assert_eq!(
-            (config.limits[2].dimension(), config.limits[2].capacity()),
-            (Dimension::Tokens, 10_000)
-        );
+        assert_eq!((config.limits[2].dimension(), config.limits[2].capacity()), (Dimension::Tokens, 10_000));
         assert!(config.counts_tokens());
         assert_eq!(config.tokens.models[0].encoding, Encoding::Cl100kBase);
         assert_eq!(config.tokens.reservation_ttl.0, Duration::from_secs(600));
-        assert_eq!(
-            model_rule(&config.tokens, Some("claude-3-haiku")).factor,
-            1.1
-        );
-        assert_eq!(
-            model_rule(&config.tokens, Some("gpt-4-turbo")).encoding,
-            Encoding::Cl100kBase
-        );
-        assert_eq!(
-            model_rule(&config.tokens, Some("mystery")).encoding,
-            Encoding::O200kBase
-        );
+        assert_eq!(model_rule(&config.tokens, Some("claude-3-haiku")).factor, 1.1);
+        assert_eq!(model_rule(&config.tokens, Some("gpt-4-turbo")).encoding, Encoding::Cl100kBase);
+        assert_eq!(model_rule(&config.tokens, Some("mystery")).encoding, Encoding::O200kBase);
     }
 
     #[test]
@@ -576,10 +484,7 @@ mod tests {
         assert!(!config.counts_tokens());
         assert!(config.hold_request_headers);
         assert_eq!(config.tokens.default_encoding, Encoding::O200kBase);
-        assert_eq!(
-            config.tokens.on_upstream_error,
-            UpstreamErrorCharge::PromptOnly
-        );
+        assert_eq!(config.tokens.on_upstream_error, UpstreamErrorCharge::PromptOnly);
     }
 
     #[test]
@@ -595,25 +500,11 @@ mod tests {
         let companion = r#""companion": {"upstream": "c", "token": "t"}"#;
         let cases: Vec<(String, &str, &str)> = vec![
             ("not json".into(), "(top level)", "expected ident"),
+            (format!("{{{limits}}}"), "(top level)", "missing field `companion`"),
+            (format!("{{{companion}}}"), "(top level)", "missing field `limits`"),
+            (format!("{{{companion}, {limits}, \"colour\": 1}}"), "colour", "unknown field `colour`"),
             (
-                format!("{{{limits}}}"),
-                "(top level)",
-                "missing field `companion`",
-            ),
-            (
-                format!("{{{companion}}}"),
-                "(top level)",
-                "missing field `limits`",
-            ),
-            (
-                format!("{{{companion}, {limits}, \"colour\": 1}}"),
-                "colour",
-                "unknown field `colour`",
-            ),
-            (
-                format!(
-                    r#"{{"companion": {{"upstream": "c", "token": "t", "tmeout": "1s"}}, {limits}}}"#
-                ),
+                format!(r#"{{"companion": {{"upstream": "c", "token": "t", "tmeout": "1s"}}, {limits}}}"#),
                 "companion.tmeout",
                 "unknown field `tmeout`",
             ),
@@ -628,16 +519,12 @@ mod tests {
                 "must not be empty",
             ),
             (
-                format!(
-                    r#"{{"companion": {{"upstream": "c", "token": "t", "timeout": "soon"}}, {limits}}}"#
-                ),
+                format!(r#"{{"companion": {{"upstream": "c", "token": "t", "timeout": "soon"}}, {limits}}}"#),
                 "companion.timeout",
                 "invalid duration \"soon\"",
             ),
             (
-                format!(
-                    r#"{{"companion": {{"upstream": "c", "token": "t", "timeout": "2m"}}, {limits}}}"#
-                ),
+                format!(r#"{{"companion": {{"upstream": "c", "token": "t", "timeout": "2m"}}, {limits}}}"#),
                 "companion.timeout",
                 "outside 1ms..60s",
             ),
@@ -646,11 +533,7 @@ mod tests {
                 "failure_mode",
                 "unknown variant `maybe`",
             ),
-            (
-                format!(r#"{{{companion}, {limits}, "domain": "Prod!"}}"#),
-                "domain",
-                "\"Prod!\" is not a valid name",
-            ),
+            (format!(r#"{{{companion}, {limits}, "domain": "Prod!"}}"#), "domain", "\"Prod!\" is not a valid name"),
             (
                 format!(r#"{{{companion}, {limits}, "identity": {{"missing": "ignore"}}}}"#),
                 "identity.missing",
@@ -662,42 +545,28 @@ mod tests {
                 "at least one header",
             ),
             (
-                format!(
-                    r#"{{{companion}, {limits}, "identity": {{"sources": [{{"header": "a b"}}]}}}}"#
-                ),
+                format!(r#"{{{companion}, {limits}, "identity": {{"sources": [{{"header": "a b"}}]}}}}"#),
                 "identity.sources[0].header",
                 "\"a b\" is not a header name",
             ),
+            (format!(r#"{{{companion}, "limits": []}}"#), "limits", "at least one limit"),
             (
-                format!(r#"{{{companion}, "limits": []}}"#),
-                "limits",
-                "at least one limit",
-            ),
-            (
-                format!(
-                    r#"{{{companion}, "limits": [{{"name": "rpm", "requests": 0, "window": "1m"}}]}}"#
-                ),
+                format!(r#"{{{companion}, "limits": [{{"name": "rpm", "requests": 0, "window": "1m"}}]}}"#),
                 "limits[0].requests",
                 "0 is outside",
             ),
             (
-                format!(
-                    r#"{{{companion}, "limits": [{{"name": "rpm", "requests": -3, "window": "1m"}}]}}"#
-                ),
+                format!(r#"{{{companion}, "limits": [{{"name": "rpm", "requests": -3, "window": "1m"}}]}}"#),
                 "limits[0].requests",
                 "invalid value: integer `-3`",
             ),
             (
-                format!(
-                    r#"{{{companion}, "limits": [{{"name": "rpm", "requests": 1, "window": "1x"}}]}}"#
-                ),
+                format!(r#"{{{companion}, "limits": [{{"name": "rpm", "requests": 1, "window": "1x"}}]}}"#),
                 "limits[0].window",
                 "unknown unit \"x\"",
             ),
             (
-                format!(
-                    r#"{{{companion}, "limits": [{{"name": "rpm", "requests": 1, "window": "10ms"}}]}}"#
-                ),
+                format!(r#"{{{companion}, "limits": [{{"name": "rpm", "requests": 1, "window": "10ms"}}]}}"#),
                 "limits[0].window",
                 "outside 100ms..366d",
             ),
@@ -709,9 +578,7 @@ mod tests {
                 "used by another limit",
             ),
             (
-                format!(
-                    r#"{{{companion}, "limits": [{{"name": "r{{x}}", "requests": 1, "window": "1m"}}]}}"#
-                ),
+                format!(r#"{{{companion}, "limits": [{{"name": "r{{x}}", "requests": 1, "window": "1m"}}]}}"#),
                 "limits[0].name",
                 "not a valid name",
             ),
@@ -721,23 +588,17 @@ mod tests {
                 "exactly one of `requests` and `tokens`",
             ),
             (
-                format!(
-                    r#"{{{companion}, "limits": [{{"name": "x", "requests": 1, "tokens": 5, "window": "1m"}}]}}"#
-                ),
+                format!(r#"{{{companion}, "limits": [{{"name": "x", "requests": 1, "tokens": 5, "window": "1m"}}]}}"#),
                 "limits[0]",
                 "exactly one of",
             ),
             (
-                format!(
-                    r#"{{{companion}, "limits": [{{"name": "tpm", "tokens": 0, "window": "1m"}}]}}"#
-                ),
+                format!(r#"{{{companion}, "limits": [{{"name": "tpm", "tokens": 0, "window": "1m"}}]}}"#),
                 "limits[0].tokens",
                 "0 is outside",
             ),
             (
-                format!(
-                    r#"{{{companion}, {limits}, "tokens": {{"default_encoding": "p50k_base"}}}}"#
-                ),
+                format!(r#"{{{companion}, {limits}, "tokens": {{"default_encoding": "p50k_base"}}}}"#),
                 "tokens.default_encoding",
                 "unknown variant `p50k_base`",
             ),
@@ -749,9 +610,7 @@ mod tests {
                 "outside (0, 10]",
             ),
             (
-                format!(
-                    r#"{{{companion}, {limits}, "tokens": {{"models": [{{"match": "x*"}}]}}}}"#
-                ),
+                format!(r#"{{{companion}, {limits}, "tokens": {{"models": [{{"match": "x*"}}]}}}}"#),
                 "tokens.models[0]",
                 "missing field `encoding`",
             ),
@@ -778,9 +637,7 @@ mod tests {
                 "outside 1s..1d",
             ),
             (
-                format!(
-                    r#"{{{companion}, {limits}, "tokens": {{"on_upstream_error": "ignore"}}}}"#
-                ),
+                format!(r#"{{{companion}, {limits}, "tokens": {{"on_upstream_error": "ignore"}}}}"#),
                 "tokens.on_upstream_error",
                 "unknown variant `ignore`",
             ),

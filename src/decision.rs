@@ -23,9 +23,7 @@ pub struct LocalReply {
 }
 
 fn dimension_of(config: &Config, outcome: &BucketOutcome) -> Dimension {
-    config
-        .limit(&outcome.name)
-        .map_or(Dimension::Requests, |l| l.dimension())
+    config.limit(&outcome.name).map_or(Dimension::Requests, |l| l.dimension())
 }
 
 /// OpenAI's `x-ratelimit-*-requests` and `x-ratelimit-*-tokens` headers, each for the
@@ -41,16 +39,12 @@ pub fn rate_limit_headers(reply: &TokenBucketReply, config: &Config) -> Vec<Head
             .min_by_key(|o| (o.remaining, std::cmp::Reverse(o.reset_after_ms)));
         if let Some(o) = tightest {
             let (limit, remaining, reset) = match dimension {
-                Dimension::Requests => (
-                    "x-ratelimit-limit-requests",
-                    "x-ratelimit-remaining-requests",
-                    "x-ratelimit-reset-requests",
-                ),
-                Dimension::Tokens => (
-                    "x-ratelimit-limit-tokens",
-                    "x-ratelimit-remaining-tokens",
-                    "x-ratelimit-reset-tokens",
-                ),
+                Dimension::Requests => {
+                    ("x-ratelimit-limit-requests", "x-ratelimit-remaining-requests", "x-ratelimit-reset-requests")
+                }
+                Dimension::Tokens => {
+                    ("x-ratelimit-limit-tokens", "x-ratelimit-remaining-tokens", "x-ratelimit-reset-tokens")
+                }
             };
             headers.push((limit, o.limit.to_string()));
             headers.push((remaining, o.remaining.to_string()));
@@ -70,14 +64,7 @@ pub fn rate_limit_headers(reply: &TokenBucketReply, config: &Config) -> Vec<Head
         let state = reply
             .limits
             .iter()
-            .map(|o| {
-                format!(
-                    "\"{}\";r={};t={}",
-                    o.name,
-                    o.remaining,
-                    seconds(o.reset_after_ms)
-                )
-            })
+            .map(|o| format!("\"{}\";r={};t={}", o.name, o.remaining, seconds(o.reset_after_ms)))
             .collect::<Vec<_>>();
         headers.push(("ratelimit-policy", policy.join(", ")));
         headers.push(("ratelimit", state.join(", ")));
@@ -89,37 +76,19 @@ pub fn rate_limit_headers(reply: &TokenBucketReply, config: &Config) -> Vec<Head
 /// a limit can never fit the request it says so and gives no `Retry-After`.
 /// `requested_tokens` is what the request asked of token limits.
 pub fn rejection(reply: &TokenBucketReply, config: &Config, requested_tokens: u64) -> LocalReply {
-    let never = reply
-        .limits
-        .iter()
-        .find(|o| o.status == BucketStatus::Never);
-    let binding = never.or_else(|| {
-        reply
-            .limits
-            .iter()
-            .filter(|o| o.status == BucketStatus::Limited)
-            .max_by_key(|o| o.retry_after_ms)
-    });
+    let never = reply.limits.iter().find(|o| o.status == BucketStatus::Never);
+    let binding = never
+        .or_else(|| reply.limits.iter().filter(|o| o.status == BucketStatus::Limited).max_by_key(|o| o.retry_after_ms));
     let mut headers = rate_limit_headers(reply, config);
     let Some(outcome) = binding else {
         // Not allowed yet nothing limited: only an inconsistent reply gets here.
         headers.push(("retry-after", "1".to_string()));
         headers.push(("content-type", "application/json".to_string()));
-        let body = error_body(
-            "Rate limit reached. Please try again in 1s.",
-            "requests",
-            "rate_limit_exceeded",
-        );
-        return LocalReply {
-            status: 429,
-            headers,
-            body,
-        };
+        let body = error_body("Rate limit reached. Please try again in 1s.", "requests", "rate_limit_exceeded");
+        return LocalReply { status: 429, headers, body };
     };
     let dimension = dimension_of(config, outcome);
-    let window = config.limit(&outcome.name).map_or(String::new(), |l| {
-        format!(" per {}", format_reset(l.window_ms()))
-    });
+    let window = config.limit(&outcome.name).map_or(String::new(), |l| format!(" per {}", format_reset(l.window_ms())));
     let (name, limit) = (&outcome.name, outcome.limit);
     let message = match (outcome.status, dimension) {
         (BucketStatus::Never, Dimension::Tokens) => format!(
@@ -147,11 +116,7 @@ pub fn rejection(reply: &TokenBucketReply, config: &Config, requested_tokens: u6
         }
     };
     headers.push(("content-type", "application/json".to_string()));
-    LocalReply {
-        status: 429,
-        headers,
-        body: error_body(&message, dimension.name(), "rate_limit_exceeded"),
-    }
+    LocalReply { status: 429, headers, body: error_body(&message, dimension.name(), "rate_limit_exceeded") }
 }
 
 /// 401 for a request without the identifying header, when the config says `reject`.
@@ -168,9 +133,7 @@ pub fn missing_identity() -> LocalReply {
 pub fn body_too_large(limit: u64) -> LocalReply {
     local_error(
         413,
-        &format!(
-            "The request body is larger than the {limit} bytes this gateway reads to count tokens."
-        ),
+        &format!("The request body is larger than the {limit} bytes this gateway reads to count tokens."),
         "invalid_request_error",
         "request_too_large",
     )
@@ -218,14 +181,7 @@ mod tests {
         Config::from_json(json.as_bytes()).expect("config")
     }
 
-    fn outcome(
-        name: &str,
-        status: BucketStatus,
-        limit: u64,
-        remaining: u64,
-        reset: u64,
-        retry: u64,
-    ) -> BucketOutcome {
+    fn outcome(name: &str, status: BucketStatus, limit: u64, remaining: u64, reset: u64, retry: u64) -> BucketOutcome {
         BucketOutcome {
             name: name.into(),
             status,
@@ -233,14 +189,12 @@ mod tests {
             remaining,
             reset_after_ms: reset,
             retry_after_ms: retry,
+            charged: 0,
         }
     }
 
     fn header<'a>(headers: &'a [Header], name: &str) -> Option<&'a str> {
-        headers
-            .iter()
-            .find(|(n, _)| *n == name)
-            .map(|(_, v)| v.as_str())
+        headers.iter().find(|(n, _)| *n == name).map(|(_, v)| v.as_str())
     }
 
     #[test]
@@ -255,42 +209,25 @@ mod tests {
         };
         let headers = rate_limit_headers(&reply, &config());
         assert_eq!(header(&headers, "x-ratelimit-limit-requests"), Some("1000"));
-        assert_eq!(
-            header(&headers, "x-ratelimit-remaining-requests"),
-            Some("7")
-        );
-        assert_eq!(
-            header(&headers, "x-ratelimit-reset-requests"),
-            Some("10m0s")
-        );
+        assert_eq!(header(&headers, "x-ratelimit-remaining-requests"), Some("7"));
+        assert_eq!(header(&headers, "x-ratelimit-reset-requests"), Some("10m0s"));
         assert_eq!(header(&headers, "x-ratelimit-limit-tokens"), Some("10000"));
-        assert_eq!(
-            header(&headers, "x-ratelimit-remaining-tokens"),
-            Some("8800")
-        );
+        assert_eq!(header(&headers, "x-ratelimit-remaining-tokens"), Some("8800"));
         assert_eq!(header(&headers, "x-ratelimit-reset-tokens"), Some("7.2s"));
         assert_eq!(
             header(&headers, "ratelimit-policy"),
             Some(r#""rpm";q=20;w=60, "rpd";q=1000;w=86400, "tpm";q=10000;w=60"#)
         );
-        assert_eq!(
-            header(&headers, "ratelimit"),
-            Some(r#""rpm";r=7;t=39, "rpd";r=7;t=600, "tpm";r=8800;t=8"#)
-        );
+        assert_eq!(header(&headers, "ratelimit"), Some(r#""rpm";r=7;t=39, "rpd";r=7;t=600, "tpm";r=8800;t=8"#));
     }
 
     #[test]
     fn request_only_replies_carry_no_token_headers() {
-        let reply = TokenBucketReply {
-            allowed: true,
-            limits: vec![outcome("rpm", BucketStatus::Allowed, 20, 19, 3_000, 0)],
-        };
+        let reply =
+            TokenBucketReply { allowed: true, limits: vec![outcome("rpm", BucketStatus::Allowed, 20, 19, 3_000, 0)] };
         let headers = rate_limit_headers(&reply, &config());
         assert_eq!(header(&headers, "x-ratelimit-remaining-tokens"), None);
-        assert_eq!(
-            header(&headers, "x-ratelimit-remaining-requests"),
-            Some("19")
-        );
+        assert_eq!(header(&headers, "x-ratelimit-remaining-requests"), Some("19"));
     }
 
     #[test]
@@ -310,10 +247,7 @@ mod tests {
         assert_eq!(body["error"]["code"], "rate_limit_exceeded");
         assert_eq!(body["error"]["type"], "requests");
         let message = body["error"]["message"].as_str().expect("message");
-        assert!(
-            message.contains("\"rph\" allows 100 per 1h0m0s"),
-            "{message}"
-        );
+        assert!(message.contains("\"rph\" allows 100 per 1h0m0s"), "{message}");
         assert!(message.contains("try again in 36.001s"), "{message}");
     }
 
@@ -328,17 +262,11 @@ mod tests {
         };
         let reply = rejection(&reply, &config(), 1_200);
         assert_eq!(header(&reply.headers, "retry-after"), Some("6"));
-        assert_eq!(
-            header(&reply.headers, "x-ratelimit-remaining-tokens"),
-            Some("300")
-        );
+        assert_eq!(header(&reply.headers, "x-ratelimit-remaining-tokens"), Some("300"));
         let body: serde_json::Value = serde_json::from_str(&reply.body).expect("json body");
         assert_eq!(body["error"]["type"], "tokens");
         let message = body["error"]["message"].as_str().expect("message");
-        assert!(
-            message.contains("300 left, and this request needs 1200"),
-            "{message}"
-        );
+        assert!(message.contains("300 left, and this request needs 1200"), "{message}");
     }
 
     #[test]
@@ -354,8 +282,7 @@ mod tests {
         assert_eq!(reply.status, 429);
         assert_eq!(header(&reply.headers, "retry-after"), None);
         assert!(
-            reply.body.contains("needs 12000 tokens")
-                && reply.body.contains("can never be admitted"),
+            reply.body.contains("needs 12000 tokens") && reply.body.contains("can never be admitted"),
             "{}",
             reply.body
         );

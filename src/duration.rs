@@ -11,20 +11,14 @@ pub fn parse_duration(text: &str) -> Result<Duration, String> {
         .find(|c: char| !(c.is_ascii_digit() || c == '.'))
         .ok_or_else(|| format!("invalid duration {text:?}: missing unit (use ms, s, m, h or d)"))?;
     let (number, unit) = text.split_at(split);
-    let value: f64 = number
-        .parse()
-        .map_err(|_| format!("invalid duration {text:?}: {number:?} is not a number"))?;
+    let value: f64 = number.parse().map_err(|_| format!("invalid duration {text:?}: {number:?} is not a number"))?;
     let unit_ms = match unit {
         "ms" => 1.0,
         "s" => 1_000.0,
         "m" => 60_000.0,
         "h" => 3_600_000.0,
         "d" => 86_400_000.0,
-        other => {
-            return Err(format!(
-                "invalid duration {text:?}: unknown unit {other:?} (use ms, s, m, h or d)"
-            ))
-        }
+        other => return Err(format!("invalid duration {text:?}: unknown unit {other:?} (use ms, s, m, h or d)")),
     };
     let millis = value * unit_ms;
     if !millis.is_finite() || millis > 10.0 * 365.0 * 86_400_000.0 {
@@ -74,11 +68,7 @@ mod tests {
             ("0.5ms", 500),
         ];
         for (text, micros) in cases {
-            assert_eq!(
-                parse_duration(text),
-                Ok(Duration::from_micros(micros)),
-                "{text}"
-            );
+            assert_eq!(parse_duration(text), Ok(Duration::from_micros(micros)), "{text}");
         }
     }
 

@@ -10,10 +10,7 @@ pub const ANONYMOUS_TENANT: &str = "anonymous";
 
 /// Returns the credential of the first source that is present and non-empty.
 /// `header` looks a request header up by its lower-case name.
-pub fn find_credential(
-    sources: &[IdentitySource],
-    header: impl Fn(&str) -> Option<String>,
-) -> Option<String> {
+pub fn find_credential(sources: &[IdentitySource], header: impl Fn(&str) -> Option<String>) -> Option<String> {
     sources.iter().find_map(|source| {
         let raw = header(&source.header)?;
         let value = raw.trim();
@@ -27,18 +24,14 @@ pub fn find_credential(
 
 fn strip_prefix_ignore_case<'a>(value: &'a str, prefix: &str) -> Option<&'a str> {
     let head = value.get(..prefix.len())?;
-    head.eq_ignore_ascii_case(prefix)
-        .then(|| value.get(prefix.len()..))
-        .flatten()
+    head.eq_ignore_ascii_case(prefix).then(|| value.get(prefix.len()..)).flatten()
 }
 
 /// A stable, non-reversible tenant id: the first 16 bytes of SHA-256 over a domain
 /// separator and the credential, as 32 hex digits.
 pub fn tenant_id(credential: &str) -> String {
-    let digest = Sha256::new()
-        .chain_update(b"llm-ratelimit/tenant/v1\0")
-        .chain_update(credential.as_bytes())
-        .finalize();
+    let digest =
+        Sha256::new().chain_update(b"llm-ratelimit/tenant/v1\0").chain_update(credential.as_bytes()).finalize();
     digest.iter().take(16).map(|b| format!("{b:02x}")).collect()
 }
 
@@ -62,15 +55,9 @@ mod tests {
             (&[("authorization", "Bearer sk-abc")], Some("sk-abc")),
             (&[("authorization", "bearer   sk-abc  ")], Some("sk-abc")),
             (&[("x-api-key", "ak-1")], Some("ak-1")),
-            (
-                &[("authorization", "Bearer sk-abc"), ("x-api-key", "ak-1")],
-                Some("sk-abc"),
-            ),
+            (&[("authorization", "Bearer sk-abc"), ("x-api-key", "ak-1")], Some("sk-abc")),
             // Basic auth is not an API key: fall through to the next source.
-            (
-                &[("authorization", "Basic dXNlcg=="), ("x-api-key", "ak-1")],
-                Some("ak-1"),
-            ),
+            (&[("authorization", "Basic dXNlcg=="), ("x-api-key", "ak-1")], Some("ak-1")),
             (&[("authorization", "Basic dXNlcg==")], None),
             (&[("authorization", "Bearer ")], None),
             (&[("authorization", "Bear")], None),
@@ -79,11 +66,7 @@ mod tests {
         ];
         for (headers, expected) in cases {
             let map: HashMap<&str, &str> = headers.iter().copied().collect();
-            assert_eq!(
-                find_credential(&default_sources(), lookup(&map)).as_deref(),
-                *expected,
-                "{headers:?}"
-            );
+            assert_eq!(find_credential(&default_sources(), lookup(&map)).as_deref(), *expected, "{headers:?}");
         }
     }
 

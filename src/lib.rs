@@ -3,15 +3,7 @@
 //!
 //! Everything but `filter` is plain Rust with no proxy-wasm types, unit tested natively;
 //! `filter` is the thin glue to the proxy-wasm host and exists only in the wasm build.
-#![cfg_attr(
-    not(test),
-    deny(
-        clippy::unwrap_used,
-        clippy::expect_used,
-        clippy::panic,
-        clippy::indexing_slicing
-    )
-)]
+#![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing))]
 
 pub mod bucket;
 pub mod charge;

@@ -88,6 +88,17 @@ pub struct BucketSpec {
     pub window_ms: u64,
     /// Tokens this request takes (0 only looks).
     pub cost: u64,
+    /// When set (below `cost`), the bucket is elastic: it may be charged less, down to
+    /// this, by the same reduction as every other elastic bucket of the call.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub min_cost: Option<u64>,
+}
+
+impl BucketSpec {
+    /// The least this bucket may be charged.
+    pub fn min(&self) -> u64 {
+        self.min_cost.map_or(self.cost, |min| min.min(self.cost))
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -110,6 +121,9 @@ pub struct BucketOutcome {
     pub reset_after_ms: u64,
     /// Time until this bucket has room for the cost (0 when it has now, or never can).
     pub retry_after_ms: u64,
+    /// What the bucket was charged (0 when the call was not allowed).
+    #[serde(default)]
+    pub charged: u64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -131,9 +145,7 @@ pub const MAX_LIMITS_PER_CALL: usize = 32;
 pub fn is_key_part(text: &str) -> bool {
     !text.is_empty()
         && text.len() <= MAX_KEY_PART
-        && text
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-' || b == b'.')
+        && text.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-' || b == b'.')
 }
 
 /// Checks what the script cannot: names safe for keys, positive sizes, bounded counts.
@@ -143,24 +155,17 @@ fn validate_buckets<'a>(
     buckets: impl ExactSizeIterator<Item = (&'a str, u64, u64)> + Clone,
 ) -> Result<(), String> {
     if !is_key_part(domain) {
-        return Err(format!(
-            "domain {domain:?} must be 1-{MAX_KEY_PART} of [A-Za-z0-9_.-]"
-        ));
+        return Err(format!("domain {domain:?} must be 1-{MAX_KEY_PART} of [A-Za-z0-9_.-]"));
     }
     if !is_key_part(tenant) {
         return Err(format!("tenant must be 1-{MAX_KEY_PART} of [A-Za-z0-9_.-]"));
     }
     if buckets.len() == 0 || buckets.len() > MAX_LIMITS_PER_CALL {
-        return Err(format!(
-            "limits must have 1 to {MAX_LIMITS_PER_CALL} entries, got {}",
-            buckets.len()
-        ));
+        return Err(format!("limits must have 1 to {MAX_LIMITS_PER_CALL} entries, got {}", buckets.len()));
     }
     for (i, (name, capacity, window_ms)) in buckets.clone().enumerate() {
         if !is_key_part(name) {
-            return Err(format!(
-                "limits[{i}].name {name:?} must be 1-{MAX_KEY_PART} of [A-Za-z0-9_.-]"
-            ));
+            return Err(format!("limits[{i}].name {name:?} must be 1-{MAX_KEY_PART} of [A-Za-z0-9_.-]"));
         }
         if capacity == 0 {
             return Err(format!("limits[{i}].capacity must be positive"));
@@ -179,18 +184,13 @@ fn validate_reservation_id(id: &str) -> Result<(), String> {
     if is_key_part(id) {
         Ok(())
     } else {
-        Err(format!(
-            "reservation id must be 1-{MAX_KEY_PART} of [A-Za-z0-9_.-]"
-        ))
+        Err(format!("reservation id must be 1-{MAX_KEY_PART} of [A-Za-z0-9_.-]"))
     }
 }
 
 impl TokenBucketRequest {
     pub fn validate(&self) -> Result<(), String> {
-        let buckets = self
-            .limits
-            .iter()
-            .map(|l| (l.name.as_str(), l.capacity, l.window_ms));
+        let buckets = self.limits.iter().map(|l| (l.name.as_str(), l.capacity, l.window_ms));
         validate_buckets(&self.domain, &self.tenant, buckets)?;
         match &self.reservation {
             Some(reservation) => validate_reservation_id(&reservation.id),
@@ -208,10 +208,7 @@ impl SettleRequest {
             ));
         }
         for (i, s) in self.settlements.iter().enumerate() {
-            let buckets = s
-                .limits
-                .iter()
-                .map(|l| (l.name.as_str(), l.capacity, l.window_ms));
+            let buckets = s.limits.iter().map(|l| (l.name.as_str(), l.capacity, l.window_ms));
             validate_buckets(&s.domain, &s.tenant, buckets)
                 .and_then(|()| validate_reservation_id(&s.reservation))
                 .map_err(|e| format!("settlements[{i}]: {e}"))?;
@@ -228,12 +225,7 @@ mod tests {
         TokenBucketRequest {
             domain: "llm".into(),
             tenant: "0123abcd".into(),
-            limits: vec![BucketSpec {
-                name: "rpm".into(),
-                capacity: 5,
-                window_ms: 60_000,
-                cost: 1,
-            }],
+            limits: vec![BucketSpec { name: "rpm".into(), capacity: 5, window_ms: 60_000, cost: 1, min_cost: None }],
             reservation: None,
         }
     }
@@ -261,15 +253,7 @@ mod tests {
                 },
                 "appears twice",
             ),
-            (
-                |r| {
-                    r.reservation = Some(Reservation {
-                        id: "a:b".into(),
-                        ttl_ms: 1,
-                    })
-                },
-                "reservation id",
-            ),
+            (|r| r.reservation = Some(Reservation { id: "a:b".into(), ttl_ms: 1 }), "reservation id"),
         ];
         for (mutate, fragment) in cases {
             let mut r = request();
@@ -285,25 +269,11 @@ mod tests {
             domain: "llm".into(),
             tenant: tenant.into(),
             reservation: "r1".into(),
-            limits: vec![Adjustment {
-                name: "tpm".into(),
-                capacity: 100,
-                window_ms: 60_000,
-                credit: -5,
-            }],
+            limits: vec![Adjustment { name: "tpm".into(), capacity: 100, window_ms: 60_000, credit: -5 }],
         };
-        assert_eq!(
-            SettleRequest {
-                settlements: vec![settlement("a")]
-            }
-            .validate(),
-            Ok(())
-        );
-        let err = SettleRequest {
-            settlements: vec![settlement("a"), settlement("{b}")],
-        }
-        .validate()
-        .expect_err("bad tenant");
+        assert_eq!(SettleRequest { settlements: vec![settlement("a")] }.validate(), Ok(()));
+        let err =
+            SettleRequest { settlements: vec![settlement("a"), settlement("{b}")] }.validate().expect_err("bad tenant");
         assert!(err.starts_with("settlements[1]: tenant"), "{err}");
     }
 
@@ -318,13 +288,11 @@ mod tests {
                 remaining: 0,
                 reset_after_ms: 60_000,
                 retry_after_ms: 12_000,
+                charged: 0,
             }],
         };
         let json = serde_json::to_string(&reply).expect("serialise");
         assert!(json.contains(r#""status":"limited""#), "{json}");
-        assert_eq!(
-            serde_json::from_str::<TokenBucketReply>(&json).expect("parse"),
-            reply
-        );
+        assert_eq!(serde_json::from_str::<TokenBucketReply>(&json).expect("parse"), reply);
     }
 }

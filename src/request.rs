@@ -30,11 +30,7 @@ impl Api {
     /// Recognises the API by the path's last segments, ignoring the query string, so
     /// prefixes (`/openai/deployments/x/...`, `/proxy/v1/...`) work too.
     pub fn from_path(path: &str) -> Option<Api> {
-        let path = path
-            .split(['?', '#'])
-            .next()
-            .unwrap_or("")
-            .trim_end_matches('/');
+        let path = path.split(['?', '#']).next().unwrap_or("").trim_end_matches('/');
         if path.ends_with("/chat/completions") {
             Some(Api::ChatCompletions)
         } else if path.ends_with("/completions") {
@@ -89,21 +85,19 @@ impl std::fmt::Display for BodyError {
 }
 
 fn as_count(value: &Value) -> Option<u64> {
-    value
-        .as_u64()
-        .or_else(|| value.as_f64().filter(|f| *f >= 0.0).map(|f| f as u64))
+    value.as_u64().or_else(|| value.as_f64().filter(|f| *f >= 0.0).map(|f| f as u64))
 }
 
 impl LlmRequest {
     pub fn parse(api: Api, body: &[u8]) -> Result<LlmRequest, BodyError> {
-        let body: Value =
-            serde_json::from_slice(body).map_err(|e| BodyError::NotJson(e.to_string()))?;
+        let body: Value = serde_json::from_slice(body).map_err(|e| BodyError::NotJson(e.to_string()))?;
         if !body.is_object() {
             return Err(BodyError::NotAnObject);
         }
         let max_output = match api {
-            Api::ChatCompletions => as_count(body.at("max_completion_tokens"))
-                .or_else(|| as_count(body.at("max_tokens"))),
+            Api::ChatCompletions => {
+                as_count(body.at("max_completion_tokens")).or_else(|| as_count(body.at("max_tokens")))
+            }
             Api::Completions | Api::Messages => as_count(body.at("max_tokens")),
             Api::Responses => as_count(body.at("max_output_tokens")),
             Api::Embeddings => Some(0),
@@ -112,11 +106,7 @@ impl LlmRequest {
             api,
             model: body.at("model").as_str().map(str::to_string),
             stream: body.at("stream").as_bool().unwrap_or(false),
-            include_usage: body
-                .at("stream_options")
-                .at("include_usage")
-                .as_bool()
-                .unwrap_or(false),
+            include_usage: body.at("stream_options").at("include_usage").as_bool().unwrap_or(false),
             max_output,
             body,
         })
@@ -127,9 +117,7 @@ impl LlmRequest {
         let count = |text: &str| encoding.count(text);
         let body = &self.body;
         match self.api {
-            Api::ChatCompletions => {
-                chat_messages(body.at("messages"), &count) + tools(body.at("tools"), &count)
-            }
+            Api::ChatCompletions => chat_messages(body.at("messages"), &count) + tools(body.at("tools"), &count),
             Api::Messages => {
                 content(body.at("system"), &count)
                     + chat_messages(body.at("messages"), &count)
@@ -145,24 +133,50 @@ impl LlmRequest {
         }
     }
 
-    /// Sets `stream_options.include_usage` to true and returns the new body, so a streamed
-    /// OpenAI chat reply ends with a usage chunk. `None` if nothing needs to change.
-    pub fn with_usage_requested(&self) -> Option<Vec<u8>> {
-        if self.api != Api::ChatCompletions || !self.stream || self.include_usage {
+    /// The body to send upstream instead of the client's: with `stream_options.include_usage`
+    /// set (OpenAI chat streams only) and/or the output cap set to `max_output` (in the
+    /// field this API uses). `None` if nothing changes.
+    pub fn rewritten(&self, request_usage: bool, max_output: Option<u64>) -> Option<Vec<u8>> {
+        let add_usage = request_usage && self.wants_usage_added();
+        let cap_field = max_output
+            .filter(|&cap| self.max_output.is_none_or(|current| cap < current))
+            .map(|cap| (self.cap_field(), cap));
+        if !add_usage && cap_field.is_none() {
             return None;
         }
         let mut body = self.body.clone();
         let object = body.as_object_mut()?;
-        let options = object
-            .entry("stream_options")
-            .or_insert_with(|| Value::Object(Default::default()));
-        if !options.is_object() {
-            *options = Value::Object(Default::default());
+        if add_usage {
+            let options = object.entry("stream_options").or_insert_with(|| Value::Object(Default::default()));
+            if !options.is_object() {
+                *options = Value::Object(Default::default());
+            }
+            options.as_object_mut()?.insert("include_usage".into(), Value::Bool(true));
         }
-        options
-            .as_object_mut()?
-            .insert("include_usage".into(), Value::Bool(true));
+        if let Some((field, cap)) = cap_field {
+            object.insert(field.into(), Value::from(cap));
+        }
         serde_json::to_vec(&body).ok()
+    }
+
+    /// A streamed OpenAI chat request that does not ask for the final usage chunk.
+    pub fn wants_usage_added(&self) -> bool {
+        self.api == Api::ChatCompletions && self.stream && !self.include_usage
+    }
+
+    /// Where this request's output cap goes: the field the client used, else the one the
+    /// API documents (`max_completion_tokens` for chat, which reasoning models require).
+    fn cap_field(&self) -> &'static str {
+        match self.api {
+            Api::ChatCompletions
+                if self.body.get("max_tokens").is_some() && self.body.get("max_completion_tokens").is_none() =>
+            {
+                "max_tokens"
+            }
+            Api::ChatCompletions => "max_completion_tokens",
+            Api::Responses => "max_output_tokens",
+            Api::Completions | Api::Messages | Api::Embeddings => "max_tokens",
+        }
     }
 }
 
@@ -182,12 +196,9 @@ fn chat_messages(messages: &Value, count: &impl Fn(&str) -> u64) -> u64 {
                 "role" => value.as_str().map_or(0, count),
                 "name" => value.as_str().map_or(0, count) + TOKENS_PER_NAME,
                 "content" => content(value, count),
-                "tool_calls" => value.as_array().map_or(0, |calls| {
-                    calls
-                        .iter()
-                        .map(|c| text_leaves(c.at("function"), count))
-                        .sum()
-                }),
+                "tool_calls" => {
+                    value.as_array().map_or(0, |calls| calls.iter().map(|c| text_leaves(c.at("function"), count)).sum())
+                }
                 "function_call" => text_leaves(value, count),
                 "tool_call_id" => 0,
                 _ => 0,
@@ -213,9 +224,7 @@ fn content_part(part: &Value, count: &impl Fn(&str) -> u64) -> u64 {
         "image_url" | "input_image" | "image" => IMAGE_TOKENS,
         // Responses API message items: {role, content}; count like a chat message.
         _ if part.get("role").is_some() && part.get("content").is_some() => {
-            TOKENS_PER_MESSAGE
-                + part.at("role").as_str().map_or(0, count)
-                + content(part.at("content"), count)
+            TOKENS_PER_MESSAGE + part.at("role").as_str().map_or(0, count) + content(part.at("content"), count)
         }
         _ => text_leaves(part, count),
     }
@@ -224,17 +233,8 @@ fn content_part(part: &Value, count: &impl Fn(&str) -> u64) -> u64 {
 /// Every string in a JSON value except identifiers and data blobs, plus the key names of
 /// objects that carry free-form JSON (tool arguments, schemas).
 fn text_leaves(value: &Value, count: &impl Fn(&str) -> u64) -> u64 {
-    const SKIPPED: [&str; 9] = [
-        "type",
-        "id",
-        "call_id",
-        "tool_use_id",
-        "tool_call_id",
-        "cache_control",
-        "source",
-        "detail",
-        "status",
-    ];
+    const SKIPPED: [&str; 9] =
+        ["type", "id", "call_id", "tool_use_id", "tool_call_id", "cache_control", "source", "detail", "status"];
     match value {
         Value::String(text) => count(text),
         Value::Array(items) => items.iter().map(|v| text_leaves(v, count)).sum(),
@@ -243,10 +243,7 @@ fn text_leaves(value: &Value, count: &impl Fn(&str) -> u64) -> u64 {
             .filter(|(key, _)| !SKIPPED.contains(&key.as_str()))
             .map(|(key, v)| match v {
                 Value::Object(_) | Value::Array(_)
-                    if key == "input"
-                        || key == "parameters"
-                        || key == "input_schema"
-                        || key == "properties" =>
+                    if key == "input" || key == "parameters" || key == "input_schema" || key == "properties" =>
                 {
                     // Schemas and tool inputs reach the model as JSON text.
                     count(&v.to_string())
@@ -260,9 +257,7 @@ fn text_leaves(value: &Value, count: &impl Fn(&str) -> u64) -> u64 {
 }
 
 fn tools(value: &Value, count: &impl Fn(&str) -> u64) -> u64 {
-    value
-        .as_array()
-        .map_or(0, |tools| tools.iter().map(|t| text_leaves(t, count)).sum())
+    value.as_array().map_or(0, |tools| tools.iter().map(|t| text_leaves(t, count)).sum())
 }
 
 /// A prompt or embedding input: a string, strings, token ids, or lists of token ids.
@@ -289,10 +284,7 @@ mod tests {
     fn recognises_apis_by_path() {
         let cases = [
             ("/v1/chat/completions", Some(Api::ChatCompletions)),
-            (
-                "/openai/deployments/gpt4o/chat/completions?api-version=2024-10-21",
-                Some(Api::ChatCompletions),
-            ),
+            ("/openai/deployments/gpt4o/chat/completions?api-version=2024-10-21", Some(Api::ChatCompletions)),
             ("/v1/completions", Some(Api::Completions)),
             ("/v1/responses", Some(Api::Responses)),
             ("/v1/embeddings/", Some(Api::Embeddings)),
@@ -309,10 +301,8 @@ mod tests {
     #[test]
     fn chat_counts_follow_openais_formula() {
         // "hello world" is 2 tokens; "user" 1; 3 per message; 3 priming; "bob" 1 + 1 per name.
-        let request = parse(
-            Api::ChatCompletions,
-            r#"{"model":"gpt-4o","messages":[{"role":"user","content":"hello world"}]}"#,
-        );
+        let request =
+            parse(Api::ChatCompletions, r#"{"model":"gpt-4o","messages":[{"role":"user","content":"hello world"}]}"#);
         assert_eq!(request.prompt_tokens(O200K), 3 + 1 + 2 + 3);
         let named = parse(
             Api::ChatCompletions,
@@ -333,37 +323,17 @@ mod tests {
             r#"{"model":"gpt-4o","stream":true,"stream_options":{"include_usage":true},"max_tokens":50,"max_completion_tokens":70,"messages":[]}"#,
         );
         assert_eq!(
-            (
-                chat.model.as_deref(),
-                chat.stream,
-                chat.include_usage,
-                chat.max_output
-            ),
+            (chat.model.as_deref(), chat.stream, chat.include_usage, chat.max_output),
             (Some("gpt-4o"), true, true, Some(70))
         );
-        let responses = parse(
-            Api::Responses,
-            r#"{"model":"o3","input":"hi","max_output_tokens":900}"#,
-        );
+        let responses = parse(Api::Responses, r#"{"model":"o3","input":"hi","max_output_tokens":900}"#);
         assert_eq!(responses.max_output, Some(900));
-        let messages = parse(
-            Api::Messages,
-            r#"{"model":"claude","max_tokens":1024,"messages":[]}"#,
-        );
+        let messages = parse(Api::Messages, r#"{"model":"claude","max_tokens":1024,"messages":[]}"#);
         assert_eq!(messages.max_output, Some(1024));
-        let embeddings = parse(
-            Api::Embeddings,
-            r#"{"model":"text-embedding-3-small","input":["a","b"]}"#,
-        );
+        let embeddings = parse(Api::Embeddings, r#"{"model":"text-embedding-3-small","input":["a","b"]}"#);
         assert_eq!(embeddings.max_output, Some(0));
-        let unset = parse(
-            Api::ChatCompletions,
-            r#"{"messages":[],"max_tokens":"lots"}"#,
-        );
-        assert_eq!(
-            (unset.model, unset.stream, unset.max_output),
-            (None, false, None)
-        );
+        let unset = parse(Api::ChatCompletions, r#"{"messages":[],"max_tokens":"lots"}"#);
+        assert_eq!((unset.model, unset.stream, unset.max_output), (None, false, None));
     }
 
     #[test]
@@ -371,11 +341,7 @@ mod tests {
         let hw = O200K.count("hello world");
         let cases = [
             (Api::Completions, r#"{"prompt":"hello world"}"#, hw),
-            (
-                Api::Completions,
-                r#"{"prompt":["hello world","hello world"]}"#,
-                2 * hw,
-            ),
+            (Api::Completions, r#"{"prompt":["hello world","hello world"]}"#, 2 * hw),
             (Api::Completions, r#"{"prompt":[1,2,3]}"#, 3),
             (Api::Embeddings, r#"{"input":"hello world"}"#, hw),
             (Api::Embeddings, r#"{"input":[[1,2],[3]]}"#, 3),
@@ -413,51 +379,49 @@ mod tests {
 
     #[test]
     fn bad_bodies_are_errors_not_panics() {
-        assert!(matches!(
-            LlmRequest::parse(Api::ChatCompletions, b"{oops"),
-            Err(BodyError::NotJson(_))
-        ));
-        assert_eq!(
-            LlmRequest::parse(Api::ChatCompletions, b"[1,2]"),
-            Err(BodyError::NotAnObject)
-        );
+        assert!(matches!(LlmRequest::parse(Api::ChatCompletions, b"{oops"), Err(BodyError::NotJson(_))));
+        assert_eq!(LlmRequest::parse(Api::ChatCompletions, b"[1,2]"), Err(BodyError::NotAnObject));
         // Wrong types inside are ignored, not fatal.
-        let odd = parse(
-            Api::ChatCompletions,
-            r#"{"messages":{"role":"user"},"tools":"none","stream":"yes"}"#,
-        );
+        let odd = parse(Api::ChatCompletions, r#"{"messages":{"role":"user"},"tools":"none","stream":"yes"}"#);
         assert_eq!(odd.prompt_tokens(O200K), 0);
         assert!(!odd.stream);
     }
 
     #[test]
     fn requests_usage_in_streamed_chat_only_when_missing() {
-        let streamed = parse(
-            Api::ChatCompletions,
-            r#"{"model":"m","stream":true,"messages":[]}"#,
-        );
-        let body: Value =
-            serde_json::from_slice(&streamed.with_usage_requested().expect("rewritten"))
-                .expect("json");
+        let streamed = parse(Api::ChatCompletions, r#"{"model":"m","stream":true,"messages":[]}"#);
+        let body: Value = serde_json::from_slice(&streamed.rewritten(true, None).expect("rewritten")).expect("json");
         assert_eq!(body["stream_options"]["include_usage"], true);
         assert_eq!(body["model"], "m");
-        let odd_options = parse(
-            Api::ChatCompletions,
-            r#"{"stream":true,"stream_options":5,"messages":[]}"#,
-        );
-        assert!(odd_options.with_usage_requested().is_some());
+        assert_eq!(streamed.rewritten(false, None), None);
+        let odd_options = parse(Api::ChatCompletions, r#"{"stream":true,"stream_options":5,"messages":[]}"#);
+        assert!(odd_options.rewritten(true, None).is_some());
         for already_fine in [
             r#"{"stream":true,"stream_options":{"include_usage":true},"messages":[]}"#,
             r#"{"stream":false,"messages":[]}"#,
         ] {
-            assert_eq!(
-                parse(Api::ChatCompletions, already_fine).with_usage_requested(),
-                None
-            );
+            assert_eq!(parse(Api::ChatCompletions, already_fine).rewritten(true, None), None);
         }
-        assert_eq!(
-            parse(Api::Messages, r#"{"stream":true,"messages":[]}"#).with_usage_requested(),
-            None
-        );
+        assert_eq!(parse(Api::Messages, r#"{"stream":true,"messages":[]}"#).rewritten(true, None), None);
+    }
+
+    #[test]
+    fn caps_output_in_the_field_each_api_uses() {
+        let cases = [
+            (Api::ChatCompletions, r#"{"messages":[],"max_tokens":900}"#, "max_tokens"),
+            (Api::ChatCompletions, r#"{"messages":[],"max_completion_tokens":900}"#, "max_completion_tokens"),
+            (Api::ChatCompletions, r#"{"messages":[]}"#, "max_completion_tokens"),
+            (Api::Responses, r#"{"input":"x"}"#, "max_output_tokens"),
+            (Api::Messages, r#"{"max_tokens":900,"messages":[]}"#, "max_tokens"),
+        ];
+        for (api, body, field) in cases {
+            let request = parse(api, body);
+            let rewritten: Value =
+                serde_json::from_slice(&request.rewritten(false, Some(300)).expect(body)).expect("json");
+            assert_eq!(rewritten[field], 300, "{body}");
+        }
+        // A cap at or above what the client asked for changes nothing.
+        let request = parse(Api::Messages, r#"{"max_tokens":200,"messages":[]}"#);
+        assert_eq!(request.rewritten(false, Some(200)), None);
     }
 }

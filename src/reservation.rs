@@ -54,13 +54,7 @@ pub fn actual_tokens(
 ) -> u64 {
     let prompt = reported.input.unwrap_or(estimate.prompt);
     match ending {
-        Ending::Completed => {
-            prompt
-                + reported
-                    .output
-                    .or(streamed_output)
-                    .unwrap_or(estimate.output)
-        }
+        Ending::Completed => prompt + reported.output.or(streamed_output).unwrap_or(estimate.output),
         Ending::UpstreamError => match on_error {
             UpstreamErrorCharge::PromptOnly => prompt + reported.output.unwrap_or(0),
             UpstreamErrorCharge::Estimate => estimate.total(),
@@ -72,9 +66,7 @@ pub fn actual_tokens(
 
 /// Tokens to give back (positive) or to take as well (negative).
 pub fn credit(estimate: TokenEstimate, actual: u64) -> i64 {
-    i64::try_from(estimate.total())
-        .unwrap_or(i64::MAX)
-        .saturating_sub(i64::try_from(actual).unwrap_or(i64::MAX))
+    i64::try_from(estimate.total()).unwrap_or(i64::MAX).saturating_sub(i64::try_from(actual).unwrap_or(i64::MAX))
 }
 
 /// A tenant's running average completion length for one model: the mean of the last
@@ -89,19 +81,13 @@ impl OutputAverage {
     const WINDOW: u32 = 20;
 
     pub fn first(output: u64) -> OutputAverage {
-        OutputAverage {
-            mean: output as f64,
-            samples: 1,
-        }
+        OutputAverage { mean: output as f64, samples: 1 }
     }
 
     pub fn update(self, output: u64) -> OutputAverage {
         let samples = self.samples.saturating_add(1);
         let weight = f64::from(samples.min(Self::WINDOW));
-        OutputAverage {
-            mean: self.mean + (output as f64 - self.mean) / weight,
-            samples,
-        }
+        OutputAverage { mean: self.mean + (output as f64 - self.mean) / weight, samples }
     }
 
     pub fn to_bytes(self) -> [u8; 12] {
@@ -122,10 +108,7 @@ impl OutputAverage {
 mod tests {
     use super::*;
 
-    const EST: TokenEstimate = TokenEstimate {
-        prompt: 100,
-        output: 500,
-    };
+    const EST: TokenEstimate = TokenEstimate { prompt: 100, output: 500 };
 
     fn reported(input: Option<u64>, output: Option<u64>) -> ReportedUsage {
         ReportedUsage { input, output }
@@ -134,14 +117,8 @@ mod tests {
     #[test]
     fn the_estimate_uses_the_average_below_the_cap() {
         assert_eq!(estimate_output(4096, None, 1.5), 4096);
-        assert_eq!(
-            estimate_output(4096, Some(OutputAverage::first(200)), 1.5),
-            300
-        );
-        assert_eq!(
-            estimate_output(250, Some(OutputAverage::first(200)), 1.5),
-            250
-        );
+        assert_eq!(estimate_output(4096, Some(OutputAverage::first(200)), 1.5), 300);
+        assert_eq!(estimate_output(250, Some(OutputAverage::first(200)), 1.5), 250);
         assert_eq!(estimate_output(100, Some(OutputAverage::first(0)), 1.5), 1);
     }
 
@@ -150,31 +127,13 @@ mod tests {
         use Ending::*;
         use UpstreamErrorCharge::*;
         let cases = [
-            (
-                Completed,
-                reported(Some(120), Some(80)),
-                None,
-                PromptOnly,
-                200,
-            ),
+            (Completed, reported(Some(120), Some(80)), None, PromptOnly, 200),
             (Completed, reported(None, None), Some(42), PromptOnly, 142),
-            (
-                Completed,
-                reported(Some(90), None),
-                Some(42),
-                PromptOnly,
-                132,
-            ),
+            (Completed, reported(Some(90), None), Some(42), PromptOnly, 132),
             (Completed, reported(None, None), None, PromptOnly, 600),
             (UpstreamError, reported(None, None), None, PromptOnly, 100),
             (UpstreamError, reported(None, None), None, Estimate, 600),
-            (
-                Interrupted,
-                reported(Some(110), None),
-                Some(7),
-                PromptOnly,
-                117,
-            ),
+            (Interrupted, reported(Some(110), None), Some(7), PromptOnly, 117),
             (Interrupted, reported(None, None), None, PromptOnly, 100),
         ];
         for (ending, usage, streamed, on_error, expected) in cases {
@@ -203,14 +162,7 @@ mod tests {
         assert_eq!(OutputAverage::from_bytes(&avg.to_bytes()), Some(avg));
         assert_eq!(OutputAverage::from_bytes(&[1, 2, 3]), None);
         assert_eq!(
-            OutputAverage::from_bytes(
-                &f64::NAN
-                    .to_le_bytes()
-                    .iter()
-                    .chain(&[0; 4])
-                    .copied()
-                    .collect::<Vec<_>>()
-            ),
+            OutputAverage::from_bytes(&f64::NAN.to_le_bytes().iter().chain(&[0; 4]).copied().collect::<Vec<_>>()),
             None
         );
     }

@@ -27,21 +27,13 @@ pub struct SettleQueue {
 
 impl SettleQueue {
     pub fn new(capacity: usize) -> SettleQueue {
-        SettleQueue {
-            waiting: VecDeque::new(),
-            capacity,
-        }
+        SettleQueue { waiting: VecDeque::new(), capacity }
     }
 
     /// Adds a settlement; when full, the oldest is dropped and returned.
     pub fn push(&mut self, settlement: Settlement) -> Option<Queued> {
-        let dropped = (self.waiting.len() >= self.capacity)
-            .then(|| self.waiting.pop_front())
-            .flatten();
-        self.waiting.push_back(Queued {
-            settlement,
-            attempts: 0,
-        });
+        let dropped = (self.waiting.len() >= self.capacity).then(|| self.waiting.pop_front()).flatten();
+        self.waiting.push_back(Queued { settlement, attempts: 0 });
         dropped
     }
 
@@ -64,10 +56,7 @@ impl SettleQueue {
     pub fn requeue(&mut self, batch: Vec<Queued>, outcomes: Option<&[SettleOutcome]>) -> usize {
         let mut given_up = 0;
         for (i, mut queued) in batch.into_iter().enumerate() {
-            let failed = outcomes.is_none_or(|o| {
-                o.get(i)
-                    .is_none_or(|&outcome| outcome == SettleOutcome::Failed)
-            });
+            let failed = outcomes.is_none_or(|o| o.get(i).is_none_or(|&outcome| outcome == SettleOutcome::Failed));
             if !failed {
                 continue;
             }
@@ -92,20 +81,12 @@ mod tests {
             domain: "llm".into(),
             tenant: "t".into(),
             reservation: id.into(),
-            limits: vec![Adjustment {
-                name: "tpm".into(),
-                capacity: 100,
-                window_ms: 60_000,
-                credit: 5,
-            }],
+            limits: vec![Adjustment { name: "tpm".into(), capacity: 100, window_ms: 60_000, credit: 5 }],
         }
     }
 
     fn ids(batch: &[Queued]) -> Vec<&str> {
-        batch
-            .iter()
-            .map(|q| q.settlement.reservation.as_str())
-            .collect()
+        batch.iter().map(|q| q.settlement.reservation.as_str()).collect()
     }
 
     #[test]
@@ -114,12 +95,7 @@ mod tests {
         for id in ["a", "b", "c"] {
             assert_eq!(queue.push(settlement(id)), None);
         }
-        assert_eq!(
-            queue
-                .push(settlement("d"))
-                .map(|q| q.settlement.reservation),
-            Some("a".into())
-        );
+        assert_eq!(queue.push(settlement("d")).map(|q| q.settlement.reservation), Some("a".into()));
         assert_eq!(ids(&queue.take_batch(2)), ["b", "c"]);
         assert_eq!(ids(&queue.take_batch(10)), ["d"]);
         assert!(queue.is_empty());
@@ -147,10 +123,7 @@ mod tests {
         let mut queue = SettleQueue::new(10);
         queue.push(settlement("a"));
         let batch = queue.take_batch(10);
-        assert_eq!(
-            queue.requeue(batch, Some(&[SettleOutcome::AlreadySettled])),
-            0
-        );
+        assert_eq!(queue.requeue(batch, Some(&[SettleOutcome::AlreadySettled])), 0);
         assert!(queue.is_empty());
     }
 }

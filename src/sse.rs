@@ -108,10 +108,7 @@ impl SseParser {
     }
 
     fn dispatch(&mut self, on_event: &mut impl FnMut(SseEvent)) {
-        let event = SseEvent {
-            event: std::mem::take(&mut self.event),
-            data: std::mem::take(&mut self.data),
-        };
+        let event = SseEvent { event: std::mem::take(&mut self.event), data: std::mem::take(&mut self.data) };
         let deliver = self.has_data && !self.oversized;
         self.has_data = false;
         self.oversized = false;
@@ -155,10 +152,7 @@ impl UsageChunkRemover {
 fn event_length(bytes: &[u8]) -> Option<usize> {
     (0..bytes.len()).find_map(|i| {
         let rest = bytes.get(i..)?;
-        [&b"\r\n\r\n"[..], b"\n\n", b"\r\r"]
-            .iter()
-            .find(|end| rest.starts_with(end))
-            .map(|end| i + end.len())
+        [&b"\r\n\r\n"[..], b"\n\n", b"\r\r"].iter().find(|end| rest.starts_with(end)).map(|end| i + end.len())
     })
 }
 
@@ -171,10 +165,7 @@ fn is_usage_only(event: &[u8]) -> bool {
         .collect::<Vec<_>>()
         .join("\n");
     match serde_json::from_str::<serde_json::Value>(&data) {
-        Ok(chunk) => {
-            chunk.at("choices").as_array().is_some_and(|c| c.is_empty())
-                && chunk.at("usage").is_object()
-        }
+        Ok(chunk) => chunk.at("choices").as_array().is_some_and(|c| c.is_empty()) && chunk.at("usage").is_object(),
         Err(_) => false,
     }
 }
@@ -194,19 +185,13 @@ mod tests {
     }
 
     fn ev(event: &str, data: &str) -> SseEvent {
-        SseEvent {
-            event: event.into(),
-            data: data.into(),
-        }
+        SseEvent { event: event.into(), data: data.into() }
     }
 
     #[test]
     fn parses_fields_comments_and_line_endings() {
         let text = b": keep-alive\r\nevent: message_start\r\ndata: {\"a\":1}\r\n\r\ndata:x\rdata: y\r\rid: 7\nretry: 10\ndata\n\n";
-        assert_eq!(
-            parse_all(&[text]),
-            vec![ev("message_start", "{\"a\":1}"), ev("", "x\ny"), ev("", "")]
-        );
+        assert_eq!(parse_all(&[text]), vec![ev("message_start", "{\"a\":1}"), ev("", "x\ny"), ev("", "")]);
     }
 
     #[test]
@@ -221,9 +206,7 @@ mod tests {
 
     #[test]
     fn every_split_gives_the_same_events() {
-        let text =
-            "event: a\r\ndata: h\u{e9}llo \u{1F600}\r\n\r\ndata: 2\rdata: 3\r\r: c\ndata: end\n\n"
-                .as_bytes();
+        let text = "event: a\r\ndata: h\u{e9}llo \u{1F600}\r\n\r\ndata: 2\rdata: 3\r\r: c\ndata: end\n\n".as_bytes();
         let whole = parse_all(&[text]);
         assert_eq!(whole.len(), 3);
         for i in 0..=text.len() {
@@ -238,26 +221,15 @@ mod tests {
     #[test]
     fn removes_only_the_usage_chunk_whatever_the_split() {
         let stream = include_str!("../tests/cases/streams/openai_chat_usage.sse").as_bytes();
-        let events: Vec<&str> = std::str::from_utf8(stream)
-            .expect("utf8")
-            .split_inclusive("\n\n")
-            .collect();
-        let expected: String = events
-            .iter()
-            .filter(|e| !e.contains(r#""choices":[]"#))
-            .copied()
-            .collect();
+        let events: Vec<&str> = std::str::from_utf8(stream).expect("utf8").split_inclusive("\n\n").collect();
+        let expected: String = events.iter().filter(|e| !e.contains(r#""choices":[]"#)).copied().collect();
         assert_eq!(events.len(), expected.split_inclusive("\n\n").count() + 1);
         for at in 0..=stream.len() {
             let mut remover = UsageChunkRemover::default();
             let (a, b) = stream.split_at(at);
             let mut out = remover.filter(a, false);
             out.extend(remover.filter(b, true));
-            assert_eq!(
-                String::from_utf8(out).expect("utf8"),
-                expected,
-                "split at {at}"
-            );
+            assert_eq!(String::from_utf8(out).expect("utf8"), expected, "split at {at}");
         }
     }
 

@@ -43,9 +43,7 @@ impl Encoding {
             #[cfg(feature = "o200k")]
             Encoding::O200kBase => tiktoken_rs::o200k_base_singleton().count_ordinary(text) as u64,
             #[cfg(feature = "cl100k")]
-            Encoding::Cl100kBase => {
-                tiktoken_rs::cl100k_base_singleton().count_ordinary(text) as u64
-            }
+            Encoding::Cl100kBase => tiktoken_rs::cl100k_base_singleton().count_ordinary(text) as u64,
             #[allow(unreachable_patterns)]
             _ => 0,
         }
@@ -79,12 +77,7 @@ fn one() -> f64 {
 
 /// OpenAI's model families, tried after the operator's own rules.
 pub fn builtin_rules() -> Vec<ModelRule> {
-    let rule = |pattern: &str, encoding| ModelRule {
-        pattern: pattern.into(),
-        encoding,
-        factor: 1.0,
-        max_output: None,
-    };
+    let rule = |pattern: &str, encoding| ModelRule { pattern: pattern.into(), encoding, factor: 1.0, max_output: None };
     let o200k = [
         "gpt-4o*",
         "chatgpt-4o*",
@@ -98,13 +91,7 @@ pub fn builtin_rules() -> Vec<ModelRule> {
         "gpt-realtime*",
         "gpt-audio*",
     ];
-    let cl100k = [
-        "gpt-4*",
-        "gpt-3.5*",
-        "gpt-35*",
-        "text-embedding-3*",
-        "text-embedding-ada-002*",
-    ];
+    let cl100k = ["gpt-4*", "gpt-3.5*", "gpt-35*", "text-embedding-3*", "text-embedding-ada-002*"];
     o200k
         .iter()
         .map(|p| rule(p, Encoding::O200kBase))
@@ -161,12 +148,7 @@ mod tests {
     #[test]
     fn builtin_rules_put_families_before_prefixes_they_share() {
         let rules = builtin_rules();
-        let pick = |model: &str| {
-            rules
-                .iter()
-                .find(|r| glob_match(&r.pattern, model))
-                .map(|r| r.encoding)
-        };
+        let pick = |model: &str| rules.iter().find(|r| glob_match(&r.pattern, model)).map(|r| r.encoding);
         assert_eq!(pick("gpt-4o-mini"), Some(Encoding::O200kBase));
         assert_eq!(pick("gpt-4.1-nano"), Some(Encoding::O200kBase));
         assert_eq!(pick("gpt-4-turbo"), Some(Encoding::Cl100kBase));
@@ -189,22 +171,11 @@ mod tests {
         struct Table {
             cases: Vec<Case>,
         }
-        let table: Table =
-            serde_json::from_str(include_str!("../tests/cases/token_counts.json")).expect("table");
+        let table: Table = serde_json::from_str(include_str!("../tests/cases/token_counts.json")).expect("table");
         assert!(table.cases.len() >= 30);
         for case in table.cases {
-            assert_eq!(
-                Encoding::O200kBase.count(&case.text),
-                case.o200k_base,
-                "o200k: {:?}",
-                case.text
-            );
-            assert_eq!(
-                Encoding::Cl100kBase.count(&case.text),
-                case.cl100k_base,
-                "cl100k: {:?}",
-                case.text
-            );
+            assert_eq!(Encoding::O200kBase.count(&case.text), case.o200k_base, "o200k: {:?}", case.text);
+            assert_eq!(Encoding::Cl100kBase.count(&case.text), case.cl100k_base, "cl100k: {:?}", case.text);
         }
     }
 

@@ -50,11 +50,7 @@ impl ReportedUsage {
 /// or `response.usage`.
 pub fn reported_usage(message: &Value) -> ReportedUsage {
     let mut found = ReportedUsage::default();
-    for usage in [
-        &message.at("usage"),
-        &message.at("message").at("usage"),
-        &message.at("response").at("usage"),
-    ] {
+    for usage in [&message.at("usage"), &message.at("message").at("usage"), &message.at("response").at("usage")] {
         if usage.is_object() {
             found.merge(from_usage_object(usage));
         }
@@ -66,15 +62,11 @@ fn from_usage_object(usage: &Value) -> ReportedUsage {
     let field = |name: &str| usage[name].as_u64();
     let input = field("prompt_tokens").or_else(|| {
         let base = field("input_tokens")?;
-        Some(
-            base + field("cache_creation_input_tokens").unwrap_or(0)
-                + field("cache_read_input_tokens").unwrap_or(0),
-        )
+        Some(base + field("cache_creation_input_tokens").unwrap_or(0) + field("cache_read_input_tokens").unwrap_or(0))
     });
     let output = field("completion_tokens").or_else(|| field("output_tokens"));
     // Embeddings report prompt tokens only: their output is zero, not unknown.
-    let output =
-        output.or_else(|| (input.is_some() && usage.get("total_tokens").is_some()).then_some(0));
+    let output = output.or_else(|| (input.is_some() && usage.get("total_tokens").is_some()).then_some(0));
     ReportedUsage { input, output }
 }
 
@@ -93,10 +85,7 @@ fn usage_after_key(fragment: &[u8]) -> ReportedUsage {
     const KEY: &[u8] = b"\"usage\"";
     let mut best = ReportedUsage::default();
     let mut from = 0;
-    while let Some(at) = fragment
-        .get(from..)
-        .and_then(|rest| rest.windows(KEY.len()).position(|w| w == KEY))
-    {
+    while let Some(at) = fragment.get(from..).and_then(|rest| rest.windows(KEY.len()).position(|w| w == KEY)) {
         let after = from + at + KEY.len();
         from = after;
         let rest = fragment.get(after..).unwrap_or(&[]);
@@ -127,12 +116,7 @@ pub struct ReplyUsage {
 
 impl ReplyUsage {
     pub fn new(window: usize) -> ReplyUsage {
-        ReplyUsage {
-            body: Vec::new(),
-            tail: Vec::new(),
-            window,
-            truncated: false,
-        }
+        ReplyUsage { body: Vec::new(), tail: Vec::new(), window, truncated: false }
     }
 
     pub fn feed(&mut self, chunk: &[u8]) {
@@ -214,10 +198,7 @@ impl StreamUsage {
         };
         self.reported.merge(reported_usage(&message));
         let kind = message.at("type").as_str().unwrap_or(event.event.as_str());
-        if matches!(
-            kind,
-            "message_stop" | "response.completed" | "response.incomplete" | "response.failed"
-        ) {
+        if matches!(kind, "message_stop" | "response.completed" | "response.incomplete" | "response.failed") {
             self.finished = true;
         }
         self.collect_text(&message);
@@ -230,12 +211,9 @@ impl StreamUsage {
         if let Some(choices) = message.at("choices").as_array() {
             for choice in choices {
                 let delta = &choice.at("delta");
-                for text in [
-                    &delta.at("content"),
-                    &delta.at("refusal"),
-                    &delta.at("reasoning_content"),
-                    &choice.at("text"),
-                ] {
+                for text in
+                    [&delta.at("content"), &delta.at("refusal"), &delta.at("reasoning_content"), &choice.at("text")]
+                {
                     self.push_text(text.as_str());
                 }
                 for call in delta.at("tool_calls").as_array().into_iter().flatten() {
@@ -248,11 +226,7 @@ impl StreamUsage {
             Some("content_block_delta") => {
                 let delta = &message.at("delta");
                 self.push_text(
-                    delta
-                        .at("text")
-                        .as_str()
-                        .or(delta.at("partial_json").as_str())
-                        .or(delta.at("thinking").as_str()),
+                    delta.at("text").as_str().or(delta.at("partial_json").as_str()).or(delta.at("thinking").as_str()),
                 );
             }
             Some(kind) if kind.starts_with("response.") && kind.ends_with(".delta") => {
@@ -277,9 +251,7 @@ impl StreamUsage {
 
     /// Output tokens: as reported, or else counted from the streamed text.
     pub fn output_tokens(&self) -> u64 {
-        self.reported
-            .output
-            .unwrap_or_else(|| self.counted_output + self.encoding.count(&self.text))
+        self.reported.output.unwrap_or_else(|| self.counted_output + self.encoding.count(&self.text))
     }
 }
 
@@ -289,10 +261,8 @@ mod tests {
     use proptest::prelude::*;
 
     pub const OPENAI_STREAM: &str = include_str!("../tests/cases/streams/openai_chat_usage.sse");
-    pub const OPENAI_STREAM_NO_USAGE: &str =
-        include_str!("../tests/cases/streams/openai_chat_no_usage.sse");
-    pub const ANTHROPIC_STREAM: &str =
-        include_str!("../tests/cases/streams/anthropic_messages.sse");
+    pub const OPENAI_STREAM_NO_USAGE: &str = include_str!("../tests/cases/streams/openai_chat_no_usage.sse");
+    pub const ANTHROPIC_STREAM: &str = include_str!("../tests/cases/streams/anthropic_messages.sse");
     pub const RESPONSES_STREAM: &str = include_str!("../tests/cases/streams/openai_responses.sse");
 
     fn run(stream: &str, chunks: &[usize]) -> (ReportedUsage, u64, bool) {
@@ -306,40 +276,15 @@ mod tests {
         }
         tracker.feed(&bytes[at..]);
         tracker.finish();
-        (
-            tracker.reported(),
-            tracker.output_tokens(),
-            tracker.finished,
-        )
+        (tracker.reported(), tracker.output_tokens(), tracker.finished)
     }
 
     #[test]
     fn reads_each_providers_streamed_usage() {
         let cases = [
-            (
-                OPENAI_STREAM,
-                ReportedUsage {
-                    input: Some(19),
-                    output: Some(10),
-                },
-                10,
-            ),
-            (
-                ANTHROPIC_STREAM,
-                ReportedUsage {
-                    input: Some(472),
-                    output: Some(15),
-                },
-                15,
-            ),
-            (
-                RESPONSES_STREAM,
-                ReportedUsage {
-                    input: Some(37),
-                    output: Some(11),
-                },
-                11,
-            ),
+            (OPENAI_STREAM, ReportedUsage { input: Some(19), output: Some(10) }, 10),
+            (ANTHROPIC_STREAM, ReportedUsage { input: Some(472), output: Some(15) }, 15),
+            (RESPONSES_STREAM, ReportedUsage { input: Some(37), output: Some(11) }, 11),
         ];
         for (stream, usage, output) in cases {
             assert_eq!(run(stream, &[]), (usage, output, true));
@@ -358,12 +303,7 @@ mod tests {
     /// Higress #4146: an event split across two body callbacks; here at every byte.
     #[test]
     fn every_two_way_split_gives_the_same_usage() {
-        for stream in [
-            OPENAI_STREAM,
-            OPENAI_STREAM_NO_USAGE,
-            ANTHROPIC_STREAM,
-            RESPONSES_STREAM,
-        ] {
+        for stream in [OPENAI_STREAM, OPENAI_STREAM_NO_USAGE, ANTHROPIC_STREAM, RESPONSES_STREAM] {
             let whole = run(stream, &[]);
             for at in 0..=stream.len() {
                 assert_eq!(run(stream, &[at]), whole, "split at {at}");
@@ -378,10 +318,7 @@ mod tests {
                 r#"{"object":"chat.completion","usage":{"prompt_tokens":12,"completion_tokens":5,"total_tokens":17,"prompt_tokens_details":{"cached_tokens":4}}}"#,
                 (Some(12), Some(5)),
             ),
-            (
-                r#"{"object":"list","data":[],"usage":{"prompt_tokens":8,"total_tokens":8}}"#,
-                (Some(8), Some(0)),
-            ),
+            (r#"{"object":"list","data":[],"usage":{"prompt_tokens":8,"total_tokens":8}}"#, (Some(8), Some(0))),
             (
                 r#"{"object":"response","usage":{"input_tokens":30,"output_tokens":7,"total_tokens":37}}"#,
                 (Some(30), Some(7)),
@@ -410,13 +347,7 @@ mod tests {
         for chunk in body.as_bytes().chunks(1000) {
             reply.feed(chunk);
         }
-        assert_eq!(
-            reply.finish(),
-            ReportedUsage {
-                input: Some(77),
-                output: Some(0)
-            }
-        );
+        assert_eq!(reply.finish(), ReportedUsage { input: Some(77), output: Some(0) });
     }
 
     proptest! {

@@ -32,10 +32,10 @@ def client(module_stack):
     return redis.Redis(port=port)
 
 
-def bucket_args(op, limits, amounts, ttl_ms=0):
+def bucket_args(op, limits, amounts, ttl_ms=0, mins=None):
     args = [op, len(limits), ttl_ms]
-    for limit, amount in zip(limits, amounts):
-        args += [limit["capacity"], limit["window_ms"], amount]
+    for i, (limit, amount) in enumerate(zip(limits, amounts)):
+        args += [limit["capacity"], limit["window_ms"], amount, mins[i] if mins else max(amount, 0)]
     return args
 
 
@@ -55,7 +55,7 @@ def run_case(client, case, tolerance_ms=1):
         for key in keys:
             if key in written_at:
                 pipe.eval(SET_AGE, 1, key, clock - written_at[key])
-        pipe.eval(SCRIPT, len(keys), *keys, *bucket_args(step.get("op", "charge"), case["limits"], step["amounts"]))
+        pipe.eval(SCRIPT, len(keys), *keys, *bucket_args(step.get("op", "charge"), case["limits"], step["amounts"], mins=step.get("mins")))
         reply = pipe.execute()[-1]
         what = f"{case['name']} / step {i}"
         assert reply[0] == int(step["done"]), what
@@ -63,8 +63,10 @@ def run_case(client, case, tolerance_ms=1):
             for key, amount in zip(keys, step["amounts"]):
                 if amount != 0:
                     written_at[key] = clock
+        if "charged" in step:
+            assert [outcome[5] for outcome in reply[1:]] == step["charged"], what
         for got, want, limit in zip(reply[1:], step["outcomes"], case["limits"]):
-            status, cap, remaining, reset_after_ms, retry_after_ms = got
+            status, cap, remaining, reset_after_ms, retry_after_ms, _charged = got
             assert STATUS[status] == want[0], what
             assert cap == limit["capacity"], what
             assert remaining == want[1], what
@@ -117,13 +119,14 @@ def test_a_reservation_settles_at_most_once_and_expires(client):
     "args, message",
     [
         ([], "expected op, n, ttl"),
-        (["charge", 1, 0, 5, 1000], "expected op, n, ttl"),
-        (["refund", 1, 0, 5, 1000, 1], "expected op, n, ttl"),
-        (["charge", 2, 0, 5, 1000, 1], "expected op, n, ttl"),
-        (["charge", 1, 0, 0, 1000, 1], "bad capacity"),
-        (["charge", 1, 0, 5, 0, 1], "bad capacity"),
-        (["charge", 1, 0, 5, 1000, -1], "bad capacity"),
-        (["settle", 1, 0, "x", 1000, 1], "bad capacity"),
+        (["charge", 1, 0, 5, 1000, 1], "expected op, n, ttl"),
+        (["refund", 1, 0, 5, 1000, 1, 1], "expected op, n, ttl"),
+        (["charge", 2, 0, 5, 1000, 1, 1], "expected op, n, ttl"),
+        (["charge", 1, 0, 0, 1000, 1, 1], "bad capacity"),
+        (["charge", 1, 0, 5, 0, 1, 1], "bad capacity"),
+        (["charge", 1, 0, 5, 1000, -1, 0], "bad capacity"),
+        (["charge", 1, 0, 5, 1000, 1, 2], "bad capacity"),
+        (["settle", 1, 0, "x", 1000, 1, 0], "bad capacity"),
     ],
 )
 def test_bad_arguments_are_errors(client, args, message):

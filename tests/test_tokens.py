@@ -186,11 +186,36 @@ def test_a_token_limit_rejects_with_its_own_429(env):
     assert "can never be admitted" in json.loads(payload)["error"]["message"]
 
 
-def test_parallel_long_completions_never_overshoot_the_limit(env):
+def test_clamping_shrinks_max_tokens_to_what_is_left(env):
+    port = env.start([{"name": "tpm", "tokens": 1000, "window": LONG}],
+                     tokens={"clamp_max_tokens": True, "min_output_tokens": 50})
+    status, headers, _ = post(port, "/v1/chat/completions", chat(max_tokens=600), "sk-clamp", {"x-mock-completion-tokens": "600"})
+    assert status == 200 and headers["x-mock-completion-tokens"] == "600"
+    first = int(headers["x-mock-prompt-tokens"]) + 600
+    wait_level(env, "sk-clamp", 1000 - first)
+    # What is left is less than this request's upper bound: it is admitted with a smaller
+    # max_tokens, which the upstream sees and honours.
+    status, headers, _ = post(port, "/v1/chat/completions", chat(max_tokens=600), "sk-clamp", {"x-mock-completion-tokens": "600"})
+    assert status == 200
+    granted = int(headers["x-mock-completion-tokens"])
+    reserved = int(headers["x-llm-ratelimit-reserved-tokens"])
+    assert 50 <= granted < 600
+    assert int(headers["x-ratelimit-remaining-tokens"]) == 0
+    assert reserved == 1000 - first  # exactly what was left
+    # Nothing useful is left now: a 429, not a uselessly small grant.
+    wait_level(env, "sk-clamp", 1000 - first - int(headers["x-mock-prompt-tokens"]) - granted)
+    status, _, payload = post(port, "/v1/chat/completions", chat(max_tokens=600), "sk-clamp")
+    assert status == 429 and json.loads(payload)["error"]["type"] == "tokens"
+
+
+@pytest.mark.parametrize("clamp", [False, True], ids=["reserve", "reserve-and-clamp"])
+def test_parallel_long_completions_never_overshoot_the_limit(env, clamp):
     """40 parallel streams of long completions against a TPM limit: the reservations
-    (prompt + max_tokens) hold the limit; settlement only gives back what was unused."""
+    (prompt + max_tokens) hold the limit; settlement only gives back what was unused.
+    With clamping, the last admissions shrink their max_tokens to fill the limit exactly."""
     limit = 20_000
-    port = env.start([{"name": "tpm", "tokens": limit, "window": LONG}])
+    port = env.start([{"name": "tpm", "tokens": limit, "window": LONG}],
+                     tokens={"clamp_max_tokens": clamp, "min_output_tokens": 100})
 
     def one(i):
         body = chat(f"Request {i}: write a long essay.", max_tokens=1000, stream=True, stream_options={"include_usage": True})
@@ -208,7 +233,8 @@ def test_parallel_long_completions_never_overshoot_the_limit(env):
     assert statuses.count(200) + statuses.count(429) == 40
     assert 0 < statuses.count(200) < 40
     overshoot = (admitted - limit) / limit
-    print(f"\nadmitted {admitted} tokens of {limit} in {statuses.count(200)} requests: overshoot {overshoot:+.2%}")
+    print(f"\n{'clamped' if clamp else 'reserved'}: admitted {admitted} tokens of {limit} in {statuses.count(200)} requests: "
+          f"overshoot {overshoot:+.2%}")
     assert admitted <= limit
     wait_level(env, "sk-burst", limit - admitted)
 

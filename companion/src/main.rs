@@ -20,8 +20,7 @@ use axum::Router;
 use clap::Parser;
 use llm_ratelimit::duration::parse_duration;
 use llm_ratelimit::protocol::{
-    SettleOutcome, SettleReply, SettleRequest, TokenBucketRequest, SETTLE_PATH, TOKEN_BUCKET_PATH,
-    TOKEN_HEADER,
+    SettleOutcome, SettleReply, SettleRequest, TokenBucketRequest, SETTLE_PATH, TOKEN_BUCKET_PATH, TOKEN_HEADER,
 };
 use serde_json::json;
 use std::sync::Arc;
@@ -29,20 +28,13 @@ use std::time::Duration;
 use store::{Script, Store, Target};
 
 #[derive(Parser, Debug)]
-#[command(
-    version,
-    about = "Runs llm-ratelimit's Lua scripts in Redis for the proxy-wasm filter"
-)]
+#[command(version, about = "Runs llm-ratelimit's Lua scripts in Redis for the proxy-wasm filter")]
 struct Args {
     /// Address to listen on.
     #[arg(long, env = "LLMRL_LISTEN", default_value = "127.0.0.1:8081")]
     listen: String,
     /// redis://host:port/db, rediss://..., or redis+cluster://host:port,host:port for a cluster.
-    #[arg(
-        long,
-        env = "LLMRL_REDIS_URL",
-        default_value = "redis://127.0.0.1:6379"
-    )]
+    #[arg(long, env = "LLMRL_REDIS_URL", default_value = "redis://127.0.0.1:6379")]
     redis_url: String,
     /// Prefix of every key this service writes.
     #[arg(long, env = "LLMRL_KEY_PREFIX", default_value = "llmrl:")]
@@ -69,28 +61,16 @@ struct App {
 }
 
 fn error(status: StatusCode, message: impl Into<String>) -> Response {
-    (
-        status,
-        [("content-type", "application/json")],
-        json!({"error": message.into()}).to_string(),
-    )
-        .into_response()
+    (status, [("content-type", "application/json")], json!({"error": message.into()}).to_string()).into_response()
 }
 
 /// Compares without an early exit, so timing does not reveal how much of a guess matched.
 fn same_secret(given: &[u8], expected: &[u8]) -> bool {
-    given.len() == expected.len()
-        && given
-            .iter()
-            .zip(expected)
-            .fold(0u8, |acc, (a, b)| acc | (a ^ b))
-            == 0
+    given.len() == expected.len() && given.iter().zip(expected).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0
 }
 
 fn authorised(app: &App, headers: &HeaderMap) -> bool {
-    headers
-        .get(TOKEN_HEADER)
-        .is_some_and(|v| same_secret(v.as_bytes(), app.token.as_bytes()))
+    headers.get(TOKEN_HEADER).is_some_and(|v| same_secret(v.as_bytes(), app.token.as_bytes()))
 }
 
 /// Parses and validates a JSON body, or says what is wrong with it (for a 400).
@@ -98,51 +78,31 @@ fn parse_body<T: serde::de::DeserializeOwned>(
     body: &[u8],
     validate: impl Fn(&T) -> Result<(), String>,
 ) -> Result<T, String> {
-    let request: T =
-        serde_json::from_slice(body).map_err(|err| format!("invalid request body: {err}"))?;
+    let request: T = serde_json::from_slice(body).map_err(|err| format!("invalid request body: {err}"))?;
     validate(&request).map_err(|message| format!("invalid request: {message}"))?;
     Ok(request)
 }
 
 fn json_reply(value: impl serde::Serialize) -> Response {
-    (
-        StatusCode::OK,
-        [("content-type", "application/json")],
-        json!(value).to_string(),
-    )
-        .into_response()
+    (StatusCode::OK, [("content-type", "application/json")], json!(value).to_string()).into_response()
 }
 
-async fn run_token_bucket(
-    State(app): State<Arc<App>>,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
+async fn run_token_bucket(State(app): State<Arc<App>>, headers: HeaderMap, body: Bytes) -> Response {
     if !authorised(&app, &headers) {
-        return error(
-            StatusCode::UNAUTHORIZED,
-            format!("missing or wrong {TOKEN_HEADER}"),
-        );
+        return error(StatusCode::UNAUTHORIZED, format!("missing or wrong {TOKEN_HEADER}"));
     }
     let request = match parse_body(&body, TokenBucketRequest::validate) {
         Ok(request) => request,
         Err(message) => return error(StatusCode::BAD_REQUEST, message),
     };
     let call = token_bucket::charge(&app.key_prefix, &request);
-    let value = match app
-        .store
-        .run(&app.token_bucket, &call.keys, &call.args)
-        .await
-    {
+    let value = match app.store.run(&app.token_bucket, &call.keys, &call.args).await {
         Ok(value) => value,
         Err(err) => return error(StatusCode::SERVICE_UNAVAILABLE, format!("redis: {err}")),
     };
     match token_bucket::reply(request.limits.iter().map(|l| l.name.as_str()), &value) {
         Ok(reply) => json_reply(reply),
-        Err(err) => error(
-            StatusCode::BAD_GATEWAY,
-            format!("unexpected script reply: {err}"),
-        ),
+        Err(err) => error(StatusCode::BAD_GATEWAY, format!("unexpected script reply: {err}")),
     }
 }
 
@@ -150,10 +110,7 @@ async fn run_token_bucket(
 /// tenants, so to different cluster slots), all at once.
 async fn run_settle(State(app): State<Arc<App>>, headers: HeaderMap, body: Bytes) -> Response {
     if !authorised(&app, &headers) {
-        return error(
-            StatusCode::UNAUTHORIZED,
-            format!("missing or wrong {TOKEN_HEADER}"),
-        );
+        return error(StatusCode::UNAUTHORIZED, format!("missing or wrong {TOKEN_HEADER}"));
     }
     let request = match parse_body(&body, SettleRequest::validate) {
         Ok(request) => request,
@@ -165,11 +122,7 @@ async fn run_settle(State(app): State<Arc<App>>, headers: HeaderMap, body: Bytes
         tasks.spawn(async move {
             let call = token_bucket::settle(&app.key_prefix, &settlement);
             let names = settlement.limits.iter().map(|l| l.name.as_str());
-            let outcome = match app
-                .store
-                .run(&app.token_bucket, &call.keys, &call.args)
-                .await
-            {
+            let outcome = match app.store.run(&app.token_bucket, &call.keys, &call.args).await {
                 Ok(value) => match token_bucket::reply(names, &value) {
                     Ok(reply) if reply.allowed => SettleOutcome::Applied,
                     Ok(_) => SettleOutcome::AlreadySettled,
@@ -199,16 +152,10 @@ async fn run_settle(State(app): State<Arc<App>>, headers: HeaderMap, body: Bytes
 
 async fn healthz(State(app): State<Arc<App>>) -> Response {
     match app.store.ping().await {
-        Ok(()) => (
-            StatusCode::OK,
-            [("content-type", "application/json")],
-            json!({"redis": "ok"}).to_string(),
-        )
-            .into_response(),
-        Err(err) => error(
-            StatusCode::SERVICE_UNAVAILABLE,
-            format!("redis unreachable: {err}"),
-        ),
+        Ok(()) => {
+            (StatusCode::OK, [("content-type", "application/json")], json!({"redis": "ok"}).to_string()).into_response()
+        }
+        Err(err) => error(StatusCode::SERVICE_UNAVAILABLE, format!("redis unreachable: {err}")),
     }
 }
 
@@ -219,16 +166,8 @@ fn read_token(args: &Args) -> Result<String, String> {
             .map_err(|e| format!("cannot read --token-file {}: {e}", path.display()))?
             .trim_end()
             .to_string(),
-        (Some(_), Some(_)) => {
-            return Err(
-                "give the token once: --token (LLMRL_COMPANION_TOKEN) or --token-file".into(),
-            )
-        }
-        (None, None) => {
-            return Err(
-                "a shared token is required: set LLMRL_COMPANION_TOKEN or --token-file".into(),
-            )
-        }
+        (Some(_), Some(_)) => return Err("give the token once: --token (LLMRL_COMPANION_TOKEN) or --token-file".into()),
+        (None, None) => return Err("a shared token is required: set LLMRL_COMPANION_TOKEN or --token-file".into()),
     };
     if token.is_empty() {
         return Err("the shared token must not be empty".into());
@@ -254,11 +193,7 @@ async fn connect(target: &Target, args: &Args) -> Result<Store, String> {
 async fn serve(args: Args) -> Result<(), String> {
     let token = read_token(&args)?;
     let target = Target::parse(&args.redis_url).map_err(|e| format!("--redis-url: {e}"))?;
-    if !args
-        .key_prefix
-        .chars()
-        .all(|c| c.is_ascii_graphic() && c != '{' && c != '}')
-    {
+    if !args.key_prefix.chars().all(|c| c.is_ascii_graphic() && c != '{' && c != '}') {
         return Err("--key-prefix must be printable ASCII without '{' or '}'".into());
     }
     let store = connect(&target, &args).await?;
@@ -268,26 +203,15 @@ async fn serve(args: Args) -> Result<(), String> {
         if tokio::time::Instant::now() >= deadline {
             return Err(format!("cannot load {}: {err}", token_bucket.name));
         }
-        eprintln!(
-            "companion: retrying SCRIPT LOAD of {}: {err}",
-            token_bucket.name
-        );
+        eprintln!("companion: retrying SCRIPT LOAD of {}: {err}", token_bucket.name);
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
-    eprintln!(
-        "companion: loaded {} ({})",
-        token_bucket.name, token_bucket.sha
-    );
+    eprintln!("companion: loaded {} ({})", token_bucket.name, token_bucket.sha);
     let mode = match &target {
         Target::Single(_) => "single server".to_string(),
         Target::Cluster(nodes) => format!("cluster, {} seed node(s)", nodes.len()),
     };
-    let app = Arc::new(App {
-        store,
-        token,
-        key_prefix: args.key_prefix.clone(),
-        token_bucket,
-    });
+    let app = Arc::new(App { store, token, key_prefix: args.key_prefix.clone(), token_bucket });
     let router = Router::new()
         .route(TOKEN_BUCKET_PATH, post(run_token_bucket))
         .route(SETTLE_PATH, post(run_settle))
@@ -311,11 +235,7 @@ async fn serve(args: Args) -> Result<(), String> {
 
 fn main() -> std::process::ExitCode {
     let args = Args::parse();
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-    {
+    let runtime = match tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build() {
         Ok(runtime) => runtime,
         Err(err) => {
             eprintln!("companion: cannot start the runtime: {err}");

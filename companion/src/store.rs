@@ -16,11 +16,7 @@ pub struct Script {
 
 impl Script {
     pub fn new(name: &'static str, source: &'static str) -> Script {
-        Script {
-            name,
-            source,
-            sha: redis::Script::new(source).get_hash().to_string(),
-        }
+        Script { name, source, sha: redis::Script::new(source).get_hash().to_string() }
     }
 }
 
@@ -47,10 +43,7 @@ impl Target {
     /// `redis://host:port/db` (or `rediss://`, `unix://`) is one server;
     /// `redis+cluster://h1:p1,h2:p2` (or `rediss+cluster://`) is a cluster's seed list.
     pub fn parse(url: &str) -> Result<Target, String> {
-        for (cluster_scheme, node_scheme) in [
-            ("redis+cluster://", "redis://"),
-            ("rediss+cluster://", "rediss://"),
-        ] {
+        for (cluster_scheme, node_scheme) in [("redis+cluster://", "redis://"), ("rediss+cluster://", "rediss://")] {
             if let Some(rest) = url.strip_prefix(cluster_scheme) {
                 let (auth, hosts) = match rest.rsplit_once('@') {
                     Some((auth, hosts)) => (format!("{auth}@"), hosts),
@@ -68,13 +61,11 @@ impl Target {
                 return Ok(Target::Cluster(nodes));
             }
         }
-        if ["redis://", "rediss://", "unix://", "redis+unix://"]
-            .iter()
-            .any(|s| url.starts_with(s))
-        {
+        if ["redis://", "rediss://", "unix://", "redis+unix://"].iter().any(|s| url.starts_with(s)) {
             Ok(Target::Single(url.to_string()))
         } else {
-            Err("the Redis URL must start with redis://, rediss://, unix://, redis+cluster:// or rediss+cluster://".into())
+            Err("the Redis URL must start with redis://, rediss://, unix://, redis+cluster:// or rediss+cluster://"
+                .into())
         }
     }
 }
@@ -101,10 +92,7 @@ impl Store {
                 Connection::Cluster(client.get_async_connection().await?)
             }
         };
-        Ok(Store {
-            connection,
-            timeout,
-        })
+        Ok(Store { connection, timeout })
     }
 
     async fn query(&self, cmd: &Cmd) -> Result<Value, RedisError> {
@@ -125,9 +113,7 @@ impl Store {
 
     /// SCRIPT LOAD; on a cluster the client sends it to every primary.
     pub async fn load(&self, script: &Script) -> Result<(), RedisError> {
-        let sha: Value = self
-            .query(redis::cmd("SCRIPT").arg("LOAD").arg(script.source))
-            .await?;
+        let sha: Value = self.query(redis::cmd("SCRIPT").arg("LOAD").arg(script.source)).await?;
         match sha {
             Value::BulkString(bytes) if bytes == script.sha.as_bytes() => Ok(()),
             Value::Okay | Value::SimpleString(_) | Value::BulkString(_)
@@ -144,20 +130,12 @@ impl Store {
     }
 
     /// EVALSHA; on NOSCRIPT loads the script and tries once more.
-    pub async fn run(
-        &self,
-        script: &Script,
-        keys: &[String],
-        args: &[String],
-    ) -> Result<Value, RedisError> {
+    pub async fn run(&self, script: &Script, keys: &[String], args: &[String]) -> Result<Value, RedisError> {
         let mut cmd = redis::cmd("EVALSHA");
         cmd.arg(&script.sha).arg(keys.len()).arg(keys).arg(args);
         match self.query(&cmd).await {
             Err(err) if is_no_script(&err) => {
-                eprintln!(
-                    "companion: script {} missing in Redis (NOSCRIPT); loading it again",
-                    script.name
-                );
+                eprintln!("companion: script {} missing in Redis (NOSCRIPT); loading it again", script.name);
                 self.load(script).await?;
                 self.query(&cmd).await
             }
@@ -176,23 +154,14 @@ mod tests {
 
     #[test]
     fn parses_single_and_cluster_urls() {
-        assert_eq!(
-            Target::parse("redis://127.0.0.1:6379/0"),
-            Ok(Target::Single("redis://127.0.0.1:6379/0".into()))
-        );
+        assert_eq!(Target::parse("redis://127.0.0.1:6379/0"), Ok(Target::Single("redis://127.0.0.1:6379/0".into())));
         assert_eq!(
             Target::parse("redis+cluster://10.0.0.1:7000, 10.0.0.2:7001/"),
-            Ok(Target::Cluster(vec![
-                "redis://10.0.0.1:7000".into(),
-                "redis://10.0.0.2:7001".into()
-            ]))
+            Ok(Target::Cluster(vec!["redis://10.0.0.1:7000".into(), "redis://10.0.0.2:7001".into()]))
         );
         assert_eq!(
             Target::parse("rediss+cluster://user:pw@h1:1,h2:2"),
-            Ok(Target::Cluster(vec![
-                "rediss://user:pw@h1:1".into(),
-                "rediss://user:pw@h2:2".into()
-            ]))
+            Ok(Target::Cluster(vec!["rediss://user:pw@h1:1".into(), "rediss://user:pw@h2:2".into()]))
         );
         assert!(Target::parse("redis+cluster://").is_err());
         assert!(Target::parse("http://localhost:6379").is_err());
@@ -201,9 +170,6 @@ mod tests {
     #[test]
     fn script_sha_is_redis_sha1() {
         // SHA1 of "return 1", as `SCRIPT LOAD "return 1"` answers.
-        assert_eq!(
-            Script::new("one", "return 1").sha,
-            "e0e1f9fabfc9d4800c877a703b823ac0578ff8db"
-        );
+        assert_eq!(Script::new("one", "return 1").sha, "e0e1f9fabfc9d4800c877a703b823ac0578ff8db");
     }
 }

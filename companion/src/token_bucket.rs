@@ -1,9 +1,7 @@
 //! The translation between the JSON endpoints and `lua/token_bucket.lua`: KEYS and ARGV
 //! for a charge or a settlement, and the script's reply back to JSON.
 
-use llm_ratelimit::protocol::{
-    BucketOutcome, BucketStatus, Settlement, TokenBucketReply, TokenBucketRequest,
-};
+use llm_ratelimit::protocol::{BucketOutcome, BucketStatus, Settlement, TokenBucketReply, TokenBucketRequest};
 use redis::Value;
 
 pub const SOURCE: &str = include_str!("../../lua/token_bucket.lua");
@@ -25,21 +23,17 @@ fn call<'a>(
     op: &str,
     domain: &str,
     tenant: &str,
-    buckets: impl Iterator<Item = (&'a str, u64, u64, String)>,
+    buckets: impl Iterator<Item = (&'a str, u64, u64, String, String)>,
     reservation: Option<(&str, u64)>,
 ) -> Call {
     let mut keys = Vec::new();
-    let mut triplets = Vec::new();
-    for (name, capacity, window_ms, amount) in buckets {
+    let mut per_bucket = Vec::new();
+    for (name, capacity, window_ms, amount, min) in buckets {
         keys.push(key(prefix, domain, tenant, "tb", name));
-        triplets.extend([capacity.to_string(), window_ms.to_string(), amount]);
+        per_bucket.extend([capacity.to_string(), window_ms.to_string(), amount, min]);
     }
-    let mut args = vec![
-        op.to_string(),
-        keys.len().to_string(),
-        reservation.map_or(0, |r| r.1).to_string(),
-    ];
-    args.extend(triplets);
+    let mut args = vec![op.to_string(), keys.len().to_string(), reservation.map_or(0, |r| r.1).to_string()];
+    args.extend(per_bucket);
     if let Some((id, _)) = reservation {
         keys.push(key(prefix, domain, tenant, "res", id));
     }
@@ -50,19 +44,9 @@ pub fn charge(prefix: &str, request: &TokenBucketRequest) -> Call {
     let buckets = request
         .limits
         .iter()
-        .map(|l| (l.name.as_str(), l.capacity, l.window_ms, l.cost.to_string()));
-    let reservation = request
-        .reservation
-        .as_ref()
-        .map(|r| (r.id.as_str(), r.ttl_ms));
-    call(
-        prefix,
-        "charge",
-        &request.domain,
-        &request.tenant,
-        buckets,
-        reservation,
-    )
+        .map(|l| (l.name.as_str(), l.capacity, l.window_ms, l.cost.to_string(), l.min().to_string()));
+    let reservation = request.reservation.as_ref().map(|r| (r.id.as_str(), r.ttl_ms));
+    call(prefix, "charge", &request.domain, &request.tenant, buckets, reservation)
 }
 
 pub fn settle(prefix: &str, settlement: &Settlement) -> Call {
@@ -72,43 +56,28 @@ pub fn settle(prefix: &str, settlement: &Settlement) -> Call {
             l.capacity,
             l.window_ms,
             l.credit.to_string(),
+            // The script ignores a settlement's minimum; it only keeps the layout uniform.
+            "0".to_string(),
         )
     });
     let reservation = Some((settlement.reservation.as_str(), 0));
-    call(
-        prefix,
-        "settle",
-        &settlement.domain,
-        &settlement.tenant,
-        buckets,
-        reservation,
-    )
+    call(prefix, "settle", &settlement.domain, &settlement.tenant, buckets, reservation)
 }
 
 /// The script's reply for buckets named `names`, in order.
-pub fn reply<'a>(
-    names: impl ExactSizeIterator<Item = &'a str>,
-    value: &Value,
-) -> Result<TokenBucketReply, String> {
+pub fn reply<'a>(names: impl ExactSizeIterator<Item = &'a str>, value: &Value) -> Result<TokenBucketReply, String> {
     let items = as_array(value)?;
     let (done, outcomes) = items.split_first().ok_or("empty reply")?;
     if outcomes.len() != names.len() {
-        return Err(format!(
-            "reply has {} outcomes for {} limits",
-            outcomes.len(),
-            names.len()
-        ));
+        return Err(format!("reply has {} outcomes for {} limits", outcomes.len(), names.len()));
     }
     let limits = outcomes
         .iter()
         .zip(names)
         .map(|(outcome, name)| {
-            let fields: Vec<i64> = as_array(outcome)?
-                .iter()
-                .map(as_int)
-                .collect::<Result<_, _>>()?;
-            let [status, limit, remaining, reset_after_ms, retry_after_ms] = fields[..] else {
-                return Err(format!("outcome has {} fields, expected 5", fields.len()));
+            let fields: Vec<i64> = as_array(outcome)?.iter().map(as_int).collect::<Result<_, _>>()?;
+            let [status, limit, remaining, reset_after_ms, retry_after_ms, charged] = fields[..] else {
+                return Err(format!("outcome has {} fields, expected 6", fields.len()));
             };
             let status = match status {
                 1 => BucketStatus::Allowed,
@@ -124,13 +93,11 @@ pub fn reply<'a>(
                 remaining: non_negative(remaining),
                 reset_after_ms: non_negative(reset_after_ms),
                 retry_after_ms: non_negative(retry_after_ms),
+                charged: non_negative(charged),
             })
         })
         .collect::<Result<_, String>>()?;
-    Ok(TokenBucketReply {
-        allowed: as_int(done)? == 1,
-        limits,
-    })
+    Ok(TokenBucketReply { allowed: as_int(done)? == 1, limits })
 }
 
 fn as_array(value: &Value) -> Result<&[Value], String> {
@@ -157,23 +124,10 @@ mod tests {
             domain: "llm".into(),
             tenant: "abc123".into(),
             limits: vec![
-                BucketSpec {
-                    name: "rpm".into(),
-                    capacity: 20,
-                    window_ms: 60_000,
-                    cost: 1,
-                },
-                BucketSpec {
-                    name: "tpm".into(),
-                    capacity: 10_000,
-                    window_ms: 60_000,
-                    cost: 750,
-                },
+                BucketSpec { name: "rpm".into(), capacity: 20, window_ms: 60_000, cost: 1, min_cost: None },
+                BucketSpec { name: "tpm".into(), capacity: 10_000, window_ms: 60_000, cost: 750, min_cost: None },
             ],
-            reservation: Some(Reservation {
-                id: "r42".into(),
-                ttl_ms: 900_000,
-            }),
+            reservation: Some(Reservation { id: "r42".into(), ttl_ms: 900_000 }),
         }
     }
 
@@ -182,16 +136,9 @@ mod tests {
         let call = charge("llmrl:", &request());
         assert_eq!(
             call.keys,
-            vec![
-                "llmrl:{llm:abc123}:tb:rpm",
-                "llmrl:{llm:abc123}:tb:tpm",
-                "llmrl:{llm:abc123}:res:r42"
-            ]
+            vec!["llmrl:{llm:abc123}:tb:rpm", "llmrl:{llm:abc123}:tb:tpm", "llmrl:{llm:abc123}:res:r42"]
         );
-        assert_eq!(
-            call.args,
-            vec!["charge", "2", "900000", "20", "60000", "1", "10000", "60000", "750"]
-        );
+        assert_eq!(call.args, vec!["charge", "2", "900000", "20", "60000", "1", "1", "10000", "60000", "750", "750"]);
         let mut plain = request();
         plain.reservation = None;
         let call = charge("p:", &plain);
@@ -205,22 +152,11 @@ mod tests {
             domain: "llm".into(),
             tenant: "abc123".into(),
             reservation: "r42".into(),
-            limits: vec![Adjustment {
-                name: "tpm".into(),
-                capacity: 10_000,
-                window_ms: 60_000,
-                credit: -120,
-            }],
+            limits: vec![Adjustment { name: "tpm".into(), capacity: 10_000, window_ms: 60_000, credit: -120 }],
         };
         let call = settle("llmrl:", &settlement);
-        assert_eq!(
-            call.keys,
-            vec!["llmrl:{llm:abc123}:tb:tpm", "llmrl:{llm:abc123}:res:r42"]
-        );
-        assert_eq!(
-            call.args,
-            vec!["settle", "1", "0", "10000", "60000", "-120"]
-        );
+        assert_eq!(call.keys, vec!["llmrl:{llm:abc123}:tb:tpm", "llmrl:{llm:abc123}:res:r42"]);
+        assert_eq!(call.args, vec!["settle", "1", "0", "10000", "60000", "-120", "0"]);
     }
 
     #[test]
@@ -232,13 +168,11 @@ mod tests {
                 Value::Int(r),
                 Value::Int(reset),
                 Value::Int(retry),
+                Value::Int(0),
             ])
         };
-        let value = Value::Array(vec![
-            Value::Int(0),
-            outcome(1, 20, 3, 51_000, 0),
-            outcome(0, 10_000, 0, 60_000, 4_500),
-        ]);
+        let value =
+            Value::Array(vec![Value::Int(0), outcome(1, 20, 3, 51_000, 0), outcome(0, 10_000, 0, 60_000, 4_500)]);
         let reply = reply(["rpm", "tpm"].into_iter(), &value).expect("valid reply");
         assert!(!reply.allowed);
         assert_eq!(reply.limits[0].status, BucketStatus::Allowed);
@@ -257,10 +191,7 @@ mod tests {
             Value::Array(vec![Value::Int(1), Value::Int(2), Value::Int(3)]),
         ];
         for value in malformed {
-            assert!(
-                reply(["rpm", "tpm"].into_iter(), &value).is_err(),
-                "{value:?}"
-            );
+            assert!(reply(["rpm", "tpm"].into_iter(), &value).is_err(), "{value:?}");
         }
     }
 }

@@ -31,9 +31,7 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 #[derive(Parser, Debug, Clone)]
-#[command(
-    about = "Test fixture: a mock LLM upstream speaking OpenAI's and Anthropic's wire formats"
-)]
+#[command(about = "Test fixture: a mock LLM upstream speaking OpenAI's and Anthropic's wire formats")]
 struct Args {
     #[arg(long, default_value = "127.0.0.1:8090")]
     listen: String,
@@ -57,9 +55,7 @@ struct Mock {
 }
 
 /// Words that are one token each in cl100k_base and o200k_base.
-const WORDS: [&str; 10] = [
-    " The", " quick", " brown", " fox", " jumps", " over", " the", " lazy", " dog", ".",
-];
+const WORDS: [&str; 10] = [" The", " quick", " brown", " fox", " jumps", " over", " the", " lazy", " dog", "."];
 
 struct Plan {
     model: String,
@@ -78,10 +74,7 @@ fn header_u64(headers: &HeaderMap, name: &str) -> Option<u64> {
 }
 
 fn now_secs() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0)
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
 }
 
 /// About four characters a token over every string in the messages.
@@ -100,21 +93,17 @@ fn estimate_prompt_tokens(request: &Value) -> u64 {
 
 impl Mock {
     fn plan(&self, headers: &HeaderMap, request: &Value, max_tokens: Option<u64>) -> Plan {
-        let wanted =
-            header_u64(headers, "x-mock-completion-tokens").unwrap_or(self.args.completion_tokens);
+        let wanted = header_u64(headers, "x-mock-completion-tokens").unwrap_or(self.args.completion_tokens);
         let completion_tokens = max_tokens.map_or(wanted, |cap| wanted.min(cap));
         Plan {
             model: request["model"].as_str().unwrap_or("unknown").to_string(),
             stream: request["stream"].as_bool().unwrap_or(false),
-            include_usage: request["stream_options"]["include_usage"]
-                .as_bool()
-                .unwrap_or(false),
+            include_usage: request["stream_options"]["include_usage"].as_bool().unwrap_or(false),
             prompt_tokens: estimate_prompt_tokens(request),
             completion_tokens,
             truncated: completion_tokens < wanted,
             first_delay: Duration::from_millis(
-                header_u64(headers, "x-mock-first-token-delay-ms")
-                    .unwrap_or(self.args.first_token_delay_ms),
+                header_u64(headers, "x-mock-first-token-delay-ms").unwrap_or(self.args.first_token_delay_ms),
             ),
             chunk_delay: Duration::from_millis(
                 header_u64(headers, "x-mock-chunk-delay-ms").unwrap_or(self.args.chunk_delay_ms),
@@ -125,12 +114,7 @@ impl Mock {
 }
 
 fn completion_text(tokens: u64) -> Vec<&'static str> {
-    WORDS
-        .iter()
-        .cycle()
-        .take(tokens as usize)
-        .copied()
-        .collect()
+    WORDS.iter().cycle().take(tokens as usize).copied().collect()
 }
 
 /// Sleeps, but not for zero: tokio's timer ticks in whole milliseconds, so even a zero
@@ -144,10 +128,9 @@ async fn pause(delay: Duration) {
 /// Adds the usage the reply reports, for tests to compare with what was charged.
 fn with_usage(mut response: Response, plan: &Plan) -> Response {
     let headers = response.headers_mut();
-    for (name, value) in [
-        ("x-mock-prompt-tokens", plan.prompt_tokens),
-        ("x-mock-completion-tokens", plan.completion_tokens),
-    ] {
+    for (name, value) in
+        [("x-mock-prompt-tokens", plan.prompt_tokens), ("x-mock-completion-tokens", plan.completion_tokens)]
+    {
         if let Ok(value) = value.to_string().parse() {
             headers.insert(name, value);
         }
@@ -163,27 +146,16 @@ fn forced_error(headers: &HeaderMap) -> Option<StatusCode> {
 }
 
 fn json_response(status: StatusCode, body: &Value) -> Response {
-    (
-        status,
-        [("content-type", "application/json")],
-        body.to_string(),
-    )
-        .into_response()
+    (status, [("content-type", "application/json")], body.to_string()).into_response()
 }
 
 /// Sends `events` after `first` delay, then one every `gap`.
 fn sse_response(events: Vec<String>, first: Duration, gap: Duration) -> Response {
-    let stream = futures_util::stream::unfold(
-        (events.into_iter(), true),
-        move |(mut events, is_first)| async move {
-            let event = events.next()?;
-            pause(if is_first { first } else { gap }).await;
-            Some((
-                Ok::<Bytes, std::convert::Infallible>(Bytes::from(event)),
-                (events, false),
-            ))
-        },
-    );
+    let stream = futures_util::stream::unfold((events.into_iter(), true), move |(mut events, is_first)| async move {
+        let event = events.next()?;
+        pause(if is_first { first } else { gap }).await;
+        Some((Ok::<Bytes, std::convert::Infallible>(Bytes::from(event)), (events, false)))
+    });
     Response::builder()
         .status(StatusCode::OK)
         .header("content-type", "text/event-stream; charset=utf-8")
@@ -200,36 +172,19 @@ fn openai_error(status: StatusCode, message: &str) -> Response {
 }
 
 fn anthropic_error(status: StatusCode, message: &str) -> Response {
-    json_response(
-        status,
-        &json!({"type": "error", "error": {"type": "invalid_request_error", "message": message}}),
-    )
+    json_response(status, &json!({"type": "error", "error": {"type": "invalid_request_error", "message": message}}))
 }
 
-async fn chat_completions(
-    mock: axum::extract::State<Arc<Mock>>,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
+async fn chat_completions(mock: axum::extract::State<Arc<Mock>>, headers: HeaderMap, body: Bytes) -> Response {
     mock.received.fetch_add(1, Ordering::Relaxed);
     let request: Value = match serde_json::from_slice(&body) {
         Ok(value @ Value::Object(_)) => value,
-        _ => {
-            return openai_error(
-                StatusCode::BAD_REQUEST,
-                "We could not parse the JSON body of your request.",
-            )
-        }
+        _ => return openai_error(StatusCode::BAD_REQUEST, "We could not parse the JSON body of your request."),
     };
     if !request["messages"].is_array() {
-        return openai_error(
-            StatusCode::BAD_REQUEST,
-            "Missing required parameter: 'messages'.",
-        );
+        return openai_error(StatusCode::BAD_REQUEST, "Missing required parameter: 'messages'.");
     }
-    let max_tokens = request["max_completion_tokens"]
-        .as_u64()
-        .or(request["max_tokens"].as_u64());
+    let max_tokens = request["max_completion_tokens"].as_u64().or(request["max_tokens"].as_u64());
     if let Some(status) = forced_error(&headers) {
         return openai_error(status, "The mock was asked to fail this request.");
     }
@@ -272,15 +227,8 @@ async fn chat_completions(
         }
         format!("data: {chunk}\n\n")
     };
-    let mut events = vec![chunk(
-        json!({"role": "assistant", "content": "", "refusal": null}),
-        Value::Null,
-    )];
-    events.extend(
-        words
-            .iter()
-            .map(|w| chunk(json!({"content": w}), Value::Null)),
-    );
+    let mut events = vec![chunk(json!({"role": "assistant", "content": "", "refusal": null}), Value::Null)];
+    events.extend(words.iter().map(|w| chunk(json!({"content": w}), Value::Null)));
     events.push(chunk(json!({}), json!(finish_reason)));
     if plan.include_usage {
         let last = json!({
@@ -290,26 +238,14 @@ async fn chat_completions(
         events.push(format!("data: {last}\n\n"));
     }
     events.push("data: [DONE]\n\n".to_string());
-    with_usage(
-        sse_response(events, plan.first_delay, plan.chunk_delay),
-        &plan,
-    )
+    with_usage(sse_response(events, plan.first_delay, plan.chunk_delay), &plan)
 }
 
-async fn messages(
-    mock: axum::extract::State<Arc<Mock>>,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
+async fn messages(mock: axum::extract::State<Arc<Mock>>, headers: HeaderMap, body: Bytes) -> Response {
     mock.received.fetch_add(1, Ordering::Relaxed);
     let request: Value = match serde_json::from_slice(&body) {
         Ok(value @ Value::Object(_)) => value,
-        _ => {
-            return anthropic_error(
-                StatusCode::BAD_REQUEST,
-                "There was an error parsing the body of your request.",
-            )
-        }
+        _ => return anthropic_error(StatusCode::BAD_REQUEST, "There was an error parsing the body of your request."),
     };
     let Some(max_tokens) = request["max_tokens"].as_u64() else {
         return anthropic_error(StatusCode::BAD_REQUEST, "max_tokens: Field required");
@@ -323,11 +259,7 @@ async fn messages(
     let plan = mock.plan(&headers, &request, Some(max_tokens));
     let id = format!("msg_mock{:016}", plan.id);
     let words = completion_text(plan.completion_tokens);
-    let stop_reason = if plan.truncated {
-        "max_tokens"
-    } else {
-        "end_turn"
-    };
+    let stop_reason = if plan.truncated { "max_tokens" } else { "end_turn" };
     if !plan.stream {
         pause(plan.first_delay).await;
         return with_usage(
@@ -359,33 +291,25 @@ async fn messages(
         ),
         event("ping", json!({"type": "ping"})),
     ];
-    events.extend(words.iter().map(|w| event("content_block_delta", json!({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": w}}))));
-    events.push(event(
-        "content_block_stop",
-        json!({"type": "content_block_stop", "index": 0}),
-    ));
+    events.extend(words.iter().map(|w| {
+        event(
+            "content_block_delta",
+            json!({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": w}}),
+        )
+    }));
+    events.push(event("content_block_stop", json!({"type": "content_block_stop", "index": 0})));
     events.push(event("message_delta", json!({"type": "message_delta", "delta": {"stop_reason": stop_reason, "stop_sequence": null}, "usage": {"output_tokens": plan.completion_tokens}})));
     events.push(event("message_stop", json!({"type": "message_stop"})));
-    with_usage(
-        sse_response(events, plan.first_delay, plan.chunk_delay),
-        &plan,
-    )
+    with_usage(sse_response(events, plan.first_delay, plan.chunk_delay), &plan)
 }
 
 async fn stats(mock: axum::extract::State<Arc<Mock>>) -> Response {
-    json_response(
-        StatusCode::OK,
-        &json!({"received": mock.received.load(Ordering::Relaxed)}),
-    )
+    json_response(StatusCode::OK, &json!({"received": mock.received.load(Ordering::Relaxed)}))
 }
 
 async fn run(args: Args) -> Result<(), String> {
     let listen = args.listen.clone();
-    let mock = Arc::new(Mock {
-        args,
-        received: AtomicU64::new(0),
-        served: AtomicU64::new(0),
-    });
+    let mock = Arc::new(Mock { args, received: AtomicU64::new(0), served: AtomicU64::new(0) });
     let router = Router::new()
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/messages", post(messages))

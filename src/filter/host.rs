@@ -52,16 +52,11 @@ pub fn increment(metric: Metric) {
 }
 
 pub fn plugin_configuration() -> Vec<u8> {
-    hostcalls::get_buffer(BufferType::PluginConfiguration, 0, usize::MAX)
-        .ok()
-        .flatten()
-        .unwrap_or_default()
+    hostcalls::get_buffer(BufferType::PluginConfiguration, 0, usize::MAX).ok().flatten().unwrap_or_default()
 }
 
 pub fn request_header(name: &str) -> Option<String> {
-    hostcalls::get_map_value(MapType::HttpRequestHeaders, name)
-        .ok()
-        .flatten()
+    hostcalls::get_map_value(MapType::HttpRequestHeaders, name).ok().flatten()
 }
 
 pub fn set_request_header(name: &str, value: &str) -> bool {
@@ -69,9 +64,7 @@ pub fn set_request_header(name: &str, value: &str) -> bool {
 }
 
 pub fn response_header(name: &str) -> Option<String> {
-    hostcalls::get_map_value(MapType::HttpResponseHeaders, name)
-        .ok()
-        .flatten()
+    hostcalls::get_map_value(MapType::HttpResponseHeaders, name).ok().flatten()
 }
 
 pub fn set_response_header(name: &str, value: &str) {
@@ -81,10 +74,7 @@ pub fn set_response_header(name: &str, value: &str) {
 }
 
 pub fn request_body(size: usize) -> Vec<u8> {
-    hostcalls::get_buffer(BufferType::HttpRequestBody, 0, size)
-        .ok()
-        .flatten()
-        .unwrap_or_default()
+    hostcalls::get_buffer(BufferType::HttpRequestBody, 0, size).ok().flatten().unwrap_or_default()
 }
 
 pub fn replace_request_body(size: usize, body: &[u8]) -> bool {
@@ -92,10 +82,7 @@ pub fn replace_request_body(size: usize, body: &[u8]) -> bool {
 }
 
 pub fn response_body(size: usize) -> Vec<u8> {
-    hostcalls::get_buffer(BufferType::HttpResponseBody, 0, size)
-        .ok()
-        .flatten()
-        .unwrap_or_default()
+    hostcalls::get_buffer(BufferType::HttpResponseBody, 0, size).ok().flatten().unwrap_or_default()
 }
 
 pub fn replace_response_body(size: usize, body: &[u8]) {
@@ -105,29 +92,17 @@ pub fn replace_response_body(size: usize, body: &[u8]) {
 }
 
 /// Sends a JSON POST to the companion; returns the callout token.
-pub fn dispatch(
-    upstream: &str,
-    headers: Vec<(&str, &str)>,
-    body: &[u8],
-    timeout: Duration,
-) -> Result<u32, String> {
+pub fn dispatch(upstream: &str, headers: Vec<(&str, &str)>, body: &[u8], timeout: Duration) -> Result<u32, String> {
     hostcalls::dispatch_http_call(upstream, headers, Some(body), Vec::new(), timeout)
         .map_err(|status| format!("callout to {upstream:?} refused by the host: {status:?}"))
 }
 
 pub fn callout_status() -> Option<u32> {
-    hostcalls::get_map_value(MapType::HttpCallResponseHeaders, ":status")
-        .ok()
-        .flatten()?
-        .parse()
-        .ok()
+    hostcalls::get_map_value(MapType::HttpCallResponseHeaders, ":status").ok().flatten()?.parse().ok()
 }
 
 pub fn callout_body(size: usize) -> Vec<u8> {
-    hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, size)
-        .ok()
-        .flatten()
-        .unwrap_or_default()
+    hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, size).ok().flatten().unwrap_or_default()
 }
 
 pub fn resume_request() {
@@ -137,14 +112,8 @@ pub fn resume_request() {
 }
 
 pub fn send_reply(reply: &LocalReply) {
-    let headers: Vec<(&str, &str)> = reply
-        .headers
-        .iter()
-        .map(|(n, v)| (*n, v.as_str()))
-        .collect();
-    if let Err(status) =
-        hostcalls::send_http_response(reply.status, headers, Some(reply.body.as_bytes()))
-    {
+    let headers: Vec<(&str, &str)> = reply.headers.iter().map(|(n, v)| (*n, v.as_str())).collect();
+    if let Err(status) = hostcalls::send_http_response(reply.status, headers, Some(reply.body.as_bytes())) {
         log::warn!("llm-ratelimit: cannot send the local reply: {status:?}");
     }
 }
@@ -157,17 +126,12 @@ pub fn set_tick_period(period: Duration) {
 
 /// Nanoseconds since the epoch by the host's clock (0 if it will not say).
 pub fn now_nanos() -> u128 {
-    hostcalls::get_current_time()
-        .ok()
-        .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
-        .map_or(0, |d| d.as_nanos())
+    hostcalls::get_current_time().ok().and_then(|t| t.duration_since(UNIX_EPOCH).ok()).map_or(0, |d| d.as_nanos())
 }
 
 /// Shared data is visible to every VM of the same `vm_id` in this proxy process.
 pub fn shared_get(key: &str) -> Option<Vec<u8>> {
-    hostcalls::get_shared_data(key)
-        .ok()
-        .and_then(|(value, _cas)| value)
+    hostcalls::get_shared_data(key).ok().and_then(|(value, _cas)| value)
 }
 
 pub fn shared_set(key: &str, value: &[u8]) {

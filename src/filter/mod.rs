@@ -15,8 +15,8 @@ use crate::config::{Config, FailureMode, MissingIdentity};
 use crate::decision::{self, Header, LocalReply, DEGRADED_HEADER, RESERVED_TOKENS_HEADER};
 use crate::identity::{find_credential, tenant_id, ANONYMOUS_TENANT};
 use crate::protocol::{
-    Adjustment, Reservation, SettleReply, SettleRequest, Settlement, TokenBucketReply,
-    TokenBucketRequest, SETTLE_PATH, TOKEN_BUCKET_PATH, TOKEN_HEADER,
+    Adjustment, Reservation, SettleReply, SettleRequest, Settlement, TokenBucketReply, TokenBucketRequest, SETTLE_PATH,
+    TOKEN_BUCKET_PATH, TOKEN_HEADER,
 };
 use crate::reservation::{actual_tokens, credit, Ending, OutputAverage};
 use crate::settle_queue::{Queued, SettleQueue};
@@ -91,19 +91,10 @@ impl Root {
         if batch.is_empty() {
             return;
         }
-        let request = SettleRequest {
-            settlements: batch.iter().map(|q| q.settlement.clone()).collect(),
-        };
-        let sent = serde_json::to_vec(&request)
-            .map_err(|e| e.to_string())
-            .and_then(|body| {
-                call_companion(
-                    config,
-                    SETTLE_PATH,
-                    &body,
-                    config.companion.timeout.0.max(Duration::from_secs(1)),
-                )
-            });
+        let request = SettleRequest { settlements: batch.iter().map(|q| q.settlement.clone()).collect() };
+        let sent = serde_json::to_vec(&request).map_err(|e| e.to_string()).and_then(|body| {
+            call_companion(config, SETTLE_PATH, &body, config.companion.timeout.0.max(Duration::from_secs(1)))
+        });
         match sent {
             Ok(token) => self.settling = Some((token, batch)),
             Err(why) => {
@@ -123,13 +114,7 @@ impl Root {
 }
 
 impl Context for Root {
-    fn on_http_call_response(
-        &mut self,
-        token: u32,
-        _headers: usize,
-        body_size: usize,
-        _trailers: usize,
-    ) {
+    fn on_http_call_response(&mut self, token: u32, _headers: usize, body_size: usize, _trailers: usize) {
         let Some((expected, batch)) = self.settling.take() else {
             return;
         };
@@ -199,12 +184,7 @@ impl RootContext for Root {
     }
 }
 
-fn call_companion(
-    config: &Config,
-    path: &str,
-    body: &[u8],
-    timeout: Duration,
-) -> Result<u32, String> {
+fn call_companion(config: &Config, path: &str, body: &[u8], timeout: Duration) -> Result<u32, String> {
     let companion = &config.companion;
     let headers = vec![
         (":method", "POST"),
@@ -249,6 +229,8 @@ struct RequestFilter {
     upstream_error: bool,
     /// Present when the filter asked for stream usage the client did not.
     usage_remover: Option<UsageChunkRemover>,
+    /// Size of the request body as read, for replacing it.
+    body_len: usize,
 }
 
 /// What to do with the paused request.
@@ -269,14 +251,12 @@ impl RequestFilter {
             reply: None,
             upstream_error: false,
             usage_remover: None,
+            body_len: 0,
         }
     }
 
     fn identify(&self, config: &Config) -> Result<String, Verdict> {
-        match (
-            find_credential(&config.identity.sources, host::request_header),
-            config.identity.missing,
-        ) {
+        match (find_credential(&config.identity.sources, host::request_header), config.identity.missing) {
             (Some(credential), _) => Ok(tenant_id(&credential)),
             (None, MissingIdentity::Anonymous) => Ok(ANONYMOUS_TENANT.to_string()),
             (None, MissingIdentity::Reject) => {
@@ -293,32 +273,21 @@ impl RequestFilter {
             host::shared_get(&average_key(&config.domain, &self.tenant, model))
                 .and_then(|b| OutputAverage::from_bytes(&b))
         });
-        if let (Some(rewritten), Some(body)) = (&plan.rewritten_body, body) {
-            // Only while the headers are still held can content-length follow the new body.
-            if config.hold_request_headers
-                && host::replace_request_body(body.len(), rewritten)
-                && host::set_request_header("content-length", &rewritten.len().to_string())
-            {
-                self.usage_remover = Some(UsageChunkRemover::default());
-            }
-        }
+        self.body_len = body.map_or(0, <[u8]>::len);
         let reservation = plan.estimate.map(|_| new_reservation_id());
         let request = TokenBucketRequest {
             domain: config.domain.clone(),
             tenant: self.tenant.clone(),
             limits: plan.buckets.clone(),
-            reservation: reservation.clone().map(|id| Reservation {
-                id,
-                ttl_ms: config.tokens.reservation_ttl.0.as_millis() as u64,
-            }),
+            reservation: reservation
+                .clone()
+                .map(|id| Reservation { id, ttl_ms: config.tokens.reservation_ttl.0.as_millis() as u64 }),
         };
         self.plan = Some(plan);
         self.reservation = reservation;
         let sent = serde_json::to_vec(&request)
             .map_err(|e| e.to_string())
-            .and_then(|body| {
-                call_companion(config, TOKEN_BUCKET_PATH, &body, config.companion.timeout.0)
-            });
+            .and_then(|body| call_companion(config, TOKEN_BUCKET_PATH, &body, config.companion.timeout.0));
         match sent {
             Ok(_token) => {
                 self.phase = Phase::Deciding;
@@ -337,25 +306,15 @@ impl RequestFilter {
             return self.companion_failed(config, &format!("companion answered status {status:?}"));
         }
         let expected = self.plan.as_ref().map_or(0, |p| p.buckets.len());
-        let reply = match serde_json::from_slice::<TokenBucketReply>(&host::callout_body(body_size))
-        {
+        let reply = match serde_json::from_slice::<TokenBucketReply>(&host::callout_body(body_size)) {
             Ok(reply) if reply.limits.len() == expected => reply,
-            Ok(_) => {
-                return self
-                    .companion_failed(config, "companion reply has the wrong number of limits")
-            }
-            Err(err) => {
-                return self
-                    .companion_failed(config, &format!("companion reply is not valid: {err}"))
-            }
+            Ok(_) => return self.companion_failed(config, "companion reply has the wrong number of limits"),
+            Err(err) => return self.companion_failed(config, &format!("companion reply is not valid: {err}")),
         };
-        let reserved = self
-            .plan
-            .as_ref()
-            .and_then(|p| p.estimate)
-            .map(|e| e.total());
         if reply.allowed {
             host::increment(Metric::Allowed);
+            self.rewrite_body(config, &reply);
+            let reserved = self.plan.as_ref().and_then(|p| p.estimate).map(|e| e.total());
             let mut headers = decision::rate_limit_headers(&reply, config);
             if let Some(reserved) = reserved {
                 host::add(Metric::TokensReserved, reserved);
@@ -365,21 +324,40 @@ impl RequestFilter {
         } else {
             host::increment(Metric::Limited);
             self.reservation = None; // nothing was charged
-            Verdict::Reply(decision::rejection(&reply, config, reserved.unwrap_or(0)))
+            let reserved = self.plan.as_ref().and_then(|p| p.estimate).map_or(0, |e| e.total());
+            Verdict::Reply(decision::rejection(&reply, config, reserved))
+        }
+    }
+
+    /// Sends upstream the body the charge calls for: the output cap clamped to what was
+    /// granted, stream usage requested. Only while the headers are still held can
+    /// content-length follow the new body, so nothing changes otherwise.
+    fn rewrite_body(&mut self, config: &Config, reply: &TokenBucketReply) {
+        let Some(plan) = self.plan.as_mut() else { return };
+        if !config.hold_request_headers {
+            return;
+        }
+        let charged = plan
+            .token_buckets(config)
+            .next()
+            .and_then(|b| reply.limits.iter().find(|o| o.name == b.name))
+            .map(|o| o.charged);
+        let Some(body) = plan.apply_grant(config, charged) else { return };
+        if host::replace_request_body(self.body_len, &body)
+            && host::set_request_header("content-length", &body.len().to_string())
+            && config.tokens.request_stream_usage
+            && plan.request.as_ref().is_some_and(|r| r.wants_usage_added())
+        {
+            self.usage_remover = Some(UsageChunkRemover::default());
         }
     }
 
     fn companion_failed(&mut self, config: &Config, why: &str) -> Verdict {
         host::increment(Metric::CompanionFailures);
         self.reservation = None; // nothing was charged
-        log::warn!(
-            "llm-ratelimit: no decision from the companion ({why}); failure_mode {:?}",
-            config.failure_mode
-        );
+        log::warn!("llm-ratelimit: no decision from the companion ({why}); failure_mode {:?}", config.failure_mode);
         match config.failure_mode {
-            FailureMode::Allow => {
-                Verdict::Forward(vec![(DEGRADED_HEADER, "companion-unavailable".to_string())])
-            }
+            FailureMode::Allow => Verdict::Forward(vec![(DEGRADED_HEADER, "companion-unavailable".to_string())]),
             FailureMode::Deny => Verdict::Reply(decision::limiter_unavailable()),
         }
     }
@@ -422,13 +400,7 @@ impl RequestFilter {
         };
         // A request that never went upstream cost nothing.
         let actual = if self.phase == Phase::Forwarded {
-            actual_tokens(
-                estimate,
-                ending,
-                reported,
-                streamed_output,
-                config.tokens.on_upstream_error,
-            )
+            actual_tokens(estimate, ending, reported, streamed_output, config.tokens.on_upstream_error)
         } else {
             0
         };
@@ -451,31 +423,17 @@ impl RequestFilter {
             reservation,
             limits: plan
                 .token_buckets(config)
-                .map(|b| Adjustment {
-                    name: b.name.clone(),
-                    capacity: b.capacity,
-                    window_ms: b.window_ms,
-                    credit,
-                })
+                .map(|b| Adjustment { name: b.name.clone(), capacity: b.capacity, window_ms: b.window_ms, credit })
                 .collect(),
         };
-        if SETTLEMENTS
-            .with(|q| q.borrow_mut().push(settlement))
-            .is_some()
-        {
+        if SETTLEMENTS.with(|q| q.borrow_mut().push(settlement)).is_some() {
             host::increment(Metric::SettlementsFailed);
         }
     }
 }
 
 impl Context for RequestFilter {
-    fn on_http_call_response(
-        &mut self,
-        _token: u32,
-        _headers: usize,
-        body_size: usize,
-        _trailers: usize,
-    ) {
+    fn on_http_call_response(&mut self, _token: u32, _headers: usize, body_size: usize, _trailers: usize) {
         let Some(config) = self.config.clone() else {
             return;
         };
@@ -519,10 +477,8 @@ impl HttpContext for RequestFilter {
         match self.phase {
             Phase::ReadingBody => {
                 if body_size as u64 > config.tokens.max_request_bytes {
-                    return self.apply(
-                        Verdict::Reply(decision::body_too_large(config.tokens.max_request_bytes)),
-                        false,
-                    );
+                    return self
+                        .apply(Verdict::Reply(decision::body_too_large(config.tokens.max_request_bytes)), false);
                 }
                 if !end_of_stream {
                     return Action::Pause; // the host buffers until the end
@@ -550,17 +506,10 @@ impl HttpContext for RequestFilter {
             host::set_response_header(name, &value);
         }
         if self.reservation.is_some() {
-            let status: u32 = host::response_header(":status")
-                .and_then(|s| s.parse().ok())
-                .unwrap_or(0);
+            let status: u32 = host::response_header(":status").and_then(|s| s.parse().ok()).unwrap_or(0);
             self.upstream_error = status >= 400;
-            let streaming = host::response_header("content-type")
-                .is_some_and(|t| t.contains("text/event-stream"));
-            let encoding = self
-                .plan
-                .as_ref()
-                .map(|p| p.encoding)
-                .unwrap_or(crate::tokens::Encoding::O200kBase);
+            let streaming = host::response_header("content-type").is_some_and(|t| t.contains("text/event-stream"));
+            let encoding = self.plan.as_ref().map(|p| p.encoding).unwrap_or(crate::tokens::Encoding::O200kBase);
             self.reply = Some(if streaming {
                 ReplyReader::Stream(StreamUsage::new(encoding, MAX_SSE_EVENT))
             } else {
@@ -591,11 +540,7 @@ impl HttpContext for RequestFilter {
             }
         }
         if end_of_stream {
-            let ending = if self.upstream_error {
-                Ending::UpstreamError
-            } else {
-                Ending::Completed
-            };
+            let ending = if self.upstream_error { Ending::UpstreamError } else { Ending::Completed };
             self.settle(&config, ending);
         }
         Action::Continue
@@ -607,11 +552,7 @@ impl HttpContext for RequestFilter {
         let Some(config) = self.config.clone() else {
             return;
         };
-        let ending = if self.upstream_error {
-            Ending::UpstreamError
-        } else {
-            Ending::Interrupted
-        };
+        let ending = if self.upstream_error { Ending::UpstreamError } else { Ending::Interrupted };
         self.settle(&config, ending);
     }
 }
