@@ -16,7 +16,7 @@ WASM_CARGO := RUSTC_BOOTSTRAP=1 RUSTC=/usr/bin/rustc /usr/bin/cargo
 WASM_FLAGS := -Zbuild-std=std,panic_abort
 endif
 
-.PHONY: help setup build wasm empty-filter native test unit integration up down demo bench lint clean
+.PHONY: help setup build wasm empty-filter native test wasm-test fuzz unit integration up down demo bench lint clean
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -38,9 +38,13 @@ empty-filter: setup
 native:
 	cargo build --release -p llm-ratelimit-companion -p mock-llm
 
-test: build ## Run every test: unit (cargo), Lua against Redis, companion, end to end through Envoy
+test: build ## Run every test: unit (native and wasm), Lua against Redis, companion, end to end through Envoy
 	cargo test --workspace
+	$(MAKE) --no-print-directory wasm-test
 	$(PY) -m pytest tests -q -p no:cacheprovider
+
+wasm-test: ## The unit tests marked for wasm, built for the filter's target and run under Node
+	CARGO_TARGET_WASM32_UNKNOWN_UNKNOWN_RUNNER=wasm-bindgen-test-runner $(WASM_CARGO) test -p llm-ratelimit --lib --target $(WASM_TARGET) $(WASM_FLAGS)
 
 unit: ## Native unit tests only
 	cargo test --workspace
@@ -60,6 +64,16 @@ demo: up ## Start the demo stack and send a short burst through it
 bench: build empty-filter ## Measure Envoy without and with the filter in one run and print ratios
 	cargo build --release --example tokenize_bench
 	$(PY) scripts/bench.py
+
+FUZZ_SECONDS ?= 60
+FUZZ_TARGETS := config request_body sse_stream json_reply
+
+fuzz: ## Run each cargo-fuzz target for FUZZ_SECONDS (default 60)
+	@command -v cargo-fuzz >/dev/null || cargo install --quiet cargo-fuzz --version 0.13.2
+	@for target in $(FUZZ_TARGETS); do \
+	  echo "fuzz: $$target for $(FUZZ_SECONDS)s"; \
+	  (cd fuzz && RUSTC_BOOTSTRAP=1 cargo fuzz run $$target -- -max_total_time=$(FUZZ_SECONDS) -rss_limit_mb=4096) || exit 1; \
+	done
 
 lint: ## rustfmt and clippy (native)
 	cargo fmt --all -- --check

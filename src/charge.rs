@@ -119,7 +119,8 @@ mod tests {
         serde_json::from_slice(&bytes.expect("rewritten")).expect("json")
     }
 
-    #[test]
+    #[cfg_attr(not(target_arch = "wasm32"), test)]
+    #[cfg_attr(target_arch = "wasm32", wasm_bindgen_test::wasm_bindgen_test)]
     fn charges_one_request_and_the_token_estimate() {
         let config = config("{}");
         let plan = plan(&config, "/v1/chat/completions", Some(CHAT.as_bytes()), |_| None);
@@ -181,7 +182,8 @@ mod tests {
         assert!(rewritten.get("max_completion_tokens").is_none(), "not clamping: {rewritten}");
     }
 
-    #[test]
+    #[cfg_attr(not(target_arch = "wasm32"), test)]
+    #[cfg_attr(target_arch = "wasm32", wasm_bindgen_test::wasm_bindgen_test)]
     fn clamping_reserves_the_upper_bound_elastically_and_caps_the_grant() {
         let config = config(r#"{"clamp_max_tokens": true, "min_output_tokens": 50}"#);
         let mut plan = plan(&config, "/v1/chat/completions", Some(CHAT.as_bytes()), |_| Some(OutputAverage::first(10)));

@@ -450,7 +450,8 @@ mod tests {
         }
     }"#;
 
-    #[test]
+    #[cfg_attr(not(target_arch = "wasm32"), test)]
+    #[cfg_attr(target_arch = "wasm32", wasm_bindgen_test::wasm_bindgen_test)]
     fn parses_a_full_config() {
         let config = Config::from_json(GOOD.as_bytes()).expect("good config");
         assert_eq!(config.companion.upstream, "companion");
@@ -494,7 +495,8 @@ mod tests {
     }
 
     /// Each bad config, the field its error must name, and a fragment of the message.
-    #[test]
+    #[cfg_attr(not(target_arch = "wasm32"), test)]
+    #[cfg_attr(target_arch = "wasm32", wasm_bindgen_test::wasm_bindgen_test)]
     fn rejects_bad_configs_naming_the_field() {
         let limits = r#""limits": [{"name": "rpm", "requests": 5, "window": "1m"}]"#;
         let companion = r#""companion": {"upstream": "c", "token": "t"}"#;

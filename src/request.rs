@@ -298,7 +298,8 @@ mod tests {
         }
     }
 
-    #[test]
+    #[cfg_attr(not(target_arch = "wasm32"), test)]
+    #[cfg_attr(target_arch = "wasm32", wasm_bindgen_test::wasm_bindgen_test)]
     fn chat_counts_follow_openais_formula() {
         // "hello world" is 2 tokens; "user" 1; 3 per message; 3 priming; "bob" 1 + 1 per name.
         let request =
@@ -336,7 +337,8 @@ mod tests {
         assert_eq!((unset.model, unset.stream, unset.max_output), (None, false, None));
     }
 
-    #[test]
+    #[cfg_attr(not(target_arch = "wasm32"), test)]
+    #[cfg_attr(target_arch = "wasm32", wasm_bindgen_test::wasm_bindgen_test)]
     fn counts_every_api_shape() {
         let hw = O200K.count("hello world");
         let cases = [
@@ -367,7 +369,8 @@ mod tests {
         }
     }
 
-    #[test]
+    #[cfg_attr(not(target_arch = "wasm32"), test)]
+    #[cfg_attr(target_arch = "wasm32", wasm_bindgen_test::wasm_bindgen_test)]
     fn tools_and_tool_calls_add_tokens() {
         let base = r#"{"messages":[{"role":"user","content":"hi"}]}"#;
         let with_tools = r#"{"messages":[{"role":"user","content":"hi"}],"tools":[{"type":"function","function":{"name":"get_weather","description":"Weather for a city","parameters":{"type":"object","properties":{"city":{"type":"string"}}}}}]}"#;
@@ -377,7 +380,8 @@ mod tests {
         assert!(parse(Api::ChatCompletions, with_call).prompt_tokens(O200K) > base + 10);
     }
 
-    #[test]
+    #[cfg_attr(not(target_arch = "wasm32"), test)]
+    #[cfg_attr(target_arch = "wasm32", wasm_bindgen_test::wasm_bindgen_test)]
     fn bad_bodies_are_errors_not_panics() {
         assert!(matches!(LlmRequest::parse(Api::ChatCompletions, b"{oops"), Err(BodyError::NotJson(_))));
         assert_eq!(LlmRequest::parse(Api::ChatCompletions, b"[1,2]"), Err(BodyError::NotAnObject));

@@ -204,7 +204,8 @@ mod tests {
         assert_eq!(parse_all(&[b"data: [DONE]"]), vec![ev("", "[DONE]")]);
     }
 
-    #[test]
+    #[cfg_attr(not(target_arch = "wasm32"), test)]
+    #[cfg_attr(target_arch = "wasm32", wasm_bindgen_test::wasm_bindgen_test)]
     fn every_split_gives_the_same_events() {
         let text = "event: a\r\ndata: h\u{e9}llo \u{1F600}\r\n\r\ndata: 2\rdata: 3\r\r: c\ndata: end\n\n".as_bytes();
         let whole = parse_all(&[text]);
@@ -218,7 +219,8 @@ mod tests {
         }
     }
 
-    #[test]
+    #[cfg_attr(not(target_arch = "wasm32"), test)]
+    #[cfg_attr(target_arch = "wasm32", wasm_bindgen_test::wasm_bindgen_test)]
     fn removes_only_the_usage_chunk_whatever_the_split() {
         let stream = include_str!("../tests/cases/streams/openai_chat_usage.sse").as_bytes();
         let events: Vec<&str> = std::str::from_utf8(stream).expect("utf8").split_inclusive("\n\n").collect();

@@ -159,7 +159,8 @@ mod tests {
 
     /// Counts from OpenAI's own tiktoken (tests/cases/make_token_counts.py) for a corpus
     /// of prose, code, JSON, CJK, RTL, emoji, numbers and special-token text.
-    #[test]
+    #[cfg_attr(not(target_arch = "wasm32"), test)]
+    #[cfg_attr(target_arch = "wasm32", wasm_bindgen_test::wasm_bindgen_test)]
     fn counts_match_openais_tiktoken() {
         #[derive(serde::Deserialize)]
         struct Case {

@@ -258,6 +258,7 @@ impl StreamUsage {
 #[cfg(test)]
 mod tests {
     use super::*;
+    #[cfg(not(target_arch = "wasm32"))]
     use proptest::prelude::*;
 
     pub const OPENAI_STREAM: &str = include_str!("../tests/cases/streams/openai_chat_usage.sse");
@@ -279,7 +280,8 @@ mod tests {
         (tracker.reported(), tracker.output_tokens(), tracker.finished)
     }
 
-    #[test]
+    #[cfg_attr(not(target_arch = "wasm32"), test)]
+    #[cfg_attr(target_arch = "wasm32", wasm_bindgen_test::wasm_bindgen_test)]
     fn reads_each_providers_streamed_usage() {
         let cases = [
             (OPENAI_STREAM, ReportedUsage { input: Some(19), output: Some(10) }, 10),
@@ -292,7 +294,8 @@ mod tests {
     }
 
     /// Higress #2187: a stream without a usage chunk must still be charged.
-    #[test]
+    #[cfg_attr(not(target_arch = "wasm32"), test)]
+    #[cfg_attr(target_arch = "wasm32", wasm_bindgen_test::wasm_bindgen_test)]
     fn a_stream_without_usage_is_counted_from_its_text() {
         let (reported, output, finished) = run(OPENAI_STREAM_NO_USAGE, &[]);
         assert_eq!(reported, ReportedUsage::default());
@@ -301,7 +304,8 @@ mod tests {
     }
 
     /// Higress #4146: an event split across two body callbacks; here at every byte.
-    #[test]
+    #[cfg_attr(not(target_arch = "wasm32"), test)]
+    #[cfg_attr(target_arch = "wasm32", wasm_bindgen_test::wasm_bindgen_test)]
     fn every_two_way_split_gives_the_same_usage() {
         for stream in [OPENAI_STREAM, OPENAI_STREAM_NO_USAGE, ANTHROPIC_STREAM, RESPONSES_STREAM] {
             let whole = run(stream, &[]);
@@ -311,7 +315,8 @@ mod tests {
         }
     }
 
-    #[test]
+    #[cfg_attr(not(target_arch = "wasm32"), test)]
+    #[cfg_attr(target_arch = "wasm32", wasm_bindgen_test::wasm_bindgen_test)]
     fn reads_json_replies() {
         let cases = [
             (
@@ -337,7 +342,8 @@ mod tests {
         }
     }
 
-    #[test]
+    #[cfg_attr(not(target_arch = "wasm32"), test)]
+    #[cfg_attr(target_arch = "wasm32", wasm_bindgen_test::wasm_bindgen_test)]
     fn finds_usage_in_the_tail_of_a_large_reply() {
         let filler = format!("\"{}\"", "0.1234,".repeat(50_000));
         let body = format!(
@@ -350,6 +356,7 @@ mod tests {
         assert_eq!(reply.finish(), ReportedUsage { input: Some(77), output: Some(0) });
     }
 
+    #[cfg(not(target_arch = "wasm32"))]
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(200))]
 
