@@ -1,26 +1,32 @@
--- token_bucket.lua: charge several token buckets all or nothing, and settle what a
--- charge reserved once the real cost is known.
+-- token_bucket.lua: charge several token buckets all or nothing, settle what a charge
+-- reserved once the real cost is known, and lease blocks of budget to proxy instances.
 --
 -- KEYS[1..n]  bucket of limit i: a hash {tokens, ts}.
 -- KEYS[n+1]   optional: the reservation record of this request (a string).
 --             All keys must share one hash slot (the companion puts the tenant in a hash
 --             tag), so this runs on Redis Cluster.
--- ARGV[1]     "charge" or "settle"
+-- ARGV[1]     "charge", "settle" or "lease"
 -- ARGV[2]     n, the number of buckets
--- ARGV[3]     charge: how long the reservation record lives (ms); settle: ignored
+-- ARGV[3]     charge: how long the reservation record lives (ms); lease: the share of
+--             what is left that one grant may take (0 < share <= 1); settle: ignored
 -- ARGV[4..]   four numbers per bucket, in KEYS order:
 --               capacity   (> 0)  tokens the bucket holds when full
 --               window_ms  (> 0)  time in which an empty bucket refills to capacity
 --               amount     charge: the cost (>= 0; 0 only looks)
 --                          settle: tokens to give back (> 0) or to take as well (< 0)
+--                          lease: the grant wanted
 --               min        charge: the least this bucket may be charged (<= amount); a
---                          bucket with min < amount is elastic; settle: ignored
+--                          bucket with min < amount is elastic
+--                          lease: the grant needed (<= amount); settle: ignored
 --
 -- charge: every bucket is refilled to now; if each has room for its cost, all are
 -- charged and the reservation record (if given) is written; otherwise none is. Elastic
 -- buckets all give up the same reduction r, the smallest that makes every one of them fit,
 -- if no bucket then falls below its min: that is how a request's completion allowance is
 -- clamped to what the tenant has left.
+-- lease: if each bucket has what is needed, each grants min(wanted, max(needed, share x
+-- what is left)) and is charged that: grants shrink as a tenant nears its limit, so
+-- instances sharing it do not starve each other; otherwise nothing is granted.
 -- settle: if the reservation record exists it is deleted and each bucket gets its amount
 -- back (never above capacity; a debit may take it below zero, so the tenant waits it
 -- off); if the record is gone (settled before, or expired) nothing changes. So a
@@ -33,7 +39,7 @@
 --          remaining       whole tokens left (after the charge or settlement, if done)
 --          reset_after_ms  time until the bucket is full again
 --          retry_after_ms  time until the bucket has room for the cost (0 if now or never)
---          charged         what the bucket was charged (0 if not done; settle: 0)
+--          charged         what the bucket was charged, or granted (0 if not done; settle: 0)
 --
 -- Time is Redis's own (TIME), so every proxy shares one clock. Buckets refill
 -- continuously and hold fractional tokens. A written bucket expires when it would be full
@@ -43,11 +49,15 @@
 
 local op = ARGV[1]
 local n = tonumber(ARGV[2])
-if (op ~= 'charge' and op ~= 'settle') or not n or n < 1 or #ARGV ~= 3 + 4 * n or (#KEYS ~= n and #KEYS ~= n + 1) then
+if (op ~= 'charge' and op ~= 'settle' and op ~= 'lease') or not n or n < 1 or #ARGV ~= 3 + 4 * n or (#KEYS ~= n and #KEYS ~= n + 1) then
   return redis.error_reply('ERR token_bucket: expected op, n, ttl and 4 ARGV per bucket, with n or n+1 keys')
 end
 local reservation = KEYS[n + 1]
 local reservation_ttl_ms = tonumber(ARGV[3])
+local share = tonumber(ARGV[3])
+if op == 'lease' and (not share or share <= 0 or share > 1) then
+  return redis.error_reply('ERR token_bucket: a lease needs a share in (0, 1]')
+end
 
 local time = redis.call('TIME')
 local now_ms = tonumber(time[1]) * 1000 + tonumber(time[2]) / 1000
@@ -59,7 +69,7 @@ for i = 1, n do
   local amount = tonumber(ARGV[4 * i + 2])
   local min = tonumber(ARGV[4 * i + 3])
   if not capacity or capacity <= 0 or not window_ms or window_ms <= 0 or not amount or not min
-      or (op == 'charge' and (amount < 0 or min < 0 or min > amount)) then
+      or (op ~= 'settle' and (amount < 0 or min < 0 or min > amount)) then
     return redis.error_reply('ERR token_bucket: bad capacity, window_ms, amount or min for bucket ' .. i)
   end
   local state = redis.call('HMGET', KEYS[i], 'tokens', 'ts')
@@ -115,6 +125,26 @@ if op == 'charge' then
     end
     if reservation then
       redis.call('SET', reservation, '1', 'PX', math.max(1, math.floor(reservation_ttl_ms or 0)))
+    end
+  end
+elseif op == 'lease' then
+  for i = 1, n do
+    local capacity, window_ms, wanted, needed = specs[i][1], specs[i][2], specs[i][3], specs[i][4]
+    statuses[i], retries[i] = 1, 0
+    charged[i] = math.min(wanted, math.max(needed, math.floor(math.max(levels[i], 0) * share)))
+    if needed > capacity then
+      statuses[i], done = -1, 0
+    elseif levels[i] < needed then
+      statuses[i], done = 0, 0
+      retries[i] = math.ceil((needed - levels[i]) * window_ms / capacity)
+    end
+  end
+  if done == 1 then
+    for i = 1, n do
+      if charged[i] > 0 then
+        levels[i] = levels[i] - charged[i]
+        store(i, levels[i])
+      end
     end
   end
 else

@@ -4,7 +4,8 @@ all measured in one run on this machine so the ratios mean something on a noisy 
 1. Start-up: time from starting Envoy (--concurrency 2) to /ready, and the first request
    after it, for no filter, the empty filter and llm-ratelimit (o200k + cl100k linked).
 2. Small requests: requests/s at 16 connections and p50/p99 at 1 connection, Redis round
-   trips per request. Envoy --concurrency 1 on CPU 0; wrk, the mock upstream, the
+   trips per request, for request limits and request + token limits, each decided by a
+   callout per request (direct) or from a leased budget (lease). Envoy --concurrency 1 on CPU 0; wrk, the mock upstream, the
    companion and Redis share CPU 1 (as in shared/notes/anchors.md).
 3. Prompt size: p50 at 1 connection for 1k- and 32k-token prompts, with and without the
    filter; the difference between the two added latencies gives the filter's prompt
@@ -35,6 +36,8 @@ COMPANION = {"upstream": "llm_ratelimit_companion", "token": TOKEN, "timeout": "
 REQUESTS_ONLY = {"companion": COMPANION, "failure_mode": "deny",
                  "limits": [{"name": "rpm", "requests": 1_000_000_000, "window": "1m"}]}
 WITH_TOKENS = {**REQUESTS_ONLY, "limits": REQUESTS_ONLY["limits"] + [{"name": "tpm", "tokens": 10**12, "window": "1m"}]}
+LEASED = {**REQUESTS_ONLY, "lease": {"enabled": True}}
+LEASED_TOKENS = {**WITH_TOKENS, "lease": {"enabled": True}}
 
 WRK_SCRIPT = r"""
 wrk.method = "POST"
@@ -185,16 +188,17 @@ def main() -> None:
         print(f"   {'filter':<28}{'to /ready':>12}{'first request':>16}")
         for name, config, wasm in (("none", None, None), ("empty wasm filter", None, EMPTY_WASM),
                                    ("llm-ratelimit, tokens", WITH_TOKENS, None)):
-            ready, first = bench.startup(name.split(",")[0].replace(" ", "-"), config, wasm)
+            ready, first = bench.startup(re.sub(r"[^a-z]+", "-", name).strip("-"), config, wasm)
             print(f"   {name:<28}{ready:>10.2f} s{first * 1000:>13.1f} ms")
 
         small = script_for(workdir, "small", {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "Say hello"}], "max_tokens": 8})
         variants = [("passthrough", None, None), ("empty wasm filter", None, EMPTY_WASM),
-                    ("requests only", REQUESTS_ONLY, None), ("requests + tokens", WITH_TOKENS, None)]
+                    ("requests, direct", REQUESTS_ONLY, None), ("requests, lease", LEASED, None),
+                    ("+ tokens, direct", WITH_TOKENS, None), ("+ tokens, lease", LEASED_TOKENS, None)]
         results = {}
         urls = {}
         for name, config, wasm in variants:
-            _, urls[name] = bench.envoy(name.replace(" ", "-").replace("+", "and"), config, wasm)
+            _, urls[name] = bench.envoy(re.sub(r"[^a-z]+", "-", name).strip("-"), config, wasm)
             results[name] = bench.run(urls[name], small)
         base = results["passthrough"]
         print("\n2. Small request (Envoy --concurrency 1 on CPU 0; the rest on CPU 1)")
@@ -215,7 +219,7 @@ def main() -> None:
             script = script_for(workdir, f"prompt-{label}", {"model": "gpt-4o-mini", "max_tokens": 8,
                                                               "messages": [{"role": "user", "content": text}]})
             plain = wrk(urls["passthrough"], script, 1, max(3, args.seconds // 2))
-            filtered = wrk(urls["requests + tokens"], script, 1, max(3, args.seconds // 2))
+            filtered = wrk(urls["+ tokens, direct"], script, 1, max(3, args.seconds // 2))
             sizes[label] = {"native": native, "added": filtered["p50"] - plain["p50"], "plain": plain, "filtered": filtered}
             print(f"   {label:>4} prompt ({native['tokens']:>6,} tokens, {native['bytes'] / 1000:>6.1f} kB): p50 "
                   f"{plain['p50']:.3f} ms without, {filtered['p50']:.3f} ms with the filter: +{sizes[label]['added']:.3f} ms")

@@ -228,11 +228,12 @@ class Stack:
 
     # Companion and mock -------------------------------------------------------------
     def companion(self, redis_url: str, token: str | None, port: int | None = None, extra: list[str] | None = None,
-                  name: str = "companion") -> tuple[Process, int]:
+                  name: str = "companion", redis_timeout: str = "500ms") -> tuple[Process, int]:
         port = port or free_port()
         proc = self.spawn(
             name,
-            [str(COMPANION_BIN), "--listen", f"127.0.0.1:{port}", "--redis-url", redis_url, "--redis-timeout", "500ms", *(extra or [])],
+            [str(COMPANION_BIN), "--listen", f"127.0.0.1:{port}", "--redis-url", redis_url, "--redis-timeout", redis_timeout,
+             *(extra or [])],
             env={"LLMRL_COMPANION_TOKEN": token} if token else None,
         )
         wait_until(lambda: http_get(f"http://127.0.0.1:{port}/healthz")[0] == 200, 30, "companion", proc)

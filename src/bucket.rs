@@ -12,6 +12,33 @@ pub struct BucketState {
     pub updated_ms: f64,
 }
 
+/// The buckets of one tenant as one shared-data value (so a multi-limit decision is one
+/// compare-and-swap): 16 bytes each, a missing (full) bucket stored as NaN. Stored
+/// states that do not match `limits` decode as full buckets.
+pub fn encode_states(states: &[Option<BucketState>]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(states.len() * 16);
+    for state in states {
+        let (tokens, updated) = state.map_or((f64::NAN, f64::NAN), |s| (s.tokens, s.updated_ms));
+        out.extend_from_slice(&tokens.to_le_bytes());
+        out.extend_from_slice(&updated.to_le_bytes());
+    }
+    out
+}
+
+pub fn decode_states(bytes: Option<&[u8]>, limits: usize) -> Vec<Option<BucketState>> {
+    let decoded = bytes.filter(|b| b.len() == limits * 16).map(|bytes| {
+        bytes
+            .chunks(16)
+            .map(|chunk| {
+                let tokens = f64::from_le_bytes(chunk.get(..8)?.try_into().ok()?);
+                let updated_ms = f64::from_le_bytes(chunk.get(8..16)?.try_into().ok()?);
+                (tokens.is_finite() && updated_ms.is_finite()).then_some(BucketState { tokens, updated_ms })
+            })
+            .collect()
+    });
+    decoded.unwrap_or_else(|| vec![None; limits])
+}
+
 /// Refills every bucket to `now_ms`, then charges each its cost if all have room. Elastic
 /// buckets (`min_cost` below `cost`) all give up the same reduction, the smallest that
 /// makes each fit, as long as none falls below its minimum. `states[i]` belongs to
@@ -62,6 +89,51 @@ pub fn check_and_charge(states: &mut [Option<BucketState>], specs: &[BucketSpec]
                 reset_after_ms: ((capacity - tokens) * window_ms / capacity).ceil() as u64,
                 retry_after_ms,
                 charged: if allowed { cost } else { 0 },
+            }
+        })
+        .collect();
+    TokenBucketReply { allowed, limits }
+}
+
+/// Grants each bucket's lease, all or none: if every bucket has what is needed
+/// (`min_cost`), each grants `min(wanted (cost), max(needed, share x level))` and is
+/// charged that, reported as `charged`.
+pub fn lease(states: &mut [Option<BucketState>], specs: &[BucketSpec], share: f64, now_ms: f64) -> TokenBucketReply {
+    let levels: Vec<f64> =
+        specs.iter().zip(states.iter()).map(|(spec, state)| level_at(spec, *state, now_ms)).collect();
+    let grants: Vec<u64> = specs
+        .iter()
+        .zip(&levels)
+        .map(|(spec, &level)| spec.cost.min(spec.min().max((level.max(0.0) * share).floor() as u64)))
+        .collect();
+    let allowed = specs.len() == states.len()
+        && specs.iter().zip(&levels).all(|(spec, &level)| spec.min() <= spec.capacity && level >= spec.min() as f64);
+    let limits = specs
+        .iter()
+        .zip(levels)
+        .zip(states.iter_mut())
+        .zip(grants)
+        .map(|(((spec, mut tokens), state), grant)| {
+            let (capacity, window_ms, needed) = (spec.capacity as f64, spec.window_ms as f64, spec.min() as f64);
+            let (status, retry_after_ms) = if spec.min() > spec.capacity {
+                (BucketStatus::Never, 0)
+            } else if tokens < needed {
+                (BucketStatus::Limited, ((needed - tokens) * window_ms / capacity).ceil() as u64)
+            } else {
+                (BucketStatus::Allowed, 0)
+            };
+            if allowed && grant > 0 {
+                tokens -= grant as f64;
+                *state = Some(BucketState { tokens, updated_ms: now_ms });
+            }
+            BucketOutcome {
+                name: spec.name.clone(),
+                status,
+                limit: spec.capacity,
+                remaining: tokens.floor().max(0.0) as u64,
+                reset_after_ms: ((capacity - tokens) * window_ms / capacity).ceil() as u64,
+                retry_after_ms,
+                charged: if allowed { grant } else { 0 },
             }
         })
         .collect();
@@ -123,6 +195,7 @@ mod tests {
         #[default]
         Charge,
         Settle,
+        Lease,
     }
 
     #[derive(Deserialize)]
@@ -156,6 +229,9 @@ mod tests {
         /// What each bucket was charged, when the case checks it.
         #[serde(default)]
         charged: Option<Vec<u64>>,
+        /// A lease's share of what is left.
+        #[serde(default)]
+        share: Option<f64>,
         done: bool,
         /// status, remaining, reset_after_ms, retry_after_ms
         outcomes: Vec<(BucketStatus, u64, u64, u64)>,
@@ -186,6 +262,7 @@ mod tests {
                 let reply = match step.op {
                     Op::Charge => check_and_charge(&mut states, &specs, now_ms),
                     Op::Settle => settle(&mut states, &specs, &step.amounts, now_ms),
+                    Op::Lease => lease(&mut states, &specs, step.share.unwrap_or(0.5), now_ms),
                 };
                 let what = format!("{} / step {i}", case.name);
                 assert_eq!(reply.allowed, step.done, "{what}");
@@ -201,6 +278,18 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn states_round_trip_through_bytes() {
+        let states = vec![
+            Some(BucketState { tokens: 2.5, updated_ms: 1e12 }),
+            None,
+            Some(BucketState { tokens: -3.0, updated_ms: 7.0 }),
+        ];
+        assert_eq!(decode_states(Some(&encode_states(&states)), 3), states);
+        assert_eq!(decode_states(Some(&encode_states(&states)), 2), vec![None, None]);
+        assert_eq!(decode_states(None, 1), vec![None]);
     }
 
     /// However calls are spaced, a bucket never admits more than capacity plus what the

@@ -4,6 +4,7 @@
 //! message that says what to fix.
 
 use crate::duration::parse_duration;
+use crate::lease::LeasePolicy;
 use crate::tokens::{builtin_rules, glob_match, Encoding, ModelRule};
 use serde::{Deserialize, Deserializer};
 use std::collections::HashSet;
@@ -28,6 +29,10 @@ pub struct Config {
     pub limits: Vec<Limit>,
     #[serde(default)]
     pub tokens: TokenPolicy,
+    #[serde(default)]
+    pub fallback: Fallback,
+    #[serde(default)]
+    pub lease: LeaseConfig,
     /// Hold the request headers while the body is read and the decision made (needs
     /// Envoy's `allow_on_headers_stop_iteration: true`). Turn off on hosts that cannot
     /// read a body while the headers wait: the headers then go upstream first and the body
@@ -95,11 +100,74 @@ pub enum MissingIdentity {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum FailureMode {
-    /// Let the request through, marked with a response header and a metric.
+    /// Decide with a strict local limit (each limit divided by `fallback.instances`),
+    /// held in shared data; reconcile with Redis when it is back.
     #[default]
+    Local,
+    /// Let the request through, marked with a response header and a metric.
     Allow,
     /// Answer 503 with `Retry-After`.
     Deny,
+}
+
+/// The degraded mode: how the proxy decides alone, and when it stops asking.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Fallback {
+    /// How many proxy instances share the limits: each decides alone with this share.
+    pub instances: u32,
+    /// Consecutive failed callouts that open the circuit breaker.
+    pub breaker_failures: u32,
+    /// How long an open breaker keeps every decision local before one request probes.
+    pub breaker_cooldown: ConfigDuration,
+}
+
+impl Default for Fallback {
+    fn default() -> Self {
+        Fallback { instances: 1, breaker_failures: 3, breaker_cooldown: ConfigDuration(Duration::from_millis(500)) }
+    }
+}
+
+/// Leased budgets: most requests are admitted from a block of budget this proxy holds,
+/// with no callout.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LeaseConfig {
+    pub enabled: bool,
+    /// How long a grant lives; what is left then goes back to Redis.
+    pub ttl: ConfigDuration,
+    /// Renew when less than this fraction of the last grant is left.
+    pub low_water: f64,
+    /// The first grant, as a fraction of the limit.
+    pub initial_fraction: f64,
+    /// The largest grant, as a fraction of the limit.
+    pub max_fraction: f64,
+    /// The most of what a tenant has left that one grant may take.
+    pub share: f64,
+}
+
+impl Default for LeaseConfig {
+    fn default() -> Self {
+        LeaseConfig {
+            enabled: false,
+            ttl: ConfigDuration(Duration::from_secs(10)),
+            low_water: 0.2,
+            initial_fraction: 0.02,
+            max_fraction: 0.1,
+            share: 0.5,
+        }
+    }
+}
+
+impl LeaseConfig {
+    pub fn policy(&self) -> LeasePolicy {
+        LeasePolicy {
+            ttl_ms: self.ttl.0.as_millis() as u64,
+            low_water: self.low_water,
+            initial_fraction: self.initial_fraction,
+            max_fraction: self.max_fraction,
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Deserialize)]
@@ -285,7 +353,7 @@ fn default_domain() -> String {
 }
 
 fn default_companion_timeout() -> ConfigDuration {
-    ConfigDuration(Duration::from_millis(100))
+    ConfigDuration(Duration::from_millis(50))
 }
 
 fn default_identity_sources() -> Vec<IdentitySource> {
@@ -370,7 +438,44 @@ impl Config {
                 return Err(invalid(format!("limits[{i}].window"), format!("{window:?} is outside 100ms..366d")));
             }
         }
-        self.validate_tokens()
+        self.validate_tokens()?;
+        self.validate_fallback_and_lease()
+    }
+
+    fn validate_fallback_and_lease(&self) -> Result<(), ConfigError> {
+        let fallback = &self.fallback;
+        if fallback.instances == 0 || fallback.instances > 10_000 {
+            return Err(invalid("fallback.instances", format!("{} is outside 1..10000", fallback.instances)));
+        }
+        if fallback.breaker_failures == 0 {
+            return Err(invalid("fallback.breaker_failures", "must be positive"));
+        }
+        let cooldown = fallback.breaker_cooldown.0;
+        if cooldown < Duration::from_millis(10) || cooldown > Duration::from_secs(300) {
+            return Err(invalid("fallback.breaker_cooldown", format!("{cooldown:?} is outside 10ms..5m")));
+        }
+        let lease = &self.lease;
+        let ttl = lease.ttl.0;
+        if ttl < Duration::from_millis(100) || ttl > Duration::from_secs(3600) {
+            return Err(invalid("lease.ttl", format!("{ttl:?} is outside 100ms..1h")));
+        }
+        for (field, value, low, high) in [
+            ("lease.low_water", lease.low_water, 0.0, 0.9),
+            ("lease.initial_fraction", lease.initial_fraction, 0.0001, 1.0),
+            ("lease.max_fraction", lease.max_fraction, 0.0001, 1.0),
+            ("lease.share", lease.share, 0.01, 1.0),
+        ] {
+            if !(value.is_finite() && value > low && value <= high) {
+                return Err(invalid(field, format!("{value} is outside ({low}, {high}]")));
+            }
+        }
+        if lease.enabled && self.tokens.clamp_max_tokens {
+            return Err(invalid(
+                "lease.enabled",
+                "leases and tokens.clamp_max_tokens do not combine: clamping needs the exact remainder in Redis",
+            ));
+        }
+        Ok(())
     }
 
     fn validate_tokens(&self) -> Result<(), ConfigError> {
@@ -478,10 +583,12 @@ mod tests {
                        "limits": [{"name": "rpm", "requests": 1, "window": "1s"}]}"#;
         let config = Config::from_json(json.as_bytes()).expect("minimal config");
         assert_eq!(config.domain, "llm");
-        assert_eq!(config.companion.timeout.0, Duration::from_millis(100));
+        assert_eq!(config.companion.timeout.0, Duration::from_millis(50));
         assert_eq!(config.identity.sources, default_identity_sources());
         assert_eq!(config.identity.missing, MissingIdentity::Reject);
-        assert_eq!(config.failure_mode, FailureMode::Allow);
+        assert_eq!(config.failure_mode, FailureMode::Local);
+        assert_eq!(config.fallback.instances, 1);
+        assert!(!config.lease.enabled);
         assert!(!config.counts_tokens());
         assert!(config.hold_request_headers);
         assert_eq!(config.tokens.default_encoding, Encoding::O200kBase);
@@ -652,6 +759,41 @@ mod tests {
                 format!(r#"{{{companion}, {limits}, "tokens": {{"colour": 1}}}}"#),
                 "tokens.colour",
                 "unknown field `colour`",
+            ),
+            (
+                format!(r#"{{{companion}, {limits}, "fallback": {{"instances": 0}}}}"#),
+                "fallback.instances",
+                "0 is outside",
+            ),
+            (
+                format!(r#"{{{companion}, {limits}, "fallback": {{"breaker_cooldown": "1ms"}}}}"#),
+                "fallback.breaker_cooldown",
+                "outside 10ms",
+            ),
+            (
+                format!(r#"{{{companion}, {limits}, "fallback": {{"breaker_failures": 0}}}}"#),
+                "fallback.breaker_failures",
+                "must be positive",
+            ),
+            (format!(r#"{{{companion}, {limits}, "lease": {{"ttl": "1ms"}}}}"#), "lease.ttl", "outside 100ms"),
+            (format!(r#"{{{companion}, {limits}, "lease": {{"share": 0}}}}"#), "lease.share", "outside (0.01, 1]"),
+            (
+                format!(r#"{{{companion}, {limits}, "lease": {{"low_water": 0.95}}}}"#),
+                "lease.low_water",
+                "outside (0, 0.9]",
+            ),
+            (
+                format!(
+                    r#"{{{companion}, {limits}, "lease": {{"enabled": true}}, "tokens": {{"clamp_max_tokens": true}}}}"#
+                ),
+                "lease.enabled",
+                "do not combine",
+            ),
+            (format!(r#"{{{companion}, {limits}, "lease": {{"size": 5}}}}"#), "lease.size", "unknown field `size`"),
+            (
+                format!(r#"{{{companion}, {limits}, "failure_mode": "maybe"}}"#),
+                "failure_mode",
+                "expected one of `local`, `allow`, `deny`",
             ),
         ];
         for (json, field, fragment) in cases {

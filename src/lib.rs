@@ -5,6 +5,7 @@
 //! `filter` is the thin glue to the proxy-wasm host and exists only in the wasm build.
 #![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing))]
 
+pub mod breaker;
 pub mod bucket;
 pub mod charge;
 pub mod config;
@@ -12,6 +13,7 @@ pub mod decision;
 pub mod duration;
 pub mod identity;
 mod json;
+pub mod lease;
 pub mod protocol;
 pub mod request;
 pub mod reservation;

@@ -9,6 +9,20 @@ pub const TOKEN_HEADER: &str = "x-llmrl-token";
 pub const TOKEN_BUCKET_PATH: &str = "/v1/token_bucket";
 /// Endpoint that settles reservations with `lua/token_bucket.lua`, many per call.
 pub const SETTLE_PATH: &str = "/v1/settle";
+/// Endpoint that grants leases with `lua/token_bucket.lua`.
+pub const LEASE_PATH: &str = "/v1/lease";
+
+/// Grant a proxy instance a block of each bucket: `cost` is the grant wanted, `min_cost`
+/// the grant needed (all or none). The reply's `charged` is what each bucket granted.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LeaseRequest {
+    pub domain: String,
+    pub tenant: String,
+    pub limits: Vec<BucketSpec>,
+    /// The most of what is left that one grant may take (0 < share <= 1).
+    pub share: f64,
+}
 
 /// Check several buckets of one tenant and charge them all, or none.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -45,7 +59,10 @@ pub struct SettleRequest {
 pub struct Settlement {
     pub domain: String,
     pub tenant: String,
-    pub reservation: String,
+    /// The reservation this settles (applied at most once); `None` for adjustments that
+    /// stand alone: a returned lease, or what was admitted locally while Redis was away.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reservation: Option<String>,
     pub limits: Vec<Adjustment>,
 }
 
@@ -199,6 +216,17 @@ impl TokenBucketRequest {
     }
 }
 
+impl LeaseRequest {
+    pub fn validate(&self) -> Result<(), String> {
+        let buckets = self.limits.iter().map(|l| (l.name.as_str(), l.capacity, l.window_ms));
+        validate_buckets(&self.domain, &self.tenant, buckets)?;
+        if !(self.share > 0.0 && self.share <= 1.0) {
+            return Err(format!("share {} is outside (0, 1]", self.share));
+        }
+        Ok(())
+    }
+}
+
 impl SettleRequest {
     pub fn validate(&self) -> Result<(), String> {
         if self.settlements.len() > MAX_SETTLEMENTS_PER_CALL {
@@ -210,7 +238,7 @@ impl SettleRequest {
         for (i, s) in self.settlements.iter().enumerate() {
             let buckets = s.limits.iter().map(|l| (l.name.as_str(), l.capacity, l.window_ms));
             validate_buckets(&s.domain, &s.tenant, buckets)
-                .and_then(|()| validate_reservation_id(&s.reservation))
+                .and_then(|()| s.reservation.as_deref().map_or(Ok(()), validate_reservation_id))
                 .map_err(|e| format!("settlements[{i}]: {e}"))?;
         }
         Ok(())
@@ -268,7 +296,7 @@ mod tests {
         let settlement = |tenant: &str| Settlement {
             domain: "llm".into(),
             tenant: tenant.into(),
-            reservation: "r1".into(),
+            reservation: Some("r1".into()),
             limits: vec![Adjustment { name: "tpm".into(), capacity: 100, window_ms: 60_000, credit: -5 }],
         };
         assert_eq!(SettleRequest { settlements: vec![settlement("a")] }.validate(), Ok(()));

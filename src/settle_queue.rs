@@ -80,13 +80,13 @@ mod tests {
         Settlement {
             domain: "llm".into(),
             tenant: "t".into(),
-            reservation: id.into(),
+            reservation: Some(id.into()),
             limits: vec![Adjustment { name: "tpm".into(), capacity: 100, window_ms: 60_000, credit: 5 }],
         }
     }
 
     fn ids(batch: &[Queued]) -> Vec<&str> {
-        batch.iter().map(|q| q.settlement.reservation.as_str()).collect()
+        batch.iter().map(|q| q.settlement.reservation.as_deref().unwrap_or("")).collect()
     }
 
     #[test]
@@ -95,7 +95,7 @@ mod tests {
         for id in ["a", "b", "c"] {
             assert_eq!(queue.push(settlement(id)), None);
         }
-        assert_eq!(queue.push(settlement("d")).map(|q| q.settlement.reservation), Some("a".into()));
+        assert_eq!(queue.push(settlement("d")).and_then(|q| q.settlement.reservation), Some("a".into()));
         assert_eq!(ids(&queue.take_batch(2)), ["b", "c"]);
         assert_eq!(ids(&queue.take_batch(10)), ["d"]);
         assert!(queue.is_empty());

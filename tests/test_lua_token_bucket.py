@@ -55,7 +55,9 @@ def run_case(client, case, tolerance_ms=1):
         for key in keys:
             if key in written_at:
                 pipe.eval(SET_AGE, 1, key, clock - written_at[key])
-        pipe.eval(SCRIPT, len(keys), *keys, *bucket_args(step.get("op", "charge"), case["limits"], step["amounts"], mins=step.get("mins")))
+        op = step.get("op", "charge")
+        third = step.get("share", 0.5) if op == "lease" else 0
+        pipe.eval(SCRIPT, len(keys), *keys, *bucket_args(op, case["limits"], step["amounts"], third, mins=step.get("mins")))
         reply = pipe.execute()[-1]
         what = f"{case['name']} / step {i}"
         assert reply[0] == int(step["done"]), what
@@ -127,6 +129,8 @@ def test_a_reservation_settles_at_most_once_and_expires(client):
         (["charge", 1, 0, 5, 1000, -1, 0], "bad capacity"),
         (["charge", 1, 0, 5, 1000, 1, 2], "bad capacity"),
         (["settle", 1, 0, "x", 1000, 1, 0], "bad capacity"),
+        (["lease", 1, 0, 5, 1000, 1, 1], "needs a share"),
+        (["lease", 1, 0.5, 5, 1000, 1, 2], "bad capacity"),
     ],
 )
 def test_bad_arguments_are_errors(client, args, message):

@@ -3,7 +3,7 @@
 //! TCP connections to Redis itself (proxy-wasm offers HTTP callouts only), so it calls
 //! this service through a proxy upstream.
 //!
-//! Endpoints: `POST /v1/token_bucket` and `POST /v1/settle` (JSON in and out, see
+//! Endpoints: `POST /v1/token_bucket`, `POST /v1/lease` and `POST /v1/settle` (JSON in and out, see
 //! `llm_ratelimit::protocol`), `GET /healthz`. Every endpoint but `/healthz` requires the shared token in
 //! `x-llmrl-token`.
 
@@ -20,7 +20,8 @@ use axum::Router;
 use clap::Parser;
 use llm_ratelimit::duration::parse_duration;
 use llm_ratelimit::protocol::{
-    SettleOutcome, SettleReply, SettleRequest, TokenBucketRequest, SETTLE_PATH, TOKEN_BUCKET_PATH, TOKEN_HEADER,
+    LeaseRequest, SettleOutcome, SettleReply, SettleRequest, TokenBucketRequest, LEASE_PATH, SETTLE_PATH,
+    TOKEN_BUCKET_PATH, TOKEN_HEADER,
 };
 use serde_json::json;
 use std::sync::Arc;
@@ -96,6 +97,25 @@ async fn run_token_bucket(State(app): State<Arc<App>>, headers: HeaderMap, body:
         Err(message) => return error(StatusCode::BAD_REQUEST, message),
     };
     let call = token_bucket::charge(&app.key_prefix, &request);
+    let value = match app.store.run(&app.token_bucket, &call.keys, &call.args).await {
+        Ok(value) => value,
+        Err(err) => return error(StatusCode::SERVICE_UNAVAILABLE, format!("redis: {err}")),
+    };
+    match token_bucket::reply(request.limits.iter().map(|l| l.name.as_str()), &value) {
+        Ok(reply) => json_reply(reply),
+        Err(err) => error(StatusCode::BAD_GATEWAY, format!("unexpected script reply: {err}")),
+    }
+}
+
+async fn run_lease(State(app): State<Arc<App>>, headers: HeaderMap, body: Bytes) -> Response {
+    if !authorised(&app, &headers) {
+        return error(StatusCode::UNAUTHORIZED, format!("missing or wrong {TOKEN_HEADER}"));
+    }
+    let request = match parse_body(&body, LeaseRequest::validate) {
+        Ok(request) => request,
+        Err(message) => return error(StatusCode::BAD_REQUEST, message),
+    };
+    let call = token_bucket::lease(&app.key_prefix, &request);
     let value = match app.store.run(&app.token_bucket, &call.keys, &call.args).await {
         Ok(value) => value,
         Err(err) => return error(StatusCode::SERVICE_UNAVAILABLE, format!("redis: {err}")),
@@ -215,6 +235,7 @@ async fn serve(args: Args) -> Result<(), String> {
     let router = Router::new()
         .route(TOKEN_BUCKET_PATH, post(run_token_bucket))
         .route(SETTLE_PATH, post(run_settle))
+        .route(LEASE_PATH, post(run_lease))
         .route("/healthz", get(healthz))
         .with_state(app);
     let listener = tokio::net::TcpListener::bind(&args.listen)

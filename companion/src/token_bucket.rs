@@ -1,7 +1,9 @@
 //! The translation between the JSON endpoints and `lua/token_bucket.lua`: KEYS and ARGV
 //! for a charge or a settlement, and the script's reply back to JSON.
 
-use llm_ratelimit::protocol::{BucketOutcome, BucketStatus, Settlement, TokenBucketReply, TokenBucketRequest};
+use llm_ratelimit::protocol::{
+    BucketOutcome, BucketStatus, LeaseRequest, Settlement, TokenBucketReply, TokenBucketRequest,
+};
 use redis::Value;
 
 pub const SOURCE: &str = include_str!("../../lua/token_bucket.lua");
@@ -49,6 +51,18 @@ pub fn charge(prefix: &str, request: &TokenBucketRequest) -> Call {
     call(prefix, "charge", &request.domain, &request.tenant, buckets, reservation)
 }
 
+pub fn lease(prefix: &str, request: &LeaseRequest) -> Call {
+    let buckets = request
+        .limits
+        .iter()
+        .map(|l| (l.name.as_str(), l.capacity, l.window_ms, l.cost.to_string(), l.min().to_string()));
+    let mut call = call(prefix, "lease", &request.domain, &request.tenant, buckets, None);
+    if let Some(third) = call.args.get_mut(2) {
+        *third = request.share.to_string();
+    }
+    call
+}
+
 pub fn settle(prefix: &str, settlement: &Settlement) -> Call {
     let buckets = settlement.limits.iter().map(|l| {
         (
@@ -60,7 +74,7 @@ pub fn settle(prefix: &str, settlement: &Settlement) -> Call {
             "0".to_string(),
         )
     });
-    let reservation = Some((settlement.reservation.as_str(), 0));
+    let reservation = settlement.reservation.as_deref().map(|id| (id, 0));
     call(prefix, "settle", &settlement.domain, &settlement.tenant, buckets, reservation)
 }
 
@@ -151,12 +165,42 @@ mod tests {
         let settlement = Settlement {
             domain: "llm".into(),
             tenant: "abc123".into(),
-            reservation: "r42".into(),
+            reservation: Some("r42".into()),
             limits: vec![Adjustment { name: "tpm".into(), capacity: 10_000, window_ms: 60_000, credit: -120 }],
         };
         let call = settle("llmrl:", &settlement);
         assert_eq!(call.keys, vec!["llmrl:{llm:abc123}:tb:tpm", "llmrl:{llm:abc123}:res:r42"]);
         assert_eq!(call.args, vec!["settle", "1", "0", "10000", "60000", "-120", "0"]);
+    }
+
+    #[test]
+    fn a_lease_passes_wanted_needed_and_share() {
+        let request = LeaseRequest {
+            domain: "llm".into(),
+            tenant: "abc123".into(),
+            limits: vec![BucketSpec {
+                name: "tpm".into(),
+                capacity: 10_000,
+                window_ms: 60_000,
+                cost: 500,
+                min_cost: Some(20),
+            }],
+            share: 0.5,
+        };
+        let call = lease("llmrl:", &request);
+        assert_eq!(call.keys, vec!["llmrl:{llm:abc123}:tb:tpm"]);
+        assert_eq!(call.args, vec!["lease", "1", "0.5", "10000", "60000", "500", "20"]);
+    }
+
+    #[test]
+    fn a_settlement_without_reservation_stands_alone() {
+        let settlement = Settlement {
+            domain: "llm".into(),
+            tenant: "t".into(),
+            reservation: None,
+            limits: vec![Adjustment { name: "rpm".into(), capacity: 10, window_ms: 60_000, credit: -1 }],
+        };
+        assert_eq!(settle("p:", &settlement).keys, vec!["p:{llm:t}:tb:rpm"]);
     }
 
     #[test]

@@ -16,9 +16,12 @@ pub enum Metric {
     TokensReserved,
     TokensCharged,
     SettlementsFailed,
+    LocalDecisions,
+    LeaseAdmissions,
+    LeaseCallouts,
 }
 
-const METRICS: [(&str, MetricType); 7] = [
+const METRICS: [(&str, MetricType); 10] = [
     ("llm_ratelimit.requests_allowed", MetricType::Counter),
     ("llm_ratelimit.requests_limited", MetricType::Counter),
     ("llm_ratelimit.requests_unidentified", MetricType::Counter),
@@ -26,6 +29,9 @@ const METRICS: [(&str, MetricType); 7] = [
     ("llm_ratelimit.tokens_reserved", MetricType::Counter),
     ("llm_ratelimit.tokens_charged", MetricType::Counter),
     ("llm_ratelimit.settlements_failed", MetricType::Counter),
+    ("llm_ratelimit.local_decisions", MetricType::Counter),
+    ("llm_ratelimit.lease_admissions", MetricType::Counter),
+    ("llm_ratelimit.lease_callouts", MetricType::Counter),
 ];
 
 thread_local! {
@@ -134,8 +140,36 @@ pub fn shared_get(key: &str) -> Option<Vec<u8>> {
     hostcalls::get_shared_data(key).ok().and_then(|(value, _cas)| value)
 }
 
+/// An unconditional write: for values where a lost update costs nothing that matters (a
+/// running average skips a sample, the breaker is re-decided by the next callout).
 pub fn shared_set(key: &str, value: &[u8]) {
-    // Without a CAS the write is unconditional: fine for a running average, where a lost
-    // update only skips one sample.
     let _ = hostcalls::set_shared_data(key, Some(value), None);
+}
+
+/// Read-modify-write of one shared value under compare-and-swap, retried when another
+/// worker wrote in between. `change` gets the current value and returns the new one (or
+/// `None` to write nothing) and a result. `None` if the host refuses or the key stays
+/// too contended. A key that does not exist yet carries no CAS, so its first write is
+/// unconditional: two workers creating the same key at the same instant can lose one
+/// update, once per tenant and process.
+pub fn shared_update<R>(key: &str, mut change: impl FnMut(Option<&[u8]>) -> (Option<Vec<u8>>, R)) -> Option<R> {
+    for _ in 0..32 {
+        let (current, cas) = hostcalls::get_shared_data(key).unwrap_or((None, None));
+        let (next, result) = change(current.as_deref());
+        let Some(next) = next else { return Some(result) };
+        match hostcalls::set_shared_data(key, Some(&next), cas) {
+            Ok(()) => return Some(result),
+            Err(proxy_wasm::types::Status::CasMismatch) => continue,
+            Err(status) => {
+                log::warn!("llm-ratelimit: cannot write shared data: {status:?}");
+                return None;
+            }
+        }
+    }
+    log::warn!("llm-ratelimit: shared data key too contended; giving up this update");
+    None
+}
+
+pub fn now_ms() -> u64 {
+    (now_nanos() / 1_000_000) as u64
 }

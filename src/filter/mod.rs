@@ -1,22 +1,30 @@
-//! The proxy-wasm glue: reads the config, asks the companion, applies the decision, and
-//! settles token reservations when replies end. All judgement lives in the pure modules;
-//! this layer moves data between them and the host. Host calls go through `host`, which
-//! handles every status: a panic here would abort the VM and take the worker's traffic
-//! with it.
+//! The proxy-wasm glue: reads the config, decides each request, applies the decision,
+//! and settles token reservations when replies end. All judgement lives in the pure
+//! modules; this layer moves data between them and the host. Host calls go through
+//! `host`, which handles every status: a panic here would abort the VM and take the
+//! worker's traffic with it.
 //!
 //! A request's life: headers (identify the tenant) → body, when a limit counts tokens
-//! (plan the charge) → callout (charge, all limits at once) → forwarded or answered
-//! locally → reply read for its usage → settlement queued → sent by the root context.
+//! (plan the charge) → a decision, one of:
+//! - from this proxy's lease, in shared data, with no callout (lease mode);
+//! - from the companion: a charge (or, in lease mode, a new grant), all limits at once;
+//! - locally, when the companion fails or the circuit breaker is open (`failure_mode`);
+//!
+//! → forwarded or answered → reply read for its usage → settled: into the lease, or
+//! queued for the companion and sent in batches by the root context.
 
 mod host;
 
+use crate::breaker::{Breaker, Route};
+use crate::bucket::{check_and_charge, decode_states, encode_states};
 use crate::charge::{average_key, plan, ChargePlan};
-use crate::config::{Config, FailureMode, MissingIdentity};
+use crate::config::{Config, Dimension, FailureMode, MissingIdentity};
 use crate::decision::{self, Header, LocalReply, DEGRADED_HEADER, RESERVED_TOKENS_HEADER};
 use crate::identity::{find_credential, tenant_id, ANONYMOUS_TENANT};
+use crate::lease::TenantLeases;
 use crate::protocol::{
-    Adjustment, Reservation, SettleReply, SettleRequest, Settlement, TokenBucketReply, TokenBucketRequest, SETTLE_PATH,
-    TOKEN_BUCKET_PATH, TOKEN_HEADER,
+    Adjustment, BucketSpec, LeaseRequest, Reservation, SettleOutcome, SettleReply, SettleRequest, Settlement,
+    TokenBucketReply, TokenBucketRequest, LEASE_PATH, SETTLE_PATH, TOKEN_BUCKET_PATH, TOKEN_HEADER,
 };
 use crate::reservation::{actual_tokens, credit, Ending, OutputAverage};
 use crate::settle_queue::{Queued, SettleQueue};
@@ -26,11 +34,15 @@ use host::Metric;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, ContextType, LogLevel};
 use std::cell::{Cell, RefCell};
+use std::collections::{BTreeSet, HashMap};
 use std::rc::Rc;
 use std::time::Duration;
 
-/// How often each VM sends its queued settlements (and, once, warms the tokenizer).
+/// How often each VM sends queued settlements, renews leases (and, once, warms the
+/// tokenizer).
 const TICK: Duration = Duration::from_millis(50);
+/// How often expired leases are looked for, in ticks.
+const EXPIRY_TICKS: u32 = 10;
 const SETTLE_BATCH: usize = 200;
 const SETTLE_QUEUE_CAPACITY: usize = 20_000;
 /// Largest SSE event read for usage; larger ones are skipped.
@@ -40,6 +52,10 @@ const REPLY_WINDOW: usize = 256 * 1024;
 
 thread_local! {
     static SETTLEMENTS: RefCell<SettleQueue> = RefCell::new(SettleQueue::new(SETTLE_QUEUE_CAPACITY));
+    /// Tenants whose leases this VM saw running low: the root renews them.
+    static RENEWALS: RefCell<BTreeSet<String>> = const { RefCell::new(BTreeSet::new()) };
+    /// Tenants this VM holds leases for: the root returns what expires.
+    static LEASED: RefCell<BTreeSet<String>> = const { RefCell::new(BTreeSet::new()) };
     static RESERVATION_COUNTER: Cell<u64> = const { Cell::new(0) };
     static VM_NONCE: Cell<u64> = const { Cell::new(0) };
 }
@@ -47,7 +63,7 @@ thread_local! {
 proxy_wasm::main! {{
     proxy_wasm::set_log_level(LogLevel::Info);
     proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> {
-        Box::new(Root { config: None, warmed_up: false, settling: None })
+        Box::new(Root { config: None, warmed_up: false, ticks: 0, settling: None, renewing: HashMap::new() })
     });
 }}
 
@@ -75,60 +91,258 @@ fn new_reservation_id() -> String {
     format!("{:016x}{count:x}", mix(nonce ^ count))
 }
 
+fn lease_key(config: &Config, tenant: &str) -> String {
+    format!("llmrl.lease.{}.{tenant}", config.domain)
+}
+
+fn local_key(config: &Config, tenant: &str) -> String {
+    format!("llmrl.local.{}.{tenant}", config.domain)
+}
+
+fn breaker_key(config: &Config) -> String {
+    format!("llmrl.breaker.{}", config.domain)
+}
+
+fn breaker(config: &Config) -> Breaker {
+    host::shared_get(&breaker_key(config)).and_then(|b| Breaker::from_bytes(&b)).unwrap_or_default()
+}
+
+fn callout_succeeded(config: &Config) {
+    let state = breaker(config);
+    if state != Breaker::default() {
+        host::shared_set(&breaker_key(config), &state.on_success().to_bytes());
+        if !state.is_closed() {
+            log::info!("llm-ratelimit: the companion answers again; leaving degraded mode");
+        }
+    }
+}
+
+fn callout_failed(config: &Config) {
+    let state = breaker(config);
+    let cooldown = config.fallback.breaker_cooldown.0.as_millis() as u64;
+    let next = state.on_failure(host::now_ms(), config.fallback.breaker_failures, cooldown);
+    if state.is_closed() && !next.is_closed() {
+        log::warn!(
+            "llm-ratelimit: {} failed callouts in a row; deciding locally for {cooldown} ms before probing",
+            next.consecutive_failures
+        );
+    }
+    host::shared_set(&breaker_key(config), &next.to_bytes());
+}
+
+fn queue_settlement(settlement: Settlement) {
+    if SETTLEMENTS.with(|q| q.borrow_mut().push(settlement)).is_some() {
+        host::increment(Metric::SettlementsFailed);
+    }
+}
+
+/// Buckets for every configured limit with the given amounts, for adjustments that
+/// stand alone (no reservation).
+fn adjustments(config: &Config, credits: impl Iterator<Item = (usize, i64)>) -> Vec<Adjustment> {
+    credits
+        .filter(|&(_, credit)| credit != 0)
+        .filter_map(|(i, credit)| {
+            let limit = config.limits.get(i)?;
+            Some(Adjustment {
+                name: limit.name.clone(),
+                capacity: limit.capacity(),
+                window_ms: limit.window_ms(),
+                credit,
+            })
+        })
+        .collect()
+}
+
+fn call_companion(config: &Config, path: &str, body: &[u8], timeout: Duration) -> Result<u32, String> {
+    let companion = &config.companion;
+    let headers = vec![
+        (":method", "POST"),
+        (":path", path),
+        (":authority", companion.authority()),
+        ("content-type", "application/json"),
+        (TOKEN_HEADER, companion.token.expose()),
+    ];
+    host::dispatch(&companion.upstream, headers, body, timeout)
+}
+
+/// The companion's reply to a callout, if it is a usable one.
+fn callout_reply<T: serde::de::DeserializeOwned>(body_size: usize) -> Result<T, String> {
+    let status = host::callout_status();
+    if status != Some(200) {
+        return Err(format!("companion answered status {status:?}"));
+    }
+    serde_json::from_slice(&host::callout_body(body_size)).map_err(|e| format!("companion reply is not valid: {e}"))
+}
+
 struct Root {
     config: Option<Rc<Config>>,
     warmed_up: bool,
+    ticks: u32,
     /// The settlement batch whose callout is out, by its token.
     settling: Option<(u32, Vec<Queued>)>,
+    /// Lease renewals out, by token: the tenant and the buckets asked for.
+    renewing: HashMap<u32, (String, Vec<BucketSpec>)>,
 }
 
 impl Root {
     fn send_settlements(&mut self, config: &Config) {
-        if self.settling.is_some() {
-            return;
+        if self.settling.is_some() || !breaker(config).is_closed() {
+            return; // one batch at a time; none while the companion is known to be away
         }
         let batch = SETTLEMENTS.with(|q| q.borrow_mut().take_batch(SETTLE_BATCH));
         if batch.is_empty() {
             return;
         }
         let request = SettleRequest { settlements: batch.iter().map(|q| q.settlement.clone()).collect() };
-        let sent = serde_json::to_vec(&request).map_err(|e| e.to_string()).and_then(|body| {
-            call_companion(config, SETTLE_PATH, &body, config.companion.timeout.0.max(Duration::from_secs(1)))
-        });
+        let timeout = config.companion.timeout.0.max(Duration::from_secs(1));
+        let sent = serde_json::to_vec(&request)
+            .map_err(|e| e.to_string())
+            .and_then(|body| call_companion(config, SETTLE_PATH, &body, timeout));
         match sent {
             Ok(token) => self.settling = Some((token, batch)),
             Err(why) => {
                 log::warn!("llm-ratelimit: cannot send settlements: {why}");
-                self.requeue(batch, None);
+                requeue(batch, None);
             }
         }
     }
 
-    fn requeue(&mut self, batch: Vec<Queued>, outcomes: Option<&[crate::protocol::SettleOutcome]>) {
-        let given_up = SETTLEMENTS.with(|q| q.borrow_mut().requeue(batch, outcomes));
-        if given_up > 0 {
-            host::add(Metric::SettlementsFailed, given_up as u64);
-            log::warn!("llm-ratelimit: gave up {given_up} settlement(s); their reservations will expire as charged");
+    /// Asks for fresh grants for the tenants whose leases ran low, one callout each.
+    fn renew_leases(&mut self, config: &Config) {
+        if !breaker(config).is_closed() {
+            return;
+        }
+        let tenants: Vec<String> = RENEWALS.with(|r| std::mem::take(&mut *r.borrow_mut()).into_iter().collect());
+        let now = host::now_ms();
+        let policy = config.lease.policy();
+        for tenant in tenants {
+            if self.renewing.values().any(|(t, _)| *t == tenant) {
+                continue;
+            }
+            let leases =
+                TenantLeases::decode(host::shared_get(&lease_key(config, &tenant)).as_deref(), config.limits.len());
+            let limits: Vec<BucketSpec> = config
+                .limits
+                .iter()
+                .zip(&leases.0)
+                .map(|(limit, lease)| BucketSpec {
+                    name: limit.name.clone(),
+                    capacity: limit.capacity(),
+                    window_ms: limit.window_ms(),
+                    cost: lease.next_size(&policy, limit.capacity(), now).ceil() as u64,
+                    min_cost: Some(0),
+                })
+                .collect();
+            let request = LeaseRequest {
+                domain: config.domain.clone(),
+                tenant: tenant.clone(),
+                limits: limits.clone(),
+                share: config.lease.share,
+            };
+            let sent = serde_json::to_vec(&request)
+                .map_err(|e| e.to_string())
+                .and_then(|body| call_companion(config, LEASE_PATH, &body, config.companion.timeout.0));
+            match sent {
+                Ok(token) => {
+                    host::increment(Metric::LeaseCallouts);
+                    self.renewing.insert(token, (tenant, limits));
+                }
+                Err(why) => log::warn!("llm-ratelimit: cannot renew a lease: {why}"),
+            }
+        }
+    }
+
+    /// Gives back to Redis what is left of expired leases.
+    fn return_expired_leases(&mut self, config: &Config) {
+        let now = host::now_ms();
+        let tenants: Vec<String> = LEASED.with(|l| l.borrow().iter().cloned().collect());
+        for tenant in tenants {
+            let key = lease_key(config, &tenant);
+            let returned = host::shared_update(&key, |bytes| {
+                let mut leases = TenantLeases::decode(bytes, config.limits.len());
+                let amounts = leases.expire(now);
+                let changed = amounts.iter().any(|&a| a != 0.0);
+                let idle = leases.0.iter().all(|l| !l.is_live(now));
+                (changed.then(|| leases.encode()), (amounts, idle))
+            });
+            let Some((amounts, idle)) = returned else { continue };
+            let limits = adjustments(config, amounts.iter().enumerate().map(|(i, a)| (i, a.round() as i64)));
+            if !limits.is_empty() {
+                queue_settlement(Settlement {
+                    domain: config.domain.clone(),
+                    tenant: tenant.clone(),
+                    reservation: None,
+                    limits,
+                });
+            }
+            if idle {
+                LEASED.with(|l| l.borrow_mut().remove(&tenant));
+            }
+        }
+    }
+
+    fn on_renewal(&mut self, config: &Config, tenant: String, limits: Vec<BucketSpec>, body_size: usize) {
+        match callout_reply::<TokenBucketReply>(body_size) {
+            Ok(reply) if reply.allowed && reply.limits.len() == limits.len() => {
+                callout_succeeded(config);
+                merge_grant(config, &tenant, &reply, None);
+            }
+            Ok(_) => {}
+            Err(why) => {
+                callout_failed(config);
+                log::warn!("llm-ratelimit: lease renewal failed: {why}");
+            }
         }
     }
 }
 
+fn requeue(batch: Vec<Queued>, outcomes: Option<&[SettleOutcome]>) {
+    let given_up = SETTLEMENTS.with(|q| q.borrow_mut().requeue(batch, outcomes));
+    if given_up > 0 {
+        host::add(Metric::SettlementsFailed, given_up as u64);
+        log::warn!("llm-ratelimit: gave up {given_up} settlement(s); their reservations will expire as charged");
+    }
+}
+
+/// Adds a lease grant to the tenant's leases and, when `costs` are given, admits a request
+/// from them: the grant covered at least its need, so the admission stands even if
+/// another worker spent the lease in between (the lease then runs briefly negative).
+fn merge_grant(config: &Config, tenant: &str, reply: &TokenBucketReply, costs: Option<&[u64]>) -> Option<TenantLeases> {
+    let now = host::now_ms();
+    let policy = config.lease.policy();
+    let merged = host::shared_update(&lease_key(config, tenant), |bytes| {
+        let mut leases = TenantLeases::decode(bytes, config.limits.len());
+        for (lease, outcome) in leases.0.iter_mut().zip(&reply.limits) {
+            lease.add_grant(outcome.charged as f64, outcome.remaining as f64, &policy, now);
+        }
+        if let Some(costs) = costs {
+            if !leases.admit(costs, now) {
+                for (lease, &cost) in leases.0.iter_mut().zip(costs) {
+                    lease.remaining -= cost as f64;
+                }
+            }
+        }
+        (Some(leases.encode()), leases)
+    });
+    LEASED.with(|l| l.borrow_mut().insert(tenant.to_string()));
+    merged
+}
+
 impl Context for Root {
     fn on_http_call_response(&mut self, token: u32, _headers: usize, body_size: usize, _trailers: usize) {
-        let Some((expected, batch)) = self.settling.take() else {
+        let Some(config) = self.config.clone() else { return };
+        if let Some((tenant, limits)) = self.renewing.remove(&token) {
+            self.on_renewal(&config, tenant, limits, body_size);
             return;
-        };
+        }
+        let Some((expected, batch)) = self.settling.take() else { return };
         if expected != token {
             self.settling = Some((expected, batch));
             return;
         }
-        let reply = (host::callout_status() == Some(200))
-            .then(|| serde_json::from_slice::<SettleReply>(&host::callout_body(body_size)).ok())
-            .flatten()
-            .filter(|reply| reply.results.len() == batch.len());
-        match reply {
-            Some(reply) => self.requeue(batch, Some(&reply.results)),
-            None => self.requeue(batch, None),
+        match callout_reply::<SettleReply>(body_size) {
+            Ok(reply) if reply.results.len() == batch.len() => requeue(batch, Some(&reply.results)),
+            _ => requeue(batch, None),
         }
     }
 }
@@ -140,14 +354,13 @@ impl RootContext for Root {
             Ok(config) => {
                 host::define_metrics();
                 log::info!(
-                    "llm-ratelimit: configured {} limit(s) in domain {:?}, companion {:?}",
+                    "llm-ratelimit: configured {} limit(s) in domain {:?}, companion {:?}{}",
                     config.limits.len(),
                     config.domain,
-                    config.companion.upstream
+                    config.companion.upstream,
+                    if config.lease.enabled { ", leases on" } else { "" }
                 );
-                if config.counts_tokens() {
-                    host::set_tick_period(TICK);
-                }
+                host::set_tick_period(TICK);
                 self.config = Some(Rc::new(config));
                 self.warmed_up = false;
                 true
@@ -161,14 +374,19 @@ impl RootContext for Root {
     }
 
     fn on_tick(&mut self) {
-        let Some(config) = self.config.clone() else {
-            return;
-        };
-        if !self.warmed_up && config.tokens.warm_up {
+        let Some(config) = self.config.clone() else { return };
+        if !self.warmed_up && config.tokens.warm_up && config.counts_tokens() {
             self.warmed_up = true;
             config.tokens.default_encoding.warm_up();
             for rule in &config.tokens.models {
                 rule.encoding.warm_up();
+            }
+        }
+        self.ticks = self.ticks.wrapping_add(1);
+        if config.lease.enabled {
+            self.renew_leases(&config);
+            if self.ticks % EXPIRY_TICKS == 0 {
+                self.return_expired_leases(&config);
             }
         }
         self.send_settlements(&config);
@@ -184,30 +402,38 @@ impl RootContext for Root {
     }
 }
 
-fn call_companion(config: &Config, path: &str, body: &[u8], timeout: Duration) -> Result<u32, String> {
-    let companion = &config.companion;
-    let headers = vec![
-        (":method", "POST"),
-        (":path", path),
-        (":authority", companion.authority()),
-        ("content-type", "application/json"),
-        (TOKEN_HEADER, companion.token.expose()),
-    ];
-    host::dispatch(&companion.upstream, headers, body, timeout)
-}
-
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Phase {
     /// Headers not seen yet, or no config.
     Starting,
     /// Waiting for the end of the request body, to count it.
     ReadingBody,
-    /// The charge callout is out; the request waits.
+    /// A callout is out; the request waits.
     Deciding,
     /// Admitted and sent upstream.
     Forwarded,
     /// Answered by the filter.
     Replied,
+}
+
+/// What the outstanding callout asks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Ask {
+    /// Charge the request in Redis (direct mode).
+    Charge,
+    /// Grant this proxy a lease that covers the request (lease mode).
+    Lease,
+}
+
+/// Where the request's tokens were taken from, so its settlement goes back there.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Admission {
+    /// Charged in Redis under this reservation.
+    Reserved(String),
+    /// Taken from this proxy's lease.
+    Leased,
+    /// Decided locally while the companion was away; reconciled with Redis later.
+    Local,
 }
 
 /// Reads the reply for its usage.
@@ -221,8 +447,9 @@ struct RequestFilter {
     phase: Phase,
     tenant: String,
     plan: Option<ChargePlan>,
-    /// Set once tokens were charged: the reservation to settle.
-    reservation: Option<String>,
+    ask: Ask,
+    /// Set once admitted, until settled.
+    admission: Option<Admission>,
     /// Added to the upstream's response once it arrives.
     response_headers: Vec<Header>,
     reply: Option<ReplyReader>,
@@ -246,7 +473,8 @@ impl RequestFilter {
             phase: Phase::Starting,
             tenant: String::new(),
             plan: None,
-            reservation: None,
+            ask: Ask::Charge,
+            admission: None,
             response_headers: Vec::new(),
             reply: None,
             upstream_error: false,
@@ -266,7 +494,11 @@ impl RequestFilter {
         }
     }
 
-    /// Plans the charge and sends it. `body` is `None` when no limit counts tokens.
+    fn costs(&self) -> Vec<u64> {
+        self.plan.as_ref().map(|p| p.buckets.iter().map(|b| b.cost).collect()).unwrap_or_default()
+    }
+
+    /// Plans the charge and decides it. `body` is `None` when no limit counts tokens.
     fn charge(&mut self, config: &Config, body: Option<&[u8]>) -> Action {
         let path = host::request_header(":path").unwrap_or_default();
         let plan = plan(config, &path, body, |model| {
@@ -274,59 +506,218 @@ impl RequestFilter {
                 .and_then(|b| OutputAverage::from_bytes(&b))
         });
         self.body_len = body.map_or(0, <[u8]>::len);
-        let reservation = plan.estimate.map(|_| new_reservation_id());
-        let request = TokenBucketRequest {
-            domain: config.domain.clone(),
-            tenant: self.tenant.clone(),
-            limits: plan.buckets.clone(),
-            reservation: reservation
-                .clone()
-                .map(|id| Reservation { id, ttl_ms: config.tokens.reservation_ttl.0.as_millis() as u64 }),
-        };
         self.plan = Some(plan);
-        self.reservation = reservation;
-        let sent = serde_json::to_vec(&request)
-            .map_err(|e| e.to_string())
-            .and_then(|body| call_companion(config, TOKEN_BUCKET_PATH, &body, config.companion.timeout.0));
-        match sent {
-            Ok(_token) => {
+        if config.lease.enabled {
+            if let Some(verdict) = self.admit_from_lease(config) {
+                return self.apply(verdict, false);
+            }
+        }
+        let cooldown = config.fallback.breaker_cooldown.0.as_millis() as u64;
+        let (route, probe) = breaker(config).route(host::now_ms(), cooldown);
+        if let Some(probe) = probe {
+            host::shared_set(&breaker_key(config), &probe.to_bytes());
+        }
+        if route == Route::Local {
+            let verdict = self.fail_over(config, "circuit breaker open");
+            return self.apply(verdict, false);
+        }
+        match self.send(config) {
+            Ok(()) => {
                 self.phase = Phase::Deciding;
                 Action::Pause
             }
             Err(why) => {
-                let verdict = self.companion_failed(config, &why);
+                let verdict = self.callout_failed(config, &why);
                 self.apply(verdict, false)
             }
         }
     }
 
-    fn decide(&mut self, config: &Config, body_size: usize) -> Verdict {
-        let status = host::callout_status();
-        if status != Some(200) {
-            return self.companion_failed(config, &format!("companion answered status {status:?}"));
-        }
-        let expected = self.plan.as_ref().map_or(0, |p| p.buckets.len());
-        let reply = match serde_json::from_slice::<TokenBucketReply>(&host::callout_body(body_size)) {
-            Ok(reply) if reply.limits.len() == expected => reply,
-            Ok(_) => return self.companion_failed(config, "companion reply has the wrong number of limits"),
-            Err(err) => return self.companion_failed(config, &format!("companion reply is not valid: {err}")),
-        };
-        if reply.allowed {
-            host::increment(Metric::Allowed);
-            self.rewrite_body(config, &reply);
-            let reserved = self.plan.as_ref().and_then(|p| p.estimate).map(|e| e.total());
-            let mut headers = decision::rate_limit_headers(&reply, config);
-            if let Some(reserved) = reserved {
-                host::add(Metric::TokensReserved, reserved);
-                headers.push((RESERVED_TOKENS_HEADER, reserved.to_string()));
-            }
-            Verdict::Forward(headers)
+    /// Sends the callout the mode calls for: a lease covering the request, or the charge.
+    fn send(&mut self, config: &Config) -> Result<(), String> {
+        let Some(plan) = self.plan.as_ref() else { return Err("no plan".into()) };
+        let (path, body) = if config.lease.enabled {
+            self.ask = Ask::Lease;
+            host::increment(Metric::LeaseCallouts);
+            let now = host::now_ms();
+            let policy = config.lease.policy();
+            let leases =
+                TenantLeases::decode(host::shared_get(&lease_key(config, &self.tenant)).as_deref(), plan.buckets.len());
+            let limits = plan
+                .buckets
+                .iter()
+                .zip(&leases.0)
+                .map(|(bucket, lease)| BucketSpec {
+                    cost: (lease.next_size(&policy, bucket.capacity, now).ceil() as u64).max(bucket.cost),
+                    min_cost: Some(bucket.cost),
+                    ..bucket.clone()
+                })
+                .collect();
+            let request = LeaseRequest {
+                domain: config.domain.clone(),
+                tenant: self.tenant.clone(),
+                limits,
+                share: config.lease.share,
+            };
+            (LEASE_PATH, serde_json::to_vec(&request))
         } else {
-            host::increment(Metric::Limited);
-            self.reservation = None; // nothing was charged
-            let reserved = self.plan.as_ref().and_then(|p| p.estimate).map_or(0, |e| e.total());
-            Verdict::Reply(decision::rejection(&reply, config, reserved))
+            self.ask = Ask::Charge;
+            let reservation = plan.estimate.map(|_| new_reservation_id());
+            if let Some(id) = &reservation {
+                self.admission = Some(Admission::Reserved(id.clone()));
+            }
+            let request = TokenBucketRequest {
+                domain: config.domain.clone(),
+                tenant: self.tenant.clone(),
+                limits: plan.buckets.clone(),
+                reservation: reservation
+                    .map(|id| Reservation { id, ttl_ms: config.tokens.reservation_ttl.0.as_millis() as u64 }),
+            };
+            (TOKEN_BUCKET_PATH, serde_json::to_vec(&request))
+        };
+        let body = body.map_err(|e| e.to_string())?;
+        call_companion(config, path, &body, config.companion.timeout.0).map(|_token| ())
+    }
+
+    /// Admits from this proxy's lease, if it covers the request. Marks the tenant for
+    /// renewal when the lease runs low.
+    fn admit_from_lease(&mut self, config: &Config) -> Option<Verdict> {
+        let costs = self.costs();
+        let now = host::now_ms();
+        let policy = config.lease.policy();
+        let (admitted, renew, leases) = host::shared_update(&lease_key(config, &self.tenant), |bytes| {
+            let mut leases = TenantLeases::decode(bytes, costs.len());
+            if !leases.admit(&costs, now) {
+                return (None, (false, false, leases));
+            }
+            let renew = leases.0.iter().any(|l| l.wants_renewal(&policy, now));
+            if renew {
+                for lease in &mut leases.0 {
+                    lease.renewal_asked_ms = now;
+                }
+            }
+            (Some(leases.encode()), (true, renew, leases))
+        })?;
+        if renew {
+            RENEWALS.with(|r| r.borrow_mut().insert(self.tenant.clone()));
         }
+        if !admitted {
+            return None;
+        }
+        host::increment(Metric::LeaseAdmissions);
+        Some(self.admitted_from_lease(config, &leases))
+    }
+
+    fn admitted_from_lease(&mut self, config: &Config, leases: &TenantLeases) -> Verdict {
+        host::increment(Metric::Allowed);
+        LEASED.with(|l| l.borrow_mut().insert(self.tenant.clone()));
+        self.admission = Some(Admission::Leased);
+        let buckets = self.plan.as_ref().map(|p| p.buckets.clone()).unwrap_or_default();
+        Verdict::Forward(self.admitted_headers(config, &leases.as_reply(&buckets)))
+    }
+
+    fn admitted_headers(&mut self, config: &Config, reply: &TokenBucketReply) -> Vec<Header> {
+        let mut headers = decision::rate_limit_headers(reply, config);
+        if let Some(reserved) = self.plan.as_ref().and_then(|p| p.estimate).map(|e| e.total()) {
+            host::add(Metric::TokensReserved, reserved);
+            headers.push((RESERVED_TOKENS_HEADER, reserved.to_string()));
+        }
+        headers
+    }
+
+    fn decide(&mut self, config: &Config, body_size: usize) -> Verdict {
+        let expected = self.plan.as_ref().map_or(0, |p| p.buckets.len());
+        let reply = match callout_reply::<TokenBucketReply>(body_size) {
+            Ok(reply) if reply.limits.len() == expected => reply,
+            Ok(_) => return self.callout_failed(config, "companion reply has the wrong number of limits"),
+            Err(why) => return self.callout_failed(config, &why),
+        };
+        callout_succeeded(config);
+        if !reply.allowed {
+            host::increment(Metric::Limited);
+            self.admission = None; // nothing was charged
+            let reserved = self.plan.as_ref().and_then(|p| p.estimate).map_or(0, |e| e.total());
+            return Verdict::Reply(decision::rejection(&reply, config, reserved));
+        }
+        match self.ask {
+            Ask::Lease => {
+                let costs = self.costs();
+                match merge_grant(config, &self.tenant, &reply, Some(&costs)) {
+                    Some(leases) => self.admitted_from_lease(config, &leases),
+                    None => self.fail_over(config, "cannot record the lease"),
+                }
+            }
+            Ask::Charge => {
+                host::increment(Metric::Allowed);
+                self.rewrite_body(config, &reply);
+                Verdict::Forward(self.admitted_headers(config, &reply))
+            }
+        }
+    }
+
+    fn callout_failed(&mut self, config: &Config, why: &str) -> Verdict {
+        host::increment(Metric::CompanionFailures);
+        callout_failed(config);
+        self.fail_over(config, why)
+    }
+
+    /// Decides without the companion, as `failure_mode` says.
+    fn fail_over(&mut self, config: &Config, why: &str) -> Verdict {
+        self.admission = None; // nothing was charged in Redis
+        log::debug!("llm-ratelimit: no decision from the companion ({why}); failure_mode {:?}", config.failure_mode);
+        match config.failure_mode {
+            FailureMode::Local => self.decide_locally(config),
+            FailureMode::Allow => Verdict::Forward(vec![(DEGRADED_HEADER, "companion-unavailable".to_string())]),
+            FailureMode::Deny => Verdict::Reply(decision::limiter_unavailable()),
+        }
+    }
+
+    /// The degraded mode: each limit divided by `fallback.instances`, as token buckets in
+    /// shared data, decided with the same model the Lua script follows. What is admitted
+    /// is queued as a debit, so Redis learns of it when it is back.
+    fn decide_locally(&mut self, config: &Config) -> Verdict {
+        host::increment(Metric::LocalDecisions);
+        let instances = u64::from(config.fallback.instances);
+        let specs: Vec<BucketSpec> = self
+            .plan
+            .as_ref()
+            .map(|p| {
+                p.buckets
+                    .iter()
+                    .map(|b| BucketSpec { capacity: b.capacity.div_ceil(instances), min_cost: None, ..b.clone() })
+                    .collect()
+            })
+            .unwrap_or_default();
+        let now = host::now_ms() as f64;
+        let reply = host::shared_update(&local_key(config, &self.tenant), |bytes| {
+            let mut states = decode_states(bytes, specs.len());
+            let reply = check_and_charge(&mut states, &specs, now);
+            (reply.allowed.then(|| encode_states(&states)), reply)
+        });
+        let Some(reply) = reply else {
+            return Verdict::Reply(decision::limiter_unavailable());
+        };
+        let mut headers = vec![(DEGRADED_HEADER, "local".to_string())];
+        if !reply.allowed {
+            host::increment(Metric::Limited);
+            let reserved = self.plan.as_ref().and_then(|p| p.estimate).map_or(0, |e| e.total());
+            let mut rejection = decision::rejection(&reply, config, reserved);
+            rejection.headers.append(&mut headers);
+            return Verdict::Reply(rejection);
+        }
+        host::increment(Metric::Allowed);
+        let limits = adjustments(config, specs.iter().enumerate().map(|(i, b)| (i, -(b.cost as i64))));
+        if !limits.is_empty() {
+            queue_settlement(Settlement {
+                domain: config.domain.clone(),
+                tenant: self.tenant.clone(),
+                reservation: None,
+                limits,
+            });
+        }
+        self.admission = Some(Admission::Local);
+        headers.extend(self.admitted_headers(config, &reply));
+        Verdict::Forward(headers)
     }
 
     /// Sends upstream the body the charge calls for: the output cap clamped to what was
@@ -352,16 +743,6 @@ impl RequestFilter {
         }
     }
 
-    fn companion_failed(&mut self, config: &Config, why: &str) -> Verdict {
-        host::increment(Metric::CompanionFailures);
-        self.reservation = None; // nothing was charged
-        log::warn!("llm-ratelimit: no decision from the companion ({why}); failure_mode {:?}", config.failure_mode);
-        match config.failure_mode {
-            FailureMode::Allow => Verdict::Forward(vec![(DEGRADED_HEADER, "companion-unavailable".to_string())]),
-            FailureMode::Deny => Verdict::Reply(decision::limiter_unavailable()),
-        }
-    }
-
     /// Carries a verdict out. `paused` says whether the request is waiting on us.
     fn apply(&mut self, verdict: Verdict, paused: bool) -> Action {
         match verdict {
@@ -382,14 +763,12 @@ impl RequestFilter {
         }
     }
 
-    /// Queues the settlement of this request's reservation, once.
+    /// Settles this request's tokens, once: the difference between what it reserved and
+    /// what it cost goes back where the reservation came from.
     fn settle(&mut self, config: &Config, ending: Ending) {
-        let (Some(reservation), Some(plan)) = (self.reservation.take(), self.plan.as_ref()) else {
-            return;
-        };
-        let Some(estimate) = plan.estimate else {
-            return;
-        };
+        let Some(admission) = self.admission.take() else { return };
+        let Some(plan) = self.plan.as_ref() else { return };
+        let Some(estimate) = plan.estimate else { return };
         let (reported, streamed_output) = match self.reply.as_mut() {
             Some(ReplyReader::Json(reader)) => (reader.finish(), None),
             Some(ReplyReader::Stream(reader)) => {
@@ -415,28 +794,44 @@ impl RequestFilter {
         }
         let credit = credit(estimate, actual);
         if credit == 0 {
-            return; // the charge was right; the reservation record expires by itself
+            return; // the charge was right; a reservation record expires by itself
         }
-        let settlement = Settlement {
+        let token_limits: Vec<usize> = config
+            .limits
+            .iter()
+            .enumerate()
+            .filter(|(_, l)| l.dimension() == Dimension::Tokens)
+            .map(|(i, _)| i)
+            .collect();
+        let reservation = match admission {
+            Admission::Reserved(id) => Some(id),
+            Admission::Local => None,
+            Admission::Leased => {
+                let now = host::now_ms();
+                let applied = host::shared_update(&lease_key(config, &self.tenant), |bytes| {
+                    let mut leases = TenantLeases::decode(bytes, config.limits.len());
+                    let live = token_limits.iter().all(|&i| leases.credit(i, credit, now));
+                    (live.then(|| leases.encode()), live)
+                });
+                if applied == Some(true) {
+                    return;
+                }
+                None // the lease expired meanwhile: the credit belongs to Redis
+            }
+        };
+        let limits = adjustments(config, token_limits.into_iter().map(|i| (i, credit)));
+        queue_settlement(Settlement {
             domain: config.domain.clone(),
             tenant: self.tenant.clone(),
             reservation,
-            limits: plan
-                .token_buckets(config)
-                .map(|b| Adjustment { name: b.name.clone(), capacity: b.capacity, window_ms: b.window_ms, credit })
-                .collect(),
-        };
-        if SETTLEMENTS.with(|q| q.borrow_mut().push(settlement)).is_some() {
-            host::increment(Metric::SettlementsFailed);
-        }
+            limits,
+        });
     }
 }
 
 impl Context for RequestFilter {
     fn on_http_call_response(&mut self, _token: u32, _headers: usize, body_size: usize, _trailers: usize) {
-        let Some(config) = self.config.clone() else {
-            return;
-        };
+        let Some(config) = self.config.clone() else { return };
         if self.phase != Phase::Deciding {
             return;
         }
@@ -447,9 +842,7 @@ impl Context for RequestFilter {
 
 impl HttpContext for RequestFilter {
     fn on_http_request_headers(&mut self, _headers: usize, end_of_stream: bool) -> Action {
-        let Some(config) = self.config.clone() else {
-            return Action::Continue;
-        };
+        let Some(config) = self.config.clone() else { return Action::Continue };
         match self.identify(&config) {
             Ok(tenant) => self.tenant = tenant,
             Err(verdict) => return self.apply(verdict, false),
@@ -471,9 +864,7 @@ impl HttpContext for RequestFilter {
     }
 
     fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
-        let Some(config) = self.config.clone() else {
-            return Action::Continue;
-        };
+        let Some(config) = self.config.clone() else { return Action::Continue };
         match self.phase {
             Phase::ReadingBody => {
                 if body_size as u64 > config.tokens.max_request_bytes {
@@ -505,7 +896,7 @@ impl HttpContext for RequestFilter {
         for (name, value) in self.response_headers.drain(..) {
             host::set_response_header(name, &value);
         }
-        if self.reservation.is_some() {
+        if self.admission.is_some() && self.plan.as_ref().is_some_and(|p| p.estimate.is_some()) {
             let status: u32 = host::response_header(":status").and_then(|s| s.parse().ok()).unwrap_or(0);
             self.upstream_error = status >= 400;
             let streaming = host::response_header("content-type").is_some_and(|t| t.contains("text/event-stream"));
@@ -521,10 +912,8 @@ impl HttpContext for RequestFilter {
     }
 
     fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
-        let Some(config) = self.config.clone() else {
-            return Action::Continue;
-        };
-        if self.reply.is_none() || self.reservation.is_none() {
+        let Some(config) = self.config.clone() else { return Action::Continue };
+        if self.reply.is_none() || self.admission.is_none() {
             return Action::Continue;
         }
         let chunk = host::response_body(body_size);
@@ -549,9 +938,7 @@ impl HttpContext for RequestFilter {
     fn on_log(&mut self) {
         // The stream ended without a complete reply: the client left, the upstream broke,
         // or the reply had no body.
-        let Some(config) = self.config.clone() else {
-            return;
-        };
+        let Some(config) = self.config.clone() else { return };
         let ending = if self.upstream_error { Ending::UpstreamError } else { Ending::Interrupted };
         self.settle(&config, ending);
     }
