@@ -91,29 +91,40 @@ end
 
 local done = 1
 local statuses, retries, charged = {}, {}, {}
-if op == 'charge' then
-  -- The common reduction of the elastic buckets: enough for each to fit, if it can.
-  local reduction, most = 0, nil
-  for i = 1, n do
-    local cost, min = specs[i][3], specs[i][4]
-    if min < cost then
-      reduction = math.max(reduction, cost - math.max(levels[i], 0))
-      most = math.min(most or (cost - min), cost - min)
+if op == 'charge' or op == 'lease' then
+  -- What each bucket must hold for the call to go ahead, and what it gives if it does.
+  local required = {}
+  if op == 'charge' then
+    -- The common reduction of the elastic buckets: enough for each to fit, if it can.
+    local reduction, most = 0, nil
+    for i = 1, n do
+      local cost, min = specs[i][3], specs[i][4]
+      if min < cost then
+        reduction = math.max(reduction, cost - math.max(levels[i], 0))
+        most = math.min(most or (cost - min), cost - min)
+      end
+    end
+    reduction = math.ceil(math.min(reduction, most or 0))
+    for i = 1, n do
+      local cost, min = specs[i][3], specs[i][4]
+      charged[i] = (min < cost) and (cost - reduction) or cost
+      required[i] = charged[i]
+    end
+  else
+    for i = 1, n do
+      local wanted, needed = specs[i][3], specs[i][4]
+      charged[i] = math.min(wanted, math.max(needed, math.floor(math.max(levels[i], 0) * share)))
+      required[i] = needed
     end
   end
-  reduction = math.ceil(math.min(reduction, most or 0))
   for i = 1, n do
-    local capacity, window_ms, cost, min = specs[i][1], specs[i][2], specs[i][3], specs[i][4]
-    if min < cost then
-      cost = cost - reduction
-    end
-    charged[i] = cost
+    local capacity, window_ms, min = specs[i][1], specs[i][2], specs[i][4]
     statuses[i], retries[i] = 1, 0
     if min > capacity then
       statuses[i], done = -1, 0
-    elseif levels[i] < cost then
+    elseif levels[i] < required[i] then
       statuses[i], done = 0, 0
-      retries[i] = math.ceil((cost - levels[i]) * window_ms / capacity)
+      retries[i] = math.ceil((required[i] - levels[i]) * window_ms / capacity)
     end
   end
   if done == 1 then
@@ -123,28 +134,8 @@ if op == 'charge' then
         store(i, levels[i])
       end
     end
-    if reservation then
+    if reservation and op == 'charge' then
       redis.call('SET', reservation, '1', 'PX', math.max(1, math.floor(reservation_ttl_ms or 0)))
-    end
-  end
-elseif op == 'lease' then
-  for i = 1, n do
-    local capacity, window_ms, wanted, needed = specs[i][1], specs[i][2], specs[i][3], specs[i][4]
-    statuses[i], retries[i] = 1, 0
-    charged[i] = math.min(wanted, math.max(needed, math.floor(math.max(levels[i], 0) * share)))
-    if needed > capacity then
-      statuses[i], done = -1, 0
-    elseif levels[i] < needed then
-      statuses[i], done = 0, 0
-      retries[i] = math.ceil((needed - levels[i]) * window_ms / capacity)
-    end
-  end
-  if done == 1 then
-    for i = 1, n do
-      if charged[i] > 0 then
-        levels[i] = levels[i] - charged[i]
-        store(i, levels[i])
-      end
     end
   end
 else

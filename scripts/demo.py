@@ -7,7 +7,6 @@ exactly the processes `up` started, `burst` sends a short scripted burst through
     Redis            127.0.0.1:6380
 """
 
-import hashlib
 import http.client
 import json
 import os
@@ -18,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from stack import ROOT, DEMO_ENVOY_CONFIG, Stack, filter_config_of, http_get, wait_until
+from stack import ROOT, bucket_key, DEMO_ENVOY_CONFIG, Stack, filter_config_of, http_get, wait_until
 import yaml
 
 RUN = ROOT / "run/demo"
@@ -111,8 +110,7 @@ def post(key: str, body: dict, headers: dict | None = None) -> tuple[int, dict, 
 def settled_tokens(key: str, capacity: int) -> float:
     """The tenant's token bucket as Redis holds it (the filter hashes the key the same way).
     A bucket that refilled completely has expired: no key means full."""
-    tenant = hashlib.sha256(b"llm-ratelimit/tenant/v1\0" + key.encode()).hexdigest()[:32]
-    out = subprocess.run(["redis-cli", "-p", str(REDIS_PORT), "hget", f"llmrl:{{llm:{tenant}}}:tb:tpm", "tokens"],
+    out = subprocess.run(["redis-cli", "-p", str(REDIS_PORT), "hget", bucket_key(key, "tpm"), "tokens"],
                          capture_output=True, text=True).stdout.strip()
     return float(out) if out else float(capacity)
 

@@ -9,6 +9,7 @@ stopped by its PID, whatever the outcome: nothing else on the machine is touched
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import os
 import random
@@ -28,6 +29,16 @@ COMPANION_BIN = Path(os.environ.get("LLMRL_COMPANION_BIN", ROOT / "target/releas
 MOCK_BIN = Path(os.environ.get("LLMRL_MOCK_BIN", ROOT / "target/release/mock-llm"))
 DEMO_ENVOY_CONFIG = ROOT / "envoy/demo.yaml"
 COMPANION_TOKEN_HEADER = "x-llmrl-token"
+
+
+def tenant_of(api_key: str) -> str:
+    """The tenant id the filter derives from an API key (src/identity.rs)."""
+    return hashlib.sha256(b"llm-ratelimit/tenant/v1\0" + api_key.encode()).hexdigest()[:32]
+
+
+def bucket_key(api_key: str, limit: str, domain: str = "llm", prefix: str = "llmrl:") -> str:
+    """The Redis key of a tenant's bucket for a limit, as the companion names it."""
+    return f"{prefix}{{{domain}:{tenant_of(api_key)}}}:tb:{limit}"
 
 
 def envoy_bin() -> str:

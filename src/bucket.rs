@@ -44,8 +44,7 @@ pub fn decode_states(bytes: Option<&[u8]>, limits: usize) -> Vec<Option<BucketSt
 /// makes each fit, as long as none falls below its minimum. `states[i]` belongs to
 /// `specs[i]`; charged buckets are updated in place.
 pub fn check_and_charge(states: &mut [Option<BucketState>], specs: &[BucketSpec], now_ms: f64) -> TokenBucketReply {
-    let levels: Vec<f64> =
-        specs.iter().zip(states.iter()).map(|(spec, state)| level_at(spec, *state, now_ms)).collect();
+    let levels = levels_at(states, specs, now_ms);
     let elastic = |spec: &BucketSpec| spec.min() < spec.cost;
     let wanted = specs
         .iter()
@@ -57,87 +56,81 @@ pub fn check_and_charge(states: &mut [Option<BucketState>], specs: &[BucketSpec]
     let reduction = wanted.min(most as f64).ceil() as u64;
     let costs: Vec<u64> =
         specs.iter().map(|spec| if elastic(spec) { spec.cost - reduction } else { spec.cost }).collect();
-    let allowed = specs.len() == states.len()
-        && specs
-            .iter()
-            .zip(&levels)
-            .zip(&costs)
-            .all(|((spec, &level), &cost)| spec.min() <= spec.capacity && level >= cost as f64);
-    let limits = specs
-        .iter()
-        .zip(levels)
-        .zip(states.iter_mut())
-        .zip(costs)
-        .map(|(((spec, mut tokens), state), cost)| {
-            let (capacity, window_ms) = (spec.capacity as f64, spec.window_ms as f64);
-            let (status, retry_after_ms) = if spec.min() > spec.capacity {
-                (BucketStatus::Never, 0)
-            } else if tokens < cost as f64 {
-                (BucketStatus::Limited, ((cost as f64 - tokens) * window_ms / capacity).ceil() as u64)
-            } else {
-                (BucketStatus::Allowed, 0)
-            };
-            if allowed && cost > 0 {
-                tokens -= cost as f64;
-                *state = Some(BucketState { tokens, updated_ms: now_ms });
-            }
-            BucketOutcome {
-                name: spec.name.clone(),
-                status,
-                limit: spec.capacity,
-                remaining: tokens.floor().max(0.0) as u64,
-                reset_after_ms: ((capacity - tokens) * window_ms / capacity).ceil() as u64,
-                retry_after_ms,
-                charged: if allowed { cost } else { 0 },
-            }
-        })
-        .collect();
-    TokenBucketReply { allowed, limits }
+    take_all(states, specs, &levels, &costs, &costs, now_ms)
 }
 
 /// Grants each bucket's lease, all or none: if every bucket has what is needed
 /// (`min_cost`), each grants `min(wanted (cost), max(needed, share x level))` and is
 /// charged that, reported as `charged`.
 pub fn lease(states: &mut [Option<BucketState>], specs: &[BucketSpec], share: f64, now_ms: f64) -> TokenBucketReply {
-    let levels: Vec<f64> =
-        specs.iter().zip(states.iter()).map(|(spec, state)| level_at(spec, *state, now_ms)).collect();
+    let levels = levels_at(states, specs, now_ms);
+    let needed: Vec<u64> = specs.iter().map(BucketSpec::min).collect();
     let grants: Vec<u64> = specs
         .iter()
         .zip(&levels)
         .map(|(spec, &level)| spec.cost.min(spec.min().max((level.max(0.0) * share).floor() as u64)))
         .collect();
+    take_all(states, specs, &levels, &needed, &grants, now_ms)
+}
+
+fn levels_at(states: &[Option<BucketState>], specs: &[BucketSpec], now_ms: f64) -> Vec<f64> {
+    specs.iter().zip(states.iter()).map(|(spec, state)| level_at(spec, *state, now_ms)).collect()
+}
+
+/// If every bucket holds what it `required`, takes `taken[i]` from each; reports each
+/// bucket as the script does. A bucket whose minimum exceeds its capacity never fits.
+fn take_all(
+    states: &mut [Option<BucketState>],
+    specs: &[BucketSpec],
+    levels: &[f64],
+    required: &[u64],
+    taken: &[u64],
+    now_ms: f64,
+) -> TokenBucketReply {
     let allowed = specs.len() == states.len()
-        && specs.iter().zip(&levels).all(|(spec, &level)| spec.min() <= spec.capacity && level >= spec.min() as f64);
+        && specs
+            .iter()
+            .zip(levels)
+            .zip(required)
+            .all(|((spec, &level), &req)| spec.min() <= spec.capacity && level >= req as f64);
     let limits = specs
         .iter()
         .zip(levels)
         .zip(states.iter_mut())
-        .zip(grants)
-        .map(|(((spec, mut tokens), state), grant)| {
-            let (capacity, window_ms, needed) = (spec.capacity as f64, spec.window_ms as f64, spec.min() as f64);
+        .zip(required.iter().zip(taken))
+        .map(|(((spec, &level), state), (&req, &take))| {
             let (status, retry_after_ms) = if spec.min() > spec.capacity {
                 (BucketStatus::Never, 0)
-            } else if tokens < needed {
-                (BucketStatus::Limited, ((needed - tokens) * window_ms / capacity).ceil() as u64)
+            } else if level < req as f64 {
+                (
+                    BucketStatus::Limited,
+                    ((req as f64 - level) * spec.window_ms as f64 / spec.capacity as f64).ceil() as u64,
+                )
             } else {
                 (BucketStatus::Allowed, 0)
             };
-            if allowed && grant > 0 {
-                tokens -= grant as f64;
+            let mut tokens = level;
+            if allowed && take > 0 {
+                tokens -= take as f64;
                 *state = Some(BucketState { tokens, updated_ms: now_ms });
             }
-            BucketOutcome {
-                name: spec.name.clone(),
-                status,
-                limit: spec.capacity,
-                remaining: tokens.floor().max(0.0) as u64,
-                reset_after_ms: ((capacity - tokens) * window_ms / capacity).ceil() as u64,
-                retry_after_ms,
-                charged: if allowed { grant } else { 0 },
-            }
+            outcome(spec, tokens, status, retry_after_ms, if allowed { take } else { 0 })
         })
         .collect();
     TokenBucketReply { allowed, limits }
+}
+
+fn outcome(spec: &BucketSpec, tokens: f64, status: BucketStatus, retry_after_ms: u64, charged: u64) -> BucketOutcome {
+    let capacity = spec.capacity as f64;
+    BucketOutcome {
+        name: spec.name.clone(),
+        status,
+        limit: spec.capacity,
+        remaining: tokens.floor().max(0.0) as u64,
+        reset_after_ms: ((capacity - tokens) * spec.window_ms as f64 / capacity).ceil() as u64,
+        retry_after_ms,
+        charged,
+    }
 }
 
 /// Gives each bucket `credits[i]` tokens back (never above capacity), or takes `-credits[i]`
@@ -153,21 +146,12 @@ pub fn settle(
         .zip(states.iter_mut())
         .zip(credits)
         .map(|((spec, state), &credit)| {
-            let (capacity, window_ms) = (spec.capacity as f64, spec.window_ms as f64);
             let mut tokens = level_at(spec, *state, now_ms);
             if credit != 0 {
-                tokens = (tokens + credit as f64).min(capacity);
+                tokens = (tokens + credit as f64).min(spec.capacity as f64);
                 *state = Some(BucketState { tokens, updated_ms: now_ms });
             }
-            BucketOutcome {
-                name: spec.name.clone(),
-                status: BucketStatus::Allowed,
-                limit: spec.capacity,
-                remaining: tokens.floor().max(0.0) as u64,
-                reset_after_ms: ((capacity - tokens) * window_ms / capacity).ceil() as u64,
-                retry_after_ms: 0,
-                charged: 0,
-            }
+            outcome(spec, tokens, BucketStatus::Allowed, 0, 0)
         })
         .collect();
     TokenBucketReply { allowed: true, limits }

@@ -2,7 +2,6 @@
 no callout, workers never double-spend it, and what is unused goes back to Redis."""
 
 import concurrent.futures
-import hashlib
 import http.client
 import json
 import re
@@ -11,13 +10,10 @@ import time
 import pytest
 import redis
 
-from stack import envoy_config, free_port, http_get, wait_until
+from stack import bucket_key, envoy_config, free_port, http_get, wait_until
 
 TOKEN = "lease-companion-token"
 
-
-def tenant_of(key):
-    return hashlib.sha256(b"llm-ratelimit/tenant/v1\0" + key.encode()).hexdigest()[:32]
 
 
 @pytest.fixture
@@ -47,7 +43,7 @@ def env(stack):
             return sum(v["calls"] for k, v in stats.items() if k in ("cmdstat_evalsha", "cmdstat_eval"))
 
         def level(self, key, limit):
-            raw = self.store.hget(f"llmrl:{{llm:{tenant_of(key)}}}:tb:{limit}", "tokens")
+            raw = self.store.hget(bucket_key(key, limit), "tokens")
             return None if raw is None else float(raw)
 
     return Env()

@@ -2,7 +2,6 @@
 within the local bound, no timeout added to every request while the breaker is open,
 recovery by itself, and what was admitted locally reconciled with Redis."""
 
-import hashlib
 import http.client
 import json
 import statistics
@@ -11,14 +10,11 @@ import time
 import pytest
 import redis
 
-from stack import envoy_config, free_port, wait_until
+from stack import bucket_key, envoy_config, free_port, wait_until
 
 TOKEN = "resilience-token"
 LIMIT = 50
 
-
-def tenant_of(key):
-    return hashlib.sha256(b"llm-ratelimit/tenant/v1\0" + key.encode()).hexdigest()[:32]
 
 
 def send(port, key):
@@ -60,7 +56,7 @@ def env(stack):
 
 
 def level(redis_port, key):
-    raw = redis.Redis(port=redis_port).hget(f"llmrl:{{llm:{tenant_of(key)}}}:tb:rph", "tokens")
+    raw = redis.Redis(port=redis_port).hget(bucket_key(key, "rph"), "tokens")
     return None if raw is None else float(raw)
 
 

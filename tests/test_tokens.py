@@ -3,7 +3,6 @@ reservation charged before the request goes upstream, and the real usage settled
 for OpenAI and Anthropic, JSON and streams, completed, failed and interrupted."""
 
 import concurrent.futures
-import hashlib
 import http.client
 import json
 import socket
@@ -13,16 +12,13 @@ from types import SimpleNamespace
 import pytest
 import redis
 
-from stack import envoy_config, free_port, wait_until
+from stack import bucket_key, envoy_config, free_port, wait_until
 
 TOKEN = "tokens-companion-token"
 # A budget so long-lived that refill during a test is below one token.
 BIG = 1_000_000
 LONG = "366d"
 
-
-def tenant_of(key):
-    return hashlib.sha256(b"llm-ratelimit/tenant/v1\0" + key.encode()).hexdigest()[:32]
 
 
 @pytest.fixture
@@ -50,7 +46,7 @@ def env(stack):
 
 
 def bucket_level(env, key, limit="tpm"):
-    raw = env.redis.hget(f"llmrl:{{llm:{tenant_of(key)}}}:tb:{limit}", "tokens")
+    raw = env.redis.hget(bucket_key(key, limit), "tokens")
     return None if raw is None else float(raw)
 
 

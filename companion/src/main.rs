@@ -88,39 +88,51 @@ fn json_reply(value: impl serde::Serialize) -> Response {
     (StatusCode::OK, [("content-type", "application/json")], json!(value).to_string()).into_response()
 }
 
-async fn run_token_bucket(State(app): State<Arc<App>>, headers: HeaderMap, body: Bytes) -> Response {
-    if !authorised(&app, &headers) {
-        return error(StatusCode::UNAUTHORIZED, format!("missing or wrong {TOKEN_HEADER}"));
+/// A request that runs the bucket script once: a charge or a lease.
+trait BucketCall: serde::de::DeserializeOwned {
+    fn check(&self) -> Result<(), String>;
+    fn call(&self, prefix: &str) -> token_bucket::Call;
+    fn names(&self) -> Vec<&str>;
+}
+
+impl BucketCall for TokenBucketRequest {
+    fn check(&self) -> Result<(), String> {
+        self.validate()
     }
-    let request = match parse_body(&body, TokenBucketRequest::validate) {
-        Ok(request) => request,
-        Err(message) => return error(StatusCode::BAD_REQUEST, message),
-    };
-    let call = token_bucket::charge(&app.key_prefix, &request);
-    let value = match app.store.run(&app.token_bucket, &call.keys, &call.args).await {
-        Ok(value) => value,
-        Err(err) => return error(StatusCode::SERVICE_UNAVAILABLE, format!("redis: {err}")),
-    };
-    match token_bucket::reply(request.limits.iter().map(|l| l.name.as_str()), &value) {
-        Ok(reply) => json_reply(reply),
-        Err(err) => error(StatusCode::BAD_GATEWAY, format!("unexpected script reply: {err}")),
+    fn call(&self, prefix: &str) -> token_bucket::Call {
+        token_bucket::charge(prefix, self)
+    }
+    fn names(&self) -> Vec<&str> {
+        self.limits.iter().map(|l| l.name.as_str()).collect()
     }
 }
 
-async fn run_lease(State(app): State<Arc<App>>, headers: HeaderMap, body: Bytes) -> Response {
+impl BucketCall for LeaseRequest {
+    fn check(&self) -> Result<(), String> {
+        self.validate()
+    }
+    fn call(&self, prefix: &str) -> token_bucket::Call {
+        token_bucket::lease(prefix, self)
+    }
+    fn names(&self) -> Vec<&str> {
+        self.limits.iter().map(|l| l.name.as_str()).collect()
+    }
+}
+
+async fn run_buckets<R: BucketCall>(State(app): State<Arc<App>>, headers: HeaderMap, body: Bytes) -> Response {
     if !authorised(&app, &headers) {
         return error(StatusCode::UNAUTHORIZED, format!("missing or wrong {TOKEN_HEADER}"));
     }
-    let request = match parse_body(&body, LeaseRequest::validate) {
+    let request: R = match parse_body(&body, R::check) {
         Ok(request) => request,
         Err(message) => return error(StatusCode::BAD_REQUEST, message),
     };
-    let call = token_bucket::lease(&app.key_prefix, &request);
+    let call = request.call(&app.key_prefix);
     let value = match app.store.run(&app.token_bucket, &call.keys, &call.args).await {
         Ok(value) => value,
         Err(err) => return error(StatusCode::SERVICE_UNAVAILABLE, format!("redis: {err}")),
     };
-    match token_bucket::reply(request.limits.iter().map(|l| l.name.as_str()), &value) {
+    match token_bucket::reply(request.names().into_iter(), &value) {
         Ok(reply) => json_reply(reply),
         Err(err) => error(StatusCode::BAD_GATEWAY, format!("unexpected script reply: {err}")),
     }
@@ -233,9 +245,9 @@ async fn serve(args: Args) -> Result<(), String> {
     };
     let app = Arc::new(App { store, token, key_prefix: args.key_prefix.clone(), token_bucket });
     let router = Router::new()
-        .route(TOKEN_BUCKET_PATH, post(run_token_bucket))
+        .route(TOKEN_BUCKET_PATH, post(run_buckets::<TokenBucketRequest>))
         .route(SETTLE_PATH, post(run_settle))
-        .route(LEASE_PATH, post(run_lease))
+        .route(LEASE_PATH, post(run_buckets::<LeaseRequest>))
         .route("/healthz", get(healthz))
         .with_state(app);
     let listener = tokio::net::TcpListener::bind(&args.listen)
