@@ -24,6 +24,10 @@ pub struct Lease {
     /// When this instance last asked for a renewal (0: not asked), so workers do not all
     /// ask at once.
     pub renewal_asked_ms: u64,
+    /// Redis refused a grant of `blocked_cost`: until this time a request needing as much
+    /// is refused here, without asking again.
+    pub blocked_until_ms: u64,
+    pub blocked_cost: f64,
 }
 
 /// How leases are sized and renewed.
@@ -38,7 +42,7 @@ pub struct LeasePolicy {
     pub max_fraction: f64,
 }
 
-const LEASE_BYTES: usize = 40;
+const LEASE_BYTES: usize = 56;
 
 impl Lease {
     pub fn is_live(&self, now_ms: u64) -> bool {
@@ -87,6 +91,14 @@ impl Lease {
         self.global_remaining = global_remaining;
         self.expires_ms = now_ms + policy.ttl_ms;
         self.renewal_asked_ms = 0;
+        self.blocked_until_ms = 0;
+    }
+
+    /// Whether Redis recently refused what a request of `cost` needs, and for how much
+    /// longer (ms).
+    pub fn blocked_for(&self, cost: u64, now_ms: u64) -> Option<u64> {
+        (cost > 0 && now_ms < self.blocked_until_ms && cost as f64 >= self.blocked_cost)
+            .then(|| self.blocked_until_ms - now_ms)
     }
 
     fn to_bytes(self, out: &mut Vec<u8>) {
@@ -95,6 +107,8 @@ impl Lease {
         }
         out.extend_from_slice(&self.expires_ms.to_le_bytes());
         out.extend_from_slice(&self.renewal_asked_ms.to_le_bytes());
+        out.extend_from_slice(&self.blocked_until_ms.to_le_bytes());
+        out.extend_from_slice(&self.blocked_cost.to_le_bytes());
     }
 
     fn from_bytes(bytes: &[u8]) -> Option<Lease> {
@@ -106,9 +120,12 @@ impl Lease {
             global_remaining: f(16)?,
             expires_ms: u(24)?,
             renewal_asked_ms: u(32)?,
+            blocked_until_ms: u(40)?,
+            blocked_cost: f(48)?,
         };
-        (lease.remaining.is_finite() && lease.granted.is_finite() && lease.global_remaining.is_finite())
-            .then_some(lease)
+        let finite =
+            [lease.remaining, lease.granted, lease.global_remaining, lease.blocked_cost].iter().all(|v| v.is_finite());
+        finite.then_some(lease)
     }
 }
 
@@ -182,6 +199,39 @@ impl TenantLeases {
 }
 
 impl TenantLeases {
+    /// Remembers that Redis refused this request's needs: for each limit that was
+    /// limited, until its retry time.
+    pub fn block(&mut self, reply: &TokenBucketReply, costs: &[u64], now_ms: u64) {
+        for ((lease, outcome), &cost) in self.0.iter_mut().zip(&reply.limits).zip(costs) {
+            if outcome.status == BucketStatus::Limited && outcome.retry_after_ms > 0 {
+                lease.blocked_until_ms = now_ms + outcome.retry_after_ms;
+                lease.blocked_cost = cost as f64;
+            }
+        }
+    }
+
+    /// If a limit recently refused what this request needs (and its lease cannot cover
+    /// it), the reply to give without asking Redis again: that limit, with its retry time.
+    pub fn refusal(&self, specs: &[BucketSpec], now_ms: u64) -> Option<TokenBucketReply> {
+        let blocked = self.0.iter().zip(specs).any(|(lease, spec)| {
+            lease.blocked_for(spec.cost, now_ms).is_some()
+                && !(lease.is_live(now_ms) && lease.remaining >= spec.cost as f64)
+        });
+        if !blocked {
+            return None;
+        }
+        let mut reply = self.as_reply(specs);
+        reply.allowed = false;
+        for ((lease, spec), outcome) in self.0.iter().zip(specs).zip(reply.limits.iter_mut()) {
+            outcome.charged = 0;
+            if let Some(wait) = lease.blocked_for(spec.cost, now_ms) {
+                outcome.status = BucketStatus::Limited;
+                outcome.retry_after_ms = wait;
+            }
+        }
+        Some(reply)
+    }
+
     /// What this instance can tell a client about each limit: what is left to it (its
     /// lease and the tenant's level in Redis at the last grant), for headers.
     pub fn as_reply(&self, specs: &[BucketSpec]) -> TokenBucketReply {
@@ -215,7 +265,7 @@ mod tests {
         LeasePolicy { ttl_ms: 10_000, low_water: 0.2, initial_fraction: 0.05, max_fraction: 0.25 };
 
     fn leased(remaining: f64, granted: f64, expires_ms: u64) -> Lease {
-        Lease { remaining, granted, global_remaining: 0.0, expires_ms, renewal_asked_ms: 0 }
+        Lease { remaining, granted, expires_ms, ..Lease::default() }
     }
 
     #[test]
@@ -281,6 +331,35 @@ mod tests {
     }
 
     #[test]
+    fn a_refusal_is_remembered_until_its_retry_time() {
+        let spec = |cost| BucketSpec { name: "tpm".into(), capacity: 1000, window_ms: 60_000, cost, min_cost: None };
+        let mut leases = TenantLeases(vec![leased(5.0, 50.0, 10_000)]);
+        let refused = TokenBucketReply {
+            allowed: false,
+            limits: vec![BucketOutcome {
+                name: "tpm".into(),
+                status: BucketStatus::Limited,
+                limit: 1000,
+                remaining: 3,
+                reset_after_ms: 60_000,
+                retry_after_ms: 2_000,
+                charged: 0,
+            }],
+        };
+        leases.block(&refused, &[100], 1_000);
+        let reply = leases.refusal(&[spec(100)], 1_500).expect("still refused");
+        assert!(!reply.allowed);
+        assert_eq!((reply.limits[0].status, reply.limits[0].retry_after_ms), (BucketStatus::Limited, 1_500));
+        assert!(leases.refusal(&[spec(150)], 1_500).is_some(), "needing more is refused too");
+        assert!(leases.refusal(&[spec(50)], 1_500).is_none(), "needing less may be granted: ask");
+        assert!(leases.refusal(&[spec(4)], 1_500).is_none(), "the lease covers it");
+        assert!(leases.refusal(&[spec(100)], 3_000).is_none(), "retry time passed");
+        let mut renewed = leases.clone();
+        renewed.0[0].add_grant(200.0, 500.0, &POLICY, 1_600);
+        assert!(renewed.refusal(&[spec(100)], 1_700).is_none(), "a grant lifts it");
+    }
+
+    #[test]
     fn headers_count_the_lease_and_what_redis_had_left() {
         let spec = BucketSpec { name: "rpm".into(), capacity: 100, window_ms: 60_000, cost: 1, min_cost: None };
         let leases = TenantLeases(vec![Lease { remaining: 7.0, global_remaining: 50.0, ..leased(7.0, 10.0, 100) }]);
@@ -290,7 +369,10 @@ mod tests {
 
     #[test]
     fn round_trips_and_rejects_mismatched_configs() {
-        let leases = TenantLeases(vec![leased(1.5, 2.0, 3), Lease { renewal_asked_ms: 9, ..leased(-4.0, 5.0, 6) }]);
+        let leases = TenantLeases(vec![
+            leased(1.5, 2.0, 3),
+            Lease { renewal_asked_ms: 9, blocked_until_ms: 10, blocked_cost: 11.0, ..leased(-4.0, 5.0, 6) },
+        ]);
         let bytes = leases.encode();
         assert_eq!(TenantLeases::decode(Some(&bytes), 2), leases);
         assert_eq!(TenantLeases::decode(Some(&bytes), 3), TenantLeases::decode(None, 3));

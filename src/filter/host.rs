@@ -46,6 +46,13 @@ pub fn define_metrics() {
     METRIC_IDS.with(|cell| cell.set(ids));
 }
 
+/// Sets a gauge, defining it on first use.
+pub fn gauge(name: &str, value: u64) {
+    if let (Ok(id), Ok(value)) = (hostcalls::define_metric(MetricType::Gauge, name), i64::try_from(value)) {
+        let _ = hostcalls::record_metric(id, value as u64);
+    }
+}
+
 pub fn add(metric: Metric, amount: u64) {
     let id = METRIC_IDS.with(|cell| cell.get().get(metric as usize).copied().flatten());
     if let (Some(id), Ok(amount)) = (id, i64::try_from(amount)) {

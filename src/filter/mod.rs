@@ -361,6 +361,14 @@ impl RootContext for Root {
                     if config.lease.enabled { ", leases on" } else { "" }
                 );
                 host::set_tick_period(TICK);
+                if config.lease.enabled {
+                    // The most of each limit one proxy can hold unused in a tenant's lease:
+                    // what leases can cost other proxies (they never let proxies admit more).
+                    for limit in &config.limits {
+                        let bound = (limit.capacity() as f64 * config.lease.max_fraction).ceil() as u64;
+                        host::gauge(&format!("llm_ratelimit.lease_bound.{}", limit.name), bound);
+                    }
+                }
                 self.config = Some(Rc::new(config));
                 self.warmed_up = false;
                 true
@@ -579,16 +587,19 @@ impl RequestFilter {
         call_companion(config, path, &body, config.companion.timeout.0).map(|_token| ())
     }
 
-    /// Admits from this proxy's lease, if it covers the request. Marks the tenant for
-    /// renewal when the lease runs low.
+    /// Admits from this proxy's lease, if it covers the request, or refuses it if Redis
+    /// recently refused as much; `None` means: ask. Marks the tenant for renewal when the
+    /// lease runs low.
     fn admit_from_lease(&mut self, config: &Config) -> Option<Verdict> {
         let costs = self.costs();
+        let specs = self.plan.as_ref().map(|p| p.buckets.clone()).unwrap_or_default();
         let now = host::now_ms();
         let policy = config.lease.policy();
-        let (admitted, renew, leases) = host::shared_update(&lease_key(config, &self.tenant), |bytes| {
+        let (outcome, renew, leases) = host::shared_update(&lease_key(config, &self.tenant), |bytes| {
             let mut leases = TenantLeases::decode(bytes, costs.len());
             if !leases.admit(&costs, now) {
-                return (None, (false, false, leases));
+                let refusal = leases.refusal(&specs, now);
+                return (None, (refusal.map(Err), false, leases));
             }
             let renew = leases.0.iter().any(|l| l.wants_renewal(&policy, now));
             if renew {
@@ -596,16 +607,22 @@ impl RequestFilter {
                     lease.renewal_asked_ms = now;
                 }
             }
-            (Some(leases.encode()), (true, renew, leases))
+            (Some(leases.encode()), (Some(Ok(())), renew, leases))
         })?;
         if renew {
             RENEWALS.with(|r| r.borrow_mut().insert(self.tenant.clone()));
         }
-        if !admitted {
-            return None;
+        match outcome? {
+            Ok(()) => {
+                host::increment(Metric::LeaseAdmissions);
+                Some(self.admitted_from_lease(config, &leases))
+            }
+            Err(refusal) => {
+                host::increment(Metric::Limited);
+                let reserved = self.plan.as_ref().and_then(|p| p.estimate).map_or(0, |e| e.total());
+                Some(Verdict::Reply(decision::rejection(&refusal, config, reserved)))
+            }
         }
-        host::increment(Metric::LeaseAdmissions);
-        Some(self.admitted_from_lease(config, &leases))
     }
 
     fn admitted_from_lease(&mut self, config: &Config, leases: &TenantLeases) -> Verdict {
@@ -636,6 +653,15 @@ impl RequestFilter {
         if !reply.allowed {
             host::increment(Metric::Limited);
             self.admission = None; // nothing was charged
+            if self.ask == Ask::Lease {
+                // Later requests that need as much are refused here until the retry time.
+                let (costs, now) = (self.costs(), host::now_ms());
+                host::shared_update(&lease_key(config, &self.tenant), |bytes| {
+                    let mut leases = TenantLeases::decode(bytes, costs.len());
+                    leases.block(&reply, &costs, now);
+                    (Some(leases.encode()), ())
+                });
+            }
             let reserved = self.plan.as_ref().and_then(|p| p.estimate).map_or(0, |e| e.total());
             return Verdict::Reply(decision::rejection(&reply, config, reserved));
         }
