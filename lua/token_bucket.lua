@@ -1,56 +1,71 @@
--- token_bucket.lua: charge several token buckets all or nothing, settle what a charge
--- reserved once the real cost is known, and lease blocks of budget to proxy instances.
+-- token_bucket.lua: charge several limits all or nothing, settle what a charge reserved
+-- once the real cost is known, lease blocks of budget to proxy instances, and keep
+-- concurrency slots alive.
 --
--- KEYS[1..n]  bucket of limit i: a hash {tokens, ts}.
--- KEYS[n+1]   optional: the reservation record of this request (a string).
+-- KEYS[1..n]  limit i: a token bucket (a hash {tokens, ts}) or a slot set (a sorted set
+--             of request ids scored by their expiry, ms).
+-- KEYS[n+1]   optional: the reservation record of this request (a string); its key is
+--             also the request's member in slot sets, so slot limits need it.
 --             All keys must share one hash slot (the companion puts the tenant in a hash
 --             tag), so this runs on Redis Cluster.
--- ARGV[1]     "charge", "settle" or "lease"
--- ARGV[2]     n, the number of buckets
+-- ARGV[1]     "charge", "settle", "lease", "touch" or "release"
+-- ARGV[2]     n, the number of limits
 -- ARGV[3]     charge: how long the reservation record lives (ms); lease: the share of
---             what is left that one grant may take (0 < share <= 1); settle: ignored
--- ARGV[4..]   four numbers per bucket, in KEYS order:
---               capacity   (> 0)  tokens the bucket holds when full
---               window_ms  (> 0)  time in which an empty bucket refills to capacity
---               amount     charge: the cost (>= 0; 0 only looks)
+--             what is left that one grant may take (0 < share <= 1); otherwise ignored
+-- ARGV[4..]   five values per limit, in KEYS order:
+--               kind       "tb" (token bucket) or "slots" (concurrency)
+--               capacity   (> 0)  tb: tokens when full; slots: how many at once
+--               window_ms  (> 0)  tb: time in which an empty bucket refills to capacity;
+--                                 slots: how long a slot lives unless touched
+--               amount     charge: the cost (>= 0; 0 only looks; slots: 1)
 --                          settle: tokens to give back (> 0) or to take as well (< 0)
 --                          lease: the grant wanted
 --               min        charge: the least this bucket may be charged (<= amount); a
 --                          bucket with min < amount is elastic
---                          lease: the grant needed (<= amount); settle: ignored
+--                          lease: the grant needed (<= amount); otherwise ignored
 --
--- charge: every bucket is refilled to now; if each has room for its cost, all are
--- charged and the reservation record (if given) is written; otherwise none is. Elastic
--- buckets all give up the same reduction r, the smallest that makes every one of them fit,
--- if no bucket then falls below its min: that is how a request's completion allowance is
--- clamped to what the tenant has left.
+-- charge: every limit is brought to now (buckets refilled, expired slots dropped); if each
+-- has room for its cost, all are charged (a slot taken by this request) and the
+-- reservation record (if given) is written; otherwise none is. Elastic buckets all give
+-- up the same reduction r, the smallest that makes every one of them fit, if no bucket
+-- then falls below its min: that is how a request's completion allowance is clamped to
+-- what the tenant has left.
 -- lease: if each bucket has what is needed, each grants min(wanted, max(needed, share x
 -- what is left)) and is charged that: grants shrink as a tenant nears its limit, so
--- instances sharing it do not starve each other; otherwise nothing is granted.
--- settle: if the reservation record exists it is deleted and each bucket gets its amount
--- back (never above capacity; a debit may take it below zero, so the tenant waits it
--- off); if the record is gone (settled before, or expired) nothing changes. So a
--- settlement applies at most once, and a reservation never settled simply stands.
+-- instances sharing it do not starve each other; otherwise nothing is granted. Slot
+-- limits cannot be leased.
+-- settle: the request's slots are released; if the reservation record exists it is
+-- deleted and each bucket gets its amount back (never above capacity; a debit may take it
+-- below zero, so the tenant waits it off); if the record is gone (settled before, or
+-- expired) buckets do not change. So a settlement applies at most once, and a reservation
+-- never settled simply stands.
+-- touch: the request's slots live another window (a heartbeat for long streams); a slot
+-- that already expired is not revived.
+-- release: the request's slots are released at once, and nothing else changes (its
+-- settlement, which releases them too, may follow).
 --
--- Reply  { done, {status, limit, remaining, reset_after_ms, retry_after_ms, charged} per bucket }
---          done            charge: 1 if charged; settle: 1 if applied
---          status          1 room, 0 not now, -1 never (cost > capacity); settle: 1
+-- Reply  { done, {status, limit, remaining, reset_after_ms, retry_after_ms, charged} per limit }
+--          done            charge: 1 if charged; settle: 1 if applied; lease: 1 if granted
+--          status          1 room, 0 not now, -1 never (cost > capacity); settle, touch: 1
 --          limit           the capacity
---          remaining       whole tokens left (after the charge or settlement, if done)
---          reset_after_ms  time until the bucket is full again
---          retry_after_ms  time until the bucket has room for the cost (0 if now or never)
---          charged         what the bucket was charged, or granted (0 if not done; settle: 0)
+--          remaining       whole tokens (free slots) left, after the call if done
+--          reset_after_ms  time until the bucket is full again (slots: 0)
+--          retry_after_ms  time until the bucket has room for the cost (slots: until the
+--                          oldest slot expires, at most 1 s); 0 if now or never
+--          charged         what the bucket was charged, or granted (0 if not done)
 --
 -- Time is Redis's own (TIME), so every proxy shares one clock. Buckets refill
 -- continuously and hold fractional tokens. A written bucket expires when it would be full
--- again: a missing key and a full bucket are the same state.
--- The Rust model of this script is src/bucket.rs; tests/cases/token_bucket.json is the
--- case table both are tested with.
+-- again (a missing key and a full bucket are the same state); a slot set expires when its
+-- last slot would.
+-- The Rust model of the token buckets is src/bucket.rs; tests/cases/token_bucket.json is
+-- the case table both are tested with.
 
 local op = ARGV[1]
 local n = tonumber(ARGV[2])
-if (op ~= 'charge' and op ~= 'settle' and op ~= 'lease') or not n or n < 1 or #ARGV ~= 3 + 4 * n or (#KEYS ~= n and #KEYS ~= n + 1) then
-  return redis.error_reply('ERR token_bucket: expected op, n, ttl and 4 ARGV per bucket, with n or n+1 keys')
+local ops = { charge = true, settle = true, lease = true, touch = true, release = true }
+if not ops[op] or not n or n < 1 or #ARGV ~= 3 + 5 * n or (#KEYS ~= n and #KEYS ~= n + 1) then
+  return redis.error_reply('ERR token_bucket: expected op, n, a third value and 5 ARGV per limit, with n or n+1 keys')
 end
 local reservation = KEYS[n + 1]
 local reservation_ttl_ms = tonumber(ARGV[3])
@@ -62,25 +77,36 @@ end
 local time = redis.call('TIME')
 local now_ms = tonumber(time[1]) * 1000 + tonumber(time[2]) / 1000
 
-local specs, levels = {}, {}
+local specs, levels, oldest = {}, {}, {}
 for i = 1, n do
-  local capacity = tonumber(ARGV[4 * i])
-  local window_ms = tonumber(ARGV[4 * i + 1])
-  local amount = tonumber(ARGV[4 * i + 2])
-  local min = tonumber(ARGV[4 * i + 3])
-  if not capacity or capacity <= 0 or not window_ms or window_ms <= 0 or not amount or not min
-      or (op ~= 'settle' and (amount < 0 or min < 0 or min > amount)) then
-    return redis.error_reply('ERR token_bucket: bad capacity, window_ms, amount or min for bucket ' .. i)
+  local at = 5 * i - 1
+  local kind = ARGV[at]
+  local capacity = tonumber(ARGV[at + 1])
+  local window_ms = tonumber(ARGV[at + 2])
+  local amount = tonumber(ARGV[at + 3])
+  local min = tonumber(ARGV[at + 4])
+  if (kind ~= 'tb' and kind ~= 'slots') or not capacity or capacity <= 0 or not window_ms or window_ms <= 0
+      or not amount or not min or ((op == 'charge' or op == 'lease') and (amount < 0 or min < 0 or min > amount)) then
+    return redis.error_reply('ERR token_bucket: bad kind, capacity, window_ms, amount or min for limit ' .. i)
   end
-  local state = redis.call('HMGET', KEYS[i], 'tokens', 'ts')
-  local tokens, ts = tonumber(state[1]), tonumber(state[2])
-  if tokens == nil or ts == nil then
-    tokens = capacity
+  if kind == 'slots' and (not reservation or op == 'lease') then
+    return redis.error_reply('ERR token_bucket: a slot limit needs the reservation key, and cannot be leased')
+  end
+  if kind == 'slots' then
+    redis.call('ZREMRANGEBYSCORE', KEYS[i], '-inf', now_ms)
+    levels[i] = capacity - redis.call('ZCARD', KEYS[i])
+    local first = redis.call('ZRANGE', KEYS[i], 0, 0, 'WITHSCORES')
+    oldest[i] = tonumber(first[2])
   else
-    tokens = math.min(capacity, tokens + math.max(0, now_ms - ts) * capacity / window_ms)
+    local state = redis.call('HMGET', KEYS[i], 'tokens', 'ts')
+    local tokens, ts = tonumber(state[1]), tonumber(state[2])
+    if tokens == nil or ts == nil then
+      levels[i] = capacity
+    else
+      levels[i] = math.min(capacity, tokens + math.max(0, now_ms - ts) * capacity / window_ms)
+    end
   end
-  specs[i] = { capacity, window_ms, amount, min }
-  levels[i] = tokens
+  specs[i] = { capacity, window_ms, amount, min, kind }
 end
 
 local function store(i, tokens)
@@ -89,10 +115,23 @@ local function store(i, tokens)
   redis.call('PEXPIRE', KEYS[i], math.max(1, math.ceil((capacity - tokens) * window_ms / capacity)))
 end
 
+local function hold_slot(i, only_if_held)
+  local expiry = now_ms + specs[i][2]
+  if only_if_held then
+    redis.call('ZADD', KEYS[i], 'XX', expiry, reservation)
+  else
+    redis.call('ZADD', KEYS[i], expiry, reservation)
+  end
+  local last = redis.call('ZRANGE', KEYS[i], -1, -1, 'WITHSCORES')
+  if last[2] then
+    redis.call('PEXPIREAT', KEYS[i], math.ceil(tonumber(last[2])))
+  end
+end
+
 local done = 1
 local statuses, retries, charged = {}, {}, {}
 if op == 'charge' or op == 'lease' then
-  -- What each bucket must hold for the call to go ahead, and what it gives if it does.
+  -- What each limit must hold for the call to go ahead, and what it gives if it does.
   local required = {}
   if op == 'charge' then
     -- The common reduction of the elastic buckets: enough for each to fit, if it can.
@@ -118,20 +157,28 @@ if op == 'charge' or op == 'lease' then
     end
   end
   for i = 1, n do
-    local capacity, window_ms, min = specs[i][1], specs[i][2], specs[i][4]
+    local capacity, window_ms, min, kind = specs[i][1], specs[i][2], specs[i][4], specs[i][5]
     statuses[i], retries[i] = 1, 0
     if min > capacity then
       statuses[i], done = -1, 0
     elseif levels[i] < required[i] then
       statuses[i], done = 0, 0
-      retries[i] = math.ceil((required[i] - levels[i]) * window_ms / capacity)
+      if kind == 'slots' then
+        retries[i] = math.max(1, math.min(1000, math.ceil((oldest[i] or now_ms) - now_ms)))
+      else
+        retries[i] = math.ceil((required[i] - levels[i]) * window_ms / capacity)
+      end
     end
   end
   if done == 1 then
     for i = 1, n do
       if charged[i] > 0 then
         levels[i] = levels[i] - charged[i]
-        store(i, levels[i])
+        if specs[i][5] == 'slots' then
+          hold_slot(i, false)
+        else
+          store(i, levels[i])
+        end
       end
     end
     if reservation and op == 'charge' then
@@ -139,12 +186,18 @@ if op == 'charge' or op == 'lease' then
     end
   end
 else
-  if reservation and redis.call('DEL', reservation) == 0 then
+  if op == 'settle' and reservation and redis.call('DEL', reservation) == 0 then
     done = 0
   end
   for i = 1, n do
     statuses[i], retries[i], charged[i] = 1, 0, 0
-    if done == 1 and specs[i][3] ~= 0 then
+    if specs[i][5] == 'slots' then
+      if op == 'settle' or op == 'release' then
+        levels[i] = levels[i] + redis.call('ZREM', KEYS[i], reservation)
+      else
+        hold_slot(i, true)
+      end
+    elseif op == 'settle' and done == 1 and specs[i][3] ~= 0 then
       levels[i] = math.min(specs[i][1], levels[i] + specs[i][3])
       store(i, levels[i])
     end
@@ -155,7 +208,11 @@ local reply = { done }
 for i = 1, n do
   local capacity, window_ms = specs[i][1], specs[i][2]
   local tokens = levels[i]
-  reply[i + 1] = { statuses[i], capacity, math.max(0, math.floor(tokens)), math.ceil((capacity - tokens) * window_ms / capacity),
-    retries[i], done == 1 and charged[i] or 0 }
+  local reset_after_ms = 0
+  if specs[i][5] == 'tb' then
+    reset_after_ms = math.ceil((capacity - tokens) * window_ms / capacity)
+  end
+  reply[i + 1] = { statuses[i], capacity, math.max(0, math.floor(tokens)), reset_after_ms, retries[i],
+    done == 1 and charged[i] or 0 }
 end
 return reply

@@ -171,6 +171,7 @@ fn level_at(spec: &BucketSpec, state: Option<BucketState>, now_ms: f64) -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::protocol::BucketKind;
     use serde::Deserialize;
 
     #[derive(Deserialize, Default)]
@@ -241,6 +242,7 @@ mod tests {
                         window_ms: l.window_ms,
                         cost: amount.max(0) as u64,
                         min_cost: step.mins.as_ref().and_then(|m| m.get(j).copied()),
+                        kind: crate::protocol::BucketKind::TokenBucket,
                     })
                     .collect();
                 let reply = match step.op {
@@ -280,7 +282,14 @@ mod tests {
     /// elapsed time refilled.
     #[test]
     fn never_admits_more_than_capacity_plus_refill() {
-        let spec = BucketSpec { name: "rpm".into(), capacity: 7, window_ms: 1_000, cost: 1, min_cost: None };
+        let spec = BucketSpec {
+            name: "rpm".into(),
+            capacity: 7,
+            window_ms: 1_000,
+            cost: 1,
+            min_cost: None,
+            kind: BucketKind::TokenBucket,
+        };
         for gap_ms in [0.0, 1.0, 13.0, 97.0, 142.857, 400.0] {
             let mut states = [None];
             let mut admitted = 0u64;

@@ -89,13 +89,14 @@ pub fn plan(
             capacity: limit.capacity(),
             window_ms: limit.window_ms(),
             cost: match limit.dimension() {
-                Dimension::Requests => 1,
+                Dimension::Requests | Dimension::Concurrency => 1,
                 Dimension::Tokens => estimate.map_or(0, TokenEstimate::total),
             },
             min_cost: match (limit.dimension(), estimate, min_output) {
                 (Dimension::Tokens, Some(estimate), Some(min_output)) => Some(estimate.prompt + min_output),
                 _ => None,
             },
+            kind: limit.kind(),
         })
         .collect();
     ChargePlan { buckets, estimate, encoding: rule.encoding, model, request, clamped }

@@ -5,6 +5,7 @@
 
 use crate::duration::parse_duration;
 use crate::lease::LeasePolicy;
+use crate::protocol::BucketKind;
 use crate::tokens::{builtin_rules, glob_match, Encoding, ModelRule};
 use serde::{Deserialize, Deserializer};
 use std::collections::HashSet;
@@ -29,6 +30,8 @@ pub struct Config {
     pub limits: Vec<Limit>,
     #[serde(default)]
     pub tokens: TokenPolicy,
+    #[serde(default)]
+    pub slots: Slots,
     #[serde(default)]
     pub fallback: Fallback,
     #[serde(default)]
@@ -181,8 +184,14 @@ pub struct Limit {
     /// Tokens (prompt and completion) admitted per `window` (set this or `requests`).
     #[serde(default)]
     pub tokens: Option<u64>,
-    /// The time in which a spent budget refills completely.
-    pub window: ConfigDuration,
+    /// Requests in flight at once, across all proxies (no `window`: a slot is held until
+    /// the response ends, or for `slots.ttl` if its proxy stops renewing it).
+    #[serde(default)]
+    pub concurrency: Option<u64>,
+    /// The time in which a spent budget refills completely (requests and tokens limits).
+    /// For a concurrency limit, set by validation to `slots.ttl`.
+    #[serde(default)]
+    pub window: Option<ConfigDuration>,
 }
 
 /// What a limit counts.
@@ -190,6 +199,7 @@ pub struct Limit {
 pub enum Dimension {
     Requests,
     Tokens,
+    Concurrency,
 }
 
 impl Dimension {
@@ -198,6 +208,7 @@ impl Dimension {
         match self {
             Dimension::Requests => "requests",
             Dimension::Tokens => "tokens",
+            Dimension::Concurrency => "concurrency",
         }
     }
 }
@@ -206,18 +217,45 @@ impl Limit {
     pub fn dimension(&self) -> Dimension {
         if self.tokens.is_some() {
             Dimension::Tokens
+        } else if self.concurrency.is_some() {
+            Dimension::Concurrency
         } else {
             Dimension::Requests
         }
     }
 
-    /// The budget per window, in requests or tokens.
+    /// The budget: requests or tokens per window, or requests at once.
     pub fn capacity(&self) -> u64 {
-        self.tokens.or(self.requests).unwrap_or(0)
+        self.tokens.or(self.requests).or(self.concurrency).unwrap_or(0)
     }
 
+    /// The refill window; for a concurrency limit, how long a slot lives unrenewed.
     pub fn window_ms(&self) -> u64 {
-        self.window.0.as_millis() as u64
+        self.window.map_or(0, |w| w.0.as_millis() as u64)
+    }
+
+    /// What this limit is in Redis.
+    pub fn kind(&self) -> BucketKind {
+        if self.dimension() == Dimension::Concurrency {
+            BucketKind::Slots
+        } else {
+            BucketKind::TokenBucket
+        }
+    }
+}
+
+/// Concurrency slots.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Slots {
+    /// How long a slot lives unless renewed: the filter renews the slots of live requests
+    /// every third of this, so a slot outlives a crashed proxy by at most this long.
+    pub ttl: ConfigDuration,
+}
+
+impl Default for Slots {
+    fn default() -> Self {
+        Slots { ttl: ConfigDuration(Duration::from_secs(30)) }
     }
 }
 
@@ -425,17 +463,48 @@ impl Config {
             if !names.insert(limit.name.as_str()) {
                 return Err(invalid(format!("limits[{i}].name"), format!("{:?} is used by another limit", limit.name)));
             }
-            let (field, amount) = match (limit.requests, limit.tokens) {
-                (Some(requests), None) => ("requests", requests),
-                (None, Some(tokens)) => ("tokens", tokens),
-                _ => return Err(invalid(format!("limits[{i}]"), "set exactly one of `requests` and `tokens`")),
+            let (field, amount) = match (limit.requests, limit.tokens, limit.concurrency) {
+                (Some(requests), None, None) => ("requests", requests),
+                (None, Some(tokens), None) => ("tokens", tokens),
+                (None, None, Some(concurrency)) => ("concurrency", concurrency),
+                _ => {
+                    return Err(invalid(
+                        format!("limits[{i}]"),
+                        "set exactly one of `requests`, `tokens` and `concurrency`",
+                    ))
+                }
             };
             if amount == 0 || amount > 1_000_000_000_000 {
                 return Err(invalid(format!("limits[{i}].{field}"), format!("{amount} is outside 1..1000000000000")));
             }
-            let window = limit.window.0;
-            if window < Duration::from_millis(100) || window > Duration::from_secs(366 * 86_400) {
-                return Err(invalid(format!("limits[{i}].window"), format!("{window:?} is outside 100ms..366d")));
+            match (limit.dimension(), limit.window) {
+                (Dimension::Concurrency, Some(_)) => {
+                    return Err(invalid(
+                        format!("limits[{i}].window"),
+                        "a concurrency limit has no window (slots live `slots.ttl`)",
+                    ))
+                }
+                (Dimension::Concurrency, None) => {}
+                (_, None) => {
+                    return Err(invalid(format!("limits[{i}].window"), "required for a requests or tokens limit"))
+                }
+                (_, Some(ConfigDuration(window))) => {
+                    if window < Duration::from_millis(100) || window > Duration::from_secs(366 * 86_400) {
+                        return Err(invalid(
+                            format!("limits[{i}].window"),
+                            format!("{window:?} is outside 100ms..366d"),
+                        ));
+                    }
+                }
+            }
+        }
+        let ttl = self.slots.ttl.0;
+        if ttl < Duration::from_secs(1) || ttl > Duration::from_secs(3600) {
+            return Err(invalid("slots.ttl", format!("{ttl:?} is outside 1s..1h")));
+        }
+        for limit in &mut self.limits {
+            if limit.dimension() == Dimension::Concurrency {
+                limit.window = Some(self.slots.ttl);
             }
         }
         self.validate_tokens()?;
@@ -468,6 +537,12 @@ impl Config {
             if !(value.is_finite() && value > low && value <= high) {
                 return Err(invalid(field, format!("{value} is outside ({low}, {high}]")));
             }
+        }
+        if lease.enabled && self.limits.iter().any(|l| l.dimension() == Dimension::Concurrency) {
+            return Err(invalid(
+                "lease.enabled",
+                "leases and concurrency limits do not combine: slots are held in Redis",
+            ));
         }
         if lease.enabled && self.tokens.clamp_max_tokens {
             return Err(invalid(
@@ -529,6 +604,10 @@ impl Config {
         self.limits.iter().any(|l| l.dimension() == Dimension::Tokens)
     }
 
+    pub fn has_concurrency(&self) -> bool {
+        self.limits.iter().any(|l| l.dimension() == Dimension::Concurrency)
+    }
+
     pub fn limit(&self, name: &str) -> Option<&Limit> {
         self.limits.iter().find(|l| l.name == name)
     }
@@ -546,8 +625,10 @@ mod tests {
         "limits": [
             {"name": "rpm", "requests": 20, "window": "1m"},
             {"name": "rpd", "requests": 1000, "window": "1d"},
-            {"name": "tpm", "tokens": 10000, "window": "1m"}
+            {"name": "tpm", "tokens": 10000, "window": "1m"},
+            {"name": "inflight", "concurrency": 4}
         ],
+        "slots": {"ttl": "20s"},
         "tokens": {
             "models": [{"match": "claude-*", "encoding": "cl100k_base", "factor": 1.1, "max_output": 8192}],
             "reservation_ttl": "10m",
@@ -566,8 +647,14 @@ mod tests {
         assert_eq!(config.identity.sources, vec![IdentitySource { header: "x-tenant".into(), prefix: None }]);
         assert_eq!(config.identity.missing, MissingIdentity::Anonymous);
         assert_eq!(config.failure_mode, FailureMode::Deny);
-        assert_eq!(config.limits.len(), 3);
-        assert_eq!(config.limits[1].window.0, Duration::from_secs(86_400));
+        assert_eq!(config.limits.len(), 4);
+        let inflight = &config.limits[3];
+        assert_eq!(
+            (inflight.dimension(), inflight.capacity(), inflight.window_ms()),
+            (Dimension::Concurrency, 4, 20_000)
+        );
+        assert_eq!(inflight.kind(), BucketKind::Slots);
+        assert_eq!(config.limits[1].window_ms(), 86_400_000);
         assert_eq!((config.limits[2].dimension(), config.limits[2].capacity()), (Dimension::Tokens, 10_000));
         assert!(config.counts_tokens());
         assert_eq!(config.tokens.models[0].encoding, Encoding::Cl100kBase);
@@ -694,7 +781,7 @@ mod tests {
             (
                 format!(r#"{{{companion}, "limits": [{{"name": "rpm", "window": "1m"}}]}}"#),
                 "limits[0]",
-                "exactly one of `requests` and `tokens`",
+                "exactly one of `requests`, `tokens` and `concurrency`",
             ),
             (
                 format!(r#"{{{companion}, "limits": [{{"name": "x", "requests": 1, "tokens": 5, "window": "1m"}}]}}"#),

@@ -31,7 +31,7 @@ fn dimension_of(config: &Config, outcome: &BucketOutcome) -> Dimension {
 /// the IETF `RateLimit-Policy` / `RateLimit` fields listing every limit.
 pub fn rate_limit_headers(reply: &TokenBucketReply, config: &Config) -> Vec<Header> {
     let mut headers = Vec::new();
-    for dimension in [Dimension::Requests, Dimension::Tokens] {
+    for dimension in [Dimension::Requests, Dimension::Tokens, Dimension::Concurrency] {
         let tightest = reply
             .limits
             .iter()
@@ -45,24 +45,28 @@ pub fn rate_limit_headers(reply: &TokenBucketReply, config: &Config) -> Vec<Head
                 Dimension::Tokens => {
                     ("x-ratelimit-limit-tokens", "x-ratelimit-remaining-tokens", "x-ratelimit-reset-tokens")
                 }
+                // Slots come back when requests end, not on a schedule: no reset.
+                Dimension::Concurrency => ("x-ratelimit-limit-concurrency", "x-ratelimit-remaining-concurrency", ""),
             };
             headers.push((limit, o.limit.to_string()));
             headers.push((remaining, o.remaining.to_string()));
-            headers.push((reset, format_reset(o.reset_after_ms)));
+            if !reset.is_empty() {
+                headers.push((reset, format_reset(o.reset_after_ms)));
+            }
         }
     }
-    if !reply.limits.is_empty() {
+    // The IETF fields describe quotas per time window: concurrency is not one.
+    let windowed: Vec<_> = reply.limits.iter().filter(|o| dimension_of(config, o) != Dimension::Concurrency).collect();
+    if !windowed.is_empty() {
         let seconds = |ms: u64| ms.div_ceil(1000);
-        let policy = reply
-            .limits
+        let policy = windowed
             .iter()
             .map(|o| {
                 let window = config.limit(&o.name).map_or(0, |l| l.window_ms());
                 format!("\"{}\";q={};w={}", o.name, o.limit, seconds(window))
             })
             .collect::<Vec<_>>();
-        let state = reply
-            .limits
+        let state = windowed
             .iter()
             .map(|o| format!("\"{}\";r={};t={}", o.name, o.remaining, seconds(o.reset_after_ms)))
             .collect::<Vec<_>>();
@@ -95,9 +99,17 @@ pub fn rejection(reply: &TokenBucketReply, config: &Config, requested_tokens: u6
             "Request too large for limit \"{name}\": it needs {requested_tokens} tokens (prompt and completion allowance), \
              but the limit allows {limit}{window}, so it can never be admitted. Shorten the prompt or lower max_tokens."
         ),
-        (BucketStatus::Never, Dimension::Requests) => format!(
+        (BucketStatus::Never, Dimension::Requests | Dimension::Concurrency) => format!(
             "Request too large for limit \"{name}\": it allows {limit} requests{window}, so this request can never be admitted."
         ),
+        (_, Dimension::Concurrency) => {
+            headers.push(("retry-after", retry_after_seconds(outcome.retry_after_ms).to_string()));
+            format!(
+                "Concurrency limit reached: limit \"{name}\" allows {limit} requests in flight at once. Please try again \
+                 in {}.",
+                format_reset(outcome.retry_after_ms)
+            )
+        }
         (_, Dimension::Tokens) => {
             headers.push(("retry-after", retry_after_seconds(outcome.retry_after_ms).to_string()));
             format!(
@@ -177,7 +189,8 @@ mod tests {
             {"name": "rpm", "requests": 20, "window": "1m"},
             {"name": "rph", "requests": 100, "window": "1h"},
             {"name": "rpd", "requests": 1000, "window": "1d"},
-            {"name": "tpm", "tokens": 10000, "window": "1m"}]}"#;
+            {"name": "tpm", "tokens": 10000, "window": "1m"},
+            {"name": "inflight", "concurrency": 3}]}"#;
         Config::from_json(json.as_bytes()).expect("config")
     }
 
@@ -219,6 +232,25 @@ mod tests {
             Some(r#""rpm";q=20;w=60, "rpd";q=1000;w=86400, "tpm";q=10000;w=60"#)
         );
         assert_eq!(header(&headers, "ratelimit"), Some(r#""rpm";r=7;t=39, "rpd";r=7;t=600, "tpm";r=8800;t=8"#));
+    }
+
+    #[test]
+    fn concurrency_gets_its_own_headers_and_429() {
+        let reply = TokenBucketReply {
+            allowed: false,
+            limits: vec![
+                outcome("rpm", BucketStatus::Allowed, 20, 12, 24_000, 0),
+                outcome("inflight", BucketStatus::Limited, 3, 0, 0, 800),
+            ],
+        };
+        let reply = rejection(&reply, &config(), 0);
+        assert_eq!(header(&reply.headers, "x-ratelimit-limit-concurrency"), Some("3"));
+        assert_eq!(header(&reply.headers, "x-ratelimit-remaining-concurrency"), Some("0"));
+        assert_eq!(header(&reply.headers, "retry-after"), Some("1"));
+        assert!(!header(&reply.headers, "ratelimit-policy").unwrap_or("").contains("inflight"));
+        let body: serde_json::Value = serde_json::from_str(&reply.body).expect("json body");
+        assert_eq!(body["error"]["type"], "concurrency");
+        assert!(body["error"]["message"].as_str().unwrap_or("").contains("3 requests in flight at once"));
     }
 
     #[test]

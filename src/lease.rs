@@ -260,6 +260,7 @@ impl TenantLeases {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::protocol::BucketKind;
 
     const POLICY: LeasePolicy =
         LeasePolicy { ttl_ms: 10_000, low_water: 0.2, initial_fraction: 0.05, max_fraction: 0.25 };
@@ -332,7 +333,14 @@ mod tests {
 
     #[test]
     fn a_refusal_is_remembered_until_its_retry_time() {
-        let spec = |cost| BucketSpec { name: "tpm".into(), capacity: 1000, window_ms: 60_000, cost, min_cost: None };
+        let spec = |cost| BucketSpec {
+            name: "tpm".into(),
+            capacity: 1000,
+            window_ms: 60_000,
+            cost,
+            min_cost: None,
+            kind: BucketKind::TokenBucket,
+        };
         let mut leases = TenantLeases(vec![leased(5.0, 50.0, 10_000)]);
         let refused = TokenBucketReply {
             allowed: false,
@@ -361,7 +369,14 @@ mod tests {
 
     #[test]
     fn headers_count_the_lease_and_what_redis_had_left() {
-        let spec = BucketSpec { name: "rpm".into(), capacity: 100, window_ms: 60_000, cost: 1, min_cost: None };
+        let spec = BucketSpec {
+            name: "rpm".into(),
+            capacity: 100,
+            window_ms: 60_000,
+            cost: 1,
+            min_cost: None,
+            kind: BucketKind::TokenBucket,
+        };
         let leases = TenantLeases(vec![Lease { remaining: 7.0, global_remaining: 50.0, ..leased(7.0, 10.0, 100) }]);
         let reply = leases.as_reply(std::slice::from_ref(&spec));
         assert_eq!((reply.limits[0].remaining, reply.limits[0].reset_after_ms), (57, 25_800));

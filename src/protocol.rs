@@ -11,6 +11,34 @@ pub const TOKEN_BUCKET_PATH: &str = "/v1/token_bucket";
 pub const SETTLE_PATH: &str = "/v1/settle";
 /// Endpoint that grants leases with `lua/token_bucket.lua`.
 pub const LEASE_PATH: &str = "/v1/lease";
+/// Endpoint that keeps concurrency slots alive (a `SettleRequest` whose settlements name
+/// the slots), many per call.
+pub const TOUCH_PATH: &str = "/v1/touch";
+/// Endpoint that releases concurrency slots at once (a `SettleRequest` naming them); the
+/// slots' settlement, which releases them too, may follow.
+pub const RELEASE_PATH: &str = "/v1/release";
+
+/// What a limit is in Redis.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum BucketKind {
+    /// A token bucket: a budget that refills over `window_ms`.
+    #[default]
+    TokenBucket,
+    /// Concurrency slots: at most `capacity` requests at once, each slot living
+    /// `window_ms` unless touched.
+    Slots,
+}
+
+impl BucketKind {
+    /// As the Lua script names it.
+    pub fn script_name(self) -> &'static str {
+        match self {
+            BucketKind::TokenBucket => "tb",
+            BucketKind::Slots => "slots",
+        }
+    }
+}
 
 /// Grant a proxy instance a block of each bucket: `cost` is the grant wanted, `min_cost`
 /// the grant needed (all or none). The reply's `charged` is what each bucket granted.
@@ -72,8 +100,10 @@ pub struct Adjustment {
     pub name: String,
     pub capacity: u64,
     pub window_ms: u64,
-    /// Tokens given back (> 0) or taken as well (< 0).
+    /// Tokens given back (> 0) or taken as well (< 0); slots: ignored (released).
     pub credit: i64,
+    #[serde(default, skip_serializing_if = "is_token_bucket")]
+    pub kind: BucketKind,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -109,6 +139,12 @@ pub struct BucketSpec {
     /// this, by the same reduction as every other elastic bucket of the call.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub min_cost: Option<u64>,
+    #[serde(default, skip_serializing_if = "is_token_bucket")]
+    pub kind: BucketKind,
+}
+
+fn is_token_bucket(kind: &BucketKind) -> bool {
+    *kind == BucketKind::TokenBucket
 }
 
 impl BucketSpec {
@@ -253,7 +289,14 @@ mod tests {
         TokenBucketRequest {
             domain: "llm".into(),
             tenant: "0123abcd".into(),
-            limits: vec![BucketSpec { name: "rpm".into(), capacity: 5, window_ms: 60_000, cost: 1, min_cost: None }],
+            limits: vec![BucketSpec {
+                name: "rpm".into(),
+                capacity: 5,
+                window_ms: 60_000,
+                cost: 1,
+                min_cost: None,
+                kind: BucketKind::TokenBucket,
+            }],
             reservation: None,
         }
     }
@@ -297,7 +340,13 @@ mod tests {
             domain: "llm".into(),
             tenant: tenant.into(),
             reservation: Some("r1".into()),
-            limits: vec![Adjustment { name: "tpm".into(), capacity: 100, window_ms: 60_000, credit: -5 }],
+            limits: vec![Adjustment {
+                name: "tpm".into(),
+                capacity: 100,
+                window_ms: 60_000,
+                credit: -5,
+                kind: BucketKind::TokenBucket,
+            }],
         };
         assert_eq!(SettleRequest { settlements: vec![settlement("a")] }.validate(), Ok(()));
         let err =

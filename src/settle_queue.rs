@@ -75,13 +75,20 @@ impl SettleQueue {
 mod tests {
     use super::*;
     use crate::protocol::Adjustment;
+    use crate::protocol::BucketKind;
 
     fn settlement(id: &str) -> Settlement {
         Settlement {
             domain: "llm".into(),
             tenant: "t".into(),
             reservation: Some(id.into()),
-            limits: vec![Adjustment { name: "tpm".into(), capacity: 100, window_ms: 60_000, credit: 5 }],
+            limits: vec![Adjustment {
+                name: "tpm".into(),
+                capacity: 100,
+                window_ms: 60_000,
+                credit: 5,
+                kind: BucketKind::TokenBucket,
+            }],
         }
     }
 

@@ -35,7 +35,7 @@ def client(module_stack):
 def bucket_args(op, limits, amounts, ttl_ms=0, mins=None):
     args = [op, len(limits), ttl_ms]
     for i, (limit, amount) in enumerate(zip(limits, amounts)):
-        args += [limit["capacity"], limit["window_ms"], amount, mins[i] if mins else max(amount, 0)]
+        args += [limit.get("kind", "tb"), limit["capacity"], limit["window_ms"], amount, mins[i] if mins else max(amount, 0)]
     return args
 
 
@@ -120,22 +120,73 @@ def test_a_reservation_settles_at_most_once_and_expires(client):
 @pytest.mark.parametrize(
     "args, message",
     [
-        ([], "expected op, n, ttl"),
-        (["charge", 1, 0, 5, 1000, 1], "expected op, n, ttl"),
-        (["refund", 1, 0, 5, 1000, 1, 1], "expected op, n, ttl"),
-        (["charge", 2, 0, 5, 1000, 1, 1], "expected op, n, ttl"),
-        (["charge", 1, 0, 0, 1000, 1, 1], "bad capacity"),
-        (["charge", 1, 0, 5, 0, 1, 1], "bad capacity"),
-        (["charge", 1, 0, 5, 1000, -1, 0], "bad capacity"),
-        (["charge", 1, 0, 5, 1000, 1, 2], "bad capacity"),
-        (["settle", 1, 0, "x", 1000, 1, 0], "bad capacity"),
-        (["lease", 1, 0, 5, 1000, 1, 1], "needs a share"),
-        (["lease", 1, 0.5, 5, 1000, 1, 2], "bad capacity"),
+        ([], "expected op, n"),
+        (["charge", 1, 0, "tb", 5, 1000, 1], "expected op, n"),
+        (["refund", 1, 0, "tb", 5, 1000, 1, 1], "expected op, n"),
+        (["charge", 2, 0, "tb", 5, 1000, 1, 1], "expected op, n"),
+        (["charge", 1, 0, "tb", 0, 1000, 1, 1], "bad kind, capacity"),
+        (["charge", 1, 0, "tb", 5, 0, 1, 1], "bad kind, capacity"),
+        (["charge", 1, 0, "tb", 5, 1000, -1, 0], "bad kind, capacity"),
+        (["charge", 1, 0, "tb", 5, 1000, 1, 2], "bad kind, capacity"),
+        (["charge", 1, 0, "leaky", 5, 1000, 1, 1], "bad kind, capacity"),
+        (["settle", 1, 0, "tb", "x", 1000, 1, 0], "bad kind, capacity"),
+        (["lease", 1, 0, "tb", 5, 1000, 1, 1], "needs a share"),
+        (["lease", 1, 0.5, "tb", 5, 1000, 1, 2], "bad kind, capacity"),
+        (["charge", 1, 0, "slots", 5, 1000, 1, 1], "needs the reservation key"),
     ],
 )
 def test_bad_arguments_are_errors(client, args, message):
     with pytest.raises(redis.ResponseError, match=message):
         client.eval(SCRIPT, 1, "test:{bad}:rpm", *args)
+
+
+SLOTS = [{"kind": "slots", "capacity": 2, "window_ms": 60_000}]
+
+
+def slot_call(client, op, tag, request, limits=SLOTS):
+    return call(client, op, [f"test:{{{tag}}}:slots:cc"], limits, [1], f"test:{{{tag}}}:res:{request}")
+
+
+def test_slots_are_taken_released_and_renewed(client):
+    tag = uuid.uuid4().hex
+    key = f"test:{{{tag}}}:slots:cc"
+    first, second, third = (slot_call(client, "charge", tag, r) for r in ("a", "b", "c"))
+    assert (first[0], first[1][2]) == (1, 1)
+    assert (second[0], second[1][2]) == (1, 0)
+    assert third[0] == 0 and third[1][0] == 0 and 1 <= third[1][4] <= 1000
+    assert client.zcard(key) == 2
+    # Releasing is idempotent, and frees the slot for another request.
+    assert slot_call(client, "settle", tag, "a")[1][2] == 1
+    assert slot_call(client, "settle", tag, "a")[1][2] == 1
+    assert slot_call(client, "charge", tag, "c")[0] == 1
+    # A touch extends a live slot and does not revive a released one.
+    before = client.zscore(key, f"test:{{{tag}}}:res:b")
+    time.sleep(0.01)
+    slot_call(client, "touch", tag, "b")
+    assert client.zscore(key, f"test:{{{tag}}}:res:b") > before
+    slot_call(client, "touch", tag, "a")
+    assert client.zscore(key, f"test:{{{tag}}}:res:a") is None
+
+
+def test_a_slot_expires_when_its_proxy_stops_renewing_it(client):
+    tag = uuid.uuid4().hex
+    short = [{"kind": "slots", "capacity": 1, "window_ms": 200}]
+    assert slot_call(client, "charge", tag, "crashed", short)[0] == 1
+    assert slot_call(client, "charge", tag, "next", short)[0] == 0
+    time.sleep(0.25)
+    assert slot_call(client, "charge", tag, "next", short)[0] == 1
+    # The set itself expires with its last slot.
+    assert 0 < client.pttl(f"test:{{{tag}}}:slots:cc") <= 201  # expiry rounded up to whole ms
+
+
+def test_slots_and_buckets_are_charged_together(client):
+    tag = uuid.uuid4().hex
+    keys = [f"test:{{{tag}}}:tb:rpm", f"test:{{{tag}}}:slots:cc"]
+    limits = [{"capacity": 1, "window_ms": 60_000}, {"kind": "slots", "capacity": 5, "window_ms": 60_000}]
+    assert call(client, "charge", keys, limits, [1, 1], f"test:{{{tag}}}:res:r1")[0] == 1
+    # The bucket is out: the slot must not be taken either.
+    assert call(client, "charge", keys, limits, [1, 1], f"test:{{{tag}}}:res:r2")[0] == 0
+    assert client.zcard(keys[1]) == 1
 
 
 def test_runs_on_a_cluster_with_one_hash_tag_per_tenant(module_stack):

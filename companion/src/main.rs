@@ -20,8 +20,8 @@ use axum::Router;
 use clap::Parser;
 use llm_ratelimit::duration::parse_duration;
 use llm_ratelimit::protocol::{
-    LeaseRequest, SettleOutcome, SettleReply, SettleRequest, TokenBucketRequest, LEASE_PATH, SETTLE_PATH,
-    TOKEN_BUCKET_PATH, TOKEN_HEADER,
+    LeaseRequest, SettleOutcome, SettleReply, SettleRequest, TokenBucketRequest, LEASE_PATH, RELEASE_PATH, SETTLE_PATH,
+    TOKEN_BUCKET_PATH, TOKEN_HEADER, TOUCH_PATH,
 };
 use serde_json::json;
 use std::sync::Arc;
@@ -140,7 +140,21 @@ async fn run_buckets<R: BucketCall>(State(app): State<Arc<App>>, headers: Header
 
 /// Settles each reservation with its own script call (they may belong to different
 /// tenants, so to different cluster slots), all at once.
-async fn run_settle(State(app): State<Arc<App>>, headers: HeaderMap, body: Bytes) -> Response {
+async fn run_settle(state: State<Arc<App>>, headers: HeaderMap, body: Bytes) -> Response {
+    run_adjustments(state, headers, body, "settle").await
+}
+
+/// Releases the concurrency slots each entry names, ahead of their settlement.
+async fn run_release(state: State<Arc<App>>, headers: HeaderMap, body: Bytes) -> Response {
+    run_adjustments(state, headers, body, "release").await
+}
+
+/// Renews the concurrency slots each entry names (a heartbeat from the proxy holding them).
+async fn run_touch(state: State<Arc<App>>, headers: HeaderMap, body: Bytes) -> Response {
+    run_adjustments(state, headers, body, "touch").await
+}
+
+async fn run_adjustments(State(app): State<Arc<App>>, headers: HeaderMap, body: Bytes, op: &'static str) -> Response {
     if !authorised(&app, &headers) {
         return error(StatusCode::UNAUTHORIZED, format!("missing or wrong {TOKEN_HEADER}"));
     }
@@ -152,7 +166,7 @@ async fn run_settle(State(app): State<Arc<App>>, headers: HeaderMap, body: Bytes
     for (index, settlement) in request.settlements.into_iter().enumerate() {
         let app = app.clone();
         tasks.spawn(async move {
-            let call = token_bucket::settle(&app.key_prefix, &settlement);
+            let call = token_bucket::adjust(&app.key_prefix, op, &settlement);
             let names = settlement.limits.iter().map(|l| l.name.as_str());
             let outcome = match app.store.run(&app.token_bucket, &call.keys, &call.args).await {
                 Ok(value) => match token_bucket::reply(names, &value) {
@@ -247,6 +261,8 @@ async fn serve(args: Args) -> Result<(), String> {
     let router = Router::new()
         .route(TOKEN_BUCKET_PATH, post(run_buckets::<TokenBucketRequest>))
         .route(SETTLE_PATH, post(run_settle))
+        .route(TOUCH_PATH, post(run_touch))
+        .route(RELEASE_PATH, post(run_release))
         .route(LEASE_PATH, post(run_buckets::<LeaseRequest>))
         .route("/healthz", get(healthz))
         .with_state(app);

@@ -2,7 +2,7 @@
 //! for a charge or a settlement, and the script's reply back to JSON.
 
 use llm_ratelimit::protocol::{
-    BucketOutcome, BucketStatus, LeaseRequest, Settlement, TokenBucketReply, TokenBucketRequest,
+    BucketKind, BucketOutcome, BucketSpec, BucketStatus, LeaseRequest, Settlement, TokenBucketReply, TokenBucketRequest,
 };
 use redis::Value;
 
@@ -20,62 +20,82 @@ fn key(prefix: &str, domain: &str, tenant: &str, kind: &str, name: &str) -> Stri
     format!("{prefix}{{{domain}:{tenant}}}:{kind}:{name}")
 }
 
+/// One limit as the script takes it.
+struct Limit<'a> {
+    name: &'a str,
+    kind: BucketKind,
+    capacity: u64,
+    window_ms: u64,
+    amount: String,
+    min: String,
+}
+
 fn call<'a>(
     prefix: &str,
     op: &str,
     domain: &str,
     tenant: &str,
-    buckets: impl Iterator<Item = (&'a str, u64, u64, String, String)>,
-    reservation: Option<(&str, u64)>,
+    limits: impl Iterator<Item = Limit<'a>>,
+    third: String,
+    reservation: Option<&str>,
 ) -> Call {
     let mut keys = Vec::new();
-    let mut per_bucket = Vec::new();
-    for (name, capacity, window_ms, amount, min) in buckets {
-        keys.push(key(prefix, domain, tenant, "tb", name));
-        per_bucket.extend([capacity.to_string(), window_ms.to_string(), amount, min]);
+    let mut per_limit = Vec::new();
+    for limit in limits {
+        // The kind is part of the key: a limit that changes kind starts afresh rather
+        // than meeting a key of the other type.
+        keys.push(key(prefix, domain, tenant, limit.kind.script_name(), limit.name));
+        per_limit.extend([
+            limit.kind.script_name().to_string(),
+            limit.capacity.to_string(),
+            limit.window_ms.to_string(),
+            limit.amount,
+            limit.min,
+        ]);
     }
-    let mut args = vec![op.to_string(), keys.len().to_string(), reservation.map_or(0, |r| r.1).to_string()];
-    args.extend(per_bucket);
-    if let Some((id, _)) = reservation {
+    let mut args = vec![op.to_string(), keys.len().to_string(), third];
+    args.extend(per_limit);
+    if let Some(id) = reservation {
         keys.push(key(prefix, domain, tenant, "res", id));
     }
     Call { keys, args }
 }
 
+fn spec_limits(specs: &[BucketSpec]) -> impl Iterator<Item = Limit<'_>> {
+    specs.iter().map(|l| Limit {
+        name: &l.name,
+        kind: l.kind,
+        capacity: l.capacity,
+        window_ms: l.window_ms,
+        amount: l.cost.to_string(),
+        min: l.min().to_string(),
+    })
+}
+
 pub fn charge(prefix: &str, request: &TokenBucketRequest) -> Call {
-    let buckets = request
-        .limits
-        .iter()
-        .map(|l| (l.name.as_str(), l.capacity, l.window_ms, l.cost.to_string(), l.min().to_string()));
-    let reservation = request.reservation.as_ref().map(|r| (r.id.as_str(), r.ttl_ms));
-    call(prefix, "charge", &request.domain, &request.tenant, buckets, reservation)
+    let reservation = request.reservation.as_ref();
+    let ttl = reservation.map_or(0, |r| r.ttl_ms).to_string();
+    let limits = spec_limits(&request.limits);
+    call(prefix, "charge", &request.domain, &request.tenant, limits, ttl, reservation.map(|r| r.id.as_str()))
 }
 
 pub fn lease(prefix: &str, request: &LeaseRequest) -> Call {
-    let buckets = request
-        .limits
-        .iter()
-        .map(|l| (l.name.as_str(), l.capacity, l.window_ms, l.cost.to_string(), l.min().to_string()));
-    let mut call = call(prefix, "lease", &request.domain, &request.tenant, buckets, None);
-    if let Some(third) = call.args.get_mut(2) {
-        *third = request.share.to_string();
-    }
-    call
+    let limits = spec_limits(&request.limits);
+    call(prefix, "lease", &request.domain, &request.tenant, limits, request.share.to_string(), None)
 }
 
-pub fn settle(prefix: &str, settlement: &Settlement) -> Call {
-    let buckets = settlement.limits.iter().map(|l| {
-        (
-            l.name.as_str(),
-            l.capacity,
-            l.window_ms,
-            l.credit.to_string(),
-            // The script ignores a settlement's minimum; it only keeps the layout uniform.
-            "0".to_string(),
-        )
+/// A settlement (`op` "settle") or a heartbeat for the slots it names (`op` "touch").
+pub fn adjust(prefix: &str, op: &str, settlement: &Settlement) -> Call {
+    let limits = settlement.limits.iter().map(|l| Limit {
+        name: &l.name,
+        kind: l.kind,
+        capacity: l.capacity,
+        window_ms: l.window_ms,
+        amount: l.credit.to_string(),
+        // The script ignores the minimum here; it only keeps the layout uniform.
+        min: "0".to_string(),
     });
-    let reservation = settlement.reservation.as_deref().map(|id| (id, 0));
-    call(prefix, "settle", &settlement.domain, &settlement.tenant, buckets, reservation)
+    call(prefix, op, &settlement.domain, &settlement.tenant, limits, "0".into(), settlement.reservation.as_deref())
 }
 
 /// The script's reply for buckets named `names`, in order.
@@ -131,15 +151,30 @@ fn as_int(value: &Value) -> Result<i64, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use llm_ratelimit::protocol::{Adjustment, BucketSpec, Reservation};
+    use llm_ratelimit::protocol::BucketKind;
+    use llm_ratelimit::protocol::{Adjustment, Reservation};
 
     fn request() -> TokenBucketRequest {
         TokenBucketRequest {
             domain: "llm".into(),
             tenant: "abc123".into(),
             limits: vec![
-                BucketSpec { name: "rpm".into(), capacity: 20, window_ms: 60_000, cost: 1, min_cost: None },
-                BucketSpec { name: "tpm".into(), capacity: 10_000, window_ms: 60_000, cost: 750, min_cost: None },
+                BucketSpec {
+                    name: "rpm".into(),
+                    capacity: 20,
+                    window_ms: 60_000,
+                    cost: 1,
+                    min_cost: None,
+                    kind: BucketKind::TokenBucket,
+                },
+                BucketSpec {
+                    name: "tpm".into(),
+                    capacity: 10_000,
+                    window_ms: 60_000,
+                    cost: 750,
+                    min_cost: None,
+                    kind: BucketKind::TokenBucket,
+                },
             ],
             reservation: Some(Reservation { id: "r42".into(), ttl_ms: 900_000 }),
         }
@@ -152,7 +187,10 @@ mod tests {
             call.keys,
             vec!["llmrl:{llm:abc123}:tb:rpm", "llmrl:{llm:abc123}:tb:tpm", "llmrl:{llm:abc123}:res:r42"]
         );
-        assert_eq!(call.args, vec!["charge", "2", "900000", "20", "60000", "1", "1", "10000", "60000", "750", "750"]);
+        assert_eq!(
+            call.args,
+            vec!["charge", "2", "900000", "tb", "20", "60000", "1", "1", "tb", "10000", "60000", "750", "750"]
+        );
         let mut plain = request();
         plain.reservation = None;
         let call = charge("p:", &plain);
@@ -166,11 +204,17 @@ mod tests {
             domain: "llm".into(),
             tenant: "abc123".into(),
             reservation: Some("r42".into()),
-            limits: vec![Adjustment { name: "tpm".into(), capacity: 10_000, window_ms: 60_000, credit: -120 }],
+            limits: vec![Adjustment {
+                name: "tpm".into(),
+                capacity: 10_000,
+                window_ms: 60_000,
+                credit: -120,
+                kind: BucketKind::TokenBucket,
+            }],
         };
-        let call = settle("llmrl:", &settlement);
+        let call = adjust("llmrl:", "settle", &settlement);
         assert_eq!(call.keys, vec!["llmrl:{llm:abc123}:tb:tpm", "llmrl:{llm:abc123}:res:r42"]);
-        assert_eq!(call.args, vec!["settle", "1", "0", "10000", "60000", "-120", "0"]);
+        assert_eq!(call.args, vec!["settle", "1", "0", "tb", "10000", "60000", "-120", "0"]);
     }
 
     #[test]
@@ -184,12 +228,22 @@ mod tests {
                 window_ms: 60_000,
                 cost: 500,
                 min_cost: Some(20),
+                kind: BucketKind::TokenBucket,
             }],
             share: 0.5,
         };
         let call = lease("llmrl:", &request);
         assert_eq!(call.keys, vec!["llmrl:{llm:abc123}:tb:tpm"]);
-        assert_eq!(call.args, vec!["lease", "1", "0.5", "10000", "60000", "500", "20"]);
+        assert_eq!(call.args, vec!["lease", "1", "0.5", "tb", "10000", "60000", "500", "20"]);
+    }
+
+    #[test]
+    fn slot_limits_have_their_own_keys_and_kind() {
+        let mut request = request();
+        request.limits[1].kind = BucketKind::Slots;
+        let call = charge("llmrl:", &request);
+        assert_eq!(call.keys[1], "llmrl:{llm:abc123}:slots:tpm");
+        assert_eq!(call.args[8], "slots");
     }
 
     #[test]
@@ -198,9 +252,15 @@ mod tests {
             domain: "llm".into(),
             tenant: "t".into(),
             reservation: None,
-            limits: vec![Adjustment { name: "rpm".into(), capacity: 10, window_ms: 60_000, credit: -1 }],
+            limits: vec![Adjustment {
+                name: "rpm".into(),
+                capacity: 10,
+                window_ms: 60_000,
+                credit: -1,
+                kind: BucketKind::TokenBucket,
+            }],
         };
-        assert_eq!(settle("p:", &settlement).keys, vec!["p:{llm:t}:tb:rpm"]);
+        assert_eq!(adjust("p:", "settle", &settlement).keys, vec!["p:{llm:t}:tb:rpm"]);
     }
 
     #[test]

@@ -104,6 +104,27 @@ pub fn replace_response_body(size: usize, body: &[u8]) {
     }
 }
 
+// The SDK's wrapper panics on a status it does not expect, and a host may not implement
+// this call: it is declared here to handle every answer.
+#[link(wasm_import_module = "env")]
+extern "C" {
+    fn proxy_set_effective_context(context_id: u32) -> u32;
+}
+
+/// Runs `f` as context `context_id` (a callout dispatched inside belongs to it and
+/// outlives the current request), then switches back to `current`. `None` if the host
+/// refuses the switch.
+pub fn as_context<R>(context_id: u32, current: u32, f: impl FnOnce() -> R) -> Option<R> {
+    // SAFETY: a plain host call taking an integer; any status is handled.
+    if unsafe { proxy_set_effective_context(context_id) } != 0 {
+        return None;
+    }
+    let result = f();
+    // SAFETY: as above.
+    unsafe { proxy_set_effective_context(current) };
+    Some(result)
+}
+
 /// Sends a JSON POST to the companion; returns the callout token.
 pub fn dispatch(upstream: &str, headers: Vec<(&str, &str)>, body: &[u8], timeout: Duration) -> Result<u32, String> {
     hostcalls::dispatch_http_call(upstream, headers, Some(body), Vec::new(), timeout)

@@ -23,8 +23,9 @@ use crate::decision::{self, Header, LocalReply, DEGRADED_HEADER, RESERVED_TOKENS
 use crate::identity::{find_credential, tenant_id, ANONYMOUS_TENANT};
 use crate::lease::TenantLeases;
 use crate::protocol::{
-    Adjustment, BucketSpec, LeaseRequest, Reservation, SettleOutcome, SettleReply, SettleRequest, Settlement,
-    TokenBucketReply, TokenBucketRequest, LEASE_PATH, SETTLE_PATH, TOKEN_BUCKET_PATH, TOKEN_HEADER,
+    Adjustment, BucketKind, BucketSpec, LeaseRequest, Reservation, SettleOutcome, SettleReply, SettleRequest,
+    Settlement, TokenBucketReply, TokenBucketRequest, LEASE_PATH, RELEASE_PATH, SETTLE_PATH, TOKEN_BUCKET_PATH,
+    TOKEN_HEADER, TOUCH_PATH,
 };
 use crate::reservation::{actual_tokens, credit, Ending, OutputAverage};
 use crate::settle_queue::{Queued, SettleQueue};
@@ -49,6 +50,9 @@ const SETTLE_QUEUE_CAPACITY: usize = 20_000;
 const MAX_SSE_EVENT: usize = 1 << 20;
 /// A JSON reply up to this size is parsed whole; past it only its tail is kept.
 const REPLY_WINDOW: usize = 256 * 1024;
+/// In the degraded mode a concurrency limit is a bucket that does not refill (a slot comes
+/// back when its request ends); this window makes the refill negligible.
+const LOCAL_SLOTS_NEVER_REFILL_MS: u64 = u64::MAX / 4;
 
 thread_local! {
     static SETTLEMENTS: RefCell<SettleQueue> = RefCell::new(SettleQueue::new(SETTLE_QUEUE_CAPACITY));
@@ -56,13 +60,19 @@ thread_local! {
     static RENEWALS: RefCell<BTreeSet<String>> = const { RefCell::new(BTreeSet::new()) };
     /// Tenants this VM holds leases for: the root returns what expires.
     static LEASED: RefCell<BTreeSet<String>> = const { RefCell::new(BTreeSet::new()) };
+    /// Concurrency slots held by this VM's requests, by reservation id: renewed by the
+    /// root until the request releases them.
+    static SLOTS: RefCell<HashMap<String, Settlement>> = RefCell::new(HashMap::new());
     static RESERVATION_COUNTER: Cell<u64> = const { Cell::new(0) };
+    /// This VM's root context, which owns callouts that must outlive a request.
+    static ROOT_ID: Cell<u32> = const { Cell::new(0) };
     static VM_NONCE: Cell<u64> = const { Cell::new(0) };
 }
 
 proxy_wasm::main! {{
     proxy_wasm::set_log_level(LogLevel::Info);
-    proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> {
+    proxy_wasm::set_root_context(|context_id| -> Box<dyn RootContext> {
+        ROOT_ID.with(|id| id.set(context_id));
         Box::new(Root { config: None, warmed_up: false, ticks: 0, settling: None, renewing: HashMap::new() })
     });
 }}
@@ -136,18 +146,19 @@ fn queue_settlement(settlement: Settlement) {
     }
 }
 
-/// Buckets for every configured limit with the given amounts, for adjustments that
-/// stand alone (no reservation).
+/// Adjustments of configured limits (by index): token buckets with a non-zero credit,
+/// and slot limits (released or renewed, whatever the credit).
 fn adjustments(config: &Config, credits: impl Iterator<Item = (usize, i64)>) -> Vec<Adjustment> {
     credits
-        .filter(|&(_, credit)| credit != 0)
         .filter_map(|(i, credit)| {
             let limit = config.limits.get(i)?;
-            Some(Adjustment {
+            let kind = limit.kind();
+            (credit != 0 || kind == BucketKind::Slots).then(|| Adjustment {
                 name: limit.name.clone(),
                 capacity: limit.capacity(),
                 window_ms: limit.window_ms(),
                 credit,
+                kind,
             })
         })
         .collect()
@@ -207,6 +218,21 @@ impl Root {
         }
     }
 
+    /// Renews the slots of this VM's requests in flight, so a long stream keeps its slot
+    /// while a crashed proxy's slots expire.
+    fn touch_slots(&mut self, config: &Config) {
+        let settlements: Vec<Settlement> = SLOTS.with(|s| s.borrow().values().cloned().collect());
+        for chunk in settlements.chunks(SETTLE_BATCH) {
+            let request = SettleRequest { settlements: chunk.to_vec() };
+            let sent = serde_json::to_vec(&request)
+                .map_err(|e| e.to_string())
+                .and_then(|body| call_companion(config, TOUCH_PATH, &body, Duration::from_secs(1)));
+            if let Err(why) = sent {
+                log::warn!("llm-ratelimit: cannot renew concurrency slots: {why}");
+            }
+        }
+    }
+
     /// Asks for fresh grants for the tenants whose leases ran low, one callout each.
     fn renew_leases(&mut self, config: &Config) {
         if !breaker(config).is_closed() {
@@ -231,6 +257,7 @@ impl Root {
                     window_ms: limit.window_ms(),
                     cost: lease.next_size(&policy, limit.capacity(), now).ceil() as u64,
                     min_cost: Some(0),
+                    kind: limit.kind(),
                 })
                 .collect();
             let request = LeaseRequest {
@@ -398,11 +425,17 @@ impl RootContext for Root {
             }
         }
         self.send_settlements(&config);
+        if config.has_concurrency() {
+            let every = (config.slots.ttl.0.as_millis() / 3 / TICK.as_millis()).max(1) as u32;
+            if self.ticks % every == 0 {
+                self.touch_slots(&config);
+            }
+        }
     }
 
-    fn create_http_context(&self, _context_id: u32) -> Option<Box<dyn HttpContext>> {
+    fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {
         // The SDK panics on None; a VM whose config was refused gets pass-through contexts.
-        Some(Box::new(RequestFilter::new(self.config.clone())))
+        Some(Box::new(RequestFilter::new(self.config.clone(), context_id)))
     }
 
     fn get_type(&self) -> Option<ContextType> {
@@ -452,6 +485,7 @@ enum ReplyReader {
 
 struct RequestFilter {
     config: Option<Rc<Config>>,
+    context_id: u32,
     phase: Phase,
     tenant: String,
     plan: Option<ChargePlan>,
@@ -475,9 +509,10 @@ enum Verdict {
 }
 
 impl RequestFilter {
-    fn new(config: Option<Rc<Config>>) -> RequestFilter {
+    fn new(config: Option<Rc<Config>>, context_id: u32) -> RequestFilter {
         RequestFilter {
             config,
+            context_id,
             phase: Phase::Starting,
             tenant: String::new(),
             plan: None,
@@ -570,7 +605,8 @@ impl RequestFilter {
             (LEASE_PATH, serde_json::to_vec(&request))
         } else {
             self.ask = Ask::Charge;
-            let reservation = plan.estimate.map(|_| new_reservation_id());
+            // A reservation records tokens to settle, and names the request's slots.
+            let reservation = (plan.estimate.is_some() || config.has_concurrency()).then(new_reservation_id);
             if let Some(id) = &reservation {
                 self.admission = Some(Admission::Reserved(id.clone()));
             }
@@ -676,6 +712,16 @@ impl RequestFilter {
             Ask::Charge => {
                 host::increment(Metric::Allowed);
                 self.rewrite_body(config, &reply);
+                if let (true, Some(Admission::Reserved(id))) = (config.has_concurrency(), &self.admission) {
+                    let slots = config.limits.iter().enumerate().filter(|(_, l)| l.kind() == BucketKind::Slots);
+                    let settlement = Settlement {
+                        domain: config.domain.clone(),
+                        tenant: self.tenant.clone(),
+                        reservation: Some(id.clone()),
+                        limits: adjustments(config, slots.map(|(i, _)| (i, 0))),
+                    };
+                    SLOTS.with(|s| s.borrow_mut().insert(id.clone(), settlement));
+                }
                 Verdict::Forward(self.admitted_headers(config, &reply))
             }
         }
@@ -710,7 +756,13 @@ impl RequestFilter {
             .map(|p| {
                 p.buckets
                     .iter()
-                    .map(|b| BucketSpec { capacity: b.capacity.div_ceil(instances), min_cost: None, ..b.clone() })
+                    .map(|b| BucketSpec {
+                        capacity: b.capacity.div_ceil(instances),
+                        min_cost: None,
+                        // A slot comes back when its request ends, not with time.
+                        window_ms: if b.kind == BucketKind::Slots { LOCAL_SLOTS_NEVER_REFILL_MS } else { b.window_ms },
+                        ..b.clone()
+                    })
                     .collect()
             })
             .unwrap_or_default();
@@ -732,7 +784,9 @@ impl RequestFilter {
             return Verdict::Reply(rejection);
         }
         host::increment(Metric::Allowed);
-        let limits = adjustments(config, specs.iter().enumerate().map(|(i, b)| (i, -(b.cost as i64))));
+        // Redis learns of the budget spent here; slots are this proxy's alone.
+        let debits = specs.iter().enumerate().filter(|(_, b)| b.kind == BucketKind::TokenBucket);
+        let limits = adjustments(config, debits.map(|(i, b)| (i, -(b.cost as i64))));
         if !limits.is_empty() {
             queue_settlement(Settlement {
                 domain: config.domain.clone(),
@@ -789,12 +843,64 @@ impl RequestFilter {
         }
     }
 
-    /// Settles this request's tokens, once: the difference between what it reserved and
-    /// what it cost goes back where the reservation came from.
+    /// Settles this request, once: the difference between the tokens it reserved and what
+    /// it cost goes back where the reservation came from, and its slots are released.
     fn settle(&mut self, config: &Config, ending: Ending) {
         let Some(admission) = self.admission.take() else { return };
-        let Some(plan) = self.plan.as_ref() else { return };
-        let Some(estimate) = plan.estimate else { return };
+        let credit = self.token_credit(config, ending);
+        let slot_limits =
+            config.limits.iter().enumerate().filter(|(_, l)| l.kind() == BucketKind::Slots).map(|(i, _)| i);
+        let token_limits =
+            config.limits.iter().enumerate().filter(|(_, l)| l.dimension() == Dimension::Tokens).map(|(i, _)| i);
+        let reservation = match admission {
+            Admission::Reserved(id) => {
+                if let Some(slots) = SLOTS.with(|s| s.borrow_mut().remove(&id)) {
+                    self.release_now(config, slots);
+                }
+                Some(id)
+            }
+            Admission::Local => {
+                // This proxy's own slots go back at once; the token credit goes to Redis.
+                let releases: Vec<usize> = slot_limits.clone().collect();
+                if !releases.is_empty() {
+                    self.release_local_slots(config, &releases);
+                }
+                None
+            }
+            Admission::Leased => {
+                let now = host::now_ms();
+                let indices: Vec<usize> = token_limits.clone().collect();
+                let applied = host::shared_update(&lease_key(config, &self.tenant), |bytes| {
+                    let mut leases = TenantLeases::decode(bytes, config.limits.len());
+                    let live = indices.iter().all(|&i| leases.credit(i, credit, now));
+                    (live.then(|| leases.encode()), live)
+                });
+                if applied == Some(true) || credit == 0 {
+                    return;
+                }
+                None // the lease expired meanwhile: the credit belongs to Redis
+            }
+        };
+        let with_slots = reservation.is_some();
+        let limits = adjustments(
+            config,
+            token_limits.map(|i| (i, credit)).chain(slot_limits.filter(|_| with_slots).map(|i| (i, 0))),
+        );
+        if !limits.is_empty() {
+            queue_settlement(Settlement {
+                domain: config.domain.clone(),
+                tenant: self.tenant.clone(),
+                reservation,
+                limits,
+            });
+        }
+    }
+
+    /// Tokens to give back for this request (negative: to take), from what it reserved and
+    /// what the reply says it cost; updates the running average of completions.
+    fn token_credit(&mut self, config: &Config, ending: Ending) -> i64 {
+        let Some(plan) = self.plan.as_ref() else { return 0 };
+        let Some(estimate) = plan.estimate else { return 0 };
         let (reported, streamed_output) = match self.reply.as_mut() {
             Some(ReplyReader::Json(reader)) => (reader.finish(), None),
             Some(ReplyReader::Stream(reader)) => {
@@ -818,39 +924,42 @@ impl RequestFilter {
                 host::shared_set(&key, &updated.to_bytes());
             }
         }
-        let credit = credit(estimate, actual);
-        if credit == 0 {
-            return; // the charge was right; a reservation record expires by itself
+        credit(estimate, actual)
+    }
+
+    /// Releases the request's slots at once, in a callout owned by the root context so it
+    /// outlives this request; its settlement (queued, sent within a tick) releases them
+    /// too, so nothing is lost if this one fails or the host cannot switch contexts.
+    fn release_now(&self, config: &Config, slots: Settlement) {
+        let root = ROOT_ID.with(Cell::get);
+        let request = SettleRequest { settlements: vec![slots] };
+        let Ok(body) = serde_json::to_vec(&request) else { return };
+        let sent = host::as_context(root, self.context_id, || {
+            call_companion(config, RELEASE_PATH, &body, config.companion.timeout.0.max(Duration::from_millis(500)))
+        });
+        if let Some(Err(why)) = sent {
+            log::debug!("llm-ratelimit: cannot release slots at once ({why}); the settlement will");
         }
-        let token_limits: Vec<usize> = config
-            .limits
+    }
+
+    fn release_local_slots(&self, config: &Config, indices: &[usize]) {
+        let Some(plan) = self.plan.as_ref() else { return };
+        let instances = u64::from(config.fallback.instances);
+        let specs: Vec<BucketSpec> = plan
+            .buckets
             .iter()
-            .enumerate()
-            .filter(|(_, l)| l.dimension() == Dimension::Tokens)
-            .map(|(i, _)| i)
+            .map(|b| BucketSpec {
+                capacity: b.capacity.div_ceil(instances),
+                window_ms: LOCAL_SLOTS_NEVER_REFILL_MS,
+                ..b.clone()
+            })
             .collect();
-        let reservation = match admission {
-            Admission::Reserved(id) => Some(id),
-            Admission::Local => None,
-            Admission::Leased => {
-                let now = host::now_ms();
-                let applied = host::shared_update(&lease_key(config, &self.tenant), |bytes| {
-                    let mut leases = TenantLeases::decode(bytes, config.limits.len());
-                    let live = token_limits.iter().all(|&i| leases.credit(i, credit, now));
-                    (live.then(|| leases.encode()), live)
-                });
-                if applied == Some(true) {
-                    return;
-                }
-                None // the lease expired meanwhile: the credit belongs to Redis
-            }
-        };
-        let limits = adjustments(config, token_limits.into_iter().map(|i| (i, credit)));
-        queue_settlement(Settlement {
-            domain: config.domain.clone(),
-            tenant: self.tenant.clone(),
-            reservation,
-            limits,
+        let credits: Vec<i64> = (0..specs.len()).map(|i| i64::from(indices.contains(&i))).collect();
+        let now = host::now_ms() as f64;
+        host::shared_update(&local_key(config, &self.tenant), |bytes| {
+            let mut states = decode_states(bytes, specs.len());
+            crate::bucket::settle(&mut states, &specs, &credits, now);
+            (Some(encode_states(&states)), ())
         });
     }
 }

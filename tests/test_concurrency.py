@@ -1,0 +1,113 @@
+"""Concurrency limits end to end: a slot per request in flight across all proxies, taken
+with the other limits at once, released on completion, error and disconnect, renewed while
+a stream lives, and expiring after the TTL when a proxy dies."""
+
+import concurrent.futures
+import http.client
+import json
+import socket
+import time
+
+import pytest
+
+from stack import envoy_config, free_port, wait_until
+
+TOKEN = "concurrency-token"
+
+
+@pytest.fixture
+def env(stack):
+    _, redis_port = stack.redis()
+    _, companion_port = stack.companion(f"redis://127.0.0.1:{redis_port}", TOKEN)
+    _, mock_port = stack.mock()
+
+    def start(capacity, name="envoy", ttl="30s"):
+        config = {
+            "companion": {"upstream": "llm_ratelimit_companion", "token": TOKEN, "timeout": "2s"},
+            "failure_mode": "deny",
+            "limits": [{"name": "rpm", "requests": 1000, "window": "1m"}, {"name": "inflight", "concurrency": capacity}],
+            "slots": {"ttl": ttl},
+        }
+        port = free_port()
+        proc, _ = stack.envoy(envoy_config(listen_port=port, admin_port=free_port(), upstream_port=mock_port,
+                                           companion_port=companion_port, filter_config=config), name=name)
+        return port, proc
+
+    return start
+
+
+def stream(port, key="sk-cc", tokens=20, delay_ms=50, headers=None):
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        body = {"model": "gpt-4o-mini", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+        conn.request("POST", "/v1/chat/completions", body=json.dumps(body), headers={
+            "authorization": f"Bearer {key}", "content-type": "application/json",
+            "x-mock-completion-tokens": str(tokens), "x-mock-chunk-delay-ms": str(delay_ms), **(headers or {})})
+        resp = conn.getresponse()
+        return resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read()
+    finally:
+        conn.close()
+
+
+def quick(port, key="sk-cc", headers=None):
+    return stream(port, key, tokens=1, delay_ms=0, headers=headers)
+
+
+def test_the_cap_holds_across_two_proxies_and_slots_come_back(env):
+    ports = [env(4, "envoy-a")[0], env(4, "envoy-b")[0]]
+    with concurrent.futures.ThreadPoolExecutor(12) as pool:
+        results = list(pool.map(lambda i: stream(ports[i % 2], tokens=20, delay_ms=50), range(12)))
+    statuses = [r[0] for r in results]
+    assert statuses.count(200) == 4 and statuses.count(429) == 8, statuses
+    refused = next(r for r in results if r[0] == 429)
+    error = json.loads(refused[2])["error"]
+    assert error["type"] == "concurrency" and "4 requests in flight" in error["message"]
+    assert refused[1]["x-ratelimit-limit-concurrency"] == "4"
+    assert refused[1]["x-ratelimit-remaining-concurrency"] == "0"
+    assert 1 <= int(refused[1]["retry-after"]) <= 1
+    # All four finished: their slots are back, on both proxies.
+    wait_until(lambda: quick(ports[0])[0] == 200, 5, "a slot free again")
+    status, headers, _ = quick(ports[1])
+    assert status == 200 and headers["x-ratelimit-remaining-concurrency"] == "3"
+
+
+def test_slots_are_released_on_error_and_on_disconnect(env):
+    port, _ = env(1)
+    assert quick(port, headers={"x-mock-status": "500"})[0] == 500
+    assert quick(port)[0] == 200, "the failed request released its slot"
+    body = json.dumps({"model": "gpt-4o-mini", "stream": True, "messages": [{"role": "user", "content": "hi"}]}).encode()
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-cc\r\n"
+                 b"x-mock-completion-tokens: 500\r\nx-mock-chunk-delay-ms: 50\r\ncontent-type: application/json\r\n"
+                 + f"content-length: {len(body)}\r\n\r\n".encode() + body)
+    received = b""
+    while b"data: " not in received:
+        received += sock.recv(4096)
+    assert quick(port)[0] == 429, "the stream holds the only slot"
+    sock.close()
+    wait_until(lambda: quick(port)[0] == 200, 3, "the slot of the client that left")
+
+
+def test_a_long_stream_keeps_its_slot_and_a_dead_proxys_slot_expires(env):
+    port_a, proc_a = env(1, "envoy-a", ttl="2s")
+    port_b, _ = env(1, "envoy-b", ttl="2s")
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        # 4 s of streaming, twice the slot TTL: heartbeats keep the slot.
+        long = pool.submit(stream, port_b, "sk-long", 80, 50)
+        time.sleep(3)
+        assert quick(port_a, "sk-long")[0] == 429, "the slot outlived its TTL thanks to heartbeats"
+        assert long.result()[0] == 200
+    wait_until(lambda: quick(port_a, "sk-long")[0] == 200, 3, "released at the end")
+    # A proxy that dies mid-stream leaves a slot that expires within the TTL.
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        doomed = pool.submit(stream, port_a, "sk-dead", 200, 50)
+        time.sleep(0.5)
+        assert quick(port_b, "sk-dead")[0] == 429
+        proc_a.kill()
+        killed_at = time.monotonic()
+        with pytest.raises(Exception):
+            doomed.result()
+    wait_until(lambda: quick(port_b, "sk-dead")[0] == 200, 5, "the dead proxy's slot expired")
+    freed_after = time.monotonic() - killed_at
+    print(f"\nslot of a killed proxy freed after {freed_after:.2f}s (TTL 2s)")
+    assert freed_after <= 2.5
