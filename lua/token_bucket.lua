@@ -6,11 +6,14 @@
 --             of request ids scored by their expiry, ms).
 -- KEYS[n+1]   optional: the reservation record of this request (a string); its key is
 --             also the request's member in slot sets, so slot limits need it.
+-- KEYS[n+2]   optional, with KEYS[n+1]: the request's cancel marker. charge: refuse if it
+--             is set (the client gave up while the charge was waiting); settle: set it
+--             first, so a charge still waiting can never happen after the refund.
 --             All keys must share one hash slot (the companion puts the tenant in a hash
 --             tag), so this runs on Redis Cluster.
 -- ARGV[1]     "charge", "settle", "lease", "touch" or "release"
 -- ARGV[2]     n, the number of limits
--- ARGV[3]     charge: how long the reservation record lives (ms); lease: the share of
+-- ARGV[3]     charge: how long the reservation record lives (ms; 0: no record); lease: the share of
 --             what is left that one grant may take (0 < share <= 1); otherwise ignored
 -- ARGV[4..]   five values per limit, in KEYS order:
 --               kind       "tb" (token bucket) or "slots" (concurrency)
@@ -64,10 +67,17 @@
 local op = ARGV[1]
 local n = tonumber(ARGV[2])
 local ops = { charge = true, settle = true, lease = true, touch = true, release = true }
-if not ops[op] or not n or n < 1 or #ARGV ~= 3 + 5 * n or (#KEYS ~= n and #KEYS ~= n + 1) then
-  return redis.error_reply('ERR token_bucket: expected op, n, a third value and 5 ARGV per limit, with n or n+1 keys')
+if not ops[op] or not n or n < 1 or #ARGV ~= 3 + 5 * n or #KEYS < n or #KEYS > n + 2 then
+  return redis.error_reply('ERR token_bucket: expected op, n, a third value and 5 ARGV per limit, with n to n+2 keys')
 end
 local reservation = KEYS[n + 1]
+local cancel_marker = KEYS[n + 2]
+if cancel_marker and op == 'charge' and redis.call('EXISTS', cancel_marker) == 1 then
+  return redis.error_reply('CANCELLED the request was abandoned while it waited')
+end
+if cancel_marker and op == 'settle' then
+  redis.call('SET', cancel_marker, '1', 'PX', 600000)
+end
 local reservation_ttl_ms = tonumber(ARGV[3])
 local share = tonumber(ARGV[3])
 if op == 'lease' and (not share or share <= 0 or share > 1) then
@@ -181,8 +191,10 @@ if op == 'charge' or op == 'lease' then
         end
       end
     end
-    if reservation and op == 'charge' then
-      redis.call('SET', reservation, '1', 'PX', math.max(1, math.floor(reservation_ttl_ms or 0)))
+    -- A record only when there are tokens to settle (ttl > 0): slots and the queue need
+    -- just the key's name.
+    if reservation and op == 'charge' and (reservation_ttl_ms or 0) > 0 then
+      redis.call('SET', reservation, '1', 'PX', math.floor(reservation_ttl_ms))
     end
   end
 else

@@ -117,7 +117,7 @@ fn take_all(
             outcome(spec, tokens, status, retry_after_ms, if allowed { take } else { 0 })
         })
         .collect();
-    TokenBucketReply { allowed, limits }
+    TokenBucketReply { allowed, waited_ms: 0, limits }
 }
 
 fn outcome(spec: &BucketSpec, tokens: f64, status: BucketStatus, retry_after_ms: u64, charged: u64) -> BucketOutcome {
@@ -154,7 +154,7 @@ pub fn settle(
             outcome(spec, tokens, BucketStatus::Allowed, 0, 0)
         })
         .collect();
-    TokenBucketReply { allowed: true, limits }
+    TokenBucketReply { allowed: true, waited_ms: 0, limits }
 }
 
 fn level_at(spec: &BucketSpec, state: Option<BucketState>, now_ms: f64) -> f64 {

@@ -33,6 +33,8 @@ pub struct Config {
     #[serde(default)]
     pub slots: Slots,
     #[serde(default)]
+    pub queue: QueueConfig,
+    #[serde(default)]
     pub fallback: Fallback,
     #[serde(default)]
     pub lease: LeaseConfig,
@@ -241,6 +243,43 @@ impl Limit {
         } else {
             BucketKind::TokenBucket
         }
+    }
+}
+
+/// Waiting for capacity instead of an instant 429.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct QueueConfig {
+    /// The longest a request waits for capacity; "0s" turns queueing off. A request whose
+    /// retry time is already beyond it is refused at once.
+    pub max_wait: ConfigDuration,
+    /// The most requests one proxy keeps waiting at once; more are refused at once.
+    pub max_length: u32,
+    /// A request header carrying a priority 0 (lowest) to 9 (highest), if the operator
+    /// lets clients choose.
+    pub priority_header: Option<String>,
+    /// The priority of requests that do not say.
+    pub default_priority: u8,
+    /// How much waiting one priority level is worth: a lower priority request moves up as
+    /// it waits, so it is never starved.
+    pub aging: ConfigDuration,
+}
+
+impl Default for QueueConfig {
+    fn default() -> Self {
+        QueueConfig {
+            max_wait: ConfigDuration(Duration::ZERO),
+            max_length: 1000,
+            priority_header: None,
+            default_priority: 5,
+            aging: ConfigDuration(Duration::from_secs(1)),
+        }
+    }
+}
+
+impl QueueConfig {
+    pub fn enabled(&self) -> bool {
+        !self.max_wait.0.is_zero()
     }
 }
 
@@ -537,6 +576,27 @@ impl Config {
             if !(value.is_finite() && value > low && value <= high) {
                 return Err(invalid(field, format!("{value} is outside ({low}, {high}]")));
             }
+        }
+        let queue = &self.queue;
+        if queue.max_wait.0 > Duration::from_secs(600) {
+            return Err(invalid("queue.max_wait", format!("{:?} is outside 0s..10m", queue.max_wait.0)));
+        }
+        if queue.default_priority > 9 {
+            return Err(invalid("queue.default_priority", format!("{} is outside 0..9", queue.default_priority)));
+        }
+        if queue.aging.0 < Duration::from_millis(1) {
+            return Err(invalid("queue.aging", "must be positive"));
+        }
+        if let Some(header) = &queue.priority_header {
+            if header.is_empty() || !header.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_') {
+                return Err(invalid("queue.priority_header", format!("{header:?} is not a header name")));
+            }
+        }
+        if lease.enabled && queue.enabled() {
+            return Err(invalid(
+                "lease.enabled",
+                "leases and queueing do not combine: a queued request waits in Redis",
+            ));
         }
         if lease.enabled && self.limits.iter().any(|l| l.dimension() == Dimension::Concurrency) {
             return Err(invalid(
@@ -851,6 +911,49 @@ mod tests {
                 format!(r#"{{{companion}, {limits}, "fallback": {{"instances": 0}}}}"#),
                 "fallback.instances",
                 "0 is outside",
+            ),
+            (
+                format!(r#"{{{companion}, "limits": [{{"name": "cc", "concurrency": 5, "window": "1m"}}]}}"#),
+                "limits[0].window",
+                "has no window",
+            ),
+            (
+                format!(r#"{{{companion}, "limits": [{{"name": "rpm", "requests": 5}}]}}"#),
+                "limits[0].window",
+                "required for a requests",
+            ),
+            (
+                format!(r#"{{{companion}, "limits": [{{"name": "cc", "concurrency": 0}}]}}"#),
+                "limits[0].concurrency",
+                "0 is outside",
+            ),
+            (format!(r#"{{{companion}, {limits}, "slots": {{"ttl": "100ms"}}}}"#), "slots.ttl", "outside 1s..1h"),
+            (
+                format!(
+                    r#"{{{companion}, "limits": [{{"name": "cc", "concurrency": 2}}], "lease": {{"enabled": true}}}}"#
+                ),
+                "lease.enabled",
+                "concurrency limits do not combine",
+            ),
+            (
+                format!(r#"{{{companion}, {limits}, "queue": {{"max_wait": "1h"}}}}"#),
+                "queue.max_wait",
+                "outside 0s..10m",
+            ),
+            (
+                format!(r#"{{{companion}, {limits}, "queue": {{"default_priority": 12}}}}"#),
+                "queue.default_priority",
+                "outside 0..9",
+            ),
+            (
+                format!(r#"{{{companion}, {limits}, "queue": {{"priority_header": "x y"}}}}"#),
+                "queue.priority_header",
+                "not a header name",
+            ),
+            (
+                format!(r#"{{{companion}, {limits}, "queue": {{"max_wait": "1s"}}, "lease": {{"enabled": true}}}}"#),
+                "lease.enabled",
+                "queueing do not combine",
             ),
             (
                 format!(r#"{{{companion}, {limits}, "fallback": {{"breaker_cooldown": "1ms"}}}}"#),

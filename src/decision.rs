@@ -13,6 +13,8 @@ pub type Header = (&'static str, String);
 pub const DEGRADED_HEADER: &str = "x-llm-ratelimit-degraded";
 /// The tokens a request reserved (prompt counted in the proxy plus completion estimate).
 pub const RESERVED_TOKENS_HEADER: &str = "x-llm-ratelimit-reserved-tokens";
+/// How long the request waited in the queue for capacity (ms).
+pub const QUEUED_HEADER: &str = "x-llm-ratelimit-queued-ms";
 
 /// A response the filter sends itself instead of forwarding the request.
 #[derive(Debug, Clone, PartialEq)]
@@ -214,6 +216,7 @@ mod tests {
     fn headers_describe_the_tightest_limit_of_each_dimension() {
         let reply = TokenBucketReply {
             allowed: true,
+            waited_ms: 0,
             limits: vec![
                 outcome("rpm", BucketStatus::Allowed, 20, 7, 39_000, 0),
                 outcome("rpd", BucketStatus::Allowed, 1000, 7, 600_000, 0),
@@ -238,6 +241,7 @@ mod tests {
     fn concurrency_gets_its_own_headers_and_429() {
         let reply = TokenBucketReply {
             allowed: false,
+            waited_ms: 0,
             limits: vec![
                 outcome("rpm", BucketStatus::Allowed, 20, 12, 24_000, 0),
                 outcome("inflight", BucketStatus::Limited, 3, 0, 0, 800),
@@ -255,8 +259,11 @@ mod tests {
 
     #[test]
     fn request_only_replies_carry_no_token_headers() {
-        let reply =
-            TokenBucketReply { allowed: true, limits: vec![outcome("rpm", BucketStatus::Allowed, 20, 19, 3_000, 0)] };
+        let reply = TokenBucketReply {
+            allowed: true,
+            waited_ms: 0,
+            limits: vec![outcome("rpm", BucketStatus::Allowed, 20, 19, 3_000, 0)],
+        };
         let headers = rate_limit_headers(&reply, &config());
         assert_eq!(header(&headers, "x-ratelimit-remaining-tokens"), None);
         assert_eq!(header(&headers, "x-ratelimit-remaining-requests"), Some("19"));
@@ -266,6 +273,7 @@ mod tests {
     fn a_429_names_the_limit_that_binds_longest() {
         let reply = TokenBucketReply {
             allowed: false,
+            waited_ms: 0,
             limits: vec![
                 outcome("rpm", BucketStatus::Limited, 20, 0, 60_000, 2_500),
                 outcome("rph", BucketStatus::Limited, 100, 0, 3_600_000, 36_001),
@@ -287,6 +295,7 @@ mod tests {
     fn a_token_429_says_what_the_request_needs() {
         let reply = TokenBucketReply {
             allowed: false,
+            waited_ms: 0,
             limits: vec![
                 outcome("rpm", BucketStatus::Allowed, 20, 12, 24_000, 0),
                 outcome("tpm", BucketStatus::Limited, 10_000, 300, 58_200, 5_400),
@@ -305,6 +314,7 @@ mod tests {
     fn a_request_that_can_never_fit_gets_no_retry_after() {
         let reply = TokenBucketReply {
             allowed: false,
+            waited_ms: 0,
             limits: vec![
                 outcome("rpm", BucketStatus::Limited, 20, 0, 60_000, 2_500),
                 outcome("tpm", BucketStatus::Never, 10_000, 10_000, 0, 0),

@@ -253,7 +253,7 @@ impl TenantLeases {
                 }
             })
             .collect();
-        TokenBucketReply { allowed: true, limits }
+        TokenBucketReply { allowed: true, waited_ms: 0, limits }
     }
 }
 
@@ -344,6 +344,7 @@ mod tests {
         let mut leases = TenantLeases(vec![leased(5.0, 50.0, 10_000)]);
         let refused = TokenBucketReply {
             allowed: false,
+            waited_ms: 0,
             limits: vec![BucketOutcome {
                 name: "tpm".into(),
                 status: BucketStatus::Limited,

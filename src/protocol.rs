@@ -64,6 +64,23 @@ pub struct TokenBucketRequest {
     /// Record this charge so that a later settlement can adjust it, once.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reservation: Option<Reservation>,
+    /// Instead of refusing at once, wait for capacity (needs a reservation: its id names
+    /// the waiter).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub wait: Option<Wait>,
+}
+
+/// How a charge may wait in the tenant's queue.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Wait {
+    /// The longest wait; a request whose retry time is already beyond it is refused at once.
+    pub max_ms: u64,
+    /// 0 (lowest) to 9 (highest): higher priorities take capacity first.
+    pub priority: u8,
+    /// Each priority level counts as this much time already waited, so a low priority
+    /// request moves up as it waits and is not starved.
+    pub aging_ms: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -92,6 +109,10 @@ pub struct Settlement {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reservation: Option<String>,
     pub limits: Vec<Adjustment>,
+    /// The request was abandoned while its charge waited in the queue: stop that charge
+    /// (atomically with this refund) if it has not happened yet.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub cancel: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -143,6 +164,10 @@ pub struct BucketSpec {
     pub kind: BucketKind,
 }
 
+fn is_zero(n: &u64) -> bool {
+    *n == 0
+}
+
 fn is_token_bucket(kind: &BucketKind) -> bool {
     *kind == BucketKind::TokenBucket
 }
@@ -158,6 +183,9 @@ impl BucketSpec {
 pub struct TokenBucketReply {
     /// True when every bucket had room and all were charged; false means none was.
     pub allowed: bool,
+    /// Time spent waiting in the queue before this answer.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub waited_ms: u64,
     /// One outcome per requested bucket, in request order.
     pub limits: Vec<BucketOutcome>,
 }
@@ -245,6 +273,14 @@ impl TokenBucketRequest {
     pub fn validate(&self) -> Result<(), String> {
         let buckets = self.limits.iter().map(|l| (l.name.as_str(), l.capacity, l.window_ms));
         validate_buckets(&self.domain, &self.tenant, buckets)?;
+        if let Some(wait) = &self.wait {
+            if self.reservation.is_none() {
+                return Err("a charge that waits needs a reservation".into());
+            }
+            if wait.max_ms == 0 || wait.max_ms > 600_000 || wait.priority > 9 || wait.aging_ms == 0 {
+                return Err("wait needs max_ms in 1..600000, priority 0..9 and a positive aging_ms".into());
+            }
+        }
         match &self.reservation {
             Some(reservation) => validate_reservation_id(&reservation.id),
             None => Ok(()),
@@ -298,6 +334,7 @@ mod tests {
                 kind: BucketKind::TokenBucket,
             }],
             reservation: None,
+            wait: None,
         }
     }
 
@@ -340,6 +377,7 @@ mod tests {
             domain: "llm".into(),
             tenant: tenant.into(),
             reservation: Some("r1".into()),
+            cancel: false,
             limits: vec![Adjustment {
                 name: "tpm".into(),
                 capacity: 100,
@@ -358,6 +396,7 @@ mod tests {
     fn the_reply_round_trips_through_json() {
         let reply = TokenBucketReply {
             allowed: false,
+            waited_ms: 0,
             limits: vec![BucketOutcome {
                 name: "rpm".into(),
                 status: BucketStatus::Limited,

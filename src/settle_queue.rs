@@ -82,6 +82,7 @@ mod tests {
             domain: "llm".into(),
             tenant: "t".into(),
             reservation: Some(id.into()),
+            cancel: false,
             limits: vec![Adjustment {
                 name: "tpm".into(),
                 capacity: 100,

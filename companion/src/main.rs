@@ -7,6 +7,7 @@
 //! `llm_ratelimit::protocol`), `GET /healthz`. Every endpoint but `/healthz` requires the shared token in
 //! `x-llmrl-token`.
 
+mod queue;
 mod store;
 mod token_bucket;
 
@@ -90,12 +91,21 @@ fn json_reply(value: impl serde::Serialize) -> Response {
 
 /// A request that runs the bucket script once: a charge or a lease.
 trait BucketCall: serde::de::DeserializeOwned {
+    /// A charge that may wait for capacity, run by the queue; `None` for any other call.
+    async fn charge_waiting(&self, _app: &App) -> Option<Result<llm_ratelimit::protocol::TokenBucketReply, String>> {
+        None
+    }
     fn check(&self) -> Result<(), String>;
     fn call(&self, prefix: &str) -> token_bucket::Call;
     fn names(&self) -> Vec<&str>;
 }
 
 impl BucketCall for TokenBucketRequest {
+    async fn charge_waiting(&self, app: &App) -> Option<Result<llm_ratelimit::protocol::TokenBucketReply, String>> {
+        let wait = self.wait.as_ref()?;
+        Some(queue::charge_waiting(&app.store, &app.token_bucket, &app.key_prefix, self, wait).await)
+    }
+
     fn check(&self) -> Result<(), String> {
         self.validate()
     }
@@ -127,6 +137,12 @@ async fn run_buckets<R: BucketCall>(State(app): State<Arc<App>>, headers: Header
         Ok(request) => request,
         Err(message) => return error(StatusCode::BAD_REQUEST, message),
     };
+    if let Some(result) = request.charge_waiting(&app).await {
+        return match result {
+            Ok(reply) => json_reply(reply),
+            Err(err) => error(StatusCode::SERVICE_UNAVAILABLE, err),
+        };
+    }
     let call = request.call(&app.key_prefix);
     let value = match app.store.run(&app.token_bucket, &call.keys, &call.args).await {
         Ok(value) => value,

@@ -95,7 +95,7 @@ impl Store {
         Ok(Store { connection, timeout })
     }
 
-    async fn query(&self, cmd: &Cmd) -> Result<Value, RedisError> {
+    pub async fn query(&self, cmd: &Cmd) -> Result<Value, RedisError> {
         let call = async {
             match &self.connection {
                 Connection::Single(c) => cmd.query_async(&mut c.clone()).await,

@@ -16,7 +16,7 @@ pub struct Call {
 
 /// `<prefix>{<domain>:<tenant>}:<kind>:<name>`: the braces are a Redis Cluster hash tag,
 /// so all keys of a tenant share a slot and one script call can touch them together.
-fn key(prefix: &str, domain: &str, tenant: &str, kind: &str, name: &str) -> String {
+pub fn key(prefix: &str, domain: &str, tenant: &str, kind: &str, name: &str) -> String {
     format!("{prefix}{{{domain}:{tenant}}}:{kind}:{name}")
 }
 
@@ -61,6 +61,15 @@ fn call<'a>(
     Call { keys, args }
 }
 
+impl Call {
+    /// Adds the request's cancel marker (see the script): a waiting charge checks it, a
+    /// cancelling settlement sets it.
+    pub fn with_cancel_marker(mut self, prefix: &str, domain: &str, tenant: &str, id: &str) -> Call {
+        self.keys.push(key(prefix, domain, tenant, "cancel", id));
+        self
+    }
+}
+
 fn spec_limits(specs: &[BucketSpec]) -> impl Iterator<Item = Limit<'_>> {
     specs.iter().map(|l| Limit {
         name: &l.name,
@@ -95,7 +104,12 @@ pub fn adjust(prefix: &str, op: &str, settlement: &Settlement) -> Call {
         // The script ignores the minimum here; it only keeps the layout uniform.
         min: "0".to_string(),
     });
-    call(prefix, op, &settlement.domain, &settlement.tenant, limits, "0".into(), settlement.reservation.as_deref())
+    let call =
+        call(prefix, op, &settlement.domain, &settlement.tenant, limits, "0".into(), settlement.reservation.as_deref());
+    match (&settlement.reservation, settlement.cancel) {
+        (Some(id), true) => call.with_cancel_marker(prefix, &settlement.domain, &settlement.tenant, id),
+        _ => call,
+    }
 }
 
 /// The script's reply for buckets named `names`, in order.
@@ -131,7 +145,7 @@ pub fn reply<'a>(names: impl ExactSizeIterator<Item = &'a str>, value: &Value) -
             })
         })
         .collect::<Result<_, String>>()?;
-    Ok(TokenBucketReply { allowed: as_int(done)? == 1, limits })
+    Ok(TokenBucketReply { allowed: as_int(done)? == 1, waited_ms: 0, limits })
 }
 
 fn as_array(value: &Value) -> Result<&[Value], String> {
@@ -177,6 +191,7 @@ mod tests {
                 },
             ],
             reservation: Some(Reservation { id: "r42".into(), ttl_ms: 900_000 }),
+            wait: None,
         }
     }
 
@@ -204,6 +219,7 @@ mod tests {
             domain: "llm".into(),
             tenant: "abc123".into(),
             reservation: Some("r42".into()),
+            cancel: false,
             limits: vec![Adjustment {
                 name: "tpm".into(),
                 capacity: 10_000,
@@ -252,6 +268,7 @@ mod tests {
             domain: "llm".into(),
             tenant: "t".into(),
             reservation: None,
+            cancel: false,
             limits: vec![Adjustment {
                 name: "rpm".into(),
                 capacity: 10,

@@ -19,9 +19,11 @@ pub enum Metric {
     LocalDecisions,
     LeaseAdmissions,
     LeaseCallouts,
+    Queued,
+    QueuedMs,
 }
 
-const METRICS: [(&str, MetricType); 10] = [
+const METRICS: [(&str, MetricType); 12] = [
     ("llm_ratelimit.requests_allowed", MetricType::Counter),
     ("llm_ratelimit.requests_limited", MetricType::Counter),
     ("llm_ratelimit.requests_unidentified", MetricType::Counter),
@@ -32,6 +34,8 @@ const METRICS: [(&str, MetricType); 10] = [
     ("llm_ratelimit.local_decisions", MetricType::Counter),
     ("llm_ratelimit.lease_admissions", MetricType::Counter),
     ("llm_ratelimit.lease_callouts", MetricType::Counter),
+    ("llm_ratelimit.queued_requests", MetricType::Counter),
+    ("llm_ratelimit.queued_ms", MetricType::Counter),
 ];
 
 thread_local! {

@@ -19,12 +19,12 @@ use crate::breaker::{Breaker, Route};
 use crate::bucket::{check_and_charge, decode_states, encode_states};
 use crate::charge::{average_key, plan, ChargePlan};
 use crate::config::{Config, Dimension, FailureMode, MissingIdentity};
-use crate::decision::{self, Header, LocalReply, DEGRADED_HEADER, RESERVED_TOKENS_HEADER};
+use crate::decision::{self, Header, LocalReply, DEGRADED_HEADER, QUEUED_HEADER, RESERVED_TOKENS_HEADER};
 use crate::identity::{find_credential, tenant_id, ANONYMOUS_TENANT};
 use crate::lease::TenantLeases;
 use crate::protocol::{
     Adjustment, BucketKind, BucketSpec, LeaseRequest, Reservation, SettleOutcome, SettleReply, SettleRequest,
-    Settlement, TokenBucketReply, TokenBucketRequest, LEASE_PATH, RELEASE_PATH, SETTLE_PATH, TOKEN_BUCKET_PATH,
+    Settlement, TokenBucketReply, TokenBucketRequest, Wait, LEASE_PATH, RELEASE_PATH, SETTLE_PATH, TOKEN_BUCKET_PATH,
     TOKEN_HEADER, TOUCH_PATH,
 };
 use crate::reservation::{actual_tokens, credit, Ending, OutputAverage};
@@ -50,6 +50,8 @@ const SETTLE_QUEUE_CAPACITY: usize = 20_000;
 const MAX_SSE_EVENT: usize = 1 << 20;
 /// A JSON reply up to this size is parsed whole; past it only its tail is kept.
 const REPLY_WINDOW: usize = 256 * 1024;
+/// How long after its longest wait an abandoned request's cancellation may still arrive.
+const CANCEL_WINDOW_MS: u64 = 10_000;
 /// In the degraded mode a concurrency limit is a bucket that does not refill (a slot comes
 /// back when its request ends); this window makes the refill negligible.
 const LOCAL_SLOTS_NEVER_REFILL_MS: u64 = u64::MAX / 4;
@@ -107,6 +109,11 @@ fn lease_key(config: &Config, tenant: &str) -> String {
 
 fn local_key(config: &Config, tenant: &str) -> String {
     format!("llmrl.local.{}.{tenant}", config.domain)
+}
+
+/// How many requests this proxy has waiting in the queue.
+fn queue_key(config: &Config) -> String {
+    format!("llmrl.queued.{}", config.domain)
 }
 
 fn breaker_key(config: &Config) -> String {
@@ -299,6 +306,7 @@ impl Root {
                     domain: config.domain.clone(),
                     tenant: tenant.clone(),
                     reservation: None,
+                    cancel: false,
                     limits,
                 });
             }
@@ -500,6 +508,8 @@ struct RequestFilter {
     usage_remover: Option<UsageChunkRemover>,
     /// Size of the request body as read, for replacing it.
     body_len: usize,
+    /// The charge may wait in the queue: this request counts against its length.
+    queued: bool,
 }
 
 /// What to do with the paused request.
@@ -523,6 +533,7 @@ impl RequestFilter {
             upstream_error: false,
             usage_remover: None,
             body_len: 0,
+            queued: false,
         }
     }
 
@@ -578,6 +589,7 @@ impl RequestFilter {
 
     /// Sends the callout the mode calls for: a lease covering the request, or the charge.
     fn send(&mut self, config: &Config) -> Result<(), String> {
+        let wait = if config.lease.enabled { None } else { self.join_queue(config) };
         let Some(plan) = self.plan.as_ref() else { return Err("no plan".into()) };
         let (path, body) = if config.lease.enabled {
             self.ask = Ask::Lease;
@@ -605,8 +617,10 @@ impl RequestFilter {
             (LEASE_PATH, serde_json::to_vec(&request))
         } else {
             self.ask = Ask::Charge;
-            // A reservation records tokens to settle, and names the request's slots.
-            let reservation = (plan.estimate.is_some() || config.has_concurrency()).then(new_reservation_id);
+            // A reservation records tokens to settle, and names the request's slots and
+            // its place in the queue.
+            let reservation =
+                (plan.estimate.is_some() || config.has_concurrency() || wait.is_some()).then(new_reservation_id);
             if let Some(id) = &reservation {
                 self.admission = Some(Admission::Reserved(id.clone()));
             }
@@ -614,13 +628,60 @@ impl RequestFilter {
                 domain: config.domain.clone(),
                 tenant: self.tenant.clone(),
                 limits: plan.buckets.clone(),
-                reservation: reservation
-                    .map(|id| Reservation { id, ttl_ms: config.tokens.reservation_ttl.0.as_millis() as u64 }),
+                // Only tokens are settled against the record; slots and the queue use the id.
+                reservation: reservation.map(|id| Reservation {
+                    id,
+                    // A waiting charge keeps a record too: if its client gives up, the refund
+                    // of what it took is settled against it.
+                    // (only while it may still be cancelled, when there are no tokens to settle).
+                    ttl_ms: match (plan.estimate, &wait) {
+                        (Some(_), _) => config.tokens.reservation_ttl.0.as_millis() as u64,
+                        (None, Some(wait)) => wait.max_ms + CANCEL_WINDOW_MS,
+                        (None, None) => 0,
+                    },
+                }),
+                wait,
             };
             (TOKEN_BUCKET_PATH, serde_json::to_vec(&request))
         };
         let body = body.map_err(|e| e.to_string())?;
-        call_companion(config, path, &body, config.companion.timeout.0).map(|_token| ())
+        let timeout = config.companion.timeout.0 + if self.queued { config.queue.max_wait.0 } else { Duration::ZERO };
+        call_companion(config, path, &body, timeout).map(|_token| ())
+    }
+
+    /// Takes a place in the queue, if queueing is on and this proxy's queue has room: the
+    /// charge may then wait for capacity, in the companion, at this request's priority.
+    fn join_queue(&mut self, config: &Config) -> Option<Wait> {
+        let queue = &config.queue;
+        if !queue.enabled() {
+            return None;
+        }
+        let joined = host::shared_update(&queue_key(config), |bytes| {
+            let waiting = bytes.and_then(|b| b.try_into().ok()).map_or(0, u32::from_le_bytes);
+            let room = waiting < queue.max_length;
+            (room.then(|| (waiting + 1).to_le_bytes().to_vec()), room)
+        });
+        if joined != Some(true) {
+            return None;
+        }
+        self.queued = true;
+        let priority = queue
+            .priority_header
+            .as_deref()
+            .and_then(host::request_header)
+            .and_then(|value| value.trim().parse::<u8>().ok())
+            .filter(|p| *p <= 9)
+            .unwrap_or(queue.default_priority);
+        Some(Wait { max_ms: queue.max_wait.0.as_millis() as u64, priority, aging_ms: queue.aging.0.as_millis() as u64 })
+    }
+
+    fn leave_queue(&mut self, config: &Config) {
+        if std::mem::take(&mut self.queued) {
+            host::shared_update(&queue_key(config), |bytes| {
+                let waiting = bytes.and_then(|b| b.try_into().ok()).map_or(0, u32::from_le_bytes);
+                (Some(waiting.saturating_sub(1).to_le_bytes().to_vec()), ())
+            });
+        }
     }
 
     /// Admits from this proxy's lease, if it covers the request, or refuses it if Redis
@@ -686,6 +747,29 @@ impl RequestFilter {
             Err(why) => return self.callout_failed(config, &why),
         };
         callout_succeeded(config);
+        self.leave_queue(config);
+        if reply.waited_ms > 0 {
+            host::increment(Metric::Queued);
+            host::add(Metric::QueuedMs, reply.waited_ms);
+        }
+        let waited = reply.waited_ms;
+        let verdict = self.decide_reply(config, reply);
+        if waited == 0 {
+            return verdict;
+        }
+        match verdict {
+            Verdict::Forward(mut headers) => {
+                headers.push((QUEUED_HEADER, waited.to_string()));
+                Verdict::Forward(headers)
+            }
+            Verdict::Reply(mut local) => {
+                local.headers.push((QUEUED_HEADER, waited.to_string()));
+                Verdict::Reply(local)
+            }
+        }
+    }
+
+    fn decide_reply(&mut self, config: &Config, reply: TokenBucketReply) -> Verdict {
         if !reply.allowed {
             host::increment(Metric::Limited);
             self.admission = None; // nothing was charged
@@ -718,6 +802,7 @@ impl RequestFilter {
                         domain: config.domain.clone(),
                         tenant: self.tenant.clone(),
                         reservation: Some(id.clone()),
+                        cancel: false,
                         limits: adjustments(config, slots.map(|(i, _)| (i, 0))),
                     };
                     SLOTS.with(|s| s.borrow_mut().insert(id.clone(), settlement));
@@ -728,6 +813,7 @@ impl RequestFilter {
     }
 
     fn callout_failed(&mut self, config: &Config, why: &str) -> Verdict {
+        self.leave_queue(config);
         host::increment(Metric::CompanionFailures);
         callout_failed(config);
         self.fail_over(config, why)
@@ -792,6 +878,7 @@ impl RequestFilter {
                 domain: config.domain.clone(),
                 tenant: self.tenant.clone(),
                 reservation: None,
+                cancel: false,
                 limits,
             });
         }
@@ -891,9 +978,29 @@ impl RequestFilter {
                 domain: config.domain.clone(),
                 tenant: self.tenant.clone(),
                 reservation,
+                cancel: false,
                 limits,
             });
         }
+    }
+
+    /// The client gave up while the charge waited in the queue: stop the charge if it has
+    /// not happened yet, and refund everything it took if it has (one script call does
+    /// both, so one of the two is true).
+    fn cancel_queued(&mut self, config: &Config) {
+        let Some(Admission::Reserved(id)) = self.admission.take() else { return };
+        SLOTS.with(|s| s.borrow_mut().remove(&id));
+        let costs = self.costs();
+        let refunds = config.limits.iter().zip(&costs).enumerate().map(|(i, (limit, &cost))| {
+            (i, if limit.kind() == BucketKind::TokenBucket { i64::try_from(cost).unwrap_or(i64::MAX) } else { 0 })
+        });
+        queue_settlement(Settlement {
+            domain: config.domain.clone(),
+            tenant: self.tenant.clone(),
+            reservation: Some(id),
+            cancel: true,
+            limits: adjustments(config, refunds),
+        });
     }
 
     /// Tokens to give back for this request (negative: to take), from what it reserved and
@@ -1074,6 +1181,10 @@ impl HttpContext for RequestFilter {
         // The stream ended without a complete reply: the client left, the upstream broke,
         // or the reply had no body.
         let Some(config) = self.config.clone() else { return };
+        if self.queued && self.phase == Phase::Deciding {
+            self.cancel_queued(&config);
+        }
+        self.leave_queue(&config);
         let ending = if self.upstream_error { Ending::UpstreamError } else { Ending::Interrupted };
         self.settle(&config, ending);
     }

@@ -1,0 +1,121 @@
+//! Waiting for capacity instead of refusing at once. A charge that may wait is retried
+//! here as capacity comes back (tokens refill, slots are released), for up to its
+//! `max_ms`. Waiters of a tenant queue in a Redis sorted set shared by every companion,
+//! scored by `enqueued_ms - priority x aging_ms`: only the head may take capacity, so
+//! higher priorities go first, and a low priority request moves up as it waits (each
+//! priority level is worth `aging_ms` of waiting), so it is never starved. The limits
+//! themselves are still enforced by the charge script alone.
+//!
+//! A waiter whose client gives up is dropped with its HTTP request: its entry is removed
+//! then, and any entry left by a crashed companion is ignored once its deadline passed
+//! (the deadline is part of the member).
+
+use crate::store::{Script, Store};
+use crate::token_bucket::{self, Call};
+use llm_ratelimit::protocol::{BucketStatus, TokenBucketReply, TokenBucketRequest, Wait};
+use redis::Value;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+/// How often a waiter looks again when capacity should come back later than that: slots
+/// are released at unpredictable times.
+const POLL: Duration = Duration::from_millis(20);
+
+fn now_ms() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
+}
+
+/// Removes the waiter's entry when the wait ends, however it ends (also when the client
+/// gave up and the request future is dropped).
+struct Waiter {
+    store: Store,
+    key: String,
+    member: String,
+}
+
+impl Drop for Waiter {
+    fn drop(&mut self) {
+        let (store, key, member) =
+            (self.store.clone(), std::mem::take(&mut self.key), std::mem::take(&mut self.member));
+        tokio::spawn(async move {
+            let _ = store.query(redis::cmd("ZREM").arg(&key).arg(&member)).await;
+        });
+    }
+}
+
+/// Whether `member` is first among the waiters still within their deadline.
+async fn is_head(store: &Store, key: &str, member: &str) -> Result<bool, String> {
+    let value = store.query(redis::cmd("ZRANGE").arg(key).arg(0).arg(63)).await.map_err(|e| e.to_string())?;
+    let Value::Array(members) = value else { return Ok(true) };
+    let now = now_ms();
+    for entry in members {
+        let Value::BulkString(bytes) = entry else { continue };
+        let text = String::from_utf8_lossy(&bytes).into_owned();
+        let deadline = text.split_once(':').and_then(|(d, _)| d.parse::<u64>().ok()).unwrap_or(0);
+        if deadline < now {
+            let _ = store.query(redis::cmd("ZREM").arg(key).arg(&text)).await;
+            continue;
+        }
+        return Ok(text == member);
+    }
+    Ok(true)
+}
+
+async fn charge(
+    store: &Store,
+    script: &Script,
+    call: &Call,
+    request: &TokenBucketRequest,
+) -> Result<TokenBucketReply, String> {
+    let value = store.run(script, &call.keys, &call.args).await.map_err(|e| format!("redis: {e}"))?;
+    token_bucket::reply(request.limits.iter().map(|l| l.name.as_str()), &value)
+}
+
+/// Charges, waiting in the tenant's queue for up to `wait.max_ms` if there is no room yet.
+pub async fn charge_waiting(
+    store: &Store,
+    script: &Script,
+    prefix: &str,
+    request: &TokenBucketRequest,
+    wait: &Wait,
+) -> Result<TokenBucketReply, String> {
+    let id = request.reservation.as_ref().map_or("", |r| r.id.as_str());
+    let call = token_bucket::charge(prefix, request).with_cancel_marker(prefix, &request.domain, &request.tenant, id);
+    let started = Instant::now();
+    let max = Duration::from_millis(wait.max_ms);
+    let key = token_bucket::key(prefix, &request.domain, &request.tenant, "queue", "waiters");
+    let enqueued = now_ms();
+    let member = format!("{}:{id}", enqueued + wait.max_ms);
+    let score = enqueued as f64 - f64::from(wait.priority) * wait.aging_ms as f64;
+    let mut waiter: Option<Waiter> = None;
+    let mut last: Option<TokenBucketReply> = None;
+    loop {
+        let waited = started.elapsed();
+        if waiter.is_none() || is_head(store, &key, &member).await? {
+            let mut reply = charge(store, script, &call, request).await?;
+            reply.waited_ms = waited.as_millis() as u64;
+            let never = reply.limits.iter().any(|l| l.status == BucketStatus::Never);
+            let retry = reply.limits.iter().map(|l| l.retry_after_ms).max().unwrap_or(0);
+            if reply.allowed || never || waited + Duration::from_millis(retry) > max {
+                return Ok(reply);
+            }
+            if waiter.is_none() {
+                let add = redis::cmd("ZADD").arg(&key).arg(score).arg(&member).clone();
+                store.query(&add).await.map_err(|e| e.to_string())?;
+                let _ = store.query(redis::cmd("PEXPIRE").arg(&key).arg(wait.max_ms + 1000)).await;
+                waiter = Some(Waiter { store: store.clone(), key: key.clone(), member: member.clone() });
+            }
+            last = Some(reply);
+            tokio::time::sleep(Duration::from_millis(retry).clamp(Duration::from_millis(2), POLL)).await;
+        } else {
+            if waited >= max {
+                return last
+                    .map(|mut r| {
+                        r.waited_ms = waited.as_millis() as u64;
+                        r
+                    })
+                    .ok_or_else(|| "no answer".to_string());
+            }
+            tokio::time::sleep(POLL).await;
+        }
+    }
+}

@@ -1,0 +1,123 @@
+"""Queueing instead of an instant 429: requests wait (paused) for capacity up to
+`queue.max_wait`, higher priority first; a hopeless wait is refused at once; a client
+that gives up while queued leaves nothing behind."""
+
+import concurrent.futures
+import http.client
+import json
+import socket
+import statistics
+import time
+
+import pytest
+import redis
+
+from stack import envoy_config, free_port, tenant_of
+
+TOKEN = "queue-token"
+
+
+@pytest.fixture
+def env(stack):
+    _, redis_port = stack.redis()
+    _, companion_port = stack.companion(f"redis://127.0.0.1:{redis_port}", TOKEN)
+    _, mock_port = stack.mock()
+
+    def start(limits, queue):
+        config = {
+            "companion": {"upstream": "llm_ratelimit_companion", "token": TOKEN, "timeout": "2s"},
+            "failure_mode": "deny",
+            "limits": limits,
+            "queue": queue,
+        }
+        port = free_port()
+        stack.envoy(envoy_config(listen_port=port, admin_port=free_port(), upstream_port=mock_port,
+                                 companion_port=companion_port, filter_config=config))
+        return port
+
+    start.redis = redis.Redis(port=redis_port)
+    return start
+
+
+def send(port, key, priority=None):
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    headers = {"authorization": f"Bearer {key}", "content-type": "application/json"}
+    if priority is not None:
+        headers["x-priority"] = str(priority)
+    started = time.monotonic()
+    try:
+        conn.request("POST", "/v1/chat/completions", body=json.dumps({"model": "m", "messages": []}), headers=headers)
+        resp = conn.getresponse()
+        resp.read()
+        return resp.status, {k.lower(): v for k, v in resp.getheaders()}, started, time.monotonic()
+    finally:
+        conn.close()
+
+
+QUEUE = {"max_wait": "5s", "priority_header": "x-priority", "default_priority": 5, "aging": "10s"}
+
+
+def test_high_priority_goes_first_and_low_priority_still_gets_through(env):
+    # One request every 500 ms once the burst of 2 is spent.
+    port = env([{"name": "rps", "requests": 2, "window": "1s"}], QUEUE)
+    assert [send(port, "sk-q")[0] for _ in range(2)] == [200, 200]
+    with concurrent.futures.ThreadPoolExecutor(5) as pool:
+        lows = [pool.submit(send, port, "sk-q", 1) for _ in range(3)]
+        time.sleep(0.15)
+        highs = [pool.submit(send, port, "sk-q", 9) for _ in range(2)]
+        results = [(f.result(), 1) for f in lows] + [(f.result(), 9) for f in highs]
+    assert all(r[0][0] == 200 for r in results), [r[0][0] for r in results]
+    order = [priority for (_, _, _, done), priority in sorted(results, key=lambda r: r[0][3])]
+    print(f"\nadmission order by priority: {order}")
+    assert order == [9, 9, 1, 1, 1]
+    waits = sorted(int(r[0][1]["x-llm-ratelimit-queued-ms"]) for r in results)
+    assert waits[0] >= 200 and waits[-1] <= 5000
+
+
+def test_a_hopeless_wait_is_refused_at_once(env):
+    port = env([{"name": "rps", "requests": 2, "window": "1s"}], {**QUEUE, "max_wait": "300ms"})
+    assert [send(port, "sk-h")[0] for _ in range(2)] == [200, 200]
+    status, headers, started, done = send(port, "sk-h")
+    assert status == 429
+    assert done - started < 0.25, "the retry time (500 ms) is beyond max_wait: no waiting"
+    assert "x-llm-ratelimit-queued-ms" not in headers
+
+
+def test_a_client_that_gives_up_while_queued_leaves_nothing_behind(env):
+    port = env([{"name": "rp2s", "requests": 1, "window": "2s"}], QUEUE)
+    assert send(port, "sk-leave")[0] == 200
+    exhausted = time.monotonic()
+    sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+    body = b'{"model": "m", "messages": []}'
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-leave\r\n"
+                 b"content-type: application/json\r\n" + f"content-length: {len(body)}\r\n\r\n".encode() + body)
+    time.sleep(0.3)
+    sock.close()
+    waiters = f"llmrl:{{llm:{tenant_of('sk-leave')}}}:queue:waiters"
+    deadline = time.monotonic() + 3
+    while env.redis.zcard(waiters) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert env.redis.zcard(waiters) == 0, "the waiter left the queue"
+    # The abandoned request took nothing: the next token (2 s after the first) is free.
+    time.sleep(max(0, 2.1 - (time.monotonic() - exhausted)))
+    status, headers, started, done = send(port, "sk-leave")
+    assert status == 200 and done - started < 0.3
+    # Records remain only for the two admitted requests, and only while a cancellation
+    # could still come (max_wait + 10 s): the abandoned request left none.
+    records = env.redis.keys("llmrl:*:res:*")
+    assert len(records) == 2
+    assert all(0 < env.redis.pttl(r) <= 15_000 for r in records)
+
+
+def test_the_queue_costs_nothing_when_capacity_is_free(env):
+    with_queue = env([{"name": "rpm", "requests": 100_000, "window": "1m"}], QUEUE)
+    without = env([{"name": "rpm", "requests": 100_000, "window": "1m"}], {"max_wait": "0s"})
+    for port in (with_queue, without):
+        for _ in range(20):
+            send(port, "sk-free")  # warm up
+    latency = {}
+    for name, port in (("queue", with_queue), ("no queue", without)):
+        results = [send(port, f"sk-free-{name}") for _ in range(100)]
+        assert all(r[0] == 200 and "x-llm-ratelimit-queued-ms" not in r[1] for r in results)
+        latency[name] = statistics.median(r[3] - r[2] for r in results) * 1000
+    print(f"\np50 with the queue on: {latency['queue']:.3f} ms, off: {latency['no queue']:.3f} ms")
