@@ -33,6 +33,13 @@ pub struct Config {
     #[serde(default)]
     pub slots: Slots,
     #[serde(default)]
+    pub mode: Mode,
+    /// Which header conventions responses carry (`Retry-After` is always on a 429).
+    #[serde(default = "default_header_styles")]
+    pub headers: Vec<HeaderStyle>,
+    #[serde(default)]
+    pub bypass: Bypass,
+    #[serde(default)]
     pub queue: QueueConfig,
     #[serde(default)]
     pub fallback: Fallback,
@@ -243,6 +250,57 @@ impl Limit {
         } else {
             BucketKind::TokenBucket
         }
+    }
+}
+
+/// Whether decisions are carried out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Mode {
+    /// Requests over a limit are refused.
+    #[default]
+    Enforce,
+    /// Everything is computed, charged and settled as if enforced, and headers and metrics
+    /// say what would have happened, but no request is refused.
+    Shadow,
+}
+
+/// Rate-limit header conventions a response may carry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum HeaderStyle {
+    /// `x-ratelimit-{limit,remaining,reset}-{requests,tokens}` (and `-concurrency`).
+    Openai,
+    /// `RateLimit-Policy` and `RateLimit` (IETF draft).
+    Ietf,
+    /// `X-RateLimit-Limit`, `X-RateLimit-Remaining`, `X-RateLimit-Reset` for the most
+    /// restrictive limit.
+    Classic,
+}
+
+fn default_header_styles() -> Vec<HeaderStyle> {
+    vec![HeaderStyle::Openai, HeaderStyle::Ietf]
+}
+
+/// Requests never limited.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Bypass {
+    /// Tenant ids (as the filter derives them: the first 32 hex digits of SHA-256 over
+    /// "llm-ratelimit/tenant/v1\0" and the credential; `anonymous` for the pooled tenant).
+    pub tenants: Vec<String>,
+    /// Request paths, `*` matching any run of characters (`/v1/models*`).
+    pub paths: Vec<String>,
+}
+
+impl Bypass {
+    pub fn path(&self, path: &str) -> bool {
+        let path = path.split(['?', '#']).next().unwrap_or("");
+        self.paths.iter().any(|pattern| glob_match(pattern, path))
+    }
+
+    pub fn tenant(&self, tenant: &str) -> bool {
+        self.tenants.iter().any(|t| t == tenant)
     }
 }
 
@@ -577,6 +635,20 @@ impl Config {
                 return Err(invalid(field, format!("{value} is outside ({low}, {high}]")));
             }
         }
+        for (i, tenant) in self.bypass.tenants.iter().enumerate() {
+            let id = tenant.len() == 32 && tenant.bytes().all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase());
+            if !id && tenant != crate::identity::ANONYMOUS_TENANT {
+                return Err(invalid(
+                    format!("bypass.tenants[{i}]"),
+                    "must be a tenant id (32 lower-case hex digits), not a credential",
+                ));
+            }
+        }
+        for (i, path) in self.bypass.paths.iter().enumerate() {
+            if !path.starts_with('/') && !path.starts_with('*') {
+                return Err(invalid(format!("bypass.paths[{i}]"), format!("{path:?} must start with '/' or '*'")));
+            }
+        }
         let queue = &self.queue;
         if queue.max_wait.0 > Duration::from_secs(600) {
             return Err(invalid("queue.max_wait", format!("{:?} is outside 0s..10m", queue.max_wait.0)));
@@ -734,12 +806,25 @@ mod tests {
         assert_eq!(config.identity.sources, default_identity_sources());
         assert_eq!(config.identity.missing, MissingIdentity::Reject);
         assert_eq!(config.failure_mode, FailureMode::Local);
+        assert_eq!(config.mode, Mode::Enforce);
+        assert_eq!(config.headers, vec![HeaderStyle::Openai, HeaderStyle::Ietf]);
+        assert!(!config.bypass.path("/v1/chat/completions"));
         assert_eq!(config.fallback.instances, 1);
         assert!(!config.lease.enabled);
         assert!(!config.counts_tokens());
         assert!(config.hold_request_headers);
         assert_eq!(config.tokens.default_encoding, Encoding::O200kBase);
         assert_eq!(config.tokens.on_upstream_error, UpstreamErrorCharge::PromptOnly);
+    }
+
+    #[test]
+    fn bypass_matches_paths_and_tenant_ids() {
+        let json = r#"{"companion": {"upstream": "c", "token": "t"}, "limits": [{"name": "rpm", "requests": 1, "window": "1s"}],
+                       "bypass": {"paths": ["/v1/models*", "/healthz"], "tenants": ["0123456789abcdef0123456789abcdef"]}}"#;
+        let bypass = Config::from_json(json.as_bytes()).expect("config").bypass;
+        assert!(bypass.path("/v1/models") && bypass.path("/v1/models/gpt-4o?x=1") && bypass.path("/healthz"));
+        assert!(!bypass.path("/v1/chat/completions") && !bypass.path("/healthz/deep"));
+        assert!(bypass.tenant("0123456789abcdef0123456789abcdef") && !bypass.tenant("anonymous"));
     }
 
     #[test]
@@ -911,6 +996,22 @@ mod tests {
                 format!(r#"{{{companion}, {limits}, "fallback": {{"instances": 0}}}}"#),
                 "fallback.instances",
                 "0 is outside",
+            ),
+            (format!(r#"{{{companion}, {limits}, "mode": "dry_run"}}"#), "mode", "unknown variant `dry_run`"),
+            (
+                format!(r#"{{{companion}, {limits}, "headers": ["openai", "github"]}}"#),
+                "headers[1]",
+                "unknown variant `github`",
+            ),
+            (
+                format!(r#"{{{companion}, {limits}, "bypass": {{"tenants": ["sk-live-123"]}}}}"#),
+                "bypass.tenants[0]",
+                "not a credential",
+            ),
+            (
+                format!(r#"{{{companion}, {limits}, "bypass": {{"paths": ["v1/models"]}}}}"#),
+                "bypass.paths[0]",
+                "must start with",
             ),
             (
                 format!(r#"{{{companion}, "limits": [{{"name": "cc", "concurrency": 5, "window": "1m"}}]}}"#),

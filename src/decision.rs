@@ -1,7 +1,7 @@
 //! What the client sees: rate-limit headers on every response, and the local replies (429,
 //! 401, 413, 503) in OpenAI's error shape, so existing SDKs parse them and back off.
 
-use crate::config::{Config, Dimension};
+use crate::config::{Config, Dimension, HeaderStyle};
 use crate::duration::format_reset;
 use crate::protocol::{BucketOutcome, BucketStatus, TokenBucketReply};
 use serde_json::json;
@@ -13,6 +13,9 @@ pub type Header = (&'static str, String);
 pub const DEGRADED_HEADER: &str = "x-llm-ratelimit-degraded";
 /// The tokens a request reserved (prompt counted in the proxy plus completion estimate).
 pub const RESERVED_TOKENS_HEADER: &str = "x-llm-ratelimit-reserved-tokens";
+/// In shadow mode, on a request that enforcement would have refused: the status it would
+/// have had (`429`, `413`, `503`).
+pub const SHADOW_HEADER: &str = "x-llm-ratelimit-shadow";
 /// How long the request waited in the queue for capacity (ms).
 pub const QUEUED_HEADER: &str = "x-llm-ratelimit-queued-ms";
 
@@ -33,6 +36,30 @@ fn dimension_of(config: &Config, outcome: &BucketOutcome) -> Dimension {
 /// the IETF `RateLimit-Policy` / `RateLimit` fields listing every limit.
 pub fn rate_limit_headers(reply: &TokenBucketReply, config: &Config) -> Vec<Header> {
     let mut headers = Vec::new();
+    if config.headers.contains(&HeaderStyle::Openai) {
+        openai_headers(reply, config, &mut headers);
+    }
+    // The IETF and classic fields describe quotas per time window: concurrency is not one.
+    let windowed: Vec<_> = reply.limits.iter().filter(|o| dimension_of(config, o) != Dimension::Concurrency).collect();
+    if config.headers.contains(&HeaderStyle::Ietf) {
+        ietf_headers(&windowed, config, &mut headers);
+    }
+    if config.headers.contains(&HeaderStyle::Classic) {
+        // The most restrictive: the smallest share of its limit left.
+        let tightest = windowed.iter().min_by(|a, b| {
+            let share = |o: &BucketOutcome| o.remaining as f64 / o.limit.max(1) as f64;
+            share(a).total_cmp(&share(b))
+        });
+        if let Some(o) = tightest {
+            headers.push(("x-ratelimit-limit", o.limit.to_string()));
+            headers.push(("x-ratelimit-remaining", o.remaining.to_string()));
+            headers.push(("x-ratelimit-reset", o.reset_after_ms.div_ceil(1000).to_string()));
+        }
+    }
+    headers
+}
+
+fn openai_headers(reply: &TokenBucketReply, config: &Config, headers: &mut Vec<Header>) {
     for dimension in [Dimension::Requests, Dimension::Tokens, Dimension::Concurrency] {
         let tightest = reply
             .limits
@@ -57,8 +84,9 @@ pub fn rate_limit_headers(reply: &TokenBucketReply, config: &Config) -> Vec<Head
             }
         }
     }
-    // The IETF fields describe quotas per time window: concurrency is not one.
-    let windowed: Vec<_> = reply.limits.iter().filter(|o| dimension_of(config, o) != Dimension::Concurrency).collect();
+}
+
+fn ietf_headers(windowed: &[&BucketOutcome], config: &Config, headers: &mut Vec<Header>) {
     if !windowed.is_empty() {
         let seconds = |ms: u64| ms.div_ceil(1000);
         let policy = windowed
@@ -75,7 +103,6 @@ pub fn rate_limit_headers(reply: &TokenBucketReply, config: &Config) -> Vec<Head
         headers.push(("ratelimit-policy", policy.join(", ")));
         headers.push(("ratelimit", state.join(", ")));
     }
-    headers
 }
 
 /// The 429 for a reply that was not allowed. It names the limit that binds longest; when
@@ -255,6 +282,32 @@ mod tests {
         let body: serde_json::Value = serde_json::from_str(&reply.body).expect("json body");
         assert_eq!(body["error"]["type"], "concurrency");
         assert!(body["error"]["message"].as_str().unwrap_or("").contains("3 requests in flight at once"));
+    }
+
+    #[test]
+    fn header_styles_are_chosen_by_config() {
+        let reply = TokenBucketReply {
+            allowed: true,
+            waited_ms: 0,
+            limits: vec![
+                outcome("rpm", BucketStatus::Allowed, 20, 15, 15_000, 0),
+                outcome("tpm", BucketStatus::Allowed, 10_000, 1_000, 54_000, 0),
+            ],
+        };
+        let mut config = config();
+        config.headers = vec![HeaderStyle::Classic];
+        let headers = rate_limit_headers(&reply, &config);
+        let names: Vec<&str> = headers.iter().map(|(n, _)| *n).collect();
+        assert_eq!(names, ["x-ratelimit-limit", "x-ratelimit-remaining", "x-ratelimit-reset"]);
+        // tpm has 10% left, rpm 75%: tpm is the most restrictive.
+        assert_eq!(header(&headers, "x-ratelimit-limit"), Some("10000"));
+        assert_eq!(header(&headers, "x-ratelimit-reset"), Some("54"));
+        config.headers = vec![HeaderStyle::Ietf];
+        let headers = rate_limit_headers(&reply, &config);
+        assert_eq!(header(&headers, "x-ratelimit-remaining-requests"), None);
+        assert!(header(&headers, "ratelimit").is_some());
+        config.headers.clear();
+        assert!(rate_limit_headers(&reply, &config).is_empty());
     }
 
     #[test]

@@ -21,9 +21,11 @@ pub enum Metric {
     LeaseCallouts,
     Queued,
     QueuedMs,
+    Bypassed,
+    ShadowRefusals,
 }
 
-const METRICS: [(&str, MetricType); 12] = [
+const METRICS: [(&str, MetricType); 14] = [
     ("llm_ratelimit.requests_allowed", MetricType::Counter),
     ("llm_ratelimit.requests_limited", MetricType::Counter),
     ("llm_ratelimit.requests_unidentified", MetricType::Counter),
@@ -36,6 +38,8 @@ const METRICS: [(&str, MetricType); 12] = [
     ("llm_ratelimit.lease_callouts", MetricType::Counter),
     ("llm_ratelimit.queued_requests", MetricType::Counter),
     ("llm_ratelimit.queued_ms", MetricType::Counter),
+    ("llm_ratelimit.requests_bypassed", MetricType::Counter),
+    ("llm_ratelimit.shadow_refusals", MetricType::Counter),
 ];
 
 thread_local! {

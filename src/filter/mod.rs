@@ -18,8 +18,10 @@ mod host;
 use crate::breaker::{Breaker, Route};
 use crate::bucket::{check_and_charge, decode_states, encode_states};
 use crate::charge::{average_key, plan, ChargePlan};
-use crate::config::{Config, Dimension, FailureMode, MissingIdentity};
-use crate::decision::{self, Header, LocalReply, DEGRADED_HEADER, QUEUED_HEADER, RESERVED_TOKENS_HEADER};
+use crate::config::{Config, Dimension, FailureMode, MissingIdentity, Mode};
+use crate::decision::{
+    self, Header, LocalReply, DEGRADED_HEADER, QUEUED_HEADER, RESERVED_TOKENS_HEADER, SHADOW_HEADER,
+};
 use crate::identity::{find_credential, tenant_id, ANONYMOUS_TENANT};
 use crate::lease::TenantLeases;
 use crate::protocol::{
@@ -589,7 +591,8 @@ impl RequestFilter {
 
     /// Sends the callout the mode calls for: a lease covering the request, or the charge.
     fn send(&mut self, config: &Config) -> Result<(), String> {
-        let wait = if config.lease.enabled { None } else { self.join_queue(config) };
+        // In shadow mode nothing waits: the queue would enforce.
+        let wait = if config.lease.enabled || config.mode == Mode::Shadow { None } else { self.join_queue(config) };
         let Some(plan) = self.plan.as_ref() else { return Err("no plan".into()) };
         let (path, body) = if config.lease.enabled {
             self.ask = Ask::Lease;
@@ -910,8 +913,23 @@ impl RequestFilter {
         }
     }
 
-    /// Carries a verdict out. `paused` says whether the request is waiting on us.
+    /// Carries a verdict out. `paused` says whether the request is waiting on us. In
+    /// shadow mode a refusal is forwarded instead, marked with what it would have been.
     fn apply(&mut self, verdict: Verdict, paused: bool) -> Action {
+        let shadow = self.config.as_ref().is_some_and(|c| c.mode == Mode::Shadow);
+        let verdict = match verdict {
+            Verdict::Reply(reply) if shadow && matches!(reply.status, 413 | 429 | 503) => {
+                host::increment(Metric::ShadowRefusals);
+                let mut headers: Vec<Header> = reply
+                    .headers
+                    .into_iter()
+                    .filter(|(name, _)| *name != "retry-after" && *name != "content-type")
+                    .collect();
+                headers.push((SHADOW_HEADER, reply.status.to_string()));
+                Verdict::Forward(headers)
+            }
+            other => other,
+        };
         match verdict {
             Verdict::Forward(headers) => {
                 self.phase = Phase::Forwarded;
@@ -1085,9 +1103,17 @@ impl Context for RequestFilter {
 impl HttpContext for RequestFilter {
     fn on_http_request_headers(&mut self, _headers: usize, end_of_stream: bool) -> Action {
         let Some(config) = self.config.clone() else { return Action::Continue };
+        if !config.bypass.paths.is_empty() && config.bypass.path(&host::request_header(":path").unwrap_or_default()) {
+            host::increment(Metric::Bypassed);
+            return Action::Continue;
+        }
         match self.identify(&config) {
             Ok(tenant) => self.tenant = tenant,
             Err(verdict) => return self.apply(verdict, false),
+        }
+        if config.bypass.tenant(&self.tenant) {
+            host::increment(Metric::Bypassed);
+            return Action::Continue;
         }
         if !config.counts_tokens() {
             return self.charge(&config, None);

@@ -1,0 +1,88 @@
+"""Policy options end to end: shadow mode, header styles, and the bypass list."""
+
+import http.client
+import json
+
+import pytest
+
+from stack import envoy_config, free_port, http_get, tenant_of
+
+TOKEN = "policies-token"
+
+
+@pytest.fixture
+def start(stack):
+    _, redis_port = stack.redis()
+    _, companion_port = stack.companion(f"redis://127.0.0.1:{redis_port}", TOKEN)
+    _, mock_port = stack.mock()
+
+    def start_envoy(**options):
+        config = {
+            "companion": {"upstream": "llm_ratelimit_companion", "token": TOKEN, "timeout": "2s"},
+            "failure_mode": "deny",
+            "limits": [{"name": "rpm", "requests": 2, "window": "1h"}],
+            **options,
+        }
+        port = free_port()
+        stack.envoy(envoy_config(listen_port=port, admin_port=free_port(), upstream_port=mock_port,
+                                 companion_port=companion_port, filter_config=config))
+        return port
+
+    start_envoy.mock_port = mock_port
+    return start_envoy
+
+
+def send(port, key="sk-p", path="/v1/chat/completions"):
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        conn.request("POST", path, body=json.dumps({"model": "m", "messages": []}),
+                     headers={"authorization": f"Bearer {key}", "content-type": "application/json"})
+        resp = conn.getresponse()
+        resp.read()
+        return resp.status, {k.lower(): v for k, v in resp.getheaders()}
+    finally:
+        conn.close()
+
+
+def upstream_received(mock_port):
+    return json.loads(http_get(f"http://127.0.0.1:{mock_port}/mock/stats")[1])["received"]
+
+
+def test_shadow_mode_never_refuses_but_says_what_would_have_happened(start):
+    port = start(mode="shadow")
+    results = [send(port) for _ in range(4)]
+    assert [r[0] for r in results] == [200] * 4
+    assert [r[1].get("x-llm-ratelimit-shadow") for r in results] == [None, None, "429", "429"]
+    assert results[3][1]["x-ratelimit-remaining-requests"] == "0"
+    assert "retry-after" not in results[3][1]
+    assert upstream_received(start.mock_port) == 4
+
+
+@pytest.mark.parametrize(
+    "styles, present, absent",
+    [
+        (["classic"], ["x-ratelimit-limit", "x-ratelimit-remaining", "x-ratelimit-reset"], ["x-ratelimit-limit-requests", "ratelimit"]),
+        (["ietf"], ["ratelimit", "ratelimit-policy"], ["x-ratelimit-limit-requests", "x-ratelimit-limit"]),
+        (["openai", "ietf", "classic"], ["x-ratelimit-limit-requests", "ratelimit", "x-ratelimit-limit"], []),
+    ],
+)
+def test_header_styles_appear_as_configured(start, styles, present, absent):
+    port = start(headers=styles)
+    results = [send(port) for _ in range(3)]
+    assert [r[0] for r in results] == [200, 200, 429]
+    for status, headers in results:
+        for name in present:
+            assert name in headers, (styles, name)
+        for name in absent:
+            assert name not in headers, (styles, name)
+    assert results[2][1]["retry-after"]  # always on a 429
+    if "classic" in styles:
+        assert results[1][1]["x-ratelimit-remaining"] == "0"
+
+
+def test_bypassed_paths_and_tenants_are_never_limited(start):
+    vip = "sk-vip"
+    port = start(bypass={"paths": ["/v1/models*"], "tenants": [tenant_of(vip)]})
+    assert [send(port, path="/v1/models")[0] for _ in range(4)] == [404] * 4  # the mock's answer, unlimited
+    assert all("x-ratelimit-limit-requests" not in send(port, key=vip)[1] for _ in range(4))
+    assert [send(port)[0] for _ in range(3)] == [200, 200, 429]  # others are limited as usual
