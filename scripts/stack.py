@@ -271,6 +271,38 @@ class Stack:
         return proc, admin_port
 
 
+class Backend:
+    """What every filter test runs against: Redis, the companion and the mock upstream,
+    and Envoys started with a given filter config pointing at them."""
+
+    def __init__(self, stack: Stack, token: str, redis_timeout: str = "500ms", mock_args: list[str] | None = None):
+        self.stack, self.token = stack, token
+        self.redis_proc, self.redis_port = stack.redis()
+        self.companion_proc, self.companion_port = stack.companion(
+            f"redis://127.0.0.1:{self.redis_port}", token, redis_timeout=redis_timeout)
+        self.mock_proc, self.mock_port = stack.mock(extra=mock_args)
+
+    def filter_config(self, limits: list[dict], **options) -> dict:
+        """A filter config for these limits; `failure_mode` deny unless given, so that a
+        slow callout shows as a 503 rather than a silent pass in tests that count."""
+        return {
+            "companion": {"upstream": "llm_ratelimit_companion", "token": self.token, "timeout": "2s"},
+            "failure_mode": "deny",
+            "limits": limits,
+            **options,
+        }
+
+    def envoy(self, config: dict | str, name: str = "envoy", companion_port: int | None = None) -> tuple[int, Process]:
+        """Starts an Envoy with this filter config; returns its listener port and process."""
+        port = free_port()
+        proc, _ = self.stack.envoy(
+            envoy_config(listen_port=port, admin_port=free_port(), upstream_port=self.mock_port,
+                         companion_port=companion_port or self.companion_port, filter_config=config),
+            name=name,
+        )
+        return port, proc
+
+
 def _redis_ping(port: int) -> bool:
     with socket.create_connection(("127.0.0.1", port), timeout=1) as s:
         s.sendall(b"PING\r\n")

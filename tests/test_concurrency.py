@@ -10,27 +10,18 @@ import time
 
 import pytest
 
-from stack import envoy_config, free_port, wait_until
+from stack import Backend, wait_until
 
 TOKEN = "concurrency-token"
 
 
 @pytest.fixture
 def env(stack):
-    _, redis_port = stack.redis()
-    _, companion_port = stack.companion(f"redis://127.0.0.1:{redis_port}", TOKEN)
-    _, mock_port = stack.mock()
+    backend = Backend(stack, TOKEN)
 
     def start(capacity, name="envoy", ttl="30s"):
-        config = {
-            "companion": {"upstream": "llm_ratelimit_companion", "token": TOKEN, "timeout": "2s"},
-            "failure_mode": "deny",
-            "limits": [{"name": "rpm", "requests": 1000, "window": "1m"}, {"name": "inflight", "concurrency": capacity}],
-            "slots": {"ttl": ttl},
-        }
-        port = free_port()
-        proc, _ = stack.envoy(envoy_config(listen_port=port, admin_port=free_port(), upstream_port=mock_port,
-                                           companion_port=companion_port, filter_config=config), name=name)
+        limits = [{"name": "rpm", "requests": 1000, "window": "1m"}, {"name": "inflight", "concurrency": capacity}]
+        port, proc = backend.envoy(backend.filter_config(limits, slots={"ttl": ttl}), name=name)
         return port, proc
 
     return start

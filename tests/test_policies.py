@@ -5,30 +5,20 @@ import json
 
 import pytest
 
-from stack import envoy_config, free_port, http_get, tenant_of
+from stack import Backend, http_get, tenant_of
 
 TOKEN = "policies-token"
 
 
 @pytest.fixture
 def start(stack):
-    _, redis_port = stack.redis()
-    _, companion_port = stack.companion(f"redis://127.0.0.1:{redis_port}", TOKEN)
-    _, mock_port = stack.mock()
+    backend = Backend(stack, TOKEN)
 
     def start_envoy(**options):
-        config = {
-            "companion": {"upstream": "llm_ratelimit_companion", "token": TOKEN, "timeout": "2s"},
-            "failure_mode": "deny",
-            "limits": [{"name": "rpm", "requests": 2, "window": "1h"}],
-            **options,
-        }
-        port = free_port()
-        stack.envoy(envoy_config(listen_port=port, admin_port=free_port(), upstream_port=mock_port,
-                                 companion_port=companion_port, filter_config=config))
-        return port
+        limits = [{"name": "rpm", "requests": 2, "window": "1h"}]
+        return backend.envoy(backend.filter_config(limits, **options))[0]
 
-    start_envoy.mock_port = mock_port
+    start_envoy.mock_port = backend.mock_port
     return start_envoy
 
 

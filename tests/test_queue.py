@@ -12,30 +12,19 @@ import time
 import pytest
 import redis
 
-from stack import envoy_config, free_port, tenant_of
+from stack import Backend, tenant_of
 
 TOKEN = "queue-token"
 
 
 @pytest.fixture
 def env(stack):
-    _, redis_port = stack.redis()
-    _, companion_port = stack.companion(f"redis://127.0.0.1:{redis_port}", TOKEN)
-    _, mock_port = stack.mock()
+    backend = Backend(stack, TOKEN)
 
     def start(limits, queue):
-        config = {
-            "companion": {"upstream": "llm_ratelimit_companion", "token": TOKEN, "timeout": "2s"},
-            "failure_mode": "deny",
-            "limits": limits,
-            "queue": queue,
-        }
-        port = free_port()
-        stack.envoy(envoy_config(listen_port=port, admin_port=free_port(), upstream_port=mock_port,
-                                 companion_port=companion_port, filter_config=config))
-        return port
+        return backend.envoy(backend.filter_config(limits, queue=queue))[0]
 
-    start.redis = redis.Redis(port=redis_port)
+    start.redis = redis.Redis(port=backend.redis_port)
     return start
 
 
