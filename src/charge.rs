@@ -2,7 +2,7 @@
 //! estimate against every token limit, decided from the path and body alone.
 
 use crate::config::{model_rule, Config, Dimension};
-use crate::protocol::BucketSpec;
+use crate::protocol::{BucketSpec, TokenBucketReply};
 use crate::request::{Api, LlmRequest};
 use crate::reservation::{estimate_output, OutputAverage, TokenEstimate};
 use crate::tokens::Encoding;
@@ -40,7 +40,22 @@ impl ChargePlan {
 
     /// Buckets charged by the token estimate, for settling.
     pub fn token_buckets<'a>(&'a self, config: &'a Config) -> impl Iterator<Item = &'a BucketSpec> + 'a {
-        self.buckets.iter().filter(|b| config.limit(&b.name).is_some_and(|l| l.dimension() == Dimension::Tokens))
+        self.buckets
+            .iter()
+            .filter(|b| b.cost > 0 && config.limit(&b.name).is_some_and(|l| l.dimension() == Dimension::Tokens))
+    }
+
+    /// Whether the limit at `index` applies to this request (is charged something).
+    pub fn applies(&self, index: usize) -> bool {
+        self.buckets.get(index).is_some_and(|b| b.cost > 0)
+    }
+
+    /// The reply's outcomes for the limits that apply to this request: what headers and
+    /// 429s should speak of.
+    pub fn relevant(&self, reply: &TokenBucketReply) -> TokenBucketReply {
+        let limits =
+            reply.limits.iter().zip(&self.buckets).filter(|(_, b)| b.cost > 0).map(|(o, _)| o.clone()).collect();
+        TokenBucketReply { allowed: reply.allowed, waited_ms: reply.waited_ms, limits }
     }
 }
 
@@ -65,6 +80,7 @@ pub fn plan(
     let mut min_output = None;
     let estimate = match (&request, body) {
         (_, None) => None,
+        _ if !config.counts_tokens() => None,
         (Some(request), Some(_)) => {
             let prompt = (request.prompt_tokens(rule.encoding) as f64 * rule.factor).ceil() as u64;
             let cap = request.max_output.or(rule.max_output).unwrap_or(policy.default_max_output);
@@ -88,12 +104,15 @@ pub fn plan(
             name: limit.name.clone(),
             capacity: limit.capacity(),
             window_ms: limit.window_ms(),
-            cost: match limit.dimension() {
-                Dimension::Requests | Dimension::Concurrency => 1,
-                Dimension::Tokens => estimate.map_or(0, TokenEstimate::total),
+            // A limit for other models is still asked about (cost 0 only looks), so every
+            // plan has one bucket per configured limit, in config order.
+            cost: match (limit.applies_to(&model), limit.dimension()) {
+                (false, _) => 0,
+                (true, Dimension::Requests | Dimension::Concurrency) => 1,
+                (true, Dimension::Tokens) => estimate.map_or(0, TokenEstimate::total),
             },
-            min_cost: match (limit.dimension(), estimate, min_output) {
-                (Dimension::Tokens, Some(estimate), Some(min_output)) => Some(estimate.prompt + min_output),
+            min_cost: match (limit.applies_to(&model), limit.dimension(), estimate, min_output) {
+                (true, Dimension::Tokens, Some(estimate), Some(min_output)) => Some(estimate.prompt + min_output),
                 _ => None,
             },
             kind: limit.kind(),
@@ -140,6 +159,24 @@ mod tests {
             (model == "gpt-4o").then(|| OutputAverage::first(40))
         });
         assert_eq!(plan.estimate, Some(TokenEstimate { prompt: 9, output: 60 }));
+    }
+
+    #[test]
+    fn a_per_model_limit_charges_only_its_models() {
+        let json = r#"{"companion": {"upstream": "c", "token": "t"}, "limits": [
+            {"name": "rpm", "requests": 20, "window": "1m"},
+            {"name": "gpt4o-rpm", "requests": 5, "window": "1m", "models": ["gpt-4o*"]}]}"#;
+        let config = Config::from_json(json.as_bytes()).expect("config");
+        assert!(config.reads_body() && !config.counts_tokens());
+        let costs = |model: &str| {
+            let body = format!(r#"{{"model":"{model}","messages":[]}}"#);
+            let plan = plan(&config, "/v1/chat/completions", Some(body.as_bytes()), |_| None);
+            assert_eq!(plan.estimate, None, "no token limit: nothing to estimate");
+            plan.buckets.iter().map(|b| b.cost).collect::<Vec<_>>()
+        };
+        assert_eq!(costs("gpt-4o"), [1, 1]);
+        assert_eq!(costs("gpt-4o-mini"), [1, 1]);
+        assert_eq!(costs("o3"), [1, 0]);
     }
 
     #[test]

@@ -201,6 +201,10 @@ pub struct Limit {
     /// For a concurrency limit, set by validation to `slots.ttl`.
     #[serde(default)]
     pub window: Option<ConfigDuration>,
+    /// Models this limit applies to (`*` matches any run of characters: `gpt-4o*`); empty:
+    /// every request.
+    #[serde(default)]
+    pub models: Vec<String>,
 }
 
 /// What a limit counts.
@@ -241,6 +245,11 @@ impl Limit {
     /// The refill window; for a concurrency limit, how long a slot lives unrenewed.
     pub fn window_ms(&self) -> u64 {
         self.window.map_or(0, |w| w.0.as_millis() as u64)
+    }
+
+    /// Whether a request for `model` (empty: unknown) is charged against this limit.
+    pub fn applies_to(&self, model: &str) -> bool {
+        self.models.is_empty() || self.models.iter().any(|pattern| glob_match(pattern, model))
     }
 
     /// What this limit is in Redis.
@@ -574,6 +583,9 @@ impl Config {
             if amount == 0 || amount > 1_000_000_000_000 {
                 return Err(invalid(format!("limits[{i}].{field}"), format!("{amount} is outside 1..1000000000000")));
             }
+            if let Some(at) = limit.models.iter().position(|m| m.is_empty()) {
+                return Err(invalid(format!("limits[{i}].models[{at}]"), "must not be empty"));
+            }
             match (limit.dimension(), limit.window) {
                 (Dimension::Concurrency, Some(_)) => {
                     return Err(invalid(
@@ -734,6 +746,12 @@ impl Config {
     /// Whether any limit counts tokens, so the body must be read.
     pub fn counts_tokens(&self) -> bool {
         self.limits.iter().any(|l| l.dimension() == Dimension::Tokens)
+    }
+
+    /// Whether the request body must be read before deciding: to count tokens, or to
+    /// learn the model a per-model limit depends on.
+    pub fn reads_body(&self) -> bool {
+        self.counts_tokens() || self.limits.iter().any(|l| !l.models.is_empty())
     }
 
     pub fn has_concurrency(&self) -> bool {
@@ -998,6 +1016,13 @@ mod tests {
                 "0 is outside",
             ),
             (format!(r#"{{{companion}, {limits}, "mode": "dry_run"}}"#), "mode", "unknown variant `dry_run`"),
+            (
+                format!(
+                    r#"{{{companion}, "limits": [{{"name": "m", "requests": 1, "window": "1m", "models": ["gpt-4o*", ""]}}]}}"#
+                ),
+                "limits[0].models[1]",
+                "must not be empty",
+            ),
             (
                 format!(r#"{{{companion}, {limits}, "headers": ["openai", "github"]}}"#),
                 "headers[1]",

@@ -19,13 +19,14 @@ def start(stack):
         return backend.envoy(backend.filter_config(limits, **options))[0]
 
     start_envoy.mock_port = backend.mock_port
+    start_envoy.backend = backend
     return start_envoy
 
 
-def send(port, key="sk-p", path="/v1/chat/completions"):
+def send(port, key="sk-p", path="/v1/chat/completions", model="m"):
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
     try:
-        conn.request("POST", path, body=json.dumps({"model": "m", "messages": []}),
+        conn.request("POST", path, body=json.dumps({"model": model, "messages": []}),
                      headers={"authorization": f"Bearer {key}", "content-type": "application/json"})
         resp = conn.getresponse()
         resp.read()
@@ -76,3 +77,18 @@ def test_bypassed_paths_and_tenants_are_never_limited(start):
     assert [send(port, path="/v1/models")[0] for _ in range(4)] == [404] * 4  # the mock's answer, unlimited
     assert all("x-ratelimit-limit-requests" not in send(port, key=vip)[1] for _ in range(4))
     assert [send(port)[0] for _ in range(3)] == [200, 200, 429]  # others are limited as usual
+
+
+@pytest.mark.parametrize("lease", [False, True], ids=["direct", "lease"])
+def test_a_per_model_limit_applies_across_its_models_only(start, lease):
+    backend = start.backend
+    limits = [{"name": "rpm", "requests": 100, "window": "1h"},
+              {"name": "gpt4o-rph", "requests": 3, "window": "1h", "models": ["gpt-4o*"]}]
+    port, _ = backend.envoy(backend.filter_config(limits, lease={"enabled": lease}))
+    variants = ["gpt-4o", "gpt-4o-mini", "gpt-4o-2024-08-06", "gpt-4o"]
+    results = [send(port, model=model) for model in variants]
+    assert [r[0] for r in results] == [200, 200, 200, 429]
+    assert "gpt4o-rph" in results[0][1]["ratelimit-policy"]
+    # Another model is charged against the tenant's limits only, and hears nothing of it.
+    status, headers = send(port, model="o3-mini")
+    assert status == 200 and "gpt4o-rph" not in headers["ratelimit-policy"]

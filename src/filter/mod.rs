@@ -264,7 +264,12 @@ impl Root {
                     name: limit.name.clone(),
                     capacity: limit.capacity(),
                     window_ms: limit.window_ms(),
-                    cost: lease.next_size(&policy, limit.capacity(), now).ceil() as u64,
+                    // Only limits this tenant has used (per-model limits may not apply to it).
+                    cost: if lease.granted > 0.0 {
+                        lease.next_size(&policy, limit.capacity(), now).ceil() as u64
+                    } else {
+                        0
+                    },
                     min_cost: Some(0),
                     kind: limit.kind(),
                 })
@@ -606,7 +611,12 @@ impl RequestFilter {
                 .iter()
                 .zip(&leases.0)
                 .map(|(bucket, lease)| BucketSpec {
-                    cost: (lease.next_size(&policy, bucket.capacity, now).ceil() as u64).max(bucket.cost),
+                    // A limit this request does not touch is not leased until one does.
+                    cost: if bucket.cost == 0 && lease.granted == 0.0 {
+                        0
+                    } else {
+                        (lease.next_size(&policy, bucket.capacity, now).ceil() as u64).max(bucket.cost)
+                    },
                     min_cost: Some(bucket.cost),
                     ..bucket.clone()
                 })
@@ -720,7 +730,7 @@ impl RequestFilter {
             Err(refusal) => {
                 host::increment(Metric::Limited);
                 let reserved = self.plan.as_ref().and_then(|p| p.estimate).map_or(0, |e| e.total());
-                Some(Verdict::Reply(decision::rejection(&refusal, config, reserved)))
+                Some(Verdict::Reply(decision::rejection(&self.relevant(&refusal), config, reserved)))
             }
         }
     }
@@ -733,8 +743,13 @@ impl RequestFilter {
         Verdict::Forward(self.admitted_headers(config, &leases.as_reply(&buckets)))
     }
 
+    /// The reply as it concerns this request: the limits that apply to it.
+    fn relevant(&self, reply: &TokenBucketReply) -> TokenBucketReply {
+        self.plan.as_ref().map_or_else(|| reply.clone(), |plan| plan.relevant(reply))
+    }
+
     fn admitted_headers(&mut self, config: &Config, reply: &TokenBucketReply) -> Vec<Header> {
-        let mut headers = decision::rate_limit_headers(reply, config);
+        let mut headers = decision::rate_limit_headers(&self.relevant(reply), config);
         if let Some(reserved) = self.plan.as_ref().and_then(|p| p.estimate).map(|e| e.total()) {
             host::add(Metric::TokensReserved, reserved);
             headers.push((RESERVED_TOKENS_HEADER, reserved.to_string()));
@@ -786,7 +801,7 @@ impl RequestFilter {
                 });
             }
             let reserved = self.plan.as_ref().and_then(|p| p.estimate).map_or(0, |e| e.total());
-            return Verdict::Reply(decision::rejection(&reply, config, reserved));
+            return Verdict::Reply(decision::rejection(&self.relevant(&reply), config, reserved));
         }
         match self.ask {
             Ask::Lease => {
@@ -800,7 +815,12 @@ impl RequestFilter {
                 host::increment(Metric::Allowed);
                 self.rewrite_body(config, &reply);
                 if let (true, Some(Admission::Reserved(id))) = (config.has_concurrency(), &self.admission) {
-                    let slots = config.limits.iter().enumerate().filter(|(_, l)| l.kind() == BucketKind::Slots);
+                    let costs = self.costs();
+                    let slots = config
+                        .limits
+                        .iter()
+                        .enumerate()
+                        .filter(|(i, l)| l.kind() == BucketKind::Slots && costs.get(*i).is_some_and(|&c| c > 0));
                     let settlement = Settlement {
                         domain: config.domain.clone(),
                         tenant: self.tenant.clone(),
@@ -868,7 +888,7 @@ impl RequestFilter {
         if !reply.allowed {
             host::increment(Metric::Limited);
             let reserved = self.plan.as_ref().and_then(|p| p.estimate).map_or(0, |e| e.total());
-            let mut rejection = decision::rejection(&reply, config, reserved);
+            let mut rejection = decision::rejection(&self.relevant(&reply), config, reserved);
             rejection.headers.append(&mut headers);
             return Verdict::Reply(rejection);
         }
@@ -953,10 +973,24 @@ impl RequestFilter {
     fn settle(&mut self, config: &Config, ending: Ending) {
         let Some(admission) = self.admission.take() else { return };
         let credit = self.token_credit(config, ending);
-        let slot_limits =
-            config.limits.iter().enumerate().filter(|(_, l)| l.kind() == BucketKind::Slots).map(|(i, _)| i);
-        let token_limits =
-            config.limits.iter().enumerate().filter(|(_, l)| l.dimension() == Dimension::Tokens).map(|(i, _)| i);
+        // Only the limits this request was charged against (per-model limits may not apply).
+        let applies: Vec<bool> =
+            (0..config.limits.len()).map(|i| self.plan.as_ref().is_some_and(|p| p.applies(i))).collect();
+        let applying = |i: &usize| applies.get(*i).copied().unwrap_or(false);
+        let slot_limits = config
+            .limits
+            .iter()
+            .enumerate()
+            .filter(|(_, l)| l.kind() == BucketKind::Slots)
+            .map(|(i, _)| i)
+            .filter(applying);
+        let token_limits = config
+            .limits
+            .iter()
+            .enumerate()
+            .filter(|(_, l)| l.dimension() == Dimension::Tokens)
+            .map(|(i, _)| i)
+            .filter(applying);
         let reservation = match admission {
             Admission::Reserved(id) => {
                 if let Some(slots) = SLOTS.with(|s| s.borrow_mut().remove(&id)) {
@@ -1115,7 +1149,7 @@ impl HttpContext for RequestFilter {
             host::increment(Metric::Bypassed);
             return Action::Continue;
         }
-        if !config.counts_tokens() {
+        if !config.reads_body() {
             return self.charge(&config, None);
         }
         if end_of_stream {
