@@ -69,6 +69,7 @@ pub fn average_key(domain: &str, tenant: &str, model: &str) -> String {
 pub fn plan(
     config: &Config,
     path: &str,
+    tier: &str,
     body: Option<&[u8]>,
     average: impl Fn(&str) -> Option<OutputAverage>,
 ) -> ChargePlan {
@@ -106,12 +107,12 @@ pub fn plan(
             window_ms: limit.window_ms(),
             // A limit for other models is still asked about (cost 0 only looks), so every
             // plan has one bucket per configured limit, in config order.
-            cost: match (limit.applies_to(&model), limit.dimension()) {
+            cost: match (limit.applies_to(&model, tier), limit.dimension()) {
                 (false, _) => 0,
                 (true, Dimension::Requests | Dimension::Concurrency) => 1,
                 (true, Dimension::Tokens) => estimate.map_or(0, TokenEstimate::total),
             },
-            min_cost: match (limit.applies_to(&model), limit.dimension(), estimate, min_output) {
+            min_cost: match (limit.applies_to(&model, tier), limit.dimension(), estimate, min_output) {
                 (true, Dimension::Tokens, Some(estimate), Some(min_output)) => Some(estimate.prompt + min_output),
                 _ => None,
             },
@@ -143,7 +144,7 @@ mod tests {
     #[cfg_attr(target_arch = "wasm32", wasm_bindgen_test::wasm_bindgen_test)]
     fn charges_one_request_and_the_token_estimate() {
         let config = config("{}");
-        let plan = plan(&config, "/v1/chat/completions", Some(CHAT.as_bytes()), |_| None);
+        let plan = plan(&config, "/v1/chat/completions", "", Some(CHAT.as_bytes()), |_| None);
         assert_eq!(plan.estimate, Some(TokenEstimate { prompt: 9, output: 300 }));
         let costs: Vec<u64> = plan.buckets.iter().map(|b| b.cost).collect();
         assert_eq!(costs, [1, 309]);
@@ -155,7 +156,7 @@ mod tests {
     #[test]
     fn the_running_average_shortens_the_estimate() {
         let config = config("{}");
-        let plan = plan(&config, "/v1/chat/completions", Some(CHAT.as_bytes()), |model| {
+        let plan = plan(&config, "/v1/chat/completions", "", Some(CHAT.as_bytes()), |model| {
             (model == "gpt-4o").then(|| OutputAverage::first(40))
         });
         assert_eq!(plan.estimate, Some(TokenEstimate { prompt: 9, output: 60 }));
@@ -170,7 +171,7 @@ mod tests {
         assert!(config.reads_body() && !config.counts_tokens());
         let costs = |model: &str| {
             let body = format!(r#"{{"model":"{model}","messages":[]}}"#);
-            let plan = plan(&config, "/v1/chat/completions", Some(body.as_bytes()), |_| None);
+            let plan = plan(&config, "/v1/chat/completions", "", Some(body.as_bytes()), |_| None);
             assert_eq!(plan.estimate, None, "no token limit: nothing to estimate");
             plan.buckets.iter().map(|b| b.cost).collect::<Vec<_>>()
         };
@@ -185,7 +186,7 @@ mod tests {
             r#"{"models": [{"match": "claude-*", "encoding": "cl100k_base", "factor": 2.0, "max_output": 64}]}"#,
         );
         let body = r#"{"model":"claude-sonnet-4-5","messages":[{"role":"user","content":"hello world"}]}"#;
-        let plan = plan(&config, "/v1/messages", Some(body.as_bytes()), |_| None);
+        let plan = plan(&config, "/v1/messages", "", Some(body.as_bytes()), |_| None);
         assert_eq!(plan.estimate, Some(TokenEstimate { prompt: 18, output: 64 }));
         assert_eq!(plan.encoding, Encoding::Cl100kBase);
     }
@@ -194,7 +195,7 @@ mod tests {
     fn unknown_paths_and_bad_bodies_cost_the_configured_fallback() {
         let config = config(r#"{"unparsed_request_cost": 250}"#);
         for (path, body) in [("/v1/models", ""), ("/v1/chat/completions", "{not json"), ("/v1/chat/completions", "")] {
-            let plan = plan(&config, path, Some(body.as_bytes()), |_| None);
+            let plan = plan(&config, path, "", Some(body.as_bytes()), |_| None);
             assert_eq!(plan.estimate, Some(TokenEstimate { prompt: 250, output: 0 }), "{path} {body}");
         }
     }
@@ -203,10 +204,10 @@ mod tests {
     fn embeddings_reserve_no_output_and_request_limits_alone_read_nothing() {
         let config = config("{}");
         let body = r#"{"model":"text-embedding-3-small","input":"hello world"}"#;
-        let plan = plan(&config, "/v1/embeddings", Some(body.as_bytes()), |_| None);
+        let plan = plan(&config, "/v1/embeddings", "", Some(body.as_bytes()), |_| None);
         assert_eq!(plan.estimate, Some(TokenEstimate { prompt: 2, output: 0 }));
         assert_eq!(plan.encoding, Encoding::Cl100kBase);
-        let plan = super::plan(&config, "/v1/chat/completions", None, |_| None);
+        let plan = super::plan(&config, "/v1/chat/completions", "", None, |_| None);
         assert_eq!((plan.estimate, plan.buckets[1].cost), (None, 0));
     }
 
@@ -214,7 +215,7 @@ mod tests {
     fn asks_for_stream_usage_when_configured() {
         let config = config(r#"{"request_stream_usage": true}"#);
         let body = r#"{"model":"gpt-4o","stream":true,"messages":[]}"#;
-        let mut plan = plan(&config, "/v1/chat/completions", Some(body.as_bytes()), |_| None);
+        let mut plan = plan(&config, "/v1/chat/completions", "", Some(body.as_bytes()), |_| None);
         let rewritten = json(plan.apply_grant(&config, Some(999)));
         assert_eq!(rewritten["stream_options"]["include_usage"], true);
         assert!(rewritten.get("max_completion_tokens").is_none(), "not clamping: {rewritten}");
@@ -224,7 +225,8 @@ mod tests {
     #[cfg_attr(target_arch = "wasm32", wasm_bindgen_test::wasm_bindgen_test)]
     fn clamping_reserves_the_upper_bound_elastically_and_caps_the_grant() {
         let config = config(r#"{"clamp_max_tokens": true, "min_output_tokens": 50}"#);
-        let mut plan = plan(&config, "/v1/chat/completions", Some(CHAT.as_bytes()), |_| Some(OutputAverage::first(10)));
+        let mut plan =
+            plan(&config, "/v1/chat/completions", "", Some(CHAT.as_bytes()), |_| Some(OutputAverage::first(10)));
         // The average is ignored: the reservation is the true upper bound.
         assert_eq!(plan.estimate, Some(TokenEstimate { prompt: 9, output: 300 }));
         let tpm = &plan.buckets[1];
@@ -234,7 +236,7 @@ mod tests {
         assert_eq!(json(plan.apply_grant(&config, Some(129)))["max_tokens"], 120);
         assert_eq!(plan.estimate, Some(TokenEstimate { prompt: 9, output: 120 }));
         // Granted in full: the body stays as it was.
-        let mut plan = super::plan(&config, "/v1/chat/completions", Some(CHAT.as_bytes()), |_| None);
+        let mut plan = super::plan(&config, "/v1/chat/completions", "", Some(CHAT.as_bytes()), |_| None);
         assert_eq!(plan.apply_grant(&config, Some(309)), None);
     }
 }

@@ -33,6 +33,8 @@ pub struct Config {
     #[serde(default)]
     pub slots: Slots,
     #[serde(default)]
+    pub tier: Option<TierConfig>,
+    #[serde(default)]
     pub mode: Mode,
     /// Which header conventions responses carry (`Retry-After` is always on a 429).
     #[serde(default = "default_header_styles")]
@@ -205,6 +207,9 @@ pub struct Limit {
     /// every request.
     #[serde(default)]
     pub models: Vec<String>,
+    /// Tenant tiers this limit applies to (see `tier`); empty: every tier.
+    #[serde(default)]
+    pub tiers: Vec<String>,
 }
 
 /// What a limit counts.
@@ -247,9 +252,11 @@ impl Limit {
         self.window.map_or(0, |w| w.0.as_millis() as u64)
     }
 
-    /// Whether a request for `model` (empty: unknown) is charged against this limit.
-    pub fn applies_to(&self, model: &str) -> bool {
-        self.models.is_empty() || self.models.iter().any(|pattern| glob_match(pattern, model))
+    /// Whether a request for `model` (empty: unknown) from a tenant of `tier` is charged
+    /// against this limit.
+    pub fn applies_to(&self, model: &str, tier: &str) -> bool {
+        (self.models.is_empty() || self.models.iter().any(|pattern| glob_match(pattern, model)))
+            && (self.tiers.is_empty() || self.tiers.iter().any(|t| t == tier))
     }
 
     /// What this limit is in Redis.
@@ -260,6 +267,17 @@ impl Limit {
             BucketKind::TokenBucket
         }
     }
+}
+
+/// Where a tenant's tier comes from.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TierConfig {
+    /// A request header carrying the tier, set by something the operator trusts (a JWT
+    /// filter copying a claim, say); a client must not be able to set it.
+    pub header: String,
+    /// The tier of a request whose header is missing or names no known tier.
+    pub default: String,
 }
 
 /// Whether decisions are carried out.
@@ -586,6 +604,15 @@ impl Config {
             if let Some(at) = limit.models.iter().position(|m| m.is_empty()) {
                 return Err(invalid(format!("limits[{i}].models[{at}]"), "must not be empty"));
             }
+            if let Some(at) = limit.tiers.iter().position(|t| check_name("", t).is_err()) {
+                return Err(invalid(
+                    format!("limits[{i}].tiers[{at}]"),
+                    format!("{:?} is not a valid tier name", limit.tiers[at]),
+                ));
+            }
+            if !limit.tiers.is_empty() && self.tier.is_none() {
+                return Err(invalid(format!("limits[{i}].tiers"), "needs `tier` (where a tenant's tier comes from)"));
+            }
             match (limit.dimension(), limit.window) {
                 (Dimension::Concurrency, Some(_)) => {
                     return Err(invalid(
@@ -659,6 +686,16 @@ impl Config {
         for (i, path) in self.bypass.paths.iter().enumerate() {
             if !path.starts_with('/') && !path.starts_with('*') {
                 return Err(invalid(format!("bypass.paths[{i}]"), format!("{path:?} must start with '/' or '*'")));
+            }
+        }
+        if let Some(tier) = &self.tier {
+            let header_ok = !tier.header.is_empty()
+                && tier.header.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
+            if !header_ok {
+                return Err(invalid("tier.header", format!("{:?} is not a header name", tier.header)));
+            }
+            if !self.tiers().any(|t| t == tier.default) {
+                return Err(invalid("tier.default", format!("{:?} is not a tier any limit names", tier.default)));
             }
         }
         let queue = &self.queue;
@@ -746,6 +783,17 @@ impl Config {
     /// Whether any limit counts tokens, so the body must be read.
     pub fn counts_tokens(&self) -> bool {
         self.limits.iter().any(|l| l.dimension() == Dimension::Tokens)
+    }
+
+    /// Every tier some limit names.
+    pub fn tiers(&self) -> impl Iterator<Item = &str> {
+        self.limits.iter().flat_map(|l| l.tiers.iter().map(String::as_str))
+    }
+
+    /// The tier of a request whose tier header says `value`: a known tier, else the default.
+    pub fn tier_of(&self, value: Option<&str>) -> &str {
+        let Some(tier) = &self.tier else { return "" };
+        value.map(str::trim).and_then(|v| self.tiers().find(|t| *t == v)).unwrap_or(&tier.default)
     }
 
     /// Whether the request body must be read before deciding: to count tokens, or to
@@ -843,6 +891,24 @@ mod tests {
         assert!(bypass.path("/v1/models") && bypass.path("/v1/models/gpt-4o?x=1") && bypass.path("/healthz"));
         assert!(!bypass.path("/v1/chat/completions") && !bypass.path("/healthz/deep"));
         assert!(bypass.tenant("0123456789abcdef0123456789abcdef") && !bypass.tenant("anonymous"));
+    }
+
+    #[test]
+    fn tiers_come_from_a_header_with_a_default() {
+        let json = r#"{"companion": {"upstream": "c", "token": "t"}, "tier": {"header": "x-tier", "default": "free"},
+            "limits": [{"name": "rpm-free", "requests": 2, "window": "1h", "tiers": ["free"]},
+                       {"name": "rpm-gold", "requests": 5, "window": "1h", "tiers": ["gold"]},
+                       {"name": "tpd", "tokens": 100000, "window": "1d"}]}"#;
+        let config = Config::from_json(json.as_bytes()).expect("config");
+        assert_eq!(config.tier_of(Some("gold")), "gold");
+        assert_eq!(config.tier_of(Some(" gold ")), "gold");
+        assert_eq!(config.tier_of(Some("platinum")), "free");
+        assert_eq!(config.tier_of(None), "free");
+        let applying = |tier| {
+            config.limits.iter().filter(|l| l.applies_to("m", tier)).map(|l| l.name.as_str()).collect::<Vec<_>>()
+        };
+        assert_eq!(applying("gold"), ["rpm-gold", "tpd"]);
+        assert_eq!(applying("free"), ["rpm-free", "tpd"]);
     }
 
     #[test]
@@ -1016,6 +1082,27 @@ mod tests {
                 "0 is outside",
             ),
             (format!(r#"{{{companion}, {limits}, "mode": "dry_run"}}"#), "mode", "unknown variant `dry_run`"),
+            (
+                format!(
+                    r#"{{{companion}, "limits": [{{"name": "m", "requests": 1, "window": "1m", "tiers": ["gold"]}}]}}"#
+                ),
+                "limits[0].tiers",
+                "needs `tier`",
+            ),
+            (
+                format!(
+                    r#"{{{companion}, "limits": [{{"name": "m", "requests": 1, "window": "1m", "tiers": ["Gold!"]}}], "tier": {{"header": "x-tier", "default": "gold"}}}}"#
+                ),
+                "limits[0].tiers[0]",
+                "not a valid tier name",
+            ),
+            (
+                format!(
+                    r#"{{{companion}, "limits": [{{"name": "m", "requests": 1, "window": "1m", "tiers": ["gold"]}}], "tier": {{"header": "x-tier", "default": "free"}}}}"#
+                ),
+                "tier.default",
+                "not a tier any limit names",
+            ),
             (
                 format!(
                     r#"{{{companion}, "limits": [{{"name": "m", "requests": 1, "window": "1m", "models": ["gpt-4o*", ""]}}]}}"#

@@ -23,11 +23,11 @@ def start(stack):
     return start_envoy
 
 
-def send(port, key="sk-p", path="/v1/chat/completions", model="m"):
+def send(port, key="sk-p", path="/v1/chat/completions", model="m", headers=None):
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
     try:
         conn.request("POST", path, body=json.dumps({"model": model, "messages": []}),
-                     headers={"authorization": f"Bearer {key}", "content-type": "application/json"})
+                     headers={"authorization": f"Bearer {key}", "content-type": "application/json", **(headers or {})})
         resp = conn.getresponse()
         resp.read()
         return resp.status, {k.lower(): v for k, v in resp.getheaders()}
@@ -92,3 +92,16 @@ def test_a_per_model_limit_applies_across_its_models_only(start, lease):
     # Another model is charged against the tenant's limits only, and hears nothing of it.
     status, headers = send(port, model="o3-mini")
     assert status == 200 and "gpt4o-rph" not in headers["ratelimit-policy"]
+
+
+def test_each_tier_gets_its_own_limits(start):
+    backend = start.backend
+    limits = [{"name": "rph-free", "requests": 2, "window": "1h", "tiers": ["free"]},
+              {"name": "rph-gold", "requests": 4, "window": "1h", "tiers": ["gold"]}]
+    port, _ = backend.envoy(backend.filter_config(limits, tier={"header": "x-tenant-tier", "default": "free"}))
+    gold = [send(port, "sk-gold", headers={"x-tenant-tier": "gold"})[0] for _ in range(5)]
+    free = [send(port, "sk-free", headers={"x-tenant-tier": "free"})[0] for _ in range(3)]
+    unknown = [send(port, "sk-other", headers={"x-tenant-tier": "platinum"})[0] for _ in range(3)]
+    assert gold == [200] * 4 + [429]
+    assert free == [200] * 2 + [429]
+    assert unknown == [200] * 2 + [429], "an unknown tier is the default tier"

@@ -562,7 +562,9 @@ impl RequestFilter {
     /// Plans the charge and decides it. `body` is `None` when no limit counts tokens.
     fn charge(&mut self, config: &Config, body: Option<&[u8]>) -> Action {
         let path = host::request_header(":path").unwrap_or_default();
-        let plan = plan(config, &path, body, |model| {
+        let tier_value = config.tier.as_ref().and_then(|t| host::request_header(&t.header));
+        let tier = config.tier_of(tier_value.as_deref());
+        let plan = plan(config, &path, tier, body, |model| {
             host::shared_get(&average_key(&config.domain, &self.tenant, model))
                 .and_then(|b| OutputAverage::from_bytes(&b))
         });
