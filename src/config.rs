@@ -604,11 +604,8 @@ impl Config {
             if let Some(at) = limit.models.iter().position(|m| m.is_empty()) {
                 return Err(invalid(format!("limits[{i}].models[{at}]"), "must not be empty"));
             }
-            if let Some(at) = limit.tiers.iter().position(|t| check_name("", t).is_err()) {
-                return Err(invalid(
-                    format!("limits[{i}].tiers[{at}]"),
-                    format!("{:?} is not a valid tier name", limit.tiers[at]),
-                ));
+            if let Some((at, tier)) = limit.tiers.iter().enumerate().find(|(_, t)| check_name("", t).is_err()) {
+                return Err(invalid(format!("limits[{i}].tiers[{at}]"), format!("{tier:?} is not a valid tier name")));
             }
             if !limit.tiers.is_empty() && self.tier.is_none() {
                 return Err(invalid(format!("limits[{i}].tiers"), "needs `tier` (where a tenant's tier comes from)"));
