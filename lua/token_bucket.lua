@@ -2,8 +2,9 @@
 -- once the real cost is known, lease blocks of budget to proxy instances, and keep
 -- concurrency slots alive.
 --
--- KEYS[1..n]  limit i: a token bucket (a hash {tokens, ts}) or a slot set (a sorted set
---             of request ids scored by their expiry, ms).
+-- KEYS[1..n]  limit i: a token bucket (a hash {tokens, ts}), a sliding window (a sorted set
+--             of entries "seq:amount" scored by time, see below) or a slot set (a sorted
+--             set of request ids scored by their expiry, ms).
 -- KEYS[n+1]   optional: the reservation record of this request (a string); its key is
 --             also the request's member in slot sets, so slot limits need it.
 -- KEYS[n+2]   optional, with KEYS[n+1]: the request's cancel marker. charge: refuse if it
@@ -16,10 +17,11 @@
 -- ARGV[3]     charge: how long the reservation record lives (ms; 0: no record); lease: the share of
 --             what is left that one grant may take (0 < share <= 1); otherwise ignored
 -- ARGV[4..]   five values per limit, in KEYS order:
---               kind       "tb" (token bucket) or "slots" (concurrency)
+--               kind       "tb" (token bucket), "sw" (sliding window) or "slots"
+--                          (concurrency)
 --               capacity   (> 0)  tb: tokens when full; slots: how many at once
 --               window_ms  (> 0)  tb: time in which an empty bucket refills to capacity;
---                                 slots: how long a slot lives unless touched
+--                                 sw: the window; slots: how long a slot lives unless touched
 --               amount     charge: the cost (>= 0; 0 only looks; slots: 1)
 --                          settle: tokens to give back (> 0) or to take as well (< 0)
 --                          lease: the grant wanted
@@ -57,6 +59,14 @@
 --                          oldest slot expires, at most 1 s); 0 if now or never
 --          charged         what the bucket was charged, or granted (0 if not done)
 --
+-- A sliding window admits at most `capacity` in any `window_ms`, exactly: it logs what
+-- each call took, at its time, and forgets entries as they leave the window, keeping a
+-- running sum so a call costs O(entries expired), not a scan. The sum and a sequence
+-- number live in the same sorted set as members "~sum" and "~seq" scored -(value) - 1,
+-- below every entry (entries are scored by time, > 0). A settlement adds a correcting
+-- entry (minus the credit) at the time of the charge it corrects (kept in the reservation
+-- record), so the correction leaves the window together with the charge.
+--
 -- Time is Redis's own (TIME), so every proxy shares one clock. Buckets refill
 -- continuously and hold fractional tokens. A written bucket expires when it would be full
 -- again (a missing key and a full bucket are the same state); a slot set expires when its
@@ -87,6 +97,61 @@ end
 local time = redis.call('TIME')
 local now_ms = tonumber(time[1]) * 1000 + tonumber(time[2]) / 1000
 
+-- Sliding-window bookkeeping (see the header).
+local function sw_meta(key, name)
+  local score = redis.call('ZSCORE', key, name)
+  return score and (-tonumber(score) - 1) or 0
+end
+
+local function sw_set_meta(key, name, value)
+  redis.call('ZADD', key, -value - 1, name)
+end
+
+-- Forgets the entries that left the window; returns what the window holds.
+local function sw_refresh(key, window_ms)
+  local sum = sw_meta(key, '~sum')
+  local cutoff = now_ms - window_ms
+  local expired = redis.call('ZRANGEBYSCORE', key, 0, cutoff)
+  if #expired > 0 then
+    for _, member in ipairs(expired) do
+      sum = sum - (tonumber(string.match(member, ':(.+)$')) or 0)
+    end
+    redis.call('ZREMRANGEBYSCORE', key, 0, cutoff)
+    sw_set_meta(key, '~sum', sum)
+  end
+  return sum
+end
+
+local function sw_add(key, window_ms, at_ms, amount)
+  local seq = sw_meta(key, '~seq') + 1
+  sw_set_meta(key, '~seq', seq)
+  redis.call('ZADD', key, at_ms, seq .. ':' .. string.format('%.17g', amount))
+  sw_set_meta(key, '~sum', sw_meta(key, '~sum') + amount)
+  redis.call('PEXPIRE', key, math.ceil(window_ms) + 1000)
+end
+
+-- How long until `needed` more fits: walk the entries oldest first until enough leaves.
+local function sw_retry(key, window_ms, needed)
+  local entries = redis.call('ZRANGEBYSCORE', key, '(0', '+inf', 'WITHSCORES', 'LIMIT', 0, 1000)
+  local freed = 0
+  for j = 1, #entries, 2 do
+    freed = freed + (tonumber(string.match(entries[j], ':(.+)$')) or 0)
+    if freed >= needed then
+      return math.max(1, math.ceil(tonumber(entries[j + 1]) + window_ms - now_ms))
+    end
+  end
+  return math.ceil(window_ms)
+end
+
+local function sw_reset(key, window_ms)
+  local newest = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
+  local at = tonumber(newest[2])
+  if not at or at <= 0 then
+    return 0
+  end
+  return math.max(0, math.ceil(at + window_ms - now_ms))
+end
+
 local specs, levels, oldest = {}, {}, {}
 for i = 1, n do
   local at = 5 * i - 1
@@ -95,14 +160,16 @@ for i = 1, n do
   local window_ms = tonumber(ARGV[at + 2])
   local amount = tonumber(ARGV[at + 3])
   local min = tonumber(ARGV[at + 4])
-  if (kind ~= 'tb' and kind ~= 'slots') or not capacity or capacity <= 0 or not window_ms or window_ms <= 0
+  if (kind ~= 'tb' and kind ~= 'sw' and kind ~= 'slots') or not capacity or capacity <= 0 or not window_ms or window_ms <= 0
       or not amount or not min or ((op == 'charge' or op == 'lease') and (amount < 0 or min < 0 or min > amount)) then
     return redis.error_reply('ERR token_bucket: bad kind, capacity, window_ms, amount or min for limit ' .. i)
   end
   if kind == 'slots' and (not reservation or op == 'lease') then
     return redis.error_reply('ERR token_bucket: a slot limit needs the reservation key, and cannot be leased')
   end
-  if kind == 'slots' then
+  if kind == 'sw' then
+    levels[i] = capacity - sw_refresh(KEYS[i], window_ms)
+  elseif kind == 'slots' then
     redis.call('ZREMRANGEBYSCORE', KEYS[i], '-inf', now_ms)
     levels[i] = capacity - redis.call('ZCARD', KEYS[i])
     local first = redis.call('ZRANGE', KEYS[i], 0, 0, 'WITHSCORES')
@@ -175,6 +242,8 @@ if op == 'charge' or op == 'lease' then
       statuses[i], done = 0, 0
       if kind == 'slots' then
         retries[i] = math.max(1, math.min(1000, math.ceil((oldest[i] or now_ms) - now_ms)))
+      elseif kind == 'sw' then
+        retries[i] = sw_retry(KEYS[i], window_ms, required[i] - levels[i])
       else
         retries[i] = math.ceil((required[i] - levels[i]) * window_ms / capacity)
       end
@@ -186,6 +255,8 @@ if op == 'charge' or op == 'lease' then
         levels[i] = levels[i] - charged[i]
         if specs[i][5] == 'slots' then
           hold_slot(i, false)
+        elseif specs[i][5] == 'sw' then
+          sw_add(KEYS[i], specs[i][2], now_ms, charged[i])
         else
           store(i, levels[i])
         end
@@ -194,12 +265,17 @@ if op == 'charge' or op == 'lease' then
     -- A record only when there are tokens to settle (ttl > 0): slots and the queue need
     -- just the key's name.
     if reservation and op == 'charge' and (reservation_ttl_ms or 0) > 0 then
-      redis.call('SET', reservation, '1', 'PX', math.floor(reservation_ttl_ms))
+      -- Its value is the time of the charge: where a sliding window's correction goes.
+      redis.call('SET', reservation, string.format('%.17g', now_ms), 'PX', math.floor(reservation_ttl_ms))
     end
   end
 else
-  if op == 'settle' and reservation and redis.call('DEL', reservation) == 0 then
-    done = 0
+  local charged_at = now_ms
+  if op == 'settle' and reservation then
+    charged_at = tonumber(redis.call('GET', reservation)) or now_ms
+    if redis.call('DEL', reservation) == 0 then
+      done = 0
+    end
   end
   for i = 1, n do
     statuses[i], retries[i], charged[i] = 1, 0, 0
@@ -208,6 +284,12 @@ else
         levels[i] = levels[i] + redis.call('ZREM', KEYS[i], reservation)
       else
         hold_slot(i, true)
+      end
+    elseif op == 'settle' and done == 1 and specs[i][3] ~= 0 and specs[i][5] == 'sw' then
+      -- A charge that already left the window needs no correction.
+      if charged_at > now_ms - specs[i][2] then
+        sw_add(KEYS[i], specs[i][2], charged_at, -specs[i][3])
+        levels[i] = math.min(specs[i][1], levels[i] + specs[i][3])
       end
     elseif op == 'settle' and done == 1 and specs[i][3] ~= 0 then
       levels[i] = math.min(specs[i][1], levels[i] + specs[i][3])
@@ -223,6 +305,8 @@ for i = 1, n do
   local reset_after_ms = 0
   if specs[i][5] == 'tb' then
     reset_after_ms = math.ceil((capacity - tokens) * window_ms / capacity)
+  elseif specs[i][5] == 'sw' then
+    reset_after_ms = sw_reset(KEYS[i], window_ms)
   end
   reply[i + 1] = { statuses[i], capacity, math.max(0, math.floor(tokens)), reset_after_ms, retries[i],
     done == 1 and charged[i] or 0 }

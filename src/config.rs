@@ -210,6 +210,19 @@ pub struct Limit {
     /// Tenant tiers this limit applies to (see `tier`); empty: every tier.
     #[serde(default)]
     pub tiers: Vec<String>,
+    /// How a requests or tokens limit counts its window.
+    #[serde(default)]
+    pub algorithm: Algorithm,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Algorithm {
+    /// Refills continuously: bursts up to the limit, then the refill rate.
+    #[default]
+    TokenBucket,
+    /// At most the limit in any window, exactly (no double burst at a boundary).
+    SlidingWindow,
 }
 
 /// What a limit counts.
@@ -261,10 +274,10 @@ impl Limit {
 
     /// What this limit is in Redis.
     pub fn kind(&self) -> BucketKind {
-        if self.dimension() == Dimension::Concurrency {
-            BucketKind::Slots
-        } else {
-            BucketKind::TokenBucket
+        match (self.dimension(), self.algorithm) {
+            (Dimension::Concurrency, _) => BucketKind::Slots,
+            (_, Algorithm::SlidingWindow) => BucketKind::SlidingWindow,
+            (_, Algorithm::TokenBucket) => BucketKind::TokenBucket,
         }
     }
 }
@@ -607,6 +620,9 @@ impl Config {
             if let Some((at, tier)) = limit.tiers.iter().enumerate().find(|(_, t)| check_name("", t).is_err()) {
                 return Err(invalid(format!("limits[{i}].tiers[{at}]"), format!("{tier:?} is not a valid tier name")));
             }
+            if limit.algorithm == Algorithm::SlidingWindow && limit.dimension() == Dimension::Concurrency {
+                return Err(invalid(format!("limits[{i}].algorithm"), "a concurrency limit has no window to slide"));
+            }
             if !limit.tiers.is_empty() && self.tier.is_none() {
                 return Err(invalid(format!("limits[{i}].tiers"), "needs `tier` (where a tenant's tier comes from)"));
             }
@@ -720,6 +736,12 @@ impl Config {
             return Err(invalid(
                 "lease.enabled",
                 "leases and concurrency limits do not combine: slots are held in Redis",
+            ));
+        }
+        if lease.enabled && self.limits.iter().any(|l| l.algorithm == Algorithm::SlidingWindow) {
+            return Err(invalid(
+                "lease.enabled",
+                "leases and sliding windows do not combine: leases are token buckets",
             ));
         }
         if lease.enabled && self.tokens.clamp_max_tokens {
@@ -1079,6 +1101,27 @@ mod tests {
                 "0 is outside",
             ),
             (format!(r#"{{{companion}, {limits}, "mode": "dry_run"}}"#), "mode", "unknown variant `dry_run`"),
+            (
+                format!(
+                    r#"{{{companion}, "limits": [{{"name": "m", "requests": 1, "window": "1m", "algorithm": "leaky"}}]}}"#
+                ),
+                "limits[0].algorithm",
+                "unknown variant `leaky`",
+            ),
+            (
+                format!(
+                    r#"{{{companion}, "limits": [{{"name": "c", "concurrency": 1, "algorithm": "sliding_window"}}]}}"#
+                ),
+                "limits[0].algorithm",
+                "no window to slide",
+            ),
+            (
+                format!(
+                    r#"{{{companion}, "limits": [{{"name": "m", "requests": 1, "window": "1m", "algorithm": "sliding_window"}}], "lease": {{"enabled": true}}}}"#
+                ),
+                "lease.enabled",
+                "sliding windows do not combine",
+            ),
             (
                 format!(
                     r#"{{{companion}, "limits": [{{"name": "m", "requests": 1, "window": "1m", "tiers": ["gold"]}}]}}"#

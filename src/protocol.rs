@@ -25,6 +25,8 @@ pub enum BucketKind {
     /// A token bucket: a budget that refills over `window_ms`.
     #[default]
     TokenBucket,
+    /// A sliding window: at most `capacity` in any `window_ms`, exactly.
+    SlidingWindow,
     /// Concurrency slots: at most `capacity` requests at once, each slot living
     /// `window_ms` unless touched.
     Slots,
@@ -35,6 +37,7 @@ impl BucketKind {
     pub fn script_name(self) -> &'static str {
         match self {
             BucketKind::TokenBucket => "tb",
+            BucketKind::SlidingWindow => "sw",
             BucketKind::Slots => "slots",
         }
     }

@@ -208,3 +208,44 @@ def test_runs_on_a_cluster_with_one_hash_tag_per_tenant(module_stack):
             cluster.eval(SCRIPT, 2, "test:a:rpm", "test:b:rpm", *bucket_args("charge", RPM10 * 2, [1, 1]))
     finally:
         cluster.close()
+
+
+def shift_window(client, key, ms):
+    """Moves every entry of a sliding window `ms` into the past (time passing)."""
+    entries = client.zrangebyscore(key, "(0", "+inf", withscores=True)
+    for member, score in entries:
+        client.zadd(key, {member: score - ms}, xx=True)
+
+
+SW10 = [{"kind": "sw", "capacity": 10, "window_ms": 1000}]
+
+
+def test_a_sliding_window_admits_no_double_burst_at_the_edge(client):
+    """A fixed window admits 10 just before its boundary and 10 just after: 20 in a few ms.
+    The sliding window admits 10 in any 1000 ms, wherever the boundary falls."""
+    tag = uuid.uuid4().hex
+    key = f"test:{{{tag}}}:sw:rps"
+    assert [call(client, "charge", [key], SW10, [1])[0] for _ in range(11)] == [1] * 10 + [0]
+    refused = call(client, "charge", [key], SW10, [1])
+    assert refused[1][0] == 0 and 900 < refused[1][4] <= 1000  # until the first entry leaves
+    shift_window(client, key, 600)  # 600 ms later: the same 10 are still in the window
+    assert call(client, "charge", [key], SW10, [1])[0] == 0
+    shift_window(client, key, 401)  # 1001 ms after them: they all left
+    assert [call(client, "charge", [key], SW10, [1])[0] for _ in range(11)] == [1] * 10 + [0]
+    assert call(client, "charge", [key], SW10, [11])[1][0] == -1  # never fits
+
+
+def test_a_sliding_window_charges_several_costs_and_settles_at_the_charge_time(client):
+    tag = uuid.uuid4().hex
+    key, reservation = f"test:{{{tag}}}:sw:tpm", f"test:{{{tag}}}:res:r1"
+    assert call(client, "charge", [key], SW10, [8], reservation, ttl_ms=60_000)[1][2] == 2
+    settled = call(client, "settle", [key], SW10, [5], reservation)
+    assert (settled[0], settled[1][2]) == (1, 7)
+    assert call(client, "settle", [key], SW10, [5], reservation)[0] == 0  # once only
+    assert call(client, "charge", [key], SW10, [7])[0] == 1  # 3 + 7 = 10
+    assert call(client, "charge", [key], SW10, [1])[0] == 0
+    # Everything leaves the window, the charge and its correction together: exactly the
+    # capacity is free again (a lingering -5 would let 15 through).
+    shift_window(client, key, 1001)
+    assert call(client, "charge", [key], SW10, [10])[0] == 1
+    assert call(client, "charge", [key], SW10, [1])[0] == 0

@@ -2,6 +2,7 @@
 
 import http.client
 import json
+import time
 
 import pytest
 
@@ -105,3 +106,37 @@ def test_each_tier_gets_its_own_limits(start):
     assert gold == [200] * 4 + [429]
     assert free == [200] * 2 + [429]
     assert unknown == [200] * 2 + [429], "an unknown tier is the default tier"
+
+
+def test_sliding_windows_through_envoy(start):
+    backend = start.backend
+    limits = [{"name": "rps", "requests": 3, "window": "1s", "algorithm": "sliding_window"},
+              {"name": "tph", "tokens": 1000, "window": "1h", "algorithm": "sliding_window"}]
+    port, _ = backend.envoy(backend.filter_config(limits))
+    body_600 = {"model": "gpt-4o-mini", "max_tokens": 600, "messages": [{"role": "user", "content": "hi"}]}
+
+    def chat(key):
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        try:
+            conn.request("POST", "/v1/chat/completions", body=json.dumps(body_600),
+                         headers={"authorization": f"Bearer {key}", "content-type": "application/json"})
+            resp = conn.getresponse()
+            resp.read()
+            return resp.status, {k.lower(): v for k, v in resp.getheaders()}
+        finally:
+            conn.close()
+
+    # Each reserves ~610 of 1000 tokens but uses ~20: only the settlement, a correction at
+    # the time of the charge, makes room for the next.
+    first = chat("sk-sw")
+    assert first[0] == 200 and int(first[1]["x-llm-ratelimit-reserved-tokens"]) > 600
+    time.sleep(0.3)  # the settlement goes out on the next tick
+    assert chat("sk-sw")[0] == 200
+    # Three requests per second, in any second.
+    time.sleep(0.3)
+    status, headers = chat("sk-sw")
+    assert status == 200
+    status, headers = chat("sk-sw")
+    assert status == 429 and headers["retry-after"] == "1"
+    time.sleep(1.05)
+    assert chat("sk-sw")[0] == 200
