@@ -4,7 +4,7 @@
 use crate::config::{model_rule, Config, Dimension};
 use crate::protocol::{BucketSpec, TokenBucketReply};
 use crate::request::{Api, LlmRequest};
-use crate::reservation::{estimate_output, OutputAverage, TokenEstimate};
+use crate::reservation::{estimate_output, OutputAverage, Price, TokenEstimate};
 use crate::tokens::Encoding;
 
 #[derive(Debug, Clone, PartialEq)]
@@ -21,6 +21,10 @@ pub struct ChargePlan {
     pub request: Option<LlmRequest>,
     /// Whether the output cap follows what the charge granted (`tokens.clamp_max_tokens`).
     pub clamped: bool,
+    /// The model's price, when a cost limit applies and the price table has it.
+    pub price: Option<Price>,
+    /// A cost limit applies but the model has no price: the request cannot be charged.
+    pub unpriced: bool,
 }
 
 impl ChargePlan {
@@ -78,6 +82,7 @@ pub fn plan(
     let model = request.as_ref().and_then(|r| r.model.clone()).unwrap_or_default();
     let rule = model_rule(policy, request.as_ref().and_then(|r| r.model.as_deref()));
     let clamped = policy.clamp_max_tokens && request.as_ref().is_some_and(|r| r.api.produces_output());
+    let price = config.price_of(&model);
     let mut min_output = None;
     let estimate = match (&request, body) {
         (_, None) => None,
@@ -111,6 +116,10 @@ pub fn plan(
                 (false, _) => 0,
                 (true, Dimension::Requests | Dimension::Concurrency) => 1,
                 (true, Dimension::Tokens) => estimate.map_or(0, TokenEstimate::total),
+                (true, Dimension::Cost) => match (price, estimate) {
+                    (Some(price), Some(estimate)) => price.micro_usd(estimate),
+                    _ => 0,
+                },
             },
             min_cost: match (limit.applies_to(&model, tier), limit.dimension(), estimate, min_output) {
                 (true, Dimension::Tokens, Some(estimate), Some(min_output)) => Some(estimate.prompt + min_output),
@@ -119,7 +128,9 @@ pub fn plan(
             kind: limit.kind(),
         })
         .collect();
-    ChargePlan { buckets, estimate, encoding: rule.encoding, model, request, clamped }
+    let unpriced =
+        price.is_none() && config.limits.iter().any(|l| l.dimension() == Dimension::Cost && l.applies_to(&model, tier));
+    ChargePlan { buckets, estimate, encoding: rule.encoding, model, request, clamped, price, unpriced }
 }
 
 #[cfg(test)]
@@ -178,6 +189,19 @@ mod tests {
         assert_eq!(costs("gpt-4o"), [1, 1]);
         assert_eq!(costs("gpt-4o-mini"), [1, 1]);
         assert_eq!(costs("o3"), [1, 0]);
+    }
+
+    #[test]
+    fn a_budget_is_charged_at_the_models_price_and_refuses_unpriced_models() {
+        let json = r#"{"companion": {"upstream": "c", "token": "t"}, "limits": [{"name": "day", "usd": 5, "window": "1d"}],
+                       "prices": [{"match": "gpt-4o*", "input": 2.5, "output": 10}]}"#;
+        let config = Config::from_json(json.as_bytes()).expect("config");
+        let plan = plan(&config, "/v1/chat/completions", "", Some(CHAT.as_bytes()), |_| None);
+        // 9 prompt tokens at $2.50/M and 300 output at $10/M: 3,022.5 micro-dollars, rounded up.
+        assert_eq!((plan.buckets[0].cost, plan.unpriced), (3_023, false));
+        let other = r#"{"model":"mystery-1","messages":[]}"#;
+        let plan = super::plan(&config, "/v1/chat/completions", "", Some(other.as_bytes()), |_| None);
+        assert!(plan.unpriced);
     }
 
     #[test]

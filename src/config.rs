@@ -6,6 +6,7 @@
 use crate::duration::parse_duration;
 use crate::lease::LeasePolicy;
 use crate::protocol::BucketKind;
+use crate::reservation::Price;
 use crate::tokens::{builtin_rules, glob_match, Encoding, ModelRule};
 use serde::{Deserialize, Deserializer};
 use std::collections::HashSet;
@@ -34,6 +35,9 @@ pub struct Config {
     pub slots: Slots,
     #[serde(default)]
     pub tier: Option<TierConfig>,
+    /// Prices for cost limits, tried in order.
+    #[serde(default)]
+    pub prices: Vec<PriceEntry>,
     #[serde(default)]
     pub mode: Mode,
     /// Which header conventions responses carry (`Retry-After` is always on a 429).
@@ -199,6 +203,10 @@ pub struct Limit {
     /// the response ends, or for `slots.ttl` if its proxy stops renewing it).
     #[serde(default)]
     pub concurrency: Option<u64>,
+    /// US dollars per `window`, priced with `prices` (set this or `requests`, `tokens`,
+    /// `concurrency`). Held in micro-dollars.
+    #[serde(default)]
+    pub usd: Option<f64>,
     /// The time in which a spent budget refills completely (requests and tokens limits).
     /// For a concurrency limit, set by validation to `slots.ttl`.
     #[serde(default)]
@@ -231,6 +239,8 @@ pub enum Dimension {
     Requests,
     Tokens,
     Concurrency,
+    /// Money, in micro-dollars.
+    Cost,
 }
 
 impl Dimension {
@@ -240,6 +250,7 @@ impl Dimension {
             Dimension::Requests => "requests",
             Dimension::Tokens => "tokens",
             Dimension::Concurrency => "concurrency",
+            Dimension::Cost => "cost",
         }
     }
 }
@@ -250,6 +261,8 @@ impl Limit {
             Dimension::Tokens
         } else if self.concurrency.is_some() {
             Dimension::Concurrency
+        } else if self.usd.is_some() {
+            Dimension::Cost
         } else {
             Dimension::Requests
         }
@@ -257,7 +270,8 @@ impl Limit {
 
     /// The budget: requests or tokens per window, or requests at once.
     pub fn capacity(&self) -> u64 {
-        self.tokens.or(self.requests).or(self.concurrency).unwrap_or(0)
+        let micro_usd = self.usd.map(|usd| (usd * 1e6).round() as u64);
+        self.tokens.or(self.requests).or(self.concurrency).or(micro_usd).unwrap_or(0)
     }
 
     /// The refill window; for a concurrency limit, how long a slot lives unrenewed.
@@ -280,6 +294,18 @@ impl Limit {
             (_, Algorithm::TokenBucket) => BucketKind::TokenBucket,
         }
     }
+}
+
+/// A price-table entry: a model pattern and its price.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PriceEntry {
+    /// Model name, `*` matching any run of characters.
+    #[serde(rename = "match")]
+    pub pattern: String,
+    /// US dollars per million input (prompt) and output (completion) tokens.
+    #[serde(flatten)]
+    pub price: Price,
 }
 
 /// Where a tenant's tier comes from.
@@ -600,17 +626,22 @@ impl Config {
             if !names.insert(limit.name.as_str()) {
                 return Err(invalid(format!("limits[{i}].name"), format!("{:?} is used by another limit", limit.name)));
             }
-            let (field, amount) = match (limit.requests, limit.tokens, limit.concurrency) {
-                (Some(requests), None, None) => ("requests", requests),
-                (None, Some(tokens), None) => ("tokens", tokens),
-                (None, None, Some(concurrency)) => ("concurrency", concurrency),
-                _ => {
-                    return Err(invalid(
-                        format!("limits[{i}]"),
-                        "set exactly one of `requests`, `tokens` and `concurrency`",
-                    ))
+            let set =
+                [limit.requests.is_some(), limit.tokens.is_some(), limit.concurrency.is_some(), limit.usd.is_some()];
+            if set.iter().filter(|s| **s).count() != 1 {
+                return Err(invalid(
+                    format!("limits[{i}]"),
+                    "set exactly one of `requests`, `tokens`, `concurrency` and `usd`",
+                ));
+            }
+            if let Some(usd) = limit.usd {
+                if !(usd.is_finite() && usd > 0.0 && usd <= 1e9) {
+                    return Err(invalid(format!("limits[{i}].usd"), format!("{usd} is outside (0, 1e9]")));
                 }
-            };
+            }
+            let field = limit.dimension().name();
+            let field = if field == "cost" { "usd" } else { field };
+            let amount = limit.capacity();
             if amount == 0 || amount > 1_000_000_000_000 {
                 return Err(invalid(format!("limits[{i}].{field}"), format!("{amount} is outside 1..1000000000000")));
             }
@@ -700,6 +731,24 @@ impl Config {
             if !path.starts_with('/') && !path.starts_with('*') {
                 return Err(invalid(format!("bypass.paths[{i}]"), format!("{path:?} must start with '/' or '*'")));
             }
+        }
+        for (i, entry) in self.prices.iter().enumerate() {
+            let ok = |v: f64| v.is_finite() && (0.0..=1e6).contains(&v);
+            if entry.pattern.is_empty() {
+                return Err(invalid(format!("prices[{i}].match"), "must not be empty"));
+            }
+            if !ok(entry.price.input) || !ok(entry.price.output) {
+                return Err(invalid(
+                    format!("prices[{i}]"),
+                    "input and output must be dollars per million tokens in 0..1e6",
+                ));
+            }
+        }
+        if self.limits.iter().any(|l| l.dimension() == Dimension::Cost) && self.prices.is_empty() {
+            return Err(invalid(
+                "prices",
+                "a `usd` limit needs a price table (requests for models it does not list are refused)",
+            ));
         }
         if let Some(tier) = &self.tier {
             let header_ok = !tier.header.is_empty()
@@ -799,9 +848,15 @@ impl Config {
         Ok(())
     }
 
-    /// Whether any limit counts tokens, so the body must be read.
+    /// Whether any limit needs the request's token estimate (token and cost limits), so
+    /// the body must be read and counted.
     pub fn counts_tokens(&self) -> bool {
-        self.limits.iter().any(|l| l.dimension() == Dimension::Tokens)
+        self.limits.iter().any(|l| matches!(l.dimension(), Dimension::Tokens | Dimension::Cost))
+    }
+
+    /// The price of `model`: the first matching entry of `prices`.
+    pub fn price_of(&self, model: &str) -> Option<Price> {
+        self.prices.iter().find(|p| glob_match(&p.pattern, model)).map(|p| p.price)
     }
 
     /// Every tier some limit names.
@@ -1029,7 +1084,7 @@ mod tests {
             (
                 format!(r#"{{{companion}, "limits": [{{"name": "rpm", "window": "1m"}}]}}"#),
                 "limits[0]",
-                "exactly one of `requests`, `tokens` and `concurrency`",
+                "exactly one of `requests`, `tokens`, `concurrency` and `usd`",
             ),
             (
                 format!(r#"{{{companion}, "limits": [{{"name": "x", "requests": 1, "tokens": 5, "window": "1m"}}]}}"#),
@@ -1101,6 +1156,28 @@ mod tests {
                 "0 is outside",
             ),
             (format!(r#"{{{companion}, {limits}, "mode": "dry_run"}}"#), "mode", "unknown variant `dry_run`"),
+            (
+                format!(r#"{{{companion}, "limits": [{{"name": "b", "usd": 5, "window": "1d"}}]}}"#),
+                "prices",
+                "needs a price table",
+            ),
+            (
+                format!(
+                    r#"{{{companion}, "limits": [{{"name": "b", "usd": -5, "window": "1d"}}], "prices": [{{"match": "*", "input": 1, "output": 1}}]}}"#
+                ),
+                "limits[0].usd",
+                "outside (0, 1e9]",
+            ),
+            (
+                format!(r#"{{{companion}, {limits}, "prices": [{{"match": "gpt-4o", "input": 2.5}}]}}"#),
+                "prices[0]",
+                "missing field `output`",
+            ),
+            (
+                format!(r#"{{{companion}, {limits}, "prices": [{{"match": "gpt-4o", "input": -1, "output": 1}}]}}"#),
+                "prices[0]",
+                "dollars per million",
+            ),
             (
                 format!(
                     r#"{{{companion}, "limits": [{{"name": "m", "requests": 1, "window": "1m", "algorithm": "leaky"}}]}}"#

@@ -60,6 +60,7 @@ pub fn rate_limit_headers(reply: &TokenBucketReply, config: &Config) -> Vec<Head
 }
 
 fn openai_headers(reply: &TokenBucketReply, config: &Config, headers: &mut Vec<Header>) {
+    // OpenAI has no header for a money budget: the IETF and classic fields cover it.
     for dimension in [Dimension::Requests, Dimension::Tokens, Dimension::Concurrency] {
         let tightest = reply
             .limits
@@ -76,6 +77,7 @@ fn openai_headers(reply: &TokenBucketReply, config: &Config, headers: &mut Vec<H
                 }
                 // Slots come back when requests end, not on a schedule: no reset.
                 Dimension::Concurrency => ("x-ratelimit-limit-concurrency", "x-ratelimit-remaining-concurrency", ""),
+                Dimension::Cost => continue,
             };
             headers.push((limit, o.limit.to_string()));
             headers.push((remaining, o.remaining.to_string()));
@@ -128,6 +130,20 @@ pub fn rejection(reply: &TokenBucketReply, config: &Config, requested_tokens: u6
             "Request too large for limit \"{name}\": it needs {requested_tokens} tokens (prompt and completion allowance), \
              but the limit allows {limit}{window}, so it can never be admitted. Shorten the prompt or lower max_tokens."
         ),
+        (BucketStatus::Never, Dimension::Cost) => format!(
+            "Request too expensive for budget \"{name}\": it may cost more than the whole budget of {}{window}, so it \
+             can never be admitted. Shorten the prompt or lower max_tokens.",
+            usd(limit)
+        ),
+        (_, Dimension::Cost) => {
+            headers.push(("retry-after", retry_after_seconds(outcome.retry_after_ms).to_string()));
+            format!(
+                "Budget reached: limit \"{name}\" allows {}{window}, {} left. Please try again in {}.",
+                usd(limit),
+                usd(outcome.remaining),
+                format_reset(outcome.retry_after_ms)
+            )
+        }
         (BucketStatus::Never, Dimension::Requests | Dimension::Concurrency) => format!(
             "Request too large for limit \"{name}\": it allows {limit} requests{window}, so this request can never be admitted."
         ),
@@ -158,6 +174,27 @@ pub fn rejection(reply: &TokenBucketReply, config: &Config, requested_tokens: u6
     };
     headers.push(("content-type", "application/json".to_string()));
     LocalReply { status: 429, headers, body: error_body(&message, dimension.name(), "rate_limit_exceeded") }
+}
+
+/// Micro-dollars as dollars: `$0.0035`, `$50.00`.
+fn usd(micro: u64) -> String {
+    let dollars = micro as f64 / 1e6;
+    if dollars >= 1.0 {
+        format!("${dollars:.2}")
+    } else {
+        format!("${}", format!("{dollars:.6}").trim_end_matches('0').trim_end_matches('.'))
+    }
+}
+
+/// 403 for a request whose model has no price while a budget applies to it.
+pub fn model_not_priced(model: &str) -> LocalReply {
+    let shown: String = model.chars().take(100).collect();
+    local_error(
+        403,
+        &format!("The model \"{shown}\" has no price in this gateway's price table, so its budget cannot charge it."),
+        "invalid_request_error",
+        "model_not_priced",
+    )
 }
 
 /// 401 for a request without the identifying header, when the config says `reject`.
@@ -381,6 +418,24 @@ mod tests {
             "{}",
             reply.body
         );
+    }
+
+    #[test]
+    fn a_budget_429_speaks_in_dollars() {
+        let json = r#"{"companion": {"upstream": "c", "token": "t"}, "limits": [{"name": "day", "usd": 5, "window": "1d"}],
+                       "prices": [{"match": "*", "input": 1, "output": 1}]}"#;
+        let config = Config::from_json(json.as_bytes()).expect("config");
+        let reply = TokenBucketReply {
+            allowed: false,
+            waited_ms: 0,
+            limits: vec![outcome("day", BucketStatus::Limited, 5_000_000, 1_250, 86_000_000, 3_000)],
+        };
+        let reply = rejection(&reply, &config, 0);
+        let body: serde_json::Value = serde_json::from_str(&reply.body).expect("json body");
+        assert_eq!(body["error"]["type"], "cost");
+        let message = body["error"]["message"].as_str().expect("message");
+        assert!(message.contains("allows $5.00 per 24h0m0s, $0.00125 left"), "{message}");
+        assert_eq!(header(&reply.headers, "x-ratelimit-remaining-requests"), None);
     }
 
     #[test]

@@ -45,6 +45,27 @@ pub enum Ending {
 
 /// What the request really cost. Provider-reported figures win; then what the proxy
 /// counted (the prompt, the streamed text); then the estimate.
+pub fn actual_usage(
+    estimate: TokenEstimate,
+    ending: Ending,
+    reported: ReportedUsage,
+    streamed_output: Option<u64>,
+    on_error: UpstreamErrorCharge,
+) -> TokenEstimate {
+    let prompt = reported.input.unwrap_or(estimate.prompt);
+    let output = match ending {
+        Ending::Completed => reported.output.or(streamed_output).unwrap_or(estimate.output),
+        Ending::UpstreamError => match on_error {
+            UpstreamErrorCharge::PromptOnly => reported.output.unwrap_or(0),
+            UpstreamErrorCharge::Estimate => return estimate,
+        },
+        // What was generated before the end; a non-streamed reply never arrived.
+        Ending::Interrupted => reported.output.or(streamed_output).unwrap_or(0),
+    };
+    TokenEstimate { prompt, output }
+}
+
+/// `actual_usage` in total tokens.
 pub fn actual_tokens(
     estimate: TokenEstimate,
     ending: Ending,
@@ -52,15 +73,21 @@ pub fn actual_tokens(
     streamed_output: Option<u64>,
     on_error: UpstreamErrorCharge,
 ) -> u64 {
-    let prompt = reported.input.unwrap_or(estimate.prompt);
-    match ending {
-        Ending::Completed => prompt + reported.output.or(streamed_output).unwrap_or(estimate.output),
-        Ending::UpstreamError => match on_error {
-            UpstreamErrorCharge::PromptOnly => prompt + reported.output.unwrap_or(0),
-            UpstreamErrorCharge::Estimate => estimate.total(),
-        },
-        // What was generated before the end; a non-streamed reply never arrived.
-        Ending::Interrupted => prompt + reported.output.or(streamed_output).unwrap_or(0),
+    actual_usage(estimate, ending, reported, streamed_output, on_error).total()
+}
+
+/// A model's price, in US dollars per million tokens: so also micro-dollars per token.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Price {
+    pub input: f64,
+    pub output: f64,
+}
+
+impl Price {
+    /// What `usage` costs, in micro-dollars, rounded up.
+    pub fn micro_usd(&self, usage: TokenEstimate) -> u64 {
+        (usage.prompt as f64 * self.input + usage.output as f64 * self.output).ceil().max(0.0) as u64
     }
 }
 
@@ -143,6 +170,17 @@ mod tests {
                 "{ending:?} {usage:?} {streamed:?}"
             );
         }
+    }
+
+    #[test]
+    fn prices_turn_usage_into_micro_dollars() {
+        // gpt-4o-like: $2.50 in, $10 out per million tokens.
+        let price = Price { input: 2.5, output: 10.0 };
+        assert_eq!(price.micro_usd(TokenEstimate { prompt: 1000, output: 500 }), 7_500);
+        assert_eq!(price.micro_usd(TokenEstimate { prompt: 1, output: 0 }), 3, "rounded up");
+        let usage =
+            actual_usage(EST, Ending::UpstreamError, reported(None, None), None, UpstreamErrorCharge::PromptOnly);
+        assert_eq!(usage, TokenEstimate { prompt: 100, output: 0 });
     }
 
     #[test]

@@ -140,3 +140,41 @@ def test_sliding_windows_through_envoy(start):
     assert status == 429 and headers["retry-after"] == "1"
     time.sleep(1.05)
     assert chat("sk-sw")[0] == 200
+
+
+def test_a_cost_budget_charges_real_usage_and_rejects_once_spent(start):
+    backend = start.backend
+    # $0.01 a day; gpt-4o-mini at $10 in and $40 out per million tokens (deliberately dear).
+    limits = [{"name": "daily", "usd": 0.01, "window": "1d"}]
+    prices = [{"match": "gpt-4o-mini*", "input": 10, "output": 40}]
+    port, _ = backend.envoy(backend.filter_config(limits, prices=prices))
+
+    def chat(model="gpt-4o-mini", completion=50):
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        try:
+            body = {"model": model, "max_tokens": 150, "messages": [{"role": "user", "content": "hi"}]}
+            conn.request("POST", "/v1/chat/completions", body=json.dumps(body), headers={
+                "authorization": "Bearer sk-budget", "content-type": "application/json",
+                "x-mock-completion-tokens": str(completion)})
+            resp = conn.getresponse()
+            return resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read()
+        finally:
+            conn.close()
+
+    # The first request reserves 8 prompt and 150 output tokens (6,080 micro-dollars); later
+    # ones 1.5 x the running average of 50 (3,080). Each really costs ~2,020 (the mock's 2
+    # prompt tokens and 50 output). Without settlement 2 requests would fit in 10,000; with
+    # it, exactly 4 (8,080 spent, 1,920 left < 3,080).
+    statuses = []
+    for _ in range(8):
+        status, headers, body = chat()
+        statuses.append(status)
+        if status == 429:
+            break
+        time.sleep(0.2)  # let the settlement land
+    assert statuses == [200] * 4 + [429]
+    error = json.loads(body)["error"]
+    assert error["type"] == "cost" and "$0.01" in error["message"]
+    # A model with no price is refused explicitly while a budget applies to it.
+    status, _, body = chat(model="mystery-model")
+    assert status == 403 and json.loads(body)["error"]["code"] == "model_not_priced"

@@ -29,7 +29,7 @@ use crate::protocol::{
     Settlement, TokenBucketReply, TokenBucketRequest, Wait, LEASE_PATH, RELEASE_PATH, SETTLE_PATH, TOKEN_BUCKET_PATH,
     TOKEN_HEADER, TOUCH_PATH,
 };
-use crate::reservation::{actual_tokens, credit, Ending, OutputAverage};
+use crate::reservation::{actual_usage, credit, Ending, OutputAverage, TokenEstimate};
 use crate::settle_queue::{Queued, SettleQueue};
 use crate::sse::UsageChunkRemover;
 use crate::usage::{ReplyUsage, ReportedUsage, StreamUsage};
@@ -569,7 +569,11 @@ impl RequestFilter {
                 .and_then(|b| OutputAverage::from_bytes(&b))
         });
         self.body_len = body.map_or(0, <[u8]>::len);
+        let unpriced = plan.unpriced.then(|| plan.model.clone());
         self.plan = Some(plan);
+        if let Some(model) = unpriced {
+            return self.apply(Verdict::Reply(decision::model_not_priced(&model)), false);
+        }
         if config.lease.enabled {
             if let Some(verdict) = self.admit_from_lease(config) {
                 return self.apply(verdict, false);
@@ -940,7 +944,7 @@ impl RequestFilter {
     fn apply(&mut self, verdict: Verdict, paused: bool) -> Action {
         let shadow = self.config.as_ref().is_some_and(|c| c.mode == Mode::Shadow);
         let verdict = match verdict {
-            Verdict::Reply(reply) if shadow && matches!(reply.status, 413 | 429 | 503) => {
+            Verdict::Reply(reply) if shadow && matches!(reply.status, 403 | 413 | 429 | 503) => {
                 host::increment(Metric::ShadowRefusals);
                 let mut headers: Vec<Header> = reply
                     .headers
@@ -970,29 +974,32 @@ impl RequestFilter {
         }
     }
 
-    /// Settles this request, once: the difference between the tokens it reserved and what
-    /// it cost goes back where the reservation came from, and its slots are released.
+    /// Settles this request, once: the difference between what it reserved and what it
+    /// cost (in tokens, and in money for budgets) goes back where the reservation came
+    /// from, and its slots are released.
     fn settle(&mut self, config: &Config, ending: Ending) {
         let Some(admission) = self.admission.take() else { return };
-        let credit = self.token_credit(config, ending);
-        // Only the limits this request was charged against (per-model limits may not apply).
-        let applies: Vec<bool> =
-            (0..config.limits.len()).map(|i| self.plan.as_ref().is_some_and(|p| p.applies(i))).collect();
-        let applying = |i: &usize| applies.get(*i).copied().unwrap_or(false);
-        let slot_limits = config
+        let (token_credit, cost_credit) = self.credits(config, ending);
+        // Only the limits this request was charged against (per-model limits may not apply),
+        // each with the credit of its dimension.
+        let credits: Vec<(usize, i64)> = config
             .limits
             .iter()
             .enumerate()
-            .filter(|(_, l)| l.kind() == BucketKind::Slots)
-            .map(|(i, _)| i)
-            .filter(applying);
-        let token_limits = config
+            .filter(|(i, _)| self.plan.as_ref().is_some_and(|p| p.applies(*i)))
+            .filter_map(|(i, limit)| match limit.dimension() {
+                Dimension::Tokens => Some((i, token_credit)),
+                Dimension::Cost => Some((i, cost_credit)),
+                _ => None,
+            })
+            .collect();
+        let slot_limits: Vec<usize> = config
             .limits
             .iter()
             .enumerate()
-            .filter(|(_, l)| l.dimension() == Dimension::Tokens)
+            .filter(|(i, l)| l.kind() == BucketKind::Slots && self.plan.as_ref().is_some_and(|p| p.applies(*i)))
             .map(|(i, _)| i)
-            .filter(applying);
+            .collect();
         let reservation = match admission {
             Admission::Reserved(id) => {
                 if let Some(slots) = SLOTS.with(|s| s.borrow_mut().remove(&id)) {
@@ -1001,32 +1008,28 @@ impl RequestFilter {
                 Some(id)
             }
             Admission::Local => {
-                // This proxy's own slots go back at once; the token credit goes to Redis.
-                let releases: Vec<usize> = slot_limits.clone().collect();
-                if !releases.is_empty() {
-                    self.release_local_slots(config, &releases);
+                // This proxy's own slots go back at once; the credits go to Redis.
+                if !slot_limits.is_empty() {
+                    self.release_local_slots(config, &slot_limits);
                 }
                 None
             }
             Admission::Leased => {
                 let now = host::now_ms();
-                let indices: Vec<usize> = token_limits.clone().collect();
                 let applied = host::shared_update(&lease_key(config, &self.tenant), |bytes| {
                     let mut leases = TenantLeases::decode(bytes, config.limits.len());
-                    let live = indices.iter().all(|&i| leases.credit(i, credit, now));
+                    let live = credits.iter().all(|&(i, credit)| leases.credit(i, credit, now));
                     (live.then(|| leases.encode()), live)
                 });
-                if applied == Some(true) || credit == 0 {
+                if applied == Some(true) || credits.iter().all(|&(_, c)| c == 0) {
                     return;
                 }
-                None // the lease expired meanwhile: the credit belongs to Redis
+                None // the lease expired meanwhile: the credits belong to Redis
             }
         };
         let with_slots = reservation.is_some();
-        let limits = adjustments(
-            config,
-            token_limits.map(|i| (i, credit)).chain(slot_limits.filter(|_| with_slots).map(|i| (i, 0))),
-        );
+        let releases = slot_limits.into_iter().filter(|_| with_slots).map(|i| (i, 0));
+        let limits = adjustments(config, credits.into_iter().chain(releases));
         if !limits.is_empty() {
             queue_settlement(Settlement {
                 domain: config.domain.clone(),
@@ -1057,11 +1060,12 @@ impl RequestFilter {
         });
     }
 
-    /// Tokens to give back for this request (negative: to take), from what it reserved and
-    /// what the reply says it cost; updates the running average of completions.
-    fn token_credit(&mut self, config: &Config, ending: Ending) -> i64 {
-        let Some(plan) = self.plan.as_ref() else { return 0 };
-        let Some(estimate) = plan.estimate else { return 0 };
+    /// What to give back for this request (negative: to take), in tokens and in
+    /// micro-dollars, from what it reserved and what the reply says it used; updates the
+    /// running average of completions.
+    fn credits(&mut self, config: &Config, ending: Ending) -> (i64, i64) {
+        let Some(plan) = self.plan.as_ref() else { return (0, 0) };
+        let Some(estimate) = plan.estimate else { return (0, 0) };
         let (reported, streamed_output) = match self.reply.as_mut() {
             Some(ReplyReader::Json(reader)) => (reader.finish(), None),
             Some(ReplyReader::Stream(reader)) => {
@@ -1071,12 +1075,12 @@ impl RequestFilter {
             None => (ReportedUsage::default(), None),
         };
         // A request that never went upstream cost nothing.
-        let actual = if self.phase == Phase::Forwarded {
-            actual_tokens(estimate, ending, reported, streamed_output, config.tokens.on_upstream_error)
+        let used = if self.phase == Phase::Forwarded {
+            actual_usage(estimate, ending, reported, streamed_output, config.tokens.on_upstream_error)
         } else {
-            0
+            TokenEstimate { prompt: 0, output: 0 }
         };
-        host::add(Metric::TokensCharged, actual);
+        host::add(Metric::TokensCharged, used.total());
         if ending == Ending::Completed {
             if let Some(output) = reported.output.or(streamed_output) {
                 let key = average_key(&config.domain, &self.tenant, &plan.model);
@@ -1085,7 +1089,17 @@ impl RequestFilter {
                 host::shared_set(&key, &updated.to_bytes());
             }
         }
-        credit(estimate, actual)
+        // Against what the budget was charged (every cost limit is charged the same).
+        let charged =
+            plan.buckets.iter().zip(&config.limits).find(|(b, l)| l.dimension() == Dimension::Cost && b.cost > 0);
+        let cost_credit = match (plan.price, charged) {
+            (Some(price), Some((bucket, _))) => {
+                let signed = |n: u64| i64::try_from(n).unwrap_or(i64::MAX);
+                signed(bucket.cost).saturating_sub(signed(price.micro_usd(used)))
+            }
+            _ => 0,
+        };
+        (credit(estimate, used.total()), cost_credit)
     }
 
     /// Releases the request's slots at once, in a callout owned by the root context so it
