@@ -317,6 +317,10 @@ pub struct TierConfig {
     pub header: String,
     /// The tier of a request whose header is missing or names no known tier.
     pub default: String,
+    /// Per-tenant overrides: tenant id → tier, before the header (a tier of its own gives
+    /// a tenant limits of its own).
+    #[serde(default)]
+    pub tenants: std::collections::BTreeMap<String, String>,
 }
 
 /// Whether decisions are carried out.
@@ -759,6 +763,21 @@ impl Config {
             if !self.tiers().any(|t| t == tier.default) {
                 return Err(invalid("tier.default", format!("{:?} is not a tier any limit names", tier.default)));
             }
+            for (tenant, own) in &tier.tenants {
+                let id = tenant.len() == 32 && tenant.bytes().all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase());
+                if !id && tenant != crate::identity::ANONYMOUS_TENANT {
+                    return Err(invalid(
+                        format!("tier.tenants.{tenant}"),
+                        "keys must be tenant ids (32 lower-case hex digits), not credentials",
+                    ));
+                }
+                if !self.tiers().any(|t| t == own) {
+                    return Err(invalid(
+                        format!("tier.tenants.{tenant}"),
+                        format!("{own:?} is not a tier any limit names"),
+                    ));
+                }
+            }
         }
         let queue = &self.queue;
         if queue.max_wait.0 > Duration::from_secs(600) {
@@ -864,9 +883,13 @@ impl Config {
         self.limits.iter().flat_map(|l| l.tiers.iter().map(String::as_str))
     }
 
-    /// The tier of a request whose tier header says `value`: a known tier, else the default.
-    pub fn tier_of(&self, value: Option<&str>) -> &str {
+    /// The tier of `tenant`, whose tier header says `value`: its override, else the
+    /// header's tier if a limit names it, else the default.
+    pub fn tier_of(&self, tenant: &str, value: Option<&str>) -> &str {
         let Some(tier) = &self.tier else { return "" };
+        if let Some(own) = tier.tenants.get(tenant) {
+            return own;
+        }
         value.map(str::trim).and_then(|v| self.tiers().find(|t| *t == v)).unwrap_or(&tier.default)
     }
 
@@ -974,15 +997,34 @@ mod tests {
                        {"name": "rpm-gold", "requests": 5, "window": "1h", "tiers": ["gold"]},
                        {"name": "tpd", "tokens": 100000, "window": "1d"}]}"#;
         let config = Config::from_json(json.as_bytes()).expect("config");
-        assert_eq!(config.tier_of(Some("gold")), "gold");
-        assert_eq!(config.tier_of(Some(" gold ")), "gold");
-        assert_eq!(config.tier_of(Some("platinum")), "free");
-        assert_eq!(config.tier_of(None), "free");
+        assert_eq!(config.tier_of("t", Some("gold")), "gold");
+        assert_eq!(config.tier_of("t", Some(" gold ")), "gold");
+        assert_eq!(config.tier_of("t", Some("platinum")), "free");
+        assert_eq!(config.tier_of("t", None), "free");
         let applying = |tier| {
             config.limits.iter().filter(|l| l.applies_to("m", tier)).map(|l| l.name.as_str()).collect::<Vec<_>>()
         };
         assert_eq!(applying("gold"), ["rpm-gold", "tpd"]);
         assert_eq!(applying("free"), ["rpm-free", "tpd"]);
+    }
+
+    /// The README's complete policy loads exactly as written.
+    #[test]
+    fn the_readme_policy_loads_as_written() {
+        let readme = include_str!("../README.md");
+        let block = readme
+            .split("<!-- policy-example -->")
+            .nth(1)
+            .and_then(|rest| rest.split("```json").nth(1))
+            .and_then(|rest| rest.split("```").next())
+            .expect("the README's policy example");
+        let config = Config::from_json(block.as_bytes()).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(config.domain, "prod");
+        assert_eq!(config.tier_of("0f1e2d3c4b5a69788796a5b4c3d2e1f0", Some("free")), "partner");
+        assert_eq!(config.tier_of("some-other-tenant-id", Some("pro")), "pro");
+        assert_eq!(config.price_of("gpt-4o-mini-2024").map(|p| p.input), Some(0.15));
+        assert!(config.limits.iter().any(|l| l.algorithm == Algorithm::SlidingWindow));
+        assert!(config.has_concurrency() && config.queue.enabled() && config.counts_tokens());
     }
 
     #[test]

@@ -98,8 +98,13 @@ def test_a_per_model_limit_applies_across_its_models_only(start, lease):
 def test_each_tier_gets_its_own_limits(start):
     backend = start.backend
     limits = [{"name": "rph-free", "requests": 2, "window": "1h", "tiers": ["free"]},
-              {"name": "rph-gold", "requests": 4, "window": "1h", "tiers": ["gold"]}]
-    port, _ = backend.envoy(backend.filter_config(limits, tier={"header": "x-tenant-tier", "default": "free"}))
+              {"name": "rph-gold", "requests": 4, "window": "1h", "tiers": ["gold"]},
+              {"name": "rph-special", "requests": 1, "window": "1h", "tiers": ["special"]}]
+    tier = {"header": "x-tenant-tier", "default": "free", "tenants": {tenant_of("sk-special"): "special"}}
+    port, _ = backend.envoy(backend.filter_config(limits, tier=tier))
+    # A per-tenant override wins over the header.
+    special = [send(port, "sk-special", headers={"x-tenant-tier": "gold"})[0] for _ in range(2)]
+    assert special == [200, 429]
     gold = [send(port, "sk-gold", headers={"x-tenant-tier": "gold"})[0] for _ in range(5)]
     free = [send(port, "sk-free", headers={"x-tenant-tier": "free"})[0] for _ in range(3)]
     unknown = [send(port, "sk-other", headers={"x-tenant-tier": "platinum"})[0] for _ in range(3)]

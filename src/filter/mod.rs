@@ -563,7 +563,7 @@ impl RequestFilter {
     fn charge(&mut self, config: &Config, body: Option<&[u8]>) -> Action {
         let path = host::request_header(":path").unwrap_or_default();
         let tier_value = config.tier.as_ref().and_then(|t| host::request_header(&t.header));
-        let tier = config.tier_of(tier_value.as_deref());
+        let tier = config.tier_of(&self.tenant, tier_value.as_deref());
         let plan = plan(config, &path, tier, body, |model| {
             host::shared_get(&average_key(&config.domain, &self.tenant, model))
                 .and_then(|b| OutputAverage::from_bytes(&b))
