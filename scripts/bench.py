@@ -5,7 +5,8 @@ all measured in one run on this machine so the ratios mean something on a noisy 
    after it, for no filter, the empty filter and llm-ratelimit (o200k + cl100k linked).
 2. Small requests: requests/s at 16 connections and p50/p99 at 1 connection, Redis round
    trips per request, for request limits and request + token limits, each decided by a
-   callout per request (direct) or from a leased budget (lease). Envoy --concurrency 1 on CPU 0; wrk, the mock upstream, the
+   callout per request (direct) or from a leased budget (lease); and the cost of five
+   limits against one, as token buckets and as sliding windows. Envoy --concurrency 1 on CPU 0; wrk, the mock upstream, the
    companion and Redis share CPU 1 (as in shared/notes/anchors.md).
 3. Prompt size: p50 at 1 connection for 1k- and 32k-token prompts, with and without the
    filter; the difference between the two added latencies gives the filter's prompt
@@ -36,6 +37,11 @@ COMPANION = {"upstream": "llm_ratelimit_companion", "token": TOKEN, "timeout": "
 REQUESTS_ONLY = {"companion": COMPANION, "failure_mode": "deny",
                  "limits": [{"name": "rpm", "requests": 1_000_000_000, "window": "1m"}]}
 WITH_TOKENS = {**REQUESTS_ONLY, "limits": REQUESTS_ONLY["limits"] + [{"name": "tpm", "tokens": 10**12, "window": "1m"}]}
+FIVE_BUCKETS = {**REQUESTS_ONLY, "limits": [
+    {"name": f"r{i}", "requests": 1_000_000_000, "window": w} for i, w in enumerate(["1s", "1m", "1h", "1d", "30d"])]}
+SLIDING = {**REQUESTS_ONLY, "limits": [{"name": "rpm", "requests": 1_000_000_000, "window": "1m", "algorithm": "sliding_window"}]}
+FIVE_SLIDING = {**REQUESTS_ONLY, "limits": [
+    {**limit, "algorithm": "sliding_window"} for limit in FIVE_BUCKETS["limits"]]}
 LEASED = {**REQUESTS_ONLY, "lease": {"enabled": True}}
 LEASED_TOKENS = {**WITH_TOKENS, "lease": {"enabled": True}}
 
@@ -194,7 +200,9 @@ def main() -> None:
         small = script_for(workdir, "small", {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "Say hello"}], "max_tokens": 8})
         variants = [("passthrough", None, None), ("empty wasm filter", None, EMPTY_WASM),
                     ("requests, direct", REQUESTS_ONLY, None), ("requests, lease", LEASED, None),
-                    ("+ tokens, direct", WITH_TOKENS, None), ("+ tokens, lease", LEASED_TOKENS, None)]
+                    ("+ tokens, direct", WITH_TOKENS, None), ("+ tokens, lease", LEASED_TOKENS, None),
+                    ("5 buckets, direct", FIVE_BUCKETS, None), ("1 sliding, direct", SLIDING, None),
+                    ("5 sliding, direct", FIVE_SLIDING, None)]
         results = {}
         urls = {}
         for name, config, wasm in variants:

@@ -82,12 +82,23 @@ pub fn actual_tokens(
 pub struct Price {
     pub input: f64,
     pub output: f64,
+    /// Input read from the provider's prompt cache, where it reports it; `input` if unset.
+    #[serde(default)]
+    pub cached_input: Option<f64>,
 }
 
 impl Price {
     /// What `usage` costs, in micro-dollars, rounded up.
     pub fn micro_usd(&self, usage: TokenEstimate) -> u64 {
-        (usage.prompt as f64 * self.input + usage.output as f64 * self.output).ceil().max(0.0) as u64
+        self.micro_usd_cached(usage, 0)
+    }
+
+    /// What `usage` costs when `cached` of its input came from the prompt cache.
+    pub fn micro_usd_cached(&self, usage: TokenEstimate, cached: u64) -> u64 {
+        let cached = cached.min(usage.prompt);
+        let fresh = (usage.prompt - cached) as f64 * self.input;
+        let from_cache = cached as f64 * self.cached_input.unwrap_or(self.input);
+        (fresh + from_cache + usage.output as f64 * self.output).ceil().max(0.0) as u64
     }
 }
 
@@ -138,7 +149,7 @@ mod tests {
     const EST: TokenEstimate = TokenEstimate { prompt: 100, output: 500 };
 
     fn reported(input: Option<u64>, output: Option<u64>) -> ReportedUsage {
-        ReportedUsage { input, output }
+        ReportedUsage { input, output, cached_input: None }
     }
 
     #[test]
@@ -175,8 +186,15 @@ mod tests {
     #[test]
     fn prices_turn_usage_into_micro_dollars() {
         // gpt-4o-like: $2.50 in, $10 out per million tokens.
-        let price = Price { input: 2.5, output: 10.0 };
+        let price = Price { input: 2.5, output: 10.0, cached_input: Some(1.25) };
         assert_eq!(price.micro_usd(TokenEstimate { prompt: 1000, output: 500 }), 7_500);
+        // 400 of the 1,000 prompt tokens came from the cache, at half price.
+        assert_eq!(price.micro_usd_cached(TokenEstimate { prompt: 1000, output: 500 }, 400), 7_000);
+        assert_eq!(
+            price.micro_usd_cached(TokenEstimate { prompt: 10, output: 0 }, 99),
+            13,
+            "cached never exceeds input"
+        );
         assert_eq!(price.micro_usd(TokenEstimate { prompt: 1, output: 0 }), 3, "rounded up");
         let usage =
             actual_usage(EST, Ending::UpstreamError, reported(None, None), None, UpstreamErrorCharge::PromptOnly);

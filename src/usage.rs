@@ -33,12 +33,16 @@ impl Usage {
 pub struct ReportedUsage {
     pub input: Option<u64>,
     pub output: Option<u64>,
+    /// Of the input, tokens read from the provider's prompt cache (billed at a lower
+    /// price by most providers).
+    pub cached_input: Option<u64>,
 }
 
 impl ReportedUsage {
     fn merge(&mut self, later: ReportedUsage) {
         self.input = later.input.or(self.input);
         self.output = later.output.or(self.output);
+        self.cached_input = later.cached_input.or(self.cached_input);
     }
 
     pub fn is_empty(self) -> bool {
@@ -59,7 +63,7 @@ pub fn reported_usage(message: &Value) -> ReportedUsage {
 }
 
 fn from_usage_object(usage: &Value) -> ReportedUsage {
-    let field = |name: &str| usage[name].as_u64();
+    let field = |name: &str| usage.at(name).as_u64();
     let input = field("prompt_tokens").or_else(|| {
         let base = field("input_tokens")?;
         Some(base + field("cache_creation_input_tokens").unwrap_or(0) + field("cache_read_input_tokens").unwrap_or(0))
@@ -67,7 +71,13 @@ fn from_usage_object(usage: &Value) -> ReportedUsage {
     let output = field("completion_tokens").or_else(|| field("output_tokens"));
     // Embeddings report prompt tokens only: their output is zero, not unknown.
     let output = output.or_else(|| (input.is_some() && usage.get("total_tokens").is_some()).then_some(0));
-    ReportedUsage { input, output }
+    let cached_input = usage
+        .at("prompt_tokens_details")
+        .at("cached_tokens")
+        .as_u64()
+        .or_else(|| usage.at("input_tokens_details").at("cached_tokens").as_u64())
+        .or_else(|| field("cache_read_input_tokens"));
+    ReportedUsage { input, output, cached_input }
 }
 
 /// Usage from a whole JSON reply held by `ReplyUsage`'s window (see there).
@@ -284,9 +294,9 @@ mod tests {
     #[cfg_attr(target_arch = "wasm32", wasm_bindgen_test::wasm_bindgen_test)]
     fn reads_each_providers_streamed_usage() {
         let cases = [
-            (OPENAI_STREAM, ReportedUsage { input: Some(19), output: Some(10) }, 10),
-            (ANTHROPIC_STREAM, ReportedUsage { input: Some(472), output: Some(15) }, 15),
-            (RESPONSES_STREAM, ReportedUsage { input: Some(37), output: Some(11) }, 11),
+            (OPENAI_STREAM, ReportedUsage { input: Some(19), output: Some(10), cached_input: Some(0) }, 10),
+            (ANTHROPIC_STREAM, ReportedUsage { input: Some(472), output: Some(15), cached_input: Some(0) }, 15),
+            (RESPONSES_STREAM, ReportedUsage { input: Some(37), output: Some(11), cached_input: Some(0) }, 11),
         ];
         for (stream, usage, output) in cases {
             assert_eq!(run(stream, &[]), (usage, output, true));
@@ -321,24 +331,24 @@ mod tests {
         let cases = [
             (
                 r#"{"object":"chat.completion","usage":{"prompt_tokens":12,"completion_tokens":5,"total_tokens":17,"prompt_tokens_details":{"cached_tokens":4}}}"#,
-                (Some(12), Some(5)),
+                (Some(12), Some(5), Some(4)),
             ),
-            (r#"{"object":"list","data":[],"usage":{"prompt_tokens":8,"total_tokens":8}}"#, (Some(8), Some(0))),
+            (r#"{"object":"list","data":[],"usage":{"prompt_tokens":8,"total_tokens":8}}"#, (Some(8), Some(0), None)),
             (
-                r#"{"object":"response","usage":{"input_tokens":30,"output_tokens":7,"total_tokens":37}}"#,
-                (Some(30), Some(7)),
+                r#"{"object":"response","usage":{"input_tokens":30,"input_tokens_details":{"cached_tokens":20},"output_tokens":7,"total_tokens":37}}"#,
+                (Some(30), Some(7), Some(20)),
             ),
             (
                 r#"{"type":"message","usage":{"input_tokens":10,"cache_creation_input_tokens":100,"cache_read_input_tokens":1000,"output_tokens":3}}"#,
-                (Some(1110), Some(3)),
+                (Some(1110), Some(3), Some(1000)),
             ),
-            (r#"{"error":{"message":"bad"}}"#, (None, None)),
-            (r#"not json"#, (None, None)),
+            (r#"{"error":{"message":"bad"}}"#, (None, None, None)),
+            (r#"not json"#, (None, None, None)),
         ];
-        for (body, (input, output)) in cases {
+        for (body, (input, output, cached_input)) in cases {
             let mut reply = ReplyUsage::new(1024);
             reply.feed(body.as_bytes());
-            assert_eq!(reply.finish(), ReportedUsage { input, output }, "{body}");
+            assert_eq!(reply.finish(), ReportedUsage { input, output, cached_input }, "{body}");
         }
     }
 
@@ -353,7 +363,7 @@ mod tests {
         for chunk in body.as_bytes().chunks(1000) {
             reply.feed(chunk);
         }
-        assert_eq!(reply.finish(), ReportedUsage { input: Some(77), output: Some(0) });
+        assert_eq!(reply.finish(), ReportedUsage { input: Some(77), output: Some(0), cached_input: None });
     }
 
     #[cfg(not(target_arch = "wasm32"))]

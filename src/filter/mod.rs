@@ -1095,7 +1095,8 @@ impl RequestFilter {
         let cost_credit = match (plan.price, charged) {
             (Some(price), Some((bucket, _))) => {
                 let signed = |n: u64| i64::try_from(n).unwrap_or(i64::MAX);
-                signed(bucket.cost).saturating_sub(signed(price.micro_usd(used)))
+                let cached = if self.phase == Phase::Forwarded { reported.cached_input.unwrap_or(0) } else { 0 };
+                signed(bucket.cost).saturating_sub(signed(price.micro_usd_cached(used, cached)))
             }
             _ => 0,
         };
