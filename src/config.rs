@@ -763,17 +763,19 @@ impl Config {
             if !self.tiers().any(|t| t == tier.default) {
                 return Err(invalid("tier.default", format!("{:?} is not a tier any limit names", tier.default)));
             }
-            for (tenant, own) in &tier.tenants {
+            // Entries are named by position: a key may be a credential pasted by mistake,
+            // and this message goes to the proxy's log.
+            for (at, (tenant, own)) in tier.tenants.iter().enumerate() {
                 let id = tenant.len() == 32 && tenant.bytes().all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase());
                 if !id && tenant != crate::identity::ANONYMOUS_TENANT {
                     return Err(invalid(
-                        format!("tier.tenants.{tenant}"),
+                        format!("tier.tenants (entry {at})"),
                         "keys must be tenant ids (32 lower-case hex digits), not credentials",
                     ));
                 }
                 if !self.tiers().any(|t| t == own) {
                     return Err(invalid(
-                        format!("tier.tenants.{tenant}"),
+                        format!("tier.tenants (entry {at})"),
                         format!("{own:?} is not a tier any limit names"),
                     ));
                 }
@@ -1199,6 +1201,13 @@ mod tests {
             ),
             (format!(r#"{{{companion}, {limits}, "mode": "dry_run"}}"#), "mode", "unknown variant `dry_run`"),
             (
+                format!(
+                    r#"{{{companion}, "limits": [{{"name": "m", "requests": 1, "window": "1m", "tiers": ["gold"]}}], "tier": {{"header": "x-tier", "default": "gold", "tenants": {{"sk-live-SECRET": "gold"}}}}}}"#
+                ),
+                "tier.tenants (entry 0)",
+                "not credentials",
+            ),
+            (
                 format!(r#"{{{companion}, "limits": [{{"name": "b", "usd": 5, "window": "1d"}}]}}"#),
                 "prices",
                 "needs a price table",
@@ -1363,6 +1372,7 @@ mod tests {
             assert_eq!(err.field, field, "{json}: {err}");
             assert!(err.message.contains(fragment), "{json}: {err}");
             assert!(err.to_string().contains(&format!("`{field}`")), "{err}");
+            assert!(!err.to_string().contains("SECRET"), "a credential in the config is never echoed: {err}");
         }
     }
 }
