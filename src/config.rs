@@ -388,6 +388,8 @@ pub struct QueueConfig {
     pub priority_header: Option<String>,
     /// The priority of requests that do not say.
     pub default_priority: u8,
+    /// Priorities by tenant tier (see `tier`), for requests whose header does not say.
+    pub tier_priorities: std::collections::BTreeMap<String, u8>,
     /// How much waiting one priority level is worth: a lower priority request moves up as
     /// it waits, so it is never starved.
     pub aging: ConfigDuration,
@@ -400,6 +402,7 @@ impl Default for QueueConfig {
             max_length: 1000,
             priority_header: None,
             default_priority: 5,
+            tier_priorities: std::collections::BTreeMap::new(),
             aging: ConfigDuration(Duration::from_secs(1)),
         }
     }
@@ -787,6 +790,14 @@ impl Config {
         }
         if queue.default_priority > 9 {
             return Err(invalid("queue.default_priority", format!("{} is outside 0..9", queue.default_priority)));
+        }
+        for (at, (tier, priority)) in queue.tier_priorities.iter().enumerate() {
+            if *priority > 9 || !self.tiers().any(|t| t == tier) {
+                return Err(invalid(
+                    format!("queue.tier_priorities.{tier}"),
+                    format!("entry {at}: priority {priority} must be 0..9, for a tier some limit names"),
+                ));
+            }
         }
         if queue.aging.0 < Duration::from_millis(1) {
             return Err(invalid("queue.aging", "must be positive"));

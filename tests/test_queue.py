@@ -21,18 +21,22 @@ TOKEN = "queue-token"
 def env(stack):
     backend = Backend(stack, TOKEN)
 
-    def start(limits, queue):
-        return backend.envoy(backend.filter_config(limits, queue=queue))[0]
+    def start(limits, queue, **options):
+        return backend.envoy(backend.filter_config(limits, queue=queue, **options))[0]
 
     start.redis = redis.Redis(port=backend.redis_port)
     return start
 
 
-def send(port, key, priority=None):
+def send(port, key, priority=None, tier=None):
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-    headers = {"authorization": f"Bearer {key}", "content-type": "application/json"}
+    headers = {"content-type": "application/json"}
+    if key is not None:
+        headers["authorization"] = f"Bearer {key}"
     if priority is not None:
         headers["x-priority"] = str(priority)
+    if tier is not None:
+        headers["x-tenant-tier"] = tier
     started = time.monotonic()
     try:
         conn.request("POST", "/v1/chat/completions", body=json.dumps({"model": "m", "messages": []}), headers=headers)
@@ -61,6 +65,21 @@ def test_high_priority_goes_first_and_low_priority_still_gets_through(env):
     assert order == [9, 9, 1, 1, 1]
     waits = sorted(int(r[0][1]["x-llm-ratelimit-queued-ms"]) for r in results)
     assert waits[0] >= 200 and waits[-1] <= 5000
+
+
+def test_priority_can_come_from_the_tenants_tier(env):
+    # One budget shared by everyone (the anonymous tenant), two tiers queueing for it.
+    limits = [{"name": "rps", "requests": 2, "window": "1s", "tiers": ["gold", "free"]}]
+    port = env(limits, {**QUEUE, "priority_header": None, "tier_priorities": {"gold": 9, "free": 1}},
+               identity={"missing": "anonymous"}, tier={"header": "x-tenant-tier", "default": "free"})
+    assert [send(port, None, tier="free")[0] for _ in range(2)] == [200, 200]
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        frees = [pool.submit(send, port, None, None, "free") for _ in range(2)]
+        time.sleep(0.15)
+        golds = [pool.submit(send, port, None, None, "gold") for _ in range(2)]
+        results = [(f.result(), "free") for f in frees] + [(f.result(), "gold") for f in golds]
+    order = [tier for (_, _, _, done), tier in sorted(results, key=lambda r: r[0][3])]
+    assert order == ["gold", "gold", "free", "free"]
 
 
 def test_a_hopeless_wait_is_refused_at_once(env):

@@ -517,6 +517,8 @@ struct RequestFilter {
     body_len: usize,
     /// The charge may wait in the queue: this request counts against its length.
     queued: bool,
+    /// The tenant's tier, when tiers are configured.
+    tier: String,
 }
 
 /// What to do with the paused request.
@@ -541,6 +543,7 @@ impl RequestFilter {
             usage_remover: None,
             body_len: 0,
             queued: false,
+            tier: String::new(),
         }
     }
 
@@ -564,6 +567,7 @@ impl RequestFilter {
         let path = host::request_header(":path").unwrap_or_default();
         let tier_value = config.tier.as_ref().and_then(|t| host::request_header(&t.header));
         let tier = config.tier_of(&self.tenant, tier_value.as_deref());
+        self.tier = tier.to_string();
         let plan = plan(config, &path, tier, body, |model| {
             host::shared_get(&average_key(&config.domain, &self.tenant, model))
                 .and_then(|b| OutputAverage::from_bytes(&b))
@@ -690,6 +694,7 @@ impl RequestFilter {
             .and_then(host::request_header)
             .and_then(|value| value.trim().parse::<u8>().ok())
             .filter(|p| *p <= 9)
+            .or_else(|| queue.tier_priorities.get(&self.tier).copied())
             .unwrap_or(queue.default_priority);
         Some(Wait { max_ms: queue.max_wait.0.as_millis() as u64, priority, aging_ms: queue.aging.0.as_millis() as u64 })
     }
