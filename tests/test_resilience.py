@@ -32,7 +32,9 @@ def send(port, key):
 
 
 @pytest.fixture
-def env(stack):
+def env(stack, request):
+    # Tests may ask for the limit's algorithm (indirect parametrization); token bucket else.
+    algorithm = getattr(request, "param", "token_bucket")
     redis_proc, redis_port = stack.redis()
     companion, companion_port = stack.companion(f"redis://127.0.0.1:{redis_port}", TOKEN, redis_timeout="40ms")
     _, mock_port = stack.mock()
@@ -40,7 +42,7 @@ def env(stack):
         "companion": {"upstream": "llm_ratelimit_companion", "token": TOKEN, "timeout": "250ms"},
         "failure_mode": "local",
         "fallback": {"instances": 1, "breaker_failures": 3, "breaker_cooldown": "300ms"},
-        "limits": [{"name": "rph", "requests": LIMIT, "window": "1h"}],
+        "limits": [{"name": "rph", "requests": LIMIT, "window": "1h", "algorithm": algorithm}],
     }
     port = free_port()
     stack.envoy(envoy_config(listen_port=port, admin_port=free_port(), upstream_port=mock_port,
@@ -51,12 +53,18 @@ def env(stack):
 
     e = Env()
     e.stack, e.port, e.redis_port, e.companion, e.companion_port = stack, port, redis_port, companion, companion_port
-    e.redis_proc = redis_proc
+    e.redis_proc, e.algorithm = redis_proc, algorithm
     return e
 
 
-def level(redis_port, key):
-    raw = redis.Redis(port=redis_port).hget(bucket_key(key, "rph"), "tokens")
+def level(env, key):
+    """What the tenant has left in Redis (None: nothing recorded yet)."""
+    store = redis.Redis(port=env.redis_port)
+    if env.algorithm == "sliding_window":
+        # The window's running sum is stored as the member "~sum", scored -(sum) - 1.
+        score = store.zscore(bucket_key(key, "rph").replace(":tb:", ":sw:"), "~sum")
+        return None if score is None else LIMIT - (-score - 1)
+    raw = store.hget(bucket_key(key, "rph"), "tokens")
     return None if raw is None else float(raw)
 
 
@@ -77,6 +85,7 @@ def recovery_seconds(env, key):
     return time.monotonic() - started
 
 
+@pytest.mark.parametrize("env", ["token_bucket", "sliding_window"], indirect=True)
 def test_redis_killed_under_load(env):
     assert [send(env.port, "sk-r")[0] for _ in range(10)] == [200] * 10
     env.redis_proc.kill()
@@ -89,7 +98,7 @@ def test_redis_killed_under_load(env):
     assert seconds < 1.5
     # What was admitted locally is reconciled: the fresh Redis learns of the 50 local
     # admissions (and the probe's), so this tenant has nothing left.
-    wait_until(lambda: (level(env.redis_port, "sk-r") or LIMIT) < 1, 10, "local admissions reconciled")
+    wait_until(lambda: (level(env, "sk-r") or LIMIT) < 1, 10, "local admissions reconciled")
     assert send(env.port, "sk-r")[0] == 429
 
 
@@ -104,7 +113,7 @@ def test_companion_killed_and_restarted(env):
     print(f"\ncompanion back: decisions central again after {seconds:.2f}s")
     assert seconds < 1.5
     # 1 before, 30 during, and the requests that probed: all in Redis once reconciled.
-    wait_until(lambda: (level(env.redis_port, "sk-c") or LIMIT) <= LIMIT - 31, 10, "reconciled")
+    wait_until(lambda: (level(env, "sk-c") or LIMIT) <= LIMIT - 31, 10, "reconciled")
 
 
 def test_a_paused_redis_takes_the_timeout_path_not_a_hang(env):

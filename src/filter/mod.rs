@@ -905,7 +905,7 @@ impl RequestFilter {
         }
         host::increment(Metric::Allowed);
         // Redis learns of the budget spent here; slots are this proxy's alone.
-        let debits = specs.iter().enumerate().filter(|(_, b)| b.kind == BucketKind::TokenBucket);
+        let debits = specs.iter().enumerate().filter(|(_, b)| b.kind != BucketKind::Slots);
         let limits = adjustments(config, debits.map(|(i, b)| (i, -(b.cost as i64))));
         if !limits.is_empty() {
             queue_settlement(Settlement {
@@ -1054,7 +1054,7 @@ impl RequestFilter {
         SLOTS.with(|s| s.borrow_mut().remove(&id));
         let costs = self.costs();
         let refunds = config.limits.iter().zip(&costs).enumerate().map(|(i, (limit, &cost))| {
-            (i, if limit.kind() == BucketKind::TokenBucket { i64::try_from(cost).unwrap_or(i64::MAX) } else { 0 })
+            (i, if limit.kind() == BucketKind::Slots { 0 } else { i64::try_from(cost).unwrap_or(i64::MAX) })
         });
         queue_settlement(Settlement {
             domain: config.domain.clone(),
