@@ -65,17 +65,6 @@ pub fn actual_usage(
     TokenEstimate { prompt, output }
 }
 
-/// `actual_usage` in total tokens.
-pub fn actual_tokens(
-    estimate: TokenEstimate,
-    ending: Ending,
-    reported: ReportedUsage,
-    streamed_output: Option<u64>,
-    on_error: UpstreamErrorCharge,
-) -> u64 {
-    actual_usage(estimate, ending, reported, streamed_output, on_error).total()
-}
-
 /// A model's price, in US dollars per million tokens: so also micro-dollars per token.
 #[derive(Debug, Clone, Copy, PartialEq, serde::Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -176,7 +165,7 @@ mod tests {
         ];
         for (ending, usage, streamed, on_error, expected) in cases {
             assert_eq!(
-                actual_tokens(EST, ending, usage, streamed, on_error),
+                actual_usage(EST, ending, usage, streamed, on_error).total(),
                 expected,
                 "{ending:?} {usage:?} {streamed:?}"
             );

@@ -527,6 +527,17 @@ enum Verdict {
     Reply(LocalReply),
 }
 
+impl Verdict {
+    /// The same verdict, its response carrying one more header.
+    fn with_header(mut self, name: &'static str, value: String) -> Verdict {
+        match &mut self {
+            Verdict::Forward(headers) => headers.push((name, value)),
+            Verdict::Reply(reply) => reply.headers.push((name, value)),
+        }
+        self
+    }
+}
+
 impl RequestFilter {
     fn new(config: Option<Rc<Config>>, context_id: u32) -> RequestFilter {
         RequestFilter {
@@ -786,16 +797,7 @@ impl RequestFilter {
         if waited == 0 {
             return verdict;
         }
-        match verdict {
-            Verdict::Forward(mut headers) => {
-                headers.push((QUEUED_HEADER, waited.to_string()));
-                Verdict::Forward(headers)
-            }
-            Verdict::Reply(mut local) => {
-                local.headers.push((QUEUED_HEADER, waited.to_string()));
-                Verdict::Reply(local)
-            }
-        }
+        verdict.with_header(QUEUED_HEADER, waited.to_string())
     }
 
     fn decide_reply(&mut self, config: &Config, reply: TokenBucketReply) -> Verdict {
@@ -895,13 +897,11 @@ impl RequestFilter {
         let Some(reply) = reply else {
             return Verdict::Reply(decision::limiter_unavailable());
         };
-        let mut headers = vec![(DEGRADED_HEADER, "local".to_string())];
         if !reply.allowed {
             host::increment(Metric::Limited);
             let reserved = self.plan.as_ref().and_then(|p| p.estimate).map_or(0, |e| e.total());
-            let mut rejection = decision::rejection(&self.relevant(&reply), config, reserved);
-            rejection.headers.append(&mut headers);
-            return Verdict::Reply(rejection);
+            let rejection = Verdict::Reply(decision::rejection(&self.relevant(&reply), config, reserved));
+            return rejection.with_header(DEGRADED_HEADER, "local".to_string());
         }
         host::increment(Metric::Allowed);
         // Redis learns of the budget spent here; slots are this proxy's alone.
@@ -917,8 +917,7 @@ impl RequestFilter {
             });
         }
         self.admission = Some(Admission::Local);
-        headers.extend(self.admitted_headers(config, &reply));
-        Verdict::Forward(headers)
+        Verdict::Forward(self.admitted_headers(config, &reply)).with_header(DEGRADED_HEADER, "local".to_string())
     }
 
     /// Sends upstream the body the charge calls for: the output cap clamped to what was
