@@ -44,7 +44,7 @@ test: build ## Run every test: unit (native and wasm), Lua against Redis, compan
 	$(PY) -m pytest tests -q -p no:cacheprovider
 
 wasm-test: ## The unit tests marked for wasm, built for the filter's target and run under Node
-	CARGO_TARGET_WASM32_UNKNOWN_UNKNOWN_RUNNER=wasm-bindgen-test-runner $(WASM_CARGO) test -p llm-ratelimit --lib --target $(WASM_TARGET) $(WASM_FLAGS)
+	CARGO_TARGET_WASM32_UNKNOWN_UNKNOWN_RUNNER=wasm-bindgen-test-runner $(WASM_CARGO) test -p llm-ratelimit-core --lib --target $(WASM_TARGET) $(WASM_FLAGS)
 
 unit: ## Native unit tests only
 	cargo test --workspace
@@ -62,7 +62,7 @@ demo: up ## Start the demo stack and send a short burst through it
 	$(PY) scripts/demo.py burst
 
 bench: build empty-filter ## Measure Envoy without and with the filter in one run and print ratios
-	cargo build --release --example tokenize_bench
+	cargo build --release -p llm-ratelimit-core --example tokenize_bench
 	$(PY) scripts/bench.py
 
 FUZZ_SECONDS ?= 60

@@ -4,7 +4,7 @@
 //! this service through a proxy upstream.
 //!
 //! Endpoints: `POST /v1/token_bucket`, `POST /v1/lease` and `POST /v1/settle` (JSON in and out, see
-//! `llm_ratelimit::protocol`), `GET /healthz`. Every endpoint but `/healthz` requires the shared token in
+//! `llm_ratelimit_protocol`), `GET /healthz`. Every endpoint but `/healthz` requires the shared token in
 //! `x-llmrl-token`.
 
 mod queue;
@@ -19,10 +19,10 @@ use axum::routing::{get, post};
 use axum::serve::ListenerExt;
 use axum::Router;
 use clap::Parser;
-use llm_ratelimit::duration::parse_duration;
-use llm_ratelimit::protocol::{
-    LeaseRequest, SettleOutcome, SettleReply, SettleRequest, TokenBucketRequest, LEASE_PATH, RELEASE_PATH, SETTLE_PATH,
-    TOKEN_BUCKET_PATH, TOKEN_HEADER, TOUCH_PATH,
+use llm_ratelimit_protocol::duration::parse_duration;
+use llm_ratelimit_protocol::{
+    ChargeRequest, LeaseRequest, SettleOutcome, SettleReply, SettlementBatch, CHARGE_PATH, LEASE_PATH, RELEASE_PATH,
+    SETTLE_PATH, TOKEN_HEADER, TOUCH_PATH,
 };
 use serde_json::json;
 use std::sync::Arc;
@@ -92,7 +92,7 @@ fn json_reply(value: impl serde::Serialize) -> Response {
 /// A request that runs the bucket script once: a charge or a lease.
 trait BucketCall: serde::de::DeserializeOwned {
     /// A charge that may wait for capacity, run by the queue; `None` for any other call.
-    async fn charge_waiting(&self, _app: &App) -> Option<Result<llm_ratelimit::protocol::TokenBucketReply, String>> {
+    async fn charge_waiting(&self, _app: &App) -> Option<Result<llm_ratelimit_protocol::LimitsReply, String>> {
         None
     }
     fn check(&self) -> Result<(), String>;
@@ -100,8 +100,8 @@ trait BucketCall: serde::de::DeserializeOwned {
     fn names(&self) -> Vec<&str>;
 }
 
-impl BucketCall for TokenBucketRequest {
-    async fn charge_waiting(&self, app: &App) -> Option<Result<llm_ratelimit::protocol::TokenBucketReply, String>> {
+impl BucketCall for ChargeRequest {
+    async fn charge_waiting(&self, app: &App) -> Option<Result<llm_ratelimit_protocol::LimitsReply, String>> {
         let wait = self.wait.as_ref()?;
         Some(queue::charge_waiting(&app.store, &app.token_bucket, &app.key_prefix, self, wait).await)
     }
@@ -174,7 +174,7 @@ async fn run_adjustments(State(app): State<Arc<App>>, headers: HeaderMap, body: 
     if !authorised(&app, &headers) {
         return error(StatusCode::UNAUTHORIZED, format!("missing or wrong {TOKEN_HEADER}"));
     }
-    let request = match parse_body(&body, SettleRequest::validate) {
+    let request = match parse_body(&body, SettlementBatch::validate) {
         Ok(request) => request,
         Err(message) => return error(StatusCode::BAD_REQUEST, message),
     };
@@ -275,7 +275,7 @@ async fn serve(args: Args) -> Result<(), String> {
     };
     let app = Arc::new(App { store, token, key_prefix: args.key_prefix.clone(), token_bucket });
     let router = Router::new()
-        .route(TOKEN_BUCKET_PATH, post(run_buckets::<TokenBucketRequest>))
+        .route(CHARGE_PATH, post(run_buckets::<ChargeRequest>))
         .route(SETTLE_PATH, post(run_settle))
         .route(TOUCH_PATH, post(run_touch))
         .route(RELEASE_PATH, post(run_release))

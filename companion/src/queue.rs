@@ -12,7 +12,8 @@
 
 use crate::store::{Script, Store};
 use crate::token_bucket::{self, Call};
-use llm_ratelimit::protocol::{BucketStatus, TokenBucketReply, TokenBucketRequest, Wait};
+use llm_ratelimit_protocol::keys::{redis_key, QUEUE_KIND, QUEUE_NAME};
+use llm_ratelimit_protocol::{ChargeRequest, LimitStatus, LimitsReply, Wait};
 use redis::Value;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -60,12 +61,7 @@ async fn is_head(store: &Store, key: &str, member: &str) -> Result<bool, String>
     Ok(true)
 }
 
-async fn charge(
-    store: &Store,
-    script: &Script,
-    call: &Call,
-    request: &TokenBucketRequest,
-) -> Result<TokenBucketReply, String> {
+async fn charge(store: &Store, script: &Script, call: &Call, request: &ChargeRequest) -> Result<LimitsReply, String> {
     let value = store.run(script, &call.keys, &call.args).await.map_err(|e| format!("redis: {e}"))?;
     token_bucket::reply(request.limits.iter().map(|l| l.name.as_str()), &value)
 }
@@ -75,25 +71,25 @@ pub async fn charge_waiting(
     store: &Store,
     script: &Script,
     prefix: &str,
-    request: &TokenBucketRequest,
+    request: &ChargeRequest,
     wait: &Wait,
-) -> Result<TokenBucketReply, String> {
+) -> Result<LimitsReply, String> {
     let id = request.reservation.as_ref().map_or("", |r| r.id.as_str());
     let call = token_bucket::charge(prefix, request).with_cancel_marker(prefix, &request.domain, &request.tenant, id);
     let started = Instant::now();
     let max = Duration::from_millis(wait.max_ms);
-    let key = token_bucket::key(prefix, &request.domain, &request.tenant, "queue", "waiters");
+    let key = redis_key(prefix, &request.domain, &request.tenant, QUEUE_KIND, QUEUE_NAME);
     let enqueued = now_ms();
     let member = format!("{}:{id}", enqueued + wait.max_ms);
     let score = enqueued as f64 - f64::from(wait.priority) * wait.aging_ms as f64;
     let mut waiter: Option<Waiter> = None;
-    let mut last: Option<TokenBucketReply> = None;
+    let mut last: Option<LimitsReply> = None;
     loop {
         let waited = started.elapsed();
         if waiter.is_none() || is_head(store, &key, &member).await? {
             let mut reply = charge(store, script, &call, request).await?;
             reply.waited_ms = waited.as_millis() as u64;
-            let never = reply.limits.iter().any(|l| l.status == BucketStatus::Never);
+            let never = reply.limits.iter().any(|l| l.status == LimitStatus::Never);
             let retry = reply.limits.iter().map(|l| l.retry_after_ms).max().unwrap_or(0);
             if reply.allowed || never || waited + Duration::from_millis(retry) > max {
                 return Ok(reply);

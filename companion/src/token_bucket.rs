@@ -1,8 +1,9 @@
 //! The translation between the JSON endpoints and `lua/token_bucket.lua`: KEYS and ARGV
 //! for a charge or a settlement, and the script's reply back to JSON.
 
-use llm_ratelimit::protocol::{
-    BucketKind, BucketOutcome, BucketSpec, BucketStatus, LeaseRequest, Settlement, TokenBucketReply, TokenBucketRequest,
+use llm_ratelimit_protocol::keys::{redis_key as key, CANCEL_KIND, RESERVATION_KIND};
+use llm_ratelimit_protocol::{
+    ChargeRequest, LeaseRequest, LimitCharge, LimitKind, LimitOutcome, LimitStatus, LimitsReply, Settlement,
 };
 use redis::Value;
 
@@ -14,16 +15,10 @@ pub struct Call {
     pub args: Vec<String>,
 }
 
-/// `<prefix>{<domain>:<tenant>}:<kind>:<name>`: the braces are a Redis Cluster hash tag,
-/// so all keys of a tenant share a slot and one script call can touch them together.
-pub fn key(prefix: &str, domain: &str, tenant: &str, kind: &str, name: &str) -> String {
-    format!("{prefix}{{{domain}:{tenant}}}:{kind}:{name}")
-}
-
 /// One limit as the script takes it.
 struct Limit<'a> {
     name: &'a str,
-    kind: BucketKind,
+    kind: LimitKind,
     capacity: u64,
     window_ms: u64,
     amount: String,
@@ -56,7 +51,7 @@ fn call<'a>(
     let mut args = vec![op.to_string(), keys.len().to_string(), third];
     args.extend(per_limit);
     if let Some(id) = reservation {
-        keys.push(key(prefix, domain, tenant, "res", id));
+        keys.push(key(prefix, domain, tenant, RESERVATION_KIND, id));
     }
     Call { keys, args }
 }
@@ -65,12 +60,12 @@ impl Call {
     /// Adds the request's cancel marker (see the script): a waiting charge checks it, a
     /// cancelling settlement sets it.
     pub fn with_cancel_marker(mut self, prefix: &str, domain: &str, tenant: &str, id: &str) -> Call {
-        self.keys.push(key(prefix, domain, tenant, "cancel", id));
+        self.keys.push(key(prefix, domain, tenant, CANCEL_KIND, id));
         self
     }
 }
 
-fn spec_limits(specs: &[BucketSpec]) -> impl Iterator<Item = Limit<'_>> {
+fn spec_limits(specs: &[LimitCharge]) -> impl Iterator<Item = Limit<'_>> {
     specs.iter().map(|l| Limit {
         name: &l.name,
         kind: l.kind,
@@ -81,7 +76,7 @@ fn spec_limits(specs: &[BucketSpec]) -> impl Iterator<Item = Limit<'_>> {
     })
 }
 
-pub fn charge(prefix: &str, request: &TokenBucketRequest) -> Call {
+pub fn charge(prefix: &str, request: &ChargeRequest) -> Call {
     let reservation = request.reservation.as_ref();
     let ttl = reservation.map_or(0, |r| r.ttl_ms).to_string();
     let limits = spec_limits(&request.limits);
@@ -89,7 +84,14 @@ pub fn charge(prefix: &str, request: &TokenBucketRequest) -> Call {
 }
 
 pub fn lease(prefix: &str, request: &LeaseRequest) -> Call {
-    let limits = spec_limits(&request.limits);
+    let limits = request.limits.iter().map(|l| Limit {
+        name: &l.name,
+        kind: l.kind,
+        capacity: l.capacity,
+        window_ms: l.window_ms,
+        amount: l.wanted.to_string(),
+        min: l.needed.map_or(l.wanted, |needed| needed.min(l.wanted)).to_string(),
+    });
     call(prefix, "lease", &request.domain, &request.tenant, limits, request.share.to_string(), None)
 }
 
@@ -113,7 +115,7 @@ pub fn adjust(prefix: &str, op: &str, settlement: &Settlement) -> Call {
 }
 
 /// The script's reply for buckets named `names`, in order.
-pub fn reply<'a>(names: impl ExactSizeIterator<Item = &'a str>, value: &Value) -> Result<TokenBucketReply, String> {
+pub fn reply<'a>(names: impl ExactSizeIterator<Item = &'a str>, value: &Value) -> Result<LimitsReply, String> {
     let items = as_array(value)?;
     let (done, outcomes) = items.split_first().ok_or("empty reply")?;
     if outcomes.len() != names.len() {
@@ -128,13 +130,13 @@ pub fn reply<'a>(names: impl ExactSizeIterator<Item = &'a str>, value: &Value) -
                 return Err(format!("outcome has {} fields, expected 6", fields.len()));
             };
             let status = match status {
-                1 => BucketStatus::Allowed,
-                0 => BucketStatus::Limited,
-                -1 => BucketStatus::Never,
+                1 => LimitStatus::Allowed,
+                0 => LimitStatus::Limited,
+                -1 => LimitStatus::Never,
                 other => return Err(format!("unknown status {other}")),
             };
             let non_negative = |n: i64| u64::try_from(n).unwrap_or(0);
-            Ok(BucketOutcome {
+            Ok(LimitOutcome {
                 name: name.to_string(),
                 status,
                 limit: non_negative(limit),
@@ -145,7 +147,7 @@ pub fn reply<'a>(names: impl ExactSizeIterator<Item = &'a str>, value: &Value) -
             })
         })
         .collect::<Result<_, String>>()?;
-    Ok(TokenBucketReply { allowed: as_int(done)? == 1, waited_ms: 0, limits })
+    Ok(LimitsReply { allowed: as_int(done)? == 1, waited_ms: 0, limits })
 }
 
 fn as_array(value: &Value) -> Result<&[Value], String> {
@@ -165,29 +167,29 @@ fn as_int(value: &Value) -> Result<i64, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use llm_ratelimit::protocol::BucketKind;
-    use llm_ratelimit::protocol::{Adjustment, Reservation};
+    use llm_ratelimit_protocol::LimitKind;
+    use llm_ratelimit_protocol::{Adjustment, LeaseAsk, Reservation};
 
-    fn request() -> TokenBucketRequest {
-        TokenBucketRequest {
+    fn request() -> ChargeRequest {
+        ChargeRequest {
             domain: "llm".into(),
             tenant: "abc123".into(),
             limits: vec![
-                BucketSpec {
+                LimitCharge {
                     name: "rpm".into(),
                     capacity: 20,
                     window_ms: 60_000,
                     cost: 1,
                     min_cost: None,
-                    kind: BucketKind::TokenBucket,
+                    kind: LimitKind::TokenBucket,
                 },
-                BucketSpec {
+                LimitCharge {
                     name: "tpm".into(),
                     capacity: 10_000,
                     window_ms: 60_000,
                     cost: 750,
                     min_cost: None,
-                    kind: BucketKind::TokenBucket,
+                    kind: LimitKind::TokenBucket,
                 },
             ],
             reservation: Some(Reservation { id: "r42".into(), ttl_ms: 900_000 }),
@@ -225,7 +227,7 @@ mod tests {
                 capacity: 10_000,
                 window_ms: 60_000,
                 credit: -120,
-                kind: BucketKind::TokenBucket,
+                kind: LimitKind::TokenBucket,
             }],
         };
         let call = adjust("llmrl:", "settle", &settlement);
@@ -238,13 +240,13 @@ mod tests {
         let request = LeaseRequest {
             domain: "llm".into(),
             tenant: "abc123".into(),
-            limits: vec![BucketSpec {
+            limits: vec![LeaseAsk {
                 name: "tpm".into(),
                 capacity: 10_000,
                 window_ms: 60_000,
-                cost: 500,
-                min_cost: Some(20),
-                kind: BucketKind::TokenBucket,
+                wanted: 500,
+                needed: Some(20),
+                kind: LimitKind::TokenBucket,
             }],
             share: 0.5,
         };
@@ -256,7 +258,7 @@ mod tests {
     #[test]
     fn slot_limits_have_their_own_keys_and_kind() {
         let mut request = request();
-        request.limits[1].kind = BucketKind::Slots;
+        request.limits[1].kind = LimitKind::Slots;
         let call = charge("llmrl:", &request);
         assert_eq!(call.keys[1], "llmrl:{llm:abc123}:slots:tpm");
         assert_eq!(call.args[8], "slots");
@@ -274,7 +276,7 @@ mod tests {
                 capacity: 10,
                 window_ms: 60_000,
                 credit: -1,
-                kind: BucketKind::TokenBucket,
+                kind: LimitKind::TokenBucket,
             }],
         };
         assert_eq!(adjust("p:", "settle", &settlement).keys, vec!["p:{llm:t}:tb:rpm"]);
@@ -296,9 +298,9 @@ mod tests {
             Value::Array(vec![Value::Int(0), outcome(1, 20, 3, 51_000, 0), outcome(0, 10_000, 0, 60_000, 4_500)]);
         let reply = reply(["rpm", "tpm"].into_iter(), &value).expect("valid reply");
         assert!(!reply.allowed);
-        assert_eq!(reply.limits[0].status, BucketStatus::Allowed);
+        assert_eq!(reply.limits[0].status, LimitStatus::Allowed);
         assert_eq!(reply.limits[0].remaining, 3);
-        assert_eq!(reply.limits[1].status, BucketStatus::Limited);
+        assert_eq!(reply.limits[1].status, LimitStatus::Limited);
         assert_eq!(reply.limits[1].retry_after_ms, 4_500);
         assert_eq!(reply.limits[1].name, "tpm");
     }

@@ -3,5 +3,5 @@
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
-    let _ = llm_ratelimit::config::Config::from_json(data);
+    let _ = llm_ratelimit_core::config::Config::from_json(data);
 });

@@ -1,7 +1,7 @@
 //! Any bytes as a non-streamed reply, in chunks, with a small window so the tail scan runs.
 #![no_main]
 use libfuzzer_sys::fuzz_target;
-use llm_ratelimit::usage::ReplyUsage;
+use llm_ratelimit_core::usage::ReplyUsage;
 
 fuzz_target!(|data: &[u8]| {
     let mut reply = ReplyUsage::new(64);
@@ -9,5 +9,5 @@ fuzz_target!(|data: &[u8]| {
         reply.feed(chunk);
     }
     let _ = reply.finish();
-    let _ = llm_ratelimit::usage::usage_in_json(data);
+    let _ = llm_ratelimit_core::usage::usage_in_json(data);
 });

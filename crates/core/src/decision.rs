@@ -3,7 +3,7 @@
 
 use crate::config::{Config, Dimension, HeaderStyle};
 use crate::duration::format_reset;
-use crate::protocol::{BucketOutcome, BucketStatus, TokenBucketReply};
+use crate::protocol::{LimitOutcome, LimitStatus, LimitsReply};
 use serde_json::json;
 
 pub type Header = (&'static str, String);
@@ -27,14 +27,14 @@ pub struct LocalReply {
     pub body: String,
 }
 
-fn dimension_of(config: &Config, outcome: &BucketOutcome) -> Dimension {
+fn dimension_of(config: &Config, outcome: &LimitOutcome) -> Dimension {
     config.limit(&outcome.name).map_or(Dimension::Requests, |l| l.dimension())
 }
 
 /// OpenAI's `x-ratelimit-*-requests` and `x-ratelimit-*-tokens` headers, each for the
 /// most restrictive limit of its dimension (fewest left; on a tie, longest to reset), and
 /// the IETF `RateLimit-Policy` / `RateLimit` fields listing every limit.
-pub fn rate_limit_headers(reply: &TokenBucketReply, config: &Config) -> Vec<Header> {
+pub fn rate_limit_headers(reply: &LimitsReply, config: &Config) -> Vec<Header> {
     let mut headers = Vec::new();
     if config.headers.contains(&HeaderStyle::Openai) {
         openai_headers(reply, config, &mut headers);
@@ -47,7 +47,7 @@ pub fn rate_limit_headers(reply: &TokenBucketReply, config: &Config) -> Vec<Head
     if config.headers.contains(&HeaderStyle::Classic) {
         // The most restrictive: the smallest share of its limit left.
         let tightest = windowed.iter().min_by(|a, b| {
-            let share = |o: &BucketOutcome| o.remaining as f64 / o.limit.max(1) as f64;
+            let share = |o: &LimitOutcome| o.remaining as f64 / o.limit.max(1) as f64;
             share(a).total_cmp(&share(b))
         });
         if let Some(o) = tightest {
@@ -59,7 +59,7 @@ pub fn rate_limit_headers(reply: &TokenBucketReply, config: &Config) -> Vec<Head
     headers
 }
 
-fn openai_headers(reply: &TokenBucketReply, config: &Config, headers: &mut Vec<Header>) {
+fn openai_headers(reply: &LimitsReply, config: &Config, headers: &mut Vec<Header>) {
     // OpenAI has no header for a money budget: the IETF and classic fields cover it.
     for dimension in [Dimension::Requests, Dimension::Tokens, Dimension::Concurrency] {
         let tightest = reply
@@ -88,7 +88,7 @@ fn openai_headers(reply: &TokenBucketReply, config: &Config, headers: &mut Vec<H
     }
 }
 
-fn ietf_headers(windowed: &[&BucketOutcome], config: &Config, headers: &mut Vec<Header>) {
+fn ietf_headers(windowed: &[&LimitOutcome], config: &Config, headers: &mut Vec<Header>) {
     if !windowed.is_empty() {
         let seconds = |ms: u64| ms.div_ceil(1000);
         let policy = windowed
@@ -110,10 +110,10 @@ fn ietf_headers(windowed: &[&BucketOutcome], config: &Config, headers: &mut Vec<
 /// The 429 for a reply that was not allowed. It names the limit that binds longest; when
 /// a limit can never fit the request it says so and gives no `Retry-After`.
 /// `requested_tokens` is what the request asked of token limits.
-pub fn rejection(reply: &TokenBucketReply, config: &Config, requested_tokens: u64) -> LocalReply {
-    let never = reply.limits.iter().find(|o| o.status == BucketStatus::Never);
+pub fn rejection(reply: &LimitsReply, config: &Config, requested_tokens: u64) -> LocalReply {
+    let never = reply.limits.iter().find(|o| o.status == LimitStatus::Never);
     let binding = never
-        .or_else(|| reply.limits.iter().filter(|o| o.status == BucketStatus::Limited).max_by_key(|o| o.retry_after_ms));
+        .or_else(|| reply.limits.iter().filter(|o| o.status == LimitStatus::Limited).max_by_key(|o| o.retry_after_ms));
     let mut headers = rate_limit_headers(reply, config);
     let Some(outcome) = binding else {
         // Not allowed yet nothing limited: only an inconsistent reply gets here.
@@ -126,11 +126,11 @@ pub fn rejection(reply: &TokenBucketReply, config: &Config, requested_tokens: u6
     let window = config.limit(&outcome.name).map_or(String::new(), |l| format!(" per {}", format_reset(l.window_ms())));
     let (name, limit) = (&outcome.name, outcome.limit);
     let message = match (outcome.status, dimension) {
-        (BucketStatus::Never, Dimension::Tokens) => format!(
+        (LimitStatus::Never, Dimension::Tokens) => format!(
             "Request too large for limit \"{name}\": it needs {requested_tokens} tokens (prompt and completion allowance), \
              but the limit allows {limit}{window}, so it can never be admitted. Shorten the prompt or lower max_tokens."
         ),
-        (BucketStatus::Never, Dimension::Cost) => format!(
+        (LimitStatus::Never, Dimension::Cost) => format!(
             "Request too expensive for budget \"{name}\": it may cost more than the whole budget of {}{window}, so it \
              can never be admitted. Shorten the prompt or lower max_tokens.",
             usd(limit)
@@ -144,7 +144,7 @@ pub fn rejection(reply: &TokenBucketReply, config: &Config, requested_tokens: u6
                 format_reset(outcome.retry_after_ms)
             )
         }
-        (BucketStatus::Never, Dimension::Requests | Dimension::Concurrency) => format!(
+        (LimitStatus::Never, Dimension::Requests | Dimension::Concurrency) => format!(
             "Request too large for limit \"{name}\": it allows {limit} requests{window}, so this request can never be admitted."
         ),
         (_, Dimension::Concurrency) => {
@@ -260,8 +260,8 @@ mod tests {
         Config::from_json(json.as_bytes()).expect("config")
     }
 
-    fn outcome(name: &str, status: BucketStatus, limit: u64, remaining: u64, reset: u64, retry: u64) -> BucketOutcome {
-        BucketOutcome {
+    fn outcome(name: &str, status: LimitStatus, limit: u64, remaining: u64, reset: u64, retry: u64) -> LimitOutcome {
+        LimitOutcome {
             name: name.into(),
             status,
             limit,
@@ -278,13 +278,13 @@ mod tests {
 
     #[test]
     fn headers_describe_the_tightest_limit_of_each_dimension() {
-        let reply = TokenBucketReply {
+        let reply = LimitsReply {
             allowed: true,
             waited_ms: 0,
             limits: vec![
-                outcome("rpm", BucketStatus::Allowed, 20, 7, 39_000, 0),
-                outcome("rpd", BucketStatus::Allowed, 1000, 7, 600_000, 0),
-                outcome("tpm", BucketStatus::Allowed, 10_000, 8_800, 7_200, 0),
+                outcome("rpm", LimitStatus::Allowed, 20, 7, 39_000, 0),
+                outcome("rpd", LimitStatus::Allowed, 1000, 7, 600_000, 0),
+                outcome("tpm", LimitStatus::Allowed, 10_000, 8_800, 7_200, 0),
             ],
         };
         let headers = rate_limit_headers(&reply, &config());
@@ -303,12 +303,12 @@ mod tests {
 
     #[test]
     fn concurrency_gets_its_own_headers_and_429() {
-        let reply = TokenBucketReply {
+        let reply = LimitsReply {
             allowed: false,
             waited_ms: 0,
             limits: vec![
-                outcome("rpm", BucketStatus::Allowed, 20, 12, 24_000, 0),
-                outcome("inflight", BucketStatus::Limited, 3, 0, 0, 800),
+                outcome("rpm", LimitStatus::Allowed, 20, 12, 24_000, 0),
+                outcome("inflight", LimitStatus::Limited, 3, 0, 0, 800),
             ],
         };
         let reply = rejection(&reply, &config(), 0);
@@ -323,12 +323,12 @@ mod tests {
 
     #[test]
     fn header_styles_are_chosen_by_config() {
-        let reply = TokenBucketReply {
+        let reply = LimitsReply {
             allowed: true,
             waited_ms: 0,
             limits: vec![
-                outcome("rpm", BucketStatus::Allowed, 20, 15, 15_000, 0),
-                outcome("tpm", BucketStatus::Allowed, 10_000, 1_000, 54_000, 0),
+                outcome("rpm", LimitStatus::Allowed, 20, 15, 15_000, 0),
+                outcome("tpm", LimitStatus::Allowed, 10_000, 1_000, 54_000, 0),
             ],
         };
         let mut config = config();
@@ -349,10 +349,10 @@ mod tests {
 
     #[test]
     fn request_only_replies_carry_no_token_headers() {
-        let reply = TokenBucketReply {
+        let reply = LimitsReply {
             allowed: true,
             waited_ms: 0,
-            limits: vec![outcome("rpm", BucketStatus::Allowed, 20, 19, 3_000, 0)],
+            limits: vec![outcome("rpm", LimitStatus::Allowed, 20, 19, 3_000, 0)],
         };
         let headers = rate_limit_headers(&reply, &config());
         assert_eq!(header(&headers, "x-ratelimit-remaining-tokens"), None);
@@ -361,13 +361,13 @@ mod tests {
 
     #[test]
     fn a_429_names_the_limit_that_binds_longest() {
-        let reply = TokenBucketReply {
+        let reply = LimitsReply {
             allowed: false,
             waited_ms: 0,
             limits: vec![
-                outcome("rpm", BucketStatus::Limited, 20, 0, 60_000, 2_500),
-                outcome("rph", BucketStatus::Limited, 100, 0, 3_600_000, 36_001),
-                outcome("rpd", BucketStatus::Allowed, 1000, 500, 100, 0),
+                outcome("rpm", LimitStatus::Limited, 20, 0, 60_000, 2_500),
+                outcome("rph", LimitStatus::Limited, 100, 0, 3_600_000, 36_001),
+                outcome("rpd", LimitStatus::Allowed, 1000, 500, 100, 0),
             ],
         };
         let reply = rejection(&reply, &config(), 0);
@@ -383,12 +383,12 @@ mod tests {
 
     #[test]
     fn a_token_429_says_what_the_request_needs() {
-        let reply = TokenBucketReply {
+        let reply = LimitsReply {
             allowed: false,
             waited_ms: 0,
             limits: vec![
-                outcome("rpm", BucketStatus::Allowed, 20, 12, 24_000, 0),
-                outcome("tpm", BucketStatus::Limited, 10_000, 300, 58_200, 5_400),
+                outcome("rpm", LimitStatus::Allowed, 20, 12, 24_000, 0),
+                outcome("tpm", LimitStatus::Limited, 10_000, 300, 58_200, 5_400),
             ],
         };
         let reply = rejection(&reply, &config(), 1_200);
@@ -402,12 +402,12 @@ mod tests {
 
     #[test]
     fn a_request_that_can_never_fit_gets_no_retry_after() {
-        let reply = TokenBucketReply {
+        let reply = LimitsReply {
             allowed: false,
             waited_ms: 0,
             limits: vec![
-                outcome("rpm", BucketStatus::Limited, 20, 0, 60_000, 2_500),
-                outcome("tpm", BucketStatus::Never, 10_000, 10_000, 0, 0),
+                outcome("rpm", LimitStatus::Limited, 20, 0, 60_000, 2_500),
+                outcome("tpm", LimitStatus::Never, 10_000, 10_000, 0, 0),
             ],
         };
         let reply = rejection(&reply, &config(), 12_000);
@@ -425,10 +425,10 @@ mod tests {
         let json = r#"{"companion": {"upstream": "c", "token": "t"}, "limits": [{"name": "day", "usd": 5, "window": "1d"}],
                        "prices": [{"match": "*", "input": 1, "output": 1}]}"#;
         let config = Config::from_json(json.as_bytes()).expect("config");
-        let reply = TokenBucketReply {
+        let reply = LimitsReply {
             allowed: false,
             waited_ms: 0,
-            limits: vec![outcome("day", BucketStatus::Limited, 5_000_000, 1_250, 86_000_000, 3_000)],
+            limits: vec![outcome("day", LimitStatus::Limited, 5_000_000, 1_250, 86_000_000, 3_000)],
         };
         let reply = rejection(&reply, &config, 0);
         let body: serde_json::Value = serde_json::from_str(&reply.body).expect("json body");

@@ -1,7 +1,7 @@
 //! The one place that talks to the proxy-wasm host. Each call handles the host's status:
 //! failures are logged or surface as `None`/`Err`, never as a panic.
 
-use crate::decision::LocalReply;
+use llm_ratelimit_core::decision::LocalReply;
 use proxy_wasm::hostcalls;
 use proxy_wasm::types::{BufferType, MapType, MetricType};
 use std::cell::Cell;

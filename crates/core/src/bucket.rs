@@ -3,7 +3,7 @@
 //! can be tested exhaustively and reused where the proxy must decide alone. Both are
 //! tested against one case table, `tests/cases/token_bucket.json`.
 
-use crate::protocol::{BucketOutcome, BucketSpec, BucketStatus, TokenBucketReply};
+use crate::protocol::{LimitCharge, LimitOutcome, LimitStatus, LimitsReply};
 
 /// A bucket as stored: its level at `updated_ms`. No state means a full bucket.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -43,9 +43,9 @@ pub fn decode_states(bytes: Option<&[u8]>, limits: usize) -> Vec<Option<BucketSt
 /// buckets (`min_cost` below `cost`) all give up the same reduction, the smallest that
 /// makes each fit, as long as none falls below its minimum. `states[i]` belongs to
 /// `specs[i]`; charged buckets are updated in place.
-pub fn check_and_charge(states: &mut [Option<BucketState>], specs: &[BucketSpec], now_ms: f64) -> TokenBucketReply {
+pub fn check_and_charge(states: &mut [Option<BucketState>], specs: &[LimitCharge], now_ms: f64) -> LimitsReply {
     let levels = levels_at(states, specs, now_ms);
-    let elastic = |spec: &BucketSpec| spec.min() < spec.cost;
+    let elastic = |spec: &LimitCharge| spec.min() < spec.cost;
     let wanted = specs
         .iter()
         .zip(&levels)
@@ -62,9 +62,9 @@ pub fn check_and_charge(states: &mut [Option<BucketState>], specs: &[BucketSpec]
 /// Grants each bucket's lease, all or none: if every bucket has what is needed
 /// (`min_cost`), each grants `min(wanted (cost), max(needed, share x level))` and is
 /// charged that, reported as `charged`.
-pub fn lease(states: &mut [Option<BucketState>], specs: &[BucketSpec], share: f64, now_ms: f64) -> TokenBucketReply {
+pub fn lease(states: &mut [Option<BucketState>], specs: &[LimitCharge], share: f64, now_ms: f64) -> LimitsReply {
     let levels = levels_at(states, specs, now_ms);
-    let needed: Vec<u64> = specs.iter().map(BucketSpec::min).collect();
+    let needed: Vec<u64> = specs.iter().map(LimitCharge::min).collect();
     let grants: Vec<u64> = specs
         .iter()
         .zip(&levels)
@@ -73,7 +73,7 @@ pub fn lease(states: &mut [Option<BucketState>], specs: &[BucketSpec], share: f6
     take_all(states, specs, &levels, &needed, &grants, now_ms)
 }
 
-fn levels_at(states: &[Option<BucketState>], specs: &[BucketSpec], now_ms: f64) -> Vec<f64> {
+fn levels_at(states: &[Option<BucketState>], specs: &[LimitCharge], now_ms: f64) -> Vec<f64> {
     specs.iter().zip(states.iter()).map(|(spec, state)| level_at(spec, *state, now_ms)).collect()
 }
 
@@ -81,12 +81,12 @@ fn levels_at(states: &[Option<BucketState>], specs: &[BucketSpec], now_ms: f64) 
 /// bucket as the script does. A bucket whose minimum exceeds its capacity never fits.
 fn take_all(
     states: &mut [Option<BucketState>],
-    specs: &[BucketSpec],
+    specs: &[LimitCharge],
     levels: &[f64],
     required: &[u64],
     taken: &[u64],
     now_ms: f64,
-) -> TokenBucketReply {
+) -> LimitsReply {
     let allowed = specs.len() == states.len()
         && specs
             .iter()
@@ -100,14 +100,14 @@ fn take_all(
         .zip(required.iter().zip(taken))
         .map(|(((spec, &level), state), (&req, &take))| {
             let (status, retry_after_ms) = if spec.min() > spec.capacity {
-                (BucketStatus::Never, 0)
+                (LimitStatus::Never, 0)
             } else if level < req as f64 {
                 (
-                    BucketStatus::Limited,
+                    LimitStatus::Limited,
                     ((req as f64 - level) * spec.window_ms as f64 / spec.capacity as f64).ceil() as u64,
                 )
             } else {
-                (BucketStatus::Allowed, 0)
+                (LimitStatus::Allowed, 0)
             };
             let mut tokens = level;
             if allowed && take > 0 {
@@ -117,12 +117,12 @@ fn take_all(
             outcome(spec, tokens, status, retry_after_ms, if allowed { take } else { 0 })
         })
         .collect();
-    TokenBucketReply { allowed, waited_ms: 0, limits }
+    LimitsReply { allowed, waited_ms: 0, limits }
 }
 
-fn outcome(spec: &BucketSpec, tokens: f64, status: BucketStatus, retry_after_ms: u64, charged: u64) -> BucketOutcome {
+fn outcome(spec: &LimitCharge, tokens: f64, status: LimitStatus, retry_after_ms: u64, charged: u64) -> LimitOutcome {
     let capacity = spec.capacity as f64;
-    BucketOutcome {
+    LimitOutcome {
         name: spec.name.clone(),
         status,
         limit: spec.capacity,
@@ -135,12 +135,7 @@ fn outcome(spec: &BucketSpec, tokens: f64, status: BucketStatus, retry_after_ms:
 
 /// Gives each bucket `credits[i]` tokens back (never above capacity), or takes `-credits[i]`
 /// more (possibly below zero): the settlement of a reservation once the real cost is known.
-pub fn settle(
-    states: &mut [Option<BucketState>],
-    specs: &[BucketSpec],
-    credits: &[i64],
-    now_ms: f64,
-) -> TokenBucketReply {
+pub fn settle(states: &mut [Option<BucketState>], specs: &[LimitCharge], credits: &[i64], now_ms: f64) -> LimitsReply {
     let limits = specs
         .iter()
         .zip(states.iter_mut())
@@ -151,13 +146,13 @@ pub fn settle(
                 tokens = (tokens + credit as f64).min(spec.capacity as f64);
                 *state = Some(BucketState { tokens, updated_ms: now_ms });
             }
-            outcome(spec, tokens, BucketStatus::Allowed, 0, 0)
+            outcome(spec, tokens, LimitStatus::Allowed, 0, 0)
         })
         .collect();
-    TokenBucketReply { allowed: true, waited_ms: 0, limits }
+    LimitsReply { allowed: true, waited_ms: 0, limits }
 }
 
-fn level_at(spec: &BucketSpec, state: Option<BucketState>, now_ms: f64) -> f64 {
+fn level_at(spec: &LimitCharge, state: Option<BucketState>, now_ms: f64) -> f64 {
     let capacity = spec.capacity as f64;
     match state {
         None => capacity,
@@ -171,7 +166,7 @@ fn level_at(spec: &BucketSpec, state: Option<BucketState>, now_ms: f64) -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::protocol::BucketKind;
+    use crate::protocol::LimitKind;
     use serde::Deserialize;
 
     #[derive(Deserialize, Default)]
@@ -219,30 +214,31 @@ mod tests {
         share: Option<f64>,
         done: bool,
         /// status, remaining, reset_after_ms, retry_after_ms
-        outcomes: Vec<(BucketStatus, u64, u64, u64)>,
+        outcomes: Vec<(LimitStatus, u64, u64, u64)>,
     }
 
     #[cfg_attr(not(target_arch = "wasm32"), test)]
     #[cfg_attr(target_arch = "wasm32", wasm_bindgen_test::wasm_bindgen_test)]
     fn model_matches_the_shared_case_table() {
-        let table: Table = serde_json::from_str(include_str!("../tests/cases/token_bucket.json")).expect("case table");
+        let table: Table =
+            serde_json::from_str(include_str!("../../../tests/cases/token_bucket.json")).expect("case table");
         for case in table.cases {
             let mut states = vec![None; case.limits.len()];
             let mut now_ms = 1_700_000_000_000.0;
             for (i, step) in case.steps.iter().enumerate() {
                 now_ms += step.advance_ms as f64;
-                let specs: Vec<BucketSpec> = case
+                let specs: Vec<LimitCharge> = case
                     .limits
                     .iter()
                     .zip(&step.amounts)
                     .enumerate()
-                    .map(|(j, (l, &amount))| BucketSpec {
+                    .map(|(j, (l, &amount))| LimitCharge {
                         name: l.name.clone(),
                         capacity: l.capacity,
                         window_ms: l.window_ms,
                         cost: amount.max(0) as u64,
                         min_cost: step.mins.as_ref().and_then(|m| m.get(j).copied()),
-                        kind: crate::protocol::BucketKind::TokenBucket,
+                        kind: crate::protocol::LimitKind::TokenBucket,
                     })
                     .collect();
                 let reply = match step.op {
@@ -282,13 +278,13 @@ mod tests {
     /// elapsed time refilled.
     #[test]
     fn never_admits_more_than_capacity_plus_refill() {
-        let spec = BucketSpec {
+        let spec = LimitCharge {
             name: "rpm".into(),
             capacity: 7,
             window_ms: 1_000,
             cost: 1,
             min_cost: None,
-            kind: BucketKind::TokenBucket,
+            kind: LimitKind::TokenBucket,
         };
         for gap_ms in [0.0, 1.0, 13.0, 97.0, 142.857, 400.0] {
             let mut states = [None];

@@ -2,7 +2,7 @@
 //! estimate against every token limit, decided from the path and body alone.
 
 use crate::config::{model_rule, Config, Dimension};
-use crate::protocol::{BucketSpec, TokenBucketReply};
+use crate::protocol::{LimitCharge, LimitsReply};
 use crate::request::{Api, LlmRequest};
 use crate::reservation::{estimate_output, OutputAverage, Price, TokenEstimate};
 use crate::tokens::Encoding;
@@ -10,7 +10,7 @@ use crate::tokens::Encoding;
 #[derive(Debug, Clone, PartialEq)]
 pub struct ChargePlan {
     /// One per configured limit, in config order, with this request's cost.
-    pub buckets: Vec<BucketSpec>,
+    pub buckets: Vec<LimitCharge>,
     /// The tokens reserved; `None` when no limit counts tokens.
     pub estimate: Option<TokenEstimate>,
     /// How the reply's text is counted if it reports no usage.
@@ -43,7 +43,7 @@ impl ChargePlan {
     }
 
     /// Buckets charged by the token estimate, for settling.
-    pub fn token_buckets<'a>(&'a self, config: &'a Config) -> impl Iterator<Item = &'a BucketSpec> + 'a {
+    pub fn token_buckets<'a>(&'a self, config: &'a Config) -> impl Iterator<Item = &'a LimitCharge> + 'a {
         self.buckets
             .iter()
             .filter(|b| b.cost > 0 && config.limit(&b.name).is_some_and(|l| l.dimension() == Dimension::Tokens))
@@ -56,16 +56,11 @@ impl ChargePlan {
 
     /// The reply's outcomes for the limits that apply to this request: what headers and
     /// 429s should speak of.
-    pub fn relevant(&self, reply: &TokenBucketReply) -> TokenBucketReply {
+    pub fn relevant(&self, reply: &LimitsReply) -> LimitsReply {
         let limits =
             reply.limits.iter().zip(&self.buckets).filter(|(_, b)| b.cost > 0).map(|(o, _)| o.clone()).collect();
-        TokenBucketReply { allowed: reply.allowed, waited_ms: reply.waited_ms, limits }
+        LimitsReply { allowed: reply.allowed, waited_ms: reply.waited_ms, limits }
     }
-}
-
-/// Shared-data key of a tenant's running average completion length for a model.
-pub fn average_key(domain: &str, tenant: &str, model: &str) -> String {
-    format!("llmrl.avg.{domain}.{tenant}.{model}")
 }
 
 /// Plans the charge. `body` is `None` when token limits are not configured (the body is
@@ -106,7 +101,7 @@ pub fn plan(
     let buckets = config
         .limits
         .iter()
-        .map(|limit| BucketSpec {
+        .map(|limit| LimitCharge {
             name: limit.name.clone(),
             capacity: limit.capacity(),
             window_ms: limit.window_ms(),

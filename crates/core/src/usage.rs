@@ -271,10 +271,10 @@ mod tests {
     #[cfg(not(target_arch = "wasm32"))]
     use proptest::prelude::*;
 
-    pub const OPENAI_STREAM: &str = include_str!("../tests/cases/streams/openai_chat_usage.sse");
-    pub const OPENAI_STREAM_NO_USAGE: &str = include_str!("../tests/cases/streams/openai_chat_no_usage.sse");
-    pub const ANTHROPIC_STREAM: &str = include_str!("../tests/cases/streams/anthropic_messages.sse");
-    pub const RESPONSES_STREAM: &str = include_str!("../tests/cases/streams/openai_responses.sse");
+    pub const OPENAI_STREAM: &str = include_str!("../../../tests/cases/streams/openai_chat_usage.sse");
+    pub const OPENAI_STREAM_NO_USAGE: &str = include_str!("../../../tests/cases/streams/openai_chat_no_usage.sse");
+    pub const ANTHROPIC_STREAM: &str = include_str!("../../../tests/cases/streams/anthropic_messages.sse");
+    pub const RESPONSES_STREAM: &str = include_str!("../../../tests/cases/streams/openai_responses.sse");
 
     fn run(stream: &str, chunks: &[usize]) -> (ReportedUsage, u64, bool) {
         let mut tracker = StreamUsage::new(Encoding::O200kBase, 1 << 20);

@@ -222,7 +222,7 @@ mod tests {
     #[cfg_attr(not(target_arch = "wasm32"), test)]
     #[cfg_attr(target_arch = "wasm32", wasm_bindgen_test::wasm_bindgen_test)]
     fn removes_only_the_usage_chunk_whatever_the_split() {
-        let stream = include_str!("../tests/cases/streams/openai_chat_usage.sse").as_bytes();
+        let stream = include_str!("../../../tests/cases/streams/openai_chat_usage.sse").as_bytes();
         let events: Vec<&str> = std::str::from_utf8(stream).expect("utf8").split_inclusive("\n\n").collect();
         let expected: String = events.iter().filter(|e| !e.contains(r#""choices":[]"#)).copied().collect();
         assert_eq!(events.len(), expected.split_inclusive("\n\n").count() + 1);

@@ -172,7 +172,7 @@ mod tests {
         struct Table {
             cases: Vec<Case>,
         }
-        let table: Table = serde_json::from_str(include_str!("../tests/cases/token_counts.json")).expect("table");
+        let table: Table = serde_json::from_str(include_str!("../../../tests/cases/token_counts.json")).expect("table");
         assert!(table.cases.len() >= 30);
         for case in table.cases {
             assert_eq!(Encoding::O200kBase.count(&case.text), case.o200k_base, "o200k: {:?}", case.text);

@@ -3,25 +3,29 @@
 
 use serde::{Deserialize, Serialize};
 
+pub mod duration;
+pub mod keys;
+
 /// Header carrying the shared secret on every callout to the companion.
 pub const TOKEN_HEADER: &str = "x-llmrl-token";
-/// Endpoint that charges buckets with `lua/token_bucket.lua`.
-pub const TOKEN_BUCKET_PATH: &str = "/v1/token_bucket";
-/// Endpoint that settles reservations with `lua/token_bucket.lua`, many per call.
+/// Endpoint that charges a request against every limit at once (a [`ChargeRequest`]). Its
+/// name predates sliding windows and slots; it stays, as the wire does.
+pub const CHARGE_PATH: &str = "/v1/token_bucket";
+/// Endpoint that settles reservations, many per call (a [`SettlementBatch`]).
 pub const SETTLE_PATH: &str = "/v1/settle";
-/// Endpoint that grants leases with `lua/token_bucket.lua`.
+/// Endpoint that grants leases (a [`LeaseRequest`]).
 pub const LEASE_PATH: &str = "/v1/lease";
-/// Endpoint that keeps concurrency slots alive (a `SettleRequest` whose settlements name
+/// Endpoint that keeps concurrency slots alive (a `SettlementBatch` whose settlements name
 /// the slots), many per call.
 pub const TOUCH_PATH: &str = "/v1/touch";
-/// Endpoint that releases concurrency slots at once (a `SettleRequest` naming them); the
+/// Endpoint that releases concurrency slots at once (a `SettlementBatch` naming them); the
 /// slots' settlement, which releases them too, may follow.
 pub const RELEASE_PATH: &str = "/v1/release";
 
 /// What a limit is in Redis.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
-pub enum BucketKind {
+pub enum LimitKind {
     /// A token bucket: a budget that refills over `window_ms`.
     #[default]
     TokenBucket,
@@ -32,38 +36,56 @@ pub enum BucketKind {
     Slots,
 }
 
-impl BucketKind {
+impl LimitKind {
     /// As the Lua script names it.
     pub fn script_name(self) -> &'static str {
         match self {
-            BucketKind::TokenBucket => "tb",
-            BucketKind::SlidingWindow => "sw",
-            BucketKind::Slots => "slots",
+            LimitKind::TokenBucket => "tb",
+            LimitKind::SlidingWindow => "sw",
+            LimitKind::Slots => "slots",
         }
     }
 }
 
-/// Grant a proxy instance a block of each bucket: `cost` is the grant wanted, `min_cost`
-/// the grant needed (all or none). The reply's `charged` is what each bucket granted.
+/// Grant a proxy instance a block of each limit, all or none. The reply's `charged` is
+/// what each limit granted.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct LeaseRequest {
     pub domain: String,
     pub tenant: String,
-    pub limits: Vec<BucketSpec>,
+    pub limits: Vec<LeaseAsk>,
     /// The most of what is left that one grant may take (0 < share <= 1).
     pub share: f64,
+}
+
+/// One limit of a lease request. On the wire the grant wanted is `cost` and the grant
+/// needed `min_cost`, as in a charge.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LeaseAsk {
+    pub name: String,
+    pub capacity: u64,
+    pub window_ms: u64,
+    /// The grant wanted (0: this limit is not leased).
+    #[serde(rename = "cost")]
+    pub wanted: u64,
+    /// The least grant that is of use (<= `wanted`): what the request that asks needs.
+    #[serde(rename = "min_cost", default, skip_serializing_if = "Option::is_none")]
+    pub needed: Option<u64>,
+    #[serde(default, skip_serializing_if = "is_token_bucket")]
+    pub kind: LimitKind,
 }
 
 /// Check several buckets of one tenant and charge them all, or none.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct TokenBucketRequest {
+pub struct ChargeRequest {
     /// Namespace of the counters (the filter config's `domain`).
     pub domain: String,
     /// Hashed tenant id; never a raw credential.
     pub tenant: String,
-    pub limits: Vec<BucketSpec>,
+    pub limits: Vec<LimitCharge>,
     /// Record this charge so that a later settlement can adjust it, once.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reservation: Option<Reservation>,
@@ -95,10 +117,11 @@ pub struct Reservation {
     pub ttl_ms: u64,
 }
 
-/// Settle many reservations (of any tenants) in one call.
+/// Many settlements (of any tenants) in one call: to settle them (`SETTLE_PATH`), or,
+/// for the slots they name, to renew (`TOUCH_PATH`) or release them (`RELEASE_PATH`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct SettleRequest {
+pub struct SettlementBatch {
     pub settlements: Vec<Settlement>,
 }
 
@@ -127,7 +150,7 @@ pub struct Adjustment {
     /// Tokens given back (> 0) or taken as well (< 0); slots: ignored (released).
     pub credit: i64,
     #[serde(default, skip_serializing_if = "is_token_bucket")]
-    pub kind: BucketKind,
+    pub kind: LimitKind,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -149,9 +172,10 @@ pub enum SettleOutcome {
 /// Most settlements in one call.
 pub const MAX_SETTLEMENTS_PER_CALL: usize = 1000;
 
+/// One limit of a charge, with this request's cost.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct BucketSpec {
+pub struct LimitCharge {
     pub name: String,
     /// Tokens the bucket holds when full.
     pub capacity: u64,
@@ -164,18 +188,18 @@ pub struct BucketSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub min_cost: Option<u64>,
     #[serde(default, skip_serializing_if = "is_token_bucket")]
-    pub kind: BucketKind,
+    pub kind: LimitKind,
 }
 
 fn is_zero(n: &u64) -> bool {
     *n == 0
 }
 
-fn is_token_bucket(kind: &BucketKind) -> bool {
-    *kind == BucketKind::TokenBucket
+fn is_token_bucket(kind: &LimitKind) -> bool {
+    *kind == LimitKind::TokenBucket
 }
 
-impl BucketSpec {
+impl LimitCharge {
     /// The least this bucket may be charged.
     pub fn min(&self) -> u64 {
         self.min_cost.map_or(self.cost, |min| min.min(self.cost))
@@ -183,20 +207,20 @@ impl BucketSpec {
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct TokenBucketReply {
+pub struct LimitsReply {
     /// True when every bucket had room and all were charged; false means none was.
     pub allowed: bool,
     /// Time spent waiting in the queue before this answer.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub waited_ms: u64,
     /// One outcome per requested bucket, in request order.
-    pub limits: Vec<BucketOutcome>,
+    pub limits: Vec<LimitOutcome>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct BucketOutcome {
+pub struct LimitOutcome {
     pub name: String,
-    pub status: BucketStatus,
+    pub status: LimitStatus,
     /// The bucket's capacity.
     pub limit: u64,
     /// Whole tokens left (after the charge, if there was one).
@@ -212,7 +236,7 @@ pub struct BucketOutcome {
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
-pub enum BucketStatus {
+pub enum LimitStatus {
     Allowed,
     Limited,
     /// The cost is larger than the capacity: no wait will make room.
@@ -272,7 +296,7 @@ fn validate_reservation_id(id: &str) -> Result<(), String> {
     }
 }
 
-impl TokenBucketRequest {
+impl ChargeRequest {
     pub fn validate(&self) -> Result<(), String> {
         let buckets = self.limits.iter().map(|l| (l.name.as_str(), l.capacity, l.window_ms));
         validate_buckets(&self.domain, &self.tenant, buckets)?;
@@ -302,7 +326,7 @@ impl LeaseRequest {
     }
 }
 
-impl SettleRequest {
+impl SettlementBatch {
     pub fn validate(&self) -> Result<(), String> {
         if self.settlements.len() > MAX_SETTLEMENTS_PER_CALL {
             return Err(format!(
@@ -324,17 +348,17 @@ impl SettleRequest {
 mod tests {
     use super::*;
 
-    fn request() -> TokenBucketRequest {
-        TokenBucketRequest {
+    fn request() -> ChargeRequest {
+        ChargeRequest {
             domain: "llm".into(),
             tenant: "0123abcd".into(),
-            limits: vec![BucketSpec {
+            limits: vec![LimitCharge {
                 name: "rpm".into(),
                 capacity: 5,
                 window_ms: 60_000,
                 cost: 1,
                 min_cost: None,
-                kind: BucketKind::TokenBucket,
+                kind: LimitKind::TokenBucket,
             }],
             reservation: None,
             wait: None,
@@ -348,7 +372,7 @@ mod tests {
 
     #[test]
     fn rejects_what_would_break_keys_or_the_script() {
-        type Mutation = fn(&mut TokenBucketRequest);
+        type Mutation = fn(&mut ChargeRequest);
         let cases: Vec<(Mutation, &str)> = vec![
             (|r| r.tenant = "{x}".into(), "tenant"),
             (|r| r.tenant = String::new(), "tenant"),
@@ -386,23 +410,24 @@ mod tests {
                 capacity: 100,
                 window_ms: 60_000,
                 credit: -5,
-                kind: BucketKind::TokenBucket,
+                kind: LimitKind::TokenBucket,
             }],
         };
-        assert_eq!(SettleRequest { settlements: vec![settlement("a")] }.validate(), Ok(()));
-        let err =
-            SettleRequest { settlements: vec![settlement("a"), settlement("{b}")] }.validate().expect_err("bad tenant");
+        assert_eq!(SettlementBatch { settlements: vec![settlement("a")] }.validate(), Ok(()));
+        let err = SettlementBatch { settlements: vec![settlement("a"), settlement("{b}")] }
+            .validate()
+            .expect_err("bad tenant");
         assert!(err.starts_with("settlements[1]: tenant"), "{err}");
     }
 
     #[test]
     fn the_reply_round_trips_through_json() {
-        let reply = TokenBucketReply {
+        let reply = LimitsReply {
             allowed: false,
             waited_ms: 0,
-            limits: vec![BucketOutcome {
+            limits: vec![LimitOutcome {
                 name: "rpm".into(),
-                status: BucketStatus::Limited,
+                status: LimitStatus::Limited,
                 limit: 5,
                 remaining: 0,
                 reset_after_ms: 60_000,
@@ -412,6 +437,6 @@ mod tests {
         };
         let json = serde_json::to_string(&reply).expect("serialise");
         assert!(json.contains(r#""status":"limited""#), "{json}");
-        assert_eq!(serde_json::from_str::<TokenBucketReply>(&json).expect("parse"), reply);
+        assert_eq!(serde_json::from_str::<LimitsReply>(&json).expect("parse"), reply);
     }
 }

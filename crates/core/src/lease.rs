@@ -9,7 +9,7 @@
 //! All leases of one tenant are stored as one value, so admitting against several limits
 //! is a single compare-and-swap.
 
-use crate::protocol::{BucketOutcome, BucketSpec, BucketStatus, TokenBucketReply};
+use crate::protocol::{LeaseAsk, LimitCharge, LimitOutcome, LimitStatus, LimitsReply};
 
 /// One limit's lease.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
@@ -129,6 +129,28 @@ impl Lease {
     }
 }
 
+/// What to ask Redis for, per limit, to grow a tenant's `leases` for `charges` (one per
+/// limit: this request's costs, or all 0 for a renewal). A limit is leased once a request
+/// uses it, at the size [`Lease::next_size`] says, and never less than the request needs.
+pub fn lease_asks(leases: &TenantLeases, charges: &[LimitCharge], policy: &LeasePolicy, now_ms: u64) -> Vec<LeaseAsk> {
+    charges
+        .iter()
+        .zip(&leases.0)
+        .map(|(charge, lease)| LeaseAsk {
+            name: charge.name.clone(),
+            capacity: charge.capacity,
+            window_ms: charge.window_ms,
+            wanted: if charge.cost == 0 && lease.granted <= 0.0 {
+                0
+            } else {
+                (lease.next_size(policy, charge.capacity, now_ms).ceil() as u64).max(charge.cost)
+            },
+            needed: Some(charge.cost),
+            kind: charge.kind,
+        })
+        .collect()
+}
+
 /// The leases of one tenant, one per configured limit, in config order.
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct TenantLeases(pub Vec<Lease>);
@@ -201,9 +223,9 @@ impl TenantLeases {
 impl TenantLeases {
     /// Remembers that Redis refused this request's needs: for each limit that was
     /// limited, until its retry time.
-    pub fn block(&mut self, reply: &TokenBucketReply, costs: &[u64], now_ms: u64) {
+    pub fn block(&mut self, reply: &LimitsReply, costs: &[u64], now_ms: u64) {
         for ((lease, outcome), &cost) in self.0.iter_mut().zip(&reply.limits).zip(costs) {
-            if outcome.status == BucketStatus::Limited && outcome.retry_after_ms > 0 {
+            if outcome.status == LimitStatus::Limited && outcome.retry_after_ms > 0 {
                 lease.blocked_until_ms = now_ms + outcome.retry_after_ms;
                 lease.blocked_cost = cost as f64;
             }
@@ -212,7 +234,7 @@ impl TenantLeases {
 
     /// If a limit recently refused what this request needs (and its lease cannot cover
     /// it), the reply to give without asking Redis again: that limit, with its retry time.
-    pub fn refusal(&self, specs: &[BucketSpec], now_ms: u64) -> Option<TokenBucketReply> {
+    pub fn refusal(&self, specs: &[LimitCharge], now_ms: u64) -> Option<LimitsReply> {
         let blocked = self.0.iter().zip(specs).any(|(lease, spec)| {
             lease.blocked_for(spec.cost, now_ms).is_some()
                 && !(lease.is_live(now_ms) && lease.remaining >= spec.cost as f64)
@@ -225,7 +247,7 @@ impl TenantLeases {
         for ((lease, spec), outcome) in self.0.iter().zip(specs).zip(reply.limits.iter_mut()) {
             outcome.charged = 0;
             if let Some(wait) = lease.blocked_for(spec.cost, now_ms) {
-                outcome.status = BucketStatus::Limited;
+                outcome.status = LimitStatus::Limited;
                 outcome.retry_after_ms = wait;
             }
         }
@@ -234,7 +256,7 @@ impl TenantLeases {
 
     /// What this instance can tell a client about each limit: what is left to it (its
     /// lease and the tenant's level in Redis at the last grant), for headers.
-    pub fn as_reply(&self, specs: &[BucketSpec]) -> TokenBucketReply {
+    pub fn as_reply(&self, specs: &[LimitCharge]) -> LimitsReply {
         let limits = self
             .0
             .iter()
@@ -242,9 +264,9 @@ impl TenantLeases {
             .map(|(lease, spec)| {
                 let capacity = spec.capacity as f64;
                 let left = (lease.global_remaining + lease.remaining.max(0.0)).clamp(0.0, capacity);
-                BucketOutcome {
+                LimitOutcome {
                     name: spec.name.clone(),
-                    status: BucketStatus::Allowed,
+                    status: LimitStatus::Allowed,
                     limit: spec.capacity,
                     remaining: left.floor() as u64,
                     reset_after_ms: ((capacity - left) * spec.window_ms as f64 / capacity).ceil() as u64,
@@ -253,14 +275,14 @@ impl TenantLeases {
                 }
             })
             .collect();
-        TokenBucketReply { allowed: true, waited_ms: 0, limits }
+        LimitsReply { allowed: true, waited_ms: 0, limits }
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::protocol::BucketKind;
+    use crate::protocol::LimitKind;
 
     const POLICY: LeasePolicy =
         LeasePolicy { ttl_ms: 10_000, low_water: 0.2, initial_fraction: 0.05, max_fraction: 0.25 };
@@ -333,21 +355,21 @@ mod tests {
 
     #[test]
     fn a_refusal_is_remembered_until_its_retry_time() {
-        let spec = |cost| BucketSpec {
+        let spec = |cost| LimitCharge {
             name: "tpm".into(),
             capacity: 1000,
             window_ms: 60_000,
             cost,
             min_cost: None,
-            kind: BucketKind::TokenBucket,
+            kind: LimitKind::TokenBucket,
         };
         let mut leases = TenantLeases(vec![leased(5.0, 50.0, 10_000)]);
-        let refused = TokenBucketReply {
+        let refused = LimitsReply {
             allowed: false,
             waited_ms: 0,
-            limits: vec![BucketOutcome {
+            limits: vec![LimitOutcome {
                 name: "tpm".into(),
-                status: BucketStatus::Limited,
+                status: LimitStatus::Limited,
                 limit: 1000,
                 remaining: 3,
                 reset_after_ms: 60_000,
@@ -358,7 +380,7 @@ mod tests {
         leases.block(&refused, &[100], 1_000);
         let reply = leases.refusal(&[spec(100)], 1_500).expect("still refused");
         assert!(!reply.allowed);
-        assert_eq!((reply.limits[0].status, reply.limits[0].retry_after_ms), (BucketStatus::Limited, 1_500));
+        assert_eq!((reply.limits[0].status, reply.limits[0].retry_after_ms), (LimitStatus::Limited, 1_500));
         assert!(leases.refusal(&[spec(150)], 1_500).is_some(), "needing more is refused too");
         assert!(leases.refusal(&[spec(50)], 1_500).is_none(), "needing less may be granted: ask");
         assert!(leases.refusal(&[spec(4)], 1_500).is_none(), "the lease covers it");
@@ -370,13 +392,13 @@ mod tests {
 
     #[test]
     fn headers_count_the_lease_and_what_redis_had_left() {
-        let spec = BucketSpec {
+        let spec = LimitCharge {
             name: "rpm".into(),
             capacity: 100,
             window_ms: 60_000,
             cost: 1,
             min_cost: None,
-            kind: BucketKind::TokenBucket,
+            kind: LimitKind::TokenBucket,
         };
         let leases = TenantLeases(vec![Lease { remaining: 7.0, global_remaining: 50.0, ..leased(7.0, 10.0, 100) }]);
         let reply = leases.as_reply(std::slice::from_ref(&spec));

@@ -75,7 +75,7 @@ impl SettleQueue {
 mod tests {
     use super::*;
     use crate::protocol::Adjustment;
-    use crate::protocol::BucketKind;
+    use crate::protocol::LimitKind;
 
     fn settlement(id: &str) -> Settlement {
         Settlement {
@@ -88,7 +88,7 @@ mod tests {
                 capacity: 100,
                 window_ms: 60_000,
                 credit: 5,
-                kind: BucketKind::TokenBucket,
+                kind: LimitKind::TokenBucket,
             }],
         }
     }

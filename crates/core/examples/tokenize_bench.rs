@@ -2,7 +2,7 @@
 //! Usage: cargo run --release --example tokenize_bench -- FILE
 //! Prints one JSON line: bytes, tokens (o200k_base) and MB/s.
 
-use llm_ratelimit::tokens::Encoding;
+use llm_ratelimit_core::tokens::Encoding;
 use std::time::{Duration, Instant};
 
 fn main() {

@@ -5,7 +5,7 @@
 
 use crate::duration::parse_duration;
 use crate::lease::LeasePolicy;
-use crate::protocol::BucketKind;
+use crate::protocol::LimitKind;
 use crate::reservation::Price;
 use crate::tokens::{builtin_rules, glob_match, Encoding, ModelRule};
 use serde::{Deserialize, Deserializer};
@@ -287,11 +287,11 @@ impl Limit {
     }
 
     /// What this limit is in Redis.
-    pub fn kind(&self) -> BucketKind {
+    pub fn kind(&self) -> LimitKind {
         match (self.dimension(), self.algorithm) {
-            (Dimension::Concurrency, _) => BucketKind::Slots,
-            (_, Algorithm::SlidingWindow) => BucketKind::SlidingWindow,
-            (_, Algorithm::TokenBucket) => BucketKind::TokenBucket,
+            (Dimension::Concurrency, _) => LimitKind::Slots,
+            (_, Algorithm::SlidingWindow) => LimitKind::SlidingWindow,
+            (_, Algorithm::TokenBucket) => LimitKind::TokenBucket,
         }
     }
 }
@@ -961,7 +961,7 @@ mod tests {
             (inflight.dimension(), inflight.capacity(), inflight.window_ms()),
             (Dimension::Concurrency, 4, 20_000)
         );
-        assert_eq!(inflight.kind(), BucketKind::Slots);
+        assert_eq!(inflight.kind(), LimitKind::Slots);
         assert_eq!(config.limits[1].window_ms(), 86_400_000);
         assert_eq!((config.limits[2].dimension(), config.limits[2].capacity()), (Dimension::Tokens, 10_000));
         assert!(config.counts_tokens());
@@ -1024,7 +1024,7 @@ mod tests {
     /// The README's complete policy loads exactly as written.
     #[test]
     fn the_readme_policy_loads_as_written() {
-        let readme = include_str!("../README.md");
+        let readme = include_str!("../../../README.md");
         let block = readme
             .split("<!-- policy-example -->")
             .nth(1)

@@ -1,3 +1,4 @@
+#![cfg(target_arch = "wasm32")]
 //! The proxy-wasm glue: reads the config, decides each request, applies the decision,
 //! and settles token reservations when replies end. All judgement lives in the pure
 //! modules; this layer moves data between them and the host. Host calls go through
@@ -15,25 +16,26 @@
 
 mod host;
 
-use crate::breaker::{Breaker, Route};
-use crate::bucket::{check_and_charge, decode_states, encode_states};
-use crate::charge::{average_key, plan, ChargePlan};
-use crate::config::{Config, Dimension, FailureMode, MissingIdentity, Mode};
-use crate::decision::{
+use host::Metric;
+use llm_ratelimit_core::breaker::{Breaker, Route};
+use llm_ratelimit_core::bucket::{check_and_charge, decode_states, encode_states};
+use llm_ratelimit_core::charge::{plan, ChargePlan};
+use llm_ratelimit_core::config::{Config, Dimension, FailureMode, MissingIdentity, Mode};
+use llm_ratelimit_core::decision::{
     self, Header, LocalReply, DEGRADED_HEADER, QUEUED_HEADER, RESERVED_TOKENS_HEADER, SHADOW_HEADER,
 };
-use crate::identity::{find_credential, tenant_id, ANONYMOUS_TENANT};
-use crate::lease::TenantLeases;
-use crate::protocol::{
-    Adjustment, BucketKind, BucketSpec, LeaseRequest, Reservation, SettleOutcome, SettleReply, SettleRequest,
-    Settlement, TokenBucketReply, TokenBucketRequest, Wait, LEASE_PATH, RELEASE_PATH, SETTLE_PATH, TOKEN_BUCKET_PATH,
-    TOKEN_HEADER, TOUCH_PATH,
+use llm_ratelimit_core::identity::{find_credential, tenant_id, ANONYMOUS_TENANT};
+use llm_ratelimit_core::lease::{lease_asks, TenantLeases};
+use llm_ratelimit_core::protocol::{
+    Adjustment, ChargeRequest, LeaseAsk, LeaseRequest, LimitCharge, LimitKind, LimitsReply, Reservation, SettleOutcome,
+    SettleReply, Settlement, SettlementBatch, Wait, CHARGE_PATH, LEASE_PATH, RELEASE_PATH, SETTLE_PATH, TOKEN_HEADER,
+    TOUCH_PATH,
 };
-use crate::reservation::{actual_usage, credit, Ending, OutputAverage, TokenEstimate};
-use crate::settle_queue::{Queued, SettleQueue};
-use crate::sse::UsageChunkRemover;
-use crate::usage::{ReplyUsage, ReportedUsage, StreamUsage};
-use host::Metric;
+use llm_ratelimit_core::reservation::{actual_usage, credit, Ending, OutputAverage, TokenEstimate};
+use llm_ratelimit_core::settle_queue::{Queued, SettleQueue};
+use llm_ratelimit_core::sse::UsageChunkRemover;
+use llm_ratelimit_core::usage::{ReplyUsage, ReportedUsage, StreamUsage};
+use llm_ratelimit_protocol::keys::{self, average_key};
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, ContextType, LogLevel};
 use std::cell::{Cell, RefCell};
@@ -106,20 +108,19 @@ fn new_reservation_id() -> String {
 }
 
 fn lease_key(config: &Config, tenant: &str) -> String {
-    format!("llmrl.lease.{}.{tenant}", config.domain)
+    keys::lease_key(&config.domain, tenant)
 }
 
 fn local_key(config: &Config, tenant: &str) -> String {
-    format!("llmrl.local.{}.{tenant}", config.domain)
+    keys::local_key(&config.domain, tenant)
 }
 
-/// How many requests this proxy has waiting in the queue.
 fn queue_key(config: &Config) -> String {
-    format!("llmrl.queued.{}", config.domain)
+    keys::queued_key(&config.domain)
 }
 
 fn breaker_key(config: &Config) -> String {
-    format!("llmrl.breaker.{}", config.domain)
+    keys::breaker_key(&config.domain)
 }
 
 fn breaker(config: &Config) -> Breaker {
@@ -162,7 +163,7 @@ fn adjustments(config: &Config, credits: impl Iterator<Item = (usize, i64)>) -> 
         .filter_map(|(i, credit)| {
             let limit = config.limits.get(i)?;
             let kind = limit.kind();
-            (credit != 0 || kind == BucketKind::Slots).then(|| Adjustment {
+            (credit != 0 || kind == LimitKind::Slots).then(|| Adjustment {
                 name: limit.name.clone(),
                 capacity: limit.capacity(),
                 window_ms: limit.window_ms(),
@@ -201,7 +202,7 @@ struct Root {
     /// The settlement batch whose callout is out, by its token.
     settling: Option<(u32, Vec<Queued>)>,
     /// Lease renewals out, by token: the tenant and the buckets asked for.
-    renewing: HashMap<u32, (String, Vec<BucketSpec>)>,
+    renewing: HashMap<u32, (String, Vec<LeaseAsk>)>,
 }
 
 impl Root {
@@ -213,7 +214,7 @@ impl Root {
         if batch.is_empty() {
             return;
         }
-        let request = SettleRequest { settlements: batch.iter().map(|q| q.settlement.clone()).collect() };
+        let request = SettlementBatch { settlements: batch.iter().map(|q| q.settlement.clone()).collect() };
         let timeout = config.companion.timeout.0.max(Duration::from_secs(1));
         let sent = serde_json::to_vec(&request)
             .map_err(|e| e.to_string())
@@ -232,7 +233,7 @@ impl Root {
     fn touch_slots(&mut self, config: &Config) {
         let settlements: Vec<Settlement> = SLOTS.with(|s| s.borrow().values().cloned().collect());
         for chunk in settlements.chunks(SETTLE_BATCH) {
-            let request = SettleRequest { settlements: chunk.to_vec() };
+            let request = SettlementBatch { settlements: chunk.to_vec() };
             let sent = serde_json::to_vec(&request)
                 .map_err(|e| e.to_string())
                 .and_then(|body| call_companion(config, TOUCH_PATH, &body, Duration::from_secs(1)));
@@ -256,24 +257,19 @@ impl Root {
             }
             let leases =
                 TenantLeases::decode(host::shared_get(&lease_key(config, &tenant)).as_deref(), config.limits.len());
-            let limits: Vec<BucketSpec> = config
+            let zero: Vec<LimitCharge> = config
                 .limits
                 .iter()
-                .zip(&leases.0)
-                .map(|(limit, lease)| BucketSpec {
+                .map(|limit| LimitCharge {
                     name: limit.name.clone(),
                     capacity: limit.capacity(),
                     window_ms: limit.window_ms(),
-                    // Only limits this tenant has used (per-model limits may not apply to it).
-                    cost: if lease.granted > 0.0 {
-                        lease.next_size(&policy, limit.capacity(), now).ceil() as u64
-                    } else {
-                        0
-                    },
-                    min_cost: Some(0),
+                    cost: 0,
+                    min_cost: None,
                     kind: limit.kind(),
                 })
                 .collect();
+            let limits = lease_asks(&leases, &zero, &policy, now);
             let request = LeaseRequest {
                 domain: config.domain.clone(),
                 tenant: tenant.clone(),
@@ -323,8 +319,8 @@ impl Root {
         }
     }
 
-    fn on_renewal(&mut self, config: &Config, tenant: String, limits: Vec<BucketSpec>, body_size: usize) {
-        match callout_reply::<TokenBucketReply>(body_size) {
+    fn on_renewal(&mut self, config: &Config, tenant: String, limits: Vec<LeaseAsk>, body_size: usize) {
+        match callout_reply::<LimitsReply>(body_size) {
             Ok(reply) if reply.allowed && reply.limits.len() == limits.len() => {
                 callout_succeeded(config);
                 merge_grant(config, &tenant, &reply, None);
@@ -349,7 +345,7 @@ fn requeue(batch: Vec<Queued>, outcomes: Option<&[SettleOutcome]>) {
 /// Adds a lease grant to the tenant's leases and, when `costs` are given, admits a request
 /// from them: the grant covered at least its need, so the admission stands even if
 /// another worker spent the lease in between (the lease then runs briefly negative).
-fn merge_grant(config: &Config, tenant: &str, reply: &TokenBucketReply, costs: Option<&[u64]>) -> Option<TenantLeases> {
+fn merge_grant(config: &Config, tenant: &str, reply: &LimitsReply, costs: Option<&[u64]>) -> Option<TenantLeases> {
     let now = host::now_ms();
     let policy = config.lease.policy();
     let merged = host::shared_update(&lease_key(config, tenant), |bytes| {
@@ -627,21 +623,7 @@ impl RequestFilter {
             let policy = config.lease.policy();
             let leases =
                 TenantLeases::decode(host::shared_get(&lease_key(config, &self.tenant)).as_deref(), plan.buckets.len());
-            let limits = plan
-                .buckets
-                .iter()
-                .zip(&leases.0)
-                .map(|(bucket, lease)| BucketSpec {
-                    // A limit this request does not touch is not leased until one does.
-                    cost: if bucket.cost == 0 && lease.granted == 0.0 {
-                        0
-                    } else {
-                        (lease.next_size(&policy, bucket.capacity, now).ceil() as u64).max(bucket.cost)
-                    },
-                    min_cost: Some(bucket.cost),
-                    ..bucket.clone()
-                })
-                .collect();
+            let limits = lease_asks(&leases, &plan.buckets, &policy, now);
             let request = LeaseRequest {
                 domain: config.domain.clone(),
                 tenant: self.tenant.clone(),
@@ -658,7 +640,7 @@ impl RequestFilter {
             if let Some(id) = &reservation {
                 self.admission = Some(Admission::Reserved(id.clone()));
             }
-            let request = TokenBucketRequest {
+            let request = ChargeRequest {
                 domain: config.domain.clone(),
                 tenant: self.tenant.clone(),
                 limits: plan.buckets.clone(),
@@ -676,7 +658,7 @@ impl RequestFilter {
                 }),
                 wait,
             };
-            (TOKEN_BUCKET_PATH, serde_json::to_vec(&request))
+            (CHARGE_PATH, serde_json::to_vec(&request))
         };
         let body = body.map_err(|e| e.to_string())?;
         let timeout = config.companion.timeout.0 + if self.queued { config.queue.max_wait.0 } else { Duration::ZERO };
@@ -766,11 +748,11 @@ impl RequestFilter {
     }
 
     /// The reply as it concerns this request: the limits that apply to it.
-    fn relevant(&self, reply: &TokenBucketReply) -> TokenBucketReply {
+    fn relevant(&self, reply: &LimitsReply) -> LimitsReply {
         self.plan.as_ref().map_or_else(|| reply.clone(), |plan| plan.relevant(reply))
     }
 
-    fn admitted_headers(&mut self, config: &Config, reply: &TokenBucketReply) -> Vec<Header> {
+    fn admitted_headers(&mut self, config: &Config, reply: &LimitsReply) -> Vec<Header> {
         let mut headers = decision::rate_limit_headers(&self.relevant(reply), config);
         if let Some(reserved) = self.plan.as_ref().and_then(|p| p.estimate).map(|e| e.total()) {
             host::add(Metric::TokensReserved, reserved);
@@ -781,7 +763,7 @@ impl RequestFilter {
 
     fn decide(&mut self, config: &Config, body_size: usize) -> Verdict {
         let expected = self.plan.as_ref().map_or(0, |p| p.buckets.len());
-        let reply = match callout_reply::<TokenBucketReply>(body_size) {
+        let reply = match callout_reply::<LimitsReply>(body_size) {
             Ok(reply) if reply.limits.len() == expected => reply,
             Ok(_) => return self.callout_failed(config, "companion reply has the wrong number of limits"),
             Err(why) => return self.callout_failed(config, &why),
@@ -800,7 +782,7 @@ impl RequestFilter {
         verdict.with_header(QUEUED_HEADER, waited.to_string())
     }
 
-    fn decide_reply(&mut self, config: &Config, reply: TokenBucketReply) -> Verdict {
+    fn decide_reply(&mut self, config: &Config, reply: LimitsReply) -> Verdict {
         if !reply.allowed {
             host::increment(Metric::Limited);
             self.admission = None; // nothing was charged
@@ -833,7 +815,7 @@ impl RequestFilter {
                         .limits
                         .iter()
                         .enumerate()
-                        .filter(|(i, l)| l.kind() == BucketKind::Slots && costs.get(*i).is_some_and(|&c| c > 0));
+                        .filter(|(i, l)| l.kind() == LimitKind::Slots && costs.get(*i).is_some_and(|&c| c > 0));
                     let settlement = Settlement {
                         domain: config.domain.clone(),
                         tenant: self.tenant.clone(),
@@ -872,17 +854,17 @@ impl RequestFilter {
     fn decide_locally(&mut self, config: &Config) -> Verdict {
         host::increment(Metric::LocalDecisions);
         let instances = u64::from(config.fallback.instances);
-        let specs: Vec<BucketSpec> = self
+        let specs: Vec<LimitCharge> = self
             .plan
             .as_ref()
             .map(|p| {
                 p.buckets
                     .iter()
-                    .map(|b| BucketSpec {
+                    .map(|b| LimitCharge {
                         capacity: b.capacity.div_ceil(instances),
                         min_cost: None,
                         // A slot comes back when its request ends, not with time.
-                        window_ms: if b.kind == BucketKind::Slots { LOCAL_SLOTS_NEVER_REFILL_MS } else { b.window_ms },
+                        window_ms: if b.kind == LimitKind::Slots { LOCAL_SLOTS_NEVER_REFILL_MS } else { b.window_ms },
                         ..b.clone()
                     })
                     .collect()
@@ -905,7 +887,7 @@ impl RequestFilter {
         }
         host::increment(Metric::Allowed);
         // Redis learns of the budget spent here; slots are this proxy's alone.
-        let debits = specs.iter().enumerate().filter(|(_, b)| b.kind != BucketKind::Slots);
+        let debits = specs.iter().enumerate().filter(|(_, b)| b.kind != LimitKind::Slots);
         let limits = adjustments(config, debits.map(|(i, b)| (i, -(b.cost as i64))));
         if !limits.is_empty() {
             queue_settlement(Settlement {
@@ -923,7 +905,7 @@ impl RequestFilter {
     /// Sends upstream the body the charge calls for: the output cap clamped to what was
     /// granted, stream usage requested. Only while the headers are still held can
     /// content-length follow the new body, so nothing changes otherwise.
-    fn rewrite_body(&mut self, config: &Config, reply: &TokenBucketReply) {
+    fn rewrite_body(&mut self, config: &Config, reply: &LimitsReply) {
         let Some(plan) = self.plan.as_mut() else { return };
         if !config.hold_request_headers {
             return;
@@ -1001,7 +983,7 @@ impl RequestFilter {
             .limits
             .iter()
             .enumerate()
-            .filter(|(i, l)| l.kind() == BucketKind::Slots && self.plan.as_ref().is_some_and(|p| p.applies(*i)))
+            .filter(|(i, l)| l.kind() == LimitKind::Slots && self.plan.as_ref().is_some_and(|p| p.applies(*i)))
             .map(|(i, _)| i)
             .collect();
         let reservation = match admission {
@@ -1053,7 +1035,7 @@ impl RequestFilter {
         SLOTS.with(|s| s.borrow_mut().remove(&id));
         let costs = self.costs();
         let refunds = config.limits.iter().zip(&costs).enumerate().map(|(i, (limit, &cost))| {
-            (i, if limit.kind() == BucketKind::Slots { 0 } else { i64::try_from(cost).unwrap_or(i64::MAX) })
+            (i, if limit.kind() == LimitKind::Slots { 0 } else { i64::try_from(cost).unwrap_or(i64::MAX) })
         });
         queue_settlement(Settlement {
             domain: config.domain.clone(),
@@ -1112,7 +1094,7 @@ impl RequestFilter {
     /// too, so nothing is lost if this one fails or the host cannot switch contexts.
     fn release_now(&self, config: &Config, slots: Settlement) {
         let root = ROOT_ID.with(Cell::get);
-        let request = SettleRequest { settlements: vec![slots] };
+        let request = SettlementBatch { settlements: vec![slots] };
         let Ok(body) = serde_json::to_vec(&request) else { return };
         let sent = host::as_context(root, self.context_id, || {
             call_companion(config, RELEASE_PATH, &body, config.companion.timeout.0.max(Duration::from_millis(500)))
@@ -1125,10 +1107,10 @@ impl RequestFilter {
     fn release_local_slots(&self, config: &Config, indices: &[usize]) {
         let Some(plan) = self.plan.as_ref() else { return };
         let instances = u64::from(config.fallback.instances);
-        let specs: Vec<BucketSpec> = plan
+        let specs: Vec<LimitCharge> = plan
             .buckets
             .iter()
-            .map(|b| BucketSpec {
+            .map(|b| LimitCharge {
                 capacity: b.capacity.div_ceil(instances),
                 window_ms: LOCAL_SLOTS_NEVER_REFILL_MS,
                 ..b.clone()
@@ -1138,7 +1120,7 @@ impl RequestFilter {
         let now = host::now_ms() as f64;
         host::shared_update(&local_key(config, &self.tenant), |bytes| {
             let mut states = decode_states(bytes, specs.len());
-            crate::bucket::settle(&mut states, &specs, &credits, now);
+            llm_ratelimit_core::bucket::settle(&mut states, &specs, &credits, now);
             (Some(encode_states(&states)), ())
         });
     }
@@ -1223,7 +1205,8 @@ impl HttpContext for RequestFilter {
             let status: u32 = host::response_header(":status").and_then(|s| s.parse().ok()).unwrap_or(0);
             self.upstream_error = status >= 400;
             let streaming = host::response_header("content-type").is_some_and(|t| t.contains("text/event-stream"));
-            let encoding = self.plan.as_ref().map(|p| p.encoding).unwrap_or(crate::tokens::Encoding::O200kBase);
+            let encoding =
+                self.plan.as_ref().map(|p| p.encoding).unwrap_or(llm_ratelimit_core::tokens::Encoding::O200kBase);
             self.reply = Some(if streaming {
                 ReplyReader::Stream(StreamUsage::new(encoding, MAX_SSE_EVENT))
             } else {

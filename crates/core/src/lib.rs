@@ -1,0 +1,22 @@
+//! llm-ratelimit's core: everything the filter judges, as plain Rust with no proxy-wasm
+//! types, unit tested natively (and as wasm under Node). The cdylib in `crates/filter`
+//! only maps proxy-wasm callbacks onto it.
+#![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing))]
+
+pub mod breaker;
+pub mod bucket;
+pub mod charge;
+pub mod config;
+pub mod decision;
+pub mod identity;
+mod json;
+pub mod lease;
+pub mod request;
+pub mod reservation;
+pub mod settle_queue;
+pub mod sse;
+pub mod tokens;
+pub mod usage;
+
+pub use llm_ratelimit_protocol as protocol;
+pub use llm_ratelimit_protocol::duration;

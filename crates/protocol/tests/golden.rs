@@ -1,0 +1,173 @@
+//! Golden wire tests. The filter and the companion are upgraded at different times, so
+//! every message, path and key name is pinned here as the other side sees it: a change
+//! that breaks one of these breaks a mixed-version deployment.
+
+use llm_ratelimit_protocol::keys::*;
+use llm_ratelimit_protocol::*;
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+use std::fmt::Debug;
+
+/// `value` serialises to exactly `json`, and `json` parses back to `value`.
+fn pinned<T: Serialize + DeserializeOwned + PartialEq + Debug>(value: &T, json: &str) {
+    assert_eq!(serde_json::to_string(value).expect("serialise"), json);
+    assert_eq!(&serde_json::from_str::<T>(json).expect("parse"), value);
+}
+
+fn spec(name: &str, kind: LimitKind, min_cost: Option<u64>) -> LimitCharge {
+    LimitCharge { name: name.into(), capacity: 100, window_ms: 60_000, cost: 7, min_cost, kind }
+}
+
+#[test]
+fn paths_and_the_token_header() {
+    assert_eq!(
+        [CHARGE_PATH, SETTLE_PATH, LEASE_PATH, TOUCH_PATH, RELEASE_PATH],
+        ["/v1/token_bucket", "/v1/settle", "/v1/lease", "/v1/touch", "/v1/release"]
+    );
+    assert_eq!(TOKEN_HEADER, "x-llmrl-token");
+}
+
+#[test]
+fn charge_request() {
+    let bare = ChargeRequest {
+        domain: "llm".into(),
+        tenant: "t1".into(),
+        limits: vec![spec("rpm", LimitKind::TokenBucket, None)],
+        reservation: None,
+        wait: None,
+    };
+    pinned(
+        &bare,
+        r#"{"domain":"llm","tenant":"t1","limits":[{"name":"rpm","capacity":100,"window_ms":60000,"cost":7}]}"#,
+    );
+    let full = ChargeRequest {
+        limits: vec![
+            spec("tpm", LimitKind::TokenBucket, Some(3)),
+            spec("sw", LimitKind::SlidingWindow, None),
+            spec("cc", LimitKind::Slots, None),
+        ],
+        reservation: Some(Reservation { id: "abc1".into(), ttl_ms: 600_000 }),
+        wait: Some(Wait { max_ms: 5_000, priority: 7, aging_ms: 1_000 }),
+        ..bare
+    };
+    pinned(
+        &full,
+        concat!(
+            r#"{"domain":"llm","tenant":"t1","limits":["#,
+            r#"{"name":"tpm","capacity":100,"window_ms":60000,"cost":7,"min_cost":3},"#,
+            r#"{"name":"sw","capacity":100,"window_ms":60000,"cost":7,"kind":"sliding_window"},"#,
+            r#"{"name":"cc","capacity":100,"window_ms":60000,"cost":7,"kind":"slots"}],"#,
+            r#""reservation":{"id":"abc1","ttl_ms":600000},"wait":{"max_ms":5000,"priority":7,"aging_ms":1000}}"#
+        ),
+    );
+}
+
+#[test]
+fn lease_request() {
+    let lease = LeaseRequest {
+        domain: "llm".into(),
+        tenant: "t1".into(),
+        limits: vec![LeaseAsk {
+            name: "tpm".into(),
+            capacity: 100,
+            window_ms: 60_000,
+            wanted: 7,
+            needed: Some(0),
+            kind: LimitKind::TokenBucket,
+        }],
+        share: 0.5,
+    };
+    pinned(
+        &lease,
+        r#"{"domain":"llm","tenant":"t1","limits":[{"name":"tpm","capacity":100,"window_ms":60000,"cost":7,"min_cost":0}],"share":0.5}"#,
+    );
+}
+
+#[test]
+fn settle_request_and_reply() {
+    let adjustment = |kind| Adjustment { name: "tpm".into(), capacity: 100, window_ms: 60_000, credit: -5, kind };
+    let request = SettlementBatch {
+        settlements: vec![
+            Settlement {
+                domain: "llm".into(),
+                tenant: "t1".into(),
+                reservation: Some("abc1".into()),
+                limits: vec![adjustment(LimitKind::TokenBucket), adjustment(LimitKind::Slots)],
+                cancel: true,
+            },
+            Settlement {
+                domain: "llm".into(),
+                tenant: "t2".into(),
+                reservation: None,
+                limits: vec![adjustment(LimitKind::SlidingWindow)],
+                cancel: false,
+            },
+        ],
+    };
+    pinned(
+        &request,
+        concat!(
+            r#"{"settlements":[{"domain":"llm","tenant":"t1","reservation":"abc1","limits":["#,
+            r#"{"name":"tpm","capacity":100,"window_ms":60000,"credit":-5},"#,
+            r#"{"name":"tpm","capacity":100,"window_ms":60000,"credit":-5,"kind":"slots"}],"cancel":true},"#,
+            r#"{"domain":"llm","tenant":"t2","limits":["#,
+            r#"{"name":"tpm","capacity":100,"window_ms":60000,"credit":-5,"kind":"sliding_window"}]}]}"#
+        ),
+    );
+    let reply =
+        SettleReply { results: vec![SettleOutcome::Applied, SettleOutcome::AlreadySettled, SettleOutcome::Failed] };
+    pinned(&reply, r#"{"results":["applied","already_settled","failed"]}"#);
+}
+
+#[test]
+fn charge_reply() {
+    let outcome = |status, charged| LimitOutcome {
+        name: "rpm".into(),
+        status,
+        limit: 5,
+        remaining: 2,
+        reset_after_ms: 60_000,
+        retry_after_ms: 12_000,
+        charged,
+    };
+    let allowed = LimitsReply { allowed: true, waited_ms: 0, limits: vec![outcome(LimitStatus::Allowed, 1)] };
+    pinned(
+        &allowed,
+        r#"{"allowed":true,"limits":[{"name":"rpm","status":"allowed","limit":5,"remaining":2,"reset_after_ms":60000,"retry_after_ms":12000,"charged":1}]}"#,
+    );
+    let refused = LimitsReply {
+        allowed: false,
+        waited_ms: 250,
+        limits: vec![outcome(LimitStatus::Limited, 0), outcome(LimitStatus::Never, 0)],
+    };
+    pinned(
+        &refused,
+        concat!(
+            r#"{"allowed":false,"waited_ms":250,"limits":["#,
+            r#"{"name":"rpm","status":"limited","limit":5,"remaining":2,"reset_after_ms":60000,"retry_after_ms":12000,"charged":0},"#,
+            r#"{"name":"rpm","status":"never","limit":5,"remaining":2,"reset_after_ms":60000,"retry_after_ms":12000,"charged":0}]}"#
+        ),
+    );
+    // An older companion that does not send `charged` is still understood.
+    let old = r#"{"allowed":true,"limits":[{"name":"rpm","status":"allowed","limit":5,"remaining":2,"reset_after_ms":1,"retry_after_ms":0}]}"#;
+    assert_eq!(serde_json::from_str::<LimitsReply>(old).expect("parse").limits[0].charged, 0);
+}
+
+#[test]
+fn redis_keys() {
+    let kinds = [LimitKind::TokenBucket, LimitKind::SlidingWindow, LimitKind::Slots].map(LimitKind::script_name);
+    assert_eq!(kinds, ["tb", "sw", "slots"]);
+    assert_eq!(redis_key("llmrl:", "llm", "t1", "tb", "rpm"), "llmrl:{llm:t1}:tb:rpm");
+    assert_eq!(redis_key("llmrl:", "llm", "t1", RESERVATION_KIND, "abc1"), "llmrl:{llm:t1}:res:abc1");
+    assert_eq!(redis_key("llmrl:", "llm", "t1", CANCEL_KIND, "abc1"), "llmrl:{llm:t1}:cancel:abc1");
+    assert_eq!(redis_key("llmrl:", "llm", "t1", QUEUE_KIND, QUEUE_NAME), "llmrl:{llm:t1}:queue:waiters");
+}
+
+#[test]
+fn shared_data_keys() {
+    assert_eq!(lease_key("llm", "t1"), "llmrl.lease.llm.t1");
+    assert_eq!(local_key("llm", "t1"), "llmrl.local.llm.t1");
+    assert_eq!(queued_key("llm"), "llmrl.queued.llm");
+    assert_eq!(breaker_key("llm"), "llmrl.breaker.llm");
+    assert_eq!(average_key("llm", "t1", "gpt-4o"), "llmrl.avg.llm.t1.gpt-4o");
+}
