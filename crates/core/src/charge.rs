@@ -28,6 +28,11 @@ pub struct ChargePlan {
 }
 
 impl ChargePlan {
+    /// The tokens this request reserved (0 when no limit counts tokens).
+    pub fn reserved_tokens(&self) -> u64 {
+        self.estimate.map_or(0, TokenEstimate::total)
+    }
+
     /// After the charge: the output allowance granted (`charged` is what the token
     /// buckets were charged) and the body to send upstream instead of the client's, if
     /// it changes. Shrinks the estimate to the grant, so the settlement is against it.
@@ -70,7 +75,7 @@ pub fn plan(
     path: &str,
     tier: &str,
     body: Option<&[u8]>,
-    average: impl Fn(&str) -> Option<OutputAverage>,
+    mut average: impl FnMut(&str) -> Option<OutputAverage>,
 ) -> ChargePlan {
     let policy = &config.tokens;
     let request = body.and_then(|body| Api::from_path(path).and_then(|api| LlmRequest::parse(api, body).ok()));

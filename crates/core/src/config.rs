@@ -51,12 +51,12 @@ pub struct Config {
     pub fallback: Fallback,
     #[serde(default)]
     pub lease: LeaseConfig,
-    /// Hold the request headers while the body is read and the decision made (needs
-    /// Envoy's `allow_on_headers_stop_iteration: true`). Turn off on hosts that cannot
-    /// read a body while the headers wait: the headers then go upstream first and the body
-    /// waits for the decision.
-    #[serde(default = "yes")]
-    pub hold_request_headers: bool,
+    /// Hold the request headers while the body is read and the decision made (Envoy, with
+    /// `allow_on_headers_stop_iteration: true`). Unset: held where the host can deliver
+    /// the body meanwhile (Envoy), not elsewhere (Nginx), where the body alone waits for
+    /// the decision. `true` on a host that cannot is refused at load.
+    #[serde(default)]
+    pub hold_request_headers: Option<bool>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -552,10 +552,6 @@ fn invalid(field: impl Into<String>, message: impl Into<String>) -> ConfigError 
     ConfigError { field: field.into(), message: message.into() }
 }
 
-fn yes() -> bool {
-    true
-}
-
 fn default_domain() -> String {
     "llm".to_string()
 }
@@ -988,7 +984,7 @@ mod tests {
         assert_eq!(config.fallback.instances, 1);
         assert!(!config.lease.enabled);
         assert!(!config.counts_tokens());
-        assert!(config.hold_request_headers);
+        assert_eq!(config.hold_request_headers, None, "held where the host can");
         assert_eq!(config.tokens.default_encoding, Encoding::O200kBase);
         assert_eq!(config.tokens.on_upstream_error, UpstreamErrorCharge::PromptOnly);
     }

@@ -10,7 +10,7 @@ pub const ANONYMOUS_TENANT: &str = "anonymous";
 
 /// Returns the credential of the first source that is present and non-empty.
 /// `header` looks a request header up by its lower-case name.
-pub fn find_credential(sources: &[IdentitySource], header: impl Fn(&str) -> Option<String>) -> Option<String> {
+pub fn find_credential(sources: &[IdentitySource], mut header: impl FnMut(&str) -> Option<String>) -> Option<String> {
     sources.iter().find_map(|source| {
         let raw = header(&source.header)?;
         let value = raw.trim();

@@ -8,15 +8,22 @@ pub mod bucket;
 pub mod charge;
 pub mod config;
 pub mod decision;
+pub mod host;
 pub mod identity;
 mod json;
 pub mod lease;
+pub mod lifecycle;
 pub mod request;
 pub mod reservation;
 pub mod settle_queue;
 pub mod sse;
 pub mod tokens;
 pub mod usage;
+pub mod worker;
+
+/// A fake host for lifecycle tests: records host calls, plays each host's semantics.
+#[cfg(any(test, feature = "testing"))]
+pub mod testing;
 
 pub use llm_ratelimit_protocol as protocol;
 pub use llm_ratelimit_protocol::duration;

@@ -1,0 +1,227 @@
+//! What the core asks of a proxy-wasm host, as one small trait. The cdylib implements it
+//! over the proxy-wasm ABI; [`crate::testing::FakeHost`] implements it for native tests and
+//! plays the semantics that differ between hosts.
+//!
+//! Every method reports failure as a value: a host call that fails must never panic, since
+//! a panic aborts the VM and takes the worker's traffic with it.
+
+use crate::decision::LocalReply;
+use std::time::Duration;
+
+/// What the host does with the stream after a callback.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Action {
+    Continue,
+    Pause,
+}
+
+/// The hosts whose semantics differ in ways the filter must know (see the README's host
+/// notes). Detected by the glue at start-up.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum HostKind {
+    /// Envoy (V8): end of stream is reported on headers; a request body is delivered while
+    /// its headers are held (with `allow_on_headers_stop_iteration`).
+    #[default]
+    Envoy,
+    /// Nginx with ngx_wasm_module: the body is delivered only in the content phase, end
+    /// of stream is never set on request headers, a request without a body gets no body
+    /// callback at all, and a shared-data write without CAS fails on an existing key.
+    Nginx,
+}
+
+impl HostKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            HostKind::Envoy => "envoy",
+            HostKind::Nginx => "nginx",
+        }
+    }
+
+    /// Whether the host delivers the request body while the request headers are paused.
+    pub fn reads_body_while_headers_wait(self) -> bool {
+        self == HostKind::Envoy
+    }
+
+    /// Whether `end_of_stream` on request headers can be trusted to say "no body".
+    pub fn reports_end_of_stream_on_headers(self) -> bool {
+        self == HostKind::Envoy
+    }
+}
+
+/// Why a shared-data write did not happen.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SharedWriteError {
+    /// Another worker wrote the key since it was read: read again and retry.
+    CasMismatch,
+    /// The host refused the write for another reason (full, not allowed...).
+    Refused(String),
+}
+
+/// Who owns a callout: the request (cancelled with it) or the worker's root context
+/// (outlives the request).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Owner {
+    Request,
+    Root,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogLevel {
+    Debug,
+    Info,
+    Warn,
+    Error,
+}
+
+/// The filter's counters, as the host exports them (`wasmcustom.<name>` in Envoy).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Metric {
+    Allowed,
+    Limited,
+    Unidentified,
+    CompanionFailures,
+    TokensReserved,
+    TokensCharged,
+    SettlementsFailed,
+    LocalDecisions,
+    LeaseAdmissions,
+    LeaseCallouts,
+    Queued,
+    QueuedMs,
+    Bypassed,
+    ShadowRefusals,
+    SharedWritesRefused,
+}
+
+impl Metric {
+    pub const ALL: [Metric; 15] = [
+        Metric::Allowed,
+        Metric::Limited,
+        Metric::Unidentified,
+        Metric::CompanionFailures,
+        Metric::TokensReserved,
+        Metric::TokensCharged,
+        Metric::SettlementsFailed,
+        Metric::LocalDecisions,
+        Metric::LeaseAdmissions,
+        Metric::LeaseCallouts,
+        Metric::Queued,
+        Metric::QueuedMs,
+        Metric::Bypassed,
+        Metric::ShadowRefusals,
+        Metric::SharedWritesRefused,
+    ];
+
+    /// The counter's name as the host shows it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Metric::Allowed => "llm_ratelimit.requests_allowed",
+            Metric::Limited => "llm_ratelimit.requests_limited",
+            Metric::Unidentified => "llm_ratelimit.requests_unidentified",
+            Metric::CompanionFailures => "llm_ratelimit.companion_failures",
+            Metric::TokensReserved => "llm_ratelimit.tokens_reserved",
+            Metric::TokensCharged => "llm_ratelimit.tokens_charged",
+            Metric::SettlementsFailed => "llm_ratelimit.settlements_failed",
+            Metric::LocalDecisions => "llm_ratelimit.local_decisions",
+            Metric::LeaseAdmissions => "llm_ratelimit.lease_admissions",
+            Metric::LeaseCallouts => "llm_ratelimit.lease_callouts",
+            Metric::Queued => "llm_ratelimit.queued_requests",
+            Metric::QueuedMs => "llm_ratelimit.queued_ms",
+            Metric::Bypassed => "llm_ratelimit.requests_bypassed",
+            Metric::ShadowRefusals => "llm_ratelimit.shadow_refusals",
+            Metric::SharedWritesRefused => "llm_ratelimit.shared_writes_refused",
+        }
+    }
+}
+
+/// The host, as the core sees it.
+pub trait Host {
+    /// Which host this is (semantics the filter adapts to).
+    fn kind(&self) -> HostKind;
+    /// Nanoseconds since the epoch by the host's clock (0 if it will not say).
+    fn now_nanos(&mut self) -> u128;
+
+    fn request_header(&mut self, name: &str) -> Option<String>;
+    fn set_request_header(&mut self, name: &str, value: &str) -> bool;
+    fn response_header(&mut self, name: &str) -> Option<String>;
+    fn set_response_header(&mut self, name: &str, value: &str);
+    fn request_body(&mut self, size: usize) -> Vec<u8>;
+    fn replace_request_body(&mut self, size: usize, body: &[u8]) -> bool;
+    fn response_body(&mut self, size: usize) -> Vec<u8>;
+    fn replace_response_body(&mut self, size: usize, body: &[u8]) -> bool;
+
+    /// A shared-data value (visible to every worker of this proxy) and its CAS.
+    fn shared_get(&mut self, key: &str) -> (Option<Vec<u8>>, Option<u32>);
+    /// Writes `value` if the key's CAS is still `cas` (`None`: the key does not exist
+    /// yet, on every host; Envoy also takes it as "overwrite").
+    fn shared_set(&mut self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), SharedWriteError>;
+
+    /// Sends an HTTP call; returns its token.
+    fn dispatch(
+        &mut self,
+        upstream: &str,
+        headers: &[(&str, &str)],
+        body: &[u8],
+        timeout: Duration,
+        owner: Owner,
+    ) -> Result<u32, String>;
+    /// The `:status` of the callout whose response is being delivered.
+    fn callout_status(&mut self) -> Option<u32>;
+    fn callout_body(&mut self, size: usize) -> Vec<u8>;
+
+    fn resume_request(&mut self);
+    fn send_reply(&mut self, reply: &LocalReply);
+
+    fn add_metric(&mut self, metric: Metric, amount: u64);
+    fn set_gauge(&mut self, name: &str, value: u64);
+    fn log(&mut self, level: LogLevel, message: &str);
+    /// Logs a warning the first time `topic` comes up in this VM (for faults that would
+    /// otherwise flood the log once per request).
+    fn warn_once(&mut self, topic: &'static str, message: &str);
+
+    /// Milliseconds since the epoch.
+    fn now_ms(&mut self) -> u64 {
+        (self.now_nanos() / 1_000_000) as u64
+    }
+}
+
+/// How often a read-modify-write is retried when other workers keep writing the key.
+const MAX_CAS_ATTEMPTS: usize = 32;
+
+/// Read-modify-write of one shared value under compare-and-swap, retried when another
+/// worker wrote in between. `change` gets the current value and returns the new one (or
+/// `None` to write nothing) and a result. `None` when the write was refused or the key
+/// stayed too contended: that is counted (`shared_writes_refused`) and logged, never
+/// ignored. Every shared-data write of the filter goes through here: a write without the
+/// key's CAS is refused by ngx_wasm_module once the key exists.
+pub fn shared_update<R>(
+    host: &mut impl Host,
+    key: &str,
+    mut change: impl FnMut(Option<&[u8]>) -> (Option<Vec<u8>>, R),
+) -> Option<R> {
+    for _ in 0..MAX_CAS_ATTEMPTS {
+        let (current, cas) = host.shared_get(key);
+        let (next, result) = change(current.as_deref());
+        let Some(next) = next else { return Some(result) };
+        match host.shared_set(key, &next, cas) {
+            Ok(()) => return Some(result),
+            Err(SharedWriteError::CasMismatch) => continue,
+            Err(SharedWriteError::Refused(why)) => {
+                host.add_metric(Metric::SharedWritesRefused, 1);
+                let message = format!(
+                    "llm-ratelimit: the host refused a shared data write ({why}); counted in shared_writes_refused"
+                );
+                host.warn_once("shared-write-refused", &message);
+                return None;
+            }
+        }
+    }
+    host.add_metric(Metric::SharedWritesRefused, 1);
+    host.warn_once("shared-write-contended", "llm-ratelimit: a shared data key stayed too contended; update given up");
+    None
+}
+
+/// Reads a shared value.
+pub fn shared_read(host: &mut impl Host, key: &str) -> Option<Vec<u8>> {
+    host.shared_get(key).0
+}

@@ -1,0 +1,870 @@
+//! One request's life, as plain Rust over [`Host`]:
+//!
+//! ```text
+//! headers ─ bypass? ─ identify the tenant ─┬─ no body to read ──────────────┐
+//!                                          └─ wait for the body (held or not) ┤
+//!                                                                             ▼
+//!                         plan the charge (path, tier, body: model, token estimate)
+//!                                                                             │
+//!            ┌──────────── lease covers it (lease mode) ◄─────────────────────┤
+//!            │             breaker open ─► decide locally (failure_mode) ◄────┤
+//!            │             callout: charge (or lease grant) ─► reply ─────────┘
+//!            ▼
+//!   forwarded (headers added, body clamped) or answered (429/403/413/503; shadow: forwarded)
+//!            ▼
+//!   reply read for its usage (JSON or SSE) ─► settled once: into the lease, or queued for
+//!   the companion (sent in batches by the worker); slots released; queue place given back
+//! ```
+//!
+//! The worker ([`Worker`]) holds what outlives a request; each callback borrows it.
+
+use crate::breaker::Route;
+use crate::bucket::{check_and_charge, decode_states, encode_states};
+use crate::charge::{plan, ChargePlan};
+use crate::config::{Config, Dimension, FailureMode, MissingIdentity, Mode};
+use crate::decision::{
+    self, Header, LocalReply, DEGRADED_HEADER, QUEUED_HEADER, RESERVED_TOKENS_HEADER, SHADOW_HEADER,
+};
+use crate::host::{shared_read, shared_update, Action, Host, LogLevel, Metric, Owner};
+use crate::identity::{find_credential, tenant_id, ANONYMOUS_TENANT};
+use crate::lease::{lease_asks, TenantLeases};
+use crate::protocol::keys;
+use crate::protocol::{
+    ChargeRequest, LeaseRequest, LimitCharge, LimitKind, LimitsReply, Reservation, SettlementBatch, Wait, CHARGE_PATH,
+    LEASE_PATH, RELEASE_PATH,
+};
+use crate::reservation::{actual_usage, credit, Ending, OutputAverage, TokenEstimate};
+use crate::sse::UsageChunkRemover;
+use crate::usage::{ReplyUsage, ReportedUsage, StreamUsage};
+use crate::worker::{adjustments, callout_reply, settlement, Worker};
+use std::rc::Rc;
+use std::time::Duration;
+
+/// Largest SSE event read for usage; larger ones are skipped.
+const MAX_SSE_EVENT: usize = 1 << 20;
+/// A JSON reply up to this size is parsed whole; past it only its tail is kept.
+const REPLY_WINDOW: usize = 256 * 1024;
+/// How long after its longest wait an abandoned request's cancellation may still arrive.
+const CANCEL_WINDOW_MS: u64 = 10_000;
+/// In the degraded mode a concurrency limit is a bucket that does not refill (a slot comes
+/// back when its request ends); this window makes the refill negligible.
+const LOCAL_SLOTS_NEVER_REFILL_MS: u64 = u64::MAX / 4;
+/// Releasing slots at once waits at least this long for the companion.
+const RELEASE_TIMEOUT: Duration = Duration::from_millis(500);
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Phase {
+    /// Headers not seen yet, or no config, or bypassed.
+    Starting,
+    /// Waiting for the end of the request body, to count it.
+    ReadingBody,
+    /// A callout is out; the request waits.
+    Deciding,
+    /// Admitted and sent upstream.
+    Forwarded,
+    /// Answered by the filter.
+    Replied,
+}
+
+/// What the outstanding callout asks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Ask {
+    /// Charge the request in Redis (direct mode).
+    Charge,
+    /// Grant this proxy a lease that covers the request (lease mode).
+    Lease,
+}
+
+/// Where the request's budget was taken from, so its settlement goes back there.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Admission {
+    /// Charged in Redis under this reservation.
+    Reserved(String),
+    /// Taken from this proxy's lease.
+    Leased,
+    /// Decided locally while the companion was away; reconciled with Redis later.
+    Local,
+}
+
+/// Reads the reply for its usage.
+enum ReplyReader {
+    Json(ReplyUsage),
+    Stream(StreamUsage),
+}
+
+/// What to do with the paused request.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Verdict {
+    Forward(Vec<Header>),
+    Reply(LocalReply),
+}
+
+impl Verdict {
+    /// The same verdict, its response carrying one more header.
+    fn with_header(mut self, name: &'static str, value: String) -> Verdict {
+        match &mut self {
+            Verdict::Forward(headers) => headers.push((name, value)),
+            Verdict::Reply(reply) => reply.headers.push((name, value)),
+        }
+        self
+    }
+}
+
+pub struct RequestFilter {
+    config: Option<Rc<Config>>,
+    phase: Phase,
+    tenant: String,
+    /// The tenant's tier, when tiers are configured.
+    tier: String,
+    plan: Option<ChargePlan>,
+    ask: Ask,
+    /// Set once admitted, until settled.
+    admission: Option<Admission>,
+    /// Added to the upstream's response once it arrives.
+    response_headers: Vec<Header>,
+    reply: Option<ReplyReader>,
+    upstream_error: bool,
+    /// Present when the filter asked for stream usage the client did not.
+    usage_remover: Option<UsageChunkRemover>,
+    /// Size of the request body as read, for replacing it.
+    body_len: usize,
+    /// The charge may wait in the queue: this request counts against its length.
+    queued: bool,
+    /// Whether the headers are held while the body is read.
+    holding_headers: bool,
+}
+
+impl RequestFilter {
+    pub(crate) fn new(config: Option<Rc<Config>>) -> RequestFilter {
+        RequestFilter {
+            config,
+            phase: Phase::Starting,
+            tenant: String::new(),
+            tier: String::new(),
+            plan: None,
+            ask: Ask::Charge,
+            admission: None,
+            response_headers: Vec::new(),
+            reply: None,
+            upstream_error: false,
+            usage_remover: None,
+            body_len: 0,
+            queued: false,
+            holding_headers: false,
+        }
+    }
+
+    pub fn phase(&self) -> Phase {
+        self.phase
+    }
+
+    // ---- host callbacks ----
+
+    pub fn on_request_headers(&mut self, host: &mut impl Host, worker: &mut Worker, end_of_stream: bool) -> Action {
+        let Some(config) = self.config.clone() else { return Action::Continue };
+        if !config.bypass.paths.is_empty() && config.bypass.path(&host.request_header(":path").unwrap_or_default()) {
+            host.add_metric(Metric::Bypassed, 1);
+            return Action::Continue;
+        }
+        match self.identify(host, &config) {
+            Ok(tenant) => self.tenant = tenant,
+            Err(verdict) => return self.apply(host, &config, verdict, false),
+        }
+        if config.bypass.tenant(&self.tenant) {
+            host.add_metric(Metric::Bypassed, 1);
+            return Action::Continue;
+        }
+        if !config.reads_body() {
+            return self.charge(host, worker, &config, None);
+        }
+        if end_of_stream || has_no_body(host, worker) {
+            return self.charge(host, worker, &config, Some(&[]));
+        }
+        self.phase = Phase::ReadingBody;
+        // Holding the headers needs the host to deliver the body meanwhile (Envoy with
+        // `allow_on_headers_stop_iteration`); elsewhere they go ahead and the body waits.
+        self.holding_headers = worker.holds_request_headers(&config);
+        if self.holding_headers {
+            Action::Pause
+        } else {
+            Action::Continue
+        }
+    }
+
+    pub fn on_request_body(
+        &mut self,
+        host: &mut impl Host,
+        worker: &mut Worker,
+        body_size: usize,
+        end_of_stream: bool,
+    ) -> Action {
+        let Some(config) = self.config.clone() else { return Action::Continue };
+        match self.phase {
+            Phase::ReadingBody => {
+                if body_size as u64 > config.tokens.max_request_bytes {
+                    let reply = Verdict::Reply(decision::body_too_large(config.tokens.max_request_bytes));
+                    return self.apply(host, &config, reply, false);
+                }
+                if !end_of_stream {
+                    return Action::Pause; // the host buffers until the end
+                }
+                let body = host.request_body(body_size);
+                self.charge(host, worker, &config, Some(&body))
+            }
+            // Envoy with `allow_on_headers_stop_iteration` delivers the body while the
+            // headers are held, and a Continue here would send both upstream before the
+            // decision.
+            Phase::Deciding => Action::Pause,
+            _ => Action::Continue,
+        }
+    }
+
+    pub fn on_request_trailers(&mut self) -> Action {
+        match self.phase {
+            Phase::ReadingBody | Phase::Deciding => Action::Pause,
+            _ => Action::Continue,
+        }
+    }
+
+    /// The companion answered this request's callout.
+    pub fn on_callout_response(&mut self, host: &mut impl Host, worker: &mut Worker, body_size: usize) {
+        let Some(config) = self.config.clone() else { return };
+        if self.phase != Phase::Deciding {
+            return;
+        }
+        let verdict = self.decide(host, worker, &config, body_size);
+        self.apply(host, &config, verdict, true);
+    }
+
+    pub fn on_response_headers(&mut self, host: &mut impl Host) -> Action {
+        for (name, value) in self.response_headers.drain(..) {
+            host.set_response_header(name, &value);
+        }
+        if self.admission.is_some() && self.plan.as_ref().is_some_and(|p| p.estimate.is_some()) {
+            let status: u32 = host.response_header(":status").and_then(|s| s.parse().ok()).unwrap_or(0);
+            self.upstream_error = status >= 400;
+            let streaming = host.response_header("content-type").is_some_and(|t| t.contains("text/event-stream"));
+            let encoding = self.plan.as_ref().map_or(crate::tokens::Encoding::O200kBase, |p| p.encoding);
+            self.reply = Some(if streaming {
+                ReplyReader::Stream(StreamUsage::new(encoding, MAX_SSE_EVENT))
+            } else {
+                self.usage_remover = None;
+                ReplyReader::Json(ReplyUsage::new(REPLY_WINDOW))
+            });
+        }
+        Action::Continue
+    }
+
+    pub fn on_response_body(
+        &mut self,
+        host: &mut impl Host,
+        worker: &mut Worker,
+        body_size: usize,
+        end_of_stream: bool,
+    ) -> Action {
+        let Some(config) = self.config.clone() else { return Action::Continue };
+        if self.reply.is_none() || self.admission.is_none() {
+            return Action::Continue;
+        }
+        let chunk = host.response_body(body_size);
+        match self.reply.as_mut() {
+            Some(ReplyReader::Json(reader)) => reader.feed(&chunk),
+            Some(ReplyReader::Stream(reader)) => reader.feed(&chunk),
+            None => {}
+        }
+        if let Some(remover) = self.usage_remover.as_mut() {
+            let passed = remover.filter(&chunk, end_of_stream);
+            if passed != chunk && !host.replace_response_body(body_size, &passed) {
+                host.warn_once("response-body", "llm-ratelimit: the host refused to rewrite a response body");
+            }
+        }
+        if end_of_stream {
+            let ending = if self.upstream_error { Ending::UpstreamError } else { Ending::Completed };
+            self.settle(host, worker, &config, ending);
+        }
+        Action::Continue
+    }
+
+    /// The request is over (the host's `on_log`/`on_done`): whatever did not end with a
+    /// complete reply (the client left, the upstream broke, the reply had no body) is
+    /// settled now.
+    pub fn on_done(&mut self, host: &mut impl Host, worker: &mut Worker) {
+        let Some(config) = self.config.clone() else { return };
+        if self.queued && self.phase == Phase::Deciding {
+            self.cancel_queued(host, worker, &config);
+        }
+        self.leave_queue(host, &config);
+        let ending = if self.upstream_error { Ending::UpstreamError } else { Ending::Interrupted };
+        self.settle(host, worker, &config, ending);
+    }
+
+    // ---- deciding ----
+
+    fn identify(&self, host: &mut impl Host, config: &Config) -> Result<String, Verdict> {
+        match (find_credential(&config.identity.sources, |name| host.request_header(name)), config.identity.missing) {
+            (Some(credential), _) => Ok(tenant_id(&credential)),
+            (None, MissingIdentity::Anonymous) => Ok(ANONYMOUS_TENANT.to_string()),
+            (None, MissingIdentity::Reject) => {
+                host.add_metric(Metric::Unidentified, 1);
+                Err(Verdict::Reply(decision::missing_identity()))
+            }
+        }
+    }
+
+    fn costs(&self) -> Vec<u64> {
+        self.plan.as_ref().map(|p| p.buckets.iter().map(|b| b.cost).collect()).unwrap_or_default()
+    }
+
+    fn reserved_tokens(&self) -> u64 {
+        self.plan.as_ref().map_or(0, ChargePlan::reserved_tokens)
+    }
+
+    /// The reply as it concerns this request: the limits that apply to it.
+    fn relevant(&self, reply: &LimitsReply) -> LimitsReply {
+        self.plan.as_ref().map_or_else(|| reply.clone(), |plan| plan.relevant(reply))
+    }
+
+    fn rejection(&self, config: &Config, reply: &LimitsReply) -> Verdict {
+        Verdict::Reply(decision::rejection(&self.relevant(reply), config, self.reserved_tokens()))
+    }
+
+    /// Plans the charge and decides it. `body` is `None` when the body is not read.
+    fn charge(&mut self, host: &mut impl Host, worker: &mut Worker, config: &Config, body: Option<&[u8]>) -> Action {
+        let path = host.request_header(":path").unwrap_or_default();
+        let tier_value = config.tier.as_ref().and_then(|t| host.request_header(&t.header));
+        self.tier = config.tier_of(&self.tenant, tier_value.as_deref()).to_string();
+        let (domain, tenant) = (&config.domain, &self.tenant);
+        let plan = plan(config, &path, &self.tier, body, |model| {
+            shared_read(host, &keys::average_key(domain, tenant, model)).and_then(|b| OutputAverage::from_bytes(&b))
+        });
+        self.body_len = body.map_or(0, <[u8]>::len);
+        let unpriced = plan.unpriced.then(|| plan.model.clone());
+        self.plan = Some(plan);
+        if let Some(model) = unpriced {
+            return self.apply(host, config, Verdict::Reply(decision::model_not_priced(&model)), false);
+        }
+        let now = host.now_ms();
+        if config.lease.enabled {
+            if let Some(verdict) = self.admit_from_lease(host, worker, config, now) {
+                return self.apply(host, config, verdict, false);
+            }
+        }
+        if worker.route(host, config, now) == Route::Local {
+            let verdict = self.fail_over(host, worker, config, "circuit breaker open");
+            return self.apply(host, config, verdict, false);
+        }
+        match self.send(host, worker, config, now) {
+            Ok(()) => {
+                self.phase = Phase::Deciding;
+                Action::Pause
+            }
+            Err(why) => {
+                let verdict = self.callout_failed(host, worker, config, &why);
+                self.apply(host, config, verdict, false)
+            }
+        }
+    }
+
+    /// Sends the callout the mode calls for: a lease covering the request, or the charge.
+    fn send(&mut self, host: &mut impl Host, worker: &mut Worker, config: &Config, now: u64) -> Result<(), String> {
+        // In shadow mode nothing waits: the queue would enforce.
+        let wait =
+            if config.lease.enabled || config.mode == Mode::Shadow { None } else { self.join_queue(host, config) };
+        let Some(plan) = self.plan.as_ref() else { return Err("no plan".into()) };
+        let timeout = config.companion.timeout.0 + if self.queued { config.queue.max_wait.0 } else { Duration::ZERO };
+        if config.lease.enabled {
+            self.ask = Ask::Lease;
+            host.add_metric(Metric::LeaseCallouts, 1);
+            let stored = shared_read(host, &keys::lease_key(&config.domain, &self.tenant));
+            let leases = TenantLeases::decode(stored.as_deref(), plan.buckets.len());
+            let request = LeaseRequest {
+                domain: config.domain.clone(),
+                tenant: self.tenant.clone(),
+                limits: lease_asks(&leases, &plan.buckets, &config.lease.policy(), now),
+                share: config.lease.share,
+            };
+            return worker.call_companion(host, config, LEASE_PATH, &request, timeout, Owner::Request).map(drop);
+        }
+        self.ask = Ask::Charge;
+        // A reservation records tokens to settle, and names the request's slots and its
+        // place in the queue.
+        let reservation = (plan.estimate.is_some() || config.has_concurrency() || wait.is_some())
+            .then(|| worker.new_reservation_id(host));
+        if let Some(id) = &reservation {
+            self.admission = Some(Admission::Reserved(id.clone()));
+        }
+        let request = ChargeRequest {
+            domain: config.domain.clone(),
+            tenant: self.tenant.clone(),
+            limits: plan.buckets.clone(),
+            // Only tokens are settled against the record; slots and the queue use the id.
+            // A waiting charge keeps a record too (while it may still be cancelled): if
+            // its client gives up, the refund of what it took is settled against it.
+            reservation: reservation.map(|id| Reservation {
+                id,
+                ttl_ms: match (plan.estimate, &wait) {
+                    (Some(_), _) => config.tokens.reservation_ttl.0.as_millis() as u64,
+                    (None, Some(wait)) => wait.max_ms + CANCEL_WINDOW_MS,
+                    (None, None) => 0,
+                },
+            }),
+            wait,
+        };
+        worker.call_companion(host, config, CHARGE_PATH, &request, timeout, Owner::Request).map(drop)
+    }
+
+    /// Takes a place in the queue, if queueing is on and this proxy's queue has room: the
+    /// charge may then wait for capacity, in the companion, at this request's priority.
+    fn join_queue(&mut self, host: &mut impl Host, config: &Config) -> Option<Wait> {
+        let queue = &config.queue;
+        if !queue.enabled() {
+            return None;
+        }
+        let joined = shared_update(host, &keys::queued_key(&config.domain), |bytes| {
+            let waiting = bytes.and_then(|b| b.try_into().ok()).map_or(0, u32::from_le_bytes);
+            let room = waiting < queue.max_length;
+            (room.then(|| (waiting + 1).to_le_bytes().to_vec()), room)
+        });
+        if joined != Some(true) {
+            return None;
+        }
+        self.queued = true;
+        let priority = queue
+            .priority_header
+            .as_deref()
+            .and_then(|name| host.request_header(name))
+            .and_then(|value| value.trim().parse::<u8>().ok())
+            .filter(|p| *p <= 9)
+            .or_else(|| queue.tier_priorities.get(&self.tier).copied())
+            .unwrap_or(queue.default_priority);
+        Some(Wait { max_ms: queue.max_wait.0.as_millis() as u64, priority, aging_ms: queue.aging.0.as_millis() as u64 })
+    }
+
+    fn leave_queue(&mut self, host: &mut impl Host, config: &Config) {
+        if std::mem::take(&mut self.queued) {
+            shared_update(host, &keys::queued_key(&config.domain), |bytes| {
+                let waiting = bytes.and_then(|b| b.try_into().ok()).map_or(0, u32::from_le_bytes);
+                (Some(waiting.saturating_sub(1).to_le_bytes().to_vec()), ())
+            });
+        }
+    }
+
+    /// Admits from this proxy's lease, if it covers the request, or refuses it if Redis
+    /// recently refused as much; `None` means: ask. Marks the tenant for renewal when the
+    /// lease runs low.
+    fn admit_from_lease(
+        &mut self,
+        host: &mut impl Host,
+        worker: &mut Worker,
+        config: &Config,
+        now: u64,
+    ) -> Option<Verdict> {
+        let costs = self.costs();
+        let specs = self.plan.as_ref().map(|p| p.buckets.clone()).unwrap_or_default();
+        let policy = config.lease.policy();
+        let (outcome, renew, leases) = shared_update(host, &keys::lease_key(&config.domain, &self.tenant), |bytes| {
+            let mut leases = TenantLeases::decode(bytes, costs.len());
+            if !leases.admit(&costs, now) {
+                let refusal = leases.refusal(&specs, now);
+                return (None, (refusal.map(Err), false, leases));
+            }
+            let renew = leases.0.iter().any(|l| l.wants_renewal(&policy, now));
+            if renew {
+                for lease in &mut leases.0 {
+                    lease.renewal_asked_ms = now;
+                }
+            }
+            (Some(leases.encode()), (Some(Ok(())), renew, leases))
+        })?;
+        if renew {
+            worker.want_renewal(&self.tenant);
+        }
+        match outcome? {
+            Ok(()) => {
+                host.add_metric(Metric::LeaseAdmissions, 1);
+                Some(self.admitted_from_lease(host, worker, config, &leases))
+            }
+            Err(refusal) => {
+                host.add_metric(Metric::Limited, 1);
+                Some(self.rejection(config, &refusal))
+            }
+        }
+    }
+
+    fn admitted_from_lease(
+        &mut self,
+        host: &mut impl Host,
+        worker: &mut Worker,
+        config: &Config,
+        leases: &TenantLeases,
+    ) -> Verdict {
+        host.add_metric(Metric::Allowed, 1);
+        worker.note_leased(&self.tenant);
+        self.admission = Some(Admission::Leased);
+        let buckets = self.plan.as_ref().map(|p| p.buckets.clone()).unwrap_or_default();
+        Verdict::Forward(self.admitted_headers(host, config, &leases.as_reply(&buckets)))
+    }
+
+    fn admitted_headers(&self, host: &mut impl Host, config: &Config, reply: &LimitsReply) -> Vec<Header> {
+        let mut headers = decision::rate_limit_headers(&self.relevant(reply), config);
+        if self.plan.as_ref().is_some_and(|p| p.estimate.is_some()) {
+            let reserved = self.reserved_tokens();
+            host.add_metric(Metric::TokensReserved, reserved);
+            headers.push((RESERVED_TOKENS_HEADER, reserved.to_string()));
+        }
+        headers
+    }
+
+    fn decide(&mut self, host: &mut impl Host, worker: &mut Worker, config: &Config, body_size: usize) -> Verdict {
+        let expected = self.plan.as_ref().map_or(0, |p| p.buckets.len());
+        let reply = match callout_reply::<LimitsReply>(host, body_size) {
+            Ok(reply) if reply.limits.len() == expected => reply,
+            Ok(_) => {
+                return self.callout_failed(host, worker, config, "companion reply has the wrong number of limits")
+            }
+            Err(why) => return self.callout_failed(host, worker, config, &why),
+        };
+        worker.callout_succeeded(host, config);
+        self.leave_queue(host, config);
+        let waited = reply.waited_ms;
+        if waited > 0 {
+            host.add_metric(Metric::Queued, 1);
+            host.add_metric(Metric::QueuedMs, waited);
+        }
+        let verdict = self.decide_reply(host, worker, config, reply);
+        if waited == 0 {
+            return verdict;
+        }
+        verdict.with_header(QUEUED_HEADER, waited.to_string())
+    }
+
+    fn decide_reply(
+        &mut self,
+        host: &mut impl Host,
+        worker: &mut Worker,
+        config: &Config,
+        reply: LimitsReply,
+    ) -> Verdict {
+        let now = host.now_ms();
+        if !reply.allowed {
+            host.add_metric(Metric::Limited, 1);
+            self.admission = None; // nothing was charged
+            if self.ask == Ask::Lease {
+                // Later requests that need as much are refused here until the retry time.
+                let costs = self.costs();
+                shared_update(host, &keys::lease_key(&config.domain, &self.tenant), |bytes| {
+                    let mut leases = TenantLeases::decode(bytes, costs.len());
+                    leases.block(&reply, &costs, now);
+                    (Some(leases.encode()), ())
+                });
+            }
+            return self.rejection(config, &reply);
+        }
+        match self.ask {
+            Ask::Lease => {
+                let costs = self.costs();
+                match worker.merge_grant(host, config, &self.tenant, &reply, Some(&costs), now) {
+                    Some(leases) => self.admitted_from_lease(host, worker, config, &leases),
+                    None => self.fail_over(host, worker, config, "cannot record the lease"),
+                }
+            }
+            Ask::Charge => {
+                host.add_metric(Metric::Allowed, 1);
+                self.rewrite_body(host, config, &reply);
+                if let (true, Some(Admission::Reserved(id))) = (config.has_concurrency(), &self.admission) {
+                    let costs = self.costs();
+                    let held = config
+                        .limits
+                        .iter()
+                        .enumerate()
+                        .filter(|(i, l)| l.kind() == LimitKind::Slots && costs.get(*i).is_some_and(|&c| c > 0))
+                        .map(|(i, _)| (i, 0));
+                    let slots = settlement(config, &self.tenant, Some(id.clone()), false, adjustments(config, held));
+                    worker.hold_slots(id.clone(), slots);
+                }
+                Verdict::Forward(self.admitted_headers(host, config, &reply))
+            }
+        }
+    }
+
+    fn callout_failed(&mut self, host: &mut impl Host, worker: &mut Worker, config: &Config, why: &str) -> Verdict {
+        self.leave_queue(host, config);
+        host.add_metric(Metric::CompanionFailures, 1);
+        worker.record_callout_failure(host, config);
+        self.fail_over(host, worker, config, why)
+    }
+
+    /// Decides without the companion, as `failure_mode` says.
+    fn fail_over(&mut self, host: &mut impl Host, worker: &mut Worker, config: &Config, why: &str) -> Verdict {
+        self.admission = None; // nothing was charged in Redis
+        host.log(
+            LogLevel::Debug,
+            &format!("llm-ratelimit: no decision from the companion ({why}); failure_mode {:?}", config.failure_mode),
+        );
+        match config.failure_mode {
+            FailureMode::Local => self.decide_locally(host, worker, config),
+            FailureMode::Allow => Verdict::Forward(vec![(DEGRADED_HEADER, "companion-unavailable".to_string())]),
+            FailureMode::Deny => Verdict::Reply(decision::limiter_unavailable()),
+        }
+    }
+
+    /// The degraded mode: each limit divided by `fallback.instances`, as token buckets in
+    /// shared data, decided with the same model the Lua script follows. What is admitted
+    /// is queued as a debit, so Redis learns of it when it is back.
+    fn decide_locally(&mut self, host: &mut impl Host, worker: &mut Worker, config: &Config) -> Verdict {
+        host.add_metric(Metric::LocalDecisions, 1);
+        let specs = self.plan.as_ref().map(|plan| local_specs(config, plan)).unwrap_or_default();
+        let now = host.now_ms() as f64;
+        let reply = shared_update(host, &keys::local_key(&config.domain, &self.tenant), |bytes| {
+            let mut states = decode_states(bytes, specs.len());
+            let reply = check_and_charge(&mut states, &specs, now);
+            (reply.allowed.then(|| encode_states(&states)), reply)
+        });
+        let Some(reply) = reply else {
+            return Verdict::Reply(decision::limiter_unavailable());
+        };
+        if !reply.allowed {
+            host.add_metric(Metric::Limited, 1);
+            return self.rejection(config, &reply).with_header(DEGRADED_HEADER, "local".to_string());
+        }
+        host.add_metric(Metric::Allowed, 1);
+        // Redis learns of the budget spent here; slots are this proxy's alone.
+        let debits = specs.iter().enumerate().filter(|(_, b)| b.kind != LimitKind::Slots);
+        worker.settle_credits(host, config, &self.tenant, None, false, debits.map(|(i, b)| (i, -(b.cost as i64))));
+        self.admission = Some(Admission::Local);
+        Verdict::Forward(self.admitted_headers(host, config, &reply)).with_header(DEGRADED_HEADER, "local".to_string())
+    }
+
+    /// Sends upstream the body the charge calls for: the output cap clamped to what was
+    /// granted, stream usage requested. Only while the headers are still held can
+    /// content-length follow the new body, so nothing changes otherwise.
+    fn rewrite_body(&mut self, host: &mut impl Host, config: &Config, reply: &LimitsReply) {
+        if !self.holding_headers {
+            return;
+        }
+        let Some(plan) = self.plan.as_mut() else { return };
+        let charged = plan
+            .token_buckets(config)
+            .next()
+            .and_then(|b| reply.limits.iter().find(|o| o.name == b.name))
+            .map(|o| o.charged);
+        let Some(body) = plan.apply_grant(config, charged) else { return };
+        if host.replace_request_body(self.body_len, &body)
+            && host.set_request_header("content-length", &body.len().to_string())
+            && config.tokens.request_stream_usage
+            && plan.request.as_ref().is_some_and(|r| r.wants_usage_added())
+        {
+            self.usage_remover = Some(UsageChunkRemover::default());
+        }
+    }
+
+    /// Carries a verdict out. `paused` says whether the request is waiting on us. In
+    /// shadow mode a refusal is forwarded instead, marked with what it would have been.
+    fn apply(&mut self, host: &mut impl Host, config: &Config, verdict: Verdict, paused: bool) -> Action {
+        let verdict = match verdict {
+            Verdict::Reply(reply) if config.mode == Mode::Shadow && matches!(reply.status, 403 | 413 | 429 | 503) => {
+                host.add_metric(Metric::ShadowRefusals, 1);
+                let mut headers: Vec<Header> = reply
+                    .headers
+                    .into_iter()
+                    .filter(|(name, _)| *name != "retry-after" && *name != "content-type")
+                    .collect();
+                headers.push((SHADOW_HEADER, reply.status.to_string()));
+                Verdict::Forward(headers)
+            }
+            other => other,
+        };
+        match verdict {
+            Verdict::Forward(headers) => {
+                self.phase = Phase::Forwarded;
+                self.response_headers = headers;
+                if paused {
+                    host.resume_request();
+                }
+                Action::Continue
+            }
+            Verdict::Reply(reply) => {
+                self.phase = Phase::Replied;
+                self.response_headers.clear();
+                host.send_reply(&reply);
+                Action::Pause
+            }
+        }
+    }
+
+    // ---- settling ----
+
+    /// Settles this request, once: the difference between what it reserved and what it
+    /// cost (in tokens, and in money for budgets) goes back where the reservation came
+    /// from, and its slots are released.
+    fn settle(&mut self, host: &mut impl Host, worker: &mut Worker, config: &Config, ending: Ending) {
+        let Some(admission) = self.admission.take() else { return };
+        let (token_credit, cost_credit) = self.credits(host, config, ending);
+        let applies = |i: usize| self.plan.as_ref().is_some_and(|p| p.applies(i));
+        // Only the limits this request was charged against (per-model limits may not
+        // apply), each with the credit of its dimension.
+        let credits: Vec<(usize, i64)> = config
+            .limits
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| applies(*i))
+            .filter_map(|(i, limit)| match limit.dimension() {
+                Dimension::Tokens => Some((i, token_credit)),
+                Dimension::Cost => Some((i, cost_credit)),
+                _ => None,
+            })
+            .collect();
+        let slot_limits: Vec<usize> = config
+            .limits
+            .iter()
+            .enumerate()
+            .filter(|(i, l)| l.kind() == LimitKind::Slots && applies(*i))
+            .map(|(i, _)| i)
+            .collect();
+        let reservation = match admission {
+            Admission::Reserved(id) => {
+                if let Some(slots) = worker.take_slots(&id) {
+                    release_now(host, worker, config, slots);
+                }
+                Some(id)
+            }
+            Admission::Local => {
+                // This proxy's own slots go back at once; the credits go to Redis.
+                if !slot_limits.is_empty() {
+                    self.release_local_slots(host, config, &slot_limits);
+                }
+                None
+            }
+            Admission::Leased => {
+                let now = host.now_ms();
+                let applied = shared_update(host, &keys::lease_key(&config.domain, &self.tenant), |bytes| {
+                    let mut leases = TenantLeases::decode(bytes, config.limits.len());
+                    let live = credits.iter().all(|&(i, credit)| leases.credit(i, credit, now));
+                    (live.then(|| leases.encode()), live)
+                });
+                if applied == Some(true) || credits.iter().all(|&(_, c)| c == 0) {
+                    return;
+                }
+                None // the lease expired meanwhile: the credits belong to Redis
+            }
+        };
+        let with_slots = reservation.is_some();
+        let releases = slot_limits.into_iter().filter(|_| with_slots).map(|i| (i, 0));
+        worker.settle_credits(host, config, &self.tenant, reservation, false, credits.into_iter().chain(releases));
+    }
+
+    /// The client gave up while the charge waited in the queue: stop the charge if it has
+    /// not happened yet, and refund everything it took if it has (one script call does
+    /// both, so one of the two is true).
+    fn cancel_queued(&mut self, host: &mut impl Host, worker: &mut Worker, config: &Config) {
+        let Some(Admission::Reserved(id)) = self.admission.take() else { return };
+        worker.take_slots(&id);
+        let costs = self.costs();
+        let refunds = config.limits.iter().zip(&costs).enumerate().map(|(i, (limit, &cost))| {
+            (i, if limit.kind() == LimitKind::Slots { 0 } else { i64::try_from(cost).unwrap_or(i64::MAX) })
+        });
+        let limits = adjustments(config, refunds);
+        let settlement = settlement(config, &self.tenant, Some(id), true, limits);
+        worker.queue_settlement(host, settlement);
+    }
+
+    /// What to give back for this request (negative: to take), in tokens and in
+    /// micro-dollars, from what it reserved and what the reply says it used; updates the
+    /// running average of completions.
+    fn credits(&mut self, host: &mut impl Host, config: &Config, ending: Ending) -> (i64, i64) {
+        let Some(plan) = self.plan.as_ref() else { return (0, 0) };
+        let Some(estimate) = plan.estimate else { return (0, 0) };
+        let (reported, streamed_output) = match self.reply.as_mut() {
+            Some(ReplyReader::Json(reader)) => (reader.finish(), None),
+            Some(ReplyReader::Stream(reader)) => {
+                reader.finish();
+                (reader.reported(), Some(reader.output_tokens()))
+            }
+            None => (ReportedUsage::default(), None),
+        };
+        let forwarded = self.phase == Phase::Forwarded;
+        // A request that never went upstream cost nothing.
+        let used = if forwarded {
+            actual_usage(estimate, ending, reported, streamed_output, config.tokens.on_upstream_error)
+        } else {
+            TokenEstimate { prompt: 0, output: 0 }
+        };
+        host.add_metric(Metric::TokensCharged, used.total());
+        if ending == Ending::Completed {
+            if let Some(output) = reported.output.or(streamed_output) {
+                shared_update(host, &keys::average_key(&config.domain, &self.tenant, &plan.model), |bytes| {
+                    let average = bytes.and_then(OutputAverage::from_bytes);
+                    let updated = average.map_or(OutputAverage::first(output), |a| a.update(output));
+                    (Some(updated.to_bytes().to_vec()), ())
+                });
+            }
+        }
+        // Against what the budget was charged (every cost limit is charged the same).
+        let charged =
+            plan.buckets.iter().zip(&config.limits).find(|(b, l)| l.dimension() == Dimension::Cost && b.cost > 0);
+        let cost_credit = match (plan.price, charged) {
+            (Some(price), Some((bucket, _))) => {
+                let signed = |n: u64| i64::try_from(n).unwrap_or(i64::MAX);
+                let cached = if forwarded { reported.cached_input.unwrap_or(0) } else { 0 };
+                signed(bucket.cost).saturating_sub(signed(price.micro_usd_cached(used, cached)))
+            }
+            _ => 0,
+        };
+        (credit(estimate, used.total()), cost_credit)
+    }
+
+    fn release_local_slots(&self, host: &mut impl Host, config: &Config, indices: &[usize]) {
+        let Some(plan) = self.plan.as_ref() else { return };
+        let specs = local_specs(config, plan);
+        let credits: Vec<i64> = (0..specs.len()).map(|i| i64::from(indices.contains(&i))).collect();
+        let now = host.now_ms() as f64;
+        shared_update(host, &keys::local_key(&config.domain, &self.tenant), |bytes| {
+            let mut states = decode_states(bytes, specs.len());
+            crate::bucket::settle(&mut states, &specs, &credits, now);
+            (Some(encode_states(&states)), ())
+        });
+    }
+}
+
+/// Whether the request, by its headers, has no body to wait for: `content-length: 0`, or,
+/// on a host that never reports end of stream on request headers (ngx_wasm_module), no
+/// `content-length` and no `transfer-encoding` either. Such a request gets no body
+/// callback there, so waiting for one would let it through uncharged.
+fn has_no_body(host: &mut impl Host, worker: &Worker) -> bool {
+    match host.request_header("content-length") {
+        Some(length) => length.trim() == "0",
+        None => {
+            !worker.host_kind().reports_end_of_stream_on_headers() && host.request_header("transfer-encoding").is_none()
+        }
+    }
+}
+
+/// The degraded mode's buckets: each limit divided by `fallback.instances`; a slot comes
+/// back when its request ends, not with time.
+fn local_specs(config: &Config, plan: &ChargePlan) -> Vec<LimitCharge> {
+    let instances = u64::from(config.fallback.instances);
+    plan.buckets
+        .iter()
+        .map(|b| LimitCharge {
+            capacity: b.capacity.div_ceil(instances),
+            min_cost: None,
+            window_ms: if b.kind == LimitKind::Slots { LOCAL_SLOTS_NEVER_REFILL_MS } else { b.window_ms },
+            ..b.clone()
+        })
+        .collect()
+}
+
+/// Releases a request's slots at once, in a callout owned by the root context so it
+/// outlives the request; its settlement (queued, sent within a tick) releases them too,
+/// so nothing is lost if this one fails.
+fn release_now(host: &mut impl Host, worker: &Worker, config: &Config, slots: crate::protocol::Settlement) {
+    let request = SettlementBatch { settlements: vec![slots] };
+    let timeout = config.companion.timeout.0.max(RELEASE_TIMEOUT);
+    if let Err(why) = worker.call_companion(host, config, RELEASE_PATH, &request, timeout, Owner::Root) {
+        host.log(LogLevel::Debug, &format!("llm-ratelimit: cannot release slots at once ({why}); the settlement will"));
+    }
+}
+
+#[cfg(test)]
+#[path = "lifecycle_tests.rs"]
+mod tests;

@@ -1,0 +1,473 @@
+//! The request lifecycle on the fake host, one test per path that only the end-to-end
+//! suites reached before, each run for every host whose semantics differ. Those marked
+//! for wasm also run as wasm under Node (`make wasm-test`).
+
+use crate::host::{Action, HostKind, Metric, Owner};
+use crate::lease::TenantLeases;
+use crate::protocol::keys;
+use crate::protocol::{ChargeRequest, LimitsReply, SETTLE_PATH};
+use crate::testing::{advance, FakeCompanion, Proxy, Request, World};
+use serde_json::{json, Value};
+
+const HOSTS: [HostKind; 2] = [HostKind::Envoy, HostKind::Nginx];
+const CHAT: &str = r#"{"model":"gpt-4o","messages":[{"role":"user","content":"hello world"}],"max_tokens":300}"#;
+/// What CHAT reserves: 9 prompt tokens counted in the proxy, 300 of output allowance.
+const CHAT_RESERVES: i64 = 309;
+
+fn config(limits: Value, extra: Value) -> String {
+    let mut config =
+        json!({"companion": {"upstream": "companion", "token": "t"}, "failure_mode": "deny", "limits": limits});
+    if let (Some(config), Some(extra)) = (config.as_object_mut(), extra.as_object()) {
+        config.extend(extra.clone());
+    }
+    config.to_string()
+}
+
+fn rpm_tpm(extra: Value) -> String {
+    config(
+        json!([{"name": "rpm", "requests": 100, "window": "1m"}, {"name": "tpm", "tokens": 10000, "window": "1m"}]),
+        extra,
+    )
+}
+
+fn usage_reply(prompt: u64, completion: u64) -> String {
+    json!({"id": "c1", "object": "chat.completion", "model": "gpt-4o",
+           "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}],
+           "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}})
+    .to_string()
+}
+
+fn tenant(key: &str) -> String {
+    crate::identity::tenant_id(key)
+}
+
+/// The settlements the worker sends on its next tick, answered by `companion`.
+fn settle(proxy: &mut Proxy, companion: &mut FakeCompanion) -> Vec<crate::protocol::Settlement> {
+    let before = companion.settled.len();
+    proxy.tick(Some(companion));
+    companion.settled[before..].to_vec()
+}
+
+fn charge_of(flight: &crate::testing::InFlight) -> ChargeRequest {
+    serde_json::from_value(flight.host.last_callout().body.clone()).expect("a charge")
+}
+
+#[cfg_attr(not(target_arch = "wasm32"), test)]
+#[cfg_attr(target_arch = "wasm32", wasm_bindgen_test::wasm_bindgen_test)]
+fn a_chat_is_charged_forwarded_and_settled_from_the_reported_usage() {
+    for kind in HOSTS {
+        let world = World::new(kind);
+        let mut proxy = Proxy::new(&world, &rpm_tpm(json!({})));
+        let mut companion = FakeCompanion::default();
+        let mut chat = proxy.send(Request::chat("sk-a", CHAT), &mut companion);
+        assert!(chat.forwarded(), "{kind:?}");
+        assert_eq!(chat.host.resumed, 1);
+        let charge = charge_of(&chat);
+        assert_eq!(charge.limits.iter().map(|l| l.cost).collect::<Vec<_>>(), [1, CHAT_RESERVES as u64]);
+        assert_eq!(charge.tenant, tenant("sk-a"), "the tenant is a hash, never the key");
+        let id = charge.reservation.expect("a reservation to settle").id;
+        proxy.reply(&mut chat, 200, "application/json", &[&usage_reply(9, 41)]);
+        assert_eq!(chat.host.response_header_value("x-llm-ratelimit-reserved-tokens"), Some("309"));
+        let settled = settle(&mut proxy, &mut companion);
+        assert_eq!(settled.len(), 1, "{kind:?}");
+        assert_eq!(settled[0].reservation.as_deref(), Some(id.as_str()));
+        assert_eq!(settled[0].limits.len(), 1, "only the token limit has a credit");
+        assert_eq!(settled[0].limits[0].credit, CHAT_RESERVES - 50);
+        // The running average of completions moved, on every host (on Nginx only a CAS
+        // write can update an existing key).
+        let key = keys::average_key("llm", &tenant("sk-a"), "gpt-4o");
+        let mut second = proxy.send(Request::chat("sk-a", CHAT), &mut companion);
+        proxy.reply(&mut second, 200, "application/json", &[&usage_reply(9, 11)]);
+        let average = crate::reservation::OutputAverage::from_bytes(&proxy.root.shared_value(&key).expect("average"))
+            .expect("decodes");
+        assert_eq!(average.samples, 2, "{kind:?}");
+    }
+}
+
+#[cfg_attr(not(target_arch = "wasm32"), test)]
+#[cfg_attr(target_arch = "wasm32", wasm_bindgen_test::wasm_bindgen_test)]
+fn a_request_without_a_body_is_charged_on_every_host() {
+    // ngx_wasm_module: end of stream false on headers and no body callback at all; a
+    // filter that waits for the body lets the request through uncharged.
+    for kind in HOSTS {
+        let world = World::new(kind);
+        let mut proxy = Proxy::new(&world, &rpm_tpm(json!({})));
+        let mut companion = FakeCompanion::default();
+        let get = proxy.send(Request::get("sk-a", "/v1/models"), &mut companion);
+        assert_eq!(companion.calls.get(crate::protocol::CHARGE_PATH), Some(&1), "{kind:?}: charged");
+        assert!(get.forwarded(), "{kind:?}");
+        let empty_post = Request::chat("sk-a", "").header("content-length", "0");
+        let post = proxy.send(empty_post, &mut companion);
+        assert_eq!(companion.calls.get(crate::protocol::CHARGE_PATH), Some(&2), "{kind:?}: charged");
+        assert!(post.forwarded());
+    }
+}
+
+#[test]
+fn headers_are_held_only_where_the_host_delivers_the_body_meanwhile() {
+    for (kind, held) in [(HostKind::Envoy, Action::Pause), (HostKind::Nginx, Action::Continue)] {
+        let world = World::new(kind);
+        let mut proxy = Proxy::new(&world, &rpm_tpm(json!({})));
+        let mut host = crate::testing::FakeHost::new(&world);
+        host.request_headers = Request::chat("sk-a", CHAT).headers;
+        let mut filter = proxy.worker.new_request();
+        assert_eq!(filter.on_request_headers(&mut host, &mut proxy.worker, false), held, "{kind:?}");
+        host.request_body = CHAT.as_bytes().to_vec();
+        assert_eq!(filter.on_request_body(&mut host, &mut proxy.worker, CHAT.len(), true), Action::Pause);
+        assert_eq!(host.callouts.len(), 1, "{kind:?}: the body was counted and charged");
+    }
+    // Asking to hold them on a host that cannot deliver the body is refused at load.
+    let world = World::new(HostKind::Nginx);
+    let mut worker = crate::worker::Worker::new(HostKind::Nginx);
+    let mut host = crate::testing::FakeHost::new(&world);
+    let err = worker.configure(&mut host, rpm_tpm(json!({"hold_request_headers": true})).as_bytes()).unwrap_err();
+    assert!(err.contains("field `hold_request_headers`") && err.contains("nginx"), "{err}");
+    assert!(worker.configure(&mut host, rpm_tpm(json!({"hold_request_headers": false})).as_bytes()).is_ok());
+}
+
+#[test]
+fn failure_modes_decide_without_the_companion() {
+    for kind in HOSTS {
+        for (mode, status, degraded) in [("allow", None, Some("companion-unavailable")), ("deny", Some(503), None)] {
+            let world = World::new(kind);
+            let mut proxy = Proxy::new(&world, &rpm_tpm(json!({"failure_mode": mode})));
+            let mut companion = FakeCompanion::failing(500);
+            let flight = proxy.send(Request::chat("sk-a", CHAT), &mut companion);
+            assert_eq!(flight.replied().map(|r| r.status), status, "{kind:?} {mode}");
+            assert_eq!(flight.host.metric(Metric::CompanionFailures), 1);
+            if let Some(value) = degraded {
+                assert!(flight.forwarded());
+                let mut flight = flight;
+                proxy.reply(&mut flight, 200, "application/json", &[&usage_reply(9, 1)]);
+                assert_eq!(flight.host.response_header_value("x-llm-ratelimit-degraded"), Some(value));
+            }
+        }
+        // local: the limit divided by the instances, in shared data.
+        let world = World::new(kind);
+        let limits = json!([{"name": "rpm", "requests": 4, "window": "1m"}]);
+        let mut proxy =
+            Proxy::new(&world, &config(limits, json!({"failure_mode": "local", "fallback": {"instances": 2}})));
+        let mut companion = FakeCompanion::failing(500);
+        let statuses: Vec<Option<u32>> = (0..3)
+            .map(|_| proxy.send(Request::get("sk-a", "/v1/models"), &mut companion).replied().map(|r| r.status))
+            .collect();
+        assert_eq!(statuses, [None, None, Some(429)], "{kind:?}: 4 / 2 instances = 2 locally");
+    }
+}
+
+#[cfg_attr(not(target_arch = "wasm32"), test)]
+#[cfg_attr(target_arch = "wasm32", wasm_bindgen_test::wasm_bindgen_test)]
+fn the_breaker_opens_after_failures_then_probes_and_closes() {
+    for kind in HOSTS {
+        let world = World::new(kind);
+        let extra = json!({"failure_mode": "allow", "fallback": {"breaker_failures": 2, "breaker_cooldown": "1s"}});
+        let mut proxy = Proxy::new(&world, &rpm_tpm(extra));
+        let mut companion = FakeCompanion::failing(503);
+        for _ in 0..2 {
+            proxy.send(Request::get("sk-a", "/v1/models"), &mut companion);
+        }
+        assert_eq!(companion.calls.values().sum::<usize>(), 2);
+        // Open: no callout for a second (on Nginx too, where every breaker write must CAS).
+        let flight = proxy.send(Request::get("sk-a", "/v1/models"), &mut companion);
+        assert!(flight.host.callouts.is_empty(), "{kind:?}: the breaker is open");
+        assert!(flight.forwarded());
+        advance(&world, 1_001);
+        companion.failing = None;
+        let probe = proxy.send(Request::get("sk-a", "/v1/models"), &mut companion);
+        assert_eq!(probe.host.callouts.len(), 1, "{kind:?}: one probe");
+        let after = proxy.send(Request::get("sk-a", "/v1/models"), &mut companion);
+        assert_eq!(after.host.callouts.len(), 1, "{kind:?}: closed again");
+        assert_eq!(proxy.root.metric(Metric::SharedWritesRefused), 0);
+    }
+}
+
+#[test]
+fn what_was_admitted_locally_is_reconciled_with_redis() {
+    for kind in HOSTS {
+        let world = World::new(kind);
+        let extra = json!({"failure_mode": "local", "fallback": {"breaker_failures": 1, "breaker_cooldown": "1s"}});
+        let mut proxy = Proxy::new(&world, &rpm_tpm(extra));
+        let mut companion = FakeCompanion::failing(500);
+        for _ in 0..3 {
+            let mut flight = proxy.send(Request::chat("sk-a", CHAT), &mut companion);
+            assert!(flight.forwarded(), "{kind:?}");
+            proxy.reply(&mut flight, 200, "application/json", &[&usage_reply(9, 41)]);
+        }
+        // While the breaker is open nothing is sent.
+        proxy.tick(Some(&mut companion));
+        assert_eq!(companion.settled.len(), 0);
+        advance(&world, 1_001);
+        companion.failing = None;
+        proxy.send(Request::get("sk-a", "/v1/models"), &mut companion); // the probe closes it
+        let mut settled = Vec::new();
+        for _ in 0..3 {
+            settled.extend(settle(&mut proxy, &mut companion));
+        }
+        // Each local admission is a debit of its charge, then its settlement's credit.
+        let debits: i64 = settled.iter().flat_map(|s| &s.limits).filter(|a| a.name == "tpm").map(|a| a.credit).sum();
+        assert_eq!(debits, 3 * (-CHAT_RESERVES + (CHAT_RESERVES - 50)), "{kind:?}: 50 tokens each reached Redis");
+        let requests: i64 = settled.iter().flat_map(|s| &s.limits).filter(|a| a.name == "rpm").map(|a| a.credit).sum();
+        assert_eq!(requests, -3, "{kind:?}");
+        assert!(proxy.root.logs.iter().all(|(_, m)| !m.contains("gave up")), "{kind:?}: {:?}", proxy.root.logs);
+    }
+}
+
+#[test]
+fn credits_follow_how_the_request_ended() {
+    let sse = concat!(
+        "data: {\"id\":\"c\",\"object\":\"chat.completion.chunk\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\"hi\"}}]}\n\n",
+        "data: {\"id\":\"c\",\"object\":\"chat.completion.chunk\",\"choices\":[],\"usage\":{\"prompt_tokens\":9,\"completion_tokens\":20,\"total_tokens\":29}}\n\n",
+        "data: [DONE]\n\n"
+    );
+    for kind in HOSTS {
+        let world = World::new(kind);
+        let mut proxy = Proxy::new(&world, &rpm_tpm(json!({})));
+        let mut companion = FakeCompanion::default();
+        // A key each: a tenant's running average would shorten its next estimate.
+        let mut keys = (0..).map(|i| format!("sk-{i}"));
+        let mut credit_of = |proxy: &mut Proxy, end: &dyn Fn(&mut Proxy, &mut crate::testing::InFlight)| {
+            let key = keys.next().unwrap();
+            let mut flight = proxy.send(Request::chat(&key, CHAT), &mut companion);
+            end(proxy, &mut flight);
+            let settled = settle(proxy, &mut companion);
+            settled.iter().flat_map(|s| &s.limits).filter(|a| a.name == "tpm").map(|a| a.credit).sum::<i64>()
+        };
+        let completed = credit_of(&mut proxy, &|p, f| p.reply(f, 200, "application/json", &[&usage_reply(9, 41)]));
+        assert_eq!(completed, CHAT_RESERVES - 50, "{kind:?}");
+        let streamed = credit_of(&mut proxy, &|p, f| {
+            let (a, b) = sse.split_at(37);
+            p.reply(f, 200, "text/event-stream", &[a, b]);
+        });
+        assert_eq!(streamed, CHAT_RESERVES - 29, "{kind:?}");
+        // An upstream error is charged the prompt only (the default).
+        let failed = credit_of(&mut proxy, &|p, f| p.reply(f, 500, "application/json", &[r#"{"error":{}}"#]));
+        assert_eq!(failed, CHAT_RESERVES - 9, "{kind:?}");
+        // The client left before any reply: the prompt was sent, nothing was generated.
+        let interrupted = credit_of(&mut proxy, &|p, f| p.done(f));
+        assert_eq!(interrupted, CHAT_RESERVES - 9, "{kind:?}");
+        // Settled once, however many times the host says the request ended.
+        let mut flight = proxy.send(Request::chat("sk-a", CHAT), &mut companion);
+        proxy.reply(&mut flight, 200, "application/json", &[&usage_reply(9, 41)]);
+        proxy.done(&mut flight);
+        assert_eq!(settle(&mut proxy, &mut companion).len(), 1);
+    }
+}
+
+#[test]
+fn a_refused_request_costs_nothing_and_says_why() {
+    let world = World::new(HostKind::Envoy);
+    let limits = json!([{"name": "rpm", "requests": 1, "window": "1m"}]);
+    let mut proxy = Proxy::new(&world, &config(limits, json!({})));
+    let mut companion = FakeCompanion::default();
+    assert!(proxy.send(Request::get("sk-a", "/v1/models"), &mut companion).forwarded());
+    let mut refused = proxy.send(Request::get("sk-a", "/v1/models"), &mut companion);
+    let reply = refused.replied().expect("a 429").clone();
+    assert_eq!(reply.status, 429);
+    assert!(reply.body.contains("rate_limit_exceeded") && !reply.body.contains("sk-a"), "{}", reply.body);
+    assert_eq!(refused.action, Action::Pause);
+    proxy.done(&mut refused);
+    assert!(settle(&mut proxy, &mut companion).is_empty());
+    // Another key is a tenant of its own.
+    assert!(proxy.send(Request::get("sk-b", "/v1/models"), &mut companion).forwarded());
+}
+
+#[test]
+fn shadow_mode_forwards_what_it_would_refuse_and_marks_it() {
+    let world = World::new(HostKind::Envoy);
+    let limits = json!([{"name": "rpm", "requests": 1, "window": "1m"}]);
+    let mut proxy = Proxy::new(&world, &config(limits, json!({"mode": "shadow"})));
+    let mut companion = FakeCompanion::default();
+    proxy.send(Request::get("sk-a", "/v1/models"), &mut companion);
+    let mut shadowed = proxy.send(Request::get("sk-a", "/v1/models"), &mut companion);
+    assert!(shadowed.forwarded() && shadowed.host.replies.is_empty());
+    proxy.reply(&mut shadowed, 200, "application/json", &["{}"]);
+    assert_eq!(shadowed.host.response_header_value("x-llm-ratelimit-shadow"), Some("429"));
+    assert_eq!(shadowed.host.response_header_value("retry-after"), None);
+    assert_eq!(shadowed.host.metric(Metric::ShadowRefusals), 1);
+}
+
+#[cfg_attr(not(target_arch = "wasm32"), test)]
+#[cfg_attr(target_arch = "wasm32", wasm_bindgen_test::wasm_bindgen_test)]
+fn leases_admit_without_callouts_refuse_renew_and_return_on_expiry() {
+    for kind in HOSTS {
+        let world = World::new(kind);
+        let limits = json!([{"name": "rpm", "requests": 1000, "window": "1m"}]);
+        let extra = json!({"lease": {"enabled": true, "ttl": "1s", "initial_fraction": 0.01, "max_fraction": 0.01}});
+        let mut proxy = Proxy::new(&world, &config(limits, extra));
+        let mut companion = FakeCompanion::default();
+        // The first request asks for a lease (10 = 1% of 1000) and is admitted from it.
+        let first = proxy.send(Request::get("sk-a", "/v1/models"), &mut companion);
+        assert!(first.forwarded(), "{kind:?}");
+        assert_eq!(companion.calls.get(crate::protocol::LEASE_PATH), Some(&1));
+        let rest: usize = (0..7)
+            .map(|_| proxy.send(Request::get("sk-a", "/v1/models"), &mut companion))
+            .filter(|f| f.forwarded() && f.host.callouts.is_empty())
+            .count();
+        assert_eq!(rest, 7, "{kind:?}: admitted from the lease with no callout");
+        // Running low (2 of 10 left, under the 20% low water): the root renews it.
+        let leases = |proxy: &Proxy| {
+            let key = keys::lease_key("llm", &tenant("sk-a"));
+            TenantLeases::decode(proxy.root.shared_value(&key).as_deref(), 1)
+        };
+        let before = leases(&proxy).0[0].remaining;
+        proxy.send(Request::get("sk-a", "/v1/models"), &mut companion);
+        proxy.tick(Some(&mut companion));
+        assert_eq!(companion.calls.get(crate::protocol::LEASE_PATH), Some(&2), "{kind:?}: renewed");
+        assert!(leases(&proxy).0[0].remaining > before - 1.0, "{kind:?}: the renewal added to the lease");
+        // Expired: what is left goes back to Redis.
+        advance(&world, 1_500);
+        let left = leases(&proxy).0[0].remaining.round() as i64;
+        let mut returned = Vec::new();
+        for _ in 0..10 {
+            returned.extend(settle(&mut proxy, &mut companion));
+        }
+        let credits: i64 = returned.iter().flat_map(|s| &s.limits).map(|a| a.credit).sum();
+        assert!(left > 0 && credits == left, "{kind:?}: returned {credits} of {left}");
+        assert_eq!(leases(&proxy).0[0].remaining, 0.0);
+    }
+}
+
+#[test]
+fn a_lease_refusal_is_remembered_until_the_retry_time() {
+    let world = World::new(HostKind::Envoy);
+    let limits = json!([{"name": "rpm", "requests": 2, "window": "1m"}]);
+    let mut proxy = Proxy::new(&world, &config(limits, json!({"lease": {"enabled": true}})));
+    let mut companion = FakeCompanion::default();
+    let admitted =
+        (0..3).filter(|_| proxy.send(Request::get("sk-a", "/v1/models"), &mut companion).forwarded()).count();
+    assert_eq!(admitted, 2);
+    let calls = companion.calls.values().sum::<usize>();
+    let again = proxy.send(Request::get("sk-a", "/v1/models"), &mut companion);
+    assert_eq!(again.replied().map(|r| r.status), Some(429));
+    assert_eq!(companion.calls.values().sum::<usize>(), calls, "refused from memory, no callout");
+}
+
+#[test]
+fn the_queue_is_joined_left_and_cancelled() {
+    let world = World::new(HostKind::Envoy);
+    let extra = json!({"queue": {"max_wait": "5s", "max_length": 1, "priority_header": "x-priority"}});
+    let mut proxy = Proxy::new(&world, &rpm_tpm(extra));
+    let mut companion = FakeCompanion::default();
+    let queued_count = |proxy: &Proxy| {
+        proxy.root.shared_value(&keys::queued_key("llm")).map_or(0, |b| u32::from_le_bytes(b.try_into().unwrap()))
+    };
+    let mut waiting = proxy.start(Request::chat("sk-a", CHAT).header("x-priority", "8"));
+    let charge = charge_of(&waiting);
+    let wait = charge.wait.expect("the charge may wait");
+    assert_eq!((wait.max_ms, wait.priority), (5_000, 8));
+    assert_eq!(waiting.host.last_callout().timeout.as_millis(), 5_050, "timeout + the longest wait");
+    assert_eq!(queued_count(&proxy), 1);
+    // The queue is full: the next request does not wait.
+    let other = proxy.start(Request::chat("sk-b", CHAT));
+    assert!(charge_of(&other).wait.is_none());
+    // The client leaves while waiting: the charge is cancelled with a full refund.
+    proxy.done(&mut waiting);
+    assert_eq!(queued_count(&proxy), 0);
+    let settled = settle(&mut proxy, &mut companion);
+    assert_eq!(settled.len(), 1);
+    assert!(settled[0].cancel);
+    assert_eq!(settled[0].reservation, charge.reservation.map(|r| r.id));
+    let refunds: Vec<i64> = settled[0].limits.iter().map(|a| a.credit).collect();
+    assert_eq!(refunds, [1, CHAT_RESERVES]);
+    // Answered after a wait: the place is given back and the wait shown.
+    let mut served = proxy.start(Request::chat("sk-c", CHAT));
+    let (_, body) = companion.answer(served.host.last_callout(), proxy.now());
+    let mut reply: LimitsReply = serde_json::from_slice(&body).unwrap();
+    reply.waited_ms = 1_234;
+    proxy.answer_with(&mut served, 200, serde_json::to_vec(&reply).unwrap());
+    assert_eq!(queued_count(&proxy), 0);
+    proxy.reply(&mut served, 200, "application/json", &[&usage_reply(9, 1)]);
+    assert_eq!(served.host.response_header_value("x-llm-ratelimit-queued-ms"), Some("1234"));
+}
+
+#[test]
+fn clamping_rewrites_the_output_cap_to_the_grant() {
+    let world = World::new(HostKind::Envoy);
+    let limits = json!([{"name": "tpm", "tokens": 200, "window": "1m"}]);
+    let mut proxy =
+        Proxy::new(&world, &config(limits, json!({"tokens": {"clamp_max_tokens": true, "min_output_tokens": 50}})));
+    let mut companion = FakeCompanion::default();
+    let mut flight = proxy.send(Request::chat("sk-a", CHAT), &mut companion);
+    assert!(flight.forwarded());
+    let body: Value = serde_json::from_slice(&flight.host.request_body).unwrap();
+    assert_eq!(body["max_tokens"], 191, "200 left - 9 prompt tokens");
+    assert_eq!(
+        flight.host.request_headers.iter().find(|(n, _)| n == "content-length").map(|(_, v)| v.clone()),
+        Some(flight.host.request_body.len().to_string())
+    );
+    proxy.reply(&mut flight, 200, "application/json", &[&usage_reply(9, 191)]);
+    let settled = settle(&mut proxy, &mut companion);
+    assert_eq!(settled.iter().flat_map(|s| &s.limits).map(|a| a.credit).sum::<i64>(), 0, "used exactly the grant");
+}
+
+#[test]
+fn per_model_limits_charge_and_settle_only_their_models() {
+    let world = World::new(HostKind::Nginx);
+    let limits = json!([
+        {"name": "tpm", "tokens": 10000, "window": "1m"},
+        {"name": "mini-tpm", "tokens": 1000, "window": "1m", "models": ["gpt-4o-mini*"]}
+    ]);
+    let mut proxy = Proxy::new(&world, &config(limits, json!({})));
+    let mut companion = FakeCompanion::default();
+    let mut flight = proxy.send(Request::chat("sk-a", CHAT), &mut companion);
+    assert_eq!(charge_of(&flight).limits.iter().map(|l| l.cost).collect::<Vec<_>>(), [309, 0]);
+    proxy.reply(&mut flight, 200, "application/json", &[&usage_reply(9, 41)]);
+    let settled = settle(&mut proxy, &mut companion);
+    assert_eq!(settled[0].limits.iter().map(|a| a.name.as_str()).collect::<Vec<_>>(), ["tpm"]);
+    let mini = CHAT.replace("gpt-4o", "gpt-4o-mini");
+    let flight = proxy.send(Request::chat("sk-a", &mini), &mut companion);
+    assert_eq!(charge_of(&flight).limits.iter().map(|l| l.cost).collect::<Vec<_>>(), [309, 309]);
+}
+
+#[test]
+fn concurrency_slots_are_released_at_once_and_renewed_meanwhile() {
+    let world = World::new(HostKind::Envoy);
+    let limits = json!([{"name": "inflight", "concurrency": 2}]);
+    let mut proxy = Proxy::new(&world, &config(limits, json!({"slots": {"ttl": "3s"}})));
+    let mut companion = FakeCompanion::default();
+    let mut flight = proxy.send(Request::get("sk-a", "/v1/models"), &mut companion);
+    assert!(flight.forwarded());
+    for _ in 0..20 {
+        proxy.tick(Some(&mut companion));
+    }
+    assert!(companion.touched >= 1, "heartbeats for the held slot");
+    proxy.reply(&mut flight, 200, "application/json", &["{}"]);
+    let release = flight.host.callouts.iter().find(|c| c.path == crate::protocol::RELEASE_PATH).expect("released");
+    assert_eq!(release.owner, Owner::Root, "the release outlives the request");
+    let settled = settle(&mut proxy, &mut companion);
+    assert_eq!(settled[0].limits[0].name, "inflight", "and released again by the settlement");
+    let touched = companion.touched;
+    for _ in 0..20 {
+        proxy.tick(Some(&mut companion));
+    }
+    assert_eq!(companion.touched, touched, "no heartbeat once released");
+}
+
+#[test]
+fn a_missing_key_is_refused_or_pooled_as_configured() {
+    let world = World::new(HostKind::Envoy);
+    let mut proxy = Proxy::new(&world, &rpm_tpm(json!({})));
+    let mut companion = FakeCompanion::default();
+    let mut anonymous = Request::get("sk-a", "/v1/models");
+    anonymous.headers.retain(|(n, _)| n != "authorization");
+    let refused = proxy.send(anonymous, &mut companion);
+    assert_eq!(refused.replied().map(|r| r.status), Some(401));
+    assert!(companion.calls.is_empty());
+}
+
+#[test]
+fn settlements_retry_when_the_companion_fails_and_on_nginx_too() {
+    for kind in HOSTS {
+        let world = World::new(kind);
+        let mut proxy = Proxy::new(&world, &rpm_tpm(json!({})));
+        let mut companion = FakeCompanion::default();
+        let mut flight = proxy.send(Request::chat("sk-a", CHAT), &mut companion);
+        proxy.reply(&mut flight, 200, "application/json", &[&usage_reply(9, 41)]);
+        companion.failing = Some(500);
+        proxy.tick(Some(&mut companion));
+        companion.failing = None;
+        let settled = settle(&mut proxy, &mut companion);
+        assert_eq!(settled.len(), 1, "{kind:?}: sent again after a failure");
+        assert_eq!(companion.calls.get(SETTLE_PATH), Some(&2));
+    }
+}

@@ -1,0 +1,548 @@
+//! The fake host: implements [`Host`] in memory, records what the core asks of it, and
+//! plays the semantics that differ between hosts (see [`HostKind`]): on `Nginx` a
+//! shared-data write without the key's CAS fails once the key exists, and the lifecycle
+//! is driven as ngx_wasm_module drives it (end of stream never set on request headers, no
+//! body callback for a request without a body). A [`FakeCompanion`] answers callouts with
+//! the Rust model of the Lua script, so tests run whole decisions natively.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
+
+use crate::bucket::{self, BucketState};
+use crate::decision::LocalReply;
+use crate::host::{Action, Host, HostKind, LogLevel, Metric, Owner, SharedWriteError};
+use crate::lifecycle::RequestFilter;
+use crate::protocol::{
+    ChargeRequest, LeaseRequest, LimitCharge, LimitsReply, SettleOutcome, SettleReply, SettlementBatch, CHARGE_PATH,
+    LEASE_PATH, RELEASE_PATH, SETTLE_PATH, TOUCH_PATH,
+};
+use crate::worker::Worker;
+use serde_json::Value;
+use std::cell::RefCell;
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::rc::Rc;
+use std::time::Duration;
+
+/// What the workers of one fake proxy share: shared data and the clock.
+#[derive(Debug)]
+pub struct World {
+    pub kind: HostKind,
+    pub now_ms: u64,
+    shared: HashMap<String, (Vec<u8>, u32)>,
+    next_cas: u32,
+    next_token: u32,
+}
+
+impl World {
+    pub fn new(kind: HostKind) -> Rc<RefCell<World>> {
+        Rc::new(RefCell::new(World { kind, now_ms: 1_000_000, shared: HashMap::new(), next_cas: 1, next_token: 1 }))
+    }
+}
+
+pub fn advance(world: &Rc<RefCell<World>>, ms: u64) {
+    world.borrow_mut().now_ms += ms;
+}
+
+/// A callout the core dispatched.
+#[derive(Debug, Clone)]
+pub struct Callout {
+    pub token: u32,
+    pub upstream: String,
+    pub path: String,
+    pub headers: Vec<(String, String)>,
+    pub body: Value,
+    pub timeout: Duration,
+    pub owner: Owner,
+}
+
+/// One worker's view of the host, for one request (or for the root).
+pub struct FakeHost {
+    world: Rc<RefCell<World>>,
+    pub request_headers: Vec<(String, String)>,
+    pub request_body: Vec<u8>,
+    pub response_headers: Vec<(String, String)>,
+    /// The response body chunk being delivered.
+    pub response_chunk: Vec<u8>,
+    /// Every callout dispatched, in order.
+    pub callouts: Vec<Callout>,
+    /// The answer of the callout being delivered.
+    pub callout_answer: Option<(u32, Vec<u8>)>,
+    /// Local replies sent.
+    pub replies: Vec<LocalReply>,
+    pub resumed: usize,
+    pub metrics: BTreeMap<Metric, u64>,
+    pub gauges: BTreeMap<String, u64>,
+    pub logs: Vec<(LogLevel, String)>,
+    warned: BTreeSet<&'static str>,
+    /// Make every dispatch fail (the host refuses the callout).
+    pub refuse_dispatch: bool,
+}
+
+impl FakeHost {
+    pub fn new(world: &Rc<RefCell<World>>) -> FakeHost {
+        FakeHost {
+            world: world.clone(),
+            request_headers: Vec::new(),
+            request_body: Vec::new(),
+            response_headers: Vec::new(),
+            response_chunk: Vec::new(),
+            callouts: Vec::new(),
+            callout_answer: None,
+            replies: Vec::new(),
+            resumed: 0,
+            metrics: BTreeMap::new(),
+            gauges: BTreeMap::new(),
+            logs: Vec::new(),
+            warned: BTreeSet::new(),
+            refuse_dispatch: false,
+        }
+    }
+
+    pub fn metric(&self, metric: Metric) -> u64 {
+        self.metrics.get(&metric).copied().unwrap_or(0)
+    }
+
+    pub fn response_header_value(&self, name: &str) -> Option<&str> {
+        self.response_headers.iter().find(|(n, _)| n == name).map(|(_, v)| v.as_str())
+    }
+
+    pub fn last_callout(&self) -> &Callout {
+        self.callouts.last().expect("a callout")
+    }
+
+    pub fn shared_value(&self, key: &str) -> Option<Vec<u8>> {
+        self.world.borrow().shared.get(key).map(|(v, _)| v.clone())
+    }
+}
+
+impl Host for FakeHost {
+    fn kind(&self) -> HostKind {
+        self.world.borrow().kind
+    }
+
+    fn now_nanos(&mut self) -> u128 {
+        u128::from(self.world.borrow().now_ms) * 1_000_000
+    }
+
+    fn request_header(&mut self, name: &str) -> Option<String> {
+        self.request_headers.iter().find(|(n, _)| n == name).map(|(_, v)| v.clone())
+    }
+
+    fn set_request_header(&mut self, name: &str, value: &str) -> bool {
+        self.request_headers.retain(|(n, _)| n != name);
+        self.request_headers.push((name.to_string(), value.to_string()));
+        true
+    }
+
+    fn response_header(&mut self, name: &str) -> Option<String> {
+        self.response_headers.iter().find(|(n, _)| n == name).map(|(_, v)| v.clone())
+    }
+
+    fn set_response_header(&mut self, name: &str, value: &str) {
+        self.response_headers.retain(|(n, _)| n != name);
+        self.response_headers.push((name.to_string(), value.to_string()));
+    }
+
+    fn request_body(&mut self, size: usize) -> Vec<u8> {
+        self.request_body.iter().take(size).copied().collect()
+    }
+
+    fn replace_request_body(&mut self, _size: usize, body: &[u8]) -> bool {
+        self.request_body = body.to_vec();
+        true
+    }
+
+    fn response_body(&mut self, size: usize) -> Vec<u8> {
+        self.response_chunk.iter().take(size).copied().collect()
+    }
+
+    fn replace_response_body(&mut self, _size: usize, body: &[u8]) -> bool {
+        self.response_chunk = body.to_vec();
+        true
+    }
+
+    fn shared_get(&mut self, key: &str) -> (Option<Vec<u8>>, Option<u32>) {
+        match self.world.borrow().shared.get(key) {
+            Some((value, cas)) => (Some(value.clone()), Some(*cas)),
+            None => (None, None),
+        }
+    }
+
+    fn shared_set(&mut self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), SharedWriteError> {
+        let mut world = self.world.borrow_mut();
+        let current = world.shared.get(key).map(|(_, c)| *c);
+        let allowed = match (cas, current) {
+            (None, None) => true,
+            // Envoy overwrites; ngx_wasm_module takes "no CAS" as "must not exist yet".
+            (None, Some(_)) => world.kind == HostKind::Envoy,
+            (Some(cas), Some(current)) => cas == current,
+            (Some(_), None) => false,
+        };
+        if !allowed {
+            return Err(SharedWriteError::CasMismatch);
+        }
+        let next = world.next_cas;
+        world.next_cas += 1;
+        world.shared.insert(key.to_string(), (value.to_vec(), next));
+        Ok(())
+    }
+
+    fn dispatch(
+        &mut self,
+        upstream: &str,
+        headers: &[(&str, &str)],
+        body: &[u8],
+        timeout: Duration,
+        owner: Owner,
+    ) -> Result<u32, String> {
+        if self.refuse_dispatch {
+            return Err("refused".into());
+        }
+        let token = {
+            let mut world = self.world.borrow_mut();
+            world.next_token += 1;
+            world.next_token
+        };
+        let header = |name: &str| headers.iter().find(|(n, _)| *n == name).map(|(_, v)| v.to_string());
+        self.callouts.push(Callout {
+            token,
+            upstream: upstream.to_string(),
+            path: header(":path").unwrap_or_default(),
+            headers: headers.iter().map(|(n, v)| (n.to_string(), v.to_string())).collect(),
+            body: serde_json::from_slice(body).expect("callout bodies are JSON"),
+            timeout,
+            owner,
+        });
+        Ok(token)
+    }
+
+    fn callout_status(&mut self) -> Option<u32> {
+        self.callout_answer.as_ref().map(|(status, _)| *status)
+    }
+
+    fn callout_body(&mut self, size: usize) -> Vec<u8> {
+        self.callout_answer.as_ref().map(|(_, body)| body.iter().take(size).copied().collect()).unwrap_or_default()
+    }
+
+    fn resume_request(&mut self) {
+        self.resumed += 1;
+    }
+
+    fn send_reply(&mut self, reply: &LocalReply) {
+        self.replies.push(reply.clone());
+    }
+
+    fn add_metric(&mut self, metric: Metric, amount: u64) {
+        *self.metrics.entry(metric).or_default() += amount;
+    }
+
+    fn set_gauge(&mut self, name: &str, value: u64) {
+        self.gauges.insert(name.to_string(), value);
+    }
+
+    fn log(&mut self, level: LogLevel, message: &str) {
+        self.logs.push((level, message.to_string()));
+    }
+
+    fn warn_once(&mut self, topic: &'static str, message: &str) {
+        if self.warned.insert(topic) {
+            self.logs.push((LogLevel::Warn, message.to_string()));
+        }
+    }
+}
+
+/// The companion and Redis, as the Rust model of the script: token buckets per tenant
+/// and limit, reservation records, leases. Sliding windows are modelled as buckets and
+/// slots as a count per limit, which is all the lifecycle tests need.
+#[derive(Debug, Default)]
+pub struct FakeCompanion {
+    buckets: HashMap<(String, String), Option<BucketState>>,
+    reservations: BTreeSet<String>,
+    /// Settlements applied, as they arrived.
+    pub settled: Vec<crate::protocol::Settlement>,
+    pub touched: usize,
+    pub released: usize,
+    /// Answer every call with this status instead (a failing companion).
+    pub failing: Option<u32>,
+    /// Every call answered, by path.
+    pub calls: BTreeMap<String, usize>,
+}
+
+impl FakeCompanion {
+    /// A companion that answers every call with `status`.
+    pub fn failing(status: u32) -> FakeCompanion {
+        FakeCompanion { failing: Some(status), ..FakeCompanion::default() }
+    }
+
+    /// The level of a tenant's bucket for a limit (its capacity when untouched).
+    pub fn level(&self, tenant: &str, limit: &LimitCharge, now_ms: u64) -> f64 {
+        let mut state = [self.buckets.get(&(tenant.to_string(), limit.name.clone())).copied().flatten()];
+        let spec = LimitCharge { cost: 0, min_cost: None, ..limit.clone() };
+        bucket::settle(&mut state, std::slice::from_ref(&spec), &[0], now_ms as f64).limits[0].remaining as f64
+    }
+
+    fn states(&self, tenant: &str, specs: &[LimitCharge]) -> Vec<Option<BucketState>> {
+        specs.iter().map(|s| self.buckets.get(&(tenant.to_string(), s.name.clone())).copied().flatten()).collect()
+    }
+
+    fn store(&mut self, tenant: &str, specs: &[LimitCharge], states: Vec<Option<BucketState>>) {
+        for (spec, state) in specs.iter().zip(states) {
+            self.buckets.insert((tenant.to_string(), spec.name.clone()), state);
+        }
+    }
+
+    /// Answers a callout the way the companion would; returns (status, body).
+    pub fn answer(&mut self, callout: &Callout, now_ms: u64) -> (u32, Vec<u8>) {
+        *self.calls.entry(callout.path.clone()).or_default() += 1;
+        if let Some(status) = self.failing {
+            return (status, b"{}".to_vec());
+        }
+        let now = now_ms as f64;
+        let body = match callout.path.as_str() {
+            CHARGE_PATH => {
+                let request: ChargeRequest = serde_json::from_value(callout.body.clone()).expect("charge");
+                let mut states = self.states(&request.tenant, &request.limits);
+                let reply = bucket::check_and_charge(&mut states, &request.limits, now);
+                if reply.allowed {
+                    self.store(&request.tenant, &request.limits, states);
+                    if let Some(reservation) = &request.reservation {
+                        self.reservations.insert(reservation.id.clone());
+                    }
+                }
+                serde_json::to_vec(&reply)
+            }
+            LEASE_PATH => {
+                let request: LeaseRequest = serde_json::from_value(callout.body.clone()).expect("lease");
+                let specs: Vec<LimitCharge> = request
+                    .limits
+                    .iter()
+                    .map(|a| LimitCharge {
+                        name: a.name.clone(),
+                        capacity: a.capacity,
+                        window_ms: a.window_ms,
+                        cost: a.wanted,
+                        min_cost: a.needed,
+                        kind: a.kind,
+                    })
+                    .collect();
+                let mut states = self.states(&request.tenant, &specs);
+                let reply: LimitsReply = bucket::lease(&mut states, &specs, request.share, now);
+                if reply.allowed {
+                    self.store(&request.tenant, &specs, states);
+                }
+                serde_json::to_vec(&reply)
+            }
+            SETTLE_PATH | TOUCH_PATH | RELEASE_PATH => {
+                let batch: SettlementBatch = serde_json::from_value(callout.body.clone()).expect("settlements");
+                let mut results = Vec::new();
+                for settlement in batch.settlements {
+                    match callout.path.as_str() {
+                        TOUCH_PATH => self.touched += 1,
+                        RELEASE_PATH => self.released += 1,
+                        _ => {
+                            let applies = match &settlement.reservation {
+                                Some(id) => self.reservations.remove(id),
+                                None => true,
+                            };
+                            if applies {
+                                let specs: Vec<LimitCharge> = settlement
+                                    .limits
+                                    .iter()
+                                    .map(|a| LimitCharge {
+                                        name: a.name.clone(),
+                                        capacity: a.capacity,
+                                        window_ms: a.window_ms,
+                                        cost: 0,
+                                        min_cost: None,
+                                        kind: a.kind,
+                                    })
+                                    .collect();
+                                let credits: Vec<i64> = settlement.limits.iter().map(|a| a.credit).collect();
+                                let mut states = self.states(&settlement.tenant, &specs);
+                                bucket::settle(&mut states, &specs, &credits, now);
+                                self.store(&settlement.tenant, &specs, states);
+                            }
+                            results.push(if applies { SettleOutcome::Applied } else { SettleOutcome::AlreadySettled });
+                            self.settled.push(settlement);
+                            continue;
+                        }
+                    }
+                    results.push(SettleOutcome::Applied);
+                }
+                serde_json::to_vec(&SettleReply { results })
+            }
+            other => panic!("unknown companion path {other}"),
+        };
+        (200, body.expect("serialise"))
+    }
+}
+
+/// A request as the tests send it.
+pub struct Request {
+    pub headers: Vec<(String, String)>,
+    pub body: Vec<u8>,
+}
+
+impl Request {
+    pub fn chat(key: &str, body: &str) -> Request {
+        Request {
+            headers: vec![
+                (":method".into(), "POST".into()),
+                (":path".into(), "/v1/chat/completions".into()),
+                ("authorization".into(), format!("Bearer {key}")),
+                ("content-type".into(), "application/json".into()),
+                ("content-length".into(), body.len().to_string()),
+            ],
+            body: body.as_bytes().to_vec(),
+        }
+    }
+
+    /// A request without a body, as ngx_wasm_module and Envoy see an HTTP/1.1 GET.
+    pub fn get(key: &str, path: &str) -> Request {
+        Request {
+            headers: vec![
+                (":method".into(), "GET".into()),
+                (":path".into(), path.into()),
+                ("authorization".into(), format!("Bearer {key}")),
+            ],
+            body: Vec::new(),
+        }
+    }
+
+    pub fn header(mut self, name: &str, value: &str) -> Request {
+        self.headers.push((name.into(), value.into()));
+        self
+    }
+}
+
+/// One proxy worker with its host, driven through whole requests the way its host kind
+/// drives them, against a fake companion.
+pub struct Proxy {
+    pub world: Rc<RefCell<World>>,
+    pub worker: Worker,
+    /// The root context's host (ticks and root-owned callouts).
+    pub root: FakeHost,
+}
+
+/// A request in flight: its filter and its host.
+pub struct InFlight {
+    pub filter: RequestFilter,
+    pub host: FakeHost,
+    /// What the last callback returned.
+    pub action: Action,
+}
+
+impl InFlight {
+    pub fn replied(&self) -> Option<&LocalReply> {
+        self.host.replies.last()
+    }
+
+    /// Whether the request went (or goes) upstream.
+    pub fn forwarded(&self) -> bool {
+        self.filter.phase() == crate::lifecycle::Phase::Forwarded
+    }
+}
+
+impl Proxy {
+    pub fn new(world: &Rc<RefCell<World>>, config: &str) -> Proxy {
+        let kind = world.borrow().kind;
+        let mut worker = Worker::new(kind);
+        let mut root = FakeHost::new(world);
+        worker.configure(&mut root, config.as_bytes()).expect("config");
+        Proxy { world: world.clone(), worker, root }
+    }
+
+    pub fn now(&self) -> u64 {
+        self.world.borrow().now_ms
+    }
+
+    /// Starts a request: headers, then the body as the host delivers it. Stops where
+    /// the filter waits for a callout, or when it has decided.
+    pub fn start(&mut self, request: Request) -> InFlight {
+        let mut host = FakeHost::new(&self.world);
+        host.request_headers = request.headers;
+        host.request_body = request.body;
+        let mut filter = self.worker.new_request();
+        let kind = host.kind();
+        let has_body = !host.request_body.is_empty();
+        // Envoy reports end of stream on headers for a request without a body;
+        // ngx_wasm_module never does.
+        let end_on_headers = kind == HostKind::Envoy && !has_body;
+        let mut action = filter.on_request_headers(&mut host, &mut self.worker, end_on_headers);
+        let waiting_for_body = filter.phase() == crate::lifecycle::Phase::ReadingBody;
+        // ngx_wasm_module calls no body callback for a request without a body.
+        if waiting_for_body && (has_body || kind == HostKind::Envoy) {
+            let size = host.request_body.len();
+            action = filter.on_request_body(&mut host, &mut self.worker, size, true);
+        }
+        InFlight { filter, host, action }
+    }
+
+    /// Answers the request's outstanding callout from `companion`.
+    pub fn answer(&mut self, request: &mut InFlight, companion: &mut FakeCompanion) {
+        let callout = request.host.last_callout().clone();
+        assert_eq!(callout.owner, Owner::Request);
+        let (status, body) = companion.answer(&callout, self.now());
+        self.answer_with(request, status, body);
+    }
+
+    pub fn answer_with(&mut self, request: &mut InFlight, status: u32, body: Vec<u8>) {
+        let size = body.len();
+        request.host.callout_answer = Some((status, body));
+        request.filter.on_callout_response(&mut request.host, &mut self.worker, size);
+        request.host.callout_answer = None;
+    }
+
+    /// Sends a request through to a decision, answering its callout (if any).
+    pub fn send(&mut self, request: Request, companion: &mut FakeCompanion) -> InFlight {
+        let mut flight = self.start(request);
+        if flight.filter.phase() == crate::lifecycle::Phase::Deciding {
+            self.answer(&mut flight, companion);
+        }
+        flight
+    }
+
+    /// The upstream's reply, in one chunk per element, then the end of the request.
+    pub fn reply(&mut self, request: &mut InFlight, status: u32, content_type: &str, chunks: &[&str]) {
+        request.host.response_headers =
+            vec![(":status".into(), status.to_string()), ("content-type".into(), content_type.into())];
+        request.filter.on_response_headers(&mut request.host);
+        for (i, chunk) in chunks.iter().enumerate() {
+            request.host.response_chunk = chunk.as_bytes().to_vec();
+            let size = chunk.len();
+            request.filter.on_response_body(&mut request.host, &mut self.worker, size, i + 1 == chunks.len());
+        }
+        self.done(request);
+    }
+
+    /// The host's end of the request (`on_log`).
+    pub fn done(&mut self, request: &mut InFlight) {
+        request.filter.on_done(&mut request.host, &mut self.worker);
+    }
+
+    /// One root tick; answers the root's callouts from `companion` (None: leaves them out).
+    pub fn tick(&mut self, companion: Option<&mut FakeCompanion>) {
+        let before = self.root.callouts.len();
+        self.worker.on_tick(&mut self.root);
+        let Some(companion) = companion else { return };
+        let new: Vec<Callout> = self.root.callouts[before..].to_vec();
+        for callout in new {
+            let (status, body) = companion.answer(&callout, self.now());
+            self.root_answer(callout.token, status, body);
+        }
+    }
+
+    /// Delivers a root-owned callout's answer.
+    pub fn root_answer(&mut self, token: u32, status: u32, body: Vec<u8>) {
+        let size = body.len();
+        self.root.callout_answer = Some((status, body));
+        self.worker.on_callout_response(&mut self.root, token, size);
+        self.root.callout_answer = None;
+    }
+
+    /// Root callouts dispatched by requests (slot releases) go out through the request's
+    /// host; this answers them too.
+    pub fn answer_root_callouts_of(&mut self, request: &InFlight, companion: &mut FakeCompanion) {
+        for callout in request.host.callouts.iter().filter(|c| c.owner == Owner::Root) {
+            companion.answer(callout, self.now());
+        }
+    }
+}

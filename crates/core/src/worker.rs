@@ -1,0 +1,500 @@
+//! Per-VM state and the root context's background work. One `Worker` per VM (the glue's
+//! root context holds it; each request borrows it for the length of a callback): the
+//! settlement queue, the leases this VM renews and returns, the slots it keeps alive, and
+//! the callouts the root owns. No state lives anywhere else.
+
+use crate::breaker::{Breaker, Route};
+use crate::config::Config;
+use crate::host::{shared_read, shared_update, Host, HostKind, LogLevel, Metric, Owner};
+use crate::lease::{lease_asks, TenantLeases};
+use crate::lifecycle::RequestFilter;
+use crate::protocol::keys;
+use crate::protocol::{
+    Adjustment, LeaseAsk, LeaseRequest, LimitCharge, LimitKind, LimitsReply, SettleReply, Settlement, SettlementBatch,
+    LEASE_PATH, SETTLE_PATH, TOKEN_HEADER, TOUCH_PATH,
+};
+use crate::settle_queue::{Queued, SettleQueue};
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+use std::collections::{BTreeSet, HashMap};
+use std::rc::Rc;
+use std::time::Duration;
+
+/// How often each VM sends queued settlements, renews leases (and, once, warms the
+/// tokenizer).
+pub const TICK: Duration = Duration::from_millis(50);
+/// How often expired leases are looked for, in ticks.
+const EXPIRY_TICKS: u32 = 10;
+const SETTLE_BATCH: usize = 200;
+const SETTLE_QUEUE_CAPACITY: usize = 20_000;
+/// Settlement batches and slot heartbeats wait at least this long for the companion.
+const BACKGROUND_TIMEOUT: Duration = Duration::from_secs(1);
+
+pub struct Worker {
+    config: Option<Rc<Config>>,
+    host_kind: HostKind,
+    settlements: SettleQueue,
+    /// Tenants whose leases this VM saw running low: renewed on the next tick.
+    renewals: BTreeSet<String>,
+    /// Tenants this VM holds leases for: what expires is returned.
+    leased: BTreeSet<String>,
+    /// Concurrency slots held by this VM's requests, by reservation id: renewed until the
+    /// request releases them.
+    slots: HashMap<String, Settlement>,
+    ids: ReservationIds,
+    ticks: u32,
+    warmed_up: bool,
+    /// The settlement batch whose callout is out, by its token.
+    settling: Option<(u32, Vec<Queued>)>,
+    /// Lease renewals out, by token: the tenant and what was asked.
+    renewing: HashMap<u32, (String, Vec<LeaseAsk>)>,
+}
+
+impl Worker {
+    pub fn new(host_kind: HostKind) -> Worker {
+        Worker {
+            config: None,
+            host_kind,
+            settlements: SettleQueue::new(SETTLE_QUEUE_CAPACITY),
+            renewals: BTreeSet::new(),
+            leased: BTreeSet::new(),
+            slots: HashMap::new(),
+            ids: ReservationIds::default(),
+            ticks: 0,
+            warmed_up: false,
+            settling: None,
+            renewing: HashMap::new(),
+        }
+    }
+
+    pub fn config(&self) -> Option<&Rc<Config>> {
+        self.config.as_ref()
+    }
+
+    pub fn host_kind(&self) -> HostKind {
+        self.host_kind
+    }
+
+    /// Parses, checks against this host, and takes the plugin configuration. On an error
+    /// the host should refuse the config; the message says why.
+    pub fn configure(&mut self, host: &mut impl Host, bytes: &[u8]) -> Result<(), String> {
+        let config = Config::from_json(bytes).map_err(|e| e.to_string())?;
+        if config.hold_request_headers == Some(true) && !self.host_kind.reads_body_while_headers_wait() {
+            return Err(format!(
+                "invalid filter config: field `hold_request_headers`: {} does not deliver a request body while \
+                 its headers are held, so every request would hang; leave it unset (the filter then waits for \
+                 the body without holding the headers)",
+                self.host_kind.name()
+            ));
+        }
+        host.log(
+            LogLevel::Info,
+            &format!(
+                "llm-ratelimit: configured {} limit(s) in domain {:?}, companion {:?}, host {}{}",
+                config.limits.len(),
+                config.domain,
+                config.companion.upstream,
+                self.host_kind.name(),
+                if config.lease.enabled { ", leases on" } else { "" }
+            ),
+        );
+        if config.lease.enabled {
+            // The most of each limit one proxy can hold unused in a tenant's lease: what
+            // leases can cost other proxies (they never let proxies admit more).
+            for limit in &config.limits {
+                let bound = (limit.capacity() as f64 * config.lease.max_fraction).ceil() as u64;
+                host.set_gauge(&format!("llm_ratelimit.lease_bound.{}", limit.name), bound);
+            }
+        }
+        self.config = Some(Rc::new(config));
+        self.warmed_up = false;
+        Ok(())
+    }
+
+    /// Whether requests hold their headers while the body is read: as configured, and
+    /// only where the host can deliver the body meanwhile.
+    pub fn holds_request_headers(&self, config: &Config) -> bool {
+        config.hold_request_headers.unwrap_or(true) && self.host_kind.reads_body_while_headers_wait()
+    }
+
+    /// A request's state; pass-through when there is no config.
+    pub fn new_request(&self) -> RequestFilter {
+        RequestFilter::new(self.config.clone())
+    }
+
+    /// The root's timer.
+    pub fn on_tick(&mut self, host: &mut impl Host) {
+        let Some(config) = self.config.clone() else { return };
+        if !self.warmed_up && config.tokens.warm_up && config.counts_tokens() {
+            self.warmed_up = true;
+            config.tokens.default_encoding.warm_up();
+            for rule in &config.tokens.models {
+                rule.encoding.warm_up();
+            }
+        }
+        self.ticks = self.ticks.wrapping_add(1);
+        let now = host.now_ms();
+        if config.lease.enabled {
+            self.renew_leases(host, &config, now);
+            if self.ticks % EXPIRY_TICKS == 0 {
+                self.return_expired_leases(host, &config, now);
+            }
+        }
+        self.send_settlements(host, &config);
+        if config.has_concurrency() {
+            let every = (config.slots.ttl.0.as_millis() / 3 / TICK.as_millis()).max(1) as u32;
+            if self.ticks % every == 0 {
+                self.touch_slots(host, &config);
+            }
+        }
+    }
+
+    /// A callout the root owns has answered.
+    pub fn on_callout_response(&mut self, host: &mut impl Host, token: u32, body_size: usize) {
+        let Some(config) = self.config.clone() else { return };
+        if let Some((tenant, asked)) = self.renewing.remove(&token) {
+            match callout_reply::<LimitsReply>(host, body_size) {
+                Ok(reply) if reply.allowed && reply.limits.len() == asked.len() => {
+                    self.callout_succeeded(host, &config);
+                    let now = host.now_ms();
+                    self.merge_grant(host, &config, &tenant, &reply, None, now);
+                }
+                Ok(_) => {}
+                Err(why) => {
+                    self.record_callout_failure(host, &config);
+                    host.log(LogLevel::Warn, &format!("llm-ratelimit: lease renewal failed: {why}"));
+                }
+            }
+            return;
+        }
+        match self.settling.take() {
+            Some((expected, batch)) if expected == token => match callout_reply::<SettleReply>(host, body_size) {
+                Ok(reply) if reply.results.len() == batch.len() => self.requeue(host, batch, Some(&reply.results)),
+                _ => self.requeue(host, batch, None),
+            },
+            other => self.settling = other,
+        }
+    }
+
+    // ---- what requests and the root share ----
+
+    pub(crate) fn queue_settlement(&mut self, host: &mut impl Host, settlement: Settlement) {
+        if self.settlements.push(settlement).is_some() {
+            host.add_metric(Metric::SettlementsFailed, 1);
+        }
+    }
+
+    /// Queues, for `tenant`, the adjustments of `credits` (by limit index), if any.
+    pub(crate) fn settle_credits(
+        &mut self,
+        host: &mut impl Host,
+        config: &Config,
+        tenant: &str,
+        reservation: Option<String>,
+        cancel: bool,
+        credits: impl Iterator<Item = (usize, i64)>,
+    ) {
+        let limits = adjustments(config, credits);
+        if !limits.is_empty() {
+            let settlement = settlement(config, tenant, reservation, cancel, limits);
+            self.queue_settlement(host, settlement);
+        }
+    }
+
+    pub(crate) fn hold_slots(&mut self, id: String, slots: Settlement) {
+        self.slots.insert(id, slots);
+    }
+
+    pub(crate) fn take_slots(&mut self, id: &str) -> Option<Settlement> {
+        self.slots.remove(id)
+    }
+
+    pub(crate) fn want_renewal(&mut self, tenant: &str) {
+        self.renewals.insert(tenant.to_string());
+    }
+
+    pub(crate) fn new_reservation_id(&mut self, host: &mut impl Host) -> String {
+        self.ids.next(host)
+    }
+
+    pub(crate) fn breaker(&self, host: &mut impl Host, config: &Config) -> Breaker {
+        shared_read(host, &keys::breaker_key(&config.domain)).and_then(|b| Breaker::from_bytes(&b)).unwrap_or_default()
+    }
+
+    /// Where a decision goes now: to the companion, or local while the breaker is open.
+    pub(crate) fn route(&mut self, host: &mut impl Host, config: &Config, now: u64) -> Route {
+        let cooldown = config.fallback.breaker_cooldown.0.as_millis() as u64;
+        let mut route = Route::Local;
+        shared_update(host, &keys::breaker_key(&config.domain), |bytes| {
+            let state = bytes.and_then(Breaker::from_bytes).unwrap_or_default();
+            let (chosen, probe) = state.route(now, cooldown);
+            route = chosen;
+            (probe.map(|p| p.to_bytes().to_vec()), ())
+        });
+        route
+    }
+
+    pub(crate) fn callout_succeeded(&mut self, host: &mut impl Host, config: &Config) {
+        let mut reopened = false;
+        shared_update(host, &keys::breaker_key(&config.domain), |bytes| {
+            let state = bytes.and_then(Breaker::from_bytes).unwrap_or_default();
+            reopened = !state.is_closed();
+            let changed = state != Breaker::default();
+            (changed.then(|| state.on_success().to_bytes().to_vec()), ())
+        });
+        if reopened {
+            host.log(LogLevel::Info, "llm-ratelimit: the companion answers again; leaving degraded mode");
+        }
+    }
+
+    pub(crate) fn record_callout_failure(&mut self, host: &mut impl Host, config: &Config) {
+        let cooldown = config.fallback.breaker_cooldown.0.as_millis() as u64;
+        let now = host.now_ms();
+        let mut opened = None;
+        shared_update(host, &keys::breaker_key(&config.domain), |bytes| {
+            let state = bytes.and_then(Breaker::from_bytes).unwrap_or_default();
+            let next = state.on_failure(now, config.fallback.breaker_failures, cooldown);
+            opened = (state.is_closed() && !next.is_closed()).then_some(next.consecutive_failures);
+            (Some(next.to_bytes().to_vec()), ())
+        });
+        if let Some(failures) = opened {
+            host.log(
+                LogLevel::Warn,
+                &format!("llm-ratelimit: {failures} failed callouts in a row; deciding locally for {cooldown} ms before probing"),
+            );
+        }
+    }
+
+    /// Sends a JSON POST to the companion; returns the callout token.
+    pub(crate) fn call_companion(
+        &self,
+        host: &mut impl Host,
+        config: &Config,
+        path: &str,
+        message: &impl Serialize,
+        timeout: Duration,
+        owner: Owner,
+    ) -> Result<u32, String> {
+        let body = serde_json::to_vec(message).map_err(|e| e.to_string())?;
+        let companion = &config.companion;
+        let headers = [
+            (":method", "POST"),
+            (":path", path),
+            (":authority", companion.authority()),
+            ("content-type", "application/json"),
+            (TOKEN_HEADER, companion.token.expose()),
+        ];
+        host.dispatch(&companion.upstream, &headers, &body, timeout, owner)
+            .map_err(|why| format!("callout to {:?} refused by the host: {why}", companion.upstream))
+    }
+
+    /// Adds a lease grant to the tenant's leases and, when `costs` are given, admits a
+    /// request from them: the grant covered at least its need, so the admission stands
+    /// even if another worker spent the lease in between (the lease then runs briefly
+    /// negative).
+    pub(crate) fn merge_grant(
+        &mut self,
+        host: &mut impl Host,
+        config: &Config,
+        tenant: &str,
+        reply: &LimitsReply,
+        costs: Option<&[u64]>,
+        now: u64,
+    ) -> Option<TenantLeases> {
+        let policy = config.lease.policy();
+        let merged = shared_update(host, &keys::lease_key(&config.domain, tenant), |bytes| {
+            let mut leases = TenantLeases::decode(bytes, config.limits.len());
+            for (lease, outcome) in leases.0.iter_mut().zip(&reply.limits) {
+                lease.add_grant(outcome.charged as f64, outcome.remaining as f64, &policy, now);
+            }
+            if let Some(costs) = costs {
+                if !leases.admit(costs, now) {
+                    for (lease, &cost) in leases.0.iter_mut().zip(costs) {
+                        lease.remaining -= cost as f64;
+                    }
+                }
+            }
+            (Some(leases.encode()), leases)
+        });
+        self.leased.insert(tenant.to_string());
+        merged
+    }
+
+    pub(crate) fn note_leased(&mut self, tenant: &str) {
+        self.leased.insert(tenant.to_string());
+    }
+
+    // ---- the root's background work ----
+
+    fn send_settlements(&mut self, host: &mut impl Host, config: &Config) {
+        if self.settling.is_some() || !self.breaker(host, config).is_closed() {
+            return; // one batch at a time; none while the companion is known to be away
+        }
+        let batch = self.settlements.take_batch(SETTLE_BATCH);
+        if batch.is_empty() {
+            return;
+        }
+        let request = SettlementBatch { settlements: batch.iter().map(|q| q.settlement.clone()).collect() };
+        let timeout = config.companion.timeout.0.max(BACKGROUND_TIMEOUT);
+        match self.call_companion(host, config, SETTLE_PATH, &request, timeout, Owner::Root) {
+            Ok(token) => self.settling = Some((token, batch)),
+            Err(why) => {
+                host.log(LogLevel::Warn, &format!("llm-ratelimit: cannot send settlements: {why}"));
+                self.requeue(host, batch, None);
+            }
+        }
+    }
+
+    fn requeue(
+        &mut self,
+        host: &mut impl Host,
+        batch: Vec<Queued>,
+        outcomes: Option<&[crate::protocol::SettleOutcome]>,
+    ) {
+        let given_up = self.settlements.requeue(batch, outcomes);
+        if given_up > 0 {
+            host.add_metric(Metric::SettlementsFailed, given_up as u64);
+            host.log(
+                LogLevel::Warn,
+                &format!("llm-ratelimit: gave up {given_up} settlement(s); their reservations will expire as charged"),
+            );
+        }
+    }
+
+    /// Renews the slots of this VM's requests in flight, so a long stream keeps its slot
+    /// while a crashed proxy's slots expire.
+    fn touch_slots(&mut self, host: &mut impl Host, config: &Config) {
+        let settlements: Vec<Settlement> = self.slots.values().cloned().collect();
+        for chunk in settlements.chunks(SETTLE_BATCH) {
+            let request = SettlementBatch { settlements: chunk.to_vec() };
+            if let Err(why) = self.call_companion(host, config, TOUCH_PATH, &request, BACKGROUND_TIMEOUT, Owner::Root) {
+                host.log(LogLevel::Warn, &format!("llm-ratelimit: cannot renew concurrency slots: {why}"));
+            }
+        }
+    }
+
+    /// Asks for fresh grants for the tenants whose leases ran low, one callout each.
+    fn renew_leases(&mut self, host: &mut impl Host, config: &Config, now: u64) {
+        if !self.breaker(host, config).is_closed() {
+            return;
+        }
+        let policy = config.lease.policy();
+        // A renewal charges nothing itself; it sizes the grant by how the lease was used.
+        let unused: Vec<LimitCharge> = config.limits.iter().map(|limit| limit_charge(limit, 0)).collect();
+        for tenant in std::mem::take(&mut self.renewals) {
+            if self.renewing.values().any(|(t, _)| *t == tenant) {
+                continue;
+            }
+            let stored = shared_read(host, &keys::lease_key(&config.domain, &tenant));
+            let leases = TenantLeases::decode(stored.as_deref(), config.limits.len());
+            let request = LeaseRequest {
+                domain: config.domain.clone(),
+                tenant: tenant.clone(),
+                limits: lease_asks(&leases, &unused, &policy, now),
+                share: config.lease.share,
+            };
+            match self.call_companion(host, config, LEASE_PATH, &request, config.companion.timeout.0, Owner::Root) {
+                Ok(token) => {
+                    host.add_metric(Metric::LeaseCallouts, 1);
+                    self.renewing.insert(token, (tenant, request.limits));
+                }
+                Err(why) => host.log(LogLevel::Warn, &format!("llm-ratelimit: cannot renew a lease: {why}")),
+            }
+        }
+    }
+
+    /// Gives back to Redis what is left of expired leases.
+    fn return_expired_leases(&mut self, host: &mut impl Host, config: &Config, now: u64) {
+        for tenant in self.leased.clone() {
+            let returned = shared_update(host, &keys::lease_key(&config.domain, &tenant), |bytes| {
+                let mut leases = TenantLeases::decode(bytes, config.limits.len());
+                let amounts = leases.expire(now);
+                let changed = amounts.iter().any(|&a| a != 0.0);
+                let idle = leases.0.iter().all(|l| !l.is_live(now));
+                (changed.then(|| leases.encode()), (amounts, idle))
+            });
+            let Some((amounts, idle)) = returned else { continue };
+            let credits = amounts.iter().enumerate().map(|(i, a)| (i, a.round() as i64));
+            self.settle_credits(host, config, &tenant, None, false, credits);
+            if idle {
+                self.leased.remove(&tenant);
+            }
+        }
+    }
+}
+
+/// A limit as charged: its identity with this request's cost.
+pub(crate) fn limit_charge(limit: &crate::config::Limit, cost: u64) -> LimitCharge {
+    LimitCharge {
+        name: limit.name.clone(),
+        capacity: limit.capacity(),
+        window_ms: limit.window_ms(),
+        cost,
+        min_cost: None,
+        kind: limit.kind(),
+    }
+}
+
+/// The one way a settlement is made.
+pub(crate) fn settlement(
+    config: &Config,
+    tenant: &str,
+    reservation: Option<String>,
+    cancel: bool,
+    limits: Vec<Adjustment>,
+) -> Settlement {
+    Settlement { domain: config.domain.clone(), tenant: tenant.to_string(), reservation, cancel, limits }
+}
+
+/// Adjustments of configured limits (by index): buckets and windows with a non-zero
+/// credit, and slot limits (released or renewed, whatever the credit).
+pub(crate) fn adjustments(config: &Config, credits: impl Iterator<Item = (usize, i64)>) -> Vec<Adjustment> {
+    credits
+        .filter_map(|(i, credit)| {
+            let limit = config.limits.get(i)?;
+            let kind = limit.kind();
+            (credit != 0 || kind == LimitKind::Slots).then(|| Adjustment {
+                name: limit.name.clone(),
+                capacity: limit.capacity(),
+                window_ms: limit.window_ms(),
+                credit,
+                kind,
+            })
+        })
+        .collect()
+}
+
+/// The companion's reply to the callout being delivered, if it is a usable one.
+pub(crate) fn callout_reply<T: DeserializeOwned>(host: &mut impl Host, body_size: usize) -> Result<T, String> {
+    let status = host.callout_status();
+    if status != Some(200) {
+        return Err(format!("companion answered status {status:?}"));
+    }
+    serde_json::from_slice(&host.callout_body(body_size)).map_err(|e| format!("companion reply is not valid: {e}"))
+}
+
+/// Reservation ids, unique per request across proxies: a per-VM nonce from the clock at
+/// first use (there is no OS randomness in this wasm target), mixed with a counter.
+#[derive(Debug, Default)]
+struct ReservationIds {
+    nonce: u64,
+    counter: u64,
+}
+
+impl ReservationIds {
+    fn next(&mut self, host: &mut impl Host) -> String {
+        if self.nonce == 0 {
+            self.nonce = mix(host.now_nanos() as u64) | 1;
+        }
+        self.counter += 1;
+        format!("{:016x}{:x}", mix(self.nonce ^ self.counter), self.counter)
+    }
+}
+
+/// splitmix64: spreads a counter into well-mixed bits.
+fn mix(mut x: u64) -> u64 {
+    x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^ (x >> 31)
+}
