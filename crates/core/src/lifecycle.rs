@@ -1,20 +1,6 @@
-//! One request's life, as plain Rust over [`Host`]:
-//!
-//! ```text
-//! headers ─ bypass? ─ identify the tenant ─┬─ no body to read ──────────────┐
-//!                                          └─ wait for the body (held or not) ┤
-//!                                                                             ▼
-//!                         plan the charge (path, tier, body: model, token estimate)
-//!                                                                             │
-//!            ┌──────────── lease covers it (lease mode) ◄─────────────────────┤
-//!            │             breaker open ─► decide locally (failure_mode) ◄────┤
-//!            │             callout: charge (or lease grant) ─► reply ─────────┘
-//!            ▼
-//!   forwarded (headers added, body clamped) or answered (429/403/413/503; shadow: forwarded)
-//!            ▼
-//!   reply read for its usage (JSON or SSE) ─► settled once: into the lease, or queued for
-//!   the companion (sent in batches by the worker); slots released; queue place given back
-//! ```
+//! One request's life, as plain Rust over [`Host`]: identified, planned, decided (from a
+//! lease, locally, or by the companion), forwarded or answered, then settled once from the
+//! usage its reply reports. The README's "Architecture" section draws the walk.
 //!
 //! The worker ([`Worker`]) holds what outlives a request; each callback borrows it.
 
@@ -152,6 +138,11 @@ impl RequestFilter {
             queued: false,
             holding_headers: false,
         }
+    }
+
+    /// A request the filter lets through untouched (no config).
+    pub fn pass_through() -> RequestFilter {
+        RequestFilter::new(None)
     }
 
     pub fn phase(&self) -> Phase {
