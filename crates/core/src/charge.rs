@@ -1,10 +1,11 @@
 //! What one request is charged: a request against every request limit, and its token
 //! estimate against every token limit, decided from the path and body alone.
 
+use crate::config::Price;
 use crate::config::{model_rule, Config, Dimension};
 use crate::protocol::{LimitCharge, LimitsReply};
 use crate::request::{Api, LlmRequest};
-use crate::reservation::{estimate_output, OutputAverage, Price, TokenEstimate};
+use crate::reservation::{estimate_output, OutputAverage, TokenEstimate};
 use crate::tokens::Encoding;
 
 #[derive(Debug, Clone, PartialEq)]

@@ -4,9 +4,10 @@
 //! message that says what to fix.
 
 use crate::duration::parse_duration;
+use crate::identity::{is_tenant_id, IdentitySource, MissingIdentity};
 use crate::lease::LeasePolicy;
 use crate::protocol::LimitKind;
-use crate::reservation::Price;
+use crate::reservation::{TokenEstimate, UpstreamErrorCharge};
 use crate::tokens::{builtin_rules, glob_match, Encoding, ModelRule};
 use serde::{Deserialize, Deserializer};
 use std::collections::HashSet;
@@ -94,25 +95,6 @@ impl Default for Identity {
     fn default() -> Self {
         Identity { sources: default_identity_sources(), missing: MissingIdentity::default() }
     }
-}
-
-#[derive(Debug, Clone, PartialEq, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct IdentitySource {
-    pub header: String,
-    /// Stripped from the value (case-insensitively); a value without it does not match.
-    #[serde(default)]
-    pub prefix: Option<String>,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum MissingIdentity {
-    /// Answer 401.
-    #[default]
-    Reject,
-    /// Count the request against one shared `anonymous` tenant.
-    Anonymous,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
@@ -308,6 +290,32 @@ pub struct PriceEntry {
     pub price: Price,
 }
 
+/// A model's price, in US dollars per million tokens: so also micro-dollars per token.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Price {
+    pub input: f64,
+    pub output: f64,
+    /// Input read from the provider's prompt cache, where it reports it; `input` if unset.
+    #[serde(default)]
+    pub cached_input: Option<f64>,
+}
+
+impl Price {
+    /// What `usage` costs, in micro-dollars, rounded up.
+    pub fn micro_usd(&self, usage: TokenEstimate) -> u64 {
+        self.micro_usd_cached(usage, 0)
+    }
+
+    /// What `usage` costs when `cached` of its input came from the prompt cache.
+    pub fn micro_usd_cached(&self, usage: TokenEstimate, cached: u64) -> u64 {
+        let cached = cached.min(usage.prompt);
+        let fresh = (usage.prompt - cached) as f64 * self.input;
+        let from_cache = cached as f64 * self.cached_input.unwrap_or(self.input);
+        (fresh + from_cache + usage.output as f64 * self.output).ceil().max(0.0) as u64
+    }
+}
+
 /// Where a tenant's tier comes from.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -480,16 +488,6 @@ impl Default for TokenPolicy {
             warm_up: true,
         }
     }
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum UpstreamErrorCharge {
-    /// Charge the prompt only: the provider generated nothing.
-    #[default]
-    PromptOnly,
-    /// Keep the whole estimate.
-    Estimate,
 }
 
 /// The rule that applies to a model: the operator's first match, then the built-in
@@ -726,8 +724,7 @@ impl Config {
             }
         }
         for (i, tenant) in self.bypass.tenants.iter().enumerate() {
-            let id = tenant.len() == 32 && tenant.bytes().all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase());
-            if !id && tenant != crate::identity::ANONYMOUS_TENANT {
+            if !is_tenant_id(tenant) {
                 return Err(invalid(
                     format!("bypass.tenants[{i}]"),
                     "must be a tenant id (32 lower-case hex digits), not a credential",
@@ -769,8 +766,7 @@ impl Config {
             // Entries are named by position: a key may be a credential pasted by mistake,
             // and this message goes to the proxy's log.
             for (at, (tenant, own)) in tier.tenants.iter().enumerate() {
-                let id = tenant.len() == 32 && tenant.bytes().all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase());
-                if !id && tenant != crate::identity::ANONYMOUS_TENANT {
+                if !is_tenant_id(tenant) {
                     return Err(invalid(
                         format!("tier.tenants (entry {at})"),
                         "keys must be tenant ids (32 lower-case hex digits), not credentials",

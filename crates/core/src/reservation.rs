@@ -7,7 +7,6 @@
 //! run at once, which is why it includes the completion estimate rather than the prompt
 //! alone.
 
-use crate::config::UpstreamErrorCharge;
 use crate::usage::ReportedUsage;
 
 /// The tokens a request reserved.
@@ -30,6 +29,17 @@ pub fn estimate_output(cap: u64, average: Option<OutputAverage>, factor: f64) ->
         Some(avg) if avg.samples > 0 => cap.min((avg.mean * factor).ceil().max(1.0) as u64),
         _ => cap,
     }
+}
+
+/// What an upstream error (status >= 400) is charged.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum UpstreamErrorCharge {
+    /// Charge the prompt only: the provider generated nothing.
+    #[default]
+    PromptOnly,
+    /// Keep the whole estimate.
+    Estimate,
 }
 
 /// How a reply ended.
@@ -63,32 +73,6 @@ pub fn actual_usage(
         Ending::Interrupted => reported.output.or(streamed_output).unwrap_or(0),
     };
     TokenEstimate { prompt, output }
-}
-
-/// A model's price, in US dollars per million tokens: so also micro-dollars per token.
-#[derive(Debug, Clone, Copy, PartialEq, serde::Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct Price {
-    pub input: f64,
-    pub output: f64,
-    /// Input read from the provider's prompt cache, where it reports it; `input` if unset.
-    #[serde(default)]
-    pub cached_input: Option<f64>,
-}
-
-impl Price {
-    /// What `usage` costs, in micro-dollars, rounded up.
-    pub fn micro_usd(&self, usage: TokenEstimate) -> u64 {
-        self.micro_usd_cached(usage, 0)
-    }
-
-    /// What `usage` costs when `cached` of its input came from the prompt cache.
-    pub fn micro_usd_cached(&self, usage: TokenEstimate, cached: u64) -> u64 {
-        let cached = cached.min(usage.prompt);
-        let fresh = (usage.prompt - cached) as f64 * self.input;
-        let from_cache = cached as f64 * self.cached_input.unwrap_or(self.input);
-        (fresh + from_cache + usage.output as f64 * self.output).ceil().max(0.0) as u64
-    }
 }
 
 /// Tokens to give back (positive) or to take as well (negative).
@@ -134,6 +118,7 @@ impl OutputAverage {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::Price;
 
     const EST: TokenEstimate = TokenEstimate { prompt: 100, output: 500 };
 
