@@ -118,7 +118,6 @@ impl OutputAverage {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::Price;
 
     const EST: TokenEstimate = TokenEstimate { prompt: 100, output: 500 };
 
@@ -158,18 +157,7 @@ mod tests {
     }
 
     #[test]
-    fn prices_turn_usage_into_micro_dollars() {
-        // gpt-4o-like: $2.50 in, $10 out per million tokens.
-        let price = Price { input: 2.5, output: 10.0, cached_input: Some(1.25) };
-        assert_eq!(price.micro_usd(TokenEstimate { prompt: 1000, output: 500 }), 7_500);
-        // 400 of the 1,000 prompt tokens came from the cache, at half price.
-        assert_eq!(price.micro_usd_cached(TokenEstimate { prompt: 1000, output: 500 }, 400), 7_000);
-        assert_eq!(
-            price.micro_usd_cached(TokenEstimate { prompt: 10, output: 0 }, 99),
-            13,
-            "cached never exceeds input"
-        );
-        assert_eq!(price.micro_usd(TokenEstimate { prompt: 1, output: 0 }), 3, "rounded up");
+    fn an_upstream_error_charges_the_prompt_alone() {
         let usage =
             actual_usage(EST, Ending::UpstreamError, reported(None, None), None, UpstreamErrorCharge::PromptOnly);
         assert_eq!(usage, TokenEstimate { prompt: 100, output: 0 });
