@@ -1,12 +1,12 @@
 //! From the config as written (`shape::Document`) to the policy the filter runs on: one
 //! function per section, then the checks that span sections. Each check names the field
 //! as the operator wrote it and quotes the bad value, except where the value may be a
-//! credential pasted by mistake (tenant ids, identity values): those messages go to the
-//! proxy's log, so they say where the value is, never what it is.
+//! credential pasted by mistake (bypass tenants, tier tenant keys): those messages go to
+//! the proxy's log, so they say where the value is, never what it is.
 //!
-//! Sections are checked in the order the first error is reported in: companion, domain,
-//! identity, limits, slots, tokens, fallback, lease, bypass, prices, tier, queue, then
-//! what may not be combined.
+//! Only the first error is reported, so the order of the checks decides which one a config
+//! with several gets: companion, domain, identity, limits, slots, tokens, fallback, lease,
+//! bypass, prices, tier, queue, then what may not be combined.
 
 use super::error::{invalid, ConfigError};
 use super::policy::{
@@ -440,3 +440,183 @@ macro_rules! quoted_as_displayed {
 }
 
 quoted_as_displayed!(u8, u32, u64, f64);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde::de::DeserializeOwned;
+
+    /// A section of the shape, from its JSON.
+    fn written<T: DeserializeOwned>(json: &str) -> T {
+        serde_json::from_str(json).unwrap_or_else(|e| panic!("{json}: {e}"))
+    }
+
+    fn document(json: &str) -> Document {
+        Document::parse(json.as_bytes()).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    fn limit_of(json: &str) -> Result<Limit, ConfigError> {
+        limit("limits[0]", &written(json), false, Duration::from_secs(30))
+    }
+
+    fn error(field: &str, message: &str) -> ConfigError {
+        invalid(field, message)
+    }
+
+    #[test]
+    fn each_measure_compiles_to_its_capacity_dimension_and_kind() {
+        let cases = [
+            (r#"{"name": "r", "requests": 20, "window": "1m"}"#, Measure::Requests(20), LimitKind::TokenBucket),
+            (r#"{"name": "t", "tokens": 9000, "window": "1m"}"#, Measure::Tokens(9000), LimitKind::TokenBucket),
+            (
+                r#"{"name": "t", "tokens": 9000, "window": "1m", "algorithm": "sliding_window"}"#,
+                Measure::Tokens(9000),
+                LimitKind::SlidingWindow,
+            ),
+            (r#"{"name": "u", "usd": 2.5, "window": "1d"}"#, Measure::Usd { micro: 2_500_000 }, LimitKind::TokenBucket),
+            (r#"{"name": "c", "concurrency": 4}"#, Measure::Concurrency(4), LimitKind::Slots),
+        ];
+        for (json, measure, kind) in cases {
+            let limit = limit_of(json).unwrap_or_else(|e| panic!("{json}: {e}"));
+            assert_eq!((limit.measure, limit.kind), (measure, kind), "{json}");
+            assert_eq!((limit.capacity(), limit.dimension()), (measure.capacity(), measure.dimension()), "{json}");
+        }
+    }
+
+    #[test]
+    fn a_concurrency_limit_lives_as_long_as_a_slot() {
+        let policy = compile(&document(
+            r#"{"companion": {"upstream": "c", "token": "t"}, "slots": {"ttl": "12s"},
+                "limits": [{"name": "c", "concurrency": 2}, {"name": "r", "requests": 2, "window": "1h"}]}"#,
+        ))
+        .unwrap_or_else(|e| panic!("{e}"));
+        let windows: Vec<u64> = policy.limits.iter().map(Limit::window_ms).collect();
+        assert_eq!(windows, [12_000, 3_600_000]);
+        assert_eq!(policy.slots.ttl, Duration::from_secs(12));
+    }
+
+    #[test]
+    fn compiling_leaves_the_written_config_as_it_was() {
+        let written = document(
+            r#"{"companion": {"upstream": "c", "token": "t"}, "identity": {"sources": [{"header": " X-Tenant "}]},
+                "tier": {"header": "X-Tier", "default": "gold"}, "queue": {"priority_header": "X-Priority"},
+                "limits": [{"name": "c", "concurrency": 2, "tiers": ["gold"]}]}"#,
+        );
+        let policy = compile(&written).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(policy.identity.sources[0].header, "x-tenant");
+        assert_eq!(policy.tier.as_ref().map(|t| t.header.as_str()), Some("x-tier"));
+        assert_eq!(policy.queue.priority_header.as_deref(), Some("x-priority"));
+        assert_eq!(written.identity.sources[0].header, " X-Tenant ");
+        assert_eq!(written.tier.as_ref().map(|t| t.header.as_str()), Some("X-Tier"));
+        assert_eq!(written.limits[0].window, None, "the slot ttl is the policy's, not written back");
+    }
+
+    /// One representative refusal per section function, field and message in full.
+    #[test]
+    fn each_section_refuses_what_it_owns() {
+        let gold = written(r#"{"name": "r", "requests": 1, "window": "1m", "tiers": ["gold"]}"#);
+        let limits = [limit("limits[0]", &gold, true, Duration::from_secs(30)).unwrap_or_else(|e| panic!("{e}"))];
+        let cases: Vec<(Result<(), ConfigError>, ConfigError)> = vec![
+            (
+                companion(&written(r#"{"upstream": "c", "token": "t", "timeout": "0s"}"#)).map(drop),
+                error("companion.timeout", "0ns is outside 1ms..60s"),
+            ),
+            (
+                identity(&written(r#"{"sources": [{"header": "x:y"}]}"#)).map(drop),
+                error("identity.sources[0].header", "\"x:y\" is not a header name"),
+            ),
+            (
+                self::limits(
+                    &[written(r#"{"name": "a", "requests": 1, "window": "1m"}"#), written(r#"{"name": "a"}"#)],
+                    false,
+                    Duration::from_secs(30),
+                )
+                .map(drop),
+                error("limits[1].name", "\"a\" is used by another limit"),
+            ),
+            (
+                limit_of(r#"{"name": "r", "requests": 1, "window": "1m", "models": ["", "x"]}"#).map(drop),
+                error("limits[0].models[0]", "must not be empty"),
+            ),
+            (
+                limit_of(r#"{"name": "u", "usd": 0.0000001, "window": "1d"}"#).map(drop),
+                error("limits[0].usd", "0 is outside 1..1000000000000"),
+            ),
+            (slots(&written(r#"{"ttl": "2h"}"#)).map(drop), error("slots.ttl", "7200s is outside 1s..1h")),
+            (
+                tokens(&written(r#"{"models": [{"match": "m", "encoding": "o200k_base", "factor": 0.0}]}"#)).map(drop),
+                error("tokens.models[0].factor", "0 is outside (0, 10]"),
+            ),
+            (
+                fallback(&written(r#"{"breaker_failures": 0}"#)).map(drop),
+                error("fallback.breaker_failures", "must be positive"),
+            ),
+            (
+                lease(&written(r#"{"initial_fraction": 1.5}"#)).map(drop),
+                error("lease.initial_fraction", "1.5 is outside (0.0001, 1]"),
+            ),
+            (
+                bypass(&written(r#"{"tenants": ["sk-SECRET"]}"#)).map(drop),
+                error("bypass.tenants[0]", "must be a tenant id (32 lower-case hex digits), not a credential"),
+            ),
+            (
+                prices(&[written(r#"{"match": "m", "input": 1, "output": 1e7}"#)]).map(drop),
+                error("prices[0]", "input and output must be dollars per million tokens in 0..1e6"),
+            ),
+            (
+                budgets_are_priced(
+                    &[limit_of(r#"{"name": "u", "usd": 1, "window": "1d"}"#).unwrap_or_else(|e| panic!("{e}"))],
+                    &[],
+                ),
+                error("prices", "a `usd` limit needs a price table (requests for models it does not list are refused)"),
+            ),
+            (
+                tier(&written(r#"{"header": "x-tier", "default": "gold", "tenants": {"sk-SECRET": "gold"}}"#), &limits)
+                    .map(drop),
+                error("tier.tenants (entry 0)", "keys must be tenant ids (32 lower-case hex digits), not credentials"),
+            ),
+            (
+                queue(&written(r#"{"tier_priorities": {"silver": 1}}"#), &limits).map(drop),
+                error("queue.tier_priorities.silver", "entry 0: priority 1 must be 0..9, for a tier some limit names"),
+            ),
+        ];
+        for (result, expected) in cases {
+            assert_eq!(result, Err(expected.clone()), "{expected}");
+            assert!(!expected.to_string().contains("SECRET"));
+        }
+    }
+
+    #[test]
+    fn a_lease_refuses_what_must_be_decided_in_redis() {
+        let written_lease: shape::Lease = written(r#"{"enabled": true}"#);
+        let lease = lease(&written_lease).unwrap_or_else(|e| panic!("{e}"));
+        let tokens = tokens(&written("{}")).unwrap_or_else(|e| panic!("{e}"));
+        let idle = queue(&written("{}"), &[]).unwrap_or_else(|e| panic!("{e}"));
+        let waiting = queue(&written(r#"{"max_wait": "1s"}"#), &[]).unwrap_or_else(|e| panic!("{e}"));
+        let bucket = [limit_of(r#"{"name": "r", "requests": 1, "window": "1m"}"#).unwrap_or_else(|e| panic!("{e}"))];
+        let slots = [limit_of(r#"{"name": "c", "concurrency": 1}"#).unwrap_or_else(|e| panic!("{e}"))];
+        assert_eq!(lease_combines(&lease, &idle, &bucket, &tokens), Ok(()));
+        let refused = |queue, limits: &[Limit]| lease_combines(&lease, queue, limits, &tokens).map_err(|e| e.message);
+        assert!(refused(&waiting, &bucket).is_err_and(|m| m.contains("queueing")));
+        assert!(refused(&idle, &slots).is_err_and(|m| m.contains("concurrency limits")));
+        let off = LeaseConfig { enabled: false, ..lease.clone() };
+        assert_eq!(lease_combines(&off, &waiting, &slots, &tokens), Ok(()), "no lease, nothing to clash");
+    }
+
+    #[test]
+    fn the_shared_checks_quote_what_was_written() {
+        assert_eq!(header_name("f", " X-A ", " X-A ".trim()), Ok("x-a".to_string()));
+        assert_eq!(header_name("f", " ", ""), Err(error("f", "\" \" is not a header name")));
+        assert_eq!(
+            within("f", Duration::from_millis(1500), ..=Duration::from_secs(1), "0s..1s").map_err(|e| e.message),
+            Err("1.5s is outside 0s..1s".to_string())
+        );
+        assert_eq!(
+            within("f", 0.5, (Excluded(0.5), Included(1.0)), "(0.5, 1]").map_err(|e| e.message),
+            Err("0.5 is outside (0.5, 1]".to_string())
+        );
+        assert!(within("f", f64::NAN, 0.0..=1.0, "0..1").is_err(), "NaN lies in no range");
+        assert!(is_name("gold-1_a") && !is_name("Gold") && !is_name("a:b") && !is_name(&"a".repeat(33)));
+        assert_eq!(positive("f", 0u32), Err(error("f", "must be positive")));
+    }
+}
