@@ -1,10 +1,11 @@
 //! What one request is charged: a request against every request limit, and its token
 //! estimate against every token limit, decided from the path and body alone.
 
-use crate::config::{model_rule, Config, Dimension};
+use crate::config::Price;
+use crate::config::{model_rule, Dimension, Policy};
 use crate::protocol::{LimitCharge, LimitsReply};
 use crate::request::{Api, LlmRequest};
-use crate::reservation::{estimate_output, OutputAverage, Price, TokenEstimate};
+use crate::reservation::{estimate_output, OutputAverage, TokenEstimate};
 use crate::tokens::Encoding;
 
 #[derive(Debug, Clone, PartialEq)]
@@ -36,7 +37,7 @@ impl ChargePlan {
     /// After the charge: the output allowance granted (`charged` is what the token
     /// buckets were charged) and the body to send upstream instead of the client's, if
     /// it changes. Shrinks the estimate to the grant, so the settlement is against it.
-    pub fn apply_grant(&mut self, config: &Config, charged: Option<u64>) -> Option<Vec<u8>> {
+    pub fn apply_grant(&mut self, config: &Policy, charged: Option<u64>) -> Option<Vec<u8>> {
         let granted = match (self.clamped, &mut self.estimate, charged) {
             (true, Some(estimate), Some(charged)) => {
                 estimate.output = charged.saturating_sub(estimate.prompt);
@@ -48,7 +49,7 @@ impl ChargePlan {
     }
 
     /// Buckets charged by the token estimate, for settling.
-    pub fn token_buckets<'a>(&'a self, config: &'a Config) -> impl Iterator<Item = &'a LimitCharge> + 'a {
+    pub fn token_buckets<'a>(&'a self, config: &'a Policy) -> impl Iterator<Item = &'a LimitCharge> + 'a {
         self.buckets
             .iter()
             .filter(|b| b.cost > 0 && config.limit(&b.name).is_some_and(|l| l.dimension() == Dimension::Tokens))
@@ -71,7 +72,7 @@ impl ChargePlan {
 /// Plans the charge. `body` is `None` when token limits are not configured (the body is
 /// then never read) and empty for a request without one.
 pub fn plan(
-    config: &Config,
+    config: &Policy,
     path: &str,
     tier: &str,
     body: Option<&[u8]>,
@@ -125,7 +126,7 @@ pub fn plan(
                 (true, Dimension::Tokens, Some(estimate), Some(min_output)) => Some(estimate.prompt + min_output),
                 _ => None,
             },
-            kind: limit.kind(),
+            kind: limit.kind,
         })
         .collect();
     let unpriced =
@@ -137,12 +138,12 @@ pub fn plan(
 mod tests {
     use super::*;
 
-    fn config(tokens: &str) -> Config {
+    fn config(tokens: &str) -> Policy {
         let json = format!(
             r#"{{"companion": {{"upstream": "c", "token": "t"}}, "tokens": {tokens},
                "limits": [{{"name": "rpm", "requests": 20, "window": "1m"}}, {{"name": "tpm", "tokens": 10000, "window": "1m"}}]}}"#
         );
-        Config::from_json(json.as_bytes()).expect("config")
+        Policy::from_json(json.as_bytes()).expect("config")
     }
 
     const CHAT: &str = r#"{"model":"gpt-4o","messages":[{"role":"user","content":"hello world"}],"max_tokens":300}"#;
@@ -178,7 +179,7 @@ mod tests {
         let json = r#"{"companion": {"upstream": "c", "token": "t"}, "limits": [
             {"name": "rpm", "requests": 20, "window": "1m"},
             {"name": "gpt4o-rpm", "requests": 5, "window": "1m", "models": ["gpt-4o*"]}]}"#;
-        let config = Config::from_json(json.as_bytes()).expect("config");
+        let config = Policy::from_json(json.as_bytes()).expect("config");
         assert!(config.reads_body() && !config.counts_tokens());
         let costs = |model: &str| {
             let body = format!(r#"{{"model":"{model}","messages":[]}}"#);
@@ -195,7 +196,7 @@ mod tests {
     fn a_budget_is_charged_at_the_models_price_and_refuses_unpriced_models() {
         let json = r#"{"companion": {"upstream": "c", "token": "t"}, "limits": [{"name": "day", "usd": 5, "window": "1d"}],
                        "prices": [{"match": "gpt-4o*", "input": 2.5, "output": 10}]}"#;
-        let config = Config::from_json(json.as_bytes()).expect("config");
+        let config = Policy::from_json(json.as_bytes()).expect("config");
         let plan = plan(&config, "/v1/chat/completions", "", Some(CHAT.as_bytes()), |_| None);
         // 9 prompt tokens at $2.50/M and 300 output at $10/M: 3,022.5 micro-dollars, rounded up.
         assert_eq!((plan.buckets[0].cost, plan.unpriced), (3_023, false));

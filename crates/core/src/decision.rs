@@ -1,7 +1,7 @@
 //! What the client sees: rate-limit headers on every response, and the local replies (429,
 //! 401, 413, 503) in OpenAI's error shape, so existing SDKs parse them and back off.
 
-use crate::config::{Config, Dimension, HeaderStyle};
+use crate::config::{Dimension, HeaderStyle, Policy};
 use crate::duration::format_reset;
 use crate::protocol::{LimitOutcome, LimitStatus, LimitsReply};
 use serde_json::json;
@@ -27,14 +27,14 @@ pub struct LocalReply {
     pub body: String,
 }
 
-fn dimension_of(config: &Config, outcome: &LimitOutcome) -> Dimension {
+fn dimension_of(config: &Policy, outcome: &LimitOutcome) -> Dimension {
     config.limit(&outcome.name).map_or(Dimension::Requests, |l| l.dimension())
 }
 
 /// OpenAI's `x-ratelimit-*-requests` and `x-ratelimit-*-tokens` headers, each for the
 /// most restrictive limit of its dimension (fewest left; on a tie, longest to reset), and
 /// the IETF `RateLimit-Policy` / `RateLimit` fields listing every limit.
-pub fn rate_limit_headers(reply: &LimitsReply, config: &Config) -> Vec<Header> {
+pub fn rate_limit_headers(reply: &LimitsReply, config: &Policy) -> Vec<Header> {
     let mut headers = Vec::new();
     if config.headers.contains(&HeaderStyle::Openai) {
         openai_headers(reply, config, &mut headers);
@@ -59,7 +59,7 @@ pub fn rate_limit_headers(reply: &LimitsReply, config: &Config) -> Vec<Header> {
     headers
 }
 
-fn openai_headers(reply: &LimitsReply, config: &Config, headers: &mut Vec<Header>) {
+fn openai_headers(reply: &LimitsReply, config: &Policy, headers: &mut Vec<Header>) {
     // OpenAI has no header for a money budget: the IETF and classic fields cover it.
     for dimension in [Dimension::Requests, Dimension::Tokens, Dimension::Concurrency] {
         let tightest = reply
@@ -88,7 +88,7 @@ fn openai_headers(reply: &LimitsReply, config: &Config, headers: &mut Vec<Header
     }
 }
 
-fn ietf_headers(windowed: &[&LimitOutcome], config: &Config, headers: &mut Vec<Header>) {
+fn ietf_headers(windowed: &[&LimitOutcome], config: &Policy, headers: &mut Vec<Header>) {
     if !windowed.is_empty() {
         let seconds = |ms: u64| ms.div_ceil(1000);
         let policy = windowed
@@ -110,7 +110,7 @@ fn ietf_headers(windowed: &[&LimitOutcome], config: &Config, headers: &mut Vec<H
 /// The 429 for a reply that was not allowed. It names the limit that binds longest; when
 /// a limit can never fit the request it says so and gives no `Retry-After`.
 /// `requested_tokens` is what the request asked of token limits.
-pub fn rejection(reply: &LimitsReply, config: &Config, requested_tokens: u64) -> LocalReply {
+pub fn rejection(reply: &LimitsReply, config: &Policy, requested_tokens: u64) -> LocalReply {
     let never = reply.limits.iter().find(|o| o.status == LimitStatus::Never);
     let binding = never
         .or_else(|| reply.limits.iter().filter(|o| o.status == LimitStatus::Limited).max_by_key(|o| o.retry_after_ms));
@@ -250,14 +250,14 @@ fn error_body(message: &str, kind: &str, code: &str) -> String {
 mod tests {
     use super::*;
 
-    fn config() -> Config {
+    fn config() -> Policy {
         let json = r#"{"companion": {"upstream": "c", "token": "t"}, "limits": [
             {"name": "rpm", "requests": 20, "window": "1m"},
             {"name": "rph", "requests": 100, "window": "1h"},
             {"name": "rpd", "requests": 1000, "window": "1d"},
             {"name": "tpm", "tokens": 10000, "window": "1m"},
             {"name": "inflight", "concurrency": 3}]}"#;
-        Config::from_json(json.as_bytes()).expect("config")
+        Policy::from_json(json.as_bytes()).expect("config")
     }
 
     fn outcome(name: &str, status: LimitStatus, limit: u64, remaining: u64, reset: u64, retry: u64) -> LimitOutcome {
@@ -424,7 +424,7 @@ mod tests {
     fn a_budget_429_speaks_in_dollars() {
         let json = r#"{"companion": {"upstream": "c", "token": "t"}, "limits": [{"name": "day", "usd": 5, "window": "1d"}],
                        "prices": [{"match": "*", "input": 1, "output": 1}]}"#;
-        let config = Config::from_json(json.as_bytes()).expect("config");
+        let config = Policy::from_json(json.as_bytes()).expect("config");
         let reply = LimitsReply {
             allowed: false,
             waited_ms: 0,

@@ -2,11 +2,33 @@
 //! into a tenant id by hashing, so the key itself never leaves the filter: not in Redis
 //! keys, not in logs, not in callouts.
 
-use crate::config::IdentitySource;
+use serde::Deserialize;
 use sha2::{Digest, Sha256};
 
 /// The tenant id used when identity is missing and the config says `anonymous`.
 pub const ANONYMOUS_TENANT: &str = "anonymous";
+
+/// A request header that may carry the credential.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct IdentitySource {
+    /// Looked up in lower case (the policy lower-cases what the operator wrote).
+    pub header: String,
+    /// Stripped from the value (case-insensitively); a value without it does not match.
+    #[serde(default)]
+    pub prefix: Option<String>,
+}
+
+/// What happens to a request that carries no credential.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum MissingIdentity {
+    /// Answer 401.
+    #[default]
+    Reject,
+    /// Count the request against one shared `anonymous` tenant.
+    Anonymous,
+}
 
 /// Returns the credential of the first source that is present and non-empty.
 /// `header` looks a request header up by its lower-case name.
@@ -35,13 +57,25 @@ pub fn tenant_id(credential: &str) -> String {
     digest.iter().take(16).map(|b| format!("{b:02x}")).collect()
 }
 
+/// Whether `value` is a tenant id as `tenant_id` makes them (32 lower-case hex digits) or
+/// the anonymous tenant: what config may name, where a credential pasted by mistake must
+/// be refused.
+pub fn is_tenant_id(value: &str) -> bool {
+    let hashed = value.len() == 32 && value.bytes().all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase());
+    hashed || value == ANONYMOUS_TENANT
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use std::collections::HashMap;
 
+    /// The sources a config gets when it names none.
     fn default_sources() -> Vec<IdentitySource> {
-        crate::config::Identity::default().sources
+        vec![
+            IdentitySource { header: "authorization".into(), prefix: Some("Bearer ".into()) },
+            IdentitySource { header: "x-api-key".into(), prefix: None },
+        ]
     }
 
     fn lookup<'a>(headers: &'a HashMap<&str, &str>) -> impl Fn(&str) -> Option<String> + 'a {
@@ -84,5 +118,7 @@ mod tests {
         assert_eq!(a.len(), 32);
         assert!(a.bytes().all(|b| b.is_ascii_hexdigit()));
         assert!(!a.contains("123"));
+        assert!(is_tenant_id(&a) && is_tenant_id(ANONYMOUS_TENANT));
+        assert!(!is_tenant_id("sk-live-123") && !is_tenant_id(&a.to_ascii_uppercase()));
     }
 }

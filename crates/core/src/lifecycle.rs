@@ -7,7 +7,7 @@
 use crate::breaker::Route;
 use crate::bucket::{check_and_charge, decode_states, encode_states};
 use crate::charge::{plan, ChargePlan};
-use crate::config::{Config, Dimension, FailureMode, MissingIdentity, Mode};
+use crate::config::{Dimension, FailureMode, MissingIdentity, Mode, Policy};
 use crate::decision::{
     self, Header, LocalReply, DEGRADED_HEADER, QUEUED_HEADER, RESERVED_TOKENS_HEADER, SHADOW_HEADER,
 };
@@ -97,7 +97,7 @@ impl Verdict {
 }
 
 pub struct RequestFilter {
-    config: Option<Rc<Config>>,
+    config: Option<Rc<Policy>>,
     phase: Phase,
     tenant: String,
     /// The tenant's tier, when tiers are configured.
@@ -121,7 +121,7 @@ pub struct RequestFilter {
 }
 
 impl RequestFilter {
-    pub(crate) fn new(config: Option<Rc<Config>>) -> RequestFilter {
+    pub(crate) fn new(config: Option<Rc<Policy>>) -> RequestFilter {
         RequestFilter {
             config,
             phase: Phase::Starting,
@@ -291,7 +291,7 @@ impl RequestFilter {
 
     // ---- deciding ----
 
-    fn identify(&self, host: &mut impl Host, config: &Config) -> Result<String, Verdict> {
+    fn identify(&self, host: &mut impl Host, config: &Policy) -> Result<String, Verdict> {
         match (find_credential(&config.identity.sources, |name| host.request_header(name)), config.identity.missing) {
             (Some(credential), _) => Ok(tenant_id(&credential)),
             (None, MissingIdentity::Anonymous) => Ok(ANONYMOUS_TENANT.to_string()),
@@ -315,12 +315,12 @@ impl RequestFilter {
         self.plan.as_ref().map_or_else(|| reply.clone(), |plan| plan.relevant(reply))
     }
 
-    fn rejection(&self, config: &Config, reply: &LimitsReply) -> Verdict {
+    fn rejection(&self, config: &Policy, reply: &LimitsReply) -> Verdict {
         Verdict::Reply(decision::rejection(&self.relevant(reply), config, self.reserved_tokens()))
     }
 
     /// Plans the charge and decides it. `body` is `None` when the body is not read.
-    fn charge(&mut self, host: &mut impl Host, worker: &mut Worker, config: &Config, body: Option<&[u8]>) -> Action {
+    fn charge(&mut self, host: &mut impl Host, worker: &mut Worker, config: &Policy, body: Option<&[u8]>) -> Action {
         let path = host.request_header(":path").unwrap_or_default();
         let tier_value = config.tier.as_ref().and_then(|t| host.request_header(&t.header));
         self.tier = config.tier_of(&self.tenant, tier_value.as_deref()).to_string();
@@ -357,12 +357,12 @@ impl RequestFilter {
     }
 
     /// Sends the callout the mode calls for: a lease covering the request, or the charge.
-    fn send(&mut self, host: &mut impl Host, worker: &mut Worker, config: &Config, now: u64) -> Result<(), String> {
+    fn send(&mut self, host: &mut impl Host, worker: &mut Worker, config: &Policy, now: u64) -> Result<(), String> {
         // In shadow mode nothing waits: the queue would enforce.
         let wait =
             if config.lease.enabled || config.mode == Mode::Shadow { None } else { self.join_queue(host, config) };
         let Some(plan) = self.plan.as_ref() else { return Err("no plan".into()) };
-        let timeout = config.companion.timeout.0 + if self.queued { config.queue.max_wait.0 } else { Duration::ZERO };
+        let timeout = config.companion.timeout + if self.queued { config.queue.max_wait } else { Duration::ZERO };
         if config.lease.enabled {
             self.ask = Ask::Lease;
             host.add_metric(Metric::LeaseCallouts, 1);
@@ -394,7 +394,7 @@ impl RequestFilter {
             reservation: reservation.map(|id| Reservation {
                 id,
                 ttl_ms: match (plan.estimate, &wait) {
-                    (Some(_), _) => config.tokens.reservation_ttl.0.as_millis() as u64,
+                    (Some(_), _) => config.tokens.reservation_ttl.as_millis() as u64,
                     (None, Some(wait)) => wait.max_ms + CANCEL_WINDOW_MS,
                     (None, None) => 0,
                 },
@@ -406,7 +406,7 @@ impl RequestFilter {
 
     /// Takes a place in the queue, if queueing is on and this proxy's queue has room: the
     /// charge may then wait for capacity, in the companion, at this request's priority.
-    fn join_queue(&mut self, host: &mut impl Host, config: &Config) -> Option<Wait> {
+    fn join_queue(&mut self, host: &mut impl Host, config: &Policy) -> Option<Wait> {
         let queue = &config.queue;
         if !queue.enabled() {
             return None;
@@ -428,10 +428,10 @@ impl RequestFilter {
             .filter(|p| *p <= 9)
             .or_else(|| queue.tier_priorities.get(&self.tier).copied())
             .unwrap_or(queue.default_priority);
-        Some(Wait { max_ms: queue.max_wait.0.as_millis() as u64, priority, aging_ms: queue.aging.0.as_millis() as u64 })
+        Some(Wait { max_ms: queue.max_wait.as_millis() as u64, priority, aging_ms: queue.aging.as_millis() as u64 })
     }
 
-    fn leave_queue(&mut self, host: &mut impl Host, config: &Config) {
+    fn leave_queue(&mut self, host: &mut impl Host, config: &Policy) {
         if std::mem::take(&mut self.queued) {
             shared_update(host, &keys::queued_key(&config.domain), |bytes| {
                 let waiting = bytes.and_then(|b| b.try_into().ok()).map_or(0, u32::from_le_bytes);
@@ -447,7 +447,7 @@ impl RequestFilter {
         &mut self,
         host: &mut impl Host,
         worker: &mut Worker,
-        config: &Config,
+        config: &Policy,
         now: u64,
     ) -> Option<Verdict> {
         let costs = self.costs();
@@ -486,7 +486,7 @@ impl RequestFilter {
         &mut self,
         host: &mut impl Host,
         worker: &mut Worker,
-        config: &Config,
+        config: &Policy,
         leases: &TenantLeases,
     ) -> Verdict {
         host.add_metric(Metric::Allowed, 1);
@@ -496,7 +496,7 @@ impl RequestFilter {
         Verdict::Forward(self.admitted_headers(host, config, &leases.as_reply(&buckets)))
     }
 
-    fn admitted_headers(&self, host: &mut impl Host, config: &Config, reply: &LimitsReply) -> Vec<Header> {
+    fn admitted_headers(&self, host: &mut impl Host, config: &Policy, reply: &LimitsReply) -> Vec<Header> {
         let mut headers = decision::rate_limit_headers(&self.relevant(reply), config);
         if self.plan.as_ref().is_some_and(|p| p.estimate.is_some()) {
             let reserved = self.reserved_tokens();
@@ -506,7 +506,7 @@ impl RequestFilter {
         headers
     }
 
-    fn decide(&mut self, host: &mut impl Host, worker: &mut Worker, config: &Config, body_size: usize) -> Verdict {
+    fn decide(&mut self, host: &mut impl Host, worker: &mut Worker, config: &Policy, body_size: usize) -> Verdict {
         let expected = self.plan.as_ref().map_or(0, |p| p.buckets.len());
         let reply = match callout_reply::<LimitsReply>(host, body_size) {
             Ok(reply) if reply.limits.len() == expected => reply,
@@ -533,7 +533,7 @@ impl RequestFilter {
         &mut self,
         host: &mut impl Host,
         worker: &mut Worker,
-        config: &Config,
+        config: &Policy,
         reply: LimitsReply,
     ) -> Verdict {
         let now = host.now_ms();
@@ -568,7 +568,7 @@ impl RequestFilter {
                         .limits
                         .iter()
                         .enumerate()
-                        .filter(|(i, l)| l.kind() == LimitKind::Slots && costs.get(*i).is_some_and(|&c| c > 0))
+                        .filter(|(i, l)| l.kind == LimitKind::Slots && costs.get(*i).is_some_and(|&c| c > 0))
                         .map(|(i, _)| (i, 0));
                     let slots = settlement(config, &self.tenant, Some(id.clone()), false, adjustments(config, held));
                     worker.hold_slots(id.clone(), slots);
@@ -578,7 +578,7 @@ impl RequestFilter {
         }
     }
 
-    fn callout_failed(&mut self, host: &mut impl Host, worker: &mut Worker, config: &Config, why: &str) -> Verdict {
+    fn callout_failed(&mut self, host: &mut impl Host, worker: &mut Worker, config: &Policy, why: &str) -> Verdict {
         self.leave_queue(host, config);
         host.add_metric(Metric::CompanionFailures, 1);
         worker.record_callout_failure(host, config);
@@ -586,7 +586,7 @@ impl RequestFilter {
     }
 
     /// Decides without the companion, as `failure_mode` says.
-    fn fail_over(&mut self, host: &mut impl Host, worker: &mut Worker, config: &Config, why: &str) -> Verdict {
+    fn fail_over(&mut self, host: &mut impl Host, worker: &mut Worker, config: &Policy, why: &str) -> Verdict {
         self.admission = None; // nothing was charged in Redis
         host.log(
             LogLevel::Debug,
@@ -602,7 +602,7 @@ impl RequestFilter {
     /// The degraded mode: each limit divided by `fallback.instances`, as token buckets in
     /// shared data, decided with the same model the Lua script follows. What is admitted
     /// is queued as a debit, so Redis learns of it when it is back.
-    fn decide_locally(&mut self, host: &mut impl Host, worker: &mut Worker, config: &Config) -> Verdict {
+    fn decide_locally(&mut self, host: &mut impl Host, worker: &mut Worker, config: &Policy) -> Verdict {
         host.add_metric(Metric::LocalDecisions, 1);
         let specs = self.plan.as_ref().map(|plan| local_specs(config, plan)).unwrap_or_default();
         let now = host.now_ms() as f64;
@@ -629,7 +629,7 @@ impl RequestFilter {
     /// Sends upstream the body the charge calls for: the output cap clamped to what was
     /// granted, stream usage requested. Only while the headers are still held can
     /// content-length follow the new body, so nothing changes otherwise.
-    fn rewrite_body(&mut self, host: &mut impl Host, config: &Config, reply: &LimitsReply) {
+    fn rewrite_body(&mut self, host: &mut impl Host, config: &Policy, reply: &LimitsReply) {
         if !self.holding_headers {
             return;
         }
@@ -651,7 +651,7 @@ impl RequestFilter {
 
     /// Carries a verdict out. `paused` says whether the request is waiting on us. In
     /// shadow mode a refusal is forwarded instead, marked with what it would have been.
-    fn apply(&mut self, host: &mut impl Host, config: &Config, verdict: Verdict, paused: bool) -> Action {
+    fn apply(&mut self, host: &mut impl Host, config: &Policy, verdict: Verdict, paused: bool) -> Action {
         let verdict = match verdict {
             Verdict::Reply(reply) if config.mode == Mode::Shadow && matches!(reply.status, 403 | 413 | 429 | 503) => {
                 host.add_metric(Metric::ShadowRefusals, 1);
@@ -688,7 +688,7 @@ impl RequestFilter {
     /// Settles this request, once: the difference between what it reserved and what it
     /// cost (in tokens, and in money for budgets) goes back where the reservation came
     /// from, and its slots are released.
-    fn settle(&mut self, host: &mut impl Host, worker: &mut Worker, config: &Config, ending: Ending) {
+    fn settle(&mut self, host: &mut impl Host, worker: &mut Worker, config: &Policy, ending: Ending) {
         let Some(admission) = self.admission.take() else { return };
         let (token_credit, cost_credit) = self.credits(host, config, ending);
         let applies = |i: usize| self.plan.as_ref().is_some_and(|p| p.applies(i));
@@ -709,7 +709,7 @@ impl RequestFilter {
             .limits
             .iter()
             .enumerate()
-            .filter(|(i, l)| l.kind() == LimitKind::Slots && applies(*i))
+            .filter(|(i, l)| l.kind == LimitKind::Slots && applies(*i))
             .map(|(i, _)| i)
             .collect();
         let reservation = match admission {
@@ -747,12 +747,12 @@ impl RequestFilter {
     /// The client gave up while the charge waited in the queue: stop the charge if it has
     /// not happened yet, and refund everything it took if it has (one script call does
     /// both, so one of the two is true).
-    fn cancel_queued(&mut self, host: &mut impl Host, worker: &mut Worker, config: &Config) {
+    fn cancel_queued(&mut self, host: &mut impl Host, worker: &mut Worker, config: &Policy) {
         let Some(Admission::Reserved(id)) = self.admission.take() else { return };
         worker.take_slots(&id);
         let costs = self.costs();
         let refunds = config.limits.iter().zip(&costs).enumerate().map(|(i, (limit, &cost))| {
-            (i, if limit.kind() == LimitKind::Slots { 0 } else { i64::try_from(cost).unwrap_or(i64::MAX) })
+            (i, if limit.kind == LimitKind::Slots { 0 } else { i64::try_from(cost).unwrap_or(i64::MAX) })
         });
         let limits = adjustments(config, refunds);
         let settlement = settlement(config, &self.tenant, Some(id), true, limits);
@@ -762,7 +762,7 @@ impl RequestFilter {
     /// What to give back for this request (negative: to take), in tokens and in
     /// micro-dollars, from what it reserved and what the reply says it used; updates the
     /// running average of completions.
-    fn credits(&mut self, host: &mut impl Host, config: &Config, ending: Ending) -> (i64, i64) {
+    fn credits(&mut self, host: &mut impl Host, config: &Policy, ending: Ending) -> (i64, i64) {
         let Some(plan) = self.plan.as_ref() else { return (0, 0) };
         let Some(estimate) = plan.estimate else { return (0, 0) };
         let (reported, streamed_output) = match self.reply.as_mut() {
@@ -804,7 +804,7 @@ impl RequestFilter {
         (credit(estimate, used.total()), cost_credit)
     }
 
-    fn release_local_slots(&self, host: &mut impl Host, config: &Config, indices: &[usize]) {
+    fn release_local_slots(&self, host: &mut impl Host, config: &Policy, indices: &[usize]) {
         let Some(plan) = self.plan.as_ref() else { return };
         let specs = local_specs(config, plan);
         let credits: Vec<i64> = (0..specs.len()).map(|i| i64::from(indices.contains(&i))).collect();
@@ -832,7 +832,7 @@ fn has_no_body(host: &mut impl Host, worker: &Worker) -> bool {
 
 /// The degraded mode's buckets: each limit divided by `fallback.instances`; a slot comes
 /// back when its request ends, not with time.
-fn local_specs(config: &Config, plan: &ChargePlan) -> Vec<LimitCharge> {
+fn local_specs(config: &Policy, plan: &ChargePlan) -> Vec<LimitCharge> {
     let instances = u64::from(config.fallback.instances);
     plan.buckets
         .iter()
@@ -848,9 +848,9 @@ fn local_specs(config: &Config, plan: &ChargePlan) -> Vec<LimitCharge> {
 /// Releases a request's slots at once, in a callout owned by the root context so it
 /// outlives the request; its settlement (queued, sent within a tick) releases them too,
 /// so nothing is lost if this one fails.
-fn release_now(host: &mut impl Host, worker: &Worker, config: &Config, slots: crate::protocol::Settlement) {
+fn release_now(host: &mut impl Host, worker: &Worker, config: &Policy, slots: crate::protocol::Settlement) {
     let request = SettlementBatch { settlements: vec![slots] };
-    let timeout = config.companion.timeout.0.max(RELEASE_TIMEOUT);
+    let timeout = config.companion.timeout.max(RELEASE_TIMEOUT);
     if let Err(why) = worker.call_companion(host, config, RELEASE_PATH, &request, timeout, Owner::Root) {
         host.log(LogLevel::Debug, &format!("llm-ratelimit: cannot release slots at once ({why}); the settlement will"));
     }

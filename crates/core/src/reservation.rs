@@ -7,7 +7,6 @@
 //! run at once, which is why it includes the completion estimate rather than the prompt
 //! alone.
 
-use crate::config::UpstreamErrorCharge;
 use crate::usage::ReportedUsage;
 
 /// The tokens a request reserved.
@@ -30,6 +29,17 @@ pub fn estimate_output(cap: u64, average: Option<OutputAverage>, factor: f64) ->
         Some(avg) if avg.samples > 0 => cap.min((avg.mean * factor).ceil().max(1.0) as u64),
         _ => cap,
     }
+}
+
+/// What an upstream error (status >= 400) is charged.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum UpstreamErrorCharge {
+    /// Charge the prompt only: the provider generated nothing.
+    #[default]
+    PromptOnly,
+    /// Keep the whole estimate.
+    Estimate,
 }
 
 /// How a reply ended.
@@ -63,32 +73,6 @@ pub fn actual_usage(
         Ending::Interrupted => reported.output.or(streamed_output).unwrap_or(0),
     };
     TokenEstimate { prompt, output }
-}
-
-/// A model's price, in US dollars per million tokens: so also micro-dollars per token.
-#[derive(Debug, Clone, Copy, PartialEq, serde::Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct Price {
-    pub input: f64,
-    pub output: f64,
-    /// Input read from the provider's prompt cache, where it reports it; `input` if unset.
-    #[serde(default)]
-    pub cached_input: Option<f64>,
-}
-
-impl Price {
-    /// What `usage` costs, in micro-dollars, rounded up.
-    pub fn micro_usd(&self, usage: TokenEstimate) -> u64 {
-        self.micro_usd_cached(usage, 0)
-    }
-
-    /// What `usage` costs when `cached` of its input came from the prompt cache.
-    pub fn micro_usd_cached(&self, usage: TokenEstimate, cached: u64) -> u64 {
-        let cached = cached.min(usage.prompt);
-        let fresh = (usage.prompt - cached) as f64 * self.input;
-        let from_cache = cached as f64 * self.cached_input.unwrap_or(self.input);
-        (fresh + from_cache + usage.output as f64 * self.output).ceil().max(0.0) as u64
-    }
 }
 
 /// Tokens to give back (positive) or to take as well (negative).
@@ -173,18 +157,7 @@ mod tests {
     }
 
     #[test]
-    fn prices_turn_usage_into_micro_dollars() {
-        // gpt-4o-like: $2.50 in, $10 out per million tokens.
-        let price = Price { input: 2.5, output: 10.0, cached_input: Some(1.25) };
-        assert_eq!(price.micro_usd(TokenEstimate { prompt: 1000, output: 500 }), 7_500);
-        // 400 of the 1,000 prompt tokens came from the cache, at half price.
-        assert_eq!(price.micro_usd_cached(TokenEstimate { prompt: 1000, output: 500 }, 400), 7_000);
-        assert_eq!(
-            price.micro_usd_cached(TokenEstimate { prompt: 10, output: 0 }, 99),
-            13,
-            "cached never exceeds input"
-        );
-        assert_eq!(price.micro_usd(TokenEstimate { prompt: 1, output: 0 }), 3, "rounded up");
+    fn an_upstream_error_charges_the_prompt_alone() {
         let usage =
             actual_usage(EST, Ending::UpstreamError, reported(None, None), None, UpstreamErrorCharge::PromptOnly);
         assert_eq!(usage, TokenEstimate { prompt: 100, output: 0 });

@@ -4,7 +4,7 @@
 //! the callouts the root owns. No state lives anywhere else.
 
 use crate::breaker::{Breaker, Route};
-use crate::config::Config;
+use crate::config::Policy;
 use crate::host::{shared_read, shared_update, Host, HostKind, LogLevel, Metric, Owner};
 use crate::lease::{lease_asks, TenantLeases};
 use crate::lifecycle::RequestFilter;
@@ -31,7 +31,7 @@ const SETTLE_QUEUE_CAPACITY: usize = 20_000;
 const BACKGROUND_TIMEOUT: Duration = Duration::from_secs(1);
 
 pub struct Worker {
-    config: Option<Rc<Config>>,
+    config: Option<Rc<Policy>>,
     host_kind: HostKind,
     settlements: SettleQueue,
     /// Tenants whose leases this VM saw running low: renewed on the next tick.
@@ -67,7 +67,7 @@ impl Worker {
         }
     }
 
-    pub fn config(&self) -> Option<&Rc<Config>> {
+    pub fn config(&self) -> Option<&Rc<Policy>> {
         self.config.as_ref()
     }
 
@@ -78,7 +78,7 @@ impl Worker {
     /// Parses, checks against this host, and takes the plugin configuration. On an error
     /// the host should refuse the config; the message says why.
     pub fn configure(&mut self, host: &mut impl Host, bytes: &[u8]) -> Result<(), String> {
-        let config = Config::from_json(bytes).map_err(|e| e.to_string())?;
+        let config = Policy::from_json(bytes).map_err(|e| e.to_string())?;
         if config.hold_request_headers == Some(true) && !self.host_kind.reads_body_while_headers_wait() {
             return Err(format!(
                 "invalid filter config: field `hold_request_headers`: {} does not deliver a request body while \
@@ -113,7 +113,7 @@ impl Worker {
 
     /// Whether requests hold their headers while the body is read: as configured, and
     /// only where the host can deliver the body meanwhile.
-    pub fn holds_request_headers(&self, config: &Config) -> bool {
+    pub fn holds_request_headers(&self, config: &Policy) -> bool {
         config.hold_request_headers.unwrap_or(true) && self.host_kind.reads_body_while_headers_wait()
     }
 
@@ -142,7 +142,7 @@ impl Worker {
         }
         self.send_settlements(host, &config);
         if config.has_concurrency() {
-            let every = (config.slots.ttl.0.as_millis() / 3 / TICK.as_millis()).max(1) as u32;
+            let every = (config.slots.ttl.as_millis() / 3 / TICK.as_millis()).max(1) as u32;
             if self.ticks % every == 0 {
                 self.touch_slots(host, &config);
             }
@@ -188,7 +188,7 @@ impl Worker {
     pub(crate) fn settle_credits(
         &mut self,
         host: &mut impl Host,
-        config: &Config,
+        config: &Policy,
         tenant: &str,
         reservation: Option<String>,
         cancel: bool,
@@ -217,13 +217,13 @@ impl Worker {
         self.ids.next(host)
     }
 
-    pub(crate) fn breaker(&self, host: &mut impl Host, config: &Config) -> Breaker {
+    pub(crate) fn breaker(&self, host: &mut impl Host, config: &Policy) -> Breaker {
         shared_read(host, &keys::breaker_key(&config.domain)).and_then(|b| Breaker::from_bytes(&b)).unwrap_or_default()
     }
 
     /// Where a decision goes now: to the companion, or local while the breaker is open.
-    pub(crate) fn route(&mut self, host: &mut impl Host, config: &Config, now: u64) -> Route {
-        let cooldown = config.fallback.breaker_cooldown.0.as_millis() as u64;
+    pub(crate) fn route(&mut self, host: &mut impl Host, config: &Policy, now: u64) -> Route {
+        let cooldown = config.fallback.breaker_cooldown.as_millis() as u64;
         let mut route = Route::Local;
         shared_update(host, &keys::breaker_key(&config.domain), |bytes| {
             let state = bytes.and_then(Breaker::from_bytes).unwrap_or_default();
@@ -234,7 +234,7 @@ impl Worker {
         route
     }
 
-    pub(crate) fn callout_succeeded(&mut self, host: &mut impl Host, config: &Config) {
+    pub(crate) fn callout_succeeded(&mut self, host: &mut impl Host, config: &Policy) {
         let mut reopened = false;
         shared_update(host, &keys::breaker_key(&config.domain), |bytes| {
             let state = bytes.and_then(Breaker::from_bytes).unwrap_or_default();
@@ -247,8 +247,8 @@ impl Worker {
         }
     }
 
-    pub(crate) fn record_callout_failure(&mut self, host: &mut impl Host, config: &Config) {
-        let cooldown = config.fallback.breaker_cooldown.0.as_millis() as u64;
+    pub(crate) fn record_callout_failure(&mut self, host: &mut impl Host, config: &Policy) {
+        let cooldown = config.fallback.breaker_cooldown.as_millis() as u64;
         let now = host.now_ms();
         let mut opened = None;
         shared_update(host, &keys::breaker_key(&config.domain), |bytes| {
@@ -269,7 +269,7 @@ impl Worker {
     pub(crate) fn call_companion(
         &self,
         host: &mut impl Host,
-        config: &Config,
+        config: &Policy,
         path: &str,
         message: &impl Serialize,
         timeout: Duration,
@@ -295,7 +295,7 @@ impl Worker {
     pub(crate) fn merge_grant(
         &mut self,
         host: &mut impl Host,
-        config: &Config,
+        config: &Policy,
         tenant: &str,
         reply: &LimitsReply,
         costs: Option<&[u64]>,
@@ -326,7 +326,7 @@ impl Worker {
 
     // ---- the root's background work ----
 
-    fn send_settlements(&mut self, host: &mut impl Host, config: &Config) {
+    fn send_settlements(&mut self, host: &mut impl Host, config: &Policy) {
         if self.settling.is_some() || !self.breaker(host, config).is_closed() {
             return; // one batch at a time; none while the companion is known to be away
         }
@@ -335,7 +335,7 @@ impl Worker {
             return;
         }
         let request = SettlementBatch { settlements: batch.iter().map(|q| q.settlement.clone()).collect() };
-        let timeout = config.companion.timeout.0.max(BACKGROUND_TIMEOUT);
+        let timeout = config.companion.timeout.max(BACKGROUND_TIMEOUT);
         match self.call_companion(host, config, SETTLE_PATH, &request, timeout, Owner::Root) {
             Ok(token) => self.settling = Some((token, batch)),
             Err(why) => {
@@ -363,7 +363,7 @@ impl Worker {
 
     /// Renews the slots of this VM's requests in flight, so a long stream keeps its slot
     /// while a crashed proxy's slots expire.
-    fn touch_slots(&mut self, host: &mut impl Host, config: &Config) {
+    fn touch_slots(&mut self, host: &mut impl Host, config: &Policy) {
         let settlements: Vec<Settlement> = self.slots.values().cloned().collect();
         for chunk in settlements.chunks(SETTLE_BATCH) {
             let request = SettlementBatch { settlements: chunk.to_vec() };
@@ -374,7 +374,7 @@ impl Worker {
     }
 
     /// Asks for fresh grants for the tenants whose leases ran low, one callout each.
-    fn renew_leases(&mut self, host: &mut impl Host, config: &Config, now: u64) {
+    fn renew_leases(&mut self, host: &mut impl Host, config: &Policy, now: u64) {
         if !self.breaker(host, config).is_closed() {
             return;
         }
@@ -393,7 +393,7 @@ impl Worker {
                 limits: lease_asks(&leases, &unused, &policy, now),
                 share: config.lease.share,
             };
-            match self.call_companion(host, config, LEASE_PATH, &request, config.companion.timeout.0, Owner::Root) {
+            match self.call_companion(host, config, LEASE_PATH, &request, config.companion.timeout, Owner::Root) {
                 Ok(token) => {
                     host.add_metric(Metric::LeaseCallouts, 1);
                     self.renewing.insert(token, (tenant, request.limits));
@@ -404,7 +404,7 @@ impl Worker {
     }
 
     /// Gives back to Redis what is left of expired leases.
-    fn return_expired_leases(&mut self, host: &mut impl Host, config: &Config, now: u64) {
+    fn return_expired_leases(&mut self, host: &mut impl Host, config: &Policy, now: u64) {
         for tenant in self.leased.clone() {
             let returned = shared_update(host, &keys::lease_key(&config.domain, &tenant), |bytes| {
                 let mut leases = TenantLeases::decode(bytes, config.limits.len());
@@ -431,13 +431,13 @@ pub(crate) fn limit_charge(limit: &crate::config::Limit, cost: u64) -> LimitChar
         window_ms: limit.window_ms(),
         cost,
         min_cost: None,
-        kind: limit.kind(),
+        kind: limit.kind,
     }
 }
 
 /// The one way a settlement is made.
 pub(crate) fn settlement(
-    config: &Config,
+    config: &Policy,
     tenant: &str,
     reservation: Option<String>,
     cancel: bool,
@@ -448,11 +448,11 @@ pub(crate) fn settlement(
 
 /// Adjustments of configured limits (by index): buckets and windows with a non-zero
 /// credit, and slot limits (released or renewed, whatever the credit).
-pub(crate) fn adjustments(config: &Config, credits: impl Iterator<Item = (usize, i64)>) -> Vec<Adjustment> {
+pub(crate) fn adjustments(config: &Policy, credits: impl Iterator<Item = (usize, i64)>) -> Vec<Adjustment> {
     credits
         .filter_map(|(i, credit)| {
             let limit = config.limits.get(i)?;
-            let kind = limit.kind();
+            let kind = limit.kind;
             (credit != 0 || kind == LimitKind::Slots).then(|| Adjustment {
                 name: limit.name.clone(),
                 capacity: limit.capacity(),

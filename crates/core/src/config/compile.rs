@@ -1,0 +1,622 @@
+//! From the config as written (`shape::Document`) to the policy the filter runs on: one
+//! function per section, then the checks that span sections. Each check names the field
+//! as the operator wrote it and quotes the bad value, except where the value may be a
+//! credential pasted by mistake (bypass tenants, tier tenant keys): those messages go to
+//! the proxy's log, so they say where the value is, never what it is.
+//!
+//! Only the first error is reported, so the order of the checks decides which one a config
+//! with several gets: companion, domain, identity, limits, slots, tokens, fallback, lease,
+//! bypass, prices, tier, queue, then what may not be combined.
+
+use super::error::{invalid, ConfigError};
+use super::policy::{
+    tiers_named, Bypass, Companion, Dimension, Fallback, Identity, LeaseConfig, Limit, Measure, Policy, PriceEntry,
+    QueueConfig, Slots, TierConfig, TokenPolicy,
+};
+use super::shape::{self, Algorithm, ConfigDuration, Document};
+use crate::identity::{is_tenant_id, IdentitySource};
+use crate::protocol::LimitKind;
+use std::collections::HashSet;
+use std::ops::Bound::{Excluded, Included};
+use std::ops::RangeBounds;
+use std::time::Duration;
+
+/// Checks every section of `written` and builds the policy from it.
+pub(super) fn compile(written: &Document) -> Result<Policy, ConfigError> {
+    let companion = companion(&written.companion)?;
+    name("domain", &written.domain)?;
+    let identity = identity(&written.identity)?;
+    // A concurrency limit's window is the slot ttl. Limits are checked first, and a ttl
+    // out of range is refused right after, so no limit built with one is ever used.
+    let limits = limits(&written.limits, written.tier.is_some(), written.slots.ttl.0)?;
+    let slots = slots(&written.slots)?;
+    let tokens = tokens(&written.tokens)?;
+    let fallback = fallback(&written.fallback)?;
+    let lease = lease(&written.lease)?;
+    let bypass = bypass(&written.bypass)?;
+    let prices = prices(&written.prices)?;
+    budgets_are_priced(&limits, &prices)?;
+    let tier = written.tier.as_ref().map(|t| tier(t, &limits)).transpose()?;
+    let queue = queue(&written.queue, &limits)?;
+    lease_combines(&lease, &queue, &limits, &tokens)?;
+    Ok(Policy {
+        companion,
+        domain: written.domain.clone(),
+        identity,
+        failure_mode: written.failure_mode,
+        limits,
+        tokens,
+        slots,
+        tier,
+        prices,
+        mode: written.mode,
+        headers: written.headers.clone(),
+        bypass,
+        queue,
+        fallback,
+        lease,
+        hold_request_headers: written.hold_request_headers,
+    })
+}
+
+fn companion(written: &shape::Companion) -> Result<Companion, ConfigError> {
+    if written.upstream.trim().is_empty() {
+        return Err(invalid("companion.upstream", "must name the companion's cluster (Envoy) or host:port"));
+    }
+    not_empty("companion.token", written.token.expose())?;
+    let timeout =
+        within("companion.timeout", written.timeout.0, Duration::from_millis(1)..=Duration::from_secs(60), "1ms..60s")?;
+    Ok(Companion {
+        upstream: written.upstream.clone(),
+        authority: written.authority.clone(),
+        token: written.token.clone(),
+        timeout,
+    })
+}
+
+fn identity(written: &shape::Identity) -> Result<Identity, ConfigError> {
+    if written.sources.is_empty() {
+        return Err(invalid("identity.sources", "must list at least one header"));
+    }
+    let sources = written
+        .sources
+        .iter()
+        .enumerate()
+        .map(|(i, source)| {
+            let header = header_name(format!("identity.sources[{i}].header"), &source.header, source.header.trim())?;
+            Ok(IdentitySource { header, prefix: source.prefix.clone() })
+        })
+        .collect::<Result<_, ConfigError>>()?;
+    Ok(Identity { sources, missing: written.missing })
+}
+
+/// The list: at least one limit, each named once.
+fn limits(written: &[shape::Limit], has_tier: bool, slot_ttl: Duration) -> Result<Vec<Limit>, ConfigError> {
+    if written.is_empty() {
+        return Err(invalid("limits", "must list at least one limit"));
+    }
+    let mut names = HashSet::new();
+    let mut limits = Vec::with_capacity(written.len());
+    for (i, entry) in written.iter().enumerate() {
+        name(&format!("limits[{i}].name"), &entry.name)?;
+        if !names.insert(entry.name.as_str()) {
+            return Err(invalid(format!("limits[{i}].name"), format!("{:?} is used by another limit", entry.name)));
+        }
+        limits.push(limit(&format!("limits[{i}]"), entry, has_tier, slot_ttl)?);
+    }
+    Ok(limits)
+}
+
+/// One limit, found at `at` (`limits[2]`).
+fn limit(at: &str, written: &shape::Limit, has_tier: bool, slot_ttl: Duration) -> Result<Limit, ConfigError> {
+    let measure = measure(at, written)?;
+    if let Some(i) = written.models.iter().position(|m| m.is_empty()) {
+        return Err(invalid(format!("{at}.models[{i}]"), "must not be empty"));
+    }
+    if let Some((i, tier)) = written.tiers.iter().enumerate().find(|(_, t)| !is_name(t)) {
+        return Err(invalid(format!("{at}.tiers[{i}]"), format!("{tier:?} is not a valid tier name")));
+    }
+    let kind = match (measure, written.algorithm) {
+        (Measure::Concurrency(_), Algorithm::SlidingWindow) => {
+            return Err(invalid(format!("{at}.algorithm"), "a concurrency limit has no window to slide"))
+        }
+        (Measure::Concurrency(_), Algorithm::TokenBucket) => LimitKind::Slots,
+        (_, Algorithm::SlidingWindow) => LimitKind::SlidingWindow,
+        (_, Algorithm::TokenBucket) => LimitKind::TokenBucket,
+    };
+    if !written.tiers.is_empty() && !has_tier {
+        return Err(invalid(format!("{at}.tiers"), "needs `tier` (where a tenant's tier comes from)"));
+    }
+    let window = match (measure, written.window) {
+        (Measure::Concurrency(_), Some(_)) => {
+            return Err(invalid(format!("{at}.window"), "a concurrency limit has no window (slots live `slots.ttl`)"))
+        }
+        (Measure::Concurrency(_), None) => slot_ttl,
+        (_, None) => return Err(invalid(format!("{at}.window"), "required for a requests or tokens limit")),
+        (_, Some(ConfigDuration(window))) => within(
+            format!("{at}.window"),
+            window,
+            Duration::from_millis(100)..=Duration::from_secs(366 * 86_400),
+            "100ms..366d",
+        )?,
+    };
+    Ok(Limit {
+        name: written.name.clone(),
+        measure,
+        window,
+        kind,
+        models: written.models.clone(),
+        tiers: written.tiers.clone(),
+    })
+}
+
+/// What a limit counts: exactly one of the four amounts, each in 1..10^12 of its unit.
+fn measure(at: &str, written: &shape::Limit) -> Result<Measure, ConfigError> {
+    let (measure, key) = match (written.requests, written.tokens, written.concurrency, written.usd) {
+        (Some(n), None, None, None) => (Measure::Requests(n), "requests"),
+        (None, Some(n), None, None) => (Measure::Tokens(n), "tokens"),
+        (None, None, Some(n), None) => (Measure::Concurrency(n), "concurrency"),
+        (None, None, None, Some(usd)) => {
+            let usd = within(format!("{at}.usd"), usd, (Excluded(0.0), Included(1e9)), "(0, 1e9]")?;
+            (Measure::Usd { micro: (usd * 1e6).round() as u64 }, "usd")
+        }
+        _ => return Err(invalid(at, "set exactly one of `requests`, `tokens`, `concurrency` and `usd`")),
+    };
+    // A usd amount is checked in micro-dollars: too small a fraction of a cent rounds to 0.
+    within(format!("{at}.{key}"), measure.capacity(), 1..=1_000_000_000_000, "1..1000000000000")?;
+    Ok(measure)
+}
+
+fn slots(written: &shape::Slots) -> Result<Slots, ConfigError> {
+    let ttl = within("slots.ttl", written.ttl.0, Duration::from_secs(1)..=Duration::from_secs(3600), "1s..1h")?;
+    Ok(Slots { ttl })
+}
+
+fn tokens(written: &shape::Tokens) -> Result<TokenPolicy, ConfigError> {
+    let encodings = std::iter::once(("tokens.default_encoding".to_string(), written.default_encoding)).chain(
+        written.models.iter().enumerate().map(|(i, rule)| (format!("tokens.models[{i}].encoding"), rule.encoding)),
+    );
+    for (field, encoding) in encodings {
+        if !encoding.available() {
+            return Err(invalid(field, format!("{} is not compiled into this build", encoding.name())));
+        }
+    }
+    for (i, rule) in written.models.iter().enumerate() {
+        not_empty(format!("tokens.models[{i}].match"), &rule.pattern)?;
+        within(format!("tokens.models[{i}].factor"), rule.factor, (Excluded(0.0), Included(10.0)), "(0, 10]")?;
+        if let Some(max_output) = rule.max_output {
+            positive(format!("tokens.models[{i}].max_output"), max_output)?;
+        }
+    }
+    let min_output_tokens = positive("tokens.min_output_tokens", written.min_output_tokens)?;
+    let default_max_output = positive("tokens.default_max_output", written.default_max_output)?;
+    let output_estimate_factor =
+        within("tokens.output_estimate_factor", written.output_estimate_factor, 0.1..=10.0, "0.1..10")?;
+    let max_request_bytes =
+        within("tokens.max_request_bytes", written.max_request_bytes, 1024..=64 << 20, "1024..67108864")?;
+    let reservation_ttl = within(
+        "tokens.reservation_ttl",
+        written.reservation_ttl.0,
+        Duration::from_secs(1)..=Duration::from_secs(86_400),
+        "1s..1d",
+    )?;
+    Ok(TokenPolicy {
+        default_encoding: written.default_encoding,
+        models: written.models.clone(),
+        default_max_output,
+        output_estimate_factor,
+        unparsed_request_cost: written.unparsed_request_cost,
+        max_request_bytes,
+        reservation_ttl,
+        on_upstream_error: written.on_upstream_error,
+        request_stream_usage: written.request_stream_usage,
+        clamp_max_tokens: written.clamp_max_tokens,
+        min_output_tokens,
+        warm_up: written.warm_up,
+    })
+}
+
+fn fallback(written: &shape::Fallback) -> Result<Fallback, ConfigError> {
+    let instances = within("fallback.instances", written.instances, 1..=10_000, "1..10000")?;
+    let breaker_failures = positive("fallback.breaker_failures", written.breaker_failures)?;
+    let breaker_cooldown = within(
+        "fallback.breaker_cooldown",
+        written.breaker_cooldown.0,
+        Duration::from_millis(10)..=Duration::from_secs(300),
+        "10ms..5m",
+    )?;
+    Ok(Fallback { instances, breaker_failures, breaker_cooldown })
+}
+
+fn lease(written: &shape::Lease) -> Result<LeaseConfig, ConfigError> {
+    let ttl = within("lease.ttl", written.ttl.0, Duration::from_millis(100)..=Duration::from_secs(3600), "100ms..1h")?;
+    let low_water = within("lease.low_water", written.low_water, (Excluded(0.0), Included(0.9)), "(0, 0.9]")?;
+    let initial_fraction =
+        within("lease.initial_fraction", written.initial_fraction, (Excluded(0.0001), Included(1.0)), "(0.0001, 1]")?;
+    let max_fraction =
+        within("lease.max_fraction", written.max_fraction, (Excluded(0.0001), Included(1.0)), "(0.0001, 1]")?;
+    let share = within("lease.share", written.share, (Excluded(0.01), Included(1.0)), "(0.01, 1]")?;
+    Ok(LeaseConfig { enabled: written.enabled, ttl, low_water, initial_fraction, max_fraction, share })
+}
+
+fn bypass(written: &shape::Bypass) -> Result<Bypass, ConfigError> {
+    if let Some(i) = written.tenants.iter().position(|t| !is_tenant_id(t)) {
+        return Err(invalid(
+            format!("bypass.tenants[{i}]"),
+            "must be a tenant id (32 lower-case hex digits), not a credential",
+        ));
+    }
+    for (i, path) in written.paths.iter().enumerate() {
+        if !path.starts_with('/') && !path.starts_with('*') {
+            return Err(invalid(format!("bypass.paths[{i}]"), format!("{path:?} must start with '/' or '*'")));
+        }
+    }
+    Ok(Bypass { tenants: written.tenants.clone(), paths: written.paths.clone() })
+}
+
+fn prices(written: &[shape::PriceEntry]) -> Result<Vec<PriceEntry>, ConfigError> {
+    let dollars_per_million = |v: f64| (0.0..=1e6).contains(&v);
+    written
+        .iter()
+        .enumerate()
+        .map(|(i, entry)| {
+            not_empty(format!("prices[{i}].match"), &entry.pattern)?;
+            if !dollars_per_million(entry.price.input) || !dollars_per_million(entry.price.output) {
+                return Err(invalid(
+                    format!("prices[{i}]"),
+                    "input and output must be dollars per million tokens in 0..1e6",
+                ));
+            }
+            Ok(PriceEntry { pattern: entry.pattern.clone(), price: entry.price })
+        })
+        .collect()
+}
+
+/// A `usd` limit charges by the price table, so it needs one.
+fn budgets_are_priced(limits: &[Limit], prices: &[PriceEntry]) -> Result<(), ConfigError> {
+    if limits.iter().any(|l| l.dimension() == Dimension::Cost) && prices.is_empty() {
+        return Err(invalid(
+            "prices",
+            "a `usd` limit needs a price table (requests for models it does not list are refused)",
+        ));
+    }
+    Ok(())
+}
+
+/// The tier section; every tier it names must be one some limit names.
+fn tier(written: &shape::Tier, limits: &[Limit]) -> Result<TierConfig, ConfigError> {
+    let header = header_name("tier.header", &written.header, &written.header)?;
+    let named = |tier: &str| tiers_named(limits).any(|t| t == tier);
+    if !named(&written.default) {
+        return Err(invalid("tier.default", format!("{:?} is not a tier any limit names", written.default)));
+    }
+    // Entries are named by position: a key may be a credential pasted by mistake.
+    for (at, (tenant, own)) in written.tenants.iter().enumerate() {
+        if !is_tenant_id(tenant) {
+            return Err(invalid(
+                format!("tier.tenants (entry {at})"),
+                "keys must be tenant ids (32 lower-case hex digits), not credentials",
+            ));
+        }
+        if !named(own) {
+            return Err(invalid(
+                format!("tier.tenants (entry {at})"),
+                format!("{own:?} is not a tier any limit names"),
+            ));
+        }
+    }
+    Ok(TierConfig { header, default: written.default.clone(), tenants: written.tenants.clone() })
+}
+
+fn queue(written: &shape::Queue, limits: &[Limit]) -> Result<QueueConfig, ConfigError> {
+    let max_wait = within("queue.max_wait", written.max_wait.0, ..=Duration::from_secs(600), "0s..10m")?;
+    let default_priority = within("queue.default_priority", written.default_priority, ..=9, "0..9")?;
+    for (at, (tier, priority)) in written.tier_priorities.iter().enumerate() {
+        if *priority > 9 || !tiers_named(limits).any(|t| t == tier) {
+            return Err(invalid(
+                format!("queue.tier_priorities.{tier}"),
+                format!("entry {at}: priority {priority} must be 0..9, for a tier some limit names"),
+            ));
+        }
+    }
+    if written.aging.0 < Duration::from_millis(1) {
+        return Err(invalid("queue.aging", "must be positive"));
+    }
+    let priority_header =
+        written.priority_header.as_deref().map(|h| header_name("queue.priority_header", h, h)).transpose()?;
+    Ok(QueueConfig {
+        max_wait,
+        max_length: written.max_length,
+        priority_header,
+        default_priority,
+        tier_priorities: written.tier_priorities.clone(),
+        aging: written.aging.0,
+    })
+}
+
+/// A lease is a token bucket this proxy holds: it cannot stand in for what must be
+/// decided in Redis.
+fn lease_combines(
+    lease: &LeaseConfig,
+    queue: &QueueConfig,
+    limits: &[Limit],
+    tokens: &TokenPolicy,
+) -> Result<(), ConfigError> {
+    if !lease.enabled {
+        return Ok(());
+    }
+    let clash = if queue.enabled() {
+        Some("leases and queueing do not combine: a queued request waits in Redis")
+    } else if limits.iter().any(|l| l.kind == LimitKind::Slots) {
+        Some("leases and concurrency limits do not combine: slots are held in Redis")
+    } else if limits.iter().any(|l| l.kind == LimitKind::SlidingWindow) {
+        Some("leases and sliding windows do not combine: leases are token buckets")
+    } else if tokens.clamp_max_tokens {
+        Some("leases and tokens.clamp_max_tokens do not combine: clamping needs the exact remainder in Redis")
+    } else {
+        None
+    };
+    clash.map_or(Ok(()), |message| Err(invalid("lease.enabled", message)))
+}
+
+/// Names that end up in Redis keys and headers: short, and free of the characters that
+/// carry meaning there (`{}` are Redis Cluster hash tags, `:` separates key parts).
+fn is_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 32
+        && name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_' || b == b'-')
+}
+
+fn name(field: &str, name: &str) -> Result<(), ConfigError> {
+    if is_name(name) {
+        Ok(())
+    } else {
+        Err(invalid(field, format!("{name:?} is not a valid name: use 1 to 32 of a-z, 0-9, '_', '-'")))
+    }
+}
+
+/// A request header name, lower-cased as the filter looks headers up. `name` is what the
+/// operator wrote, perhaps trimmed; an error quotes `written` exactly as written.
+fn header_name(field: impl Into<String>, written: &str, name: &str) -> Result<String, ConfigError> {
+    let valid = !name.is_empty() && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
+    if valid {
+        Ok(name.to_ascii_lowercase())
+    } else {
+        Err(invalid(field, format!("{written:?} is not a header name")))
+    }
+}
+
+/// `value`, if it lies in `range`; else an error quoting it and `range` as written for
+/// operators (`1ms..60s`, `(0, 10]`). NaN lies in no range.
+fn within<T: PartialOrd + Quoted>(
+    field: impl Into<String>,
+    value: T,
+    range: impl RangeBounds<T>,
+    written: &str,
+) -> Result<T, ConfigError> {
+    if range.contains(&value) {
+        Ok(value)
+    } else {
+        Err(invalid(field, format!("{} is outside {written}", value.quoted())))
+    }
+}
+
+fn positive<T: PartialOrd + Default>(field: impl Into<String>, value: T) -> Result<T, ConfigError> {
+    if value > T::default() {
+        Ok(value)
+    } else {
+        Err(invalid(field, "must be positive"))
+    }
+}
+
+fn not_empty(field: impl Into<String>, value: &str) -> Result<(), ConfigError> {
+    if value.is_empty() {
+        Err(invalid(field, "must not be empty"))
+    } else {
+        Ok(())
+    }
+}
+
+/// How a value out of range is quoted: durations as `Debug` shows them (`250ms`),
+/// numbers as written (`0.5`, not `0.5f64`; `1`, not `1.0`).
+trait Quoted {
+    fn quoted(&self) -> String;
+}
+
+impl Quoted for Duration {
+    fn quoted(&self) -> String {
+        format!("{self:?}")
+    }
+}
+
+macro_rules! quoted_as_displayed {
+    ($($number:ty),*) => {
+        $(impl Quoted for $number {
+            fn quoted(&self) -> String {
+                self.to_string()
+            }
+        })*
+    };
+}
+
+quoted_as_displayed!(u8, u32, u64, f64);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde::de::DeserializeOwned;
+
+    /// A section of the shape, from its JSON.
+    fn written<T: DeserializeOwned>(json: &str) -> T {
+        serde_json::from_str(json).unwrap_or_else(|e| panic!("{json}: {e}"))
+    }
+
+    fn document(json: &str) -> Document {
+        Document::parse(json.as_bytes()).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    fn limit_of(json: &str) -> Result<Limit, ConfigError> {
+        limit("limits[0]", &written(json), false, Duration::from_secs(30))
+    }
+
+    fn error(field: &str, message: &str) -> ConfigError {
+        invalid(field, message)
+    }
+
+    #[test]
+    fn each_measure_compiles_to_its_capacity_dimension_and_kind() {
+        let cases = [
+            (r#"{"name": "r", "requests": 20, "window": "1m"}"#, Measure::Requests(20), LimitKind::TokenBucket),
+            (r#"{"name": "t", "tokens": 9000, "window": "1m"}"#, Measure::Tokens(9000), LimitKind::TokenBucket),
+            (
+                r#"{"name": "t", "tokens": 9000, "window": "1m", "algorithm": "sliding_window"}"#,
+                Measure::Tokens(9000),
+                LimitKind::SlidingWindow,
+            ),
+            (r#"{"name": "u", "usd": 2.5, "window": "1d"}"#, Measure::Usd { micro: 2_500_000 }, LimitKind::TokenBucket),
+            (r#"{"name": "c", "concurrency": 4}"#, Measure::Concurrency(4), LimitKind::Slots),
+        ];
+        for (json, measure, kind) in cases {
+            let limit = limit_of(json).unwrap_or_else(|e| panic!("{json}: {e}"));
+            assert_eq!((limit.measure, limit.kind), (measure, kind), "{json}");
+            assert_eq!((limit.capacity(), limit.dimension()), (measure.capacity(), measure.dimension()), "{json}");
+        }
+    }
+
+    #[test]
+    fn a_concurrency_limit_lives_as_long_as_a_slot() {
+        let policy = compile(&document(
+            r#"{"companion": {"upstream": "c", "token": "t"}, "slots": {"ttl": "12s"},
+                "limits": [{"name": "c", "concurrency": 2}, {"name": "r", "requests": 2, "window": "1h"}]}"#,
+        ))
+        .unwrap_or_else(|e| panic!("{e}"));
+        let windows: Vec<u64> = policy.limits.iter().map(Limit::window_ms).collect();
+        assert_eq!(windows, [12_000, 3_600_000]);
+        assert_eq!(policy.slots.ttl, Duration::from_secs(12));
+    }
+
+    #[test]
+    fn compiling_leaves_the_written_config_as_it_was() {
+        let written = document(
+            r#"{"companion": {"upstream": "c", "token": "t"}, "identity": {"sources": [{"header": " X-Tenant "}]},
+                "tier": {"header": "X-Tier", "default": "gold"}, "queue": {"priority_header": "X-Priority"},
+                "limits": [{"name": "c", "concurrency": 2, "tiers": ["gold"]}]}"#,
+        );
+        let policy = compile(&written).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(policy.identity.sources[0].header, "x-tenant");
+        assert_eq!(policy.tier.as_ref().map(|t| t.header.as_str()), Some("x-tier"));
+        assert_eq!(policy.queue.priority_header.as_deref(), Some("x-priority"));
+        assert_eq!(written.identity.sources[0].header, " X-Tenant ");
+        assert_eq!(written.tier.as_ref().map(|t| t.header.as_str()), Some("X-Tier"));
+        assert_eq!(written.limits[0].window, None, "the slot ttl is the policy's, not written back");
+    }
+
+    /// One representative refusal per section function, field and message in full.
+    #[test]
+    fn each_section_refuses_what_it_owns() {
+        let gold = written(r#"{"name": "r", "requests": 1, "window": "1m", "tiers": ["gold"]}"#);
+        let limits = [limit("limits[0]", &gold, true, Duration::from_secs(30)).unwrap_or_else(|e| panic!("{e}"))];
+        let cases: Vec<(Result<(), ConfigError>, ConfigError)> = vec![
+            (
+                companion(&written(r#"{"upstream": "c", "token": "t", "timeout": "0s"}"#)).map(drop),
+                error("companion.timeout", "0ns is outside 1ms..60s"),
+            ),
+            (
+                identity(&written(r#"{"sources": [{"header": "x:y"}]}"#)).map(drop),
+                error("identity.sources[0].header", "\"x:y\" is not a header name"),
+            ),
+            (
+                self::limits(
+                    &[written(r#"{"name": "a", "requests": 1, "window": "1m"}"#), written(r#"{"name": "a"}"#)],
+                    false,
+                    Duration::from_secs(30),
+                )
+                .map(drop),
+                error("limits[1].name", "\"a\" is used by another limit"),
+            ),
+            (
+                limit_of(r#"{"name": "r", "requests": 1, "window": "1m", "models": ["", "x"]}"#).map(drop),
+                error("limits[0].models[0]", "must not be empty"),
+            ),
+            (
+                limit_of(r#"{"name": "u", "usd": 0.0000001, "window": "1d"}"#).map(drop),
+                error("limits[0].usd", "0 is outside 1..1000000000000"),
+            ),
+            (slots(&written(r#"{"ttl": "2h"}"#)).map(drop), error("slots.ttl", "7200s is outside 1s..1h")),
+            (
+                tokens(&written(r#"{"models": [{"match": "m", "encoding": "o200k_base", "factor": 0.0}]}"#)).map(drop),
+                error("tokens.models[0].factor", "0 is outside (0, 10]"),
+            ),
+            (
+                fallback(&written(r#"{"breaker_failures": 0}"#)).map(drop),
+                error("fallback.breaker_failures", "must be positive"),
+            ),
+            (
+                lease(&written(r#"{"initial_fraction": 1.5}"#)).map(drop),
+                error("lease.initial_fraction", "1.5 is outside (0.0001, 1]"),
+            ),
+            (
+                bypass(&written(r#"{"tenants": ["sk-SECRET"]}"#)).map(drop),
+                error("bypass.tenants[0]", "must be a tenant id (32 lower-case hex digits), not a credential"),
+            ),
+            (
+                prices(&[written(r#"{"match": "m", "input": 1, "output": 1e7}"#)]).map(drop),
+                error("prices[0]", "input and output must be dollars per million tokens in 0..1e6"),
+            ),
+            (
+                budgets_are_priced(
+                    &[limit_of(r#"{"name": "u", "usd": 1, "window": "1d"}"#).unwrap_or_else(|e| panic!("{e}"))],
+                    &[],
+                ),
+                error("prices", "a `usd` limit needs a price table (requests for models it does not list are refused)"),
+            ),
+            (
+                tier(&written(r#"{"header": "x-tier", "default": "gold", "tenants": {"sk-SECRET": "gold"}}"#), &limits)
+                    .map(drop),
+                error("tier.tenants (entry 0)", "keys must be tenant ids (32 lower-case hex digits), not credentials"),
+            ),
+            (
+                queue(&written(r#"{"tier_priorities": {"silver": 1}}"#), &limits).map(drop),
+                error("queue.tier_priorities.silver", "entry 0: priority 1 must be 0..9, for a tier some limit names"),
+            ),
+        ];
+        for (result, expected) in cases {
+            assert_eq!(result, Err(expected.clone()), "{expected}");
+            assert!(!expected.to_string().contains("SECRET"));
+        }
+    }
+
+    #[test]
+    fn a_lease_refuses_what_must_be_decided_in_redis() {
+        let written_lease: shape::Lease = written(r#"{"enabled": true}"#);
+        let lease = lease(&written_lease).unwrap_or_else(|e| panic!("{e}"));
+        let tokens = tokens(&written("{}")).unwrap_or_else(|e| panic!("{e}"));
+        let idle = queue(&written("{}"), &[]).unwrap_or_else(|e| panic!("{e}"));
+        let waiting = queue(&written(r#"{"max_wait": "1s"}"#), &[]).unwrap_or_else(|e| panic!("{e}"));
+        let bucket = [limit_of(r#"{"name": "r", "requests": 1, "window": "1m"}"#).unwrap_or_else(|e| panic!("{e}"))];
+        let slots = [limit_of(r#"{"name": "c", "concurrency": 1}"#).unwrap_or_else(|e| panic!("{e}"))];
+        assert_eq!(lease_combines(&lease, &idle, &bucket, &tokens), Ok(()));
+        let refused = |queue, limits: &[Limit]| lease_combines(&lease, queue, limits, &tokens).map_err(|e| e.message);
+        assert!(refused(&waiting, &bucket).is_err_and(|m| m.contains("queueing")));
+        assert!(refused(&idle, &slots).is_err_and(|m| m.contains("concurrency limits")));
+        let off = LeaseConfig { enabled: false, ..lease.clone() };
+        assert_eq!(lease_combines(&off, &waiting, &slots, &tokens), Ok(()), "no lease, nothing to clash");
+    }
+
+    #[test]
+    fn the_shared_checks_quote_what_was_written() {
+        assert_eq!(header_name("f", " X-A ", " X-A ".trim()), Ok("x-a".to_string()));
+        assert_eq!(header_name("f", " ", ""), Err(error("f", "\" \" is not a header name")));
+        assert_eq!(
+            within("f", Duration::from_millis(1500), ..=Duration::from_secs(1), "0s..1s").map_err(|e| e.message),
+            Err("1.5s is outside 0s..1s".to_string())
+        );
+        assert_eq!(
+            within("f", 0.5, (Excluded(0.5), Included(1.0)), "(0.5, 1]").map_err(|e| e.message),
+            Err("0.5 is outside (0.5, 1]".to_string())
+        );
+        assert!(within("f", f64::NAN, 0.0..=1.0, "0..1").is_err(), "NaN lies in no range");
+        assert!(is_name("gold-1_a") && !is_name("Gold") && !is_name("a:b") && !is_name(&"a".repeat(33)));
+        assert_eq!(positive("f", 0u32), Err(error("f", "must be positive")));
+    }
+}

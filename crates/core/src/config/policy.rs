@@ -1,0 +1,457 @@
+//! The policy the filter runs on: the config compiled once, at load. Every value here has
+//! been checked, durations are `Duration`s, header names are lower case, and a limit's
+//! measure is one enum, so no code downstream re-checks or re-derives anything. What each
+//! setting means for operators is documented on the shape (`super::shape`).
+
+use crate::identity::{IdentitySource, MissingIdentity};
+use crate::lease::LeasePolicy;
+use crate::protocol::LimitKind;
+use crate::reservation::{TokenEstimate, UpstreamErrorCharge};
+use crate::tokens::{builtin_rules, glob_match, Encoding, ModelRule};
+use serde::Deserialize;
+use std::collections::BTreeMap;
+use std::fmt;
+use std::time::Duration;
+
+#[derive(Debug, Clone)]
+pub struct Policy {
+    pub companion: Companion,
+    /// Namespace of this policy's counters in Redis.
+    pub domain: String,
+    pub identity: Identity,
+    pub failure_mode: FailureMode,
+    /// Every request is charged against each of these, all or nothing, in this order.
+    pub limits: Vec<Limit>,
+    pub tokens: TokenPolicy,
+    pub slots: Slots,
+    pub tier: Option<TierConfig>,
+    /// Tried in order.
+    pub prices: Vec<PriceEntry>,
+    pub mode: Mode,
+    pub headers: Vec<HeaderStyle>,
+    pub bypass: Bypass,
+    pub queue: QueueConfig,
+    pub fallback: Fallback,
+    pub lease: LeaseConfig,
+    /// As written: unset means "where the host can" (see `Worker::holds_request_headers`).
+    pub hold_request_headers: Option<bool>,
+}
+
+impl Policy {
+    /// Whether any limit needs the request's token estimate (token and cost limits), so
+    /// the body must be read and counted.
+    pub fn counts_tokens(&self) -> bool {
+        self.limits.iter().any(|l| matches!(l.dimension(), Dimension::Tokens | Dimension::Cost))
+    }
+
+    /// The price of `model`: the first matching entry of `prices`.
+    pub fn price_of(&self, model: &str) -> Option<Price> {
+        self.prices.iter().find(|p| glob_match(&p.pattern, model)).map(|p| p.price)
+    }
+
+    /// Every tier some limit names.
+    pub fn tiers(&self) -> impl Iterator<Item = &str> {
+        tiers_named(&self.limits)
+    }
+
+    /// The tier of `tenant`, whose tier header says `value`: its override, else the
+    /// header's tier if a limit names it, else the default.
+    pub fn tier_of(&self, tenant: &str, value: Option<&str>) -> &str {
+        let Some(tier) = &self.tier else { return "" };
+        if let Some(own) = tier.tenants.get(tenant) {
+            return own;
+        }
+        value.map(str::trim).and_then(|v| self.tiers().find(|t| *t == v)).unwrap_or(&tier.default)
+    }
+
+    /// Whether the request body must be read before deciding: to count tokens, or to
+    /// learn the model a per-model limit depends on.
+    pub fn reads_body(&self) -> bool {
+        self.counts_tokens() || self.limits.iter().any(|l| !l.models.is_empty())
+    }
+
+    pub fn has_concurrency(&self) -> bool {
+        self.limits.iter().any(|l| l.dimension() == Dimension::Concurrency)
+    }
+
+    pub fn limit(&self, name: &str) -> Option<&Limit> {
+        self.limits.iter().find(|l| l.name == name)
+    }
+}
+
+/// The tiers `limits` name: the only tiers a tenant can be in.
+pub(super) fn tiers_named(limits: &[Limit]) -> impl Iterator<Item = &str> {
+    limits.iter().flat_map(|l| l.tiers.iter().map(String::as_str))
+}
+
+#[derive(Debug, Clone)]
+pub struct Companion {
+    /// The callout target: an Envoy cluster name, or `host:port`.
+    pub upstream: String,
+    /// `:authority` of the callout, when it is not `upstream`.
+    pub authority: Option<String>,
+    /// Shared secret the companion requires in `x-llmrl-token`.
+    pub token: Secret,
+    /// How long a callout may take before the failure mode decides.
+    pub timeout: Duration,
+}
+
+impl Companion {
+    pub fn authority(&self) -> &str {
+        self.authority.as_deref().unwrap_or(&self.upstream)
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct Identity {
+    /// Tried in order; header names in lower case.
+    pub sources: Vec<IdentitySource>,
+    pub missing: MissingIdentity,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FailureMode {
+    /// Decide with a strict local limit (each limit divided by `fallback.instances`),
+    /// held in shared data; reconcile with Redis when it is back.
+    #[default]
+    Local,
+    /// Let the request through, marked with a response header and a metric.
+    Allow,
+    /// Answer 503 with `Retry-After`.
+    Deny,
+}
+
+/// Whether decisions are carried out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Mode {
+    /// Requests over a limit are refused.
+    #[default]
+    Enforce,
+    /// Everything is computed, charged and settled as if enforced, and headers and metrics
+    /// say what would have happened, but no request is refused.
+    Shadow,
+}
+
+/// Rate-limit header conventions a response may carry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum HeaderStyle {
+    /// `x-ratelimit-{limit,remaining,reset}-{requests,tokens}` (and `-concurrency`).
+    Openai,
+    /// `RateLimit-Policy` and `RateLimit` (IETF draft).
+    Ietf,
+    /// `X-RateLimit-Limit`, `X-RateLimit-Remaining`, `X-RateLimit-Reset` for the most
+    /// restrictive limit.
+    Classic,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Limit {
+    /// Names the counter in Redis and in headers and 429 bodies.
+    pub name: String,
+    pub measure: Measure,
+    /// The time in which a spent budget refills completely; for a concurrency limit,
+    /// `slots.ttl`, how long a slot lives unrenewed.
+    pub window: Duration,
+    /// What this limit is in Redis: `Slots` exactly when the measure is concurrency.
+    pub kind: LimitKind,
+    /// Model patterns this limit applies to; empty: every model.
+    pub models: Vec<String>,
+    /// Tiers this limit applies to; empty: every tier.
+    pub tiers: Vec<String>,
+}
+
+/// What a limit counts, and how much of it it allows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Measure {
+    /// Requests per window.
+    Requests(u64),
+    /// Tokens (prompt and completion) per window.
+    Tokens(u64),
+    /// Money per window.
+    Usd { micro: u64 },
+    /// Requests in flight at once.
+    Concurrency(u64),
+}
+
+impl Measure {
+    pub fn dimension(self) -> Dimension {
+        match self {
+            Measure::Requests(_) => Dimension::Requests,
+            Measure::Tokens(_) => Dimension::Tokens,
+            Measure::Usd { .. } => Dimension::Cost,
+            Measure::Concurrency(_) => Dimension::Concurrency,
+        }
+    }
+
+    /// The amount, in the unit Redis counts: requests, tokens, micro-dollars, slots.
+    pub fn capacity(self) -> u64 {
+        match self {
+            Measure::Requests(n) | Measure::Tokens(n) | Measure::Concurrency(n) => n,
+            Measure::Usd { micro } => micro,
+        }
+    }
+}
+
+/// What a limit counts, without the amount: how headers and 429s speak of it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Dimension {
+    Requests,
+    Tokens,
+    Concurrency,
+    /// Money, in micro-dollars.
+    Cost,
+}
+
+impl Dimension {
+    /// As OpenAI names it in headers and error types.
+    pub fn name(self) -> &'static str {
+        match self {
+            Dimension::Requests => "requests",
+            Dimension::Tokens => "tokens",
+            Dimension::Concurrency => "concurrency",
+            Dimension::Cost => "cost",
+        }
+    }
+}
+
+impl Limit {
+    pub fn dimension(&self) -> Dimension {
+        self.measure.dimension()
+    }
+
+    /// The budget: requests, tokens or micro-dollars per window, or requests at once.
+    pub fn capacity(&self) -> u64 {
+        self.measure.capacity()
+    }
+
+    /// The refill window; for a concurrency limit, how long a slot lives unrenewed.
+    pub fn window_ms(&self) -> u64 {
+        duration_ms(self.window)
+    }
+
+    /// Whether a request for `model` (empty: unknown) from a tenant of `tier` is charged
+    /// against this limit.
+    pub fn applies_to(&self, model: &str, tier: &str) -> bool {
+        (self.models.is_empty() || self.models.iter().any(|pattern| glob_match(pattern, model)))
+            && (self.tiers.is_empty() || self.tiers.iter().any(|t| t == tier))
+    }
+}
+
+/// Concurrency slots.
+#[derive(Debug, Clone)]
+pub struct Slots {
+    /// How long a slot lives unless renewed.
+    pub ttl: Duration,
+}
+
+/// How prompts are counted, completions estimated, and reservations settled.
+#[derive(Debug, Clone)]
+pub struct TokenPolicy {
+    pub default_encoding: Encoding,
+    /// Tried in order before the built-in OpenAI families.
+    pub models: Vec<ModelRule>,
+    pub default_max_output: u64,
+    pub output_estimate_factor: f64,
+    pub unparsed_request_cost: u64,
+    pub max_request_bytes: u64,
+    pub reservation_ttl: Duration,
+    pub on_upstream_error: UpstreamErrorCharge,
+    pub request_stream_usage: bool,
+    pub clamp_max_tokens: bool,
+    pub min_output_tokens: u64,
+    pub warm_up: bool,
+}
+
+/// The rule that applies to a model: the operator's first match, then the built-in
+/// OpenAI families, then the default encoding.
+pub fn model_rule(policy: &TokenPolicy, model: Option<&str>) -> ModelRule {
+    let model = model.unwrap_or("");
+    policy
+        .models
+        .iter()
+        .find(|rule| glob_match(&rule.pattern, model))
+        .cloned()
+        .or_else(|| builtin_rules().into_iter().find(|rule| glob_match(&rule.pattern, model)))
+        .unwrap_or(ModelRule { pattern: "*".into(), encoding: policy.default_encoding, factor: 1.0, max_output: None })
+}
+
+/// The degraded mode: how the proxy decides alone, and when it stops asking.
+#[derive(Debug, Clone)]
+pub struct Fallback {
+    /// How many proxy instances share the limits: each decides alone with this share.
+    pub instances: u32,
+    /// Consecutive failed callouts that open the circuit breaker.
+    pub breaker_failures: u32,
+    /// How long an open breaker keeps every decision local before one request probes.
+    pub breaker_cooldown: Duration,
+}
+
+/// Leased budgets.
+#[derive(Debug, Clone)]
+pub struct LeaseConfig {
+    pub enabled: bool,
+    /// How long a grant lives.
+    pub ttl: Duration,
+    pub low_water: f64,
+    pub initial_fraction: f64,
+    pub max_fraction: f64,
+    /// The most of what a tenant has left that one grant may take.
+    pub share: f64,
+}
+
+impl LeaseConfig {
+    pub fn policy(&self) -> LeasePolicy {
+        LeasePolicy {
+            ttl_ms: duration_ms(self.ttl),
+            low_water: self.low_water,
+            initial_fraction: self.initial_fraction,
+            max_fraction: self.max_fraction,
+        }
+    }
+}
+
+/// Requests never limited.
+#[derive(Debug, Clone, Default)]
+pub struct Bypass {
+    /// Tenant ids, never credentials.
+    pub tenants: Vec<String>,
+    /// Request path patterns, `*` matching any run of characters.
+    pub paths: Vec<String>,
+}
+
+impl Bypass {
+    pub fn path(&self, path: &str) -> bool {
+        let path = path.split(['?', '#']).next().unwrap_or("");
+        self.paths.iter().any(|pattern| glob_match(pattern, path))
+    }
+
+    pub fn tenant(&self, tenant: &str) -> bool {
+        self.tenants.iter().any(|t| t == tenant)
+    }
+}
+
+/// A price-table entry: a model pattern and its price.
+#[derive(Debug, Clone)]
+pub struct PriceEntry {
+    /// Model name, `*` matching any run of characters.
+    pub pattern: String,
+    pub price: Price,
+}
+
+/// A model's price, in US dollars per million tokens: so also micro-dollars per token.
+#[derive(Debug, Clone, Copy, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Price {
+    pub input: f64,
+    pub output: f64,
+    /// Input read from the provider's prompt cache, where it reports it; `input` if unset.
+    #[serde(default)]
+    pub cached_input: Option<f64>,
+}
+
+impl Price {
+    /// What `usage` costs, in micro-dollars, rounded up.
+    pub fn micro_usd(&self, usage: TokenEstimate) -> u64 {
+        self.micro_usd_cached(usage, 0)
+    }
+
+    /// What `usage` costs when `cached` of its input came from the prompt cache.
+    pub fn micro_usd_cached(&self, usage: TokenEstimate, cached: u64) -> u64 {
+        let cached = cached.min(usage.prompt);
+        let fresh = (usage.prompt - cached) as f64 * self.input;
+        let from_cache = cached as f64 * self.cached_input.unwrap_or(self.input);
+        (fresh + from_cache + usage.output as f64 * self.output).ceil().max(0.0) as u64
+    }
+}
+
+/// Where a tenant's tier comes from.
+#[derive(Debug, Clone)]
+pub struct TierConfig {
+    /// The request header carrying the tier, in lower case.
+    pub header: String,
+    /// The tier of a request whose header is missing or names no known tier.
+    pub default: String,
+    /// Per-tenant overrides: tenant id → tier.
+    pub tenants: BTreeMap<String, String>,
+}
+
+/// Waiting for capacity instead of an instant 429.
+#[derive(Debug, Clone)]
+pub struct QueueConfig {
+    /// The longest a request waits for capacity; zero: no queueing.
+    pub max_wait: Duration,
+    /// The most requests one proxy keeps waiting at once.
+    pub max_length: u32,
+    /// A request header carrying a priority 0 to 9, in lower case.
+    pub priority_header: Option<String>,
+    pub default_priority: u8,
+    /// Priorities by tenant tier, for requests whose header does not say.
+    pub tier_priorities: BTreeMap<String, u8>,
+    /// How much waiting one priority level is worth.
+    pub aging: Duration,
+}
+
+impl QueueConfig {
+    pub fn enabled(&self) -> bool {
+        !self.max_wait.is_zero()
+    }
+}
+
+/// A secret from config: never printed, not even by `Debug`.
+#[derive(Clone, Deserialize)]
+#[serde(transparent)]
+pub struct Secret(String);
+
+impl Secret {
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Debug for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Secret(***)")
+    }
+}
+
+/// Whole milliseconds, as the wire protocol and Redis count them. Policy durations are
+/// at most 366 days, far inside `u64`.
+fn duration_ms(duration: Duration) -> u64 {
+    u64::try_from(duration.as_millis()).unwrap_or(u64::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prices_turn_usage_into_micro_dollars() {
+        // gpt-4o-like: $2.50 in, $10 out per million tokens.
+        let price = Price { input: 2.5, output: 10.0, cached_input: Some(1.25) };
+        assert_eq!(price.micro_usd(TokenEstimate { prompt: 1000, output: 500 }), 7_500);
+        // 400 of the 1,000 prompt tokens came from the cache, at half price.
+        assert_eq!(price.micro_usd_cached(TokenEstimate { prompt: 1000, output: 500 }, 400), 7_000);
+        assert_eq!(
+            price.micro_usd_cached(TokenEstimate { prompt: 10, output: 0 }, 99),
+            13,
+            "cached never exceeds input"
+        );
+        assert_eq!(price.micro_usd(TokenEstimate { prompt: 1, output: 0 }), 3, "rounded up");
+    }
+
+    #[test]
+    fn each_measure_has_its_dimension_and_capacity() {
+        let cases = [
+            (Measure::Requests(20), Dimension::Requests, 20),
+            (Measure::Tokens(10_000), Dimension::Tokens, 10_000),
+            (Measure::Usd { micro: 5_000_000 }, Dimension::Cost, 5_000_000),
+            (Measure::Concurrency(4), Dimension::Concurrency, 4),
+        ];
+        for (measure, dimension, capacity) in cases {
+            assert_eq!((measure.dimension(), measure.capacity()), (dimension, capacity), "{measure:?}");
+        }
+    }
+}

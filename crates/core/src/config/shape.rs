@@ -1,0 +1,373 @@
+//! The config as operators write it: the JSON in the proxy's plugin configuration, with
+//! its defaults. Every struct rejects unknown fields, so a misspelt key is an error rather
+//! than a silently ignored setting. Nothing here is checked beyond its JSON type: `compile`
+//! turns a `Document` into a `Policy` or says which field is wrong.
+//!
+//! Values that are used exactly as written (modes, header styles, prices, encodings,
+//! identity sources) are the policy's own types, deserialized in place.
+
+use super::error::{invalid, ConfigError};
+use super::policy::{FailureMode, HeaderStyle, Mode, Price, Secret};
+use crate::duration::parse_duration;
+use crate::identity::{IdentitySource, MissingIdentity};
+use crate::reservation::UpstreamErrorCharge;
+use crate::tokens::{Encoding, ModelRule};
+use serde::{Deserialize, Deserializer};
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+/// The whole plugin configuration.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Document {
+    /// Where the companion (the service that runs the Lua scripts in Redis) is reached.
+    pub companion: Companion,
+    /// Namespace of this config's counters in Redis: configs with the same domain and limit
+    /// names share budgets (that is how several proxies hold one global limit).
+    #[serde(default = "default_domain")]
+    pub domain: String,
+    #[serde(default)]
+    pub identity: Identity,
+    /// What to do with a request when the companion fails or does not answer in time.
+    #[serde(default)]
+    pub failure_mode: FailureMode,
+    /// Every request is charged against each of these, all or nothing.
+    pub limits: Vec<Limit>,
+    #[serde(default)]
+    pub tokens: Tokens,
+    #[serde(default)]
+    pub slots: Slots,
+    #[serde(default)]
+    pub tier: Option<Tier>,
+    /// Prices for cost limits, tried in order.
+    #[serde(default)]
+    pub prices: Vec<PriceEntry>,
+    #[serde(default)]
+    pub mode: Mode,
+    /// Which header conventions responses carry (`Retry-After` is always on a 429).
+    #[serde(default = "default_header_styles")]
+    pub headers: Vec<HeaderStyle>,
+    #[serde(default)]
+    pub bypass: Bypass,
+    #[serde(default)]
+    pub queue: Queue,
+    #[serde(default)]
+    pub fallback: Fallback,
+    #[serde(default)]
+    pub lease: Lease,
+    /// Hold the request headers while the body is read and the decision made (Envoy, with
+    /// `allow_on_headers_stop_iteration: true`). Unset: held where the host can deliver
+    /// the body meanwhile (Envoy), not elsewhere (Nginx), where the body alone waits for
+    /// the decision. `true` on a host that cannot is refused at load.
+    #[serde(default)]
+    pub hold_request_headers: Option<bool>,
+}
+
+impl Document {
+    /// Reads the JSON; an error names the field as a path (`limits[0].window`).
+    pub fn parse(bytes: &[u8]) -> Result<Document, ConfigError> {
+        let mut deserializer = serde_json::Deserializer::from_slice(bytes);
+        serde_path_to_error::deserialize(&mut deserializer).map_err(|e| {
+            let path = e.path().to_string();
+            let field = if path == "." { "(top level)".to_string() } else { path };
+            invalid(field, e.into_inner().to_string())
+        })
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Companion {
+    /// The callout target, taken verbatim: an Envoy cluster name, or `host:port` on hosts
+    /// such as ngx_wasm_module.
+    pub upstream: String,
+    /// `:authority` of the callout; defaults to `upstream`.
+    #[serde(default)]
+    pub authority: Option<String>,
+    /// Shared secret the companion requires in `x-llmrl-token`.
+    pub token: Secret,
+    #[serde(default = "default_companion_timeout")]
+    pub timeout: ConfigDuration,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Identity {
+    /// Headers tried in order; the first present one identifies the tenant. Header names
+    /// are matched case-insensitively.
+    #[serde(default = "default_identity_sources")]
+    pub sources: Vec<IdentitySource>,
+    #[serde(default)]
+    pub missing: MissingIdentity,
+}
+
+impl Default for Identity {
+    fn default() -> Self {
+        Identity { sources: default_identity_sources(), missing: MissingIdentity::default() }
+    }
+}
+
+/// A limit as written: one of `requests`, `tokens`, `concurrency` and `usd` says what it
+/// counts and how much.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Limit {
+    /// Names the counter in Redis and in headers and 429 bodies.
+    pub name: String,
+    /// Requests admitted per `window`.
+    #[serde(default)]
+    pub requests: Option<u64>,
+    /// Tokens (prompt and completion) admitted per `window`.
+    #[serde(default)]
+    pub tokens: Option<u64>,
+    /// Requests in flight at once, across all proxies (no `window`: a slot is held until
+    /// the response ends, or for `slots.ttl` if its proxy stops renewing it).
+    #[serde(default)]
+    pub concurrency: Option<u64>,
+    /// US dollars per `window`, priced with `prices`.
+    #[serde(default)]
+    pub usd: Option<f64>,
+    /// The time in which a spent budget refills completely (every limit but concurrency).
+    #[serde(default)]
+    pub window: Option<ConfigDuration>,
+    /// Models this limit applies to (`*` matches any run of characters: `gpt-4o*`); empty:
+    /// every request.
+    #[serde(default)]
+    pub models: Vec<String>,
+    /// Tenant tiers this limit applies to (see `tier`); empty: every tier.
+    #[serde(default)]
+    pub tiers: Vec<String>,
+    /// How a windowed limit counts its window.
+    #[serde(default)]
+    pub algorithm: Algorithm,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Algorithm {
+    /// Refills continuously: bursts up to the limit, then the refill rate.
+    #[default]
+    TokenBucket,
+    /// At most the limit in any window, exactly (no double burst at a boundary).
+    SlidingWindow,
+}
+
+/// Concurrency slots.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Slots {
+    /// How long a slot lives unless renewed: the filter renews the slots of live requests
+    /// every third of this, so a slot outlives a crashed proxy by at most this long.
+    pub ttl: ConfigDuration,
+}
+
+impl Default for Slots {
+    fn default() -> Self {
+        Slots { ttl: ConfigDuration(Duration::from_secs(30)) }
+    }
+}
+
+/// How prompts are counted, completions estimated, and reservations settled.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Tokens {
+    /// Encoding for models no rule matches.
+    pub default_encoding: Encoding,
+    /// Tried in order before the built-in OpenAI families; the first match wins.
+    pub models: Vec<ModelRule>,
+    /// Output cap assumed when neither the request nor a model rule sets one.
+    pub default_max_output: u64,
+    /// The completion estimate is `min(max_output, factor x this tenant's running
+    /// average completion for the model)`.
+    pub output_estimate_factor: f64,
+    /// Tokens charged for a request whose body cannot be read (unknown path, not JSON).
+    pub unparsed_request_cost: u64,
+    /// Largest request body read for counting; a larger one is answered 413.
+    pub max_request_bytes: u64,
+    /// How long a reservation waits for its settlement before the estimate stands.
+    pub reservation_ttl: ConfigDuration,
+    /// What an upstream error (status >= 400) is charged.
+    pub on_upstream_error: UpstreamErrorCharge,
+    /// Add `stream_options.include_usage` to streamed OpenAI chat requests that lack it
+    /// (and remove the extra usage chunk from what the client receives).
+    pub request_stream_usage: bool,
+    /// Reserve each request's true upper bound (prompt + output cap), shrunk to what the
+    /// tenant has left if need be, and set the request's output cap to match: the limit
+    /// then holds exactly, whatever the completions turn out to be.
+    pub clamp_max_tokens: bool,
+    /// With clamping, the smallest output allowance worth admitting a request with.
+    pub min_output_tokens: u64,
+    /// Build the vocabularies on the first timer tick rather than on the first request.
+    pub warm_up: bool,
+}
+
+impl Default for Tokens {
+    fn default() -> Self {
+        Tokens {
+            default_encoding: Encoding::O200kBase,
+            models: Vec::new(),
+            default_max_output: 4096,
+            output_estimate_factor: 1.5,
+            unparsed_request_cost: 1000,
+            max_request_bytes: 1 << 20,
+            reservation_ttl: ConfigDuration(Duration::from_secs(15 * 60)),
+            on_upstream_error: UpstreamErrorCharge::default(),
+            request_stream_usage: false,
+            clamp_max_tokens: false,
+            min_output_tokens: 64,
+            warm_up: true,
+        }
+    }
+}
+
+/// The degraded mode: how the proxy decides alone, and when it stops asking.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Fallback {
+    /// How many proxy instances share the limits: each decides alone with this share.
+    pub instances: u32,
+    /// Consecutive failed callouts that open the circuit breaker.
+    pub breaker_failures: u32,
+    /// How long an open breaker keeps every decision local before one request probes.
+    pub breaker_cooldown: ConfigDuration,
+}
+
+impl Default for Fallback {
+    fn default() -> Self {
+        Fallback { instances: 1, breaker_failures: 3, breaker_cooldown: ConfigDuration(Duration::from_millis(500)) }
+    }
+}
+
+/// Leased budgets: most requests are admitted from a block of budget this proxy holds,
+/// with no callout.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Lease {
+    pub enabled: bool,
+    /// How long a grant lives; what is left then goes back to Redis.
+    pub ttl: ConfigDuration,
+    /// Renew when less than this fraction of the last grant is left.
+    pub low_water: f64,
+    /// The first grant, as a fraction of the limit.
+    pub initial_fraction: f64,
+    /// The largest grant, as a fraction of the limit.
+    pub max_fraction: f64,
+    /// The most of what a tenant has left that one grant may take.
+    pub share: f64,
+}
+
+impl Default for Lease {
+    fn default() -> Self {
+        Lease {
+            enabled: false,
+            ttl: ConfigDuration(Duration::from_secs(10)),
+            low_water: 0.2,
+            initial_fraction: 0.02,
+            max_fraction: 0.1,
+            share: 0.5,
+        }
+    }
+}
+
+/// Requests never limited.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Bypass {
+    /// Tenant ids (as the filter derives them: the first 32 hex digits of SHA-256 over
+    /// "llm-ratelimit/tenant/v1\0" and the credential; `anonymous` for the pooled tenant).
+    pub tenants: Vec<String>,
+    /// Request paths, `*` matching any run of characters (`/v1/models*`).
+    pub paths: Vec<String>,
+}
+
+/// A price-table entry: a model pattern and its price.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PriceEntry {
+    /// Model name, `*` matching any run of characters.
+    #[serde(rename = "match")]
+    pub pattern: String,
+    /// US dollars per million input (prompt) and output (completion) tokens.
+    #[serde(flatten)]
+    pub price: Price,
+}
+
+/// Where a tenant's tier comes from.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Tier {
+    /// A request header carrying the tier, set by something the operator trusts (a JWT
+    /// filter copying a claim, say); a client must not be able to set it.
+    pub header: String,
+    /// The tier of a request whose header is missing or names no known tier.
+    pub default: String,
+    /// Per-tenant overrides: tenant id → tier, before the header (a tier of its own gives
+    /// a tenant limits of its own).
+    #[serde(default)]
+    pub tenants: BTreeMap<String, String>,
+}
+
+/// Waiting for capacity instead of an instant 429.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Queue {
+    /// The longest a request waits for capacity; "0s" turns queueing off. A request whose
+    /// retry time is already beyond it is refused at once.
+    pub max_wait: ConfigDuration,
+    /// The most requests one proxy keeps waiting at once; more are refused at once.
+    pub max_length: u32,
+    /// A request header carrying a priority 0 (lowest) to 9 (highest), if the operator
+    /// lets clients choose.
+    pub priority_header: Option<String>,
+    /// The priority of requests that do not say.
+    pub default_priority: u8,
+    /// Priorities by tenant tier (see `tier`), for requests whose header does not say.
+    pub tier_priorities: BTreeMap<String, u8>,
+    /// How much waiting one priority level is worth: a lower priority request moves up as
+    /// it waits, so it is never starved.
+    pub aging: ConfigDuration,
+}
+
+impl Default for Queue {
+    fn default() -> Self {
+        Queue {
+            max_wait: ConfigDuration(Duration::ZERO),
+            max_length: 1000,
+            priority_header: None,
+            default_priority: 5,
+            tier_priorities: BTreeMap::new(),
+            aging: ConfigDuration(Duration::from_secs(1)),
+        }
+    }
+}
+
+/// A duration written as a string (`"250ms"`, `"1m"`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ConfigDuration(pub Duration);
+
+impl<'de> Deserialize<'de> for ConfigDuration {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let text = String::deserialize(deserializer)?;
+        parse_duration(&text).map(ConfigDuration).map_err(serde::de::Error::custom)
+    }
+}
+
+fn default_domain() -> String {
+    "llm".to_string()
+}
+
+fn default_companion_timeout() -> ConfigDuration {
+    ConfigDuration(Duration::from_millis(50))
+}
+
+/// OpenAI's convention (`Authorization: Bearer <key>`), then Anthropic's (`x-api-key`).
+pub fn default_identity_sources() -> Vec<IdentitySource> {
+    vec![
+        IdentitySource { header: "authorization".into(), prefix: Some("Bearer ".into()) },
+        IdentitySource { header: "x-api-key".into(), prefix: None },
+    ]
+}
+
+fn default_header_styles() -> Vec<HeaderStyle> {
+    vec![HeaderStyle::Openai, HeaderStyle::Ietf]
+}
