@@ -16,7 +16,7 @@ pub enum Action {
 }
 
 /// The hosts whose semantics differ in ways the filter must know (see the README's host
-/// notes). Detected by the glue at start-up.
+/// notes). Detected at start-up by [`detect_kind`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum HostKind {
     /// Envoy (V8): end of stream is reported on headers; a request body is delivered while
@@ -136,8 +136,6 @@ impl Metric {
 
 /// The host, as the core sees it.
 pub trait Host {
-    /// Which host this is (semantics the filter adapts to).
-    fn kind(&self) -> HostKind;
     /// Nanoseconds since the epoch by the host's clock (0 if it will not say).
     fn now_nanos(&mut self) -> u128;
 
@@ -187,11 +185,45 @@ pub trait Host {
 
 /// How often a read-modify-write is retried when other workers keep writing the key.
 const MAX_CAS_ATTEMPTS: usize = 32;
+/// Shared data written only to tell the hosts apart.
+const PROBE_KEY: &str = "llmrl.host-probe";
+
+/// Tells the hosts apart by the one difference the standard ABI shows before any request
+/// (ngx_wasm_module answers no property outside a request, and some property reads crash
+/// its workers there): a second write without CAS to a key is refused by
+/// ngx_wasm_module, taken as an overwrite by Envoy.
+pub fn detect_kind(host: &mut impl Host) -> HostKind {
+    for _ in 0..2 {
+        if host.shared_set(PROBE_KEY, b"1", None) == Err(SharedWriteError::CasMismatch) {
+            return HostKind::Nginx;
+        }
+    }
+    HostKind::Envoy
+}
+
+/// Every shared value starts with a fingerprint of its key: ngx_wasm_module matches keys
+/// by their CRC32 alone, so two keys with the same checksum share one value (about a 1%
+/// chance among 10,000 keys). A value whose fingerprint is not its key's reads as absent;
+/// the next write replaces it.
+const FINGERPRINT_BYTES: usize = 8;
+
+fn fingerprint(key: &str) -> [u8; FINGERPRINT_BYTES] {
+    // FNV-1a, 64 bits: independent of CRC32, so keys that collide there do not here.
+    let hash = key.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3));
+    hash.to_le_bytes()
+}
+
+/// The value stored under `key`, if it is this key's.
+fn own_value<'a>(key: &str, stored: Option<&'a [u8]>) -> Option<&'a [u8]> {
+    let stored = stored?;
+    let (tag, value) = stored.split_at_checked(FINGERPRINT_BYTES)?;
+    (tag == fingerprint(key)).then_some(value)
+}
 
 /// Read-modify-write of one shared value under compare-and-swap, retried when another
 /// worker wrote in between. `change` gets the current value and returns the new one (or
 /// `None` to write nothing) and a result. `None` when the write was refused or the key
-/// stayed too contended: that is counted (`shared_writes_refused`) and logged, never
+/// stayed too contended: that is counted (`shared_writes_refused`) and logged once, never
 /// ignored. Every shared-data write of the filter goes through here: a write without the
 /// key's CAS is refused by ngx_wasm_module once the key exists.
 pub fn shared_update<R>(
@@ -200,10 +232,13 @@ pub fn shared_update<R>(
     mut change: impl FnMut(Option<&[u8]>) -> (Option<Vec<u8>>, R),
 ) -> Option<R> {
     for _ in 0..MAX_CAS_ATTEMPTS {
-        let (current, cas) = host.shared_get(key);
-        let (next, result) = change(current.as_deref());
+        let (stored, cas) = host.shared_get(key);
+        let (next, result) = change(own_value(key, stored.as_deref()));
         let Some(next) = next else { return Some(result) };
-        match host.shared_set(key, &next, cas) {
+        let mut tagged = Vec::with_capacity(FINGERPRINT_BYTES + next.len());
+        tagged.extend_from_slice(&fingerprint(key));
+        tagged.extend_from_slice(&next);
+        match host.shared_set(key, &tagged, cas) {
             Ok(()) => return Some(result),
             Err(SharedWriteError::CasMismatch) => continue,
             Err(SharedWriteError::Refused(why)) => {
@@ -221,7 +256,8 @@ pub fn shared_update<R>(
     None
 }
 
-/// Reads a shared value.
+/// Reads a shared value (absent if what is stored belongs to another key).
 pub fn shared_read(host: &mut impl Host, key: &str) -> Option<Vec<u8>> {
-    host.shared_get(key).0
+    let (stored, _) = host.shared_get(key);
+    own_value(key, stored.as_deref()).map(<[u8]>::to_vec)
 }

@@ -118,7 +118,7 @@ fn headers_are_held_only_where_the_host_delivers_the_body_meanwhile() {
     }
     // Asking to hold them on a host that cannot deliver the body is refused at load.
     let world = World::new(HostKind::Nginx);
-    let mut worker = crate::worker::Worker::new(HostKind::Nginx);
+    let mut worker = crate::worker::Worker::new();
     let mut host = crate::testing::FakeHost::new(&world);
     let err = worker.configure(&mut host, rpm_tpm(json!({"hold_request_headers": true})).as_bytes()).unwrap_err();
     assert!(err.contains("field `hold_request_headers`") && err.contains("nginx"), "{err}");
@@ -305,25 +305,25 @@ fn leases_admit_without_callouts_refuse_renew_and_return_on_expiry() {
             .count();
         assert_eq!(rest, 7, "{kind:?}: admitted from the lease with no callout");
         // Running low (2 of 10 left, under the 20% low water): the root renews it.
-        let leases = |proxy: &Proxy| {
+        let leases = |proxy: &mut Proxy| {
             let key = keys::lease_key("llm", &tenant("sk-a"));
             TenantLeases::decode(proxy.root.shared_value(&key).as_deref(), 1)
         };
-        let before = leases(&proxy).0[0].remaining;
+        let before = leases(&mut proxy).0[0].remaining;
         proxy.send(Request::get("sk-a", "/v1/models"), &mut companion);
         proxy.tick(Some(&mut companion));
         assert_eq!(companion.calls.get(crate::protocol::LEASE_PATH), Some(&2), "{kind:?}: renewed");
-        assert!(leases(&proxy).0[0].remaining > before - 1.0, "{kind:?}: the renewal added to the lease");
+        assert!(leases(&mut proxy).0[0].remaining > before - 1.0, "{kind:?}: the renewal added to the lease");
         // Expired: what is left goes back to Redis.
         advance(&world, 1_500);
-        let left = leases(&proxy).0[0].remaining.round() as i64;
+        let left = leases(&mut proxy).0[0].remaining.round() as i64;
         let mut returned = Vec::new();
         for _ in 0..10 {
             returned.extend(settle(&mut proxy, &mut companion));
         }
         let credits: i64 = returned.iter().flat_map(|s| &s.limits).map(|a| a.credit).sum();
         assert!(left > 0 && credits == left, "{kind:?}: returned {credits} of {left}");
-        assert_eq!(leases(&proxy).0[0].remaining, 0.0);
+        assert_eq!(leases(&mut proxy).0[0].remaining, 0.0);
     }
 }
 
@@ -348,7 +348,7 @@ fn the_queue_is_joined_left_and_cancelled() {
     let extra = json!({"queue": {"max_wait": "5s", "max_length": 1, "priority_header": "x-priority"}});
     let mut proxy = Proxy::new(&world, &rpm_tpm(extra));
     let mut companion = FakeCompanion::default();
-    let queued_count = |proxy: &Proxy| {
+    let queued_count = |proxy: &mut Proxy| {
         proxy.root.shared_value(&keys::queued_key("llm")).map_or(0, |b| u32::from_le_bytes(b.try_into().unwrap()))
     };
     let mut waiting = proxy.start(Request::chat("sk-a", CHAT).header("x-priority", "8"));
@@ -356,13 +356,13 @@ fn the_queue_is_joined_left_and_cancelled() {
     let wait = charge.wait.expect("the charge may wait");
     assert_eq!((wait.max_ms, wait.priority), (5_000, 8));
     assert_eq!(waiting.host.last_callout().timeout.as_millis(), 5_050, "timeout + the longest wait");
-    assert_eq!(queued_count(&proxy), 1);
+    assert_eq!(queued_count(&mut proxy), 1);
     // The queue is full: the next request does not wait.
     let other = proxy.start(Request::chat("sk-b", CHAT));
     assert!(charge_of(&other).wait.is_none());
     // The client leaves while waiting: the charge is cancelled with a full refund.
     proxy.done(&mut waiting);
-    assert_eq!(queued_count(&proxy), 0);
+    assert_eq!(queued_count(&mut proxy), 0);
     let settled = settle(&mut proxy, &mut companion);
     assert_eq!(settled.len(), 1);
     assert!(settled[0].cancel);
@@ -375,7 +375,7 @@ fn the_queue_is_joined_left_and_cancelled() {
     let mut reply: LimitsReply = serde_json::from_slice(&body).unwrap();
     reply.waited_ms = 1_234;
     proxy.answer_with(&mut served, 200, serde_json::to_vec(&reply).unwrap());
-    assert_eq!(queued_count(&proxy), 0);
+    assert_eq!(queued_count(&mut proxy), 0);
     proxy.reply(&mut served, 200, "application/json", &[&usage_reply(9, 1)]);
     assert_eq!(served.host.response_header_value("x-llm-ratelimit-queued-ms"), Some("1234"));
 }
@@ -470,4 +470,33 @@ fn settlements_retry_when_the_companion_fails_and_on_nginx_too() {
         assert_eq!(settled.len(), 1, "{kind:?}: sent again after a failure");
         assert_eq!(companion.calls.get(SETTLE_PATH), Some(&2));
     }
+}
+
+#[test]
+fn the_host_is_told_apart_by_its_shared_data_semantics() {
+    for kind in HOSTS {
+        let world = World::new(kind);
+        let proxy = Proxy::new(&world, &rpm_tpm(json!({})));
+        assert_eq!(proxy.worker.host_kind(), kind);
+    }
+}
+
+#[test]
+fn keys_that_collide_in_the_host_never_share_state() {
+    // ngx_wasm_module matches shared-data keys by CRC32: here every key collides.
+    let world = World::new(HostKind::Nginx);
+    world.borrow_mut().colliding_keys = true;
+    let limits = json!([{"name": "rpm", "requests": 1000, "window": "1m"}]);
+    let mut proxy = Proxy::new(&world, &config(limits, json!({"lease": {"enabled": true}})));
+    let mut companion = FakeCompanion::default();
+    assert!(proxy.send(Request::get("sk-a", "/v1/models"), &mut companion).forwarded());
+    assert_eq!(companion.calls.get(crate::protocol::LEASE_PATH), Some(&1));
+    // sk-b finds sk-a's lease in the slot: not its own, so it asks for a lease of its own
+    // instead of spending sk-a's.
+    let b = proxy.send(Request::get("sk-b", "/v1/models"), &mut companion);
+    assert!(b.forwarded());
+    assert_eq!(companion.calls.get(crate::protocol::LEASE_PATH), Some(&2));
+    let lease_b = TenantLeases::decode(proxy.root.shared_value(&keys::lease_key("llm", &tenant("sk-b"))).as_deref(), 1);
+    assert!(lease_b.0[0].granted > 0.0);
+    assert_eq!(proxy.root.shared_value(&keys::lease_key("llm", &tenant("sk-a"))), None, "evicted, never mixed");
 }

@@ -26,6 +26,8 @@ use std::time::Duration;
 pub struct World {
     pub kind: HostKind,
     pub now_ms: u64,
+    /// Every key lands on one slot, as keys with the same CRC32 do in ngx_wasm_module.
+    pub colliding_keys: bool,
     shared: HashMap<String, (Vec<u8>, u32)>,
     next_cas: u32,
     next_token: u32,
@@ -33,7 +35,24 @@ pub struct World {
 
 impl World {
     pub fn new(kind: HostKind) -> Rc<RefCell<World>> {
-        Rc::new(RefCell::new(World { kind, now_ms: 1_000_000, shared: HashMap::new(), next_cas: 1, next_token: 1 }))
+        Rc::new(RefCell::new(World {
+            kind,
+            now_ms: 1_000_000,
+            colliding_keys: false,
+            shared: HashMap::new(),
+            next_cas: 1,
+            next_token: 1,
+        }))
+    }
+}
+
+impl World {
+    fn slot<'a>(&self, key: &'a str) -> &'a str {
+        if self.colliding_keys {
+            "*"
+        } else {
+            key
+        }
     }
 }
 
@@ -108,16 +127,17 @@ impl FakeHost {
         self.callouts.last().expect("a callout")
     }
 
-    pub fn shared_value(&self, key: &str) -> Option<Vec<u8>> {
-        self.world.borrow().shared.get(key).map(|(v, _)| v.clone())
+    /// What the filter stored under `key` (without its fingerprint), if it is this key's.
+    pub fn shared_value(&mut self, key: &str) -> Option<Vec<u8>> {
+        crate::host::shared_read(self, key)
+    }
+
+    pub fn kind(&self) -> HostKind {
+        self.world.borrow().kind
     }
 }
 
 impl Host for FakeHost {
-    fn kind(&self) -> HostKind {
-        self.world.borrow().kind
-    }
-
     fn now_nanos(&mut self) -> u128 {
         u128::from(self.world.borrow().now_ms) * 1_000_000
     }
@@ -160,7 +180,8 @@ impl Host for FakeHost {
     }
 
     fn shared_get(&mut self, key: &str) -> (Option<Vec<u8>>, Option<u32>) {
-        match self.world.borrow().shared.get(key) {
+        let world = self.world.borrow();
+        match world.shared.get(world.slot(key)) {
             Some((value, cas)) => (Some(value.clone()), Some(*cas)),
             None => (None, None),
         }
@@ -168,7 +189,8 @@ impl Host for FakeHost {
 
     fn shared_set(&mut self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), SharedWriteError> {
         let mut world = self.world.borrow_mut();
-        let current = world.shared.get(key).map(|(_, c)| *c);
+        let slot = world.slot(key).to_string();
+        let current = world.shared.get(&slot).map(|(_, c)| *c);
         let allowed = match (cas, current) {
             (None, None) => true,
             // Envoy overwrites; ngx_wasm_module takes "no CAS" as "must not exist yet".
@@ -181,7 +203,7 @@ impl Host for FakeHost {
         }
         let next = world.next_cas;
         world.next_cas += 1;
-        world.shared.insert(key.to_string(), (value.to_vec(), next));
+        world.shared.insert(slot, (value.to_vec(), next));
         Ok(())
     }
 
@@ -443,8 +465,7 @@ impl InFlight {
 
 impl Proxy {
     pub fn new(world: &Rc<RefCell<World>>, config: &str) -> Proxy {
-        let kind = world.borrow().kind;
-        let mut worker = Worker::new(kind);
+        let mut worker = Worker::new();
         let mut root = FakeHost::new(world);
         worker.configure(&mut root, config.as_bytes()).expect("config");
         Proxy { world: world.clone(), worker, root }

@@ -5,7 +5,7 @@
 
 use crate::breaker::{Breaker, Route};
 use crate::config::Policy;
-use crate::host::{shared_read, shared_update, Host, HostKind, LogLevel, Metric, Owner};
+use crate::host::{detect_kind, shared_read, shared_update, Host, HostKind, LogLevel, Metric, Owner};
 use crate::lease::{lease_asks, TenantLeases};
 use crate::lifecycle::RequestFilter;
 use crate::protocol::keys;
@@ -50,11 +50,17 @@ pub struct Worker {
     renewing: HashMap<u32, (String, Vec<LeaseAsk>)>,
 }
 
+impl Default for Worker {
+    fn default() -> Self {
+        Worker::new()
+    }
+}
+
 impl Worker {
-    pub fn new(host_kind: HostKind) -> Worker {
+    pub fn new() -> Worker {
         Worker {
             config: None,
-            host_kind,
+            host_kind: HostKind::default(),
             settlements: SettleQueue::new(SETTLE_QUEUE_CAPACITY),
             renewals: BTreeSet::new(),
             leased: BTreeSet::new(),
@@ -75,9 +81,11 @@ impl Worker {
         self.host_kind
     }
 
-    /// Parses, checks against this host, and takes the plugin configuration. On an error
-    /// the host should refuse the config; the message says why.
+    /// Learns which host this is, then parses, checks against the host, and takes the
+    /// plugin configuration. On an error the host should refuse the config; the message
+    /// says why.
     pub fn configure(&mut self, host: &mut impl Host, bytes: &[u8]) -> Result<(), String> {
+        self.host_kind = detect_kind(host);
         let config = Policy::from_json(bytes).map_err(|e| e.to_string())?;
         if config.hold_request_headers == Some(true) && !self.host_kind.reads_body_while_headers_wait() {
             return Err(format!(

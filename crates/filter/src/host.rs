@@ -2,7 +2,7 @@
 //! logged or surface as values, never as a panic (the SDK's trait helpers unwrap).
 
 use llm_ratelimit_core::decision::LocalReply;
-use llm_ratelimit_core::host::{Host, HostKind, LogLevel, Metric, Owner, SharedWriteError};
+use llm_ratelimit_core::host::{Host, LogLevel, Metric, Owner, SharedWriteError};
 use proxy_wasm::hostcalls;
 use proxy_wasm::types::{BufferType, MapType, MetricType, Status};
 use std::cell::RefCell;
@@ -26,18 +26,9 @@ impl HostState {
 
 /// The host as seen from one context (a request's, or the root's).
 pub struct ProxyHost {
-    pub kind: HostKind,
     pub context_id: u32,
     pub root_id: u32,
     pub state: Rc<RefCell<HostState>>,
-}
-
-/// ngx_wasm_module answers `ngx.*` properties (nginx variables); Envoy does not.
-pub fn detect_kind() -> HostKind {
-    match hostcalls::get_property(vec!["ngx", "nginx_version"]) {
-        Ok(Some(_)) => HostKind::Nginx,
-        _ => HostKind::Envoy,
-    }
 }
 
 pub fn plugin_configuration() -> Vec<u8> {
@@ -58,10 +49,6 @@ extern "C" {
 }
 
 impl Host for ProxyHost {
-    fn kind(&self) -> HostKind {
-        self.kind
-    }
-
     fn now_nanos(&mut self) -> u128 {
         hostcalls::get_current_time().ok().and_then(|t| t.duration_since(UNIX_EPOCH).ok()).map_or(0, |d| d.as_nanos())
     }

@@ -7,7 +7,7 @@
 mod host;
 
 use host::{HostState, ProxyHost};
-use llm_ratelimit_core::host::{Action as CoreAction, HostKind};
+use llm_ratelimit_core::host::Action as CoreAction;
 use llm_ratelimit_core::lifecycle::RequestFilter;
 use llm_ratelimit_core::worker::{Worker, TICK};
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
@@ -18,11 +18,9 @@ use std::rc::Rc;
 proxy_wasm::main! {{
     proxy_wasm::set_log_level(LogLevel::Info);
     proxy_wasm::set_root_context(|context_id| -> Box<dyn RootContext> {
-        let kind = host::detect_kind();
         Box::new(Root {
             context_id,
-            kind,
-            worker: Rc::new(RefCell::new(Worker::new(kind))),
+            worker: Rc::new(RefCell::new(Worker::new())),
             state: Rc::new(RefCell::new(HostState::default())),
         })
     });
@@ -38,14 +36,13 @@ fn action(action: CoreAction) -> Action {
 /// One per VM: holds the worker every request of this VM borrows.
 struct Root {
     context_id: u32,
-    kind: HostKind,
     worker: Rc<RefCell<Worker>>,
     state: Rc<RefCell<HostState>>,
 }
 
 impl Root {
     fn host(&self) -> ProxyHost {
-        ProxyHost { kind: self.kind, context_id: self.context_id, root_id: self.context_id, state: self.state.clone() }
+        ProxyHost { context_id: self.context_id, root_id: self.context_id, state: self.state.clone() }
     }
 }
 
@@ -86,7 +83,7 @@ impl RootContext for Root {
     fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {
         // The SDK panics on None; a VM whose config was refused gets pass-through contexts.
         let filter = self.worker.try_borrow().map_or_else(|_| RequestFilter::pass_through(), |w| w.new_request());
-        let host = ProxyHost { kind: self.kind, context_id, root_id: self.context_id, state: self.state.clone() };
+        let host = ProxyHost { context_id, root_id: self.context_id, state: self.state.clone() };
         Some(Box::new(Http { filter, host, worker: self.worker.clone() }))
     }
 
