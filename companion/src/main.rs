@@ -3,13 +3,15 @@
 //! TCP connections to Redis itself (proxy-wasm offers HTTP callouts only), so it calls
 //! this service through a proxy upstream.
 //!
-//! Endpoints: `POST /v1/token_bucket`, `POST /v1/lease` and `POST /v1/settle` (JSON in and out, see
-//! `llm_ratelimit_protocol`), `GET /healthz`. Every endpoint but `/healthz` requires the shared token in
-//! `x-llmrl-token`.
+//! Endpoints: `POST /v1/token_bucket` (a charge, of any kind of limit: the path predates
+//! sliding windows and slots), `POST /v1/lease`, `POST /v1/settle`, `POST /v1/touch` and
+//! `POST /v1/release` (JSON in and out, see `llm_ratelimit_protocol`), `GET /healthz`.
+//! Every endpoint but `/healthz` requires the shared token in `x-llmrl-token`. Each runs
+//! `lua/limits.lua` (see `limits`) by EVALSHA.
 
+mod limits;
 mod queue;
 mod store;
-mod token_bucket;
 
 use axum::body::Bytes;
 use axum::extract::State;
@@ -19,6 +21,7 @@ use axum::routing::{get, post};
 use axum::serve::ListenerExt;
 use axum::Router;
 use clap::Parser;
+use limits::Op;
 use llm_ratelimit_protocol::duration::parse_duration;
 use llm_ratelimit_protocol::{
     ChargeRequest, LeaseRequest, SettleOutcome, SettleReply, SettlementBatch, CHARGE_PATH, LEASE_PATH, RELEASE_PATH,
@@ -59,7 +62,8 @@ struct App {
     store: Store,
     token: String,
     key_prefix: String,
-    token_bucket: Script,
+    /// `lua/limits.lua`.
+    script: Script,
 }
 
 fn error(status: StatusCode, message: impl Into<String>) -> Response {
@@ -89,47 +93,48 @@ fn json_reply(value: impl serde::Serialize) -> Response {
     (StatusCode::OK, [("content-type", "application/json")], json!(value).to_string()).into_response()
 }
 
-/// A request that runs the bucket script once: a charge or a lease.
-trait BucketCall: serde::de::DeserializeOwned {
+/// A request that runs the script once and answers with its outcome per limit: a charge
+/// or a lease.
+trait LimitsCall: serde::de::DeserializeOwned {
     /// A charge that may wait for capacity, run by the queue; `None` for any other call.
     async fn charge_waiting(&self, _app: &App) -> Option<Result<llm_ratelimit_protocol::LimitsReply, String>> {
         None
     }
     fn check(&self) -> Result<(), String>;
-    fn call(&self, prefix: &str) -> token_bucket::Call;
+    fn call(&self, prefix: &str) -> limits::Call;
     fn names(&self) -> Vec<&str>;
 }
 
-impl BucketCall for ChargeRequest {
+impl LimitsCall for ChargeRequest {
     async fn charge_waiting(&self, app: &App) -> Option<Result<llm_ratelimit_protocol::LimitsReply, String>> {
         let wait = self.wait.as_ref()?;
-        Some(queue::charge_waiting(&app.store, &app.token_bucket, &app.key_prefix, self, wait).await)
+        Some(queue::charge_waiting(&app.store, &app.script, &app.key_prefix, self, wait).await)
     }
 
     fn check(&self) -> Result<(), String> {
         self.validate()
     }
-    fn call(&self, prefix: &str) -> token_bucket::Call {
-        token_bucket::charge(prefix, self)
+    fn call(&self, prefix: &str) -> limits::Call {
+        limits::charge(prefix, self)
     }
     fn names(&self) -> Vec<&str> {
         self.limits.iter().map(|l| l.name.as_str()).collect()
     }
 }
 
-impl BucketCall for LeaseRequest {
+impl LimitsCall for LeaseRequest {
     fn check(&self) -> Result<(), String> {
         self.validate()
     }
-    fn call(&self, prefix: &str) -> token_bucket::Call {
-        token_bucket::lease(prefix, self)
+    fn call(&self, prefix: &str) -> limits::Call {
+        limits::lease(prefix, self)
     }
     fn names(&self) -> Vec<&str> {
         self.limits.iter().map(|l| l.name.as_str()).collect()
     }
 }
 
-async fn run_buckets<R: BucketCall>(State(app): State<Arc<App>>, headers: HeaderMap, body: Bytes) -> Response {
+async fn run_limits<R: LimitsCall>(State(app): State<Arc<App>>, headers: HeaderMap, body: Bytes) -> Response {
     if !authorised(&app, &headers) {
         return error(StatusCode::UNAUTHORIZED, format!("missing or wrong {TOKEN_HEADER}"));
     }
@@ -144,11 +149,11 @@ async fn run_buckets<R: BucketCall>(State(app): State<Arc<App>>, headers: Header
         };
     }
     let call = request.call(&app.key_prefix);
-    let value = match app.store.run(&app.token_bucket, &call.keys, &call.args).await {
+    let value = match app.store.run(&app.script, &call.keys, &[&call.argument]).await {
         Ok(value) => value,
         Err(err) => return error(StatusCode::SERVICE_UNAVAILABLE, format!("redis: {err}")),
     };
-    match token_bucket::reply(request.names().into_iter(), &value) {
+    match limits::reply(request.names().into_iter(), &value) {
         Ok(reply) => json_reply(reply),
         Err(err) => error(StatusCode::BAD_GATEWAY, format!("unexpected script reply: {err}")),
     }
@@ -157,20 +162,20 @@ async fn run_buckets<R: BucketCall>(State(app): State<Arc<App>>, headers: Header
 /// Settles each reservation with its own script call (they may belong to different
 /// tenants, so to different cluster slots), all at once.
 async fn run_settle(state: State<Arc<App>>, headers: HeaderMap, body: Bytes) -> Response {
-    run_adjustments(state, headers, body, "settle").await
+    run_adjustments(state, headers, body, Op::Settle).await
 }
 
 /// Releases the concurrency slots each entry names, ahead of their settlement.
 async fn run_release(state: State<Arc<App>>, headers: HeaderMap, body: Bytes) -> Response {
-    run_adjustments(state, headers, body, "release").await
+    run_adjustments(state, headers, body, Op::Release).await
 }
 
 /// Renews the concurrency slots each entry names (a heartbeat from the proxy holding them).
 async fn run_touch(state: State<Arc<App>>, headers: HeaderMap, body: Bytes) -> Response {
-    run_adjustments(state, headers, body, "touch").await
+    run_adjustments(state, headers, body, Op::Touch).await
 }
 
-async fn run_adjustments(State(app): State<Arc<App>>, headers: HeaderMap, body: Bytes, op: &'static str) -> Response {
+async fn run_adjustments(State(app): State<Arc<App>>, headers: HeaderMap, body: Bytes, op: Op) -> Response {
     if !authorised(&app, &headers) {
         return error(StatusCode::UNAUTHORIZED, format!("missing or wrong {TOKEN_HEADER}"));
     }
@@ -182,10 +187,10 @@ async fn run_adjustments(State(app): State<Arc<App>>, headers: HeaderMap, body: 
     for (index, settlement) in request.settlements.into_iter().enumerate() {
         let app = app.clone();
         tasks.spawn(async move {
-            let call = token_bucket::adjust(&app.key_prefix, op, &settlement);
+            let call = limits::adjust(&app.key_prefix, op, &settlement);
             let names = settlement.limits.iter().map(|l| l.name.as_str());
-            let outcome = match app.store.run(&app.token_bucket, &call.keys, &call.args).await {
-                Ok(value) => match token_bucket::reply(names, &value) {
+            let outcome = match app.store.run(&app.script, &call.keys, &[&call.argument]).await {
+                Ok(value) => match limits::reply(names, &value) {
                     Ok(reply) if reply.allowed => SettleOutcome::Applied,
                     Ok(_) => SettleOutcome::AlreadySettled,
                     Err(err) => {
@@ -259,27 +264,27 @@ async fn serve(args: Args) -> Result<(), String> {
         return Err("--key-prefix must be printable ASCII without '{' or '}'".into());
     }
     let store = connect(&target, &args).await?;
-    let token_bucket = Script::new("token_bucket", token_bucket::SOURCE);
+    let script = Script::new("limits", limits::SOURCE);
     let deadline = tokio::time::Instant::now() + args.startup_wait;
-    while let Err(err) = store.load(&token_bucket).await {
+    while let Err(err) = store.load(&script).await {
         if tokio::time::Instant::now() >= deadline {
-            return Err(format!("cannot load {}: {err}", token_bucket.name));
+            return Err(format!("cannot load {}: {err}", script.name));
         }
-        eprintln!("companion: retrying SCRIPT LOAD of {}: {err}", token_bucket.name);
+        eprintln!("companion: retrying SCRIPT LOAD of {}: {err}", script.name);
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
-    eprintln!("companion: loaded {} ({})", token_bucket.name, token_bucket.sha);
+    eprintln!("companion: loaded {} ({})", script.name, script.sha);
     let mode = match &target {
         Target::Single(_) => "single server".to_string(),
         Target::Cluster(nodes) => format!("cluster, {} seed node(s)", nodes.len()),
     };
-    let app = Arc::new(App { store, token, key_prefix: args.key_prefix.clone(), token_bucket });
+    let app = Arc::new(App { store, token, key_prefix: args.key_prefix.clone(), script });
     let router = Router::new()
-        .route(CHARGE_PATH, post(run_buckets::<ChargeRequest>))
+        .route(CHARGE_PATH, post(run_limits::<ChargeRequest>))
         .route(SETTLE_PATH, post(run_settle))
         .route(TOUCH_PATH, post(run_touch))
         .route(RELEASE_PATH, post(run_release))
-        .route(LEASE_PATH, post(run_buckets::<LeaseRequest>))
+        .route(LEASE_PATH, post(run_limits::<LeaseRequest>))
         .route("/healthz", get(healthz))
         .with_state(app);
     let listener = tokio::net::TcpListener::bind(&args.listen)

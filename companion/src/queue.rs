@@ -4,14 +4,14 @@
 //! scored by `enqueued_ms - priority x aging_ms`: only the head may take capacity, so
 //! higher priorities go first, and a low priority request moves up as it waits (each
 //! priority level is worth `aging_ms` of waiting), so it is never starved. The limits
-//! themselves are still enforced by the charge script alone.
+//! themselves are still enforced by the script (`lua/limits.lua`) alone.
 //!
 //! A waiter whose client gives up is dropped with its HTTP request: its entry is removed
 //! then, and any entry left by a crashed companion is ignored once its deadline passed
 //! (the deadline is part of the member).
 
+use crate::limits::{self, Call};
 use crate::store::{Script, Store};
-use crate::token_bucket::{self, Call};
 use llm_ratelimit_protocol::keys::{redis_key, QUEUE_KIND, QUEUE_NAME};
 use llm_ratelimit_protocol::{ChargeRequest, LimitStatus, LimitsReply, Wait};
 use redis::Value;
@@ -62,8 +62,8 @@ async fn is_head(store: &Store, key: &str, member: &str) -> Result<bool, String>
 }
 
 async fn charge(store: &Store, script: &Script, call: &Call, request: &ChargeRequest) -> Result<LimitsReply, String> {
-    let value = store.run(script, &call.keys, &call.args).await.map_err(|e| format!("redis: {e}"))?;
-    token_bucket::reply(request.limits.iter().map(|l| l.name.as_str()), &value)
+    let value = store.run(script, &call.keys, &[&call.argument]).await.map_err(|e| format!("redis: {e}"))?;
+    limits::reply(request.limits.iter().map(|l| l.name.as_str()), &value)
 }
 
 /// Charges, waiting in the tenant's queue for up to `wait.max_ms` if there is no room yet.
@@ -75,7 +75,7 @@ pub async fn charge_waiting(
     wait: &Wait,
 ) -> Result<LimitsReply, String> {
     let id = request.reservation.as_ref().map_or("", |r| r.id.as_str());
-    let call = token_bucket::charge(prefix, request).with_cancel_marker(prefix, &request.domain, &request.tenant, id);
+    let call = limits::charge(prefix, request).with_cancel_marker(prefix, &request.domain, &request.tenant, id);
     let started = Instant::now();
     let max = Duration::from_millis(wait.max_ms);
     let key = redis_key(prefix, &request.domain, &request.tenant, QUEUE_KIND, QUEUE_NAME);

@@ -130,7 +130,7 @@ impl Store {
     }
 
     /// EVALSHA; on NOSCRIPT loads the script and tries once more.
-    pub async fn run(&self, script: &Script, keys: &[String], args: &[String]) -> Result<Value, RedisError> {
+    pub async fn run(&self, script: &Script, keys: &[String], args: &[&str]) -> Result<Value, RedisError> {
         let mut cmd = redis::cmd("EVALSHA");
         cmd.arg(&script.sha).arg(keys.len()).arg(keys).arg(args);
         match self.query(&cmd).await {

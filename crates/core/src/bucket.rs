@@ -1,4 +1,4 @@
-//! The token bucket of `lua/token_bucket.lua`, as pure functions. The script is what runs
+//! The token bucket of `lua/limits.lua`, as pure functions. The script is what runs
 //! (Redis owns the state and the clock); this model states the same math in Rust so it
 //! can be tested exhaustively and reused where the proxy must decide alone. Both are
 //! tested against one case table, `tests/cases/token_bucket.json`.

@@ -1,7 +1,8 @@
-"""lua/token_bucket.lua against a real redis-server, with the case table that the Rust
-model (src/bucket.rs) is tested with; and on a three-node Redis Cluster."""
+"""lua/limits.lua against a real redis-server, with the case table that the Rust
+model (crates/core/src/bucket.rs) is tested with; and on a three-node Redis Cluster."""
 
 import json
+import re
 import time
 import uuid
 from pathlib import Path
@@ -10,7 +11,7 @@ import pytest
 import redis
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = (ROOT / "lua/token_bucket.lua").read_text()
+SCRIPT = (ROOT / "lua/limits.lua").read_text()
 CASES = json.loads((ROOT / "tests/cases/token_bucket.json").read_text())["cases"]
 STATUS = {1: "allowed", 0: "limited", -1: "never"}
 
@@ -32,16 +33,39 @@ def client(module_stack):
     return redis.Redis(port=port)
 
 
-def bucket_args(op, limits, amounts, ttl_ms=0, mins=None):
-    args = [op, len(limits), ttl_ms]
+# What a limit's amount and minimum are called in each op's arguments (see the script's
+# header); touch and release take neither.
+AMOUNT_FIELDS = {
+    "charge": ("cost", "min_cost"),
+    "lease": ("wanted", "needed"),
+    "settle": ("credit", None),
+    "touch": (None, None),
+    "release": (None, None),
+}
+
+
+def script_args(op, limits, amounts, ttl_ms=0, share=None, mins=None):
+    """ARGV[1]: one JSON object, for the case table's `amounts` (and `mins`)."""
+    amount_field, min_field = AMOUNT_FIELDS[op]
+    specs = []
     for i, (limit, amount) in enumerate(zip(limits, amounts)):
-        args += [limit.get("kind", "tb"), limit["capacity"], limit["window_ms"], amount, mins[i] if mins else max(amount, 0)]
-    return args
+        spec = {"kind": limit.get("kind", "tb"), "capacity": limit["capacity"], "window_ms": limit["window_ms"]}
+        if amount_field:
+            spec[amount_field] = amount
+        if min_field:
+            spec[min_field] = mins[i] if mins else max(amount, 0)
+        specs.append(spec)
+    args = {"op": op, "limits": specs}
+    if op == "charge":
+        args["reservation_ttl_ms"] = ttl_ms
+    if op == "lease":
+        args["share"] = share
+    return json.dumps(args)
 
 
 def call(client, op, keys, limits, amounts, reservation=None, ttl_ms=60_000):
     all_keys = keys + ([reservation] if reservation else [])
-    return client.eval(SCRIPT, len(all_keys), *all_keys, *bucket_args(op, limits, amounts, ttl_ms))
+    return client.eval(SCRIPT, len(all_keys), *all_keys, script_args(op, limits, amounts, ttl_ms))
 
 
 def run_case(client, case, tolerance_ms=1):
@@ -56,8 +80,8 @@ def run_case(client, case, tolerance_ms=1):
             if key in written_at:
                 pipe.eval(SET_AGE, 1, key, clock - written_at[key])
         op = step.get("op", "charge")
-        third = step.get("share", 0.5) if op == "lease" else 0
-        pipe.eval(SCRIPT, len(keys), *keys, *bucket_args(op, case["limits"], step["amounts"], third, mins=step.get("mins")))
+        share = step.get("share", 0.5) if op == "lease" else None
+        pipe.eval(SCRIPT, len(keys), *keys, script_args(op, case["limits"], step["amounts"], share=share, mins=step.get("mins")))
         reply = pipe.execute()[-1]
         what = f"{case['name']} / step {i}"
         assert reply[0] == int(step["done"]), what
@@ -83,6 +107,16 @@ def test_case_table(client, case):
 
 
 RPM10 = [{"capacity": 10, "window_ms": 60_000}]
+
+
+def test_numbers_keep_their_precision_through_json(client):
+    """Arguments are JSON numbers, read as doubles as tonumber read the old positional
+    strings: integers up to 2^53 are exact, and nothing is encoded back through cjson."""
+    key = f"test:{{{uuid.uuid4().hex}}}:tpm"
+    big = [{"capacity": 2**53, "window_ms": 86_400_000}]
+    reply = call(client, "charge", [key], big, [2**53 - 3])
+    assert reply[0] == 1 and reply[1][1] == 2**53 and reply[1][2] == 3 and reply[1][5] == 2**53 - 3
+    assert float(client.hget(key, "tokens")) < 4  # stored with %.17g, not rounded by cjson
 
 
 def test_charged_buckets_expire_when_they_would_be_full(client):
@@ -117,26 +151,41 @@ def test_a_reservation_settles_at_most_once_and_expires(client):
     assert call(client, "settle", [key], RPM10, [1], f"test:{{{tag}}}:res:r3")[0] == 0
 
 
+def argv_of(*limits, op="charge", **extra):
+    """ARGV[1] for the bad-argument cases: `limits` as given, nothing filled in."""
+    return json.dumps({"op": op, "limits": list(limits), **extra})
+
+
+TB5 = {"kind": "tb", "capacity": 5, "window_ms": 1000}
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
-        ([], "expected op, n"),
-        (["charge", 1, 0, "tb", 5, 1000, 1], "expected op, n"),
-        (["refund", 1, 0, "tb", 5, 1000, 1, 1], "expected op, n"),
-        (["charge", 2, 0, "tb", 5, 1000, 1, 1], "expected op, n"),
-        (["charge", 1, 0, "tb", 0, 1000, 1, 1], "bad kind, capacity"),
-        (["charge", 1, 0, "tb", 5, 0, 1, 1], "bad kind, capacity"),
-        (["charge", 1, 0, "tb", 5, 1000, -1, 0], "bad kind, capacity"),
-        (["charge", 1, 0, "tb", 5, 1000, 1, 2], "bad kind, capacity"),
-        (["charge", 1, 0, "leaky", 5, 1000, 1, 1], "bad kind, capacity"),
-        (["settle", 1, 0, "tb", "x", 1000, 1, 0], "bad kind, capacity"),
-        (["lease", 1, 0, "tb", 5, 1000, 1, 1], "needs a share"),
-        (["lease", 1, 0.5, "tb", 5, 1000, 1, 2], "bad kind, capacity"),
-        (["charge", 1, 0, "slots", 5, 1000, 1, 1], "needs the reservation key"),
+        ([], "expected one argument, a JSON object"),
+        ([argv_of({**TB5})], "limits[0].cost must be a number, got nothing"),
+        ([argv_of({**TB5, "cost": 1}, op="refund")], 'op must be "charge", "settle", "lease", "touch" or "release", got "refund"'),
+        ([argv_of({**TB5, "cost": 1}, {**TB5, "cost": 1})], "2 limits need 2 to 4 keys, got 1"),
+        ([argv_of({**TB5, "capacity": 0, "cost": 1})], "limits[0].capacity must be a number > 0, got 0"),
+        ([argv_of({**TB5, "window_ms": 0, "cost": 1})], "limits[0].window_ms must be a number > 0, got 0"),
+        ([argv_of({**TB5, "cost": -1, "min_cost": 0})], "limits[0].cost must be >= 0, got -1"),
+        ([argv_of({**TB5, "cost": 1, "min_cost": 2})], "limits[0].min_cost must be between 0 and cost (1), got 2"),
+        ([argv_of({**TB5, "kind": "leaky", "cost": 1})], 'limits[0].kind must be "tb", "sw" or "slots", got "leaky"'),
+        ([argv_of({**TB5, "capacity": "x", "credit": 1}, op="settle")], 'limits[0].capacity must be a number > 0, got "x"'),
+        ([argv_of({**TB5, "wanted": 1, "needed": 1}, op="lease", share=0)], "a lease needs a share in (0, 1], got 0"),
+        ([argv_of({**TB5, "wanted": 1, "needed": 2}, op="lease", share=0.5)], "limits[0].needed must be between 0 and wanted (1), got 2"),
+        ([argv_of({**TB5, "kind": "slots", "cost": 1})], "limits[0] is a slot limit: it needs the reservation key"),
+        # Named arguments: a misspelt or misplaced field is an error, not silently ignored.
+        (["charge 1 0 tb 5 1000 1 1"], "ARGV[1] must be a JSON object"),
+        ([argv_of({**TB5, "cost": 1, "min": 1})], "unknown field limits[0].min for op charge"),
+        ([argv_of({**TB5, "cost": 1}, share=0.5)], "unknown field share for op charge"),
+        ([argv_of({**TB5, "credit": 1}, op="settle", reservation_ttl_ms=1000)], "unknown field reservation_ttl_ms for op settle"),
+        ([argv_of({**TB5, "wanted": 1})], "unknown field limits[0].wanted for op charge"),
+        ([argv_of(op="lease", share=0.5)], "limits must be a non-empty array"),
     ],
 )
 def test_bad_arguments_are_errors(client, args, message):
-    with pytest.raises(redis.ResponseError, match=message):
+    with pytest.raises(redis.ResponseError, match=re.escape(message)):
         client.eval(SCRIPT, 1, "test:{bad}:rpm", *args)
 
 
@@ -200,12 +249,12 @@ def test_runs_on_a_cluster_with_one_hash_tag_per_tenant(module_stack):
             assert cluster.keyslot(keys[1]) == slot
             nodes_used.add(cluster.nodes_manager.get_node_from_slot(slot).port)
             limits = [{"capacity": 2, "window_ms": 60_000}, {"capacity": 100, "window_ms": 86_400_000}]
-            results = [cluster.eval(SCRIPT, 2, *keys, *bucket_args("charge", limits, [1, 1]))[0] for _ in range(3)]
+            results = [cluster.eval(SCRIPT, 2, *keys, script_args("charge", limits, [1, 1]))[0] for _ in range(3)]
             assert results == [1, 1, 0], tenant
         assert len(nodes_used) > 1, "tenants should spread over the cluster's nodes"
         # Without a shared tag the keys land in different slots, which the cluster refuses.
         with pytest.raises(redis.RedisClusterException):
-            cluster.eval(SCRIPT, 2, "test:a:rpm", "test:b:rpm", *bucket_args("charge", RPM10 * 2, [1, 1]))
+            cluster.eval(SCRIPT, 2, "test:a:rpm", "test:b:rpm", script_args("charge", RPM10 * 2, [1, 1]))
     finally:
         cluster.close()
 

@@ -1,0 +1,448 @@
+//! The translation between the JSON endpoints and `lua/limits.lua`: the KEYS and the
+//! one JSON argument (named fields, see the script's header) of a charge, a lease, a
+//! settlement, a touch or a release, and the script's reply back to JSON.
+
+use llm_ratelimit_protocol::keys::{redis_key as key, CANCEL_KIND, RESERVATION_KIND};
+use llm_ratelimit_protocol::{
+    ChargeRequest, LeaseRequest, LimitKind, LimitOutcome, LimitStatus, LimitsReply, Settlement,
+};
+use redis::Value;
+use serde::Serialize;
+
+pub const SOURCE: &str = include_str!("../../lua/limits.lua");
+
+/// A script call: its keys, and its one argument (ARGV[1], a JSON object).
+pub struct Call {
+    pub keys: Vec<String>,
+    pub argument: String,
+}
+
+/// What the script is asked to do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Op {
+    Charge,
+    Lease,
+    Settle,
+    Touch,
+    Release,
+}
+
+/// ARGV[1]. Each op takes only its own fields: the script refuses any other.
+#[derive(Serialize)]
+struct Arguments<'a> {
+    op: Op,
+    /// charge: how long the reservation record lives (ms); absent: no record.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    reservation_ttl_ms: Option<u64>,
+    /// lease: the share of what is left that one grant may take.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    share: Option<f64>,
+    limits: Vec<Limit<'a>>,
+}
+
+/// One limit as the script takes it; `name` only makes its key.
+#[derive(Serialize)]
+struct Limit<'a> {
+    #[serde(skip)]
+    name: &'a str,
+    #[serde(serialize_with = "script_kind")]
+    kind: LimitKind,
+    capacity: u64,
+    window_ms: u64,
+    #[serde(flatten)]
+    amounts: Amounts,
+}
+
+/// What each op says about a limit beyond its kind and size, under the script's names.
+#[derive(Serialize)]
+#[serde(untagged)]
+enum Amounts {
+    Charge {
+        cost: u64,
+        min_cost: u64,
+    },
+    Lease {
+        wanted: u64,
+        needed: u64,
+    },
+    Settle {
+        credit: i64,
+    },
+    /// touch and release: nothing more.
+    Nothing {},
+}
+
+fn script_kind<S: serde::Serializer>(kind: &LimitKind, serializer: S) -> Result<S::Ok, S::Error> {
+    serializer.serialize_str(kind.script_name())
+}
+
+fn call(prefix: &str, domain: &str, tenant: &str, arguments: &Arguments, reservation: Option<&str>) -> Call {
+    // The kind is part of the key: a limit that changes kind starts afresh rather than
+    // meeting a key of the other type.
+    let mut keys: Vec<String> =
+        arguments.limits.iter().map(|l| key(prefix, domain, tenant, l.kind.script_name(), l.name)).collect();
+    if let Some(id) = reservation {
+        keys.push(key(prefix, domain, tenant, RESERVATION_KIND, id));
+    }
+    // Serialising plain structs of numbers and strings cannot fail; an empty argument
+    // would still be refused by the script, never misread.
+    let argument = serde_json::to_string(arguments).unwrap_or_default();
+    Call { keys, argument }
+}
+
+impl Call {
+    /// Adds the request's cancel marker (see the script): a waiting charge checks it, a
+    /// cancelling settlement sets it.
+    pub fn with_cancel_marker(mut self, prefix: &str, domain: &str, tenant: &str, id: &str) -> Call {
+        self.keys.push(key(prefix, domain, tenant, CANCEL_KIND, id));
+        self
+    }
+}
+
+pub fn charge(prefix: &str, request: &ChargeRequest) -> Call {
+    let reservation = request.reservation.as_ref();
+    let limits = request
+        .limits
+        .iter()
+        .map(|l| Limit {
+            name: &l.name,
+            kind: l.kind,
+            capacity: l.capacity,
+            window_ms: l.window_ms,
+            amounts: Amounts::Charge { cost: l.cost, min_cost: l.min() },
+        })
+        .collect();
+    let arguments = Arguments {
+        op: Op::Charge,
+        reservation_ttl_ms: Some(reservation.map_or(0, |r| r.ttl_ms)),
+        share: None,
+        limits,
+    };
+    call(prefix, &request.domain, &request.tenant, &arguments, reservation.map(|r| r.id.as_str()))
+}
+
+pub fn lease(prefix: &str, request: &LeaseRequest) -> Call {
+    let limits = request
+        .limits
+        .iter()
+        .map(|l| Limit {
+            name: &l.name,
+            kind: l.kind,
+            capacity: l.capacity,
+            window_ms: l.window_ms,
+            amounts: Amounts::Lease {
+                wanted: l.wanted,
+                needed: l.needed.map_or(l.wanted, |needed| needed.min(l.wanted)),
+            },
+        })
+        .collect();
+    let arguments = Arguments { op: Op::Lease, reservation_ttl_ms: None, share: Some(request.share), limits };
+    call(prefix, &request.domain, &request.tenant, &arguments, None)
+}
+
+/// A settlement (`Op::Settle`), or a heartbeat for (`Op::Touch`) or early release of
+/// (`Op::Release`) the slots it names. Only a settlement carries the credits.
+pub fn adjust(prefix: &str, op: Op, settlement: &Settlement) -> Call {
+    let limits = settlement
+        .limits
+        .iter()
+        .map(|l| Limit {
+            name: &l.name,
+            kind: l.kind,
+            capacity: l.capacity,
+            window_ms: l.window_ms,
+            amounts: match op {
+                Op::Settle => Amounts::Settle { credit: l.credit },
+                _ => Amounts::Nothing {},
+            },
+        })
+        .collect();
+    let arguments = Arguments { op, reservation_ttl_ms: None, share: None, limits };
+    let call = call(prefix, &settlement.domain, &settlement.tenant, &arguments, settlement.reservation.as_deref());
+    match (&settlement.reservation, settlement.cancel) {
+        (Some(id), true) => call.with_cancel_marker(prefix, &settlement.domain, &settlement.tenant, id),
+        _ => call,
+    }
+}
+
+/// The script's reply for the limits named `names`, in order.
+pub fn reply<'a>(names: impl ExactSizeIterator<Item = &'a str>, value: &Value) -> Result<LimitsReply, String> {
+    let items = as_array(value)?;
+    let (done, outcomes) = items.split_first().ok_or("empty reply")?;
+    if outcomes.len() != names.len() {
+        return Err(format!("reply has {} outcomes for {} limits", outcomes.len(), names.len()));
+    }
+    let limits = outcomes
+        .iter()
+        .zip(names)
+        .map(|(outcome, name)| {
+            let fields: Vec<i64> = as_array(outcome)?.iter().map(as_int).collect::<Result<_, _>>()?;
+            let [status, limit, remaining, reset_after_ms, retry_after_ms, charged] = fields[..] else {
+                return Err(format!("outcome has {} fields, expected 6", fields.len()));
+            };
+            let status = match status {
+                1 => LimitStatus::Allowed,
+                0 => LimitStatus::Limited,
+                -1 => LimitStatus::Never,
+                other => return Err(format!("unknown status {other}")),
+            };
+            let non_negative = |n: i64| u64::try_from(n).unwrap_or(0);
+            Ok(LimitOutcome {
+                name: name.to_string(),
+                status,
+                limit: non_negative(limit),
+                remaining: non_negative(remaining),
+                reset_after_ms: non_negative(reset_after_ms),
+                retry_after_ms: non_negative(retry_after_ms),
+                charged: non_negative(charged),
+            })
+        })
+        .collect::<Result<_, String>>()?;
+    Ok(LimitsReply { allowed: as_int(done)? == 1, waited_ms: 0, limits })
+}
+
+fn as_array(value: &Value) -> Result<&[Value], String> {
+    match value {
+        Value::Array(items) => Ok(items),
+        other => Err(format!("expected an array, got {other:?}")),
+    }
+}
+
+fn as_int(value: &Value) -> Result<i64, String> {
+    match value {
+        Value::Int(n) => Ok(*n),
+        other => Err(format!("expected an integer, got {other:?}")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use llm_ratelimit_protocol::{Adjustment, LeaseAsk, LimitCharge, Reservation};
+    use serde_json::{json, Value as Json};
+
+    fn request() -> ChargeRequest {
+        ChargeRequest {
+            domain: "llm".into(),
+            tenant: "abc123".into(),
+            limits: vec![
+                LimitCharge {
+                    name: "rpm".into(),
+                    capacity: 20,
+                    window_ms: 60_000,
+                    cost: 1,
+                    min_cost: None,
+                    kind: LimitKind::TokenBucket,
+                },
+                LimitCharge {
+                    name: "tpm".into(),
+                    capacity: 10_000,
+                    window_ms: 60_000,
+                    cost: 750,
+                    min_cost: None,
+                    kind: LimitKind::TokenBucket,
+                },
+            ],
+            reservation: Some(Reservation { id: "r42".into(), ttl_ms: 900_000 }),
+            wait: None,
+        }
+    }
+
+    fn argument(call: &Call) -> Json {
+        serde_json::from_str(&call.argument).expect("ARGV[1] is JSON")
+    }
+
+    fn settlement(reservation: Option<&str>, kind: LimitKind, credit: i64) -> Settlement {
+        Settlement {
+            domain: "llm".into(),
+            tenant: "abc123".into(),
+            reservation: reservation.map(Into::into),
+            cancel: false,
+            limits: vec![Adjustment { name: "tpm".into(), capacity: 10_000, window_ms: 60_000, credit, kind }],
+        }
+    }
+
+    #[test]
+    fn a_charge_puts_every_key_under_one_hash_tag() {
+        let call = charge("llmrl:", &request());
+        assert_eq!(
+            call.keys,
+            vec!["llmrl:{llm:abc123}:tb:rpm", "llmrl:{llm:abc123}:tb:tpm", "llmrl:{llm:abc123}:res:r42"]
+        );
+        assert_eq!(
+            argument(&call),
+            json!({
+                "op": "charge",
+                "reservation_ttl_ms": 900_000,
+                "limits": [
+                    {"kind": "tb", "capacity": 20, "window_ms": 60_000, "cost": 1, "min_cost": 1},
+                    {"kind": "tb", "capacity": 10_000, "window_ms": 60_000, "cost": 750, "min_cost": 750},
+                ],
+            })
+        );
+        let mut plain = request();
+        plain.reservation = None;
+        let call = charge("p:", &plain);
+        assert_eq!(call.keys.len(), 2);
+        assert_eq!(argument(&call)["reservation_ttl_ms"], 0);
+    }
+
+    #[test]
+    fn an_elastic_charge_passes_its_least_cost() {
+        let mut request = request();
+        request.limits[1].min_cost = Some(100);
+        request.limits[0].min_cost = Some(5); // above the cost: the cost is the least
+        let limits = &argument(&charge("p:", &request))["limits"];
+        assert_eq!((&limits[0]["cost"], &limits[0]["min_cost"]), (&json!(1), &json!(1)));
+        assert_eq!((&limits[1]["cost"], &limits[1]["min_cost"]), (&json!(750), &json!(100)));
+    }
+
+    #[test]
+    fn a_settlement_carries_signed_credits_and_its_reservation() {
+        let call = adjust("llmrl:", Op::Settle, &settlement(Some("r42"), LimitKind::TokenBucket, -120));
+        assert_eq!(call.keys, vec!["llmrl:{llm:abc123}:tb:tpm", "llmrl:{llm:abc123}:res:r42"]);
+        assert_eq!(
+            argument(&call),
+            json!({"op": "settle", "limits": [{"kind": "tb", "capacity": 10_000, "window_ms": 60_000, "credit": -120}]})
+        );
+    }
+
+    #[test]
+    fn a_cancelling_settlement_adds_the_cancel_marker() {
+        let mut cancelling = settlement(Some("r42"), LimitKind::TokenBucket, 750);
+        cancelling.cancel = true;
+        let call = adjust("llmrl:", Op::Settle, &cancelling);
+        assert_eq!(
+            call.keys,
+            vec!["llmrl:{llm:abc123}:tb:tpm", "llmrl:{llm:abc123}:res:r42", "llmrl:{llm:abc123}:cancel:r42"]
+        );
+    }
+
+    #[test]
+    fn touch_and_release_name_the_slots_only() {
+        for (op, name) in [(Op::Touch, "touch"), (Op::Release, "release")] {
+            let call = adjust("llmrl:", op, &settlement(Some("r42"), LimitKind::Slots, 0));
+            assert_eq!(call.keys, vec!["llmrl:{llm:abc123}:slots:tpm", "llmrl:{llm:abc123}:res:r42"]);
+            assert_eq!(
+                argument(&call),
+                json!({"op": name, "limits": [{"kind": "slots", "capacity": 10_000, "window_ms": 60_000}]})
+            );
+        }
+    }
+
+    #[test]
+    fn a_lease_passes_wanted_needed_and_share() {
+        let request = LeaseRequest {
+            domain: "llm".into(),
+            tenant: "abc123".into(),
+            limits: vec![LeaseAsk {
+                name: "tpm".into(),
+                capacity: 10_000,
+                window_ms: 60_000,
+                wanted: 500,
+                needed: Some(20),
+                kind: LimitKind::TokenBucket,
+            }],
+            share: 0.5,
+        };
+        let call = lease("llmrl:", &request);
+        assert_eq!(call.keys, vec!["llmrl:{llm:abc123}:tb:tpm"]);
+        assert_eq!(
+            argument(&call),
+            json!({
+                "op": "lease",
+                "share": 0.5,
+                "limits": [{"kind": "tb", "capacity": 10_000, "window_ms": 60_000, "wanted": 500, "needed": 20}],
+            })
+        );
+    }
+
+    #[test]
+    fn numbers_are_written_exactly() {
+        // The script reads JSON numbers as doubles, as tonumber read the old positional
+        // strings; what is written here is the exact integer, and the shortest decimal
+        // that reads back as the same share.
+        let mut request = request();
+        request.limits[0].capacity = (1 << 53) + 1;
+        request.limits[0].cost = u64::MAX;
+        let text = charge("p:", &request).argument;
+        assert!(text.contains(r#""capacity":9007199254740993"#), "{text}");
+        assert!(text.contains(r#""cost":18446744073709551615"#), "{text}");
+        let share = 0.1 + 0.2;
+        let ask = LeaseAsk {
+            name: "tpm".into(),
+            capacity: 1,
+            window_ms: 1,
+            wanted: 1,
+            needed: None,
+            kind: LimitKind::TokenBucket,
+        };
+        let request = LeaseRequest { domain: "llm".into(), tenant: "t".into(), limits: vec![ask], share };
+        let written = argument(&lease("p:", &request))["share"].as_f64();
+        assert_eq!(written.map(f64::to_bits), Some(share.to_bits()));
+    }
+
+    #[test]
+    fn slot_limits_have_their_own_keys_and_kind() {
+        let mut request = request();
+        request.limits[1].kind = LimitKind::Slots;
+        let call = charge("llmrl:", &request);
+        assert_eq!(call.keys[1], "llmrl:{llm:abc123}:slots:tpm");
+        assert_eq!(argument(&call)["limits"][1]["kind"], "slots");
+    }
+
+    #[test]
+    fn a_settlement_without_reservation_stands_alone() {
+        let settlement = Settlement {
+            domain: "llm".into(),
+            tenant: "t".into(),
+            reservation: None,
+            cancel: false,
+            limits: vec![Adjustment {
+                name: "rpm".into(),
+                capacity: 10,
+                window_ms: 60_000,
+                credit: -1,
+                kind: LimitKind::TokenBucket,
+            }],
+        };
+        assert_eq!(adjust("p:", Op::Settle, &settlement).keys, vec!["p:{llm:t}:tb:rpm"]);
+    }
+
+    #[test]
+    fn maps_the_script_reply() {
+        let outcome = |s, l, r, reset, retry| {
+            Value::Array(vec![
+                Value::Int(s),
+                Value::Int(l),
+                Value::Int(r),
+                Value::Int(reset),
+                Value::Int(retry),
+                Value::Int(0),
+            ])
+        };
+        let value =
+            Value::Array(vec![Value::Int(0), outcome(1, 20, 3, 51_000, 0), outcome(0, 10_000, 0, 60_000, 4_500)]);
+        let reply = reply(["rpm", "tpm"].into_iter(), &value).expect("valid reply");
+        assert!(!reply.allowed);
+        assert_eq!(reply.limits[0].status, LimitStatus::Allowed);
+        assert_eq!(reply.limits[0].remaining, 3);
+        assert_eq!(reply.limits[1].status, LimitStatus::Limited);
+        assert_eq!(reply.limits[1].retry_after_ms, 4_500);
+        assert_eq!(reply.limits[1].name, "tpm");
+    }
+
+    #[test]
+    fn rejects_malformed_replies() {
+        let malformed = [
+            Value::Int(1),
+            Value::Array(vec![]),
+            Value::Array(vec![Value::Int(1)]),
+            Value::Array(vec![Value::Int(1), Value::Int(2), Value::Int(3)]),
+        ];
+        for value in malformed {
+            assert!(reply(["rpm", "tpm"].into_iter(), &value).is_err(), "{value:?}");
+        }
+    }
+}

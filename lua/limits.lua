@@ -1,0 +1,565 @@
+-- limits.lua: charge several limits of one tenant all or nothing, settle what a charge
+-- reserved once the real cost is known, lease blocks of budget to proxy instances, and
+-- keep concurrency slots alive. Three kinds of limit (token bucket, sliding window,
+-- concurrency slots), each a driver with the same small set of operations (see
+-- "Drivers"); five ops over them, dispatched in one place (see "Ops").
+--
+-- KEYS[1..n]  limit i, in the order of `limits` below: a token bucket (a hash {tokens,
+--             ts}), a sliding window (a sorted set of entries "seq:amount" scored by
+--             time, see below) or a slot set (a sorted set of request ids scored by
+--             their expiry, ms).
+-- KEYS[n+1]   optional: the reservation record of this request (a string); its key is
+--             also the request's member in slot sets, so slot limits need it.
+-- KEYS[n+2]   optional, with KEYS[n+1]: the request's cancel marker. charge: refuse if it
+--             is set (the client gave up while the charge was waiting); settle: set it
+--             first, so a charge still waiting can never happen after the refund; other
+--             ops ignore it.
+--             All keys must share one hash slot (the companion puts the tenant in a hash
+--             tag), so this runs on Redis Cluster.
+--
+-- ARGV[1]     one JSON object with named fields; a field the op does not take is an
+--             error, so a misspelt name fails loudly instead of being ignored:
+--   op                  "charge", "settle", "lease", "touch" or "release"
+--   reservation_ttl_ms  charge, optional: how long the reservation record lives (ms;
+--                       absent or 0: no record)
+--   share               lease, required: the share of what is left that one grant may
+--                       take (0 < share <= 1)
+--   limits              one object per limit, in KEYS order, with
+--     kind        "tb" (token bucket), "sw" (sliding window) or "slots" (concurrency)
+--     capacity    (> 0)  tb: tokens when full; sw: the most in any window; slots: how
+--                        many at once
+--     window_ms   (> 0)  tb: time in which an empty bucket refills to capacity; sw: the
+--                        window; slots: how long a slot lives unless touched
+--     and, by op:
+--     charge   cost      what the call costs (>= 0; 0 only looks; slots: 1)
+--              min_cost  optional, default cost: the least this limit may be charged
+--                        (<= cost); a limit with min_cost < cost is elastic
+--     lease    wanted    the grant wanted (>= 0)
+--              needed    optional, default wanted: the grant needed (<= wanted)
+--     settle   credit    tokens to give back (> 0) or to take as well (< 0); slots:
+--                        ignored (the slot is released)
+--     touch, release: nothing more.
+--   Numbers are JSON numbers, read as doubles (as tonumber would read them): integers
+--   are exact up to 2^53. Nothing is encoded back to JSON.
+--
+-- charge: every limit is brought to now (buckets refilled, expired slots dropped); if each
+-- has room for its cost, all are charged (a slot taken by this request) and the
+-- reservation record (if given) is written; otherwise none is. Elastic limits all give
+-- up the same reduction r, the smallest that makes every one of them fit, if no limit
+-- then falls below its min_cost: that is how a request's completion allowance is clamped
+-- to what the tenant has left.
+-- lease: if each limit has what is needed, each grants min(wanted, max(needed, share x
+-- what is left)) and is charged that: grants shrink as a tenant nears its limit, so
+-- instances sharing it do not starve each other; otherwise nothing is granted. Slot
+-- limits cannot be leased.
+-- settle: the request's slots are released; if the reservation record exists it is
+-- deleted and each limit gets its credit back (never above capacity; a debit may take it
+-- below zero, so the tenant waits it off); if the record is gone (settled before, or
+-- expired) limits do not change. So a settlement applies at most once, and a reservation
+-- never settled simply stands.
+-- touch: the request's slots live another window (a heartbeat for long streams); a slot
+-- that already expired is not revived.
+-- release: the request's slots are released at once, and nothing else changes (its
+-- settlement, which releases them too, may follow).
+--
+-- Reply  { done, {status, limit, remaining, reset_after_ms, retry_after_ms, charged} per limit }
+--          done            charge: 1 if charged; settle: 1 if applied; lease: 1 if granted;
+--                          touch, release: 1
+--          status          1 room, 0 not now, -1 never (cost > capacity); settle, touch,
+--                          release: 1
+--          limit           the capacity
+--          remaining       whole tokens (free slots) left, after the call if done
+--          reset_after_ms  time until the limit is full again (slots: 0)
+--          retry_after_ms  time until the limit has room for the cost (slots: until the
+--                          oldest slot expires, at most 1 s); 0 if now or never
+--          charged         what the limit was charged, or granted (0 if not done)
+-- Bad arguments are an error reply "ERR limits: ..." naming the field and its value; a
+-- charge whose cancel marker is set is the error "CANCELLED ...".
+--
+-- A sliding window admits at most `capacity` in any `window_ms`, exactly: it logs what
+-- each call took, at its time, and forgets entries as they leave the window, keeping a
+-- running sum so a call costs O(entries expired), not a scan. The sum and a sequence
+-- number live in the same sorted set as members "~sum" and "~seq" scored -(value) - 1,
+-- below every entry (entries are scored by time, > 0). A settlement adds a correcting
+-- entry (minus the credit) at the time of the charge it corrects (kept in the reservation
+-- record), so the correction leaves the window together with the charge.
+--
+-- Time is Redis's own (TIME), so every proxy shares one clock. Buckets refill
+-- continuously and hold fractional tokens. A written bucket expires when it would be full
+-- again (a missing key and a full bucket are the same state); a slot set expires when its
+-- last slot would.
+-- The Rust model of the token buckets is crates/core/src/bucket.rs;
+-- tests/cases/token_bucket.json is the case table both are tested with.
+
+-- The time of this call (ms, fractional); set once the arguments are known to be good.
+local now_ms
+
+local function nothing() end
+
+--------------------------------------------------------------------------------------------
+-- Drivers. One per kind, each with the same operations over a limit `l` (see `parse`:
+-- l.key, l.member, l.capacity, l.window_ms, and l.level, what it has free now):
+--   refresh(l)                 brings the limit to now; returns what it has free
+--   retry_after(l, needed)     ms until `needed` fits (called when l.level < needed)
+--   take(l, amount)            charges `amount` (> 0) now
+--   give_back(l, credit, at)   a settlement's credit, for a charge made at time `at`
+--   touch(l)                   renews this request's slot (not a slot limit: nothing)
+--   release(l)                 frees this request's slot (not a slot limit: nothing)
+--   reset_after(l)             ms until the limit is full again
+-- Each operation that changes what is free updates l.level.
+--------------------------------------------------------------------------------------------
+local drivers = {}
+
+-- Token bucket: a hash {tokens, ts}, the level at time ts, refilling continuously.
+local tb = {}
+drivers.tb = tb
+
+local function tb_store(l)
+  redis.call('HSET', l.key, 'tokens', string.format('%.17g', l.level), 'ts', string.format('%.17g', now_ms))
+  redis.call('PEXPIRE', l.key, math.max(1, math.ceil((l.capacity - l.level) * l.window_ms / l.capacity)))
+end
+
+function tb.refresh(l)
+  local state = redis.call('HMGET', l.key, 'tokens', 'ts')
+  local tokens, ts = tonumber(state[1]), tonumber(state[2])
+  if tokens == nil or ts == nil then
+    return l.capacity
+  end
+  return math.min(l.capacity, tokens + math.max(0, now_ms - ts) * l.capacity / l.window_ms)
+end
+
+function tb.retry_after(l, needed)
+  return math.ceil((needed - l.level) * l.window_ms / l.capacity)
+end
+
+function tb.take(l, amount)
+  l.level = l.level - amount
+  tb_store(l)
+end
+
+function tb.give_back(l, credit)
+  l.level = math.min(l.capacity, l.level + credit)
+  tb_store(l)
+end
+
+tb.touch = nothing
+tb.release = nothing
+
+function tb.reset_after(l)
+  return math.ceil((l.capacity - l.level) * l.window_ms / l.capacity)
+end
+
+-- Sliding window (see the header).
+local sw = {}
+drivers.sw = sw
+
+local function sw_meta(key, name)
+  local score = redis.call('ZSCORE', key, name)
+  return score and (-tonumber(score) - 1) or 0
+end
+
+local function sw_set_meta(key, name, value)
+  redis.call('ZADD', key, -value - 1, name)
+end
+
+local function sw_add(l, at_ms, amount)
+  local seq = sw_meta(l.key, '~seq') + 1
+  sw_set_meta(l.key, '~seq', seq)
+  redis.call('ZADD', l.key, at_ms, seq .. ':' .. string.format('%.17g', amount))
+  sw_set_meta(l.key, '~sum', sw_meta(l.key, '~sum') + amount)
+  redis.call('PEXPIRE', l.key, math.ceil(l.window_ms) + 1000)
+end
+
+-- Forgets the entries that left the window.
+function sw.refresh(l)
+  local sum = sw_meta(l.key, '~sum')
+  local cutoff = now_ms - l.window_ms
+  local expired = redis.call('ZRANGEBYSCORE', l.key, 0, cutoff)
+  if #expired > 0 then
+    for _, member in ipairs(expired) do
+      sum = sum - (tonumber(string.match(member, ':(.+)$')) or 0)
+    end
+    redis.call('ZREMRANGEBYSCORE', l.key, 0, cutoff)
+    sw_set_meta(l.key, '~sum', sum)
+  end
+  return l.capacity - sum
+end
+
+-- Walks the entries oldest first until enough leaves.
+function sw.retry_after(l, needed)
+  local short = needed - l.level
+  local entries = redis.call('ZRANGEBYSCORE', l.key, '(0', '+inf', 'WITHSCORES', 'LIMIT', 0, 1000)
+  local freed = 0
+  for j = 1, #entries, 2 do
+    freed = freed + (tonumber(string.match(entries[j], ':(.+)$')) or 0)
+    if freed >= short then
+      return math.max(1, math.ceil(tonumber(entries[j + 1]) + l.window_ms - now_ms))
+    end
+  end
+  return math.ceil(l.window_ms)
+end
+
+function sw.take(l, amount)
+  l.level = l.level - amount
+  sw_add(l, now_ms, amount)
+end
+
+-- A charge that already left the window needs no correction.
+function sw.give_back(l, credit, charged_at)
+  if charged_at > now_ms - l.window_ms then
+    sw_add(l, charged_at, -credit)
+    l.level = math.min(l.capacity, l.level + credit)
+  end
+end
+
+sw.touch = nothing
+sw.release = nothing
+
+function sw.reset_after(l)
+  local newest = redis.call('ZRANGE', l.key, -1, -1, 'WITHSCORES')
+  local at = tonumber(newest[2])
+  if not at or at <= 0 then
+    return 0
+  end
+  return math.max(0, math.ceil(at + l.window_ms - now_ms))
+end
+
+-- Concurrency slots: a sorted set of request ids (reservation keys) scored by expiry.
+local slots = {}
+drivers.slots = slots
+
+local function slots_hold(l, only_if_held)
+  local expiry = now_ms + l.window_ms
+  if only_if_held then
+    redis.call('ZADD', l.key, 'XX', expiry, l.member)
+  else
+    redis.call('ZADD', l.key, expiry, l.member)
+  end
+  local last = redis.call('ZRANGE', l.key, -1, -1, 'WITHSCORES')
+  if last[2] then
+    redis.call('PEXPIREAT', l.key, math.ceil(tonumber(last[2])))
+  end
+end
+
+-- Drops the expired slots; remembers when the oldest live one expires.
+function slots.refresh(l)
+  redis.call('ZREMRANGEBYSCORE', l.key, '-inf', now_ms)
+  local free = l.capacity - redis.call('ZCARD', l.key)
+  local first = redis.call('ZRANGE', l.key, 0, 0, 'WITHSCORES')
+  l.oldest = tonumber(first[2])
+  return free
+end
+
+function slots.retry_after(l)
+  return math.max(1, math.min(1000, math.ceil((l.oldest or now_ms) - now_ms)))
+end
+
+function slots.take(l, amount)
+  l.level = l.level - amount
+  slots_hold(l, false)
+end
+
+-- The slot is released by `release`, which a settlement calls for every limit.
+slots.give_back = nothing
+
+function slots.touch(l)
+  slots_hold(l, true)
+end
+
+function slots.release(l)
+  l.level = l.level + redis.call('ZREM', l.key, l.member)
+end
+
+function slots.reset_after()
+  return 0
+end
+
+--------------------------------------------------------------------------------------------
+-- Ops. Each names the fields it takes (true: required, false: optional; all numbers),
+-- checks what the fields alone cannot say, and runs over the limits, already checked:
+-- run(limits, args, keys) returns done (or an error reply), and sets each limit's status,
+-- retry and charged where they differ from 1, 0 and 0.
+--------------------------------------------------------------------------------------------
+
+local function bring_to_now(limits)
+  for _, l in ipairs(limits) do
+    l.level = l.driver.refresh(l)
+  end
+end
+
+-- Charges grants[i] from each limit if each holds required[i], and none can never fit
+-- (least[i] above capacity); otherwise charges nothing.
+local function admit(limits, grants, required, least)
+  local done = 1
+  for i, l in ipairs(limits) do
+    if least[i] > l.capacity then
+      l.status, done = -1, 0
+    elseif l.level < required[i] then
+      l.status, done = 0, 0
+      l.retry = l.driver.retry_after(l, required[i])
+    end
+  end
+  if done == 1 then
+    for i, l in ipairs(limits) do
+      l.charged = grants[i]
+      if grants[i] > 0 then
+        l.driver.take(l, grants[i])
+      end
+    end
+  end
+  return done
+end
+
+local function between(value, low, high)
+  return value >= low and value <= high
+end
+
+local ops = {}
+
+ops.charge = {
+  args = { reservation_ttl_ms = false },
+  limit = { cost = true, min_cost = false },
+  check = function(l)
+    if l.cost < 0 then
+      return 'cost', l.cost, 'must be >= 0'
+    end
+    l.min_cost = l.min_cost or l.cost
+    if not between(l.min_cost, 0, l.cost) then
+      return 'min_cost', l.min_cost, 'must be between 0 and cost (' .. l.cost .. ')'
+    end
+  end,
+  run = function(limits, args, keys)
+    if keys.cancel_marker and redis.call('EXISTS', keys.cancel_marker) == 1 then
+      return redis.error_reply('CANCELLED the request was abandoned while it waited')
+    end
+    bring_to_now(limits)
+    -- The common reduction of the elastic limits: enough for each to fit, if it can.
+    local reduction, most = 0, nil
+    for _, l in ipairs(limits) do
+      if l.min_cost < l.cost then
+        reduction = math.max(reduction, l.cost - math.max(l.level, 0))
+        most = math.min(most or (l.cost - l.min_cost), l.cost - l.min_cost)
+      end
+    end
+    reduction = math.ceil(math.min(reduction, most or 0))
+    local grants, least = {}, {}
+    for i, l in ipairs(limits) do
+      grants[i] = (l.min_cost < l.cost) and (l.cost - reduction) or l.cost
+      least[i] = l.min_cost
+    end
+    local done = admit(limits, grants, grants, least)
+    -- A record only when there are tokens to settle (ttl > 0): slots and the queue need
+    -- just the key's name. Its value is the time of the charge: where a sliding window's
+    -- correction goes.
+    if done == 1 and keys.reservation and (args.reservation_ttl_ms or 0) > 0 then
+      redis.call('SET', keys.reservation, string.format('%.17g', now_ms), 'PX', math.floor(args.reservation_ttl_ms))
+    end
+    return done
+  end,
+}
+
+ops.lease = {
+  args = { share = true },
+  limit = { wanted = true, needed = false },
+  check_args = function(args)
+    if not (args.share > 0 and args.share <= 1) then
+      return 'a lease needs a share in (0, 1], got ' .. tostring(args.share)
+    end
+  end,
+  check = function(l)
+    if l.wanted < 0 then
+      return 'wanted', l.wanted, 'must be >= 0'
+    end
+    l.needed = l.needed or l.wanted
+    if not between(l.needed, 0, l.wanted) then
+      return 'needed', l.needed, 'must be between 0 and wanted (' .. l.wanted .. ')'
+    end
+  end,
+  run = function(limits, args)
+    bring_to_now(limits)
+    local grants, needed = {}, {}
+    for i, l in ipairs(limits) do
+      grants[i] = math.min(l.wanted, math.max(l.needed, math.floor(math.max(l.level, 0) * args.share)))
+      needed[i] = l.needed
+    end
+    return admit(limits, grants, needed, needed)
+  end,
+}
+
+ops.settle = {
+  args = {},
+  limit = { credit = true },
+  run = function(limits, _, keys)
+    if keys.cancel_marker then
+      redis.call('SET', keys.cancel_marker, '1', 'PX', 600000)
+    end
+    bring_to_now(limits)
+    local done, charged_at = 1, now_ms
+    if keys.reservation then
+      charged_at = tonumber(redis.call('GET', keys.reservation)) or now_ms
+      if redis.call('DEL', keys.reservation) == 0 then
+        done = 0
+      end
+    end
+    for _, l in ipairs(limits) do
+      if done == 1 and l.credit ~= 0 then
+        l.driver.give_back(l, l.credit, charged_at)
+      end
+      l.driver.release(l)
+    end
+    return done
+  end,
+}
+
+ops.touch = {
+  args = {},
+  limit = {},
+  run = function(limits)
+    bring_to_now(limits)
+    for _, l in ipairs(limits) do
+      l.driver.touch(l)
+    end
+    return 1
+  end,
+}
+
+ops.release = {
+  args = {},
+  limit = {},
+  run = function(limits)
+    bring_to_now(limits)
+    for _, l in ipairs(limits) do
+      l.driver.release(l)
+    end
+    return 1
+  end,
+}
+
+--------------------------------------------------------------------------------------------
+-- Arguments
+--------------------------------------------------------------------------------------------
+
+local function shown(value)
+  if type(value) == 'string' then
+    return string.format('%q', value)
+  elseif type(value) == 'number' then
+    return tostring(value)
+  elseif value == nil then
+    return 'nothing'
+  elseif value == cjson.null then
+    return 'null'
+  end
+  return 'a ' .. type(value)
+end
+
+local function is_number(value)
+  return type(value) == 'number' and value == value
+end
+
+-- `object`'s fields are those of `fixed` (checked by the caller) and `numbers` (name ->
+-- required), each of the latter a number. Returns a problem, or nil.
+local function check_fields(object, where, fixed, numbers, op)
+  for name in pairs(object) do
+    if not fixed[name] and numbers[name] == nil then
+      return 'unknown field ' .. where .. tostring(name) .. ' for op ' .. op
+    end
+  end
+  for name, required in pairs(numbers) do
+    local value = object[name]
+    if (required or value ~= nil) and not is_number(value) then
+      return where .. name .. ' must be a number, got ' .. shown(value)
+    end
+  end
+end
+
+local TOP = { op = true, limits = true }
+local PER_LIMIT = { kind = true, capacity = true, window_ms = true }
+
+-- The decoded arguments, the op and the limits (one table per limit, with its key and
+-- driver); or nil and what is wrong.
+local function parse()
+  if #ARGV ~= 1 then
+    return nil, nil, nil, 'expected one argument, a JSON object (see the header), got ' .. #ARGV
+  end
+  local decoded, args = pcall(cjson.decode, ARGV[1])
+  if not decoded or type(args) ~= 'table' then
+    return nil, nil, nil, 'ARGV[1] must be a JSON object'
+  end
+  local op = ops[args.op]
+  if type(args.op) ~= 'string' or not op then
+    return nil, nil, nil, 'op must be "charge", "settle", "lease", "touch" or "release", got ' .. shown(args.op)
+  end
+  local problem = check_fields(args, '', TOP, op.args, args.op) or (op.check_args and op.check_args(args))
+  if problem then
+    return nil, nil, nil, problem
+  end
+  local given = args.limits
+  local n = type(given) == 'table' and #given or 0
+  local fields = 0
+  for _ in pairs(type(given) == 'table' and given or {}) do
+    fields = fields + 1
+  end
+  if n == 0 or fields ~= n then
+    return nil, nil, nil, 'limits must be a non-empty array, got ' .. shown(given)
+  end
+  if #KEYS < n or #KEYS > n + 2 then
+    return nil, nil, nil, n .. ' limits need ' .. n .. ' to ' .. (n + 2) .. ' keys, got ' .. #KEYS
+  end
+  local limits = {}
+  for i, spec in ipairs(given) do
+    local where = 'limits[' .. (i - 1) .. '].'
+    if type(spec) ~= 'table' then
+      return nil, nil, nil, 'limits[' .. (i - 1) .. '] must be an object, got ' .. shown(spec)
+    end
+    problem = check_fields(spec, where, PER_LIMIT, op.limit, args.op)
+    if problem then
+      return nil, nil, nil, problem
+    end
+    if type(spec.kind) ~= 'string' or not drivers[spec.kind] then
+      return nil, nil, nil, where .. 'kind must be "tb", "sw" or "slots", got ' .. shown(spec.kind)
+    end
+    for _, name in ipairs({ 'capacity', 'window_ms' }) do
+      if not is_number(spec[name]) or spec[name] <= 0 then
+        return nil, nil, nil, where .. name .. ' must be a number > 0, got ' .. shown(spec[name])
+      end
+    end
+    local l = { key = KEYS[i], member = KEYS[n + 1], driver = drivers[spec.kind], status = 1, retry = 0, charged = 0 }
+    for name, value in pairs(spec) do
+      l[name] = value
+    end
+    if op.check then
+      local field, value, rule = op.check(l)
+      if field then
+        return nil, nil, nil, where .. field .. ' ' .. rule .. ', got ' .. shown(value)
+      end
+    end
+    if l.kind == 'slots' and (not l.member or args.op == 'lease') then
+      return nil, nil, nil, 'limits[' .. (i - 1) .. '] is a slot limit: it needs the reservation key, and cannot be leased'
+    end
+    limits[i] = l
+  end
+  return args, op, limits
+end
+
+--------------------------------------------------------------------------------------------
+-- The call
+--------------------------------------------------------------------------------------------
+
+local args, op, limits, problem = parse()
+if problem then
+  return redis.error_reply('ERR limits: ' .. problem)
+end
+local n = #limits
+local time = redis.call('TIME')
+now_ms = tonumber(time[1]) * 1000 + tonumber(time[2]) / 1000
+
+local done = op.run(limits, args, { reservation = KEYS[n + 1], cancel_marker = KEYS[n + 2] })
+if type(done) == 'table' then
+  return done
+end
+
+local reply = { done }
+for i, l in ipairs(limits) do
+  reply[i + 1] = { l.status, l.capacity, math.max(0, math.floor(l.level)), l.driver.reset_after(l), l.retry, l.charged }
+end
+return reply
