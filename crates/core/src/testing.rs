@@ -11,8 +11,8 @@ use crate::decision::LocalReply;
 use crate::host::{Action, Host, HostKind, LogLevel, Metric, Owner, SharedWriteError};
 use crate::lifecycle::RequestFilter;
 use crate::protocol::{
-    ChargeRequest, LeaseRequest, LimitCharge, LimitsReply, SettleOutcome, SettleReply, SettlementBatch, CHARGE_PATH,
-    LEASE_PATH, RELEASE_PATH, SETTLE_PATH, TOUCH_PATH,
+    ChargeRequest, LeaseRequest, LimitCharge, LimitKind, LimitsReply, SettleOutcome, SettleReply, SettlementBatch,
+    CHARGE_PATH, LEASE_PATH, RELEASE_PATH, SETTLE_PATH, TOUCH_PATH,
 };
 use crate::worker::Worker;
 use serde_json::Value;
@@ -333,18 +333,8 @@ impl FakeCompanion {
             }
             LEASE_PATH => {
                 let request: LeaseRequest = serde_json::from_value(callout.body.clone()).expect("lease");
-                let specs: Vec<LimitCharge> = request
-                    .limits
-                    .iter()
-                    .map(|a| LimitCharge {
-                        name: a.name.clone(),
-                        capacity: a.capacity,
-                        window_ms: a.window_ms,
-                        cost: a.wanted,
-                        min_cost: a.needed,
-                        kind: a.kind,
-                    })
-                    .collect();
+                let specs: Vec<LimitCharge> =
+                    request.limits.iter().map(|a| spec(&a.name, a.capacity, a.window_ms, a.wanted, a.needed)).collect();
                 let mut states = self.states(&request.tenant, &specs);
                 let reply: LimitsReply = bucket::lease(&mut states, &specs, request.share, now);
                 if reply.allowed {
@@ -368,14 +358,7 @@ impl FakeCompanion {
                                 let specs: Vec<LimitCharge> = settlement
                                     .limits
                                     .iter()
-                                    .map(|a| LimitCharge {
-                                        name: a.name.clone(),
-                                        capacity: a.capacity,
-                                        window_ms: a.window_ms,
-                                        cost: 0,
-                                        min_cost: None,
-                                        kind: a.kind,
-                                    })
+                                    .map(|a| spec(&a.name, a.capacity, a.window_ms, 0, None))
                                     .collect();
                                 let credits: Vec<i64> = settlement.limits.iter().map(|a| a.credit).collect();
                                 let mut states = self.states(&settlement.tenant, &specs);
@@ -395,6 +378,11 @@ impl FakeCompanion {
         };
         (200, body.expect("serialise"))
     }
+}
+
+/// A limit as the bucket model takes it (every kind modelled as a token bucket).
+fn spec(name: &str, capacity: u64, window_ms: u64, cost: u64, min_cost: Option<u64>) -> LimitCharge {
+    LimitCharge { name: name.to_string(), capacity, window_ms, cost, min_cost, kind: LimitKind::TokenBucket }
 }
 
 /// A request as the tests send it.
