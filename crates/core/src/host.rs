@@ -42,6 +42,13 @@ impl HostKind {
         self == HostKind::Envoy
     }
 
+    /// Whether a request may dispatch a callout once its response has begun (response
+    /// callbacks, `on_log`). ngx_wasm_module allows callouts only in the request phases,
+    /// on ticks and in callout responses; elsewhere the call traps and the VM is reset.
+    pub fn dispatches_in_response_phases(self) -> bool {
+        self == HostKind::Envoy
+    }
+
     /// Whether `end_of_stream` on request headers can be trusted to say "no body".
     pub fn reports_end_of_stream_on_headers(self) -> bool {
         self == HostKind::Envoy

@@ -151,6 +151,45 @@ pub fn lease_asks(leases: &TenantLeases, charges: &[LimitCharge], policy: &Lease
         .collect()
 }
 
+/// A tenant's entry in the lease table: when it was last charged directly (a tenant
+/// leases only once it shows repeat traffic) and its leases.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct LeaseEntry {
+    pub seen_ms: u64,
+    pub leases: TenantLeases,
+}
+
+impl LeaseEntry {
+    /// The stored entry, or a fresh one.
+    pub fn decode(payload: Option<&[u8]>, limits: usize) -> LeaseEntry {
+        let seen = payload.and_then(|p| Some((u64::from_le_bytes(p.get(..8)?.try_into().ok()?), p.get(8..)?)));
+        match seen {
+            Some((seen_ms, leases)) => LeaseEntry { seen_ms, leases: TenantLeases::decode(Some(leases), limits) },
+            None => LeaseEntry { seen_ms: 0, leases: TenantLeases::decode(None, limits) },
+        }
+    }
+
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out = self.seen_ms.to_le_bytes().to_vec();
+        out.extend_from_slice(&self.leases.encode());
+        out
+    }
+
+    /// Whether another tenant may take this entry's slot: no lease is live and nothing is
+    /// left to give back to Redis (an expired lease's remainder is returned first).
+    pub fn evictable(payload: &[u8], limits: usize, now_ms: u64) -> bool {
+        let entry = LeaseEntry::decode(Some(payload), limits);
+        entry.leases.0.iter().all(|l| !l.is_live(now_ms) && l.remaining == 0.0)
+    }
+
+    /// Whether the tenant shows repeat traffic: a live lease, or a direct charge less than
+    /// `ttl_ms` ago. A tenant seen once is charged directly, so one-off tenants cost no
+    /// lease.
+    pub fn repeats(&self, ttl_ms: u64, now_ms: u64) -> bool {
+        self.leases.0.iter().any(|l| l.is_live(now_ms)) || (self.seen_ms != 0 && now_ms < self.seen_ms + ttl_ms)
+    }
+}
+
 /// The leases of one tenant, one per configured limit, in config order.
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct TenantLeases(pub Vec<Lease>);

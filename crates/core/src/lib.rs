@@ -17,6 +17,7 @@ pub mod request;
 pub mod reservation;
 pub mod settle_queue;
 pub mod sse;
+pub mod tables;
 pub mod tokens;
 pub mod usage;
 pub mod worker;

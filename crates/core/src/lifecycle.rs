@@ -11,9 +11,9 @@ use crate::config::{Dimension, FailureMode, MissingIdentity, Mode, Policy};
 use crate::decision::{
     self, Header, LocalReply, DEGRADED_HEADER, QUEUED_HEADER, RESERVED_TOKENS_HEADER, SHADOW_HEADER,
 };
-use crate::host::{shared_read, shared_update, Action, Host, LogLevel, Metric, Owner};
+use crate::host::{shared_update, Action, Host, LogLevel, Metric, Owner};
 use crate::identity::{find_credential, tenant_id, ANONYMOUS_TENANT};
-use crate::lease::{lease_asks, TenantLeases};
+use crate::lease::{lease_asks, LeaseEntry, TenantLeases};
 use crate::protocol::keys;
 use crate::protocol::{
     ChargeRequest, LeaseRequest, LimitCharge, LimitKind, LimitsReply, Reservation, SettlementBatch, Wait, CHARGE_PATH,
@@ -21,6 +21,7 @@ use crate::protocol::{
 };
 use crate::reservation::{actual_usage, credit, Ending, OutputAverage, TokenEstimate};
 use crate::sse::UsageChunkRemover;
+use crate::tables::{read_average, read_own, update_average, update_own, Busy, TenantTable};
 use crate::usage::{ReplyUsage, ReportedUsage, StreamUsage};
 use crate::worker::{adjustments, callout_reply, settlement, Worker};
 use std::rc::Rc;
@@ -70,6 +71,24 @@ enum Admission {
     Leased,
     /// Decided locally while the companion was away; reconciled with Redis later.
     Local,
+    /// Charged in Redis without a reservation record (a lease grant that could not be
+    /// kept): the settlement's credits go to Redis as they are.
+    Charged,
+}
+
+/// What the lease has to say about a request (lease mode).
+enum FromLease {
+    Decided(Verdict),
+    AskForLease,
+    ChargeDirectly,
+}
+
+/// What the tenant's lease entry said, inside its compare-and-swap.
+enum LeaseStep {
+    Admitted { renew: bool, leases: TenantLeases },
+    Refused(LimitsReply),
+    Ask,
+    FirstSeen,
 }
 
 /// Reads the reply for its usage.
@@ -324,9 +343,9 @@ impl RequestFilter {
         let path = host.request_header(":path").unwrap_or_default();
         let tier_value = config.tier.as_ref().and_then(|t| host.request_header(&t.header));
         self.tier = config.tier_of(&self.tenant, tier_value.as_deref()).to_string();
-        let (domain, tenant) = (&config.domain, &self.tenant);
+        let tenant = &self.tenant;
         let plan = plan(config, &path, &self.tier, body, |model| {
-            shared_read(host, &keys::average_key(domain, tenant, model)).and_then(|b| OutputAverage::from_bytes(&b))
+            read_average(host, config, tenant, model).and_then(|b| OutputAverage::from_bytes(&b))
         });
         self.body_len = body.map_or(0, <[u8]>::len);
         let unpriced = plan.unpriced.then(|| plan.model.clone());
@@ -336,8 +355,10 @@ impl RequestFilter {
         }
         let now = host.now_ms();
         if config.lease.enabled {
-            if let Some(verdict) = self.admit_from_lease(host, worker, config, now) {
-                return self.apply(host, config, verdict, false);
+            match self.admit_from_lease(host, worker, config, now) {
+                FromLease::Decided(verdict) => return self.apply(host, config, verdict, false),
+                FromLease::AskForLease => self.ask = Ask::Lease,
+                FromLease::ChargeDirectly => self.ask = Ask::Charge,
             }
         }
         if worker.route(host, config, now) == Route::Local {
@@ -363,20 +384,18 @@ impl RequestFilter {
             if config.lease.enabled || config.mode == Mode::Shadow { None } else { self.join_queue(host, config) };
         let Some(plan) = self.plan.as_ref() else { return Err("no plan".into()) };
         let timeout = config.companion.timeout + if self.queued { config.queue.max_wait } else { Duration::ZERO };
-        if config.lease.enabled {
-            self.ask = Ask::Lease;
+        if self.ask == Ask::Lease {
             host.add_metric(Metric::LeaseCallouts, 1);
-            let stored = shared_read(host, &keys::lease_key(&config.domain, &self.tenant));
-            let leases = TenantLeases::decode(stored.as_deref(), plan.buckets.len());
+            let stored = read_own(host, config, TenantTable::Leases, &self.tenant);
+            let entry = LeaseEntry::decode(stored.as_deref(), plan.buckets.len());
             let request = LeaseRequest {
                 domain: config.domain.clone(),
                 tenant: self.tenant.clone(),
-                limits: lease_asks(&leases, &plan.buckets, &config.lease.policy(), now),
+                limits: lease_asks(&entry.leases, &plan.buckets, &config.lease.policy(), now),
                 share: config.lease.share,
             };
             return worker.call_companion(host, config, LEASE_PATH, &request, timeout, Owner::Request).map(drop);
         }
-        self.ask = Ask::Charge;
         // A reservation records tokens to settle, and names the request's slots and its
         // place in the queue.
         let reservation = (plan.estimate.is_some() || config.has_concurrency() || wait.is_some())
@@ -441,44 +460,50 @@ impl RequestFilter {
     }
 
     /// Admits from this proxy's lease, if it covers the request, or refuses it if Redis
-    /// recently refused as much; `None` means: ask. Marks the tenant for renewal when the
-    /// lease runs low.
-    fn admit_from_lease(
-        &mut self,
-        host: &mut impl Host,
-        worker: &mut Worker,
-        config: &Policy,
-        now: u64,
-    ) -> Option<Verdict> {
+    /// recently refused as much; otherwise says how to ask Redis: for a lease once the
+    /// tenant shows repeat traffic, else (and when another tenant's lease holds the slot)
+    /// a direct charge. Marks the tenant for renewal when the lease runs low.
+    fn admit_from_lease(&mut self, host: &mut impl Host, worker: &mut Worker, config: &Policy, now: u64) -> FromLease {
         let costs = self.costs();
         let specs = self.plan.as_ref().map(|p| p.buckets.clone()).unwrap_or_default();
         let policy = config.lease.policy();
-        let (outcome, renew, leases) = shared_update(host, &keys::lease_key(&config.domain, &self.tenant), |bytes| {
-            let mut leases = TenantLeases::decode(bytes, costs.len());
-            if !leases.admit(&costs, now) {
-                let refusal = leases.refusal(&specs, now);
-                return (None, (refusal.map(Err), false, leases));
-            }
-            let renew = leases.0.iter().any(|l| l.wants_renewal(&policy, now));
-            if renew {
-                for lease in &mut leases.0 {
-                    lease.renewal_asked_ms = now;
+        let limits = costs.len();
+        let evictable = |payload: &[u8]| LeaseEntry::evictable(payload, limits, now);
+        let step = update_own(host, config, TenantTable::Leases, &self.tenant, evictable, |payload| {
+            let mut entry = LeaseEntry::decode(payload, limits);
+            if entry.leases.admit(&costs, now) {
+                let renew = entry.leases.0.iter().any(|l| l.wants_renewal(&policy, now));
+                if renew {
+                    for lease in &mut entry.leases.0 {
+                        lease.renewal_asked_ms = now;
+                    }
                 }
+                return (Some(entry.encode()), LeaseStep::Admitted { renew, leases: entry.leases });
             }
-            (Some(leases.encode()), (Some(Ok(())), renew, leases))
-        })?;
-        if renew {
-            worker.want_renewal(&self.tenant);
-        }
-        match outcome? {
-            Ok(()) => {
+            if let Some(refusal) = entry.leases.refusal(&specs, now) {
+                return (None, LeaseStep::Refused(refusal));
+            }
+            if entry.repeats(policy.ttl_ms, now) {
+                return (None, LeaseStep::Ask);
+            }
+            entry.seen_ms = now;
+            (Some(entry.encode()), LeaseStep::FirstSeen)
+        });
+        match step {
+            Some(Ok(LeaseStep::Admitted { renew, leases })) => {
+                if renew {
+                    worker.want_renewal(&self.tenant);
+                }
                 host.add_metric(Metric::LeaseAdmissions, 1);
-                Some(self.admitted_from_lease(host, worker, config, &leases))
+                FromLease::Decided(self.admitted_from_lease(host, worker, config, &leases))
             }
-            Err(refusal) => {
+            Some(Ok(LeaseStep::Refused(refusal))) => {
                 host.add_metric(Metric::Limited, 1);
-                Some(self.rejection(config, &refusal))
+                FromLease::Decided(self.rejection(config, &refusal))
             }
+            Some(Ok(LeaseStep::Ask)) => FromLease::AskForLease,
+            // First seen, the slot held by another tenant's lease, or the write refused.
+            Some(Ok(LeaseStep::FirstSeen) | Err(Busy)) | None => FromLease::ChargeDirectly,
         }
     }
 
@@ -490,7 +515,7 @@ impl RequestFilter {
         leases: &TenantLeases,
     ) -> Verdict {
         host.add_metric(Metric::Allowed, 1);
-        worker.note_leased(&self.tenant);
+        worker.note_leased(config, &self.tenant);
         self.admission = Some(Admission::Leased);
         let buckets = self.plan.as_ref().map(|p| p.buckets.clone()).unwrap_or_default();
         Verdict::Forward(self.admitted_headers(host, config, &leases.as_reply(&buckets)))
@@ -543,10 +568,12 @@ impl RequestFilter {
             if self.ask == Ask::Lease {
                 // Later requests that need as much are refused here until the retry time.
                 let costs = self.costs();
-                shared_update(host, &keys::lease_key(&config.domain, &self.tenant), |bytes| {
-                    let mut leases = TenantLeases::decode(bytes, costs.len());
-                    leases.block(&reply, &costs, now);
-                    (Some(leases.encode()), ())
+                let limits = costs.len();
+                let evictable = |payload: &[u8]| LeaseEntry::evictable(payload, limits, now);
+                update_own(host, config, TenantTable::Leases, &self.tenant, evictable, |payload| {
+                    let mut entry = LeaseEntry::decode(payload, limits);
+                    entry.leases.block(&reply, &costs, now);
+                    (Some(entry.encode()), ())
                 });
             }
             return self.rejection(config, &reply);
@@ -555,8 +582,17 @@ impl RequestFilter {
             Ask::Lease => {
                 let costs = self.costs();
                 match worker.merge_grant(host, config, &self.tenant, &reply, Some(&costs), now) {
-                    Some(leases) => self.admitted_from_lease(host, worker, config, &leases),
-                    None => self.fail_over(host, worker, config, "cannot record the lease"),
+                    Some(Ok(leases)) => self.admitted_from_lease(host, worker, config, &leases),
+                    _ => {
+                        // The grant cannot be kept as a lease (another tenant's lease holds
+                        // the slot): what it granted beyond this request goes back, and the
+                        // request stands charged.
+                        let surplus = reply.limits.iter().zip(&costs).map(|(o, &c)| o.charged as i64 - c as i64);
+                        worker.settle_credits(host, config, &self.tenant, None, false, surplus.enumerate());
+                        host.add_metric(Metric::Allowed, 1);
+                        self.admission = Some(Admission::Charged);
+                        Verdict::Forward(self.admitted_headers(host, config, &reply))
+                    }
                 }
             }
             Ask::Charge => {
@@ -606,12 +642,21 @@ impl RequestFilter {
         host.add_metric(Metric::LocalDecisions, 1);
         let specs = self.plan.as_ref().map(|plan| local_specs(config, plan)).unwrap_or_default();
         let now = host.now_ms() as f64;
-        let reply = shared_update(host, &keys::local_key(&config.domain, &self.tenant), |bytes| {
-            let mut states = decode_states(bytes, specs.len());
-            let reply = check_and_charge(&mut states, &specs, now);
-            (reply.allowed.then(|| encode_states(&states)), reply)
-        });
-        let Some(reply) = reply else {
+        // A local bucket may be replaced by a colliding tenant's at once: what it admitted
+        // was queued for Redis when it admitted it.
+        let reply = update_own(
+            host,
+            config,
+            TenantTable::Local,
+            &self.tenant,
+            |_| true,
+            |payload| {
+                let mut states = decode_states(payload, specs.len());
+                let reply = check_and_charge(&mut states, &specs, now);
+                (reply.allowed.then(|| encode_states(&states)), reply)
+            },
+        );
+        let Some(Ok(reply)) = reply else {
             return Verdict::Reply(decision::limiter_unavailable());
         };
         if !reply.allowed {
@@ -714,7 +759,10 @@ impl RequestFilter {
             .collect();
         let reservation = match admission {
             Admission::Reserved(id) => {
-                if let Some(slots) = worker.take_slots(&id) {
+                // Released at once where the host lets a finished request call out; the
+                // settlement below releases them too, within a tick, everywhere.
+                let slots = worker.take_slots(&id);
+                if let Some(slots) = slots.filter(|_| worker.host_kind().dispatches_in_response_phases()) {
                     release_now(host, worker, config, slots);
                 }
                 Some(id)
@@ -728,16 +776,26 @@ impl RequestFilter {
             }
             Admission::Leased => {
                 let now = host.now_ms();
-                let applied = shared_update(host, &keys::lease_key(&config.domain, &self.tenant), |bytes| {
-                    let mut leases = TenantLeases::decode(bytes, config.limits.len());
-                    let live = credits.iter().all(|&(i, credit)| leases.credit(i, credit, now));
-                    (live.then(|| leases.encode()), live)
-                });
-                if applied == Some(true) || credits.iter().all(|&(_, c)| c == 0) {
+                let limits = config.limits.len();
+                let applied = update_own(
+                    host,
+                    config,
+                    TenantTable::Leases,
+                    &self.tenant,
+                    |_| false,
+                    |payload| {
+                        let Some(payload) = payload else { return (None, false) };
+                        let mut entry = LeaseEntry::decode(Some(payload), limits);
+                        let live = credits.iter().all(|&(i, credit)| entry.leases.credit(i, credit, now));
+                        (live.then(|| entry.encode()), live)
+                    },
+                );
+                if applied == Some(Ok(true)) || credits.iter().all(|&(_, c)| c == 0) {
                     return;
                 }
-                None // the lease expired meanwhile: the credits belong to Redis
+                None // the lease expired (or was evicted) meanwhile: the credits belong to Redis
             }
+            Admission::Charged => None,
         };
         let with_slots = reservation.is_some();
         let releases = slot_limits.into_iter().filter(|_| with_slots).map(|i| (i, 0));
@@ -783,10 +841,9 @@ impl RequestFilter {
         host.add_metric(Metric::TokensCharged, used.total());
         if ending == Ending::Completed {
             if let Some(output) = reported.output.or(streamed_output) {
-                shared_update(host, &keys::average_key(&config.domain, &self.tenant, &plan.model), |bytes| {
-                    let average = bytes.and_then(OutputAverage::from_bytes);
-                    let updated = average.map_or(OutputAverage::first(output), |a| a.update(output));
-                    (Some(updated.to_bytes().to_vec()), ())
+                update_average(host, config, &self.tenant, &plan.model, |stored| {
+                    let average = stored.and_then(OutputAverage::from_bytes);
+                    average.map_or(OutputAverage::first(output), |a| a.update(output)).to_bytes().to_vec()
                 });
             }
         }
@@ -809,11 +866,19 @@ impl RequestFilter {
         let specs = local_specs(config, plan);
         let credits: Vec<i64> = (0..specs.len()).map(|i| i64::from(indices.contains(&i))).collect();
         let now = host.now_ms() as f64;
-        shared_update(host, &keys::local_key(&config.domain, &self.tenant), |bytes| {
-            let mut states = decode_states(bytes, specs.len());
-            crate::bucket::settle(&mut states, &specs, &credits, now);
-            (Some(encode_states(&states)), ())
-        });
+        update_own(
+            host,
+            config,
+            TenantTable::Local,
+            &self.tenant,
+            |_| false,
+            |payload| {
+                let Some(payload) = payload else { return (None, ()) }; // replaced meanwhile
+                let mut states = decode_states(Some(payload), specs.len());
+                crate::bucket::settle(&mut states, &specs, &credits, now);
+                (Some(encode_states(&states)), ())
+            },
+        );
     }
 }
 

@@ -75,11 +75,11 @@ fn a_chat_is_charged_forwarded_and_settled_from_the_reported_usage() {
         assert_eq!(settled[0].limits[0].credit, CHAT_RESERVES - 50);
         // The running average of completions moved, on every host (on Nginx only a CAS
         // write can update an existing key).
-        let key = keys::average_key("llm", &tenant("sk-a"), "gpt-4o");
         let mut second = proxy.send(Request::chat("sk-a", CHAT), &mut companion);
         proxy.reply(&mut second, 200, "application/json", &[&usage_reply(9, 11)]);
-        let average = crate::reservation::OutputAverage::from_bytes(&proxy.root.shared_value(&key).expect("average"))
-            .expect("decodes");
+        let config = proxy.worker.config().unwrap().clone();
+        let stored = crate::tables::read_average(&mut proxy.root, &config, &tenant("sk-a"), "gpt-4o");
+        let average = crate::reservation::OutputAverage::from_bytes(&stored.expect("average")).expect("decodes");
         assert_eq!(average.samples, 2, "{kind:?}");
     }
 }
@@ -295,9 +295,14 @@ fn leases_admit_without_callouts_refuse_renew_and_return_on_expiry() {
         let extra = json!({"lease": {"enabled": true, "ttl": "1s", "initial_fraction": 0.01, "max_fraction": 0.01}});
         let mut proxy = Proxy::new(&world, &config(limits, extra));
         let mut companion = FakeCompanion::default();
-        // The first request asks for a lease (10 = 1% of 1000) and is admitted from it.
+        // A tenant seen once is charged directly; its second request asks for a lease
+        // (10 = 1% of 1000) and is admitted from it.
         let first = proxy.send(Request::get("sk-a", "/v1/models"), &mut companion);
         assert!(first.forwarded(), "{kind:?}");
+        assert_eq!(companion.calls.get(crate::protocol::CHARGE_PATH), Some(&1));
+        assert_eq!(companion.calls.get(crate::protocol::LEASE_PATH), None);
+        let second = proxy.send(Request::get("sk-a", "/v1/models"), &mut companion);
+        assert!(second.forwarded(), "{kind:?}");
         assert_eq!(companion.calls.get(crate::protocol::LEASE_PATH), Some(&1));
         let rest: usize = (0..7)
             .map(|_| proxy.send(Request::get("sk-a", "/v1/models"), &mut companion))
@@ -305,10 +310,7 @@ fn leases_admit_without_callouts_refuse_renew_and_return_on_expiry() {
             .count();
         assert_eq!(rest, 7, "{kind:?}: admitted from the lease with no callout");
         // Running low (2 of 10 left, under the 20% low water): the root renews it.
-        let leases = |proxy: &mut Proxy| {
-            let key = keys::lease_key("llm", &tenant("sk-a"));
-            TenantLeases::decode(proxy.root.shared_value(&key).as_deref(), 1)
-        };
+        let leases = |proxy: &mut Proxy| lease_of(proxy, "sk-a");
         let before = leases(&mut proxy).0[0].remaining;
         proxy.send(Request::get("sk-a", "/v1/models"), &mut companion);
         proxy.tick(Some(&mut companion));
@@ -325,6 +327,13 @@ fn leases_admit_without_callouts_refuse_renew_and_return_on_expiry() {
         assert!(left > 0 && credits == left, "{kind:?}: returned {credits} of {left}");
         assert_eq!(leases(&mut proxy).0[0].remaining, 0.0);
     }
+}
+
+/// A tenant's leases as its slot of the lease table holds them (empty if not its own).
+fn lease_of(proxy: &mut Proxy, key: &str) -> TenantLeases {
+    let config = proxy.worker.config().unwrap().clone();
+    let stored = crate::tables::read_own(&mut proxy.root, &config, crate::tables::TenantTable::Leases, &tenant(key));
+    crate::lease::LeaseEntry::decode(stored.as_deref(), config.limits.len()).leases
 }
 
 #[test]
@@ -421,26 +430,33 @@ fn per_model_limits_charge_and_settle_only_their_models() {
 
 #[test]
 fn concurrency_slots_are_released_at_once_and_renewed_meanwhile() {
-    let world = World::new(HostKind::Envoy);
-    let limits = json!([{"name": "inflight", "concurrency": 2}]);
-    let mut proxy = Proxy::new(&world, &config(limits, json!({"slots": {"ttl": "3s"}})));
-    let mut companion = FakeCompanion::default();
-    let mut flight = proxy.send(Request::get("sk-a", "/v1/models"), &mut companion);
-    assert!(flight.forwarded());
-    for _ in 0..20 {
-        proxy.tick(Some(&mut companion));
+    for kind in HOSTS {
+        let world = World::new(kind);
+        let limits = json!([{"name": "inflight", "concurrency": 2}]);
+        let mut proxy = Proxy::new(&world, &config(limits, json!({"slots": {"ttl": "3s"}})));
+        let mut companion = FakeCompanion::default();
+        let mut flight = proxy.send(Request::get("sk-a", "/v1/models"), &mut companion);
+        assert!(flight.forwarded());
+        for _ in 0..20 {
+            proxy.tick(Some(&mut companion));
+        }
+        assert!(companion.touched >= 1, "{kind:?}: heartbeats for the held slot");
+        proxy.reply(&mut flight, 200, "application/json", &["{}"]);
+        let release = flight.host.callouts.iter().find(|c| c.path == crate::protocol::RELEASE_PATH);
+        match kind {
+            // Released at once, by a callout that outlives the request.
+            HostKind::Envoy => assert_eq!(release.map(|c| c.owner), Some(Owner::Root)),
+            // ngx_wasm_module forbids a callout there (the fake host would trap).
+            HostKind::Nginx => assert!(release.is_none()),
+        }
+        let settled = settle(&mut proxy, &mut companion);
+        assert_eq!(settled[0].limits[0].name, "inflight", "{kind:?}: released by the settlement");
+        let touched = companion.touched;
+        for _ in 0..20 {
+            proxy.tick(Some(&mut companion));
+        }
+        assert_eq!(companion.touched, touched, "{kind:?}: no heartbeat once released");
     }
-    assert!(companion.touched >= 1, "heartbeats for the held slot");
-    proxy.reply(&mut flight, 200, "application/json", &["{}"]);
-    let release = flight.host.callouts.iter().find(|c| c.path == crate::protocol::RELEASE_PATH).expect("released");
-    assert_eq!(release.owner, Owner::Root, "the release outlives the request");
-    let settled = settle(&mut proxy, &mut companion);
-    assert_eq!(settled[0].limits[0].name, "inflight", "and released again by the settlement");
-    let touched = companion.touched;
-    for _ in 0..20 {
-        proxy.tick(Some(&mut companion));
-    }
-    assert_eq!(companion.touched, touched, "no heartbeat once released");
 }
 
 #[test]
@@ -489,14 +505,98 @@ fn keys_that_collide_in_the_host_never_share_state() {
     let limits = json!([{"name": "rpm", "requests": 1000, "window": "1m"}]);
     let mut proxy = Proxy::new(&world, &config(limits, json!({"lease": {"enabled": true}})));
     let mut companion = FakeCompanion::default();
-    assert!(proxy.send(Request::get("sk-a", "/v1/models"), &mut companion).forwarded());
-    assert_eq!(companion.calls.get(crate::protocol::LEASE_PATH), Some(&1));
-    // sk-b finds sk-a's lease in the slot: not its own, so it asks for a lease of its own
-    // instead of spending sk-a's.
+    for _ in 0..2 {
+        assert!(proxy.send(Request::get("sk-a", "/v1/models"), &mut companion).forwarded());
+    }
+    assert_eq!(companion.calls.get(crate::protocol::LEASE_PATH), Some(&1), "sk-a holds a lease");
+    // sk-b's slot key lands on sk-a's value: not its key's, so it reads as nothing, and
+    // sk-b is charged in Redis instead of spending sk-a's lease.
     let b = proxy.send(Request::get("sk-b", "/v1/models"), &mut companion);
     assert!(b.forwarded());
-    assert_eq!(companion.calls.get(crate::protocol::LEASE_PATH), Some(&2));
-    let lease_b = TenantLeases::decode(proxy.root.shared_value(&keys::lease_key("llm", &tenant("sk-b"))).as_deref(), 1);
-    assert!(lease_b.0[0].granted > 0.0);
-    assert_eq!(proxy.root.shared_value(&keys::lease_key("llm", &tenant("sk-a"))), None, "evicted, never mixed");
+    assert_eq!(b.host.callouts.len(), 1, "asked Redis, not sk-a's lease");
+    assert_eq!(companion.calls.get(crate::protocol::CHARGE_PATH), Some(&2));
+}
+
+#[test]
+fn one_off_tenants_cost_no_lease_and_leases_start_on_repeat_traffic() {
+    let world = World::new(HostKind::Envoy);
+    let limits = json!([{"name": "rpm", "requests": 1000, "window": "1m"}]);
+    let mut proxy = Proxy::new(&world, &config(limits, json!({"lease": {"enabled": true, "ttl": "10s"}})));
+    let mut companion = FakeCompanion::default();
+    for i in 0..50 {
+        assert!(proxy.send(Request::get(&format!("sk-{i}"), "/v1/models"), &mut companion).forwarded());
+    }
+    assert_eq!(companion.calls.get(crate::protocol::CHARGE_PATH), Some(&50));
+    assert_eq!(companion.calls.get(crate::protocol::LEASE_PATH), None, "no lease for a tenant seen once");
+    // Seen again within the lease ttl: it leases. Seen again only after it: charged again.
+    proxy.send(Request::get("sk-1", "/v1/models"), &mut companion);
+    assert_eq!(companion.calls.get(crate::protocol::LEASE_PATH), Some(&1));
+    advance(&world, 10_001);
+    proxy.send(Request::get("sk-2", "/v1/models"), &mut companion);
+    assert_eq!(companion.calls.get(crate::protocol::CHARGE_PATH), Some(&51));
+}
+
+#[test]
+fn memory_is_bounded_whatever_tenants_and_models_clients_invent() {
+    for kind in HOSTS {
+        let world = World::new(kind);
+        let limits = json!([{"name": "tpm", "tokens": 1000000, "window": "1m"}]);
+        let extra = json!({"lease": {"enabled": true}, "failure_mode": "local",
+                           "memory": {"tenant_slots": 16, "average_slots": 32}});
+        let mut proxy = Proxy::new(&world, &config(limits, extra));
+        let mut companion = FakeCompanion::default();
+        for i in 0..300 {
+            let body = CHAT.replace("gpt-4o", &format!("model-{i}"));
+            for _ in 0..2 {
+                let mut flight = proxy.send(Request::chat(&format!("sk-{i}"), &body), &mut companion);
+                proxy.reply(&mut flight, 200, "application/json", &[&usage_reply(9, 5)]);
+            }
+            if i == 150 {
+                companion.failing = Some(500); // the degraded mode's tables too
+            }
+            proxy.tick(Some(&mut companion));
+        }
+        let keys = world.borrow().keys();
+        let per_table = |prefix: &str| keys.iter().filter(|k| k.starts_with(prefix)).count();
+        assert!(per_table("llmrl.lease.") <= 16, "{kind:?}: {keys:?}");
+        assert!(per_table("llmrl.local.") <= 16, "{kind:?}");
+        assert!(per_table("llmrl.avg.") <= 32, "{kind:?}");
+        assert!(keys.len() <= 16 + 16 + 32 + 3, "{kind:?}: {} keys", keys.len());
+        assert!(proxy.worker.leased_slots() <= 16);
+    }
+}
+
+#[test]
+fn a_slot_held_by_a_live_lease_is_not_taken_until_the_lease_is_returned() {
+    let world = World::new(HostKind::Envoy);
+    let limits = json!([{"name": "rpm", "requests": 1000, "window": "1m"}]);
+    let extra = json!({"lease": {"enabled": true, "ttl": "1s"}, "memory": {"tenant_slots": 16}});
+    let mut proxy = Proxy::new(&world, &config(limits, extra));
+    let config = proxy.worker.config().unwrap().clone();
+    let slot = |key: &str| crate::tables::TenantTable::slot(&config, &tenant(key));
+    let rival = (0..).map(|i| format!("sk-{i}")).find(|k| k != "sk-a" && slot(k) == slot("sk-a")).unwrap();
+    let mut companion = FakeCompanion::default();
+    for _ in 0..2 {
+        proxy.send(Request::get("sk-a", "/v1/models"), &mut companion);
+    }
+    assert!(lease_of(&mut proxy, "sk-a").0[0].remaining > 0.0, "sk-a leases");
+    // The rival shares the slot: charged directly, twice, and sk-a's lease stays.
+    for _ in 0..2 {
+        let flight = proxy.send(Request::get(&rival, "/v1/models"), &mut companion);
+        assert!(flight.forwarded() && flight.host.last_callout().path == crate::protocol::CHARGE_PATH);
+    }
+    assert!(lease_of(&mut proxy, "sk-a").0[0].remaining > 0.0);
+    // Expired and returned: the rival may take the slot and lease in its turn.
+    advance(&world, 1_500);
+    for _ in 0..10 {
+        proxy.tick(Some(&mut companion));
+    }
+    let returned: i64 = companion.settled.iter().flat_map(|s| &s.limits).map(|a| a.credit).sum();
+    assert!(returned > 0, "sk-a's lease went back to Redis before eviction");
+    for _ in 0..2 {
+        proxy.send(Request::get(&rival, "/v1/models"), &mut companion);
+    }
+    assert!(lease_of(&mut proxy, &rival).0[0].granted > 0.0, "the rival leases now");
+    assert_eq!(lease_of(&mut proxy, "sk-a").0.len(), 1);
+    assert_eq!(lease_of(&mut proxy, "sk-a").0[0].granted, 0.0, "sk-a's entry is gone");
 }

@@ -47,6 +47,11 @@ impl World {
 }
 
 impl World {
+    /// Every shared-data key written.
+    pub fn keys(&self) -> Vec<String> {
+        self.shared.keys().cloned().collect()
+    }
+
     fn slot<'a>(&self, key: &'a str) -> &'a str {
         if self.colliding_keys {
             "*"
@@ -93,6 +98,8 @@ pub struct FakeHost {
     warned: BTreeSet<&'static str>,
     /// Make every dispatch fail (the host refuses the callout).
     pub refuse_dispatch: bool,
+    /// The request's response has begun (response callbacks, `on_log`).
+    pub in_response_phases: bool,
 }
 
 impl FakeHost {
@@ -112,6 +119,7 @@ impl FakeHost {
             logs: Vec::new(),
             warned: BTreeSet::new(),
             refuse_dispatch: false,
+            in_response_phases: false,
         }
     }
 
@@ -218,6 +226,11 @@ impl Host for FakeHost {
         if self.refuse_dispatch {
             return Err("refused".into());
         }
+        // ngx_wasm_module traps (and resets the VM) on a callout from a response phase.
+        assert!(
+            !(self.in_response_phases && self.kind() == HostKind::Nginx),
+            "host trap: ngx_wasm_module allows no dispatch once the response has begun"
+        );
         let token = {
             let mut world = self.world.borrow_mut();
             world.next_token += 1;
@@ -511,6 +524,7 @@ impl Proxy {
 
     /// The upstream's reply, in one chunk per element, then the end of the request.
     pub fn reply(&mut self, request: &mut InFlight, status: u32, content_type: &str, chunks: &[&str]) {
+        request.host.in_response_phases = true;
         request.host.response_headers =
             vec![(":status".into(), status.to_string()), ("content-type".into(), content_type.into())];
         request.filter.on_response_headers(&mut request.host);
@@ -524,6 +538,7 @@ impl Proxy {
 
     /// The host's end of the request (`on_log`).
     pub fn done(&mut self, request: &mut InFlight) {
+        request.host.in_response_phases = true;
         request.filter.on_done(&mut request.host, &mut self.worker);
     }
 

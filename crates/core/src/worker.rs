@@ -6,7 +6,7 @@
 use crate::breaker::{Breaker, Route};
 use crate::config::Policy;
 use crate::host::{detect_kind, shared_read, shared_update, Host, HostKind, LogLevel, Metric, Owner};
-use crate::lease::{lease_asks, TenantLeases};
+use crate::lease::{lease_asks, LeaseEntry, TenantLeases};
 use crate::lifecycle::RequestFilter;
 use crate::protocol::keys;
 use crate::protocol::{
@@ -14,6 +14,7 @@ use crate::protocol::{
     LEASE_PATH, SETTLE_PATH, TOKEN_HEADER, TOUCH_PATH,
 };
 use crate::settle_queue::{Queued, SettleQueue};
+use crate::tables::{read_own, update_own, update_slot, Busy, TenantTable};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use std::collections::{BTreeSet, HashMap};
@@ -36,8 +37,9 @@ pub struct Worker {
     settlements: SettleQueue,
     /// Tenants whose leases this VM saw running low: renewed on the next tick.
     renewals: BTreeSet<String>,
-    /// Tenants this VM holds leases for: what expires is returned.
-    leased: BTreeSet<String>,
+    /// Slots of the lease table this VM granted leases into: what expires is returned.
+    /// Bounded by the table's size.
+    leased: BTreeSet<u32>,
     /// Concurrency slots held by this VM's requests, by reservation id: renewed until the
     /// request releases them.
     slots: HashMap<String, Settlement>,
@@ -75,6 +77,11 @@ impl Worker {
 
     pub fn config(&self) -> Option<&Rc<Policy>> {
         self.config.as_ref()
+    }
+
+    /// How many slots of the lease table this VM watches for expiry (bounded by the table).
+    pub fn leased_slots(&self) -> usize {
+        self.leased.len()
     }
 
     pub fn host_kind(&self) -> HostKind {
@@ -299,7 +306,7 @@ impl Worker {
     /// Adds a lease grant to the tenant's leases and, when `costs` are given, admits a
     /// request from them: the grant covered at least its need, so the admission stands
     /// even if another worker spent the lease in between (the lease then runs briefly
-    /// negative).
+    /// negative). `Err(Busy)` when another tenant's lease holds the slot.
     pub(crate) fn merge_grant(
         &mut self,
         host: &mut impl Host,
@@ -308,28 +315,32 @@ impl Worker {
         reply: &LimitsReply,
         costs: Option<&[u64]>,
         now: u64,
-    ) -> Option<TenantLeases> {
+    ) -> Option<Result<TenantLeases, Busy>> {
         let policy = config.lease.policy();
-        let merged = shared_update(host, &keys::lease_key(&config.domain, tenant), |bytes| {
-            let mut leases = TenantLeases::decode(bytes, config.limits.len());
-            for (lease, outcome) in leases.0.iter_mut().zip(&reply.limits) {
+        let limits = config.limits.len();
+        let evictable = |payload: &[u8]| LeaseEntry::evictable(payload, limits, now);
+        let merged = update_own(host, config, TenantTable::Leases, tenant, evictable, |payload| {
+            let mut entry = LeaseEntry::decode(payload, limits);
+            for (lease, outcome) in entry.leases.0.iter_mut().zip(&reply.limits) {
                 lease.add_grant(outcome.charged as f64, outcome.remaining as f64, &policy, now);
             }
             if let Some(costs) = costs {
-                if !leases.admit(costs, now) {
-                    for (lease, &cost) in leases.0.iter_mut().zip(costs) {
+                if !entry.leases.admit(costs, now) {
+                    for (lease, &cost) in entry.leases.0.iter_mut().zip(costs) {
                         lease.remaining -= cost as f64;
                     }
                 }
             }
-            (Some(leases.encode()), leases)
+            (Some(entry.encode()), entry.leases)
         });
-        self.leased.insert(tenant.to_string());
+        if matches!(merged, Some(Ok(_))) {
+            self.note_leased(config, tenant);
+        }
         merged
     }
 
-    pub(crate) fn note_leased(&mut self, tenant: &str) {
-        self.leased.insert(tenant.to_string());
+    pub(crate) fn note_leased(&mut self, config: &Policy, tenant: &str) {
+        self.leased.insert(TenantTable::slot(config, tenant));
     }
 
     // ---- the root's background work ----
@@ -393,12 +404,12 @@ impl Worker {
             if self.renewing.values().any(|(t, _)| *t == tenant) {
                 continue;
             }
-            let stored = shared_read(host, &keys::lease_key(&config.domain, &tenant));
-            let leases = TenantLeases::decode(stored.as_deref(), config.limits.len());
+            let stored = read_own(host, config, TenantTable::Leases, &tenant);
+            let entry = LeaseEntry::decode(stored.as_deref(), config.limits.len());
             let request = LeaseRequest {
                 domain: config.domain.clone(),
                 tenant: tenant.clone(),
-                limits: lease_asks(&leases, &unused, &policy, now),
+                limits: lease_asks(&entry.leases, &unused, &policy, now),
                 share: config.lease.share,
             };
             match self.call_companion(host, config, LEASE_PATH, &request, config.companion.timeout, Owner::Root) {
@@ -413,19 +424,23 @@ impl Worker {
 
     /// Gives back to Redis what is left of expired leases.
     fn return_expired_leases(&mut self, host: &mut impl Host, config: &Policy, now: u64) {
-        for tenant in self.leased.clone() {
-            let returned = shared_update(host, &keys::lease_key(&config.domain, &tenant), |bytes| {
-                let mut leases = TenantLeases::decode(bytes, config.limits.len());
-                let amounts = leases.expire(now);
+        let limits = config.limits.len();
+        for slot in self.leased.clone() {
+            let returned = update_slot(host, config, TenantTable::Leases, slot, |tenant, payload| {
+                let mut entry = LeaseEntry::decode(Some(payload), limits);
+                let amounts = entry.leases.expire(now);
                 let changed = amounts.iter().any(|&a| a != 0.0);
-                let idle = leases.0.iter().all(|l| !l.is_live(now));
-                (changed.then(|| leases.encode()), (amounts, idle))
+                let idle = entry.leases.0.iter().all(|l| !l.is_live(now));
+                (changed.then(|| entry.encode()), (tenant.to_string(), amounts, idle))
             });
-            let Some((amounts, idle)) = returned else { continue };
+            let Some((tenant, amounts, idle)) = returned else {
+                self.leased.remove(&slot);
+                continue;
+            };
             let credits = amounts.iter().enumerate().map(|(i, a)| (i, a.round() as i64));
             self.settle_credits(host, config, &tenant, None, false, credits);
             if idle {
-                self.leased.remove(&tenant);
+                self.leased.remove(&slot);
             }
         }
     }

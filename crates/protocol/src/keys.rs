@@ -18,14 +18,15 @@ pub const CANCEL_KIND: &str = "cancel";
 pub const QUEUE_KIND: &str = "queue";
 pub const QUEUE_NAME: &str = "waiters";
 
-/// Shared data: a tenant's leases (all limits in one value).
-pub fn lease_key(domain: &str, tenant: &str) -> String {
-    format!("llmrl.lease.{domain}.{tenant}")
+/// Shared data: slot `slot` of the table of leases (the tenant is stored in the value;
+/// tables are bounded, see the filter's `memory` config).
+pub fn lease_key(domain: &str, slot: u32) -> String {
+    format!("llmrl.lease.{domain}.{slot}")
 }
 
-/// Shared data: a tenant's local buckets in the degraded mode.
-pub fn local_key(domain: &str, tenant: &str) -> String {
-    format!("llmrl.local.{domain}.{tenant}")
+/// Shared data: slot `slot` of the table of local buckets (the degraded mode).
+pub fn local_key(domain: &str, slot: u32) -> String {
+    format!("llmrl.local.{domain}.{slot}")
 }
 
 /// Shared data: how many requests this proxy has waiting in the queue.
@@ -38,7 +39,8 @@ pub fn breaker_key(domain: &str) -> String {
     format!("llmrl.breaker.{domain}")
 }
 
-/// Shared data: a tenant's running average completion length for a model.
-pub fn average_key(domain: &str, tenant: &str, model: &str) -> String {
-    format!("llmrl.avg.{domain}.{tenant}.{model}")
+/// Shared data: slot `slot` of the table of running completion averages (by tenant and
+/// model; model names are hashed, never part of a key).
+pub fn average_key(domain: &str, slot: u32) -> String {
+    format!("llmrl.avg.{domain}.{slot}")
 }

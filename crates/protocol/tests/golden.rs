@@ -165,9 +165,9 @@ fn redis_keys() {
 
 #[test]
 fn shared_data_keys() {
-    assert_eq!(lease_key("llm", "t1"), "llmrl.lease.llm.t1");
-    assert_eq!(local_key("llm", "t1"), "llmrl.local.llm.t1");
+    assert_eq!(lease_key("llm", 7), "llmrl.lease.llm.7");
+    assert_eq!(local_key("llm", 7), "llmrl.local.llm.7");
     assert_eq!(queued_key("llm"), "llmrl.queued.llm");
     assert_eq!(breaker_key("llm"), "llmrl.breaker.llm");
-    assert_eq!(average_key("llm", "t1", "gpt-4o"), "llmrl.avg.llm.t1.gpt-4o");
+    assert_eq!(average_key("llm", 7), "llmrl.avg.llm.7");
 }

@@ -10,8 +10,8 @@
 
 use super::error::{invalid, ConfigError};
 use super::policy::{
-    tiers_named, Bypass, Companion, Dimension, Fallback, Identity, LeaseConfig, Limit, Measure, Policy, PriceEntry,
-    QueueConfig, Slots, TierConfig, TokenPolicy,
+    tiers_named, Bypass, Companion, Dimension, Fallback, Identity, LeaseConfig, Limit, Measure, Memory, Policy,
+    PriceEntry, QueueConfig, Slots, TierConfig, TokenPolicy,
 };
 use super::shape::{self, Algorithm, ConfigDuration, Document};
 use crate::identity::{is_tenant_id, IdentitySource};
@@ -33,6 +33,7 @@ pub(super) fn compile(written: &Document) -> Result<Policy, ConfigError> {
     let tokens = tokens(&written.tokens)?;
     let fallback = fallback(&written.fallback)?;
     let lease = lease(&written.lease)?;
+    let memory = memory(&written.memory)?;
     let bypass = bypass(&written.bypass)?;
     let prices = prices(&written.prices)?;
     budgets_are_priced(&limits, &prices)?;
@@ -55,6 +56,7 @@ pub(super) fn compile(written: &Document) -> Result<Policy, ConfigError> {
         queue,
         fallback,
         lease,
+        memory,
         hold_request_headers: written.hold_request_headers,
     })
 }
@@ -226,6 +228,14 @@ fn fallback(written: &shape::Fallback) -> Result<Fallback, ConfigError> {
         "10ms..5m",
     )?;
     Ok(Fallback { instances, breaker_failures, breaker_cooldown })
+}
+
+fn memory(written: &shape::Memory) -> Result<Memory, ConfigError> {
+    const RANGE: std::ops::RangeInclusive<u32> = 16..=1 << 20;
+    Ok(Memory {
+        tenant_slots: within("memory.tenant_slots", written.tenant_slots, RANGE, "16..1048576")?,
+        average_slots: within("memory.average_slots", written.average_slots, RANGE, "16..1048576")?,
+    })
 }
 
 fn lease(written: &shape::Lease) -> Result<LeaseConfig, ConfigError> {

@@ -33,8 +33,16 @@ pub struct Policy {
     pub queue: QueueConfig,
     pub fallback: Fallback,
     pub lease: LeaseConfig,
+    pub memory: Memory,
     /// As written: unset means "where the host can" (see `Worker::holds_request_headers`).
     pub hold_request_headers: Option<bool>,
+}
+
+/// Sizes of the shared-data tables (see `crate::tables`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Memory {
+    pub tenant_slots: u32,
+    pub average_slots: u32,
 }
 
 impl Policy {

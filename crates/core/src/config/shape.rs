@@ -55,6 +55,8 @@ pub struct Document {
     pub fallback: Fallback,
     #[serde(default)]
     pub lease: Lease,
+    #[serde(default)]
+    pub memory: Memory,
     /// Hold the request headers while the body is read and the decision made (Envoy, with
     /// `allow_on_headers_stop_iteration: true`). Unset: held where the host can deliver
     /// the body meanwhile (Envoy), not elsewhere (Nginx), where the body alone waits for
@@ -230,6 +232,24 @@ pub struct Fallback {
     pub breaker_failures: u32,
     /// How long an open breaker keeps every decision local before one request probes.
     pub breaker_cooldown: ConfigDuration,
+}
+
+/// How much per-tenant state one proxy keeps: fixed tables in shared data, so memory is
+/// bounded whatever the number of tenants or model names clients send.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Memory {
+    /// Entries of the tenant tables (leases, and local buckets in the degraded mode); a
+    /// tenant's entry is at a slot chosen by a hash of its id.
+    pub tenant_slots: u32,
+    /// Entries of the table of running completion averages, by tenant and model.
+    pub average_slots: u32,
+}
+
+impl Default for Memory {
+    fn default() -> Self {
+        Memory { tenant_slots: 16_384, average_slots: 16_384 }
+    }
 }
 
 impl Default for Fallback {

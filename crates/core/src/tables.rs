@@ -1,0 +1,215 @@
+//! Bounded per-tenant state in shared data. Proxy-wasm shared data has no delete, so a key
+//! per tenant (or per tenant and model) would grow every proxy's memory with each API key
+//! or model name a client invents. Instead each table has a fixed number of slots
+//! (`memory.*_slots`): an entry sits at the slot its owner's id hashes to and carries
+//! that id, so a colliding newcomer sees someone else's entry and never takes it for its
+//! own. Memory per proxy is at most slots x entry size, whatever the traffic.
+//!
+//! Who may replace whose entry is the caller's rule: a tenant's lease entry only once its
+//! leases have expired and been returned; a local bucket at once (what it admitted was
+//! queued for Redis when it admitted it); a running average at once (an estimate).
+
+use crate::config::Policy;
+use crate::host::{shared_read, shared_update, Host};
+use crate::protocol::keys;
+
+/// Tenant ids are 32 hex digits, or `anonymous`; stored padded to this many bytes.
+const TENANT_BYTES: usize = 32;
+/// The owner of an average: a hash of (tenant, model), so model names are never stored.
+const OWNER_HASH_BYTES: usize = 8;
+
+/// The per-tenant tables.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TenantTable {
+    /// Leased budgets (lease mode).
+    Leases,
+    /// Local buckets (the degraded mode).
+    Local,
+}
+
+impl TenantTable {
+    /// The shared-data key of `tenant`'s slot.
+    pub fn key(self, config: &Policy, tenant: &str) -> String {
+        self.slot_key(config, slot_of(&[tenant], config.memory.tenant_slots))
+    }
+
+    pub fn slot_key(self, config: &Policy, slot: u32) -> String {
+        match self {
+            TenantTable::Leases => keys::lease_key(&config.domain, slot),
+            TenantTable::Local => keys::local_key(&config.domain, slot),
+        }
+    }
+
+    pub fn slot(config: &Policy, tenant: &str) -> u32 {
+        slot_of(&[tenant], config.memory.tenant_slots)
+    }
+}
+
+/// What a tenant finds in its slot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Entry<'a> {
+    /// Its own state.
+    Own(&'a [u8]),
+    /// Nobody's.
+    Vacant,
+    /// Another tenant's state.
+    Other { tenant: &'a str, payload: &'a [u8] },
+}
+
+/// The slot another tenant holds and may not be evicted from yet.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Busy;
+
+/// The entry `stored` in a slot, as `tenant` sees it.
+pub fn entry<'a>(stored: Option<&'a [u8]>, tenant: &str) -> Entry<'a> {
+    match stored.and_then(split_entry) {
+        None => Entry::Vacant,
+        Some((owner, payload)) if owner == tenant => Entry::Own(payload),
+        Some((owner, payload)) => Entry::Other { tenant: owner, payload },
+    }
+}
+
+/// The owner and payload of a stored entry.
+pub fn split_entry(stored: &[u8]) -> Option<(&str, &[u8])> {
+    let (id, payload) = stored.split_at_checked(TENANT_BYTES)?;
+    let id = std::str::from_utf8(id).ok()?.trim_end_matches('\0');
+    (!id.is_empty()).then_some((id, payload))
+}
+
+fn encode_entry(tenant: &str, payload: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(TENANT_BYTES + payload.len());
+    let id = tenant.as_bytes();
+    out.extend_from_slice(id.get(..TENANT_BYTES).unwrap_or(id));
+    out.resize(TENANT_BYTES, 0);
+    out.extend_from_slice(payload);
+    out
+}
+
+/// `tenant`'s payload in `table`, if the slot holds its entry.
+pub fn read_own(host: &mut impl Host, config: &Policy, table: TenantTable, tenant: &str) -> Option<Vec<u8>> {
+    let stored = shared_read(host, &table.key(config, tenant));
+    match entry(stored.as_deref(), tenant) {
+        Entry::Own(payload) => Some(payload.to_vec()),
+        _ => None,
+    }
+}
+
+/// Read-modify-write of `tenant`'s entry in `table`. `change` gets its payload (`None`:
+/// it has none: the slot is free, or holds another tenant's entry that `evictable` lets
+/// go) and returns the payload to write (or `None`) and a result. `Err(Busy)` when
+/// another tenant's entry must stay; `None` when the host refused the write.
+pub fn update_own<R>(
+    host: &mut impl Host,
+    config: &Policy,
+    table: TenantTable,
+    tenant: &str,
+    evictable: impl Fn(&[u8]) -> bool,
+    mut change: impl FnMut(Option<&[u8]>) -> (Option<Vec<u8>>, R),
+) -> Option<Result<R, Busy>> {
+    shared_update(host, &table.key(config, tenant), |stored| {
+        let mine = match entry(stored, tenant) {
+            Entry::Own(payload) => Some(payload),
+            Entry::Vacant => None,
+            Entry::Other { payload, .. } if evictable(payload) => None,
+            Entry::Other { .. } => return (None, Err(Busy)),
+        };
+        let (next, result) = change(mine);
+        (next.map(|payload| encode_entry(tenant, &payload)), Ok(result))
+    })
+}
+
+/// Read-modify-write of whatever entry slot `slot` of `table` holds: `change` gets its
+/// owner and payload and returns the payload to write back (or `None`) and a result.
+/// `None` when the slot is empty or the host refused the write.
+pub fn update_slot<R>(
+    host: &mut impl Host,
+    config: &Policy,
+    table: TenantTable,
+    slot: u32,
+    mut change: impl FnMut(&str, &[u8]) -> (Option<Vec<u8>>, R),
+) -> Option<R> {
+    shared_update(host, &table.slot_key(config, slot), |stored| match stored.and_then(split_entry) {
+        Some((owner, payload)) => {
+            let (next, result) = change(owner, payload);
+            (next.map(|payload| encode_entry(owner, &payload)), Some(result))
+        }
+        None => (None, None),
+    })
+    .flatten()
+}
+
+/// The running average of `tenant`'s completions for `model`, from its slot.
+pub fn read_average(host: &mut impl Host, config: &Policy, tenant: &str, model: &str) -> Option<Vec<u8>> {
+    let (key, owner) = average_slot(config, tenant, model);
+    let stored = shared_read(host, &key)?;
+    let (hash, payload) = stored.split_at_checked(OWNER_HASH_BYTES)?;
+    (hash == owner).then(|| payload.to_vec())
+}
+
+/// Replaces the average of (`tenant`, `model`) with `change` of it; whoever held the slot
+/// before loses theirs.
+pub fn update_average(
+    host: &mut impl Host,
+    config: &Policy,
+    tenant: &str,
+    model: &str,
+    change: impl Fn(Option<&[u8]>) -> Vec<u8>,
+) {
+    let (key, owner) = average_slot(config, tenant, model);
+    shared_update(host, &key, |stored| {
+        let own = stored.and_then(|s| s.split_at_checked(OWNER_HASH_BYTES)).filter(|(h, _)| *h == owner);
+        let mut next = owner.to_vec();
+        next.extend_from_slice(&change(own.map(|(_, payload)| payload)));
+        (Some(next), ())
+    });
+}
+
+fn average_slot(config: &Policy, tenant: &str, model: &str) -> (String, [u8; OWNER_HASH_BYTES]) {
+    let hash = fnv1a(&[tenant, model]);
+    let slot = (hash % u64::from(config.memory.average_slots.max(1))) as u32;
+    (keys::average_key(&config.domain, slot), hash.rotate_left(17).to_le_bytes())
+}
+
+/// The slot of `parts` in a table of `slots`.
+pub fn slot_of(parts: &[&str], slots: u32) -> u32 {
+    (fnv1a(parts) % u64::from(slots.max(1))) as u32
+}
+
+/// FNV-1a over the parts, each followed by a 0 byte (so ("ab", "c") != ("a", "bc")).
+fn fnv1a(parts: &[&str]) -> u64 {
+    parts
+        .iter()
+        .flat_map(|p| p.bytes().chain(std::iter::once(0)))
+        .fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_entry_says_whose_it_is() {
+        let stored = encode_entry("0123456789abcdef0123456789abcdef", b"xyz");
+        assert_eq!(entry(Some(&stored), "0123456789abcdef0123456789abcdef"), Entry::Own(b"xyz"));
+        assert_eq!(
+            entry(Some(&stored), "anonymous"),
+            Entry::Other { tenant: "0123456789abcdef0123456789abcdef", payload: b"xyz" }
+        );
+        assert_eq!(entry(None, "anonymous"), Entry::Vacant);
+        let anonymous = encode_entry("anonymous", b"");
+        assert_eq!(entry(Some(&anonymous), "anonymous"), Entry::Own(b""));
+        assert_eq!(entry(Some(b"short"), "anonymous"), Entry::Vacant);
+    }
+
+    #[test]
+    fn slots_spread_and_stay_in_range() {
+        let mut used = std::collections::BTreeSet::new();
+        for i in 0..1000 {
+            let slot = slot_of(&[&format!("tenant-{i}")], 64);
+            assert!(slot < 64);
+            used.insert(slot);
+        }
+        assert_eq!(used.len(), 64, "1000 tenants reach every one of 64 slots");
+        assert_ne!(fnv1a(&["ab", "c"]), fnv1a(&["a", "bc"]));
+    }
+}
