@@ -7,7 +7,6 @@ exactly the processes `up` started, `burst` sends a short scripted burst through
     Redis            127.0.0.1:6380
 """
 
-import http.client
 import json
 import os
 import secrets
@@ -17,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from stack import ROOT, bucket_key, DEMO_ENVOY_CONFIG, Stack, filter_config_of, http_get, wait_until
+from stack import ROOT, bucket_key, DEMO_ENVOY_CONFIG, Stack, filter_config_of, http_get, send, wait_until
 import yaml
 
 RUN = ROOT / "run/demo"
@@ -97,14 +96,7 @@ def _state(pid: int) -> str:
 
 
 def post(key: str, body: dict, headers: dict | None = None) -> tuple[int, dict, bytes]:
-    conn = http.client.HTTPConnection("127.0.0.1", ENVOY_PORT, timeout=60)
-    try:
-        conn.request("POST", "/v1/chat/completions", body=json.dumps(body),
-                     headers={"authorization": f"Bearer {key}", "content-type": "application/json", **(headers or {})})
-        resp = conn.getresponse()
-        return resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read()
-    finally:
-        conn.close()
+    return send(ENVOY_PORT, key, body, headers=headers, timeout=60)
 
 
 def settled_tokens(key: str, capacity: int) -> float:

@@ -1,5 +1,6 @@
 """Starts and stops the processes of an llm-ratelimit stack: Redis (single or cluster),
-the companion, the mock LLM upstream and Envoy with the filter.
+the companion, the mock LLM upstream and Envoy with the filter; and talks to it as a
+client would (`send`, with the request bodies `chat` and `anthropic`).
 
 Used by the tests, `make up`/`make down`, the demo and the benchmark, so every one of them
 starts things the same way. Each process runs in its own session (process group) and is
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import http.client
 import json
 import os
 import random
@@ -29,16 +31,24 @@ COMPANION_BIN = Path(os.environ.get("LLMRL_COMPANION_BIN", ROOT / "target/releas
 MOCK_BIN = Path(os.environ.get("LLMRL_MOCK_BIN", ROOT / "target/release/mock-llm"))
 DEMO_ENVOY_CONFIG = ROOT / "envoy/demo.yaml"
 COMPANION_TOKEN_HEADER = "x-llmrl-token"
+CHAT_PATH = "/v1/chat/completions"
 
 
 def tenant_of(api_key: str) -> str:
-    """The tenant id the filter derives from an API key (src/identity.rs)."""
+    """The tenant id the filter derives from an API key (crates/core/src/identity.rs;
+    pinned with it by tests/cases/keys.json)."""
     return hashlib.sha256(b"llm-ratelimit/tenant/v1\0" + api_key.encode()).hexdigest()[:32]
 
 
+def redis_key(prefix: str, domain: str, tenant: str, kind: str, name: str) -> str:
+    """A Redis key as the companion names it (crates/protocol/src/keys.rs; pinned with it
+    by tests/cases/keys.json)."""
+    return f"{prefix}{{{domain}:{tenant}}}:{kind}:{name}"
+
+
 def bucket_key(api_key: str, limit: str, domain: str = "llm", prefix: str = "llmrl:") -> str:
-    """The Redis key of a tenant's bucket for a limit, as the companion names it."""
-    return f"{prefix}{{{domain}:{tenant_of(api_key)}}}:tb:{limit}"
+    """The Redis key of a tenant's token bucket for a limit."""
+    return redis_key(prefix, domain, tenant_of(api_key), "tb", limit)
 
 
 def envoy_bin() -> str:
@@ -168,14 +178,24 @@ def envoy_config(
     filter_config: dict | str | None,
     with_filter: bool = True,
     wasm: Path = WASM,
+    buffer_limit: int | None = None,
 ) -> dict:
     """The demo's Envoy config with other ports and, if given, another filter config
-    (a dict, or a raw string to test bad JSON). `with_filter=False` drops the filter."""
+    (a dict, or a raw string to test bad JSON). `with_filter=False` drops the filter.
+
+    As in the demo, the listener buffers at most `per_connection_buffer_limit_bytes` of a
+    body (2 MiB there; `buffer_limit` sets another), and the connection manager's local
+    reply mapper rewrites Envoy's own 413 for a body past it into the filter's JSON 413.
+    The byte count in that reply is set to the smaller of the buffer limit and the filter's
+    `tokens.max_request_bytes`, so that both 413s read the same while the buffer limit is
+    the larger (a body that passes it passes the filter's limit too)."""
     config = yaml.safe_load(DEMO_ENVOY_CONFIG.read_text())
     config = copy.deepcopy(config)
     config["admin"]["address"]["socket_address"]["port_value"] = admin_port
     listener = config["static_resources"]["listeners"][0]
     listener["address"]["socket_address"]["port_value"] = listen_port
+    if buffer_limit is not None:
+        listener["per_connection_buffer_limit_bytes"] = buffer_limit
     _set_cluster_port(config, "llm_upstream", upstream_port)
     _set_cluster_port(config, "llm_ratelimit_companion", companion_port)
     wasm_filter = _wasm_filter(config)
@@ -183,8 +203,20 @@ def envoy_config(
     if filter_config is not None:
         value = filter_config if isinstance(filter_config, str) else json.dumps(filter_config)
         wasm_filter["typed_config"]["config"]["configuration"]["value"] = value
+    import re  # (local: only this function needs it)
+
+    hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    try:
+        value = json.loads(wasm_filter["typed_config"]["config"]["configuration"]["value"])
+        max_request_bytes = int(value.get("tokens", {}).get("max_request_bytes", 1 << 20))
+    except (ValueError, TypeError, AttributeError):  # a bad config under test: Envoy refuses it anyway
+        max_request_bytes = 1 << 20
+    reads = min(listener["per_connection_buffer_limit_bytes"], max_request_bytes)
+    for mapper in hcm.get("local_reply_config", {}).get("mappers", []):
+        body = mapper.get("body_format_override", {})
+        if "text_format" in body:
+            body["text_format"] = re.sub(r"larger than the \d+ bytes", f"larger than the {reads} bytes", body["text_format"])
     if not with_filter:
-        hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
         hcm["http_filters"] = [f for f in hcm["http_filters"] if f["name"] != "llm_ratelimit"]
     return config
 
@@ -271,6 +303,19 @@ class Stack:
         return proc, admin_port
 
 
+def filter_config(limits: list[dict], *, token: str, companion_timeout: str = "2s", **options) -> dict:
+    """A filter config for these limits, calling the companion (cluster
+    `llm_ratelimit_companion`) with this token; `failure_mode` deny unless given, so that a
+    slow callout shows as a 503 rather than a silent pass in tests that count. Options
+    given as None are left out (the filter's default applies)."""
+    return {
+        "companion": {"upstream": "llm_ratelimit_companion", "token": token, "timeout": companion_timeout},
+        "failure_mode": "deny",
+        "limits": limits,
+        **{name: value for name, value in options.items() if value is not None},
+    }
+
+
 class Backend:
     """What every filter test runs against: Redis, the companion and the mock upstream,
     and Envoys started with a given filter config pointing at them."""
@@ -283,24 +328,81 @@ class Backend:
         self.mock_proc, self.mock_port = stack.mock(extra=mock_args)
 
     def filter_config(self, limits: list[dict], **options) -> dict:
-        """A filter config for these limits; `failure_mode` deny unless given, so that a
-        slow callout shows as a 503 rather than a silent pass in tests that count."""
-        return {
-            "companion": {"upstream": "llm_ratelimit_companion", "token": self.token, "timeout": "2s"},
-            "failure_mode": "deny",
-            "limits": limits,
-            **options,
-        }
+        """`filter_config` with this backend's companion token."""
+        return filter_config(limits, token=self.token, **options)
 
-    def envoy(self, config: dict | str, name: str = "envoy", companion_port: int | None = None) -> tuple[int, Process]:
-        """Starts an Envoy with this filter config; returns its listener port and process."""
+    def envoy(self, config: dict | str, name: str = "envoy", companion_port: int | None = None, *,
+              admin_port: int | None = None, wait: bool = True) -> tuple[int, Process]:
+        """Starts an Envoy with this filter config; returns its listener port and process.
+        `wait=False` returns at once (for a config Envoy is expected to refuse)."""
         port = free_port()
         proc, _ = self.stack.envoy(
-            envoy_config(listen_port=port, admin_port=free_port(), upstream_port=self.mock_port,
+            envoy_config(listen_port=port, admin_port=admin_port or free_port(), upstream_port=self.mock_port,
                          companion_port=companion_port or self.companion_port, filter_config=config),
-            name=name,
+            name=name, wait=wait,
         )
         return port, proc
+
+    def upstream_received(self) -> int:
+        """How many requests the mock upstream has received."""
+        return json.loads(http_get(f"http://127.0.0.1:{self.mock_port}/mock/stats")[1])["received"]
+
+
+# Client side ----------------------------------------------------------------------------
+def chat(content: str = "hi", *, model: str = "gpt-4o-mini", **fields) -> dict:
+    """An OpenAI chat-completions request body with one user message."""
+    return {"model": model, "messages": [{"role": "user", "content": content}], **fields}
+
+
+def anthropic(content: str = "hi", *, model: str = "claude-sonnet-4-5", max_tokens: int = 300, **fields) -> dict:
+    """An Anthropic messages request body with one user message."""
+    return {"model": model, "max_tokens": max_tokens, "messages": [{"role": "user", "content": content}], **fields}
+
+
+class Reply(tuple):
+    """What `send` got back: unpacks as (status, headers, body), headers lower-cased; also
+    when the request was sent and its answer read (time.monotonic)."""
+
+    status = property(lambda self: self[0])
+    headers = property(lambda self: self[1])
+    body = property(lambda self: self[2])
+
+    def __new__(cls, status: int, headers: dict, body: bytes, started: float, done: float):
+        reply = super().__new__(cls, (status, headers, body))
+        reply.started, reply.done = started, done
+        return reply
+
+    @property
+    def elapsed(self) -> float:
+        return self.done - self.started
+
+
+_CHAT = object()  # send's default body: chat()
+
+
+def send(port: int, key: str | None = "sk-test", body=_CHAT, *, path: str = CHAT_PATH, headers: dict | None = None,
+         timeout: float = 30.0, host: str = "127.0.0.1") -> Reply:
+    """One POST on a fresh connection, as a client of the LLM API would send it.
+
+    `key` goes in `Authorization: Bearer` (None: no Authorization header); `body` is sent
+    as JSON (default `chat()`; None: no body; bytes: as they are); `headers` are added
+    last, so they win over the defaults."""
+    if body is _CHAT:
+        body = chat()
+    all_headers = {"content-type": "application/json"}
+    if key is not None:
+        all_headers["authorization"] = f"Bearer {key}"
+    all_headers.update(headers or {})
+    data = None if body is None else body if isinstance(body, bytes) else json.dumps(body)
+    conn = http.client.HTTPConnection(host, port, timeout=timeout)
+    started = time.monotonic()
+    try:
+        conn.request("POST", path, body=data, headers=all_headers)
+        resp = conn.getresponse()
+        payload = resp.read()
+        return Reply(resp.status, {k.lower(): v for k, v in resp.getheaders()}, payload, started, time.monotonic())
+    finally:
+        conn.close()
 
 
 def _redis_ping(port: int) -> bool:

@@ -5,7 +5,16 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
-from stack import Stack  # noqa: E402
+from stack import Backend, Stack  # noqa: E402
+
+BACKEND_TOKEN = "integration-test-token"
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        "backend(token=..., redis_timeout=..., mock_args=[...]): options for the `backend` fixture (stack.Backend)",
+    )
 
 
 @pytest.fixture
@@ -25,3 +34,13 @@ def module_stack(tmp_path_factory):
         yield s
     finally:
         s.stop_all()
+
+
+@pytest.fixture
+def backend(stack, request):
+    """Redis, the companion and the mock upstream on free loopback ports, for one test
+    (stopped with `stack`); `backend.envoy(backend.filter_config(limits))` starts an Envoy.
+    A suite sets options with a marker: `pytestmark = pytest.mark.backend(redis_timeout="40ms")`."""
+    marker = request.node.get_closest_marker("backend")
+    options = {"token": BACKEND_TOKEN, **(marker.kwargs if marker else {})}
+    return Backend(stack, **options)

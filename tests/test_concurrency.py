@@ -3,22 +3,17 @@ with the other limits at once, released on completion, error and disconnect, ren
 a stream lives, and expiring after the TTL when a proxy dies."""
 
 import concurrent.futures
-import http.client
 import json
 import socket
 import time
 
 import pytest
 
-from stack import Backend, wait_until
-
-TOKEN = "concurrency-token"
+from stack import chat, send, wait_until
 
 
 @pytest.fixture
-def env(stack):
-    backend = Backend(stack, TOKEN)
-
+def env(backend):
     def start(capacity, name="envoy", ttl="30s"):
         limits = [{"name": "rpm", "requests": 1000, "window": "1m"}, {"name": "inflight", "concurrency": capacity}]
         port, proc = backend.envoy(backend.filter_config(limits, slots={"ttl": ttl}), name=name)
@@ -28,16 +23,9 @@ def env(stack):
 
 
 def stream(port, key="sk-cc", tokens=20, delay_ms=50, headers=None):
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-    try:
-        body = {"model": "gpt-4o-mini", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
-        conn.request("POST", "/v1/chat/completions", body=json.dumps(body), headers={
-            "authorization": f"Bearer {key}", "content-type": "application/json",
-            "x-mock-completion-tokens": str(tokens), "x-mock-chunk-delay-ms": str(delay_ms), **(headers or {})})
-        resp = conn.getresponse()
-        return resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read()
-    finally:
-        conn.close()
+    """A streamed completion of `tokens` chunks, `delay_ms` apart (the mock's pacing)."""
+    return send(port, key, chat(stream=True), headers={
+        "x-mock-completion-tokens": str(tokens), "x-mock-chunk-delay-ms": str(delay_ms), **(headers or {})})
 
 
 def quick(port, key="sk-cc", headers=None):

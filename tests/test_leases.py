@@ -2,40 +2,25 @@
 no callout, workers never double-spend it, and what is unused goes back to Redis."""
 
 import concurrent.futures
-import http.client
-import json
 import re
-import time
 
 import pytest
 import redis
 
-from stack import bucket_key, envoy_config, free_port, http_get, wait_until
+from stack import bucket_key, chat, free_port, http_get, send, wait_until
 
-TOKEN = "lease-companion-token"
-
+BODY = chat(max_tokens=20)
 
 
 @pytest.fixture
-def env(stack):
-    _, redis_port = stack.redis()
-    _, companion_port = stack.companion(f"redis://127.0.0.1:{redis_port}", TOKEN)
-    _, mock_port = stack.mock()
-
+def env(backend):
     class Env:
-        store = redis.Redis(port=redis_port)
+        store = redis.Redis(port=backend.redis_port)
 
         def start(self, limits, lease=None, name="envoy", tokens=None):
-            config = {
-                "companion": {"upstream": "llm_ratelimit_companion", "token": TOKEN, "timeout": "2s"},
-                "failure_mode": "deny",
-                "limits": limits,
-                "lease": {"enabled": True, **(lease or {})},
-                **({"tokens": tokens} if tokens else {}),
-            }
-            port, admin = free_port(), free_port()
-            stack.envoy(envoy_config(listen_port=port, admin_port=admin, upstream_port=mock_port,
-                                     companion_port=companion_port, filter_config=config), name=name)
+            config = backend.filter_config(limits, lease={"enabled": True, **(lease or {})}, tokens=tokens or None)
+            admin = free_port()
+            port, _ = backend.envoy(config, name=name, admin_port=admin)
             return port, admin
 
         def script_calls(self):
@@ -47,18 +32,6 @@ def env(stack):
             return None if raw is None else float(raw)
 
     return Env()
-
-
-def send(port, key, body=None, headers=None):
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
-    try:
-        body = body or {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 20}
-        conn.request("POST", "/v1/chat/completions", body=json.dumps(body),
-                     headers={"authorization": f"Bearer {key}", "content-type": "application/json", **(headers or {})})
-        resp = conn.getresponse()
-        return resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read()
-    finally:
-        conn.close()
 
 
 def metric(admin, name):
@@ -74,7 +47,7 @@ def test_workers_never_double_spend_a_lease(env):
     port, admin = env.start([{"name": "rph", "requests": limit, "window": "1h"}], lease={"initial_fraction": 0.05})
     before = env.script_calls()
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
-        statuses = list(pool.map(lambda _: send(port, "sk-lease")[0], range(limit + 100)))
+        statuses = list(pool.map(lambda _: send(port, "sk-lease", BODY)[0], range(limit + 100)))
     assert statuses.count(200) == limit and statuses.count(429) == 100
     calls = env.script_calls() - before
     leased = metric(admin, "lease_admissions")
@@ -92,7 +65,7 @@ def test_two_proxies_in_lease_mode_hold_one_global_limit(env):
     ports = [env.start(limits, name="envoy-a")[0], env.start(limits, name="envoy-b")[0]]
 
     def one(i):
-        return send(ports[i % 2], "sk-two")[0]
+        return send(ports[i % 2], "sk-two", BODY)[0]
 
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
         statuses = list(pool.map(one, range(2 * limit)))
@@ -107,16 +80,19 @@ def test_two_proxies_in_lease_mode_hold_one_global_limit(env):
 
 def test_an_expired_lease_goes_back_to_redis(env):
     port, _ = env.start([{"name": "rpd", "requests": 1000, "window": "366d"}], lease={"ttl": "1s", "initial_fraction": 0.05})
-    assert send(port, "sk-return")[0] == 200
-    # The grant (50) was charged in Redis; one request used one of it.
-    assert env.level("sk-return", "rpd") == pytest.approx(950, abs=0.5)
-    wait_until(lambda: abs((env.level("sk-return", "rpd") or 0) - 999) < 0.5, 10, "the unused 49 returned")
+    # A tenant seen once is charged directly; its second request leases.
+    assert send(port, "sk-return", BODY)[0] == 200
+    assert env.level("sk-return", "rpd") == pytest.approx(999, abs=0.5)
+    assert send(port, "sk-return", BODY)[0] == 200
+    # The grant (50) was charged in Redis; the second request used one of it.
+    assert env.level("sk-return", "rpd") == pytest.approx(949, abs=0.5)
+    wait_until(lambda: abs((env.level("sk-return", "rpd") or 0) - 998) < 0.5, 10, "the unused 49 returned")
 
 
 def test_token_settlements_go_into_the_lease_and_then_to_redis(env):
     big = 1_000_000
     port, _ = env.start([{"name": "tpm", "tokens": big, "window": "366d"}], lease={"ttl": "1s"})
-    status, headers, _ = send(port, "sk-tok", headers={"x-mock-completion-tokens": "15"})
+    status, headers, _ = send(port, "sk-tok", BODY, headers={"x-mock-completion-tokens": "15"})
     assert status == 200
     actual = int(headers["x-mock-prompt-tokens"]) + 15
     # After expiry the lease, corrected by the settlement, returns all but what was used.

@@ -1,43 +1,21 @@
 """Policy options end to end: shadow mode, header styles, and the bypass list."""
 
-import http.client
 import json
 import time
 
 import pytest
 
-from stack import Backend, http_get, tenant_of
-
-TOKEN = "policies-token"
+from stack import chat, send, tenant_of
 
 
 @pytest.fixture
-def start(stack):
-    backend = Backend(stack, TOKEN)
-
+def start(backend):
     def start_envoy(**options):
         limits = [{"name": "rpm", "requests": 2, "window": "1h"}]
         return backend.envoy(backend.filter_config(limits, **options))[0]
 
-    start_envoy.mock_port = backend.mock_port
     start_envoy.backend = backend
     return start_envoy
-
-
-def send(port, key="sk-p", path="/v1/chat/completions", model="m", headers=None):
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
-    try:
-        conn.request("POST", path, body=json.dumps({"model": model, "messages": []}),
-                     headers={"authorization": f"Bearer {key}", "content-type": "application/json", **(headers or {})})
-        resp = conn.getresponse()
-        resp.read()
-        return resp.status, {k.lower(): v for k, v in resp.getheaders()}
-    finally:
-        conn.close()
-
-
-def upstream_received(mock_port):
-    return json.loads(http_get(f"http://127.0.0.1:{mock_port}/mock/stats")[1])["received"]
 
 
 def test_shadow_mode_never_refuses_but_says_what_would_have_happened(start):
@@ -47,7 +25,7 @@ def test_shadow_mode_never_refuses_but_says_what_would_have_happened(start):
     assert [r[1].get("x-llm-ratelimit-shadow") for r in results] == [None, None, "429", "429"]
     assert results[3][1]["x-ratelimit-remaining-requests"] == "0"
     assert "retry-after" not in results[3][1]
-    assert upstream_received(start.mock_port) == 4
+    assert start.backend.upstream_received() == 4
 
 
 @pytest.mark.parametrize(
@@ -62,7 +40,7 @@ def test_header_styles_appear_as_configured(start, styles, present, absent):
     port = start(headers=styles)
     results = [send(port) for _ in range(3)]
     assert [r[0] for r in results] == [200, 200, 429]
-    for status, headers in results:
+    for status, headers, _ in results:
         for name in present:
             assert name in headers, (styles, name)
         for name in absent:
@@ -87,11 +65,11 @@ def test_a_per_model_limit_applies_across_its_models_only(start, lease):
               {"name": "gpt4o-rph", "requests": 3, "window": "1h", "models": ["gpt-4o*"]}]
     port, _ = backend.envoy(backend.filter_config(limits, lease={"enabled": lease}))
     variants = ["gpt-4o", "gpt-4o-mini", "gpt-4o-2024-08-06", "gpt-4o"]
-    results = [send(port, model=model) for model in variants]
+    results = [send(port, body=chat(model=model)) for model in variants]
     assert [r[0] for r in results] == [200, 200, 200, 429]
     assert "gpt4o-rph" in results[0][1]["ratelimit-policy"]
     # Another model is charged against the tenant's limits only, and hears nothing of it.
-    status, headers = send(port, model="o3-mini")
+    status, headers, _ = send(port, body=chat(model="o3-mini"))
     assert status == 200 and "gpt4o-rph" not in headers["ratelimit-policy"]
 
 
@@ -118,33 +96,22 @@ def test_sliding_windows_through_envoy(start):
     limits = [{"name": "rps", "requests": 3, "window": "1s", "algorithm": "sliding_window"},
               {"name": "tph", "tokens": 1000, "window": "1h", "algorithm": "sliding_window"}]
     port, _ = backend.envoy(backend.filter_config(limits))
-    body_600 = {"model": "gpt-4o-mini", "max_tokens": 600, "messages": [{"role": "user", "content": "hi"}]}
-
-    def chat(key):
-        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
-        try:
-            conn.request("POST", "/v1/chat/completions", body=json.dumps(body_600),
-                         headers={"authorization": f"Bearer {key}", "content-type": "application/json"})
-            resp = conn.getresponse()
-            resp.read()
-            return resp.status, {k.lower(): v for k, v in resp.getheaders()}
-        finally:
-            conn.close()
+    body_600 = chat(max_tokens=600)
 
     # Each reserves ~610 of 1000 tokens but uses ~20: only the settlement, a correction at
     # the time of the charge, makes room for the next.
-    first = chat("sk-sw")
+    first = send(port, "sk-sw", body_600)
     assert first[0] == 200 and int(first[1]["x-llm-ratelimit-reserved-tokens"]) > 600
     time.sleep(0.3)  # the settlement goes out on the next tick
-    assert chat("sk-sw")[0] == 200
+    assert send(port, "sk-sw", body_600)[0] == 200
     # Three requests per second, in any second.
     time.sleep(0.3)
-    status, headers = chat("sk-sw")
+    status, headers, _ = send(port, "sk-sw", body_600)
     assert status == 200
-    status, headers = chat("sk-sw")
+    status, headers, _ = send(port, "sk-sw", body_600)
     assert status == 429 and headers["retry-after"] == "1"
     time.sleep(1.05)
-    assert chat("sk-sw")[0] == 200
+    assert send(port, "sk-sw", body_600)[0] == 200
 
 
 def test_a_cost_budget_charges_real_usage_and_rejects_once_spent(start):
@@ -154,17 +121,8 @@ def test_a_cost_budget_charges_real_usage_and_rejects_once_spent(start):
     prices = [{"match": "gpt-4o-mini*", "input": 10, "output": 40}]
     port, _ = backend.envoy(backend.filter_config(limits, prices=prices))
 
-    def chat(model="gpt-4o-mini", completion=50):
-        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
-        try:
-            body = {"model": model, "max_tokens": 150, "messages": [{"role": "user", "content": "hi"}]}
-            conn.request("POST", "/v1/chat/completions", body=json.dumps(body), headers={
-                "authorization": "Bearer sk-budget", "content-type": "application/json",
-                "x-mock-completion-tokens": str(completion)})
-            resp = conn.getresponse()
-            return resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read()
-        finally:
-            conn.close()
+    def spend(model="gpt-4o-mini"):
+        return send(port, "sk-budget", chat(model=model, max_tokens=150), headers={"x-mock-completion-tokens": "50"})
 
     # The first request reserves 8 prompt and 150 output tokens (6,080 micro-dollars); later
     # ones 1.5 x the running average of 50 (3,080). Each really costs ~2,020 (the mock's 2
@@ -172,7 +130,7 @@ def test_a_cost_budget_charges_real_usage_and_rejects_once_spent(start):
     # it, exactly 4 (8,080 spent, 1,920 left < 3,080).
     statuses = []
     for _ in range(8):
-        status, headers, body = chat()
+        status, headers, body = spend()
         statuses.append(status)
         if status == 429:
             break
@@ -181,5 +139,5 @@ def test_a_cost_budget_charges_real_usage_and_rejects_once_spent(start):
     error = json.loads(body)["error"]
     assert error["type"] == "cost" and "$0.01" in error["message"]
     # A model with no price is refused explicitly while a budget applies to it.
-    status, _, body = chat(model="mystery-model")
+    status, _, body = spend(model="mystery-model")
     assert status == 403 and json.loads(body)["error"]["code"] == "model_not_priced"

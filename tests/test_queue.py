@@ -3,8 +3,6 @@
 that gives up while queued leaves nothing behind."""
 
 import concurrent.futures
-import http.client
-import json
 import socket
 import statistics
 import time
@@ -12,39 +10,16 @@ import time
 import pytest
 import redis
 
-from stack import Backend, tenant_of
-
-TOKEN = "queue-token"
+from stack import send, tenant_of
 
 
 @pytest.fixture
-def env(stack):
-    backend = Backend(stack, TOKEN)
-
+def env(backend):
     def start(limits, queue, **options):
         return backend.envoy(backend.filter_config(limits, queue=queue, **options))[0]
 
     start.redis = redis.Redis(port=backend.redis_port)
     return start
-
-
-def send(port, key, priority=None, tier=None):
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-    headers = {"content-type": "application/json"}
-    if key is not None:
-        headers["authorization"] = f"Bearer {key}"
-    if priority is not None:
-        headers["x-priority"] = str(priority)
-    if tier is not None:
-        headers["x-tenant-tier"] = tier
-    started = time.monotonic()
-    try:
-        conn.request("POST", "/v1/chat/completions", body=json.dumps({"model": "m", "messages": []}), headers=headers)
-        resp = conn.getresponse()
-        resp.read()
-        return resp.status, {k.lower(): v for k, v in resp.getheaders()}, started, time.monotonic()
-    finally:
-        conn.close()
 
 
 QUEUE = {"max_wait": "5s", "priority_header": "x-priority", "default_priority": 5, "aging": "10s"}
@@ -55,12 +30,12 @@ def test_high_priority_goes_first_and_low_priority_still_gets_through(env):
     port = env([{"name": "rps", "requests": 2, "window": "1s"}], QUEUE)
     assert [send(port, "sk-q")[0] for _ in range(2)] == [200, 200]
     with concurrent.futures.ThreadPoolExecutor(5) as pool:
-        lows = [pool.submit(send, port, "sk-q", 1) for _ in range(3)]
+        lows = [pool.submit(send, port, "sk-q", headers={"x-priority": "1"}) for _ in range(3)]
         time.sleep(0.15)
-        highs = [pool.submit(send, port, "sk-q", 9) for _ in range(2)]
+        highs = [pool.submit(send, port, "sk-q", headers={"x-priority": "9"}) for _ in range(2)]
         results = [(f.result(), 1) for f in lows] + [(f.result(), 9) for f in highs]
     assert all(r[0][0] == 200 for r in results), [r[0][0] for r in results]
-    order = [priority for (_, _, _, done), priority in sorted(results, key=lambda r: r[0][3])]
+    order = [priority for _, priority in sorted(results, key=lambda r: r[0].done)]
     print(f"\nadmission order by priority: {order}")
     assert order == [9, 9, 1, 1, 1]
     waits = sorted(int(r[0][1]["x-llm-ratelimit-queued-ms"]) for r in results)
@@ -72,20 +47,22 @@ def test_priority_can_come_from_the_tenants_tier(env):
     limits = [{"name": "rps", "requests": 2, "window": "1s", "tiers": ["gold", "free"]}]
     port = env(limits, {**QUEUE, "priority_header": None, "tier_priorities": {"gold": 9, "free": 1}},
                identity={"missing": "anonymous"}, tier={"header": "x-tenant-tier", "default": "free"})
-    assert [send(port, None, tier="free")[0] for _ in range(2)] == [200, 200]
+    assert [send(port, None, headers={"x-tenant-tier": "free"})[0] for _ in range(2)] == [200, 200]
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        frees = [pool.submit(send, port, None, None, "free") for _ in range(2)]
+        frees = [pool.submit(send, port, None, headers={"x-tenant-tier": "free"}) for _ in range(2)]
         time.sleep(0.15)
-        golds = [pool.submit(send, port, None, None, "gold") for _ in range(2)]
+        golds = [pool.submit(send, port, None, headers={"x-tenant-tier": "gold"}) for _ in range(2)]
         results = [(f.result(), "free") for f in frees] + [(f.result(), "gold") for f in golds]
-    order = [tier for (_, _, _, done), tier in sorted(results, key=lambda r: r[0][3])]
+    order = [tier for _, tier in sorted(results, key=lambda r: r[0].done)]
     assert order == ["gold", "gold", "free", "free"]
 
 
 def test_a_hopeless_wait_is_refused_at_once(env):
     port = env([{"name": "rps", "requests": 2, "window": "1s"}], {**QUEUE, "max_wait": "300ms"})
     assert [send(port, "sk-h")[0] for _ in range(2)] == [200, 200]
-    status, headers, started, done = send(port, "sk-h")
+    reply = send(port, "sk-h")
+    status, headers, _ = reply
+    started, done = reply.started, reply.done
     assert status == 429
     assert done - started < 0.25, "the retry time (500 ms) is beyond max_wait: no waiting"
     assert "x-llm-ratelimit-queued-ms" not in headers
@@ -108,7 +85,9 @@ def test_a_client_that_gives_up_while_queued_leaves_nothing_behind(env):
     assert env.redis.zcard(waiters) == 0, "the waiter left the queue"
     # The abandoned request took nothing: the next token (2 s after the first) is free.
     time.sleep(max(0, 2.1 - (time.monotonic() - exhausted)))
-    status, headers, started, done = send(port, "sk-leave")
+    reply = send(port, "sk-leave")
+    status, headers, _ = reply
+    started, done = reply.started, reply.done
     assert status == 200 and done - started < 0.3
     # Records remain only for the two admitted requests, and only while a cancellation
     # could still come (max_wait + 10 s): the abandoned request left none.
@@ -127,5 +106,5 @@ def test_the_queue_costs_nothing_when_capacity_is_free(env):
     for name, port in (("queue", with_queue), ("no queue", without)):
         results = [send(port, f"sk-free-{name}") for _ in range(100)]
         assert all(r[0] == 200 and "x-llm-ratelimit-queued-ms" not in r[1] for r in results)
-        latency[name] = statistics.median(r[3] - r[2] for r in results) * 1000
+        latency[name] = statistics.median(r.done - r.started for r in results) * 1000
     print(f"\np50 with the queue on: {latency['queue']:.3f} ms, off: {latency['no queue']:.3f} ms")

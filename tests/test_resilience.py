@@ -2,59 +2,33 @@
 within the local bound, no timeout added to every request while the breaker is open,
 recovery by itself, and what was admitted locally reconciled with Redis."""
 
-import http.client
-import json
 import statistics
 import time
+from types import SimpleNamespace
 
 import pytest
 import redis
 
-from stack import bucket_key, envoy_config, free_port, wait_until
+from stack import bucket_key, send, wait_until
 
-TOKEN = "resilience-token"
 LIMIT = 50
-
-
-
-def send(port, key):
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
-    started = time.monotonic()
-    try:
-        conn.request("POST", "/v1/chat/completions",
-                     body=json.dumps({"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]}),
-                     headers={"authorization": f"Bearer {key}", "content-type": "application/json"})
-        resp = conn.getresponse()
-        resp.read()
-        return resp.status, {k.lower(): v for k, v in resp.getheaders()}, time.monotonic() - started
-    finally:
-        conn.close()
+pytestmark = pytest.mark.backend(redis_timeout="40ms")
 
 
 @pytest.fixture
-def env(stack, request):
+def env(backend, request):
     # Tests may ask for the limit's algorithm (indirect parametrization); token bucket else.
     algorithm = getattr(request, "param", "token_bucket")
-    redis_proc, redis_port = stack.redis()
-    companion, companion_port = stack.companion(f"redis://127.0.0.1:{redis_port}", TOKEN, redis_timeout="40ms")
-    _, mock_port = stack.mock()
-    config = {
-        "companion": {"upstream": "llm_ratelimit_companion", "token": TOKEN, "timeout": "250ms"},
-        "failure_mode": "local",
-        "fallback": {"instances": 1, "breaker_failures": 3, "breaker_cooldown": "300ms"},
-        "limits": [{"name": "rph", "requests": LIMIT, "window": "1h", "algorithm": algorithm}],
-    }
-    port = free_port()
-    stack.envoy(envoy_config(listen_port=port, admin_port=free_port(), upstream_port=mock_port,
-                             companion_port=companion_port, filter_config=config))
-
-    class Env:
-        pass
-
-    e = Env()
-    e.stack, e.port, e.redis_port, e.companion, e.companion_port = stack, port, redis_port, companion, companion_port
-    e.redis_proc, e.algorithm = redis_proc, algorithm
-    return e
+    config = backend.filter_config(
+        [{"name": "rph", "requests": LIMIT, "window": "1h", "algorithm": algorithm}],
+        companion_timeout="250ms",
+        failure_mode="local",
+        fallback={"instances": 1, "breaker_failures": 3, "breaker_cooldown": "300ms"},
+    )
+    port, _ = backend.envoy(config)
+    return SimpleNamespace(stack=backend.stack, backend=backend, port=port, redis_port=backend.redis_port,
+                           redis_proc=backend.redis_proc, companion=backend.companion_proc,
+                           companion_port=backend.companion_port, algorithm=algorithm)
 
 
 def level(env, key):
@@ -75,7 +49,7 @@ def outage(env, key, requests=80):
     assert all(r[1].get("x-llm-ratelimit-degraded") == "local" for r in results[3:]), "decided locally"
     # The breaker opened after 3 failures: the rest did not wait for a timeout each.
     assert statuses.count(200) <= LIMIT
-    assert statistics.median(r[2] for r in results[5:]) < 0.1
+    assert statistics.median(r.elapsed for r in results[5:]) < 0.1
     return statuses.count(200)
 
 
@@ -107,8 +81,8 @@ def test_companion_killed_and_restarted(env):
     env.companion.kill()
     admitted = outage(env, "sk-c", requests=30)
     assert admitted == 30
-    env.stack.companion(f"redis://127.0.0.1:{env.redis_port}", TOKEN, port=env.companion_port, name="companion-again",
-                        redis_timeout="40ms")
+    env.stack.companion(f"redis://127.0.0.1:{env.redis_port}", env.backend.token, port=env.companion_port,
+                        name="companion-again", redis_timeout="40ms")
     seconds = recovery_seconds(env, "sk-c")
     print(f"\ncompanion back: decisions central again after {seconds:.2f}s")
     assert seconds < 1.5
@@ -122,6 +96,6 @@ def test_a_paused_redis_takes_the_timeout_path_not_a_hang(env):
     results = [send(env.port, "sk-p") for _ in range(20)]
     assert all(r[0] == 200 for r in results)
     assert all(r[1].get("x-llm-ratelimit-degraded") == "local" for r in results)
-    assert max(r[2] for r in results) < 1.0, "no request waited for Redis"
+    assert max(r.elapsed for r in results) < 1.0, "no request waited for Redis"
     time.sleep(3)
     assert recovery_seconds(env, "sk-p") < 1.5

@@ -3,46 +3,28 @@ reservation charged before the request goes upstream, and the real usage settled
 for OpenAI and Anthropic, JSON and streams, completed, failed and interrupted."""
 
 import concurrent.futures
-import http.client
 import json
 import socket
-import time
 from types import SimpleNamespace
 
 import pytest
 import redis
 
-from stack import bucket_key, envoy_config, free_port, wait_until
+from stack import anthropic, bucket_key, chat, send, wait_until
 
-TOKEN = "tokens-companion-token"
 # A budget so long-lived that refill during a test is below one token.
 BIG = 1_000_000
 LONG = "366d"
-
+STORY = "Tell me a story about rate limits."
+pytestmark = pytest.mark.backend(mock_args=["--completion-tokens", "20"])
 
 
 @pytest.fixture
-def env(stack):
-    _, redis_port = stack.redis()
-    _, companion_port = stack.companion(f"redis://127.0.0.1:{redis_port}", TOKEN)
-    _, mock_port = stack.mock(extra=["--completion-tokens", "20"])
-    state = SimpleNamespace(stack=stack, redis=redis.Redis(port=redis_port), companion_port=companion_port, mock_port=mock_port)
-
+def env(backend):
     def start(limits, tokens=None, name="envoy", **extra):
-        config = {
-            "companion": {"upstream": "llm_ratelimit_companion", "token": TOKEN, "timeout": "2s"},
-            "failure_mode": "deny",
-            "limits": limits,
-            **({"tokens": tokens} if tokens else {}),
-            **extra,
-        }
-        port = free_port()
-        stack.envoy(envoy_config(listen_port=port, admin_port=free_port(), upstream_port=mock_port,
-                                 companion_port=companion_port, filter_config=config), name=name)
-        return port
+        return backend.envoy(backend.filter_config(limits, tokens=tokens or None, **extra), name=name)[0]
 
-    state.start = start
-    return state
+    return SimpleNamespace(redis=redis.Redis(port=backend.redis_port), start=start)
 
 
 def bucket_level(env, key, limit="tpm"):
@@ -56,25 +38,6 @@ def wait_level(env, key, expected, limit="tpm"):
                       10, f"bucket {limit} at {expected} (now {bucket_level(env, key, limit)})")
 
 
-def post(port, path, body, key, headers=None):
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-    try:
-        conn.request("POST", path, body=json.dumps(body),
-                     headers={"content-type": "application/json", "authorization": f"Bearer {key}", **(headers or {})})
-        resp = conn.getresponse()
-        return resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read()
-    finally:
-        conn.close()
-
-
-def chat(content="Tell me a story about rate limits.", **extra):
-    return {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": content}], **extra}
-
-
-def anthropic(content="Tell me a story about rate limits.", **extra):
-    return {"model": "claude-sonnet-4-5", "max_tokens": 300, "messages": [{"role": "user", "content": content}], **extra}
-
-
 def sse_events(body):
     return [e for e in body.decode().split("\n\n") if e.strip()]
 
@@ -82,17 +45,17 @@ def sse_events(body):
 @pytest.mark.parametrize(
     "path, body, streamed",
     [
-        ("/v1/chat/completions", chat(max_tokens=500), False),
-        ("/v1/chat/completions", chat(max_tokens=500, stream=True, stream_options={"include_usage": True}), True),
-        ("/v1/messages", anthropic(), False),
-        ("/v1/messages", anthropic(stream=True), True),
+        ("/v1/chat/completions", chat(STORY, max_tokens=500), False),
+        ("/v1/chat/completions", chat(STORY, max_tokens=500, stream=True, stream_options={"include_usage": True}), True),
+        ("/v1/messages", anthropic(STORY), False),
+        ("/v1/messages", anthropic(STORY, stream=True), True),
     ],
     ids=["openai-json", "openai-stream", "anthropic-json", "anthropic-stream"],
 )
 def test_the_reported_usage_is_charged_not_the_estimate(env, path, body, streamed):
     port = env.start([{"name": "tpm", "tokens": BIG, "window": LONG}])
     key = "sk-usage"
-    status, headers, payload = post(port, path, body, key)
+    status, headers, payload = send(port, key, body, path=path)
     assert status == 200
     reserved = int(headers["x-llm-ratelimit-reserved-tokens"])
     cap = body.get("max_tokens")
@@ -108,8 +71,8 @@ def test_the_reported_usage_is_charged_not_the_estimate(env, path, body, streame
 
 def test_a_stream_without_usage_is_charged_its_counted_text(env):
     port = env.start([{"name": "tpm", "tokens": BIG, "window": LONG}])
-    status, headers, _ = post(port, "/v1/chat/completions", chat(max_tokens=500, stream=True), "sk-nousage",
-                              {"x-mock-completion-tokens": "30"})
+    status, headers, _ = send(port, "sk-nousage", chat(STORY, max_tokens=500, stream=True),
+                              headers={"x-mock-completion-tokens": "30"})
     assert status == 200
     reserved = int(headers["x-llm-ratelimit-reserved-tokens"])
     prompt_in_proxy = reserved - 500
@@ -119,7 +82,7 @@ def test_a_stream_without_usage_is_charged_its_counted_text(env):
 
 def test_the_filter_can_ask_for_stream_usage_and_hide_it_from_the_client(env):
     port = env.start([{"name": "tpm", "tokens": BIG, "window": LONG}], tokens={"request_stream_usage": True})
-    status, headers, payload = post(port, "/v1/chat/completions", chat(max_tokens=500, stream=True), "sk-inject")
+    status, headers, payload = send(port, "sk-inject", chat(STORY, max_tokens=500, stream=True))
     assert status == 200
     events = sse_events(payload)
     assert events[-1] == "data: [DONE]"
@@ -133,7 +96,7 @@ def test_the_filter_can_ask_for_stream_usage_and_hide_it_from_the_client(env):
 
 def test_an_upstream_error_is_charged_the_prompt_only(env):
     port = env.start([{"name": "tpm", "tokens": BIG, "window": LONG}])
-    status, headers, _ = post(port, "/v1/chat/completions", chat(max_tokens=800), "sk-error", {"x-mock-status": "500"})
+    status, headers, _ = send(port, "sk-error", chat(STORY, max_tokens=800), headers={"x-mock-status": "500"})
     assert status == 500
     reserved = int(headers["x-llm-ratelimit-reserved-tokens"])
     wait_level(env, "sk-error", BIG - (reserved - 800))
@@ -141,7 +104,7 @@ def test_an_upstream_error_is_charged_the_prompt_only(env):
 
 def test_a_client_that_disconnects_mid_stream_is_charged_what_was_streamed(env):
     port = env.start([{"name": "tpm", "tokens": BIG, "window": LONG}])
-    body = json.dumps(chat(max_tokens=1000, stream=True)).encode()
+    body = json.dumps(chat(STORY, max_tokens=1000, stream=True)).encode()
     sock = socket.create_connection(("127.0.0.1", port), timeout=10)
     sock.sendall(
         b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-leaver\r\n"
@@ -165,10 +128,10 @@ def test_a_client_that_disconnects_mid_stream_is_charged_what_was_streamed(env):
 
 def test_a_token_limit_rejects_with_its_own_429(env):
     port = env.start([{"name": "rpm", "requests": 100, "window": "1m"}, {"name": "tpm", "tokens": 1000, "window": "1h"}])
-    status, headers, _ = post(port, "/v1/chat/completions", chat(max_tokens=600), "sk-tokens", {"x-mock-completion-tokens": "600"})
+    status, headers, _ = send(port, "sk-tokens", chat(STORY, max_tokens=600), headers={"x-mock-completion-tokens": "600"})
     assert status == 200
     wait_level(env, "sk-tokens", 1000 - 600 - int(headers["x-mock-prompt-tokens"]))
-    status, headers, payload = post(port, "/v1/chat/completions", chat(max_tokens=600), "sk-tokens")
+    status, headers, payload = send(port, "sk-tokens", chat(STORY, max_tokens=600))
     assert status == 429
     error = json.loads(payload)["error"]
     assert error["type"] == "tokens" and error["code"] == "rate_limit_exceeded"
@@ -177,7 +140,7 @@ def test_a_token_limit_rejects_with_its_own_429(env):
     assert headers["x-ratelimit-limit-tokens"] == "1000"
     assert headers["x-ratelimit-remaining-requests"] == "99"  # the rejected request charged nothing
     # A request that could never fit says so, without a Retry-After.
-    status, headers, payload = post(port, "/v1/chat/completions", chat(max_tokens=5000), "sk-huge")
+    status, headers, payload = send(port, "sk-huge", chat(STORY, max_tokens=5000))
     assert status == 429 and "retry-after" not in headers
     assert "can never be admitted" in json.loads(payload)["error"]["message"]
 
@@ -185,13 +148,13 @@ def test_a_token_limit_rejects_with_its_own_429(env):
 def test_clamping_shrinks_max_tokens_to_what_is_left(env):
     port = env.start([{"name": "tpm", "tokens": 1000, "window": LONG}],
                      tokens={"clamp_max_tokens": True, "min_output_tokens": 50})
-    status, headers, _ = post(port, "/v1/chat/completions", chat(max_tokens=600), "sk-clamp", {"x-mock-completion-tokens": "600"})
+    status, headers, _ = send(port, "sk-clamp", chat(STORY, max_tokens=600), headers={"x-mock-completion-tokens": "600"})
     assert status == 200 and headers["x-mock-completion-tokens"] == "600"
     first = int(headers["x-mock-prompt-tokens"]) + 600
     wait_level(env, "sk-clamp", 1000 - first)
     # What is left is less than this request's upper bound: it is admitted with a smaller
     # max_tokens, which the upstream sees and honours.
-    status, headers, _ = post(port, "/v1/chat/completions", chat(max_tokens=600), "sk-clamp", {"x-mock-completion-tokens": "600"})
+    status, headers, _ = send(port, "sk-clamp", chat(STORY, max_tokens=600), headers={"x-mock-completion-tokens": "600"})
     assert status == 200
     granted = int(headers["x-mock-completion-tokens"])
     reserved = int(headers["x-llm-ratelimit-reserved-tokens"])
@@ -200,7 +163,7 @@ def test_clamping_shrinks_max_tokens_to_what_is_left(env):
     assert reserved == 1000 - first  # exactly what was left
     # Nothing useful is left now: a 429, not a uselessly small grant.
     wait_level(env, "sk-clamp", 1000 - first - int(headers["x-mock-prompt-tokens"]) - granted)
-    status, _, payload = post(port, "/v1/chat/completions", chat(max_tokens=600), "sk-clamp")
+    status, _, payload = send(port, "sk-clamp", chat(STORY, max_tokens=600))
     assert status == 429 and json.loads(payload)["error"]["type"] == "tokens"
 
 
@@ -215,8 +178,8 @@ def test_parallel_long_completions_never_overshoot_the_limit(env, clamp):
 
     def one(i):
         body = chat(f"Request {i}: write a long essay.", max_tokens=1000, stream=True, stream_options={"include_usage": True})
-        status, headers, payload = post(port, "/v1/chat/completions", body, "sk-burst",
-                                        {"x-mock-completion-tokens": "1000", "x-mock-chunk-delay-ms": "1"})
+        status, headers, payload = send(port, "sk-burst", body,
+                                        headers={"x-mock-completion-tokens": "1000", "x-mock-chunk-delay-ms": "1"})
         if status != 200:
             return status, 0
         usage = json.loads(sse_events(payload)[-2][len("data: "):])["usage"]
@@ -237,12 +200,12 @@ def test_parallel_long_completions_never_overshoot_the_limit(env, clamp):
 
 def test_requests_without_a_body_and_bad_bodies_cost_the_fallback(env):
     port = env.start([{"name": "tpm", "tokens": BIG, "window": LONG}], tokens={"unparsed_request_cost": 123})
-    status, headers, _ = post(port, "/v1/chat/completions", "not json at all", "sk-bad")
+    status, headers, _ = send(port, "sk-bad", "not json at all")
     assert status == 400  # the mock's answer; the filter counted the fallback
     assert headers["x-llm-ratelimit-reserved-tokens"] == "123"
 
 
 def test_a_body_over_the_limit_is_refused_with_413(env):
     port = env.start([{"name": "tpm", "tokens": BIG, "window": LONG}], tokens={"max_request_bytes": 2048})
-    status, _, payload = post(port, "/v1/chat/completions", chat("x" * 4096), "sk-big")
+    status, _, payload = send(port, "sk-big", chat("x" * 4096))
     assert status == 413 and json.loads(payload)["error"]["code"] == "request_too_large"

@@ -111,6 +111,16 @@ mod tests {
     }
 
     #[test]
+    fn tenant_ids_match_the_shared_key_table() {
+        // tests/cases/keys.json is read by tests/test_keys.py too.
+        let table: serde_json::Value =
+            serde_json::from_str(include_str!("../../../tests/cases/keys.json")).expect("keys.json");
+        for case in table["tenants"].as_array().expect("tenants") {
+            assert_eq!(tenant_id(case["api_key"].as_str().expect("key")), case["tenant"].as_str().expect("id"));
+        }
+    }
+
+    #[test]
     fn tenant_ids_are_stable_distinct_and_hide_the_key() {
         let a = tenant_id("sk-live-123");
         assert_eq!(a, tenant_id("sk-live-123"));

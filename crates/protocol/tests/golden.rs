@@ -25,6 +25,7 @@ fn paths_and_the_token_header() {
         ["/v1/token_bucket", "/v1/settle", "/v1/lease", "/v1/touch", "/v1/release"]
     );
     assert_eq!(TOKEN_HEADER, "x-llmrl-token");
+    assert_eq!(HEALTH_PATH, "/healthz");
 }
 
 #[test]
@@ -161,6 +162,20 @@ fn redis_keys() {
     assert_eq!(redis_key("llmrl:", "llm", "t1", RESERVATION_KIND, "abc1"), "llmrl:{llm:t1}:res:abc1");
     assert_eq!(redis_key("llmrl:", "llm", "t1", CANCEL_KIND, "abc1"), "llmrl:{llm:t1}:cancel:abc1");
     assert_eq!(redis_key("llmrl:", "llm", "t1", QUEUE_KIND, QUEUE_NAME), "llmrl:{llm:t1}:queue:waiters");
+}
+
+#[test]
+fn redis_keys_as_the_python_harness_names_them() {
+    // tests/cases/keys.json is read by tests/test_keys.py too.
+    let table: serde_json::Value =
+        serde_json::from_str(include_str!("../../../tests/cases/keys.json")).expect("keys.json");
+    let cases = table["redis"].as_array().expect("redis cases");
+    assert!(!cases.is_empty());
+    for case in cases {
+        let part = |field: &str| case[field].as_str().expect(field).to_string();
+        let key = redis_key(&part("prefix"), &part("domain"), &part("tenant"), &part("kind"), &part("name"));
+        assert_eq!(key, part("key"));
+    }
 }
 
 #[test]
