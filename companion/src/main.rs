@@ -24,8 +24,8 @@ use clap::Parser;
 use limits::Op;
 use llm_ratelimit_protocol::duration::parse_duration;
 use llm_ratelimit_protocol::{
-    ChargeRequest, LeaseRequest, SettleOutcome, SettleReply, SettlementBatch, CHARGE_PATH, LEASE_PATH, RELEASE_PATH,
-    SETTLE_PATH, TOKEN_HEADER, TOUCH_PATH,
+    ChargeRequest, LeaseRequest, SettleOutcome, SettleReply, SettlementBatch, CHARGE_PATH, HEALTH_PATH, LEASE_PATH,
+    RELEASE_PATH, SETTLE_PATH, TOKEN_HEADER, TOUCH_PATH,
 };
 use serde_json::json;
 use std::sync::Arc;
@@ -285,7 +285,7 @@ async fn serve(args: Args) -> Result<(), String> {
         .route(TOUCH_PATH, post(run_touch))
         .route(RELEASE_PATH, post(run_release))
         .route(LEASE_PATH, post(run_limits::<LeaseRequest>))
-        .route("/healthz", get(healthz))
+        .route(HEALTH_PATH, get(healthz))
         .with_state(app);
     let listener = tokio::net::TcpListener::bind(&args.listen)
         .await

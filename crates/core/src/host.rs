@@ -49,6 +49,15 @@ impl HostKind {
         self == HostKind::Envoy
     }
 
+    /// Whether a local reply may be sent from the response of a callout that carried a
+    /// body and got none back (a timeout, or an empty answer). ngx_wasm_module reuses the
+    /// callout's body buffer for the reply and then empties it: the client gets an empty
+    /// reply, and a debug build aborts the worker. There, such a reply waits for a
+    /// bodiless callout's response first (see the README's host notes).
+    pub fn replies_after_an_empty_callout(self) -> bool {
+        self == HostKind::Envoy
+    }
+
     /// Whether `end_of_stream` on request headers can be trusted to say "no body".
     pub fn reports_end_of_stream_on_headers(self) -> bool {
         self == HostKind::Envoy
@@ -161,7 +170,7 @@ pub trait Host {
     /// yet, on every host; Envoy also takes it as "overwrite").
     fn shared_set(&mut self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), SharedWriteError>;
 
-    /// Sends an HTTP call; returns its token.
+    /// Sends an HTTP call (an empty `body`: none); returns its token.
     fn dispatch(
         &mut self,
         upstream: &str,

@@ -36,6 +36,8 @@ const CANCEL_WINDOW_MS: u64 = 10_000;
 /// In the degraded mode a concurrency limit is a bucket that does not refill (a slot comes
 /// back when its request ends); this window makes the refill negligible.
 const LOCAL_SLOTS_NEVER_REFILL_MS: u64 = u64::MAX / 4;
+/// The longest a local reply waits for the bodiless callout that makes it safe to send.
+const PROBE_TIMEOUT: Duration = Duration::from_millis(100);
 /// Releasing slots at once waits at least this long for the companion.
 const RELEASE_TIMEOUT: Duration = Duration::from_millis(500);
 
@@ -47,6 +49,9 @@ pub enum Phase {
     ReadingBody,
     /// A callout is out; the request waits.
     Deciding,
+    /// A local reply waits for a bodiless callout's answer (hosts that cannot reply from
+    /// an empty callout response).
+    Replying,
     /// Admitted and sent upstream.
     Forwarded,
     /// Answered by the filter.
@@ -137,6 +142,8 @@ pub struct RequestFilter {
     queued: bool,
     /// Whether the headers are held while the body is read.
     holding_headers: bool,
+    /// The reply to send once the bodiless callout answers (`Phase::Replying`).
+    deferred_reply: Option<LocalReply>,
 }
 
 impl RequestFilter {
@@ -156,6 +163,7 @@ impl RequestFilter {
             body_len: 0,
             queued: false,
             holding_headers: false,
+            deferred_reply: None,
         }
     }
 
@@ -224,14 +232,14 @@ impl RequestFilter {
             // Envoy with `allow_on_headers_stop_iteration` delivers the body while the
             // headers are held, and a Continue here would send both upstream before the
             // decision.
-            Phase::Deciding => Action::Pause,
+            Phase::Deciding | Phase::Replying => Action::Pause,
             _ => Action::Continue,
         }
     }
 
     pub fn on_request_trailers(&mut self) -> Action {
         match self.phase {
-            Phase::ReadingBody | Phase::Deciding => Action::Pause,
+            Phase::ReadingBody | Phase::Deciding | Phase::Replying => Action::Pause,
             _ => Action::Continue,
         }
     }
@@ -239,11 +247,29 @@ impl RequestFilter {
     /// The companion answered this request's callout.
     pub fn on_callout_response(&mut self, host: &mut impl Host, worker: &mut Worker, body_size: usize) {
         let Some(config) = self.config.clone() else { return };
-        if self.phase != Phase::Deciding {
-            return;
+        match self.phase {
+            Phase::Deciding => {}
+            Phase::Replying => {
+                if let Some(reply) = self.deferred_reply.take() {
+                    self.carry_out(host, Verdict::Reply(reply), true);
+                }
+                return;
+            }
+            _ => return,
         }
         let verdict = self.decide(host, worker, &config, body_size);
-        self.apply(host, &config, verdict, true);
+        let verdict = self.shadow(host, &config, verdict);
+        if let Verdict::Reply(reply) = &verdict {
+            if body_size == 0 && !worker.host_kind().replies_after_an_empty_callout() {
+                let timeout = config.companion.timeout.min(PROBE_TIMEOUT);
+                if worker.probe_companion(host, &config, timeout).is_ok() {
+                    self.phase = Phase::Replying;
+                    self.deferred_reply = Some(reply.clone());
+                    return;
+                }
+            }
+        }
+        self.carry_out(host, verdict, true);
     }
 
     pub fn on_response_headers(&mut self, host: &mut impl Host) -> Action {
@@ -694,10 +720,16 @@ impl RequestFilter {
         }
     }
 
-    /// Carries a verdict out. `paused` says whether the request is waiting on us. In
-    /// shadow mode a refusal is forwarded instead, marked with what it would have been.
+    /// Carries a verdict out, as shadow mode has it. `paused` says whether the request is
+    /// waiting on us.
     fn apply(&mut self, host: &mut impl Host, config: &Policy, verdict: Verdict, paused: bool) -> Action {
-        let verdict = match verdict {
+        let verdict = self.shadow(host, config, verdict);
+        self.carry_out(host, verdict, paused)
+    }
+
+    /// In shadow mode a refusal is forwarded instead, marked with what it would have been.
+    fn shadow(&self, host: &mut impl Host, config: &Policy, verdict: Verdict) -> Verdict {
+        match verdict {
             Verdict::Reply(reply) if config.mode == Mode::Shadow && matches!(reply.status, 403 | 413 | 429 | 503) => {
                 host.add_metric(Metric::ShadowRefusals, 1);
                 let mut headers: Vec<Header> = reply
@@ -709,7 +741,10 @@ impl RequestFilter {
                 Verdict::Forward(headers)
             }
             other => other,
-        };
+        }
+    }
+
+    fn carry_out(&mut self, host: &mut impl Host, verdict: Verdict, paused: bool) -> Action {
         match verdict {
             Verdict::Forward(headers) => {
                 self.phase = Phase::Forwarded;

@@ -600,3 +600,32 @@ fn a_slot_held_by_a_live_lease_is_not_taken_until_the_lease_is_returned() {
     assert_eq!(lease_of(&mut proxy, "sk-a").0.len(), 1);
     assert_eq!(lease_of(&mut proxy, "sk-a").0[0].granted, 0.0, "sk-a's entry is gone");
 }
+
+#[test]
+fn a_refusal_after_a_timed_out_callout_reaches_the_client_on_every_host() {
+    // ngx_wasm_module empties a local reply sent from the answer to a callout that carried
+    // a body and got none back; there the reply waits for a bodiless callout's answer.
+    for kind in HOSTS {
+        for (mode, status) in [("deny", 503), ("local", 429)] {
+            let world = World::new(kind);
+            let limits = json!([{"name": "rpm", "requests": 1, "window": "1m"}]);
+            let extra = json!({"failure_mode": mode, "fallback": {"breaker_failures": 100}});
+            let mut proxy = Proxy::new(&world, &config(limits, extra));
+            if mode == "local" {
+                let mut first = proxy.start(Request::get("sk-a", "/v1/models"));
+                proxy.time_out(&mut first); // admitted locally: the one request
+                assert!(first.forwarded(), "{kind:?}");
+            }
+            let mut refused = proxy.start(Request::get("sk-a", "/v1/models"));
+            proxy.time_out(&mut refused);
+            if kind == HostKind::Nginx {
+                let probe = refused.host.last_callout().clone();
+                assert_eq!((probe.path.as_str(), probe.body.is_null()), ("/healthz", true), "{mode}");
+                assert!(refused.replied().is_none(), "{mode}: not from the empty answer");
+                proxy.time_out(&mut refused); // the probe may time out too: it had no body
+            }
+            assert_eq!(refused.replied().map(|r| r.status), Some(status), "{kind:?} {mode}");
+            assert!(refused.replied().is_some_and(|r| r.body.contains("error")));
+        }
+    }
+}

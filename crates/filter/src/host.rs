@@ -108,7 +108,9 @@ impl Host for ProxyHost {
         owner: Owner,
     ) -> Result<u32, String> {
         let send = || {
-            hostcalls::dispatch_http_call(upstream, headers.to_vec(), Some(body), Vec::new(), timeout)
+            // No body at all for an empty one: see `HostKind::replies_after_an_empty_callout`.
+            let body = (!body.is_empty()).then_some(body);
+            hostcalls::dispatch_http_call(upstream, headers.to_vec(), body, Vec::new(), timeout)
                 .map_err(|status| format!("{status:?}"))
         };
         if owner == Owner::Root && self.root_id != self.context_id {

@@ -11,6 +11,8 @@ pub const TOKEN_HEADER: &str = "x-llmrl-token";
 /// Endpoint that charges a request against every limit at once (a [`ChargeRequest`]). Its
 /// name predates sliding windows and slots; it stays, as the wire does.
 pub const CHARGE_PATH: &str = "/v1/token_bucket";
+/// The companion's health check (`GET`, no body, no token): 200 when Redis answers.
+pub const HEALTH_PATH: &str = "/healthz";
 /// Endpoint that settles reservations, many per call (a [`SettlementBatch`]).
 pub const SETTLE_PATH: &str = "/v1/settle";
 /// Endpoint that grants leases (a [`LeaseRequest`]).
