@@ -27,6 +27,16 @@ pub struct LocalReply {
     pub body: String,
 }
 
+impl LocalReply {
+    /// The same reply with no body (for a host that cannot send one just then): the
+    /// status, `retry-after` and the rate-limit headers still say what happened.
+    pub fn without_body(mut self) -> LocalReply {
+        self.headers.retain(|(name, _)| *name != "content-type");
+        self.body.clear();
+        self
+    }
+}
+
 fn dimension_of(config: &Policy, outcome: &LimitOutcome) -> Dimension {
     config.limit(&outcome.name).map_or(Dimension::Requests, |l| l.dimension())
 }

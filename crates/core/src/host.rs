@@ -49,11 +49,11 @@ impl HostKind {
         self == HostKind::Envoy
     }
 
-    /// Whether a local reply may be sent from the response of a callout that carried a
-    /// body and got none back (a timeout, or an empty answer). ngx_wasm_module reuses the
-    /// callout's body buffer for the reply and then empties it: the client gets an empty
-    /// reply, and a debug build aborts the worker. There, such a reply waits for a
-    /// bodiless callout's response first (see the README's host notes).
+    /// Whether a local reply with a body may be sent from the response of a callout that
+    /// carried a body and got none back (a timeout, or an empty answer). ngx_wasm_module
+    /// reuses the callout's body buffer for the reply and then empties it: the client gets
+    /// an empty reply, and a debug build aborts the worker (see the README's host notes).
+    /// There, such a reply goes out without its body: status and headers say it all.
     pub fn replies_after_an_empty_callout(self) -> bool {
         self == HostKind::Envoy
     }

@@ -36,8 +36,6 @@ const CANCEL_WINDOW_MS: u64 = 10_000;
 /// In the degraded mode a concurrency limit is a bucket that does not refill (a slot comes
 /// back when its request ends); this window makes the refill negligible.
 const LOCAL_SLOTS_NEVER_REFILL_MS: u64 = u64::MAX / 4;
-/// The longest a local reply waits for the bodiless callout that makes it safe to send.
-const PROBE_TIMEOUT: Duration = Duration::from_millis(100);
 /// Releasing slots at once waits at least this long for the companion.
 const RELEASE_TIMEOUT: Duration = Duration::from_millis(500);
 
@@ -49,9 +47,6 @@ pub enum Phase {
     ReadingBody,
     /// A callout is out; the request waits.
     Deciding,
-    /// A local reply waits for a bodiless callout's answer (hosts that cannot reply from
-    /// an empty callout response).
-    Replying,
     /// Admitted and sent upstream.
     Forwarded,
     /// Answered by the filter.
@@ -142,8 +137,6 @@ pub struct RequestFilter {
     queued: bool,
     /// Whether the headers are held while the body is read.
     holding_headers: bool,
-    /// The reply to send once the bodiless callout answers (`Phase::Replying`).
-    deferred_reply: Option<LocalReply>,
 }
 
 impl RequestFilter {
@@ -163,7 +156,6 @@ impl RequestFilter {
             body_len: 0,
             queued: false,
             holding_headers: false,
-            deferred_reply: None,
         }
     }
 
@@ -232,14 +224,14 @@ impl RequestFilter {
             // Envoy with `allow_on_headers_stop_iteration` delivers the body while the
             // headers are held, and a Continue here would send both upstream before the
             // decision.
-            Phase::Deciding | Phase::Replying => Action::Pause,
+            Phase::Deciding => Action::Pause,
             _ => Action::Continue,
         }
     }
 
     pub fn on_request_trailers(&mut self) -> Action {
         match self.phase {
-            Phase::ReadingBody | Phase::Deciding | Phase::Replying => Action::Pause,
+            Phase::ReadingBody | Phase::Deciding => Action::Pause,
             _ => Action::Continue,
         }
     }
@@ -247,28 +239,16 @@ impl RequestFilter {
     /// The companion answered this request's callout.
     pub fn on_callout_response(&mut self, host: &mut impl Host, worker: &mut Worker, body_size: usize) {
         let Some(config) = self.config.clone() else { return };
-        match self.phase {
-            Phase::Deciding => {}
-            Phase::Replying => {
-                if let Some(reply) = self.deferred_reply.take() {
-                    self.carry_out(host, Verdict::Reply(reply), true);
-                }
-                return;
-            }
-            _ => return,
+        if self.phase != Phase::Deciding {
+            return;
         }
         let verdict = self.decide(host, worker, &config, body_size);
-        let verdict = self.shadow(host, &config, verdict);
-        if let Verdict::Reply(reply) = &verdict {
-            if body_size == 0 && !worker.host_kind().replies_after_an_empty_callout() {
-                let timeout = config.companion.timeout.min(PROBE_TIMEOUT);
-                if worker.probe_companion(host, &config, timeout).is_ok() {
-                    self.phase = Phase::Replying;
-                    self.deferred_reply = Some(reply.clone());
-                    return;
-                }
+        let verdict = match self.shadow(host, &config, verdict) {
+            Verdict::Reply(reply) if body_size == 0 && !worker.host_kind().replies_after_an_empty_callout() => {
+                Verdict::Reply(reply.without_body())
             }
-        }
+            other => other,
+        };
         self.carry_out(host, verdict, true);
     }
 

@@ -11,7 +11,7 @@ use crate::lifecycle::RequestFilter;
 use crate::protocol::keys;
 use crate::protocol::{
     Adjustment, LeaseAsk, LeaseRequest, LimitCharge, LimitKind, LimitsReply, SettleReply, Settlement, SettlementBatch,
-    HEALTH_PATH, LEASE_PATH, SETTLE_PATH, TOKEN_HEADER, TOUCH_PATH,
+    LEASE_PATH, SETTLE_PATH, TOKEN_HEADER, TOUCH_PATH,
 };
 use crate::settle_queue::{Queued, SettleQueue};
 use crate::tables::{read_own, update_own, update_slot, Busy, TenantTable};
@@ -301,19 +301,6 @@ impl Worker {
         ];
         host.dispatch(&companion.upstream, &headers, &body, timeout, owner)
             .map_err(|why| format!("callout to {:?} refused by the host: {why}", companion.upstream))
-    }
-
-    /// Asks the companion for its health: a callout with no body, whose answer is a safe
-    /// moment for a local reply on every host (see `HostKind::replies_after_an_empty_callout`).
-    pub(crate) fn probe_companion(
-        &self,
-        host: &mut impl Host,
-        config: &Policy,
-        timeout: Duration,
-    ) -> Result<u32, String> {
-        let companion = &config.companion;
-        let headers = [(":method", "GET"), (":path", HEALTH_PATH), (":authority", companion.authority())];
-        host.dispatch(&companion.upstream, &headers, &[], timeout, Owner::Request)
     }
 
     /// Adds a lease grant to the tenant's leases and, when `costs` are given, admits a

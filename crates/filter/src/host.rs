@@ -142,7 +142,8 @@ impl Host for ProxyHost {
 
     fn send_reply(&mut self, reply: &LocalReply) {
         let headers: Vec<(&str, &str)> = reply.headers.iter().map(|(n, v)| (*n, v.as_str())).collect();
-        if let Err(status) = hostcalls::send_http_response(reply.status, headers, Some(reply.body.as_bytes())) {
+        let body = (!reply.body.is_empty()).then_some(reply.body.as_bytes());
+        if let Err(status) = hostcalls::send_http_response(reply.status, headers, body) {
             log::warn!("llm-ratelimit: cannot send the local reply: {status:?}");
         }
     }
