@@ -64,7 +64,16 @@ struct App {
     key_prefix: String,
     /// `lua/limits.lua`.
     script: Script,
+    /// Settlement script calls in flight at once, across all requests. A backlog flushed
+    /// after an outage (every proxy's batches of 200 at once) otherwise queues on the one
+    /// Redis connection, and the calls at the back time out although most of them run:
+    /// a timed-out call reported `failed` is sent again, and one without a reservation is
+    /// then applied twice. Queued here, a call's Redis timeout starts when it is sent.
+    adjustments: tokio::sync::Semaphore,
 }
+
+/// See `App::adjustments`: enough to keep Redis busy, few enough that none waits long.
+const CONCURRENT_ADJUSTMENTS: usize = 16;
 
 fn error(status: StatusCode, message: impl Into<String>) -> Response {
     (status, [("content-type", "application/json")], json!({"error": message.into()}).to_string()).into_response()
@@ -189,6 +198,7 @@ async fn run_adjustments(State(app): State<Arc<App>>, headers: HeaderMap, body: 
         tasks.spawn(async move {
             let call = limits::adjust(&app.key_prefix, op, &settlement);
             let names = settlement.limits.iter().map(|l| l.name.as_str());
+            let Ok(_permit) = app.adjustments.acquire().await else { return (index, SettleOutcome::Failed) };
             let outcome = match app.store.run(&app.script, &call.keys, &[&call.argument]).await {
                 Ok(value) => match limits::reply(names, &value) {
                     Ok(reply) if reply.allowed => SettleOutcome::Applied,
@@ -278,7 +288,8 @@ async fn serve(args: Args) -> Result<(), String> {
         Target::Single(_) => "single server".to_string(),
         Target::Cluster(nodes) => format!("cluster, {} seed node(s)", nodes.len()),
     };
-    let app = Arc::new(App { store, token, key_prefix: args.key_prefix.clone(), script });
+    let adjustments = tokio::sync::Semaphore::new(CONCURRENT_ADJUSTMENTS);
+    let app = Arc::new(App { store, token, key_prefix: args.key_prefix.clone(), script, adjustments });
     let router = Router::new()
         .route(CHARGE_PATH, post(run_limits::<ChargeRequest>))
         .route(SETTLE_PATH, post(run_settle))

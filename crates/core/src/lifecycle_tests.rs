@@ -482,6 +482,8 @@ fn settlements_retry_when_the_companion_fails_and_on_nginx_too() {
         companion.failing = Some(500);
         proxy.tick(Some(&mut companion));
         companion.failing = None;
+        assert!(settle(&mut proxy, &mut companion).is_empty(), "{kind:?}: not before its backoff");
+        advance(&world, 100);
         let settled = settle(&mut proxy, &mut companion);
         assert_eq!(settled.len(), 1, "{kind:?}: sent again after a failure");
         assert_eq!(companion.calls.get(SETTLE_PATH), Some(&2));

@@ -349,7 +349,7 @@ impl Worker {
         if self.settling.is_some() || !self.breaker(host, config).is_closed() {
             return; // one batch at a time; none while the companion is known to be away
         }
-        let batch = self.settlements.take_batch(SETTLE_BATCH);
+        let batch = self.settlements.take_batch(SETTLE_BATCH, host.now_ms());
         if batch.is_empty() {
             return;
         }
@@ -370,7 +370,8 @@ impl Worker {
         batch: Vec<Queued>,
         outcomes: Option<&[crate::protocol::SettleOutcome]>,
     ) {
-        let given_up = self.settlements.requeue(batch, outcomes);
+        let now = host.now_ms();
+        let given_up = self.settlements.requeue(batch, outcomes, now);
         if given_up > 0 {
             host.add_metric(Metric::SettlementsFailed, given_up as u64);
             host.log(
