@@ -16,7 +16,7 @@ WASM_CARGO := RUSTC_BOOTSTRAP=1 RUSTC=/usr/bin/rustc /usr/bin/cargo
 WASM_FLAGS := -Zbuild-std=std,panic_abort
 endif
 
-.PHONY: help setup build wasm empty-filter native test wasm-test fuzz unit integration up down demo bench faults lint clean
+.PHONY: help setup build wasm empty-filter native test wasm-test fuzz unit integration up down demo bench soak faults lint clean
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -64,6 +64,11 @@ demo: up ## Start the demo stack and send a short burst through it
 bench: build empty-filter ## Measure Envoy without and with the filter in one run and print ratios
 	cargo build --release -p llm-ratelimit-core --example tokenize_bench
 	$(PY) scripts/bench.py
+
+SOAK_KEYS ?= 1000000
+
+soak: build ## Many tenants: a new API key per request through one Envoy, its memory after each phase
+	$(PY) scripts/soak.py --keys $(SOAK_KEYS)
 
 FAULT_MINUTES ?= 4
 

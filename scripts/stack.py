@@ -15,6 +15,7 @@ import http.client
 import json
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -203,15 +204,13 @@ def envoy_config(
     if filter_config is not None:
         value = filter_config if isinstance(filter_config, str) else json.dumps(filter_config)
         wasm_filter["typed_config"]["config"]["configuration"]["value"] = value
-    import re  # (local: only this function needs it)
-
     hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
     try:
         value = json.loads(wasm_filter["typed_config"]["config"]["configuration"]["value"])
         max_request_bytes = int(value.get("tokens", {}).get("max_request_bytes", 1 << 20))
     except (ValueError, TypeError, AttributeError):  # a bad config under test: Envoy refuses it anyway
         max_request_bytes = 1 << 20
-    reads = min(listener["per_connection_buffer_limit_bytes"], max_request_bytes)
+    reads = min(listener.get("per_connection_buffer_limit_bytes", 1 << 20), max_request_bytes)  # Envoy: 1 MiB unless set
     for mapper in hcm.get("local_reply_config", {}).get("mappers", []):
         body = mapper.get("body_format_override", {})
         if "text_format" in body:
