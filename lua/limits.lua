@@ -411,29 +411,23 @@ ops.settle = {
   end,
 }
 
-ops.touch = {
-  args = {},
-  limit = {},
-  run = function(limits)
-    bring_to_now(limits)
-    for _, l in ipairs(limits) do
-      l.driver.touch(l)
-    end
-    return 1
-  end,
-}
+-- An op that brings every limit to now and applies one driver operation to each.
+local function each(operation)
+  return {
+    args = {},
+    limit = {},
+    run = function(limits)
+      bring_to_now(limits)
+      for _, l in ipairs(limits) do
+        l.driver[operation](l)
+      end
+      return 1
+    end,
+  }
+end
 
-ops.release = {
-  args = {},
-  limit = {},
-  run = function(limits)
-    bring_to_now(limits)
-    for _, l in ipairs(limits) do
-      l.driver.release(l)
-    end
-    return 1
-  end,
-}
+ops.touch = each('touch')
+ops.release = each('release')
 
 --------------------------------------------------------------------------------------------
 -- Arguments
