@@ -575,14 +575,25 @@ fn a_slot_held_by_a_live_lease_is_not_taken_until_the_lease_is_returned() {
     let extra = json!({"lease": {"enabled": true, "ttl": "1s"}, "memory": {"tenant_slots": 16}});
     let mut proxy = Proxy::new(&world, &config(limits, extra));
     let config = proxy.worker.config().unwrap().clone();
-    let slot = |key: &str| crate::tables::TenantTable::slot(&config, &tenant(key));
-    let rival = (0..).map(|i| format!("sk-{i}")).find(|k| k != "sk-a" && slot(k) == slot("sk-a")).unwrap();
+    let slots = |key: &str| crate::tables::TenantTable::slots(&config, &tenant(key));
+    // A rival both of whose slots sk-a's and a second tenant's leases hold.
+    let (second, rival) = (0..200)
+        .map(|i| format!("sk-b{i}"))
+        .filter(|b| slots(b)[0] != slots("sk-a")[0])
+        .find_map(|b| {
+            let held = [slots("sk-a")[0], slots(&b)[0]];
+            let rival = (0..20_000).map(|i| format!("sk-r{i}")).find(|r| slots(r).iter().all(|s| held.contains(s)))?;
+            Some((b, rival))
+        })
+        .unwrap();
     let mut companion = FakeCompanion::default();
-    for _ in 0..2 {
-        proxy.send(Request::get("sk-a", "/v1/models"), &mut companion);
+    for key in ["sk-a", &second] {
+        for _ in 0..2 {
+            proxy.send(Request::get(key, "/v1/models"), &mut companion);
+        }
+        assert!(lease_of(&mut proxy, key).0[0].remaining > 0.0, "{key} leases");
     }
-    assert!(lease_of(&mut proxy, "sk-a").0[0].remaining > 0.0, "sk-a leases");
-    // The rival shares the slot: charged directly, twice, and sk-a's lease stays.
+    // Both of the rival's slots are held: charged directly, twice, and the leases stay.
     for _ in 0..2 {
         let flight = proxy.send(Request::get(&rival, "/v1/models"), &mut companion);
         assert!(flight.forwarded() && flight.host.last_callout().path == crate::protocol::CHARGE_PATH);

@@ -1,9 +1,11 @@
 //! Bounded per-tenant state in shared data. Proxy-wasm shared data has no delete, so a key
 //! per tenant (or per tenant and model) would grow every proxy's memory with each API key
 //! or model name a client invents. Instead each table has a fixed number of slots
-//! (`memory.*_slots`): an entry sits at the slot its owner's id hashes to and carries
-//! that id, so a colliding newcomer sees someone else's entry and never takes it for its
-//! own. Memory per proxy is at most slots x entry size, whatever the traffic.
+//! (`memory.*_slots`): a tenant's entry sits at one of two slots its id hashes to (the
+//! second is tried when another tenant holds the first, which makes a tenant with no slot
+//! rare) and carries that id, so a colliding newcomer sees someone else's entry and never
+//! takes it for its own. Memory per proxy is at most slots x entry size, whatever the
+//! traffic.
 //!
 //! Who may replace whose entry is the caller's rule: a tenant's lease entry only once its
 //! leases have expired and been returned; a local bucket at once (what it admitted was
@@ -28,11 +30,6 @@ pub enum TenantTable {
 }
 
 impl TenantTable {
-    /// The shared-data key of `tenant`'s slot.
-    pub fn key(self, config: &Policy, tenant: &str) -> String {
-        self.slot_key(config, slot_of(&[tenant], config.memory.tenant_slots))
-    }
-
     pub fn slot_key(self, config: &Policy, slot: u32) -> String {
         match self {
             TenantTable::Leases => keys::lease_key(&config.domain, slot),
@@ -40,8 +37,10 @@ impl TenantTable {
         }
     }
 
-    pub fn slot(config: &Policy, tenant: &str) -> u32 {
-        slot_of(&[tenant], config.memory.tenant_slots)
+    /// The two slots `tenant`'s entry may sit at, in the order they are tried.
+    pub fn slots(config: &Policy, tenant: &str) -> [u32; 2] {
+        let slots = config.memory.tenant_slots;
+        [slot_of(&[tenant], slots), slot_of(&[tenant, "second"], slots)]
     }
 }
 
@@ -85,13 +84,37 @@ fn encode_entry(tenant: &str, payload: &[u8]) -> Vec<u8> {
     out
 }
 
-/// `tenant`'s payload in `table`, if the slot holds its entry.
+/// `tenant`'s payload in `table`, if one of its slots holds its entry.
 pub fn read_own(host: &mut impl Host, config: &Policy, table: TenantTable, tenant: &str) -> Option<Vec<u8>> {
-    let stored = shared_read(host, &table.key(config, tenant));
-    match entry(stored.as_deref(), tenant) {
-        Entry::Own(payload) => Some(payload.to_vec()),
-        _ => None,
+    TenantTable::slots(config, tenant).into_iter().find_map(|slot| {
+        let stored = shared_read(host, &table.slot_key(config, slot));
+        match entry(stored.as_deref(), tenant) {
+            Entry::Own(payload) => Some(payload.to_vec()),
+            _ => None,
+        }
+    })
+}
+
+/// The slot for `tenant`'s entry: the one holding it; else the first free or evictable.
+fn choose_slot(
+    host: &mut impl Host,
+    config: &Policy,
+    table: TenantTable,
+    tenant: &str,
+    evictable: &impl Fn(&[u8]) -> bool,
+) -> u32 {
+    let slots = TenantTable::slots(config, tenant);
+    let mut first_usable = None;
+    for slot in slots {
+        let stored = shared_read(host, &table.slot_key(config, slot));
+        match entry(stored.as_deref(), tenant) {
+            Entry::Own(_) => return slot,
+            Entry::Vacant => first_usable = first_usable.or(Some(slot)),
+            Entry::Other { payload, .. } if evictable(payload) => first_usable = first_usable.or(Some(slot)),
+            Entry::Other { .. } => {}
+        }
     }
+    first_usable.unwrap_or(slots.first().copied().unwrap_or(0))
 }
 
 /// Read-modify-write of `tenant`'s entry in `table`. `change` gets its payload (`None`:
@@ -106,7 +129,8 @@ pub fn update_own<R>(
     evictable: impl Fn(&[u8]) -> bool,
     mut change: impl FnMut(Option<&[u8]>) -> (Option<Vec<u8>>, R),
 ) -> Option<Result<R, Busy>> {
-    shared_update(host, &table.key(config, tenant), |stored| {
+    let slot = choose_slot(host, config, table, tenant, &evictable);
+    shared_update(host, &table.slot_key(config, slot), |stored| {
         let mine = match entry(stored, tenant) {
             Entry::Own(payload) => Some(payload),
             Entry::Vacant => None,

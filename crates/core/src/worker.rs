@@ -340,7 +340,8 @@ impl Worker {
     }
 
     pub(crate) fn note_leased(&mut self, config: &Policy, tenant: &str) {
-        self.leased.insert(TenantTable::slot(config, tenant));
+        // Either slot may hold it; an empty slot is dropped from the set at the next expiry.
+        self.leased.extend(TenantTable::slots(config, tenant));
     }
 
     // ---- the root's background work ----
