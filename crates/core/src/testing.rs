@@ -97,8 +97,6 @@ pub struct FakeHost {
     pub gauges: BTreeMap<String, u64>,
     pub logs: Vec<(LogLevel, String)>,
     warned: BTreeSet<&'static str>,
-    /// Make every dispatch fail (the host refuses the callout).
-    pub refuse_dispatch: bool,
     /// The request's response has begun (response callbacks, `on_log`).
     pub in_response_phases: bool,
     /// A callout's answer is being delivered, for a callout that carried a body.
@@ -121,7 +119,6 @@ impl FakeHost {
             gauges: BTreeMap::new(),
             logs: Vec::new(),
             warned: BTreeSet::new(),
-            refuse_dispatch: false,
             in_response_phases: false,
             answering_a_callout_with_a_body: false,
         }
@@ -227,9 +224,6 @@ impl Host for FakeHost {
         timeout: Duration,
         owner: Owner,
     ) -> Result<u32, String> {
-        if self.refuse_dispatch {
-            return Err("refused".into());
-        }
         // ngx_wasm_module traps (and resets the VM) on a callout from a response phase.
         assert!(
             !(self.in_response_phases && self.kind() == HostKind::Nginx),
@@ -586,13 +580,5 @@ impl Proxy {
         self.root.callout_answer = Some((status, body));
         self.worker.on_callout_response(&mut self.root, token, size);
         self.root.callout_answer = None;
-    }
-
-    /// Root callouts dispatched by requests (slot releases) go out through the request's
-    /// host; this answers them too.
-    pub fn answer_root_callouts_of(&mut self, request: &InFlight, companion: &mut FakeCompanion) {
-        for callout in request.host.callouts.iter().filter(|c| c.owner == Owner::Root) {
-            companion.answer(callout, self.now());
-        }
     }
 }

@@ -79,6 +79,9 @@ const LONG_RUN: usize = 512;
 /// boundaries; none for ordinary text.
 fn long_run_cuts(text: &str) -> Vec<usize> {
     let mut cuts = Vec::new();
+    if text.len() <= LONG_RUN {
+        return cuts; // no run can be longer than the text
+    }
     let mut run_start = None;
     for (at, c) in text.char_indices() {
         if c.is_whitespace() {
