@@ -3,6 +3,7 @@ no callout, workers never double-spend it, and what is unused goes back to Redis
 
 import concurrent.futures
 import re
+import time
 
 import pytest
 import redis
@@ -35,6 +36,7 @@ def env(backend):
 
 
 def metric(admin, name):
+    time.sleep(0.2)  # counters reach Envoy on the filter's next tick (every 50 ms)
     text = http_get(f"http://127.0.0.1:{admin}/stats?filter=llm_ratelimit")[1].decode()
     match = re.search(rf"wasmcustom\.llm_ratelimit\.{name}: (\d+)", text)
     return int(match.group(1)) if match else 0

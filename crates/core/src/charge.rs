@@ -3,6 +3,7 @@
 
 use crate::config::Price;
 use crate::config::{model_rule, Dimension, Policy};
+use crate::prompt_cache::PromptCache;
 use crate::protocol::{LimitCharge, LimitsReply};
 use crate::request::{Api, LlmRequest};
 use crate::reservation::{estimate_output, OutputAverage, TokenEstimate};
@@ -18,8 +19,10 @@ pub struct ChargePlan {
     pub encoding: Encoding,
     /// The model, for the running average of completion lengths.
     pub model: String,
-    /// The parsed request, when its body may be rewritten once the decision is known.
+    /// The parsed request.
     pub request: Option<LlmRequest>,
+    /// The client's body, kept when it may be rewritten once the decision is known.
+    pub rewritable_body: Option<Vec<u8>>,
     /// Whether the output cap follows what the charge granted (`tokens.clamp_max_tokens`).
     pub clamped: bool,
     /// The model's price, when a cost limit applies and the price table has it.
@@ -45,7 +48,7 @@ impl ChargePlan {
             }
             _ => None,
         };
-        self.request.as_ref()?.rewritten(config.tokens.request_stream_usage, granted)
+        self.request.as_ref()?.rewritten(self.rewritable_body.as_deref()?, config.tokens.request_stream_usage, granted)
     }
 
     /// Buckets charged by the token estimate, for settling.
@@ -76,20 +79,24 @@ pub fn plan(
     path: &str,
     tier: &str,
     body: Option<&[u8]>,
+    prompt_cache: &mut PromptCache,
     mut average: impl FnMut(&str) -> Option<OutputAverage>,
 ) -> ChargePlan {
     let policy = &config.tokens;
-    let request = body.and_then(|body| Api::from_path(path).and_then(|api| LlmRequest::parse(api, body).ok()));
+    let parsed = body.and_then(|body| Api::from_path(path).and_then(|api| LlmRequest::parse(api, body).ok()));
+    let request = parsed.as_ref().map(|parsed| parsed.request.clone());
     let model = request.as_ref().and_then(|r| r.model.clone()).unwrap_or_default();
     let rule = model_rule(policy, request.as_ref().and_then(|r| r.model.as_deref()));
     let clamped = policy.clamp_max_tokens && request.as_ref().is_some_and(|r| r.api.produces_output());
     let price = config.price_of(&model);
     let mut min_output = None;
-    let estimate = match (&request, body) {
+    let estimate = match (&parsed, body) {
         (_, None) => None,
         _ if !config.counts_tokens() => None,
-        (Some(request), Some(_)) => {
-            let prompt = (request.prompt_tokens(rule.encoding) as f64 * rule.factor).ceil() as u64;
+        (Some(parsed), Some(_)) => {
+            let request = &parsed.request;
+            let counted = parsed.prompt_tokens_with(&mut |text| prompt_cache.count(rule.encoding, text));
+            let prompt = (counted as f64 * rule.factor).ceil() as u64;
             let cap = request.max_output.or(rule.max_output).unwrap_or(policy.default_max_output);
             let output = if !request.api.produces_output() {
                 0
@@ -131,7 +138,11 @@ pub fn plan(
         .collect();
     let unpriced =
         price.is_none() && config.limits.iter().any(|l| l.dimension() == Dimension::Cost && l.applies_to(&model, tier));
-    ChargePlan { buckets, estimate, encoding: rule.encoding, model, request, clamped, price, unpriced }
+    // Only a body that may change is kept past the decision (see `apply_grant`).
+    let rewritable =
+        request.as_ref().is_some_and(|r| clamped || (policy.request_stream_usage && r.wants_usage_added()));
+    let rewritable_body = body.filter(|_| rewritable).map(<[u8]>::to_vec);
+    ChargePlan { buckets, estimate, encoding: rule.encoding, model, request, rewritable_body, clamped, price, unpriced }
 }
 
 #[cfg(test)]
@@ -156,7 +167,7 @@ mod tests {
     #[cfg_attr(target_arch = "wasm32", wasm_bindgen_test::wasm_bindgen_test)]
     fn charges_one_request_and_the_token_estimate() {
         let config = config("{}");
-        let plan = plan(&config, "/v1/chat/completions", "", Some(CHAT.as_bytes()), |_| None);
+        let plan = plan(&config, "/v1/chat/completions", "", Some(CHAT.as_bytes()), &mut PromptCache::new(0), |_| None);
         assert_eq!(plan.estimate, Some(TokenEstimate { prompt: 9, output: 300 }));
         let costs: Vec<u64> = plan.buckets.iter().map(|b| b.cost).collect();
         assert_eq!(costs, [1, 309]);
@@ -168,9 +179,10 @@ mod tests {
     #[test]
     fn the_running_average_shortens_the_estimate() {
         let config = config("{}");
-        let plan = plan(&config, "/v1/chat/completions", "", Some(CHAT.as_bytes()), |model| {
-            (model == "gpt-4o").then(|| OutputAverage::first(40))
-        });
+        let plan =
+            plan(&config, "/v1/chat/completions", "", Some(CHAT.as_bytes()), &mut PromptCache::new(0), |model| {
+                (model == "gpt-4o").then(|| OutputAverage::first(40))
+            });
         assert_eq!(plan.estimate, Some(TokenEstimate { prompt: 9, output: 60 }));
     }
 
@@ -183,7 +195,8 @@ mod tests {
         assert!(config.reads_body() && !config.counts_tokens());
         let costs = |model: &str| {
             let body = format!(r#"{{"model":"{model}","messages":[]}}"#);
-            let plan = plan(&config, "/v1/chat/completions", "", Some(body.as_bytes()), |_| None);
+            let plan =
+                plan(&config, "/v1/chat/completions", "", Some(body.as_bytes()), &mut PromptCache::new(0), |_| None);
             assert_eq!(plan.estimate, None, "no token limit: nothing to estimate");
             plan.buckets.iter().map(|b| b.cost).collect::<Vec<_>>()
         };
@@ -197,11 +210,14 @@ mod tests {
         let json = r#"{"companion": {"upstream": "c", "token": "t"}, "limits": [{"name": "day", "usd": 5, "window": "1d"}],
                        "prices": [{"match": "gpt-4o*", "input": 2.5, "output": 10}]}"#;
         let config = Policy::from_json(json.as_bytes()).expect("config");
-        let plan = plan(&config, "/v1/chat/completions", "", Some(CHAT.as_bytes()), |_| None);
+        let plan = plan(&config, "/v1/chat/completions", "", Some(CHAT.as_bytes()), &mut PromptCache::new(0), |_| None);
         // 9 prompt tokens at $2.50/M and 300 output at $10/M: 3,022.5 micro-dollars, rounded up.
         assert_eq!((plan.buckets[0].cost, plan.unpriced), (3_023, false));
         let other = r#"{"model":"mystery-1","messages":[]}"#;
-        let plan = super::plan(&config, "/v1/chat/completions", "", Some(other.as_bytes()), |_| None);
+        let plan =
+            super::plan(&config, "/v1/chat/completions", "", Some(other.as_bytes()), &mut PromptCache::new(0), |_| {
+                None
+            });
         assert!(plan.unpriced);
     }
 
@@ -211,7 +227,7 @@ mod tests {
             r#"{"models": [{"match": "claude-*", "encoding": "cl100k_base", "factor": 2.0, "max_output": 64}]}"#,
         );
         let body = r#"{"model":"claude-sonnet-4-5","messages":[{"role":"user","content":"hello world"}]}"#;
-        let plan = plan(&config, "/v1/messages", "", Some(body.as_bytes()), |_| None);
+        let plan = plan(&config, "/v1/messages", "", Some(body.as_bytes()), &mut PromptCache::new(0), |_| None);
         assert_eq!(plan.estimate, Some(TokenEstimate { prompt: 18, output: 64 }));
         assert_eq!(plan.encoding, Encoding::Cl100kBase);
     }
@@ -220,7 +236,7 @@ mod tests {
     fn unknown_paths_and_bad_bodies_cost_the_configured_fallback() {
         let config = config(r#"{"unparsed_request_cost": 250}"#);
         for (path, body) in [("/v1/models", ""), ("/v1/chat/completions", "{not json"), ("/v1/chat/completions", "")] {
-            let plan = plan(&config, path, "", Some(body.as_bytes()), |_| None);
+            let plan = plan(&config, path, "", Some(body.as_bytes()), &mut PromptCache::new(0), |_| None);
             assert_eq!(plan.estimate, Some(TokenEstimate { prompt: 250, output: 0 }), "{path} {body}");
         }
     }
@@ -229,10 +245,10 @@ mod tests {
     fn embeddings_reserve_no_output_and_request_limits_alone_read_nothing() {
         let config = config("{}");
         let body = r#"{"model":"text-embedding-3-small","input":"hello world"}"#;
-        let plan = plan(&config, "/v1/embeddings", "", Some(body.as_bytes()), |_| None);
+        let plan = plan(&config, "/v1/embeddings", "", Some(body.as_bytes()), &mut PromptCache::new(0), |_| None);
         assert_eq!(plan.estimate, Some(TokenEstimate { prompt: 2, output: 0 }));
         assert_eq!(plan.encoding, Encoding::Cl100kBase);
-        let plan = super::plan(&config, "/v1/chat/completions", "", None, |_| None);
+        let plan = super::plan(&config, "/v1/chat/completions", "", None, &mut PromptCache::new(0), |_| None);
         assert_eq!((plan.estimate, plan.buckets[1].cost), (None, 0));
     }
 
@@ -240,7 +256,8 @@ mod tests {
     fn asks_for_stream_usage_when_configured() {
         let config = config(r#"{"request_stream_usage": true}"#);
         let body = r#"{"model":"gpt-4o","stream":true,"messages":[]}"#;
-        let mut plan = plan(&config, "/v1/chat/completions", "", Some(body.as_bytes()), |_| None);
+        let mut plan =
+            plan(&config, "/v1/chat/completions", "", Some(body.as_bytes()), &mut PromptCache::new(0), |_| None);
         let rewritten = json(plan.apply_grant(&config, Some(999)));
         assert_eq!(rewritten["stream_options"]["include_usage"], true);
         assert!(rewritten.get("max_completion_tokens").is_none(), "not clamping: {rewritten}");
@@ -251,7 +268,9 @@ mod tests {
     fn clamping_reserves_the_upper_bound_elastically_and_caps_the_grant() {
         let config = config(r#"{"clamp_max_tokens": true, "min_output_tokens": 50}"#);
         let mut plan =
-            plan(&config, "/v1/chat/completions", "", Some(CHAT.as_bytes()), |_| Some(OutputAverage::first(10)));
+            plan(&config, "/v1/chat/completions", "", Some(CHAT.as_bytes()), &mut PromptCache::new(0), |_| {
+                Some(OutputAverage::first(10))
+            });
         // The average is ignored: the reservation is the true upper bound.
         assert_eq!(plan.estimate, Some(TokenEstimate { prompt: 9, output: 300 }));
         let tpm = &plan.buckets[1];
@@ -261,7 +280,8 @@ mod tests {
         assert_eq!(json(plan.apply_grant(&config, Some(129)))["max_tokens"], 120);
         assert_eq!(plan.estimate, Some(TokenEstimate { prompt: 9, output: 120 }));
         // Granted in full: the body stays as it was.
-        let mut plan = super::plan(&config, "/v1/chat/completions", "", Some(CHAT.as_bytes()), |_| None);
+        let mut plan =
+            super::plan(&config, "/v1/chat/completions", "", Some(CHAT.as_bytes()), &mut PromptCache::new(0), |_| None);
         assert_eq!(plan.apply_grant(&config, Some(309)), None);
     }
 }

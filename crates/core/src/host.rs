@@ -236,6 +236,29 @@ fn own_value<'a>(key: &str, stored: Option<&'a [u8]>) -> Option<&'a [u8]> {
     (tag == fingerprint(key)).then_some(value)
 }
 
+/// One read of a shared key: its value (if it is this key's) and the CAS a write based
+/// on it must match.
+pub struct SharedRead {
+    key: String,
+    stored: Option<Vec<u8>>,
+    cas: Option<u32>,
+}
+
+impl SharedRead {
+    pub fn key(&self) -> &str {
+        &self.key
+    }
+
+    pub fn value(&self) -> Option<&[u8]> {
+        own_value(&self.key, self.stored.as_deref())
+    }
+}
+
+pub fn shared_get_read(host: &mut impl Host, key: String) -> SharedRead {
+    let (stored, cas) = host.shared_get(&key);
+    SharedRead { key, stored, cas }
+}
+
 /// Read-modify-write of one shared value under compare-and-swap, retried when another
 /// worker wrote in between. `change` gets the current value and returns the new one (or
 /// `None` to write nothing) and a result. `None` when the write was refused or the key
@@ -245,16 +268,29 @@ fn own_value<'a>(key: &str, stored: Option<&'a [u8]>) -> Option<&'a [u8]> {
 pub fn shared_update<R>(
     host: &mut impl Host,
     key: &str,
+    change: impl FnMut(Option<&[u8]>) -> (Option<Vec<u8>>, R),
+) -> Option<R> {
+    let read = shared_get_read(host, key.to_string());
+    shared_update_from(host, read, change)
+}
+
+/// `shared_update` starting from a read the caller already made (each read is a host call
+/// that copies the value into the VM: the hot path makes as few as it can).
+pub fn shared_update_from<R>(
+    host: &mut impl Host,
+    mut read: SharedRead,
     mut change: impl FnMut(Option<&[u8]>) -> (Option<Vec<u8>>, R),
 ) -> Option<R> {
-    for _ in 0..MAX_CAS_ATTEMPTS {
-        let (stored, cas) = host.shared_get(key);
-        let (next, result) = change(own_value(key, stored.as_deref()));
+    for attempt in 0..MAX_CAS_ATTEMPTS {
+        if attempt > 0 {
+            (read.stored, read.cas) = host.shared_get(&read.key);
+        }
+        let (next, result) = change(read.value());
         let Some(next) = next else { return Some(result) };
         let mut tagged = Vec::with_capacity(FINGERPRINT_BYTES + next.len());
-        tagged.extend_from_slice(&fingerprint(key));
+        tagged.extend_from_slice(&fingerprint(&read.key));
         tagged.extend_from_slice(&next);
-        match host.shared_set(key, &tagged, cas) {
+        match host.shared_set(&read.key, &tagged, read.cas) {
             Ok(()) => return Some(result),
             Err(SharedWriteError::CasMismatch) => continue,
             Err(SharedWriteError::Refused(why)) => {

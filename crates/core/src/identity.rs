@@ -54,7 +54,11 @@ fn strip_prefix_ignore_case<'a>(value: &'a str, prefix: &str) -> Option<&'a str>
 pub fn tenant_id(credential: &str) -> String {
     let digest =
         Sha256::new().chain_update(b"llm-ratelimit/tenant/v1\0").chain_update(credential.as_bytes()).finalize();
-    digest.iter().take(16).map(|b| format!("{b:02x}")).collect()
+    let mut id = String::with_capacity(32);
+    for nibble in digest.iter().take(16).flat_map(|b| [b >> 4, b & 0xf]) {
+        id.push(char::from_digit(u32::from(nibble), 16).unwrap_or('0'));
+    }
+    id
 }
 
 /// Whether `value` is a tenant id as `tenant_id` makes them (32 lower-case hex digits) or

@@ -243,6 +243,12 @@ impl TenantLeases {
         }
     }
 
+    /// When the first live lease expires (`None`: none is live): until then an expiry
+    /// sweep has nothing to give back here.
+    pub fn next_expiry_ms(&self, now_ms: u64) -> Option<u64> {
+        self.0.iter().filter(|lease| lease.is_live(now_ms)).map(|lease| lease.expires_ms).min()
+    }
+
     /// Expired leases give their remainder (positive or negative) back; returns it per
     /// limit, and leaves those leases empty.
     pub fn expire(&mut self, now_ms: u64) -> Vec<f64> {

@@ -13,6 +13,7 @@ pub mod identity;
 mod json;
 pub mod lease;
 pub mod lifecycle;
+pub mod prompt_cache;
 pub mod request;
 pub mod reservation;
 pub mod settle_queue;

@@ -29,8 +29,6 @@ use std::time::Duration;
 
 /// Largest SSE event read for usage; larger ones are skipped.
 const MAX_SSE_EVENT: usize = 1 << 20;
-/// A JSON reply up to this size is parsed whole; past it only its tail is kept.
-const REPLY_WINDOW: usize = 256 * 1024;
 /// How long after its longest wait an abandoned request's cancellation may still arrive.
 const CANCEL_WINDOW_MS: u64 = 10_000;
 /// In the degraded mode a concurrency limit is a bucket that does not refill (a slot comes
@@ -265,7 +263,7 @@ impl RequestFilter {
                 ReplyReader::Stream(StreamUsage::new(encoding, MAX_SSE_EVENT))
             } else {
                 self.usage_remover = None;
-                ReplyReader::Json(ReplyUsage::new(REPLY_WINDOW))
+                ReplyReader::Json(ReplyUsage::new())
             });
         }
         Action::Continue
@@ -350,7 +348,7 @@ impl RequestFilter {
         let tier_value = config.tier.as_ref().and_then(|t| host.request_header(&t.header));
         self.tier = config.tier_of(&self.tenant, tier_value.as_deref()).to_string();
         let tenant = &self.tenant;
-        let plan = plan(config, &path, &self.tier, body, |model| {
+        let plan = plan(config, &path, &self.tier, body, &mut worker.prompt_cache, |model| {
             read_average(host, config, tenant, model).and_then(|b| OutputAverage::from_bytes(&b))
         });
         self.body_len = body.map_or(0, <[u8]>::len);
@@ -501,7 +499,7 @@ impl RequestFilter {
                     worker.want_renewal(&self.tenant);
                 }
                 host.add_metric(Metric::LeaseAdmissions, 1);
-                FromLease::Decided(self.admitted_from_lease(host, worker, config, &leases))
+                FromLease::Decided(self.admitted_from_lease(host, worker, config, &leases, now))
             }
             Some(Ok(LeaseStep::Refused(refusal))) => {
                 host.add_metric(Metric::Limited, 1);
@@ -519,9 +517,10 @@ impl RequestFilter {
         worker: &mut Worker,
         config: &Policy,
         leases: &TenantLeases,
+        now: u64,
     ) -> Verdict {
         host.add_metric(Metric::Allowed, 1);
-        worker.note_leased(config, &self.tenant);
+        worker.note_leased(config, &self.tenant, leases, now);
         self.admission = Some(Admission::Leased);
         let buckets = self.plan.as_ref().map(|p| p.buckets.clone()).unwrap_or_default();
         Verdict::Forward(self.admitted_headers(host, config, &leases.as_reply(&buckets)))
@@ -588,7 +587,7 @@ impl RequestFilter {
             Ask::Lease => {
                 let costs = self.costs();
                 match worker.merge_grant(host, config, &self.tenant, &reply, Some(&costs), now) {
-                    Some(Ok(leases)) => self.admitted_from_lease(host, worker, config, &leases),
+                    Some(Ok(leases)) => self.admitted_from_lease(host, worker, config, &leases, now),
                     _ => {
                         // The grant cannot be kept as a lease (another tenant's lease holds
                         // the slot): what it granted beyond this request goes back, and the

@@ -1,6 +1,6 @@
 //! What a request body asks for: which API, which model, whether it streams, the output
-//! cap, and how many prompt tokens it carries. Bodies are parsed as JSON once and walked;
-//! nothing here panics on any input.
+//! cap, and how many prompt tokens it carries. Bodies are parsed once into a tree that
+//! borrows from the body (`json::Json`) and walked; nothing here panics on any input.
 //!
 //! Chat messages are counted as OpenAI bills them (the cookbook's `num_tokens_from_messages`:
 //! 3 tokens per message, 1 per `name`, 3 to prime the reply). Tool definitions, images and
@@ -8,7 +8,7 @@
 //! counted as text, an image as a fixed cost) and settled against the provider's own usage
 //! afterwards.
 
-use crate::json::Field;
+use crate::json::Json;
 use crate::tokens::Encoding;
 use serde_json::Value;
 
@@ -66,7 +66,15 @@ pub struct LlmRequest {
     pub include_usage: bool,
     /// `max_completion_tokens`, `max_tokens` or `max_output_tokens`, whichever applies.
     pub max_output: Option<u64>,
-    body: Value,
+    /// The field an output cap is written to (see `rewritten`).
+    cap_field: &'static str,
+}
+
+/// A request body parsed: what it asks for, and the tree its prompt is counted from.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ParsedBody<'a> {
+    pub request: LlmRequest,
+    tree: Json<'a>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -84,13 +92,13 @@ impl std::fmt::Display for BodyError {
     }
 }
 
-fn as_count(value: &Value) -> Option<u64> {
+fn as_count(value: &Json) -> Option<u64> {
     value.as_u64().or_else(|| value.as_f64().filter(|f| *f >= 0.0).map(|f| f as u64))
 }
 
 impl LlmRequest {
-    pub fn parse(api: Api, body: &[u8]) -> Result<LlmRequest, BodyError> {
-        let body: Value = serde_json::from_slice(body).map_err(|e| BodyError::NotJson(e.to_string()))?;
+    pub fn parse(api: Api, body: &[u8]) -> Result<ParsedBody<'_>, BodyError> {
+        let body = Json::parse(body).map_err(|e| BodyError::NotJson(e.to_string()))?;
         if !body.is_object() {
             return Err(BodyError::NotAnObject);
         }
@@ -102,49 +110,69 @@ impl LlmRequest {
             Api::Responses => as_count(body.at("max_output_tokens")),
             Api::Embeddings => Some(0),
         };
-        Ok(LlmRequest {
+        // The field the client used, else the one the API documents
+        // (`max_completion_tokens` for chat, which reasoning models require).
+        let cap_field = match api {
+            Api::ChatCompletions if body.get("max_tokens").is_some() && body.get("max_completion_tokens").is_none() => {
+                "max_tokens"
+            }
+            Api::ChatCompletions => "max_completion_tokens",
+            Api::Responses => "max_output_tokens",
+            Api::Completions | Api::Messages | Api::Embeddings => "max_tokens",
+        };
+        let request = LlmRequest {
             api,
             model: body.at("model").as_str().map(str::to_string),
             stream: body.at("stream").as_bool().unwrap_or(false),
             include_usage: body.at("stream_options").at("include_usage").as_bool().unwrap_or(false),
             max_output,
-            body,
-        })
+            cap_field,
+        };
+        Ok(ParsedBody { request, tree: body })
     }
+}
 
+impl ParsedBody<'_> {
     /// Prompt tokens under `encoding`, before any correction factor.
     pub fn prompt_tokens(&self, encoding: Encoding) -> u64 {
-        let count = |text: &str| encoding.count(text);
-        let body = &self.body;
-        match self.api {
-            Api::ChatCompletions => chat_messages(body.at("messages"), &count) + tools(body.at("tools"), &count),
-            Api::Messages => {
-                content(body.at("system"), &count)
-                    + chat_messages(body.at("messages"), &count)
-                    + tools(body.at("tools"), &count)
-            }
-            Api::Responses => {
-                content(body.at("instructions"), &count)
-                    + content(body.at("input"), &count)
-                    + tools(body.at("tools"), &count)
-            }
-            Api::Completions => inputs(body.at("prompt"), &count),
-            Api::Embeddings => inputs(body.at("input"), &count),
-        }
+        self.prompt_tokens_with(&mut |text| encoding.count(text))
     }
 
-    /// The body to send upstream instead of the client's: with `stream_options.include_usage`
-    /// set (OpenAI chat streams only) and/or the output cap set to `max_output` (in the
-    /// field this API uses). `None` if nothing changes.
-    pub fn rewritten(&self, request_usage: bool, max_output: Option<u64>) -> Option<Vec<u8>> {
+    /// Prompt tokens, each text counted by `count`.
+    pub fn prompt_tokens_with(&self, count: &mut impl FnMut(&str) -> u64) -> u64 {
+        let body = &self.tree;
+        match self.request.api {
+            Api::ChatCompletions => chat_messages(body.at("messages"), count) + tools(body.at("tools"), count),
+            Api::Messages => {
+                content(body.at("system"), count)
+                    + chat_messages(body.at("messages"), count)
+                    + tools(body.at("tools"), count)
+            }
+            Api::Responses => {
+                content(body.at("instructions"), count)
+                    + content(body.at("input"), count)
+                    + tools(body.at("tools"), count)
+            }
+            Api::Completions => inputs(body.at("prompt"), count),
+            Api::Embeddings => inputs(body.at("input"), count),
+        }
+    }
+}
+
+impl LlmRequest {
+    /// `body` (this request's) as it goes upstream instead of the client's: with
+    /// `stream_options.include_usage` set (OpenAI chat streams only) and/or the output cap
+    /// set to `max_output` (in the field this API uses). `None` if nothing changes.
+    pub fn rewritten(&self, body: &[u8], request_usage: bool, max_output: Option<u64>) -> Option<Vec<u8>> {
         let add_usage = request_usage && self.wants_usage_added();
         let cap_field = max_output
             .filter(|&cap| self.max_output.is_none_or(|current| cap < current))
-            .map(|cap| (self.cap_field(), cap));
+            .map(|cap| (self.cap_field, cap));
         if !add_usage && cap_field.is_none() {
             return None;
         }
-        let mut body = self.body.clone();
+        // Rare enough (clamping, or usage asked of a stream) to parse a whole Value for.
+        let mut body: Value = serde_json::from_slice(body).ok()?;
         let object = body.as_object_mut()?;
         if add_usage {
             let options = object.entry("stream_options").or_insert_with(|| Value::Object(Default::default()));
@@ -163,25 +191,10 @@ impl LlmRequest {
     pub fn wants_usage_added(&self) -> bool {
         self.api == Api::ChatCompletions && self.stream && !self.include_usage
     }
-
-    /// Where this request's output cap goes: the field the client used, else the one the
-    /// API documents (`max_completion_tokens` for chat, which reasoning models require).
-    fn cap_field(&self) -> &'static str {
-        match self.api {
-            Api::ChatCompletions
-                if self.body.get("max_tokens").is_some() && self.body.get("max_completion_tokens").is_none() =>
-            {
-                "max_tokens"
-            }
-            Api::ChatCompletions => "max_completion_tokens",
-            Api::Responses => "max_output_tokens",
-            Api::Completions | Api::Messages | Api::Embeddings => "max_tokens",
-        }
-    }
 }
 
 /// OpenAI's message formula, also used for Anthropic's messages.
-fn chat_messages(messages: &Value, count: &impl Fn(&str) -> u64) -> u64 {
+fn chat_messages(messages: &Json, count: &mut impl FnMut(&str) -> u64) -> u64 {
     let Some(messages) = messages.as_array() else {
         return 0;
     };
@@ -192,9 +205,9 @@ fn chat_messages(messages: &Value, count: &impl Fn(&str) -> u64) -> u64 {
             continue;
         };
         for (key, value) in fields {
-            total += match key.as_str() {
-                "role" => value.as_str().map_or(0, count),
-                "name" => value.as_str().map_or(0, count) + TOKENS_PER_NAME,
+            total += match key.as_ref() {
+                "role" => value.as_str().map_or(0, &mut *count),
+                "name" => value.as_str().map_or(0, &mut *count) + TOKENS_PER_NAME,
                 "content" => content(value, count),
                 "tool_calls" => {
                     value.as_array().map_or(0, |calls| calls.iter().map(|c| text_leaves(c.at("function"), count)).sum())
@@ -210,21 +223,21 @@ fn chat_messages(messages: &Value, count: &impl Fn(&str) -> u64) -> u64 {
 
 /// Content as a string, or a list of parts (text, image, tool use and result, input
 /// items). Text is counted; images cost `IMAGE_TOKENS`; structured inputs count as text.
-fn content(value: &Value, count: &impl Fn(&str) -> u64) -> u64 {
+fn content(value: &Json, count: &mut impl FnMut(&str) -> u64) -> u64 {
     match value {
-        Value::String(text) => count(text),
-        Value::Array(parts) => parts.iter().map(|part| content_part(part, count)).sum(),
-        Value::Object(_) => content_part(value, count),
+        Json::String(text) => count(text),
+        Json::Array(parts) => parts.iter().map(|part| content_part(part, count)).sum(),
+        Json::Object(_) => content_part(value, count),
         _ => 0,
     }
 }
 
-fn content_part(part: &Value, count: &impl Fn(&str) -> u64) -> u64 {
+fn content_part(part: &Json, count: &mut impl FnMut(&str) -> u64) -> u64 {
     match part.at("type").as_str().unwrap_or("") {
         "image_url" | "input_image" | "image" => IMAGE_TOKENS,
         // Responses API message items: {role, content}; count like a chat message.
         _ if part.get("role").is_some() && part.get("content").is_some() => {
-            TOKENS_PER_MESSAGE + part.at("role").as_str().map_or(0, count) + content(part.at("content"), count)
+            TOKENS_PER_MESSAGE + part.at("role").as_str().map_or(0, &mut *count) + content(part.at("content"), count)
         }
         _ => text_leaves(part, count),
     }
@@ -232,40 +245,40 @@ fn content_part(part: &Value, count: &impl Fn(&str) -> u64) -> u64 {
 
 /// Every string in a JSON value except identifiers and data blobs, plus the key names of
 /// objects that carry free-form JSON (tool arguments, schemas).
-fn text_leaves(value: &Value, count: &impl Fn(&str) -> u64) -> u64 {
+fn text_leaves(value: &Json, count: &mut impl FnMut(&str) -> u64) -> u64 {
     const SKIPPED: [&str; 9] =
         ["type", "id", "call_id", "tool_use_id", "tool_call_id", "cache_control", "source", "detail", "status"];
     match value {
-        Value::String(text) => count(text),
-        Value::Array(items) => items.iter().map(|v| text_leaves(v, count)).sum(),
-        Value::Object(map) => map
+        Json::String(text) => count(text),
+        Json::Array(items) => items.iter().map(|v| text_leaves(v, count)).sum(),
+        Json::Object(fields) => fields
             .iter()
-            .filter(|(key, _)| !SKIPPED.contains(&key.as_str()))
+            .filter(|(key, _)| !SKIPPED.contains(&key.as_ref()))
             .map(|(key, v)| match v {
-                Value::Object(_) | Value::Array(_)
+                Json::Object(_) | Json::Array(_)
                     if key == "input" || key == "parameters" || key == "input_schema" || key == "properties" =>
                 {
                     // Schemas and tool inputs reach the model as JSON text.
-                    count(&v.to_string())
+                    count(&v.to_json_string())
                 }
                 _ => text_leaves(v, count),
             })
             .sum(),
-        Value::Number(n) => count(&n.to_string()),
+        Json::Number(n) => count(&n.to_string()),
         _ => 0,
     }
 }
 
-fn tools(value: &Value, count: &impl Fn(&str) -> u64) -> u64 {
+fn tools(value: &Json, count: &mut impl FnMut(&str) -> u64) -> u64 {
     value.as_array().map_or(0, |tools| tools.iter().map(|t| text_leaves(t, count)).sum())
 }
 
 /// A prompt or embedding input: a string, strings, token ids, or lists of token ids.
-fn inputs(value: &Value, count: &impl Fn(&str) -> u64) -> u64 {
+fn inputs(value: &Json, count: &mut impl FnMut(&str) -> u64) -> u64 {
     match value {
-        Value::String(text) => count(text),
-        Value::Number(_) => 1,
-        Value::Array(items) => items.iter().map(|item| inputs(item, count)).sum(),
+        Json::String(text) => count(text),
+        Json::Number(_) => 1,
+        Json::Array(items) => items.iter().map(|item| inputs(item, count)).sum(),
         _ => 0,
     }
 }
@@ -276,8 +289,12 @@ mod tests {
 
     const O200K: Encoding = Encoding::O200kBase;
 
-    fn parse(api: Api, body: &str) -> LlmRequest {
+    fn parse(api: Api, body: &str) -> ParsedBody<'_> {
         LlmRequest::parse(api, body.as_bytes()).expect(body)
+    }
+
+    fn request(api: Api, body: &str) -> LlmRequest {
+        parse(api, body).request
     }
 
     #[test]
@@ -319,7 +336,7 @@ mod tests {
 
     #[test]
     fn reads_model_stream_and_output_caps() {
-        let chat = parse(
+        let chat = request(
             Api::ChatCompletions,
             r#"{"model":"gpt-4o","stream":true,"stream_options":{"include_usage":true},"max_tokens":50,"max_completion_tokens":70,"messages":[]}"#,
         );
@@ -327,13 +344,13 @@ mod tests {
             (chat.model.as_deref(), chat.stream, chat.include_usage, chat.max_output),
             (Some("gpt-4o"), true, true, Some(70))
         );
-        let responses = parse(Api::Responses, r#"{"model":"o3","input":"hi","max_output_tokens":900}"#);
+        let responses = request(Api::Responses, r#"{"model":"o3","input":"hi","max_output_tokens":900}"#);
         assert_eq!(responses.max_output, Some(900));
-        let messages = parse(Api::Messages, r#"{"model":"claude","max_tokens":1024,"messages":[]}"#);
+        let messages = request(Api::Messages, r#"{"model":"claude","max_tokens":1024,"messages":[]}"#);
         assert_eq!(messages.max_output, Some(1024));
-        let embeddings = parse(Api::Embeddings, r#"{"model":"text-embedding-3-small","input":["a","b"]}"#);
+        let embeddings = request(Api::Embeddings, r#"{"model":"text-embedding-3-small","input":["a","b"]}"#);
         assert_eq!(embeddings.max_output, Some(0));
-        let unset = parse(Api::ChatCompletions, r#"{"messages":[],"max_tokens":"lots"}"#);
+        let unset = request(Api::ChatCompletions, r#"{"messages":[],"max_tokens":"lots"}"#);
         assert_eq!((unset.model, unset.stream, unset.max_output), (None, false, None));
     }
 
@@ -388,25 +405,27 @@ mod tests {
         // Wrong types inside are ignored, not fatal.
         let odd = parse(Api::ChatCompletions, r#"{"messages":{"role":"user"},"tools":"none","stream":"yes"}"#);
         assert_eq!(odd.prompt_tokens(O200K), 0);
-        assert!(!odd.stream);
+        assert!(!odd.request.stream);
     }
 
     #[test]
     fn requests_usage_in_streamed_chat_only_when_missing() {
-        let streamed = parse(Api::ChatCompletions, r#"{"model":"m","stream":true,"messages":[]}"#);
-        let body: Value = serde_json::from_slice(&streamed.rewritten(true, None).expect("rewritten")).expect("json");
+        let rewritten = |api, body: &str, usage| request(api, body).rewritten(body.as_bytes(), usage, None);
+        let streamed = r#"{"model":"m","stream":true,"messages":[]}"#;
+        let body: Value =
+            serde_json::from_slice(&rewritten(Api::ChatCompletions, streamed, true).expect("rewritten")).expect("json");
         assert_eq!(body["stream_options"]["include_usage"], true);
         assert_eq!(body["model"], "m");
-        assert_eq!(streamed.rewritten(false, None), None);
-        let odd_options = parse(Api::ChatCompletions, r#"{"stream":true,"stream_options":5,"messages":[]}"#);
-        assert!(odd_options.rewritten(true, None).is_some());
+        assert_eq!(rewritten(Api::ChatCompletions, streamed, false), None);
+        let odd_options = r#"{"stream":true,"stream_options":5,"messages":[]}"#;
+        assert!(rewritten(Api::ChatCompletions, odd_options, true).is_some());
         for already_fine in [
             r#"{"stream":true,"stream_options":{"include_usage":true},"messages":[]}"#,
             r#"{"stream":false,"messages":[]}"#,
         ] {
-            assert_eq!(parse(Api::ChatCompletions, already_fine).rewritten(true, None), None);
+            assert_eq!(rewritten(Api::ChatCompletions, already_fine, true), None);
         }
-        assert_eq!(parse(Api::Messages, r#"{"stream":true,"messages":[]}"#).rewritten(true, None), None);
+        assert_eq!(rewritten(Api::Messages, r#"{"stream":true,"messages":[]}"#, true), None);
     }
 
     #[test]
@@ -419,13 +438,13 @@ mod tests {
             (Api::Messages, r#"{"max_tokens":900,"messages":[]}"#, "max_tokens"),
         ];
         for (api, body, field) in cases {
-            let request = parse(api, body);
             let rewritten: Value =
-                serde_json::from_slice(&request.rewritten(false, Some(300)).expect(body)).expect("json");
+                serde_json::from_slice(&request(api, body).rewritten(body.as_bytes(), false, Some(300)).expect(body))
+                    .expect("json");
             assert_eq!(rewritten[field], 300, "{body}");
         }
         // A cap at or above what the client asked for changes nothing.
-        let request = parse(Api::Messages, r#"{"max_tokens":200,"messages":[]}"#);
-        assert_eq!(request.rewritten(false, Some(200)), None);
+        let body = r#"{"max_tokens":200,"messages":[]}"#;
+        assert_eq!(request(Api::Messages, body).rewritten(body.as_bytes(), false, Some(200)), None);
     }
 }

@@ -12,7 +12,7 @@
 //! queued for Redis when it admitted it); a running average at once (an estimate).
 
 use crate::config::Policy;
-use crate::host::{shared_read, shared_update, Host};
+use crate::host::{shared_get_read, shared_read, shared_update, shared_update_from, Host, SharedRead};
 use crate::protocol::keys;
 
 /// Tenant ids are 32 hex digits, or `anonymous`; stored padded to this many bytes.
@@ -95,32 +95,14 @@ pub fn read_own(host: &mut impl Host, config: &Policy, table: TenantTable, tenan
     })
 }
 
-/// The slot for `tenant`'s entry: the one holding it; else the first free or evictable.
-fn choose_slot(
-    host: &mut impl Host,
-    config: &Policy,
-    table: TenantTable,
-    tenant: &str,
-    evictable: &impl Fn(&[u8]) -> bool,
-) -> u32 {
-    let slots = TenantTable::slots(config, tenant);
-    let mut first_usable = None;
-    for slot in slots {
-        let stored = shared_read(host, &table.slot_key(config, slot));
-        match entry(stored.as_deref(), tenant) {
-            Entry::Own(_) => return slot,
-            Entry::Vacant => first_usable = first_usable.or(Some(slot)),
-            Entry::Other { payload, .. } if evictable(payload) => first_usable = first_usable.or(Some(slot)),
-            Entry::Other { .. } => {}
-        }
-    }
-    first_usable.unwrap_or(slots.first().copied().unwrap_or(0))
-}
-
 /// Read-modify-write of `tenant`'s entry in `table`. `change` gets its payload (`None`:
 /// it has none: the slot is free, or holds another tenant's entry that `evictable` lets
 /// go) and returns the payload to write (or `None`) and a result. `Err(Busy)` when
 /// another tenant's entry must stay; `None` when the host refused the write.
+///
+/// The entry goes to the slot holding it, else to the first free or evictable one. The
+/// read that finds the slot is the one the write's CAS is based on: a tenant whose entry
+/// sits at its first slot (the usual case) costs one read and one write.
 pub fn update_own<R>(
     host: &mut impl Host,
     config: &Policy,
@@ -129,8 +111,26 @@ pub fn update_own<R>(
     evictable: impl Fn(&[u8]) -> bool,
     mut change: impl FnMut(Option<&[u8]>) -> (Option<Vec<u8>>, R),
 ) -> Option<Result<R, Busy>> {
-    let slot = choose_slot(host, config, table, tenant, &evictable);
-    shared_update(host, &table.slot_key(config, slot), |stored| {
+    // Some(true): the tenant's own entry; Some(false): free or evictable; None: taken.
+    let usable = |read: &SharedRead| match entry(read.value(), tenant) {
+        Entry::Own(_) => Some(true),
+        Entry::Vacant => Some(false),
+        Entry::Other { payload, .. } => evictable(payload).then_some(false),
+    };
+    let [first, second] = TenantTable::slots(config, tenant);
+    let first = shared_get_read(host, table.slot_key(config, first));
+    let chosen = match usable(&first) {
+        Some(true) => first,
+        in_first => {
+            // The entry may sit at the second slot though the first is free now.
+            let second = shared_get_read(host, table.slot_key(config, second));
+            match (in_first, usable(&second)) {
+                (_, Some(true)) | (None, _) => second,
+                (Some(_), _) => first,
+            }
+        }
+    };
+    shared_update_from(host, chosen, |stored| {
         let mine = match entry(stored, tenant) {
             Entry::Own(payload) => Some(payload),
             Entry::Vacant => None,

@@ -31,6 +31,9 @@ pub struct World {
     shared: HashMap<String, (Vec<u8>, u32)>,
     next_cas: u32,
     next_token: u32,
+    /// Host calls made, by name: each is a crossing into the proxy, which costs far more
+    /// in a real host than here.
+    pub host_calls: BTreeMap<&'static str, u64>,
 }
 
 impl World {
@@ -42,6 +45,7 @@ impl World {
             shared: HashMap::new(),
             next_cas: 1,
             next_token: 1,
+            host_calls: BTreeMap::new(),
         }))
     }
 }
@@ -144,51 +148,65 @@ impl FakeHost {
     pub fn kind(&self) -> HostKind {
         self.world.borrow().kind
     }
+
+    fn count_call(&self, name: &'static str) {
+        *self.world.borrow_mut().host_calls.entry(name).or_default() += 1;
+    }
 }
 
 impl Host for FakeHost {
     fn now_nanos(&mut self) -> u128 {
+        self.count_call("now_nanos");
         u128::from(self.world.borrow().now_ms) * 1_000_000
     }
 
     fn request_header(&mut self, name: &str) -> Option<String> {
+        self.count_call("request_header");
         self.request_headers.iter().find(|(n, _)| n == name).map(|(_, v)| v.clone())
     }
 
     fn set_request_header(&mut self, name: &str, value: &str) -> bool {
+        self.count_call("set_request_header");
         self.request_headers.retain(|(n, _)| n != name);
         self.request_headers.push((name.to_string(), value.to_string()));
         true
     }
 
     fn response_header(&mut self, name: &str) -> Option<String> {
+        self.count_call("response_header");
         self.response_headers.iter().find(|(n, _)| n == name).map(|(_, v)| v.clone())
     }
 
     fn set_response_header(&mut self, name: &str, value: &str) {
+        self.count_call("set_response_header");
         self.response_headers.retain(|(n, _)| n != name);
         self.response_headers.push((name.to_string(), value.to_string()));
     }
 
     fn request_body(&mut self, size: usize) -> Vec<u8> {
+        self.count_call("request_body");
         self.request_body.iter().take(size).copied().collect()
     }
 
     fn replace_request_body(&mut self, _size: usize, body: &[u8]) -> bool {
+        self.count_call("replace_request_body");
         self.request_body = body.to_vec();
         true
     }
 
     fn response_body(&mut self, size: usize) -> Vec<u8> {
+        self.count_call("response_body");
         self.response_chunk.iter().take(size).copied().collect()
     }
 
     fn replace_response_body(&mut self, _size: usize, body: &[u8]) -> bool {
+        self.count_call("replace_response_body");
         self.response_chunk = body.to_vec();
         true
     }
 
     fn shared_get(&mut self, key: &str) -> (Option<Vec<u8>>, Option<u32>) {
+        self.count_call("shared_get");
         let world = self.world.borrow();
         match world.shared.get(world.slot(key)) {
             Some((value, cas)) => (Some(value.clone()), Some(*cas)),
@@ -197,6 +215,7 @@ impl Host for FakeHost {
     }
 
     fn shared_set(&mut self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), SharedWriteError> {
+        self.count_call("shared_set");
         let mut world = self.world.borrow_mut();
         let slot = world.slot(key).to_string();
         let current = world.shared.get(&slot).map(|(_, c)| *c);
@@ -224,6 +243,7 @@ impl Host for FakeHost {
         timeout: Duration,
         owner: Owner,
     ) -> Result<u32, String> {
+        self.count_call("dispatch");
         // ngx_wasm_module traps (and resets the VM) on a callout from a response phase.
         assert!(
             !(self.in_response_phases && self.kind() == HostKind::Nginx),
@@ -248,18 +268,22 @@ impl Host for FakeHost {
     }
 
     fn callout_status(&mut self) -> Option<u32> {
+        self.count_call("callout_status");
         self.callout_answer.as_ref().map(|(status, _)| *status)
     }
 
     fn callout_body(&mut self, size: usize) -> Vec<u8> {
+        self.count_call("callout_body");
         self.callout_answer.as_ref().map(|(_, body)| body.iter().take(size).copied().collect()).unwrap_or_default()
     }
 
     fn resume_request(&mut self) {
+        self.count_call("resume_request");
         self.resumed += 1;
     }
 
     fn send_reply(&mut self, reply: &LocalReply) {
+        self.count_call("send_reply");
         // ngx_wasm_module empties a local reply sent from the answer to a callout that
         // carried a body and got none back (the client gets an empty reply; a debug build
         // aborts the worker).
@@ -275,18 +299,22 @@ impl Host for FakeHost {
     }
 
     fn add_metric(&mut self, metric: Metric, amount: u64) {
+        self.count_call("add_metric");
         *self.metrics.entry(metric).or_default() += amount;
     }
 
     fn set_gauge(&mut self, name: &str, value: u64) {
+        self.count_call("set_gauge");
         self.gauges.insert(name.to_string(), value);
     }
 
     fn log(&mut self, level: LogLevel, message: &str) {
+        self.count_call("log");
         self.logs.push((level, message.to_string()));
     }
 
     fn warn_once(&mut self, topic: &'static str, message: &str) {
+        self.count_call("warn_once");
         if self.warned.insert(topic) {
             self.logs.push((LogLevel::Warn, message.to_string()));
         }

@@ -80,76 +80,211 @@ fn from_usage_object(usage: &Value) -> ReportedUsage {
     ReportedUsage { input, output, cached_input }
 }
 
-/// Usage from a whole JSON reply held by `ReplyUsage`'s window (see there).
-pub fn usage_in_json(body: &[u8]) -> ReportedUsage {
-    match serde_json::from_slice::<Value>(body) {
-        Ok(value) => reported_usage(&value),
-        Err(_) => usage_after_key(body),
-    }
+/// Where the APIs put usage in a JSON reply, in the order later reports override earlier.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum UsagePath {
+    /// `usage`: OpenAI chat, completions, embeddings, Responses; Anthropic messages.
+    Top,
+    /// `message.usage`, `response.usage`: the same objects wrapped, as some APIs' events
+    /// carry them.
+    Message,
+    Response,
 }
 
-/// The object after the last `"usage":` in a fragment of JSON: how the usage of a reply
-/// too large to keep is found in its tail (providers write usage last). Inside a JSON
-/// string a quote is escaped, so the pattern cannot match text.
-fn usage_after_key(fragment: &[u8]) -> ReportedUsage {
-    const KEY: &[u8] = b"\"usage\"";
-    let mut best = ReportedUsage::default();
-    let mut from = 0;
-    while let Some(at) = fragment.get(from..).and_then(|rest| rest.windows(KEY.len()).position(|w| w == KEY)) {
-        let after = from + at + KEY.len();
-        from = after;
-        let rest = fragment.get(after..).unwrap_or(&[]);
-        let rest = rest.trim_ascii_start();
-        let Some(rest) = rest.strip_prefix(b":") else {
-            continue;
-        };
-        let mut values = serde_json::Deserializer::from_slice(rest).into_iter::<Value>();
-        if let Some(Ok(usage)) = values.next() {
-            let found = from_usage_object(&usage);
-            if !found.is_empty() {
-                best = found;
-            }
+/// The key of a field on the way to a usage object; every other key is `Other`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum PathKey {
+    Usage,
+    Message,
+    Response,
+    Other,
+}
+
+impl PathKey {
+    fn of(key: &[u8]) -> PathKey {
+        match key {
+            b"usage" => PathKey::Usage,
+            b"message" => PathKey::Message,
+            b"response" => PathKey::Response,
+            _ => PathKey::Other,
         }
     }
-    best
 }
 
-/// Collects a non-streamed reply for its usage: the whole body while it is small, then
-/// only its head and tail, so a large reply (embeddings) costs bounded memory.
-#[derive(Debug)]
+/// A usage object is a few hundred bytes; a larger one is not what it claims.
+const MAX_USAGE_OBJECT: usize = 16 * 1024;
+/// Containers whose kind (object or array) is tracked: usage sits at depth 3 at most.
+const TRACKED_DEPTH: u32 = 64;
+
+/// Finds a JSON reply's usage as its bytes pass, whatever its size: the reply is scanned
+/// once, chunk by chunk, and only the usage objects (at `usage`, `message.usage` or
+/// `response.usage`) are kept, then read when the reply ends. Text inside strings is
+/// skipped a chunk at a time, so a long reply costs little more than its copy from the
+/// host. Malformed JSON yields what was found before it broke, never an error.
+#[derive(Debug, Default)]
 pub struct ReplyUsage {
-    body: Vec<u8>,
-    tail: Vec<u8>,
-    window: usize,
-    truncated: bool,
+    /// Open containers.
+    depth: u32,
+    /// Bit `n` set: the container at depth `n + 1` is an object (for the first levels).
+    objects: u64,
+    in_string: bool,
+    escaped: bool,
+    /// The next string of the current object is a key.
+    expect_key: bool,
+    /// The string being read is a key at depth 1 or 2, collected into `key`.
+    reading_key: bool,
+    key: Vec<u8>,
+    /// The keys leading to the current position at depths 1 and 2.
+    path: [Option<PathKey>; 2],
+    /// A `:` was the last structural byte: the next value belongs to the last key.
+    after_colon: bool,
+    /// The usage object being collected: where it belongs and its bytes so far.
+    capture: Option<(UsagePath, Vec<u8>)>,
+    /// The last object found at each path.
+    found: [Option<Vec<u8>>; 3],
 }
 
 impl ReplyUsage {
-    pub fn new(window: usize) -> ReplyUsage {
-        ReplyUsage { body: Vec::new(), tail: Vec::new(), window, truncated: false }
+    pub fn new() -> ReplyUsage {
+        ReplyUsage::default()
+    }
+
+    fn in_object(&self) -> bool {
+        self.depth >= 1 && self.depth <= TRACKED_DEPTH && self.objects & (1 << (self.depth - 1)) != 0
     }
 
     pub fn feed(&mut self, chunk: &[u8]) {
-        if !self.truncated && self.body.len() + chunk.len() <= self.window {
-            self.body.extend_from_slice(chunk);
-            return;
-        }
-        if !self.truncated {
-            self.truncated = true;
-            self.tail = std::mem::take(&mut self.body);
-        }
-        self.tail.extend_from_slice(chunk);
-        if self.tail.len() > 2 * self.window {
-            self.tail.drain(..self.tail.len() - self.window);
+        let mut at = 0;
+        while at < chunk.len() {
+            if self.in_string && !self.escaped && !self.reading_key {
+                // Skip string text up to the next quote or escape in one search.
+                let rest = chunk.get(at..).unwrap_or(&[]);
+                let skip = memchr::memchr2(b'"', b'\\', rest).unwrap_or(rest.len());
+                if let Some((_, bytes)) = self.capture.as_mut() {
+                    bytes.extend_from_slice(rest.get(..skip).unwrap_or(&[]));
+                }
+                at += skip;
+                if at >= chunk.len() {
+                    break;
+                }
+            }
+            let Some(&byte) = chunk.get(at) else { break };
+            at += 1;
+            self.byte(byte);
         }
     }
 
-    pub fn finish(&self) -> ReportedUsage {
-        if self.truncated {
-            usage_after_key(&self.tail)
-        } else {
-            usage_in_json(&self.body)
+    fn byte(&mut self, byte: u8) {
+        if let Some((_, bytes)) = self.capture.as_mut() {
+            bytes.push(byte);
+            if bytes.len() > MAX_USAGE_OBJECT {
+                self.capture = None;
+            }
         }
+        if self.in_string {
+            if self.escaped {
+                self.escaped = false;
+            } else if byte == b'\\' {
+                self.escaped = true;
+            } else if byte == b'"' {
+                self.in_string = false;
+                if self.reading_key {
+                    self.reading_key = false;
+                    let key = PathKey::of(&self.key);
+                    match self.depth {
+                        1 => self.path = [Some(key), None],
+                        2 => self.path[1] = Some(key),
+                        _ => {}
+                    }
+                    // A repeated key's last value is the one that counts, as in any
+                    // JSON reader: forget what the earlier one held.
+                    let replaced = match self.path {
+                        [Some(PathKey::Usage), None] => Some(UsagePath::Top),
+                        [Some(PathKey::Message), None | Some(PathKey::Usage)] => Some(UsagePath::Message),
+                        [Some(PathKey::Response), None | Some(PathKey::Usage)] => Some(UsagePath::Response),
+                        _ => None,
+                    };
+                    if let Some(path) = replaced.filter(|_| self.depth <= 2) {
+                        *self.found_at(path) = None;
+                    }
+                }
+                return;
+            }
+            if self.reading_key && self.key.len() <= 8 {
+                self.key.push(byte);
+            }
+            return;
+        }
+        let after_colon = std::mem::take(&mut self.after_colon);
+        match byte {
+            b'"' => {
+                self.in_string = true;
+                self.reading_key = self.expect_key && self.depth <= 2;
+                self.expect_key = false;
+                self.key.clear();
+            }
+            b'{' => {
+                let usage_path = match (after_colon && self.in_object(), self.depth, self.path) {
+                    (true, 1, [Some(PathKey::Usage), _]) => Some(UsagePath::Top),
+                    (true, 2, [Some(PathKey::Message), Some(PathKey::Usage)]) => Some(UsagePath::Message),
+                    (true, 2, [Some(PathKey::Response), Some(PathKey::Usage)]) => Some(UsagePath::Response),
+                    _ => None,
+                };
+                if let Some(path) = usage_path {
+                    self.capture = Some((path, vec![b'{']));
+                }
+                self.open(true);
+            }
+            b'[' => self.open(false),
+            b'}' | b']' => {
+                self.depth = self.depth.saturating_sub(1);
+                self.expect_key = false;
+                let closes_capture = match &self.capture {
+                    Some((UsagePath::Top, _)) => self.depth == 1,
+                    Some(_) => self.depth == 2,
+                    None => false,
+                };
+                if closes_capture {
+                    if let Some((path, bytes)) = self.capture.take() {
+                        *self.found_at(path) = Some(bytes);
+                    }
+                }
+            }
+            b',' => self.expect_key = self.in_object(),
+            b':' => self.after_colon = true,
+            _ => {}
+        }
+    }
+
+    fn found_at(&mut self, path: UsagePath) -> &mut Option<Vec<u8>> {
+        let [top, message, response] = &mut self.found;
+        match path {
+            UsagePath::Top => top,
+            UsagePath::Message => message,
+            UsagePath::Response => response,
+        }
+    }
+
+    fn open(&mut self, object: bool) {
+        self.depth = self.depth.saturating_add(1);
+        if self.depth <= TRACKED_DEPTH {
+            let bit = 1u64 << (self.depth - 1);
+            self.objects = if object { self.objects | bit } else { self.objects & !bit };
+        }
+        if self.depth == 2 {
+            self.path[1] = None;
+        }
+        self.expect_key = object;
+    }
+
+    pub fn finish(&self) -> ReportedUsage {
+        let mut usage = ReportedUsage::default();
+        for bytes in self.found.iter().flatten() {
+            if let Ok(object) = serde_json::from_slice::<Value>(bytes) {
+                usage.merge(from_usage_object(&object));
+            }
+        }
+        usage
     }
 }
 
@@ -346,9 +481,18 @@ mod tests {
             (r#"not json"#, (None, None, None)),
         ];
         for (body, (input, output, cached_input)) in cases {
-            let mut reply = ReplyUsage::new(1024);
-            reply.feed(body.as_bytes());
-            assert_eq!(reply.finish(), ReportedUsage { input, output, cached_input }, "{body}");
+            let whole = {
+                let mut reply = ReplyUsage::new();
+                reply.feed(body.as_bytes());
+                reply.finish()
+            };
+            assert_eq!(whole, ReportedUsage { input, output, cached_input }, "{body}");
+            for at in 0..=body.len() {
+                let mut reply = ReplyUsage::new();
+                reply.feed(&body.as_bytes()[..at]);
+                reply.feed(&body.as_bytes()[at..]);
+                assert_eq!(reply.finish(), whole, "{body} split at {at}");
+            }
         }
     }
 
@@ -359,11 +503,54 @@ mod tests {
         let body = format!(
             r#"{{"object":"list","data":[{filler}],"text":"say \"usage\": {{\"prompt_tokens\": 999}}","usage":{{"prompt_tokens":77,"total_tokens":77}}}}"#
         );
-        let mut reply = ReplyUsage::new(4096);
+        let mut reply = ReplyUsage::new();
         for chunk in body.as_bytes().chunks(1000) {
             reply.feed(chunk);
         }
         assert_eq!(reply.finish(), ReportedUsage { input: Some(77), output: Some(0), cached_input: None });
+    }
+
+    /// An object of fields from a reply's vocabulary: random JSON, usage objects at the
+    /// top, under `message` or `response`, and deeper where they do not count.
+    #[cfg(not(target_arch = "wasm32"))]
+    fn usage_like_json() -> impl Strategy<Value = String> {
+        fn object(fields: Vec<(&str, String)>) -> String {
+            let fields: Vec<String> = fields.into_iter().map(|(k, v)| format!("\"{k}\" :{v}")).collect();
+            format!("{{{}}}", fields.join(","))
+        }
+        let number = prop_oneof![(0u64..5000).prop_map(|n| n.to_string()), Just("1.5".to_string())];
+        let leaf = prop_oneof![
+            number.clone(),
+            Just("null".to_string()),
+            Just(r#""a \"usage\": {\"prompt_tokens\": 9} \\""#.to_string()),
+        ];
+        let counts = prop_oneof![
+            Just("prompt_tokens"),
+            Just("completion_tokens"),
+            Just("input_tokens"),
+            Just("output_tokens"),
+            Just("total_tokens"),
+            Just("cache_read_input_tokens"),
+        ];
+        let details = prop::collection::vec((Just("cached_tokens"), number.clone()), 0..2).prop_map(object);
+        let usage = prop::collection::vec(
+            prop_oneof![(counts, number).prop_map(|(k, v)| (k, v)), (Just("prompt_tokens_details"), details)],
+            0..5,
+        )
+        .prop_map(object);
+        let keys = prop_oneof![Just("usage"), Just("message"), Just("response"), Just("x")];
+        let any = leaf.prop_recursive(3, 24, 4, {
+            let keys = keys.clone();
+            move |inner| {
+                prop_oneof![
+                    prop::collection::vec(inner.clone(), 0..4).prop_map(|items| format!("[{}]", items.join(" , "))),
+                    prop::collection::vec((keys.clone(), inner), 0..4).prop_map(object),
+                ]
+            }
+        });
+        let value = prop_oneof![usage.clone(), any];
+        let wrapped = prop::collection::vec((keys.clone(), value.clone()), 0..4).prop_map(object);
+        prop::collection::vec((keys, prop_oneof![value, wrapped]), 0..5).prop_map(object)
     }
 
     #[cfg(not(target_arch = "wasm32"))]
@@ -375,6 +562,23 @@ mod tests {
         fn any_chunking_gives_the_same_usage(cuts in proptest::collection::vec(0usize..400, 0..30), which in 0usize..4) {
             let stream = [OPENAI_STREAM, OPENAI_STREAM_NO_USAGE, ANTHROPIC_STREAM, RESPONSES_STREAM][which];
             prop_assert_eq!(run(stream, &cuts), run(stream, &[]));
+        }
+
+        /// Random JSON whose keys are the ones usage is made of, at random depths, cut
+        /// into random chunks: the scan finds what reading the whole reply as a Value
+        /// finds.
+        #[test]
+        fn the_scan_agrees_with_the_whole_reply(text in usage_like_json(), cuts in proptest::collection::vec(0usize..200, 0..8)) {
+            let whole: Value = serde_json::from_str(&text).expect("generated JSON");
+            let mut reply = ReplyUsage::new();
+            let mut rest = text.as_bytes();
+            for cut in cuts {
+                let (head, tail) = rest.split_at(cut.min(rest.len()));
+                reply.feed(head);
+                rest = tail;
+            }
+            reply.feed(rest);
+            prop_assert_eq!(reply.finish(), reported_usage(&whole));
         }
 
         /// Mangled streams and replies never panic.
@@ -395,7 +599,7 @@ mod tests {
             tracker.feed(rest);
             tracker.finish();
             let _ = tracker.output_tokens();
-            let mut reply = ReplyUsage::new(512);
+            let mut reply = ReplyUsage::new();
             reply.feed(&bytes);
             let _ = reply.finish();
         }

@@ -8,6 +8,7 @@ use crate::config::Policy;
 use crate::host::{detect_kind, shared_read, shared_update, Host, HostKind, LogLevel, Metric, Owner};
 use crate::lease::{lease_asks, LeaseEntry, TenantLeases};
 use crate::lifecycle::RequestFilter;
+use crate::prompt_cache::PromptCache;
 use crate::protocol::keys;
 use crate::protocol::{
     Adjustment, LeaseAsk, LeaseRequest, LimitCharge, LimitKind, LimitsReply, SettleReply, Settlement, SettlementBatch,
@@ -17,7 +18,7 @@ use crate::settle_queue::{Queued, SettleQueue};
 use crate::tables::{read_own, update_own, update_slot, Busy, TenantTable};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::rc::Rc;
 use std::time::Duration;
 
@@ -37,9 +38,9 @@ pub struct Worker {
     settlements: SettleQueue,
     /// Tenants whose leases this VM saw running low: renewed on the next tick.
     renewals: BTreeSet<String>,
-    /// Slots of the lease table this VM granted leases into: what expires is returned.
-    /// Bounded by the table's size.
-    leased: BTreeSet<u32>,
+    /// Slots of the lease table this VM granted leases into, each with the time its first
+    /// lease expires: what expires is returned. Bounded by the table's size.
+    leased: BTreeMap<u32, u64>,
     /// Concurrency slots held by this VM's requests, by reservation id: renewed until the
     /// request releases them.
     slots: HashMap<String, Settlement>,
@@ -50,6 +51,8 @@ pub struct Worker {
     settling: Option<(u32, Vec<Queued>)>,
     /// Lease renewals out, by token: the tenant and what was asked.
     renewing: HashMap<u32, (String, Vec<LeaseAsk>)>,
+    /// Token counts of long prompt texts this VM counted (bounded).
+    pub(crate) prompt_cache: PromptCache,
 }
 
 impl Default for Worker {
@@ -65,13 +68,14 @@ impl Worker {
             host_kind: HostKind::default(),
             settlements: SettleQueue::new(SETTLE_QUEUE_CAPACITY),
             renewals: BTreeSet::new(),
-            leased: BTreeSet::new(),
+            leased: BTreeMap::new(),
             slots: HashMap::new(),
             ids: ReservationIds::default(),
             ticks: 0,
             warmed_up: false,
             settling: None,
             renewing: HashMap::new(),
+            prompt_cache: PromptCache::new(0),
         }
     }
 
@@ -93,6 +97,9 @@ impl Worker {
     /// says why.
     pub fn configure(&mut self, host: &mut impl Host, bytes: &[u8]) -> Result<(), String> {
         self.host_kind = detect_kind(host);
+        // A seed no client can know (there is no randomness in the VM: the clock's
+        // nanoseconds at start-up will do for keeping crafted texts off others' entries).
+        self.prompt_cache = PromptCache::new(host.now_nanos() as u64);
         let config = Policy::from_json(bytes).map_err(|e| e.to_string())?;
         if config.hold_request_headers == Some(true) && !self.host_kind.reads_body_while_headers_wait() {
             return Err(format!(
@@ -333,15 +340,20 @@ impl Worker {
             }
             (Some(entry.encode()), entry.leases)
         });
-        if matches!(merged, Some(Ok(_))) {
-            self.note_leased(config, tenant);
+        if let Some(Ok(leases)) = &merged {
+            self.note_leased(config, tenant, leases, now);
         }
         merged
     }
 
-    pub(crate) fn note_leased(&mut self, config: &Policy, tenant: &str) {
-        // Either slot may hold it; an empty slot is dropped from the set at the next expiry.
-        self.leased.extend(TenantTable::slots(config, tenant));
+    /// Remembers where `tenant`'s leases sit and when the first of them expires.
+    pub(crate) fn note_leased(&mut self, config: &Policy, tenant: &str, leases: &TenantLeases, now: u64) {
+        let Some(expiry) = leases.next_expiry_ms(now) else { return };
+        // Either slot may hold it; an empty slot is dropped at the next sweep.
+        for slot in TenantTable::slots(config, tenant) {
+            let due = self.leased.entry(slot).or_insert(expiry);
+            *due = (*due).min(expiry);
+        }
     }
 
     // ---- the root's background work ----
@@ -427,22 +439,30 @@ impl Worker {
     /// Gives back to Redis what is left of expired leases.
     fn return_expired_leases(&mut self, host: &mut impl Host, config: &Policy, now: u64) {
         let limits = config.limits.len();
-        for slot in self.leased.clone() {
+        // Only slots whose first lease has expired are read: a sweep costs what expired,
+        // not one shared-data read per tenant served.
+        let due: Vec<u32> = self.leased.iter().filter(|(_, &due)| due <= now).map(|(&slot, _)| slot).collect();
+        for slot in due {
             let returned = update_slot(host, config, TenantTable::Leases, slot, |tenant, payload| {
                 let mut entry = LeaseEntry::decode(Some(payload), limits);
                 let amounts = entry.leases.expire(now);
                 let changed = amounts.iter().any(|&a| a != 0.0);
-                let idle = entry.leases.0.iter().all(|l| !l.is_live(now));
-                (changed.then(|| entry.encode()), (tenant.to_string(), amounts, idle))
+                let next_expiry = entry.leases.next_expiry_ms(now);
+                (changed.then(|| entry.encode()), (tenant.to_string(), amounts, next_expiry))
             });
-            let Some((tenant, amounts, idle)) = returned else {
+            let Some((tenant, amounts, next_expiry)) = returned else {
                 self.leased.remove(&slot);
                 continue;
             };
             let credits = amounts.iter().enumerate().map(|(i, a)| (i, a.round() as i64));
             self.settle_credits(host, config, &tenant, None, false, credits);
-            if idle {
-                self.leased.remove(&slot);
+            match next_expiry {
+                Some(expiry) => {
+                    self.leased.insert(slot, expiry);
+                }
+                None => {
+                    self.leased.remove(&slot);
+                }
             }
         }
     }

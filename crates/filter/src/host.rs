@@ -14,6 +14,10 @@ use std::time::{Duration, UNIX_EPOCH};
 #[derive(Default)]
 pub struct HostState {
     metric_ids: Vec<Option<u32>>,
+    /// Counter increments not yet given to the host, by `Metric`: a request adds to
+    /// several counters, and each increment would be a call into the host on the
+    /// request's path; the root's tick hands them over together.
+    pending: Vec<u64>,
     warned: BTreeSet<&'static str>,
 }
 
@@ -21,6 +25,17 @@ impl HostState {
     pub fn define_metrics(&mut self) {
         self.metric_ids =
             Metric::ALL.iter().map(|m| hostcalls::define_metric(MetricType::Counter, m.name()).ok()).collect();
+        self.pending = vec![0; Metric::ALL.len()];
+    }
+
+    /// Gives the host the counts gathered since the last flush.
+    pub fn flush_metrics(&mut self) {
+        for (id, pending) in self.metric_ids.iter().zip(self.pending.iter_mut()) {
+            let amount = std::mem::take(pending);
+            if let (Some(id), Ok(amount @ 1..)) = (id, i64::try_from(amount)) {
+                let _ = hostcalls::increment_metric(*id, amount);
+            }
+        }
     }
 }
 
@@ -149,9 +164,8 @@ impl Host for ProxyHost {
     }
 
     fn add_metric(&mut self, metric: Metric, amount: u64) {
-        let id = self.state.borrow().metric_ids.get(metric as usize).copied().flatten();
-        if let (Some(id), Ok(amount)) = (id, i64::try_from(amount)) {
-            let _ = hostcalls::increment_metric(id, amount);
+        if let Some(pending) = self.state.borrow_mut().pending.get_mut(metric as usize) {
+            *pending = pending.saturating_add(amount);
         }
     }
 

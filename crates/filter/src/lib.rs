@@ -78,6 +78,7 @@ impl RootContext for Root {
         if let Ok(mut worker) = self.worker.try_borrow_mut() {
             worker.on_tick(&mut host);
         }
+        self.state.borrow_mut().flush_metrics();
     }
 
     fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {

@@ -275,6 +275,12 @@ pub struct TokenPolicy {
 
 /// The rule that applies to a model: the operator's first match, then the built-in
 /// OpenAI families, then the default encoding.
+/// Built once per VM, not per request.
+fn builtin_model_rules() -> &'static [ModelRule] {
+    static RULES: std::sync::OnceLock<Vec<ModelRule>> = std::sync::OnceLock::new();
+    RULES.get_or_init(builtin_rules)
+}
+
 pub fn model_rule(policy: &TokenPolicy, model: Option<&str>) -> ModelRule {
     let model = model.unwrap_or("");
     policy
@@ -282,7 +288,7 @@ pub fn model_rule(policy: &TokenPolicy, model: Option<&str>) -> ModelRule {
         .iter()
         .find(|rule| glob_match(&rule.pattern, model))
         .cloned()
-        .or_else(|| builtin_rules().into_iter().find(|rule| glob_match(&rule.pattern, model)))
+        .or_else(|| builtin_model_rules().iter().find(|rule| glob_match(&rule.pattern, model)).cloned())
         .unwrap_or(ModelRule { pattern: "*".into(), encoding: policy.default_encoding, factor: 1.0, max_output: None })
 }
 
