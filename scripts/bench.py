@@ -3,10 +3,13 @@ all measured in one run on this machine so the ratios mean something on a noisy 
 
 1. Start-up: time from starting Envoy (--concurrency 2) to /ready, and the first request
    after it, for no filter, the empty filter and llm-ratelimit (o200k + cl100k linked).
-2. Small requests: requests/s at 16 connections and p50/p99 at 1 connection, Redis round
-   trips per request, for request limits and request + token limits, each decided by a
-   callout per request (direct) or from a leased budget (lease); and the cost of five
-   limits against one, as token buckets and as sliding windows. Envoy --concurrency 1 on CPU 0; wrk, the mock upstream, the
+2. Requests/s at 16 connections, Envoy's CPU time per request, p50/p99 at 1 connection
+   and Redis round trips per request, for request limits and request + token limits, each
+   decided by a callout per request (direct) or from a leased budget (lease); and the
+   cost of five limits against one, as token buckets and as sliding windows. Three
+   bodies: a tiny chat; a realistic one (a system prompt and three exchanges, 2.4 kB);
+   and a conversation of 1 to 20 turns, each request resending the turns before it, as a
+   chat client does. Envoy --concurrency 1 on CPU 0; wrk, the mock upstream, the
    companion and Redis share CPU 1 (as in shared/notes/anchors.md).
 3. Prompt size: p50 at 1 connection for 1k- and 32k-token prompts, with and without the
    filter; the difference between the two added latencies gives the filter's prompt
@@ -19,6 +22,7 @@ rejected. Requests rotate over 1,000 API keys.
 
 import argparse
 import json
+import os
 import re
 import shutil
 import statistics
@@ -48,14 +52,15 @@ LEASED_TOKENS = {**WITH_TOKENS, "lease": {"enabled": True}}
 WRK_SCRIPT = r"""
 wrk.method = "POST"
 wrk.headers["content-type"] = "application/json"
-local f = io.open("BODY_FILE", "rb")
-wrk.body = f:read("*a")
-f:close()
+local bodies = {}
+for line in io.lines("BODY_FILE") do bodies[#bodies + 1] = line end
 local n = 0
 request = function()
   n = n + 1
   wrk.headers["authorization"] = "Bearer sk-bench-" .. (n % 1000)
-  return wrk.format()
+  -- "{{n}}" in a body becomes the request's number: a text no request sent before.
+  local body = bodies[(n % #bodies) + 1]:gsub("{{n}}", tostring(n))
+  return wrk.format(nil, nil, nil, body)
 end
 response = function(status)
   if status ~= 200 then error("unexpected status " .. status) end
@@ -104,9 +109,30 @@ def redis_round_trips(port: int) -> int:
     return sum(int(n) for n in re.findall(r"^cmdstat_(?:evalsha|eval):calls=(\d+)", out, re.M))
 
 
-def script_for(workdir: Path, name: str, body: dict) -> Path:
-    body_file = workdir / f"{name}.json"
-    body_file.write_text(json.dumps(body))
+SYSTEM_PROMPT = ("You are a careful assistant for a logistics company. Answer in plain English, cite the shipment "
+                 "id when you refer to one, never invent tracking numbers, and keep answers under two hundred words "
+                 "unless the user asks for detail. If a question is about billing, say that billing questions go to "
+                 "the accounts team and give the address accounts@example.com.")
+
+
+def conversation(turns: int) -> dict:
+    """A chat body: the system prompt, `turns` exchanges, then a new question."""
+    def question(i):
+        return f"Where is shipment SH-{i:05d}? It left Rotterdam on the {i % 28 + 1}th and the customer asks daily."
+    messages = [{"role": "system", "content": SYSTEM_PROMPT}]
+    for i in range(turns):
+        messages.append({"role": "user", "content": question(i)})
+        messages.append({"role": "assistant", "content": f"Shipment SH-{i:05d} cleared customs in Antwerp and is on "
+                         f"the truck to Lyon; the carrier expects delivery within {i % 5 + 1} days. I will flag it if "
+                         "the estimate moves."})
+    messages.append({"role": "user", "content": question(turns)})
+    return {"model": "gpt-4o-mini", "messages": messages, "max_tokens": 64}
+
+
+def script_for(workdir: Path, name: str, body: "dict | list[dict]") -> Path:
+    """A wrk script sending `body` (or each of a list of bodies in turn)."""
+    body_file = workdir / f"{name}.jsonl"
+    body_file.write_text("\n".join(json.dumps(b) for b in (body if isinstance(body, list) else [body])) + "\n")
     script = workdir / f"{name}.lua"
     script.write_text(WRK_SCRIPT.replace("BODY_FILE", str(body_file)))
     return script
@@ -160,12 +186,20 @@ class Bench:
             self.stack.processes.remove(proc)
         return statistics.median(ready), statistics.median(first)
 
-    def run(self, url, script):
-        wrk(url, script, 4, 2)  # warm up connections, VMs and caches
-        before = redis_round_trips(self.redis_port)
+    def run(self, url, script, proc):
+        wrk(url, script, 4, 3)  # warm up connections, VMs, caches and V8's optimising tier
+        before, cpu_before = redis_round_trips(self.redis_port), cpu_seconds(proc.popen.pid)
         throughput = wrk(url, script, 16, self.seconds)
+        cpu_us = (cpu_seconds(proc.popen.pid) - cpu_before) / throughput["requests"] * 1e6
         trips = (redis_round_trips(self.redis_port) - before) / throughput["requests"]
-        return {**throughput, "trips": trips, "latency": wrk(url, script, 1, max(3, self.seconds // 2))}
+        return {**throughput, "trips": trips, "cpu_us": cpu_us, "latency": wrk(url, script, 1, max(3, self.seconds // 2))}
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU time a process has used (all its threads): per request, less sensitive than
+    throughput to whatever else the machine runs."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _ready(proc, admin_port: int) -> bool:
@@ -197,24 +231,39 @@ def main() -> None:
             ready, first = bench.startup(re.sub(r"[^a-z]+", "-", name).strip("-"), config, wasm)
             print(f"   {name:<28}{ready:>10.2f} s{first * 1000:>13.1f} ms")
 
-        small = script_for(workdir, "small", {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "Say hello"}], "max_tokens": 8})
+        bodies = {
+            "tiny chat": script_for(workdir, "small", {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "Say hello"}], "max_tokens": 8}),
+            "realistic chat": script_for(workdir, "chat", conversation(3)),
+            "1-20 turns": script_for(workdir, "turns", [conversation(turns) for turns in range(20)]),
+        }
         variants = [("passthrough", None, None), ("empty wasm filter", None, EMPTY_WASM),
                     ("requests, direct", REQUESTS_ONLY, None), ("requests, lease", LEASED, None),
                     ("+ tokens, direct", WITH_TOKENS, None), ("+ tokens, lease", LEASED_TOKENS, None),
                     ("5 buckets, direct", FIVE_BUCKETS, None), ("1 sliding, direct", SLIDING, None),
                     ("5 sliding, direct", FIVE_SLIDING, None)]
+        # The bodies that matter for a token policy: the filter parses and counts them.
+        body_variants = ("passthrough", "empty wasm filter", "+ tokens, direct", "+ tokens, lease")
         results = {}
-        urls = {}
+        urls, procs = {}, {}
         for name, config, wasm in variants:
-            _, urls[name] = bench.envoy(re.sub(r"[^a-z]+", "-", name).strip("-"), config, wasm)
-            results[name] = bench.run(urls[name], small)
-        base = results["passthrough"]
-        print("\n2. Small request (Envoy --concurrency 1 on CPU 0; the rest on CPU 1)")
-        print(f"   {'path':<20}{'req/s (16 conn)':>16}{'ratio':>8}{'p50 1 conn':>13}{'p99 1 conn':>13}{'added p50':>12}{'Redis trips/req':>17}")
-        for name, r in results.items():
-            lat = r["latency"]
-            print(f"   {name:<20}{r['rps']:>16,.0f}{r['rps'] / base['rps']:>8.2f}{lat['p50']:>10.3f} ms{lat['p99']:>10.3f} ms"
-                  f"{lat['p50'] - base['latency']['p50']:>9.3f} ms{r['trips']:>17.2f}")
+            procs[name], urls[name] = bench.envoy(re.sub(r"[^a-z]+", "-", name).strip("-"), config, wasm)
+            for body_name, script in bodies.items():
+                if body_name == "tiny chat" or name in body_variants:
+                    results[(body_name, name)] = bench.run(urls[name], script, procs[name])
+        print("\n2. Requests (Envoy --concurrency 1 on CPU 0; the rest on CPU 1)")
+        print(f"   {'path':<20}{'req/s':>9}{'ratio':>7}{'/empty':>8}{'CPU/req':>10}{'p50 1 conn':>12}{'p99 1 conn':>12}"
+              f"{'added p50':>11}{'/empty':>10}{'Redis trips/req':>17}")
+        for body_name in bodies:
+            print(f"   {body_name}:")
+            base, empty = results[(body_name, "passthrough")], results[(body_name, "empty wasm filter")]
+            for (b, name), r in results.items():
+                if b != body_name:
+                    continue
+                lat = r["latency"]
+                print(f"   {name:<20}{r['rps']:>9,.0f}{r['rps'] / base['rps']:>7.2f}{r['rps'] / empty['rps']:>8.2f}"
+                      f"{r['cpu_us']:>7.1f} us{lat['p50']:>9.3f} ms{lat['p99']:>9.3f} ms"
+                      f"{lat['p50'] - base['latency']['p50']:>8.3f} ms{lat['p50'] - empty['latency']['p50']:>7.3f} ms"
+                      f"{r['trips']:>17.2f}")
 
         print("\n3. Prompt size (1 connection; filter with a token limit)")
         sizes = {}
@@ -224,8 +273,10 @@ def main() -> None:
             text_file.write_text(text)
             native = json.loads(subprocess.run([str(ROOT / "target/release/examples/tokenize_bench"), str(text_file)],
                                                capture_output=True, text=True, check=True).stdout)
+            # Each request's prompt is new (a number in front), so none is answered from
+            # the filter's table of counts already made.
             script = script_for(workdir, f"prompt-{label}", {"model": "gpt-4o-mini", "max_tokens": 8,
-                                                              "messages": [{"role": "user", "content": text}]})
+                                                              "messages": [{"role": "user", "content": "{{n}} " + text}]})
             plain = wrk(urls["passthrough"], script, 1, max(3, args.seconds // 2))
             filtered = wrk(urls["+ tokens, direct"], script, 1, max(3, args.seconds // 2))
             sizes[label] = {"native": native, "added": filtered["p50"] - plain["p50"], "plain": plain, "filtered": filtered}

@@ -98,7 +98,7 @@ fn as_count(value: &Json) -> Option<u64> {
 
 impl LlmRequest {
     pub fn parse(api: Api, body: &[u8]) -> Result<ParsedBody<'_>, BodyError> {
-        let body = Json::parse(body).map_err(|e| BodyError::NotJson(e.to_string()))?;
+        let body = Json::parse(body).map_err(BodyError::NotJson)?;
         if !body.is_object() {
             return Err(BodyError::NotAnObject);
         }
