@@ -10,10 +10,9 @@
 //! A stream without usage is settled on its text: the streamed deltas are counted with
 //! the tokenizer.
 
-use crate::json::Field;
+use crate::json::Json;
 use crate::sse::{SseEvent, SseParser};
 use crate::tokens::Encoding;
-use serde_json::Value;
 
 /// Tokens as billed. `input` includes cached and cache-creation tokens.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -52,7 +51,7 @@ impl ReportedUsage {
 
 /// Usage from a usage object, or from a message holding one at `usage`, `message.usage`
 /// or `response.usage`.
-pub fn reported_usage(message: &Value) -> ReportedUsage {
+pub fn reported_usage(message: &Json) -> ReportedUsage {
     let mut found = ReportedUsage::default();
     for usage in [&message.at("usage"), &message.at("message").at("usage"), &message.at("response").at("usage")] {
         if usage.is_object() {
@@ -62,7 +61,7 @@ pub fn reported_usage(message: &Value) -> ReportedUsage {
     found
 }
 
-fn from_usage_object(usage: &Value) -> ReportedUsage {
+fn from_usage_object(usage: &Json) -> ReportedUsage {
     let field = |name: &str| usage.at(name).as_u64();
     let input = field("prompt_tokens").or_else(|| {
         let base = field("input_tokens")?;
@@ -280,7 +279,7 @@ impl ReplyUsage {
     pub fn finish(&self) -> ReportedUsage {
         let mut usage = ReportedUsage::default();
         for bytes in self.found.iter().flatten() {
-            if let Ok(object) = serde_json::from_slice::<Value>(bytes) {
+            if let Ok(object) = Json::parse(bytes) {
                 usage.merge(from_usage_object(&object));
             }
         }
@@ -338,7 +337,9 @@ impl StreamUsage {
             self.finished = true;
             return;
         }
-        let Ok(message) = serde_json::from_str::<Value>(&event.data) else {
+        // A tree borrowing from the event: a delta's text is read, not copied, until it
+        // is added to the text kept for counting.
+        let Ok(message) = Json::parse(event.data.as_bytes()) else {
             return;
         };
         self.reported.merge(reported_usage(&message));
@@ -352,7 +353,7 @@ impl StreamUsage {
     /// The generated text of one event: OpenAI chat deltas (content, refusal, tool
     /// arguments), legacy completions, Anthropic text and tool-input deltas, Responses
     /// text and argument deltas.
-    fn collect_text(&mut self, message: &Value) {
+    fn collect_text(&mut self, message: &Json) {
         if let Some(choices) = message.at("choices").as_array() {
             for choice in choices {
                 let delta = &choice.at("delta");
@@ -566,10 +567,10 @@ mod tests {
 
         /// Random JSON whose keys are the ones usage is made of, at random depths, cut
         /// into random chunks: the scan finds what reading the whole reply as a Value
-        /// finds.
+        /// finds (the tree reads as a serde_json Value does: see json.rs).
         #[test]
         fn the_scan_agrees_with_the_whole_reply(text in usage_like_json(), cuts in proptest::collection::vec(0usize..200, 0..8)) {
-            let whole: Value = serde_json::from_str(&text).expect("generated JSON");
+            let whole = Json::parse(text.as_bytes()).expect("generated JSON");
             let mut reply = ReplyUsage::new();
             let mut rest = text.as_bytes();
             for cut in cuts {
