@@ -15,7 +15,8 @@
 //! estimate (about 4 characters a token over the messages' text): the fixture does not
 //! tokenize. `--prompt-tokens-per-byte F` counts them as F per byte of the whole request
 //! body instead, like a provider whose count differs from the proxy's (tools, images,
-//! another tokenizer): 0.25 is about 4 bytes a token.
+//! another tokenizer): 0.25 is about 4 bytes a token. (The body's JSON around the prompt
+//! counts too, so past about 0.3 this counts more than any tokenizer would of the text.)
 //!
 //! For tests: every reply carries `x-mock-prompt-tokens` and `x-mock-completion-tokens`,
 //! the usage it reports (or would, for a stream without a usage chunk); a request with

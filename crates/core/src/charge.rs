@@ -116,7 +116,7 @@ pub fn plan(config: &Policy, path: &str, tier: &str, body: Option<&[u8]>, learne
     let estimate = match (&request, body) {
         (_, None) => None,
         _ if !config.counts_tokens() => None,
-        (Some(request), Some(body)) => {
+        (Some(request), Some(_)) => {
             counted_prompt = request.prompt_tokens(rule.encoding);
             let calibration = learned.calibration(rule_index);
             let prompt = (counted_prompt as f64 * calibration.prompt_factor(rule.factor)).ceil() as u64;
@@ -126,7 +126,7 @@ pub fn plan(config: &Policy, path: &str, tier: &str, body: Option<&[u8]>, learne
             } else if clamped {
                 // The true upper bound, elastic down to a useful minimum.
                 min_output = Some(policy.min_output_tokens.min(cap));
-                TokenEstimate { prompt: prompt_bound(prompt, body), output: cap }
+                TokenEstimate { prompt: prompt_bound(prompt, request), output: cap }
             } else {
                 let history = learned.average(&model).or_else(|| prior(model_policy, &calibration));
                 TokenEstimate { prompt, output: estimate_output(cap, history, policy.output_estimate_factor) }
@@ -175,18 +175,18 @@ pub fn plan(config: &Policy, path: &str, tier: &str, body: Option<&[u8]>, learne
     }
 }
 
-/// A prompt's size that no provider's count of its text exceeds, for the hard cap of
-/// clamping: at least `estimate` (the count at the learned factor), and at least the
-/// request body's length in bytes. A byte-level BPE tokenizer (tiktoken's encodings and
-/// the like) makes at most one token of each byte of text; SentencePiece with byte
-/// fallback at most one more per text (its word-boundary mark). The body holds every byte
-/// of the prompt's text (JSON escapes only add bytes) plus its structure, which outweighs
-/// what providers add per message and per text (3 or 4 tokens a message and 3 to prime
-/// the reply, against the 30 bytes of `{"role":"user","content":""},`). Not bounded so:
-/// an image given by URL (only the proxy's figure for it, at the learned factor, counts)
-/// and prompts a provider adds of its own (Anthropic's tool-use system prompt).
-pub fn prompt_bound(estimate: u64, body: &[u8]) -> u64 {
-    estimate.max(body.len() as u64)
+/// A prompt's size that no provider's count of it exceeds, for the hard cap of clamping:
+/// at least `estimate` (the count at the learned factor), and at least the prompt with
+/// each of its texts measured in bytes (`LlmRequest::prompt_bytes`). A byte-level BPE
+/// tokenizer (tiktoken's encodings and the like) makes at most one token of each byte of
+/// text, SentencePiece with byte fallback at most one more per text (its word-boundary
+/// mark); what providers add around a message (OpenAI 3 tokens, chat templates a few
+/// special tokens) is covered by the 3 a message counts plus its role's bytes (`user`: 4,
+/// one token). Not bounded so: an image given by URL (counted at the proxy's 765, at the
+/// learned factor) and prompts a provider adds of its own (Anthropic's tool-use system
+/// prompt), which only calibration covers.
+pub fn prompt_bound(estimate: u64, request: &LlmRequest) -> u64 {
+    estimate.max(request.prompt_bytes())
 }
 
 /// What stands in for a tenant's own history of a model's completions: the model's, as
@@ -346,8 +346,8 @@ mod tests {
             &mut Known::average(OutputAverage::first(10)),
         );
         // The average is ignored: the reservation is the true upper bound, the prompt at
-        // its bound (the body's bytes), the output at the request's cap.
-        let bound = CHAT.len() as u64;
+        // its bound (its text in bytes), the output at the request's cap.
+        let bound = 21;
         assert_eq!(plan.estimate, Some(TokenEstimate { prompt: bound, output: 300 }));
         let tpm = &plan.buckets[1];
         assert_eq!((tpm.cost, tpm.min_cost), (bound + 300, Some(bound + 50)));
@@ -360,24 +360,31 @@ mod tests {
         assert_eq!(plan.apply_grant(&config, Some(bound + 300)), None);
     }
 
-    #[cfg_attr(not(target_arch = "wasm32"), test)]
-    #[cfg_attr(target_arch = "wasm32", wasm_bindgen_test::wasm_bindgen_test)]
+    #[test]
     fn the_prompt_bound_is_at_least_every_count_of_the_prompt() {
-        // Text whose tokens are as short as tokens get: single characters, digits apart,
-        // emoji, CJK, each in its own message (the most per-message overhead per byte).
-        let texts = ["a", "7 3 9 1 0 4 2 8", "🦀🦀🦀", "東京の天気", "{\"x\":[1,2,3]}", "\\n\\t\\u0000"];
-        for encoding in [Encoding::O200kBase, Encoding::Cl100kBase] {
-            for text in texts {
-                let messages: Vec<_> = (0..50).map(|_| serde_json::json!({"role": "user", "content": text})).collect();
-                let body = serde_json::json!({"model": "m", "messages": messages}).to_string();
-                let request = LlmRequest::parse(Api::ChatCompletions, body.as_bytes()).unwrap();
-                let counted = request.prompt_tokens(encoding);
-                assert!(prompt_bound(0, body.as_bytes()) >= counted, "{encoding:?} {text}: {counted} > {}", body.len());
-                // The text alone, one token per byte at most (what any byte-level BPE does).
-                assert!(encoding.count(text) <= text.len() as u64, "{text}");
+        // OpenAI's tiktoken's counts of prose, code, JSON, CJK, RTL, emoji and special-token
+        // text (tests/cases/token_counts.json), each text a message of its own, fifty times
+        // over (the most per-message overhead for the bytes).
+        let table: serde_json::Value =
+            serde_json::from_str(include_str!("../../../tests/cases/token_counts.json")).unwrap();
+        let texts = table["cases"].as_array().unwrap().iter().map(|case| {
+            let most = case["o200k_base"].as_u64().max(case["cl100k_base"].as_u64());
+            (case["text"].as_str().unwrap(), most.unwrap())
+        });
+        for (text, tokens) in texts.chain([("a", 1), ("7 3 9 1", 7), ("🦀", 3)]) {
+            let messages: Vec<_> = (0..50).map(|_| serde_json::json!({"role": "user", "content": text})).collect();
+            let body = serde_json::json!({"model": "m", "messages": messages}).to_string();
+            let request = LlmRequest::parse(Api::ChatCompletions, body.as_bytes()).unwrap();
+            // OpenAI's own count of the request: 3 a message, its role and text, 3 to prime.
+            let billed = 50 * (3 + 1 + tokens) + 3;
+            assert!(prompt_bound(0, &request) >= billed, "{text:?}");
+            for encoding in [Encoding::O200kBase, Encoding::Cl100kBase] {
+                assert!(prompt_bound(0, &request) >= request.prompt_tokens(encoding), "{encoding:?} {text:?}");
             }
         }
-        assert_eq!(prompt_bound(500, b"{}"), 500, "never below the estimate");
+        let chat = LlmRequest::parse(Api::ChatCompletions, CHAT.as_bytes()).unwrap();
+        assert_eq!(prompt_bound(0, &chat), 3 + 4 + 11 + 3, "priming, the message, `user`, `hello world`");
+        assert_eq!(prompt_bound(500, &chat), 500, "never below the estimate");
     }
 
     #[test]

@@ -13,6 +13,9 @@ const HOSTS: [HostKind; 2] = [HostKind::Envoy, HostKind::Nginx];
 const CHAT: &str = r#"{"model":"gpt-4o","messages":[{"role":"user","content":"hello world"}],"max_tokens":300}"#;
 /// What CHAT reserves: 9 prompt tokens counted in the proxy, 300 of output allowance.
 const CHAT_RESERVES: i64 = 309;
+/// The most any provider counts CHAT's prompt as (`charge::prompt_bound`): 3 to prime the
+/// reply, 3 for the message, `user` and `hello world` in bytes.
+const CHAT_PROMPT_BOUND: u64 = 21;
 
 fn config(limits: Value, extra: Value) -> String {
     let mut config =
@@ -399,8 +402,8 @@ fn clamping_rewrites_the_output_cap_to_the_grant() {
     let mut flight = proxy.send(Request::chat("sk-a", CHAT), &mut companion);
     assert!(flight.forwarded());
     let body: Value = serde_json::from_slice(&flight.host.request_body).unwrap();
-    let bound = CHAT.len() as u64;
-    assert_eq!(body["max_tokens"], 200 - bound, "200 left - the prompt's bound (its body's bytes)");
+    let bound = CHAT_PROMPT_BOUND;
+    assert_eq!(body["max_tokens"], 200 - bound, "200 left - the prompt's bound");
     assert_eq!(
         flight.host.request_headers.iter().find(|(n, _)| n == "content-length").map(|(_, v)| v.clone()),
         Some(flight.host.request_body.len().to_string())
@@ -412,11 +415,11 @@ fn clamping_rewrites_the_output_cap_to_the_grant() {
     assert_eq!(settled.iter().flat_map(|s| &s.limits).map(|a| a.credit).sum::<i64>(), bound as i64 - 9);
 }
 
-/// A provider that counts every byte of the body as a prompt token (the most any BPE
+/// A provider that counts every byte of the prompt's text as a token (the most a BPE
 /// tokenizer can), and answers with the whole output cap the request was granted.
 fn worst_case_reply(flight: &crate::testing::InFlight) -> (u64, String) {
     let body: Value = serde_json::from_slice(&flight.host.request_body).unwrap();
-    let prompt = CHAT.len() as u64;
+    let prompt = CHAT_PROMPT_BOUND;
     let output = body["max_tokens"].as_u64().unwrap();
     (prompt + output, usage_reply(prompt, output))
 }
@@ -424,7 +427,7 @@ fn worst_case_reply(flight: &crate::testing::InFlight) -> (u64, String) {
 #[test]
 fn clamping_holds_the_limit_from_the_first_request_whatever_the_provider_counts() {
     // Nothing learned yet, requests in flight together, the provider counting far more
-    // than the proxy (every byte a token, against 9 tokens counted): the admitted
+    // than the proxy (every byte of text a token: 21, against 9 counted): the admitted
     // completions plus the provider's prompts never pass the limit.
     for limit in [1_000u64, 1_777, 5_000] {
         let world = World::new(HostKind::Envoy);
@@ -445,7 +448,7 @@ fn clamping_holds_the_limit_from_the_first_request_whatever_the_provider_counts(
         settle(&mut proxy, &mut companion);
         let admitted = flights.iter().filter(|f| f.forwarded()).count();
         assert!(admitted > 0 && used <= limit, "limit {limit}: {admitted} admitted used {used}");
-        assert!(used + 20 + CHAT.len() as u64 > limit, "limit {limit}: used {used}, room was left for one more");
+        assert!(used + 20 + CHAT_PROMPT_BOUND > limit, "limit {limit}: used {used}, room was left for one more");
         let tpm = charge_of(&flights[0]).limits[0].clone();
         assert!(
             companion.level(&tenant("sk-a"), &tpm, proxy.now()) >= 0.0,

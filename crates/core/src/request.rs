@@ -114,22 +114,33 @@ impl LlmRequest {
 
     /// Prompt tokens under `encoding`, before any correction factor.
     pub fn prompt_tokens(&self, encoding: Encoding) -> u64 {
-        let count = |text: &str| encoding.count(text);
+        self.prompt_measured(&|text: &str| encoding.count(text))
+    }
+
+    /// The prompt with each text measured in bytes instead of tokens, and the same fixed
+    /// costs (per message, name, image, token id): at least what any tokenizer that makes
+    /// at most one token of a byte of text counts, on the same structure.
+    pub fn prompt_bytes(&self) -> u64 {
+        self.prompt_measured(&|text: &str| text.len() as u64)
+    }
+
+    /// The prompt, each text in it measured by `count`.
+    fn prompt_measured(&self, count: &impl Fn(&str) -> u64) -> u64 {
         let body = &self.body;
         match self.api {
-            Api::ChatCompletions => chat_messages(body.at("messages"), &count) + tools(body.at("tools"), &count),
+            Api::ChatCompletions => chat_messages(body.at("messages"), count) + tools(body.at("tools"), count),
             Api::Messages => {
-                content(body.at("system"), &count)
-                    + chat_messages(body.at("messages"), &count)
-                    + tools(body.at("tools"), &count)
+                content(body.at("system"), count)
+                    + chat_messages(body.at("messages"), count)
+                    + tools(body.at("tools"), count)
             }
             Api::Responses => {
-                content(body.at("instructions"), &count)
-                    + content(body.at("input"), &count)
-                    + tools(body.at("tools"), &count)
+                content(body.at("instructions"), count)
+                    + content(body.at("input"), count)
+                    + tools(body.at("tools"), count)
             }
-            Api::Completions => inputs(body.at("prompt"), &count),
-            Api::Embeddings => inputs(body.at("input"), &count),
+            Api::Completions => inputs(body.at("prompt"), count),
+            Api::Embeddings => inputs(body.at("input"), count),
         }
     }
 
