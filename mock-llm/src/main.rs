@@ -12,7 +12,11 @@
 //! header, capped by the request's `max_tokens` / `max_completion_tokens`. Each streamed
 //! content chunk is one token. Delays: `--first-token-delay-ms` / `--chunk-delay-ms`, or per
 //! request `x-mock-first-token-delay-ms` / `x-mock-chunk-delay-ms`. Prompt tokens are an
-//! estimate (about 4 characters a token): the fixture does not tokenize.
+//! estimate (about 4 characters a token over the messages' text): the fixture does not
+//! tokenize. `--prompt-tokens-per-byte F` counts them as F per byte of the whole request
+//! body instead, like a provider whose count differs from the proxy's (tools, images,
+//! another tokenizer): 0.25 is about 4 bytes a token. (The body's JSON around the prompt
+//! counts too, so past about 0.3 this counts more than any tokenizer would of the text.)
 //!
 //! For tests: every reply carries `x-mock-prompt-tokens` and `x-mock-completion-tokens`,
 //! the usage it reports (or would, for a stream without a usage chunk); a request with
@@ -44,6 +48,17 @@ struct Args {
     /// Delay between streamed chunks.
     #[arg(long, default_value_t = 0)]
     chunk_delay_ms: u64,
+    /// Report prompt tokens as this many per byte of the request body (e.g. 0.25), rounded
+    /// up, instead of about four characters a token over the messages' text.
+    #[arg(long, value_parser = per_byte)]
+    prompt_tokens_per_byte: Option<f64>,
+}
+
+fn per_byte(text: &str) -> Result<f64, String> {
+    match text.parse::<f64>() {
+        Ok(value) if value > 0.0 && value <= 16.0 => Ok(value),
+        _ => Err(format!("{text:?} is not a number of tokens per byte in (0, 16]")),
+    }
 }
 
 struct Mock {
@@ -92,14 +107,22 @@ fn estimate_prompt_tokens(request: &Value) -> u64 {
 }
 
 impl Mock {
-    fn plan(&self, headers: &HeaderMap, request: &Value, max_tokens: Option<u64>) -> Plan {
+    /// The prompt tokens this mock reports for a request whose body is `body_len` bytes.
+    fn prompt_tokens(&self, request: &Value, body_len: usize) -> u64 {
+        match self.args.prompt_tokens_per_byte {
+            Some(per_byte) => ((body_len as f64 * per_byte).ceil() as u64).max(1),
+            None => estimate_prompt_tokens(request),
+        }
+    }
+
+    fn plan(&self, headers: &HeaderMap, request: &Value, body_len: usize, max_tokens: Option<u64>) -> Plan {
         let wanted = header_u64(headers, "x-mock-completion-tokens").unwrap_or(self.args.completion_tokens);
         let completion_tokens = max_tokens.map_or(wanted, |cap| wanted.min(cap));
         Plan {
             model: request["model"].as_str().unwrap_or("unknown").to_string(),
             stream: request["stream"].as_bool().unwrap_or(false),
             include_usage: request["stream_options"]["include_usage"].as_bool().unwrap_or(false),
-            prompt_tokens: estimate_prompt_tokens(request),
+            prompt_tokens: self.prompt_tokens(request, body_len),
             completion_tokens,
             truncated: completion_tokens < wanted,
             first_delay: Duration::from_millis(
@@ -188,7 +211,7 @@ async fn chat_completions(mock: axum::extract::State<Arc<Mock>>, headers: Header
     if let Some(status) = forced_error(&headers) {
         return openai_error(status, "The mock was asked to fail this request.");
     }
-    let plan = mock.plan(&headers, &request, max_tokens);
+    let plan = mock.plan(&headers, &request, body.len(), max_tokens);
     let id = format!("chatcmpl-mock{:08}", plan.id);
     let created = now_secs();
     let words = completion_text(plan.completion_tokens);
@@ -256,7 +279,7 @@ async fn messages(mock: axum::extract::State<Arc<Mock>>, headers: HeaderMap, bod
     if let Some(status) = forced_error(&headers) {
         return anthropic_error(status, "The mock was asked to fail this request.");
     }
-    let plan = mock.plan(&headers, &request, Some(max_tokens));
+    let plan = mock.plan(&headers, &request, body.len(), Some(max_tokens));
     let id = format!("msg_mock{:016}", plan.id);
     let words = completion_text(plan.completion_tokens);
     let stop_reason = if plan.truncated { "max_tokens" } else { "end_turn" };

@@ -1,11 +1,10 @@
 //! What one request is charged: a request against every request limit, and its token
 //! estimate against every token limit, decided from the path and body alone.
 
-use crate::config::Price;
-use crate::config::{model_rule, Dimension, Policy};
-use crate::prompt_cache::PromptCache;
+use crate::calibration::Calibration;
+use crate::config::{Dimension, ModelPolicy, Policy, Price};
 use crate::protocol::{LimitCharge, LimitsReply};
-use crate::request::{Api, LlmRequest};
+use crate::request::{Api, LlmRequest, ParsedBody};
 use crate::reservation::{estimate_output, OutputAverage, TokenEstimate};
 use crate::tokens::Encoding;
 
@@ -19,6 +18,11 @@ pub struct ChargePlan {
     pub encoding: Encoding,
     /// The model, for the running average of completion lengths.
     pub model: String,
+    /// The index of the model's rule (`TokenPolicy::rule`), which keys what is learned.
+    pub rule: usize,
+    /// The prompt as the proxy counted it, before any factor (0 when not counted): what
+    /// the provider's count is compared with.
+    pub counted_prompt: u64,
     /// The parsed request.
     pub request: Option<LlmRequest>,
     /// The client's body, kept when it may be rewritten once the decision is known.
@@ -51,6 +55,12 @@ impl ChargePlan {
         self.request.as_ref()?.rewritten(self.rewritable_body.as_deref()?, config.tokens.request_stream_usage, granted)
     }
 
+    /// Whether the request asks for a completion (not an embedding), so its reply teaches
+    /// completion lengths.
+    pub fn produces_output(&self) -> bool {
+        self.request.as_ref().is_some_and(|r| r.api.produces_output())
+    }
+
     /// Buckets charged by the token estimate, for settling.
     pub fn token_buckets<'a>(&'a self, config: &'a Policy) -> impl Iterator<Item = &'a LimitCharge> + 'a {
         self.buckets
@@ -72,42 +82,63 @@ impl ChargePlan {
     }
 }
 
+/// What this proxy has learned that shapes a reservation.
+pub trait Learned {
+    /// This tenant's running average completion for `model`, if it has one.
+    fn average(&mut self, model: &str) -> Option<OutputAverage>;
+    /// What settled replies taught about the models of rule `rule`.
+    fn calibration(&mut self, rule: usize) -> Calibration;
+    /// Tokens in `text`: counted, or remembered from an earlier count (see `PromptCache`).
+    fn count(&mut self, encoding: Encoding, text: &str) -> u64 {
+        encoding.count(text)
+    }
+}
+
+/// A proxy that has learned nothing yet.
+pub struct Cold;
+
+impl Learned for Cold {
+    fn average(&mut self, _: &str) -> Option<OutputAverage> {
+        None
+    }
+
+    fn calibration(&mut self, _: usize) -> Calibration {
+        Calibration::default()
+    }
+}
+
 /// Plans the charge. `body` is `None` when token limits are not configured (the body is
 /// then never read) and empty for a request without one.
-pub fn plan(
-    config: &Policy,
-    path: &str,
-    tier: &str,
-    body: Option<&[u8]>,
-    prompt_cache: &mut PromptCache,
-    mut average: impl FnMut(&str) -> Option<OutputAverage>,
-) -> ChargePlan {
+pub fn plan(config: &Policy, path: &str, tier: &str, body: Option<&[u8]>, learned: &mut impl Learned) -> ChargePlan {
     let policy = &config.tokens;
     let parsed = body.and_then(|body| Api::from_path(path).and_then(|api| LlmRequest::parse(api, body).ok()));
     let request = parsed.as_ref().map(|parsed| parsed.request.clone());
     let model = request.as_ref().and_then(|r| r.model.clone()).unwrap_or_default();
-    let rule = model_rule(policy, request.as_ref().and_then(|r| r.model.as_deref()));
+    let (rule_index, model_policy) = policy.rule_for(request.as_ref().and_then(|r| r.model.as_deref()));
+    let rule = &model_policy.rule;
     let clamped = policy.clamp_max_tokens && request.as_ref().is_some_and(|r| r.api.produces_output());
     let price = config.price_of(&model);
     let mut min_output = None;
+    let mut counted_prompt = 0;
     let estimate = match (&parsed, body) {
         (_, None) => None,
         _ if !config.counts_tokens() => None,
         (Some(parsed), Some(_)) => {
             let request = &parsed.request;
-            let counted = parsed.prompt_tokens_with(&mut |text| prompt_cache.count(rule.encoding, text));
-            let prompt = (counted as f64 * rule.factor).ceil() as u64;
+            counted_prompt = parsed.prompt_tokens_with(&mut |text| learned.count(rule.encoding, text));
+            let calibration = learned.calibration(rule_index);
+            let prompt = (counted_prompt as f64 * calibration.prompt_factor(rule.factor)).ceil() as u64;
             let cap = request.max_output.or(rule.max_output).unwrap_or(policy.default_max_output);
-            let output = if !request.api.produces_output() {
-                0
+            Some(if !request.api.produces_output() {
+                TokenEstimate { prompt, output: 0 }
             } else if clamped {
                 // The true upper bound, elastic down to a useful minimum.
                 min_output = Some(policy.min_output_tokens.min(cap));
-                cap
+                TokenEstimate { prompt: prompt_bound(prompt, parsed), output: cap }
             } else {
-                estimate_output(cap, average(&model), policy.output_estimate_factor)
-            };
-            Some(TokenEstimate { prompt, output })
+                let history = learned.average(&model).or_else(|| prior(model_policy, &calibration));
+                TokenEstimate { prompt, output: estimate_output(cap, history, policy.output_estimate_factor) }
+            })
         }
         (None, Some(_)) => Some(TokenEstimate { prompt: policy.unparsed_request_cost, output: 0 }),
     };
@@ -142,7 +173,41 @@ pub fn plan(
     let rewritable =
         request.as_ref().is_some_and(|r| clamped || (policy.request_stream_usage && r.wants_usage_added()));
     let rewritable_body = body.filter(|_| rewritable).map(<[u8]>::to_vec);
-    ChargePlan { buckets, estimate, encoding: rule.encoding, model, request, rewritable_body, clamped, price, unpriced }
+    ChargePlan {
+        buckets,
+        estimate,
+        encoding: rule.encoding,
+        model,
+        rule: rule_index,
+        counted_prompt,
+        request,
+        rewritable_body,
+        clamped,
+        price,
+        unpriced,
+    }
+}
+
+/// A prompt's size that no provider's count of it exceeds, for the hard cap of clamping:
+/// at least `estimate` (the count at the learned factor), and at least the prompt with
+/// each of its texts measured in bytes (`ParsedBody::prompt_bytes`). A byte-level BPE
+/// tokenizer (tiktoken's encodings and the like) makes at most one token of each byte of
+/// text, SentencePiece with byte fallback at most one more per text (its word-boundary
+/// mark); what providers add around a message (OpenAI 3 tokens, chat templates a few
+/// special tokens) is covered by the 3 a message counts plus its role's bytes (`user`: 4,
+/// one token). Not bounded so: an image given by URL (counted at the proxy's 765, at the
+/// learned factor) and prompts a provider adds of its own (Anthropic's tool-use system
+/// prompt), which only calibration covers.
+pub fn prompt_bound(estimate: u64, request: &ParsedBody) -> u64 {
+    estimate.max(request.prompt_bytes())
+}
+
+/// What stands in for a tenant's own history of a model's completions: the model's, as
+/// this proxy learned them from every tenant; else the rule's `expected_output`; else
+/// nothing (the request reserves its output cap).
+fn prior(model: &ModelPolicy, calibration: &Calibration) -> Option<OutputAverage> {
+    let mean = calibration.output_prior().or(model.expected_output.map(|e| e as f64))?;
+    Some(OutputAverage { mean, samples: 1 })
 }
 
 #[cfg(test)]
@@ -159,6 +224,31 @@ mod tests {
 
     const CHAT: &str = r#"{"model":"gpt-4o","messages":[{"role":"user","content":"hello world"}],"max_tokens":300}"#;
 
+    /// What a proxy learned, as a test sets it; records the models asked about.
+    #[derive(Default)]
+    struct Known {
+        average: Option<OutputAverage>,
+        calibration: Calibration,
+        asked: Vec<String>,
+    }
+
+    impl Known {
+        fn average(average: OutputAverage) -> Known {
+            Known { average: Some(average), ..Known::default() }
+        }
+    }
+
+    impl Learned for Known {
+        fn average(&mut self, model: &str) -> Option<OutputAverage> {
+            self.asked.push(model.to_string());
+            self.average
+        }
+
+        fn calibration(&mut self, _: usize) -> Calibration {
+            self.calibration
+        }
+    }
+
     fn json(bytes: Option<Vec<u8>>) -> serde_json::Value {
         serde_json::from_slice(&bytes.expect("rewritten")).expect("json")
     }
@@ -167,7 +257,7 @@ mod tests {
     #[cfg_attr(target_arch = "wasm32", wasm_bindgen_test::wasm_bindgen_test)]
     fn charges_one_request_and_the_token_estimate() {
         let config = config("{}");
-        let plan = plan(&config, "/v1/chat/completions", "", Some(CHAT.as_bytes()), &mut PromptCache::new(0), |_| None);
+        let plan = plan(&config, "/v1/chat/completions", "", Some(CHAT.as_bytes()), &mut Cold);
         assert_eq!(plan.estimate, Some(TokenEstimate { prompt: 9, output: 300 }));
         let costs: Vec<u64> = plan.buckets.iter().map(|b| b.cost).collect();
         assert_eq!(costs, [1, 309]);
@@ -179,10 +269,9 @@ mod tests {
     #[test]
     fn the_running_average_shortens_the_estimate() {
         let config = config("{}");
-        let plan =
-            plan(&config, "/v1/chat/completions", "", Some(CHAT.as_bytes()), &mut PromptCache::new(0), |model| {
-                (model == "gpt-4o").then(|| OutputAverage::first(40))
-            });
+        let mut known = Known { average: Some(OutputAverage::first(40)), ..Known::default() };
+        let plan = plan(&config, "/v1/chat/completions", "", Some(CHAT.as_bytes()), &mut known);
+        assert_eq!(known.asked, ["gpt-4o"]);
         assert_eq!(plan.estimate, Some(TokenEstimate { prompt: 9, output: 60 }));
     }
 
@@ -195,8 +284,7 @@ mod tests {
         assert!(config.reads_body() && !config.counts_tokens());
         let costs = |model: &str| {
             let body = format!(r#"{{"model":"{model}","messages":[]}}"#);
-            let plan =
-                plan(&config, "/v1/chat/completions", "", Some(body.as_bytes()), &mut PromptCache::new(0), |_| None);
+            let plan = plan(&config, "/v1/chat/completions", "", Some(body.as_bytes()), &mut Cold);
             assert_eq!(plan.estimate, None, "no token limit: nothing to estimate");
             plan.buckets.iter().map(|b| b.cost).collect::<Vec<_>>()
         };
@@ -210,14 +298,11 @@ mod tests {
         let json = r#"{"companion": {"upstream": "c", "token": "t"}, "limits": [{"name": "day", "usd": 5, "window": "1d"}],
                        "prices": [{"match": "gpt-4o*", "input": 2.5, "output": 10}]}"#;
         let config = Policy::from_json(json.as_bytes()).expect("config");
-        let plan = plan(&config, "/v1/chat/completions", "", Some(CHAT.as_bytes()), &mut PromptCache::new(0), |_| None);
+        let plan = plan(&config, "/v1/chat/completions", "", Some(CHAT.as_bytes()), &mut Cold);
         // 9 prompt tokens at $2.50/M and 300 output at $10/M: 3,022.5 micro-dollars, rounded up.
         assert_eq!((plan.buckets[0].cost, plan.unpriced), (3_023, false));
         let other = r#"{"model":"mystery-1","messages":[]}"#;
-        let plan =
-            super::plan(&config, "/v1/chat/completions", "", Some(other.as_bytes()), &mut PromptCache::new(0), |_| {
-                None
-            });
+        let plan = super::plan(&config, "/v1/chat/completions", "", Some(other.as_bytes()), &mut Cold);
         assert!(plan.unpriced);
     }
 
@@ -227,7 +312,7 @@ mod tests {
             r#"{"models": [{"match": "claude-*", "encoding": "cl100k_base", "factor": 2.0, "max_output": 64}]}"#,
         );
         let body = r#"{"model":"claude-sonnet-4-5","messages":[{"role":"user","content":"hello world"}]}"#;
-        let plan = plan(&config, "/v1/messages", "", Some(body.as_bytes()), &mut PromptCache::new(0), |_| None);
+        let plan = plan(&config, "/v1/messages", "", Some(body.as_bytes()), &mut Cold);
         assert_eq!(plan.estimate, Some(TokenEstimate { prompt: 18, output: 64 }));
         assert_eq!(plan.encoding, Encoding::Cl100kBase);
     }
@@ -236,7 +321,7 @@ mod tests {
     fn unknown_paths_and_bad_bodies_cost_the_configured_fallback() {
         let config = config(r#"{"unparsed_request_cost": 250}"#);
         for (path, body) in [("/v1/models", ""), ("/v1/chat/completions", "{not json"), ("/v1/chat/completions", "")] {
-            let plan = plan(&config, path, "", Some(body.as_bytes()), &mut PromptCache::new(0), |_| None);
+            let plan = plan(&config, path, "", Some(body.as_bytes()), &mut Cold);
             assert_eq!(plan.estimate, Some(TokenEstimate { prompt: 250, output: 0 }), "{path} {body}");
         }
     }
@@ -245,10 +330,10 @@ mod tests {
     fn embeddings_reserve_no_output_and_request_limits_alone_read_nothing() {
         let config = config("{}");
         let body = r#"{"model":"text-embedding-3-small","input":"hello world"}"#;
-        let plan = plan(&config, "/v1/embeddings", "", Some(body.as_bytes()), &mut PromptCache::new(0), |_| None);
+        let plan = plan(&config, "/v1/embeddings", "", Some(body.as_bytes()), &mut Cold);
         assert_eq!(plan.estimate, Some(TokenEstimate { prompt: 2, output: 0 }));
         assert_eq!(plan.encoding, Encoding::Cl100kBase);
-        let plan = super::plan(&config, "/v1/chat/completions", "", None, &mut PromptCache::new(0), |_| None);
+        let plan = super::plan(&config, "/v1/chat/completions", "", None, &mut Cold);
         assert_eq!((plan.estimate, plan.buckets[1].cost), (None, 0));
     }
 
@@ -256,8 +341,7 @@ mod tests {
     fn asks_for_stream_usage_when_configured() {
         let config = config(r#"{"request_stream_usage": true}"#);
         let body = r#"{"model":"gpt-4o","stream":true,"messages":[]}"#;
-        let mut plan =
-            plan(&config, "/v1/chat/completions", "", Some(body.as_bytes()), &mut PromptCache::new(0), |_| None);
+        let mut plan = plan(&config, "/v1/chat/completions", "", Some(body.as_bytes()), &mut Cold);
         let rewritten = json(plan.apply_grant(&config, Some(999)));
         assert_eq!(rewritten["stream_options"]["include_usage"], true);
         assert!(rewritten.get("max_completion_tokens").is_none(), "not clamping: {rewritten}");
@@ -267,21 +351,94 @@ mod tests {
     #[cfg_attr(target_arch = "wasm32", wasm_bindgen_test::wasm_bindgen_test)]
     fn clamping_reserves_the_upper_bound_elastically_and_caps_the_grant() {
         let config = config(r#"{"clamp_max_tokens": true, "min_output_tokens": 50}"#);
-        let mut plan =
-            plan(&config, "/v1/chat/completions", "", Some(CHAT.as_bytes()), &mut PromptCache::new(0), |_| {
-                Some(OutputAverage::first(10))
-            });
-        // The average is ignored: the reservation is the true upper bound.
-        assert_eq!(plan.estimate, Some(TokenEstimate { prompt: 9, output: 300 }));
+        let mut plan = plan(
+            &config,
+            "/v1/chat/completions",
+            "",
+            Some(CHAT.as_bytes()),
+            &mut Known::average(OutputAverage::first(10)),
+        );
+        // The average is ignored: the reservation is the true upper bound, the prompt at
+        // its bound (its text in bytes), the output at the request's cap.
+        let bound = 21;
+        assert_eq!(plan.estimate, Some(TokenEstimate { prompt: bound, output: 300 }));
         let tpm = &plan.buckets[1];
-        assert_eq!((tpm.cost, tpm.min_cost), (309, Some(59)));
+        assert_eq!((tpm.cost, tpm.min_cost), (bound + 300, Some(bound + 50)));
         assert_eq!(plan.buckets[0].min_cost, None);
-        // Charged 129 of 309: the request may generate 120 tokens, and is told so.
-        assert_eq!(json(plan.apply_grant(&config, Some(129)))["max_tokens"], 120);
-        assert_eq!(plan.estimate, Some(TokenEstimate { prompt: 9, output: 120 }));
+        // Charged the bound and 120: the request may generate 120 tokens, and is told so.
+        assert_eq!(json(plan.apply_grant(&config, Some(bound + 120)))["max_tokens"], 120);
+        assert_eq!(plan.estimate, Some(TokenEstimate { prompt: bound, output: 120 }));
         // Granted in full: the body stays as it was.
-        let mut plan =
-            super::plan(&config, "/v1/chat/completions", "", Some(CHAT.as_bytes()), &mut PromptCache::new(0), |_| None);
-        assert_eq!(plan.apply_grant(&config, Some(309)), None);
+        let mut plan = super::plan(&config, "/v1/chat/completions", "", Some(CHAT.as_bytes()), &mut Cold);
+        assert_eq!(plan.apply_grant(&config, Some(bound + 300)), None);
+    }
+
+    #[test]
+    fn the_prompt_bound_is_at_least_every_count_of_the_prompt() {
+        // OpenAI's tiktoken's counts of prose, code, JSON, CJK, RTL, emoji and special-token
+        // text (tests/cases/token_counts.json), each text a message of its own, fifty times
+        // over (the most per-message overhead for the bytes).
+        let table: serde_json::Value =
+            serde_json::from_str(include_str!("../../../tests/cases/token_counts.json")).unwrap();
+        let texts = table["cases"].as_array().unwrap().iter().map(|case| {
+            let most = case["o200k_base"].as_u64().max(case["cl100k_base"].as_u64());
+            (case["text"].as_str().unwrap(), most.unwrap())
+        });
+        for (text, tokens) in texts.chain([("a", 1), ("7 3 9 1", 7), ("🦀", 3)]) {
+            let messages: Vec<_> = (0..50).map(|_| serde_json::json!({"role": "user", "content": text})).collect();
+            let body = serde_json::json!({"model": "m", "messages": messages}).to_string();
+            let request = LlmRequest::parse(Api::ChatCompletions, body.as_bytes()).unwrap();
+            // OpenAI's own count of the request: 3 a message, its role and text, 3 to prime.
+            let billed = 50 * (3 + 1 + tokens) + 3;
+            assert!(prompt_bound(0, &request) >= billed, "{text:?}");
+            for encoding in [Encoding::O200kBase, Encoding::Cl100kBase] {
+                assert!(prompt_bound(0, &request) >= request.prompt_tokens(encoding), "{encoding:?} {text:?}");
+            }
+        }
+        let chat = LlmRequest::parse(Api::ChatCompletions, CHAT.as_bytes()).unwrap();
+        assert_eq!(prompt_bound(0, &chat), 3 + 4 + 11 + 3, "priming, the message, `user`, `hello world`");
+        assert_eq!(prompt_bound(500, &chat), 500, "never below the estimate");
+    }
+
+    #[test]
+    fn the_learned_factor_scales_the_prompt_and_the_rule_keys_it() {
+        let config = config(r#"{"models": [{"match": "claude-*", "encoding": "cl100k_base", "factor": 1.1}]}"#);
+        let lesson = crate::calibration::Lesson { prompt: Some((9, 21)), output: None };
+        let mut known = Known { calibration: Calibration::default().learn(lesson), ..Known::default() };
+        let plan = plan(&config, "/v1/chat/completions", "", Some(CHAT.as_bytes()), &mut known);
+        assert_eq!(plan.counted_prompt, 9);
+        assert_eq!(plan.estimate.map(|e| e.prompt), Some(21), "9 counted at the learned 21/9");
+        assert_eq!(config.tokens.rule(plan.rule).rule.pattern, "gpt-4o*", "the built-in family keys it");
+        // Unknown models share one rule, the catch-all, whatever their names.
+        let rules: Vec<usize> = ["mystery-1", "mystery-2", ""]
+            .iter()
+            .map(|m| CHAT.replace("gpt-4o", m))
+            .map(|body| super::plan(&config, "/v1/chat/completions", "", Some(body.as_bytes()), &mut Cold).rule)
+            .collect();
+        assert_eq!(rules, [config.tokens.rules.len(); 3]);
+        assert_eq!(config.tokens.rule(rules[0]).label, "other");
+    }
+
+    #[test]
+    fn a_tenant_without_history_reserves_the_models_prior() {
+        let mut config =
+            config(r#"{"models": [{"match": "gpt-4o*", "encoding": "o200k_base", "expected_output": 100}]}"#);
+        let reserve = |config: &Policy, known: &mut Known| {
+            plan(config, "/v1/chat/completions", "", Some(CHAT.as_bytes()), known).estimate.map(|e| e.output)
+        };
+        // The rule's prior, at the estimate factor (1.5), below the cap of 300.
+        assert_eq!(reserve(&config, &mut Known::default()), Some(150));
+        // Once the proxy has seen enough of the model's completions, theirs.
+        let mut learned = Calibration::default();
+        for output in [20, 20, 20] {
+            learned = learned.learn(crate::calibration::Lesson { prompt: None, output: Some(output) });
+        }
+        assert_eq!(reserve(&config, &mut Known { calibration: learned, ..Known::default() }), Some(30));
+        // The tenant's own history, when it has one, wins.
+        let mut own = Known { average: Some(OutputAverage::first(180)), calibration: learned, asked: vec![] };
+        assert_eq!(reserve(&config, &mut own), Some(270));
+        // No prior anywhere: the cap.
+        config.tokens.rules[0].expected_output = None;
+        assert_eq!(reserve(&config, &mut Known::default()), Some(300));
     }
 }

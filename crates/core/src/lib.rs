@@ -5,6 +5,7 @@
 
 pub mod breaker;
 pub mod bucket;
+pub mod calibration;
 pub mod charge;
 pub mod config;
 pub mod decision;

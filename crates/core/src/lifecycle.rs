@@ -6,7 +6,8 @@
 
 use crate::breaker::Route;
 use crate::bucket::{check_and_charge, decode_states, encode_states};
-use crate::charge::{plan, ChargePlan};
+use crate::calibration::{self, Calibration, Lesson};
+use crate::charge::{plan, ChargePlan, Learned};
 use crate::config::{Dimension, FailureMode, MissingIdentity, Mode, Policy};
 use crate::decision::{
     self, Header, LocalReply, DEGRADED_HEADER, QUEUED_HEADER, RESERVED_TOKENS_HEADER, SHADOW_HEADER,
@@ -14,6 +15,7 @@ use crate::decision::{
 use crate::host::{shared_update, Action, Host, LogLevel, Metric, Owner};
 use crate::identity::{find_credential, tenant_id, ANONYMOUS_TENANT};
 use crate::lease::{lease_asks, LeaseEntry, TenantLeases};
+use crate::prompt_cache::PromptCache;
 use crate::protocol::keys;
 use crate::protocol::{
     ChargeRequest, LeaseRequest, LimitCharge, LimitKind, LimitsReply, Reservation, SettlementBatch, Wait, CHARGE_PATH,
@@ -22,6 +24,7 @@ use crate::protocol::{
 use crate::reservation::{actual_usage, credit, Ending, OutputAverage, TokenEstimate};
 use crate::sse::UsageChunkRemover;
 use crate::tables::{read_average, read_own, update_average, update_own, Busy, TenantTable};
+use crate::tokens::Encoding;
 use crate::usage::{ReplyUsage, ReportedUsage, StreamUsage};
 use crate::worker::{adjustments, callout_reply, settlement, Worker};
 use std::rc::Rc;
@@ -347,10 +350,8 @@ impl RequestFilter {
         let path = host.request_header(":path").unwrap_or_default();
         let tier_value = config.tier.as_ref().and_then(|t| host.request_header(&t.header));
         self.tier = config.tier_of(&self.tenant, tier_value.as_deref()).to_string();
-        let tenant = &self.tenant;
-        let plan = plan(config, &path, &self.tier, body, &mut worker.prompt_cache, |model| {
-            read_average(host, config, tenant, model).and_then(|b| OutputAverage::from_bytes(&b))
-        });
+        let mut learned = FromSharedData { host, config, tenant: &self.tenant, prompt_cache: &mut worker.prompt_cache };
+        let plan = plan(config, &path, &self.tier, body, &mut learned);
         self.body_len = body.map_or(0, <[u8]>::len);
         let unpriced = plan.unpriced.then(|| plan.model.clone());
         self.plan = Some(plan);
@@ -853,13 +854,17 @@ impl RequestFilter {
             TokenEstimate { prompt: 0, output: 0 }
         };
         host.add_metric(Metric::TokensCharged, used.total());
-        if ending == Ending::Completed {
-            if let Some(output) = reported.output.or(streamed_output) {
+        if ending == Ending::Completed && forwarded {
+            let output = reported.output.or(streamed_output).filter(|_| plan.produces_output());
+            if let Some(output) = output {
                 update_average(host, config, &self.tenant, &plan.model, |stored| {
                     let average = stored.and_then(OutputAverage::from_bytes);
                     average.map_or(OutputAverage::first(output), |a| a.update(output)).to_bytes().to_vec()
                 });
             }
+            // What the provider counted against what the proxy did, for the next reservations.
+            let prompt = reported.input.map(|input| (plan.counted_prompt, input));
+            calibration::learn(host, config, plan.rule, Lesson { prompt, output });
         }
         // Against what the budget was charged (every cost limit is charged the same).
         let charged =
@@ -893,6 +898,29 @@ impl RequestFilter {
                 (Some(encode_states(&states)), ())
             },
         );
+    }
+}
+
+/// What this proxy learned, as the workers share it in shared data, and the counts this
+/// VM remembers.
+struct FromSharedData<'a, H> {
+    host: &'a mut H,
+    config: &'a Policy,
+    tenant: &'a str,
+    prompt_cache: &'a mut PromptCache,
+}
+
+impl<H: Host> Learned for FromSharedData<'_, H> {
+    fn average(&mut self, model: &str) -> Option<OutputAverage> {
+        read_average(self.host, self.config, self.tenant, model).and_then(|b| OutputAverage::from_bytes(&b))
+    }
+
+    fn calibration(&mut self, rule: usize) -> Calibration {
+        calibration::read(self.host, self.config, rule)
+    }
+
+    fn count(&mut self, encoding: Encoding, text: &str) -> u64 {
+        self.prompt_cache.count(encoding, text)
     }
 }
 

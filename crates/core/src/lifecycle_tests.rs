@@ -13,6 +13,9 @@ const HOSTS: [HostKind; 2] = [HostKind::Envoy, HostKind::Nginx];
 const CHAT: &str = r#"{"model":"gpt-4o","messages":[{"role":"user","content":"hello world"}],"max_tokens":300}"#;
 /// What CHAT reserves: 9 prompt tokens counted in the proxy, 300 of output allowance.
 const CHAT_RESERVES: i64 = 309;
+/// The most any provider counts CHAT's prompt as (`charge::prompt_bound`): 3 to prime the
+/// reply, 3 for the message, `user` and `hello world` in bytes.
+const CHAT_PROMPT_BOUND: u64 = 21;
 
 fn config(limits: Value, extra: Value) -> String {
     let mut config =
@@ -399,14 +402,119 @@ fn clamping_rewrites_the_output_cap_to_the_grant() {
     let mut flight = proxy.send(Request::chat("sk-a", CHAT), &mut companion);
     assert!(flight.forwarded());
     let body: Value = serde_json::from_slice(&flight.host.request_body).unwrap();
-    assert_eq!(body["max_tokens"], 191, "200 left - 9 prompt tokens");
+    let bound = CHAT_PROMPT_BOUND;
+    assert_eq!(body["max_tokens"], 200 - bound, "200 left - the prompt's bound");
     assert_eq!(
         flight.host.request_headers.iter().find(|(n, _)| n == "content-length").map(|(_, v)| v.clone()),
         Some(flight.host.request_body.len().to_string())
     );
-    proxy.reply(&mut flight, 200, "application/json", &[&usage_reply(9, 191)]);
+    // The provider counted the prompt as 9 and generated the whole grant: what the bound
+    // held for the prompt beyond 9 goes back.
+    proxy.reply(&mut flight, 200, "application/json", &[&usage_reply(9, 200 - bound)]);
     let settled = settle(&mut proxy, &mut companion);
-    assert_eq!(settled.iter().flat_map(|s| &s.limits).map(|a| a.credit).sum::<i64>(), 0, "used exactly the grant");
+    assert_eq!(settled.iter().flat_map(|s| &s.limits).map(|a| a.credit).sum::<i64>(), bound as i64 - 9);
+}
+
+/// A provider that counts every byte of the prompt's text as a token (the most a BPE
+/// tokenizer can), and answers with the whole output cap the request was granted.
+fn worst_case_reply(flight: &crate::testing::InFlight) -> (u64, String) {
+    let body: Value = serde_json::from_slice(&flight.host.request_body).unwrap();
+    let prompt = CHAT_PROMPT_BOUND;
+    let output = body["max_tokens"].as_u64().unwrap();
+    (prompt + output, usage_reply(prompt, output))
+}
+
+#[test]
+fn clamping_holds_the_limit_from_the_first_request_whatever_the_provider_counts() {
+    // Nothing learned yet, requests in flight together, the provider counting far more
+    // than the proxy (every byte of text a token: 21, against 9 counted): the admitted
+    // completions plus the provider's prompts never pass the limit.
+    for limit in [1_000u64, 1_777, 5_000] {
+        let world = World::new(HostKind::Envoy);
+        let limits = json!([{"name": "tpm", "tokens": limit, "window": "1h"}]);
+        let extra = json!({"tokens": {"clamp_max_tokens": true, "min_output_tokens": 20}});
+        let mut proxy = Proxy::new(&world, &config(limits, extra));
+        let mut companion = FakeCompanion::default();
+        let mut flights: Vec<_> = (0..40).map(|_| proxy.start(Request::chat("sk-a", CHAT))).collect();
+        for flight in &mut flights {
+            proxy.answer(flight, &mut companion);
+        }
+        let mut used = 0;
+        for flight in flights.iter_mut().filter(|f| f.forwarded()) {
+            let (tokens, reply) = worst_case_reply(flight);
+            used += tokens;
+            proxy.reply(flight, 200, "application/json", &[&reply]);
+        }
+        settle(&mut proxy, &mut companion);
+        let admitted = flights.iter().filter(|f| f.forwarded()).count();
+        assert!(admitted > 0 && used <= limit, "limit {limit}: {admitted} admitted used {used}");
+        assert!(used + 20 + CHAT_PROMPT_BOUND > limit, "limit {limit}: used {used}, room was left for one more");
+        let tpm = charge_of(&flights[0]).limits[0].clone();
+        assert!(
+            companion.level(&tenant("sk-a"), &tpm, proxy.now()) >= 0.0,
+            "limit {limit}: the bucket never went below 0"
+        );
+    }
+}
+
+#[test]
+fn the_prompt_factor_is_learned_from_settled_replies_and_shared_by_the_workers() {
+    for kind in HOSTS {
+        let world = World::new(kind);
+        // Two workers of one proxy: they share data, not memory.
+        let mut first = Proxy::new(&world, &rpm_tpm(json!({})));
+        let mut second = Proxy::new(&world, &rpm_tpm(json!({})));
+        let mut companion = FakeCompanion::default();
+        let mut flight = first.send(Request::chat("sk-a", CHAT), &mut companion);
+        assert_eq!(charge_of(&flight).limits[1].cost, CHAT_RESERVES as u64, "{kind:?}: nothing learned yet");
+        // The provider counts the 9-token prompt as 21.
+        first.reply(&mut flight, 200, "application/json", &[&usage_reply(21, 41)]);
+        assert_eq!(flight.host.gauges.get("llm_ratelimit.prompt_factor.gpt-4o"), Some(&2333), "{kind:?}: 21/9");
+        let flight = second.send(Request::chat("sk-b", CHAT), &mut companion);
+        assert_eq!(charge_of(&flight).limits[1].cost, 21 + 300, "{kind:?}: the other worker reserves 21");
+        // Another model's rule learned nothing: its prompt is reserved as counted.
+        let mini = CHAT.replace("gpt-4o", "gpt-3.5-turbo");
+        let flight = second.send(Request::chat("sk-b", &mini), &mut companion);
+        assert_eq!(charge_of(&flight).limits[1].cost, 9 + 300, "{kind:?}");
+        assert_eq!(first.root.metric(Metric::SharedWritesRefused) + flight.host.metric(Metric::SharedWritesRefused), 0);
+        // A worker configured later shows what was learned before it.
+        let third = Proxy::new(&world, &rpm_tpm(json!({})));
+        assert_eq!(third.root.gauges.get("llm_ratelimit.prompt_factor.gpt-4o"), Some(&2333), "{kind:?}");
+        assert_eq!(third.root.gauges.get("llm_ratelimit.prompt_factor.gpt-3_5"), Some(&1000), "{kind:?}");
+    }
+}
+
+#[test]
+fn a_new_tenant_reserves_the_models_learned_completion_length() {
+    let world = World::new(HostKind::Envoy);
+    let mut proxy = Proxy::new(&world, &rpm_tpm(json!({})));
+    let mut companion = FakeCompanion::default();
+    let mut priors = Vec::new();
+    for key in ["sk-a", "sk-b", "sk-c"] {
+        let mut flight = proxy.send(Request::chat(key, CHAT), &mut companion);
+        assert_eq!(charge_of(&flight).limits[1].cost, CHAT_RESERVES as u64, "{key}: no prior yet, the cap");
+        proxy.reply(&mut flight, 200, "application/json", &[&usage_reply(9, 40)]);
+        priors.push(flight.host.gauges.get("llm_ratelimit.output_prior.gpt-4o").copied());
+    }
+    assert_eq!(priors, [Some(0), Some(0), Some(40)], "known after three completions");
+    // A tenant never seen reserves 1.5 x the model's 40, not its cap of 300.
+    let flight = proxy.send(Request::chat("sk-new", CHAT), &mut companion);
+    assert_eq!(charge_of(&flight).limits[1].cost, 9 + 60);
+}
+
+#[test]
+fn without_calibration_nothing_is_learned_or_kept() {
+    let world = World::new(HostKind::Nginx);
+    let mut proxy = Proxy::new(&world, &rpm_tpm(json!({"tokens": {"calibrate": false}})));
+    let mut companion = FakeCompanion::default();
+    for _ in 0..3 {
+        let mut flight = proxy.send(Request::chat("sk-a", CHAT), &mut companion);
+        proxy.reply(&mut flight, 200, "application/json", &[&usage_reply(21, 41)]);
+        assert!(flight.host.gauges.is_empty());
+    }
+    let flight = proxy.send(Request::chat("sk-b", CHAT), &mut companion);
+    assert_eq!(charge_of(&flight).limits[1].cost, CHAT_RESERVES as u64);
+    assert!(!world.borrow().keys().iter().any(|k| k.starts_with("llmrl.cal.")));
 }
 
 #[test]
@@ -563,7 +671,8 @@ fn memory_is_bounded_whatever_tenants_and_models_clients_invent() {
         assert!(per_table("llmrl.lease.") <= 16, "{kind:?}: {keys:?}");
         assert!(per_table("llmrl.local.") <= 16, "{kind:?}");
         assert!(per_table("llmrl.avg.") <= 32, "{kind:?}");
-        assert!(keys.len() <= 16 + 16 + 32 + 3, "{kind:?}: {} keys", keys.len());
+        assert_eq!(per_table("llmrl.cal."), 1, "{kind:?}: 300 model names no rule knows share the catch-all");
+        assert!(keys.len() <= 16 + 16 + 32 + 4, "{kind:?}: {} keys", keys.len());
         assert!(proxy.worker.leased_slots() <= 16);
     }
 }

@@ -138,6 +138,13 @@ impl ParsedBody<'_> {
         self.prompt_tokens_with(&mut |text| encoding.count(text))
     }
 
+    /// The prompt with each text measured in bytes instead of tokens, and the same fixed
+    /// costs (per message, name, image, token id): at least what any tokenizer that makes
+    /// at most one token of a byte of text counts, on the same structure.
+    pub fn prompt_bytes(&self) -> u64 {
+        self.prompt_tokens_with(&mut |text| text.len() as u64)
+    }
+
     /// Prompt tokens, each text counted by `count`.
     pub fn prompt_tokens_with(&self, count: &mut impl FnMut(&str) -> u64) -> u64 {
         let body = &self.tree;

@@ -80,6 +80,12 @@ pub fn credit(estimate: TokenEstimate, actual: u64) -> i64 {
     i64::try_from(estimate.total()).unwrap_or(i64::MAX).saturating_sub(i64::try_from(actual).unwrap_or(i64::MAX))
 }
 
+/// The weight of the newest of `samples` samples in a running average: a plain mean over
+/// the first `window`, then an exponential average over about that many.
+pub fn sample_weight(samples: u32, window: u32) -> f64 {
+    1.0 / f64::from(samples.clamp(1, window.max(1)))
+}
+
 /// A tenant's running average completion length for one model: the mean of the last
 /// `WINDOW` completions, roughly (an exponential average once warmed up).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -97,8 +103,7 @@ impl OutputAverage {
 
     pub fn update(self, output: u64) -> OutputAverage {
         let samples = self.samples.saturating_add(1);
-        let weight = f64::from(samples.min(Self::WINDOW));
-        OutputAverage { mean: self.mean + (output as f64 - self.mean) / weight, samples }
+        OutputAverage { mean: self.mean + (output as f64 - self.mean) * sample_weight(samples, Self::WINDOW), samples }
     }
 
     pub fn to_bytes(self) -> [u8; 12] {

@@ -200,7 +200,7 @@ pub fn slot_of(parts: &[&str], slots: u32) -> u32 {
 }
 
 /// FNV-1a over the parts, each followed by a 0 byte (so ("ab", "c") != ("a", "bc")).
-fn fnv1a(parts: &[&str]) -> u64 {
+pub(crate) fn fnv1a(parts: &[&str]) -> u64 {
     parts
         .iter()
         .flat_map(|p| p.bytes().chain(std::iter::once(0)))

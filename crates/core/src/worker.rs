@@ -128,6 +128,13 @@ impl Worker {
                 host.set_gauge(&format!("llm_ratelimit.lease_bound.{}", limit.name), bound);
             }
         }
+        if config.tokens.calibrate && config.counts_tokens() {
+            // What the workers learned before this config (shared data outlives it).
+            for (index, model) in config.tokens.all_rules() {
+                let learned = crate::calibration::read(host, &config, index);
+                crate::calibration::show(host, model, learned);
+            }
+        }
         self.config = Some(Rc::new(config));
         self.warmed_up = false;
         Ok(())
@@ -150,8 +157,8 @@ impl Worker {
         if !self.warmed_up && config.tokens.warm_up && config.counts_tokens() {
             self.warmed_up = true;
             config.tokens.default_encoding.warm_up();
-            for rule in &config.tokens.models {
-                rule.encoding.warm_up();
+            for model in config.tokens.rules.iter().filter(|m| m.configured) {
+                model.rule.encoding.warm_up();
             }
         }
         self.ticks = self.ticks.wrapping_add(1);

@@ -44,3 +44,9 @@ pub fn breaker_key(domain: &str) -> String {
 pub fn average_key(domain: &str, slot: u32) -> String {
     format!("llmrl.avg.{domain}.{slot}")
 }
+
+/// Shared data: what the filter learned from settled replies about the models of rule
+/// `rule` (its index among the configured and built-in model rules; bounded by the config).
+pub fn calibration_key(domain: &str, rule: u32) -> String {
+    format!("llmrl.cal.{domain}.{rule}")
+}

@@ -10,8 +10,8 @@
 
 use super::error::{invalid, ConfigError};
 use super::policy::{
-    tiers_named, Bypass, Companion, Dimension, Fallback, Identity, LeaseConfig, Limit, Measure, Memory, Policy,
-    PriceEntry, QueueConfig, Slots, TierConfig, TokenPolicy,
+    model_policies, tiers_named, Bypass, Companion, Dimension, Fallback, Identity, LeaseConfig, Limit, Measure, Memory,
+    Policy, PriceEntry, QueueConfig, Slots, TierConfig, TokenPolicy,
 };
 use super::shape::{self, Algorithm, ConfigDuration, Document};
 use crate::identity::{is_tenant_id, IdentitySource};
@@ -176,19 +176,27 @@ fn slots(written: &shape::Slots) -> Result<Slots, ConfigError> {
 
 fn tokens(written: &shape::Tokens) -> Result<TokenPolicy, ConfigError> {
     let encodings = std::iter::once(("tokens.default_encoding".to_string(), written.default_encoding)).chain(
-        written.models.iter().enumerate().map(|(i, rule)| (format!("tokens.models[{i}].encoding"), rule.encoding)),
+        written.models.iter().enumerate().map(|(i, m)| (format!("tokens.models[{i}].encoding"), m.rule.encoding)),
     );
     for (field, encoding) in encodings {
         if !encoding.available() {
             return Err(invalid(field, format!("{} is not compiled into this build", encoding.name())));
         }
     }
-    for (i, rule) in written.models.iter().enumerate() {
+    let mut configured = Vec::with_capacity(written.models.len());
+    for (i, shape::ModelRule { rule, expected_output }) in written.models.iter().enumerate() {
         not_empty(format!("tokens.models[{i}].match"), &rule.pattern)?;
         within(format!("tokens.models[{i}].factor"), rule.factor, (Excluded(0.0), Included(10.0)), "(0, 10]")?;
         if let Some(max_output) = rule.max_output {
             positive(format!("tokens.models[{i}].max_output"), max_output)?;
         }
+        if let Some(expected) = *expected_output {
+            positive(format!("tokens.models[{i}].expected_output"), expected)?;
+        }
+        configured.push((rule.clone(), *expected_output));
+    }
+    if let Some(expected) = written.default_expected_output {
+        positive("tokens.default_expected_output", expected)?;
     }
     let min_output_tokens = positive("tokens.min_output_tokens", written.min_output_tokens)?;
     let default_max_output = positive("tokens.default_max_output", written.default_max_output)?;
@@ -202,9 +210,11 @@ fn tokens(written: &shape::Tokens) -> Result<TokenPolicy, ConfigError> {
         Duration::from_secs(1)..=Duration::from_secs(86_400),
         "1s..1d",
     )?;
+    let (rules, catch_all) = model_policies(configured, written.default_encoding, written.default_expected_output);
     Ok(TokenPolicy {
         default_encoding: written.default_encoding,
-        models: written.models.clone(),
+        rules,
+        catch_all,
         default_max_output,
         output_estimate_factor,
         unparsed_request_cost: written.unparsed_request_cost,
@@ -215,6 +225,7 @@ fn tokens(written: &shape::Tokens) -> Result<TokenPolicy, ConfigError> {
         clamp_max_tokens: written.clamp_max_tokens,
         min_output_tokens,
         warm_up: written.warm_up,
+        calibrate: written.calibrate,
     })
 }
 

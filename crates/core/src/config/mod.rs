@@ -16,8 +16,8 @@ mod tests;
 
 pub use error::ConfigError;
 pub use policy::{
-    model_rule, Bypass, Companion, Dimension, FailureMode, Fallback, HeaderStyle, Identity, LeaseConfig, Limit,
-    Measure, Memory, Mode, Policy, Price, PriceEntry, QueueConfig, Secret, Slots, TierConfig, TokenPolicy,
+    Bypass, Companion, Dimension, FailureMode, Fallback, HeaderStyle, Identity, LeaseConfig, Limit, Measure, Memory,
+    Mode, ModelPolicy, Policy, Price, PriceEntry, QueueConfig, Secret, Slots, TierConfig, TokenPolicy,
 };
 // Types of the policy's fields that belong to the modules that act on them.
 pub use crate::identity::{IdentitySource, MissingIdentity};

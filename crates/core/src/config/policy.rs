@@ -259,8 +259,12 @@ pub struct Slots {
 #[derive(Debug, Clone)]
 pub struct TokenPolicy {
     pub default_encoding: Encoding,
-    /// Tried in order before the built-in OpenAI families.
-    pub models: Vec<ModelRule>,
+    /// The rules a model is matched against, in order: the operator's (`tokens.models`),
+    /// then the built-in OpenAI families; `catch_all` takes every other model. A model's
+    /// rule decides how it is counted and capped, and keys what the proxy learns about
+    /// it, so that is bounded by the config, never by the model names clients send.
+    pub rules: Vec<ModelPolicy>,
+    pub catch_all: ModelPolicy,
     pub default_max_output: u64,
     pub output_estimate_factor: f64,
     pub unparsed_request_cost: u64,
@@ -271,25 +275,88 @@ pub struct TokenPolicy {
     pub clamp_max_tokens: bool,
     pub min_output_tokens: u64,
     pub warm_up: bool,
+    /// Learn prompt factors and completion priors per rule from settled replies.
+    pub calibrate: bool,
 }
 
-/// The rule that applies to a model: the operator's first match, then the built-in
-/// OpenAI families, then the default encoding.
-/// Built once per VM, not per request.
-fn builtin_model_rules() -> &'static [ModelRule] {
-    static RULES: std::sync::OnceLock<Vec<ModelRule>> = std::sync::OnceLock::new();
-    RULES.get_or_init(builtin_rules)
+/// One model rule with what the policy adds to it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelPolicy {
+    pub rule: ModelRule,
+    /// The completion length assumed for a tenant with no history of its own (the rule's
+    /// `expected_output`, else `tokens.default_expected_output`), until the proxy has
+    /// learned the model's.
+    pub expected_output: Option<u64>,
+    /// Names the rule in metrics (`prompt_factor.<label>`): its pattern in characters a
+    /// metric name takes, unique among the rules.
+    pub label: String,
+    /// Written by the operator (not built in).
+    pub configured: bool,
 }
 
-pub fn model_rule(policy: &TokenPolicy, model: Option<&str>) -> ModelRule {
-    let model = model.unwrap_or("");
-    policy
-        .models
-        .iter()
-        .find(|rule| glob_match(&rule.pattern, model))
-        .cloned()
-        .or_else(|| builtin_model_rules().iter().find(|rule| glob_match(&rule.pattern, model)).cloned())
-        .unwrap_or(ModelRule { pattern: "*".into(), encoding: policy.default_encoding, factor: 1.0, max_output: None })
+impl TokenPolicy {
+    /// The rule that applies to `model` (none: the catch-all), with its index: the
+    /// operator's first match, then the built-in OpenAI families, then the catch-all.
+    pub fn rule_for(&self, model: Option<&str>) -> (usize, &ModelPolicy) {
+        let model = model.unwrap_or("");
+        self.rules
+            .iter()
+            .enumerate()
+            .find(|(_, policy)| glob_match(&policy.rule.pattern, model))
+            .unwrap_or((self.rules.len(), &self.catch_all))
+    }
+
+    /// Every rule with its index, the catch-all last: as many as the config has, so what
+    /// is kept per rule is bounded.
+    pub fn all_rules(&self) -> impl Iterator<Item = (usize, &ModelPolicy)> {
+        self.rules.iter().chain(std::iter::once(&self.catch_all)).enumerate()
+    }
+
+    /// The rule at `index` (out of range: the catch-all).
+    pub fn rule(&self, index: usize) -> &ModelPolicy {
+        self.rules.get(index).unwrap_or(&self.catch_all)
+    }
+}
+
+/// The rules a policy matches models against: `configured` (with each rule's prior), then
+/// the built-in families; and the catch-all for every other model.
+pub(super) fn model_policies(
+    configured: Vec<(ModelRule, Option<u64>)>,
+    default_encoding: Encoding,
+    default_expected_output: Option<u64>,
+) -> (Vec<ModelPolicy>, ModelPolicy) {
+    let mut labels = std::collections::BTreeSet::new();
+    let mut policy = |rule: ModelRule, expected_output: Option<u64>, configured: bool| {
+        let base = metric_label(&rule.pattern);
+        let label =
+            (1..).map(|n| if n == 1 { base.clone() } else { format!("{base}_{n}") }).find(|l| !labels.contains(l));
+        let label = label.unwrap_or(base);
+        labels.insert(label.clone());
+        ModelPolicy { rule, expected_output: expected_output.or(default_expected_output), label, configured }
+    };
+    let mut rules: Vec<ModelPolicy> =
+        configured.into_iter().map(|(rule, expected)| policy(rule, expected, true)).collect();
+    rules.extend(builtin_rules().into_iter().map(|rule| policy(rule, None, false)));
+    let every_model = ModelRule { pattern: "*".into(), encoding: default_encoding, factor: 1.0, max_output: None };
+    let mut catch_all = policy(every_model, None, false);
+    catch_all.label = "other".into();
+    (rules, catch_all)
+}
+
+/// A model pattern as part of a metric name: `gpt-4.1*` is `gpt-4_1`, `claude-*` is
+/// `claude`; Envoy takes dots as hierarchy and the wildcard says nothing.
+fn metric_label(pattern: &str) -> String {
+    let label: String = pattern
+        .chars()
+        .filter(|c| *c != '*')
+        .map(|c| if c.is_ascii_alphanumeric() || c == '-' { c.to_ascii_lowercase() } else { '_' })
+        .collect();
+    let label = label.trim_matches(['-', '_']);
+    if label.is_empty() || label == "other" {
+        "rule".to_string()
+    } else {
+        label.to_string()
+    }
 }
 
 /// The degraded mode: how the proxy decides alone, and when it stops asking.

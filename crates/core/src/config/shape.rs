@@ -11,7 +11,7 @@ use super::policy::{FailureMode, HeaderStyle, Mode, Price, Secret};
 use crate::duration::parse_duration;
 use crate::identity::{IdentitySource, MissingIdentity};
 use crate::reservation::UpstreamErrorCharge;
-use crate::tokens::{Encoding, ModelRule};
+use crate::tokens::{self, Encoding};
 use serde::{Deserialize, Deserializer};
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -201,6 +201,39 @@ pub struct Tokens {
     pub min_output_tokens: u64,
     /// Build the vocabularies on the first timer tick rather than on the first request.
     pub warm_up: bool,
+    /// The completion length assumed for a tenant with no history of its own for a model
+    /// whose rule sets no `expected_output`, until this proxy has seen enough of the
+    /// model's completions to know better. Unset: the output cap (nothing can overshoot).
+    pub default_expected_output: Option<u64>,
+    /// Learn from settled replies, per model rule, how the provider's prompt count relates
+    /// to the proxy's and how long the model's completions run, and reserve by that.
+    pub calibrate: bool,
+}
+
+/// A model rule as written in `tokens.models`: the counting rule's own fields (`match`,
+/// `encoding`, `factor`, `max_output`, as `tokens::ModelRule` reads them, refusing any
+/// other) and the completion prior.
+#[derive(Debug, Clone)]
+pub struct ModelRule {
+    pub rule: tokens::ModelRule,
+    /// The completion length assumed for a tenant with no history of its own for these
+    /// models, until this proxy has seen enough of their completions.
+    pub expected_output: Option<u64>,
+}
+
+impl<'de> Deserialize<'de> for ModelRule {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        use serde::de::Error;
+        let mut fields = serde_json::Map::deserialize(deserializer)?;
+        let expected_output = fields
+            .remove("expected_output")
+            .map(serde_json::from_value::<Option<u64>>)
+            .transpose()
+            .map_err(|e| D::Error::custom(format!("expected_output: {e}")))?
+            .flatten();
+        let rule = tokens::ModelRule::deserialize(serde_json::Value::Object(fields)).map_err(D::Error::custom)?;
+        Ok(ModelRule { rule, expected_output })
+    }
 }
 
 impl Default for Tokens {
@@ -218,6 +251,8 @@ impl Default for Tokens {
             clamp_max_tokens: false,
             min_output_tokens: 64,
             warm_up: true,
+            default_expected_output: None,
+            calibrate: true,
         }
     }
 }

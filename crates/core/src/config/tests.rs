@@ -43,11 +43,12 @@ fn parses_a_full_config() {
     assert_eq!(config.limits[1].window_ms(), 86_400_000);
     assert_eq!((config.limits[2].dimension(), config.limits[2].capacity()), (Dimension::Tokens, 10_000));
     assert!(config.counts_tokens());
-    assert_eq!(config.tokens.models[0].encoding, Encoding::Cl100kBase);
+    assert_eq!(config.tokens.rules[0].rule.encoding, Encoding::Cl100kBase);
     assert_eq!(config.tokens.reservation_ttl, Duration::from_secs(600));
-    assert_eq!(model_rule(&config.tokens, Some("claude-3-haiku")).factor, 1.1);
-    assert_eq!(model_rule(&config.tokens, Some("gpt-4-turbo")).encoding, Encoding::Cl100kBase);
-    assert_eq!(model_rule(&config.tokens, Some("mystery")).encoding, Encoding::O200kBase);
+    let rule = |model| &config.tokens.rule_for(Some(model)).1.rule;
+    assert_eq!(rule("claude-3-haiku").factor, 1.1);
+    assert_eq!(rule("gpt-4-turbo").encoding, Encoding::Cl100kBase);
+    assert_eq!(rule("mystery").encoding, Encoding::O200kBase);
 }
 
 #[test]
@@ -69,6 +70,29 @@ fn fills_defaults() {
     assert_eq!(config.hold_request_headers, None, "held where the host can");
     assert_eq!(config.tokens.default_encoding, Encoding::O200kBase);
     assert_eq!(config.tokens.on_upstream_error, UpstreamErrorCharge::PromptOnly);
+    assert!(config.tokens.calibrate, "learning is on");
+    assert!(config.tokens.all_rules().all(|(_, rule)| rule.expected_output.is_none()), "no prior: the cap");
+}
+
+#[test]
+fn model_rules_get_their_prior_and_a_metric_label_of_their_own() {
+    let json = r#"{"companion": {"upstream": "c", "token": "t"}, "limits": [{"name": "tpm", "tokens": 1, "window": "1s"}],
+                   "tokens": {"default_expected_output": 300, "models": [
+                     {"match": "claude-*", "encoding": "cl100k_base", "expected_output": 800},
+                     {"match": "gpt-4o*", "encoding": "o200k_base"}, {"match": "Other.v2*", "encoding": "o200k_base"}]}}"#;
+    let tokens = Policy::from_json(json.as_bytes()).expect("config").tokens;
+    let rule = |model| tokens.rule_for(Some(model)).1;
+    assert_eq!((rule("claude-3-5").expected_output, rule("claude-3-5").label.as_str()), (Some(800), "claude"));
+    assert_eq!((rule("gpt-4o-mini").expected_output, rule("gpt-4o-mini").label.as_str()), (Some(300), "gpt-4o"));
+    assert!(rule("gpt-4o-mini").configured);
+    assert_eq!(rule("other.v2").label, "other", "case-sensitive: no rule, the catch-all");
+    assert_eq!(rule("Other.v2-x").label, "other_v2");
+    // The built-in family the operator's gpt-4o* shadows keeps a label of its own.
+    let labels: Vec<&str> = tokens.all_rules().map(|(_, r)| r.label.as_str()).collect();
+    assert!(labels.contains(&"gpt-4o_2"), "{labels:?}");
+    assert_eq!(labels.iter().collect::<std::collections::BTreeSet<_>>().len(), labels.len(), "unique");
+    assert_eq!(labels.last(), Some(&"other"), "the catch-all, for every model no rule names");
+    assert_eq!(tokens.rule_for(None).0, tokens.rules.len());
 }
 
 #[test]
@@ -243,6 +267,37 @@ fn rejects_bad_configs_naming_the_field() {
             ),
             "tokens.models[0].match",
             "must not be empty",
+        ),
+        (
+            format!(
+                r#"{{{companion}, {limits}, "tokens": {{"models": [{{"match": "x*", "encoding": "o200k_base", "expected_output": 0}}]}}}}"#
+            ),
+            "tokens.models[0].expected_output",
+            "must be positive",
+        ),
+        (
+            format!(
+                r#"{{{companion}, {limits}, "tokens": {{"models": [{{"match": "x*", "encoding": "o200k_base", "expected_output": "lots"}}]}}}}"#
+            ),
+            "tokens.models[0]",
+            "expected_output: invalid type: string",
+        ),
+        (
+            format!(
+                r#"{{{companion}, {limits}, "tokens": {{"models": [{{"match": "x*", "encoding": "o200k_base", "max_ouptut": 5}}]}}}}"#
+            ),
+            "tokens.models[0]",
+            "unknown field `max_ouptut`",
+        ),
+        (
+            format!(r#"{{{companion}, {limits}, "tokens": {{"default_expected_output": 0}}}}"#),
+            "tokens.default_expected_output",
+            "must be positive",
+        ),
+        (
+            format!(r#"{{{companion}, {limits}, "tokens": {{"calibrate": "yes"}}}}"#),
+            "tokens.calibrate",
+            "expected a boolean",
         ),
         (
             format!(r#"{{{companion}, {limits}, "tokens": {{"output_estimate_factor": 0}}}}"#),

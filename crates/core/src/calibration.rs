@@ -1,0 +1,258 @@
+//! What the proxy learns from settled replies, per model rule: how the provider's count of
+//! a prompt relates to the proxy's own, and how long the model's completions run.
+//! Reservations use both: a prompt is reserved at the learned factor (never below the
+//! rule's configured `factor`), and a tenant with no history of its own for a model
+//! reserves the model's learned completion length instead of the output cap.
+//!
+//! One value per rule (the operator's, the built-in families, one catch-all for every
+//! other model) in shared data, so every worker of a proxy learns from every other's
+//! replies and the memory is bounded by the config, whatever model names clients send.
+//! Each value is tagged with its rule's pattern and encoding, so after a config change
+//! that moved the rules a value that was another rule's reads as absent.
+
+use crate::config::{ModelPolicy, Policy};
+use crate::host::{shared_read, shared_update, Host};
+use crate::protocol::keys;
+use crate::reservation::sample_weight;
+use crate::tables::fnv1a;
+
+/// Samples count as a plain mean over the first this many, then as an exponential average
+/// over about this many (each new sample weighs 1/20).
+pub const WINDOW: u32 = 20;
+/// The largest learned prompt factor (unless the rule's own `factor` is larger): one
+/// tenant's odd requests (images the provider bills far above the proxy's figure, say)
+/// cannot make every tenant's reservations grow without end.
+pub const MAX_FACTOR: f64 = 4.0;
+/// How many deviations above the mean a learned figure is taken at: the margin that keeps
+/// the spread of per-request ratios from showing up as overshoot.
+pub const MARGIN: f64 = 2.0;
+/// How many completions of a model this proxy must have seen before their length stands
+/// in for a tenant's own history.
+pub const PRIOR_SAMPLES: u32 = 3;
+
+/// A running mean of samples and of how far they stray from it (mean absolute deviation).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Running {
+    pub mean: f64,
+    pub deviation: f64,
+    pub samples: u32,
+}
+
+impl Running {
+    /// `previous` with `sample` taken in.
+    pub fn observe(previous: Option<Running>, sample: f64) -> Running {
+        let Some(previous) = previous else { return Running { mean: sample, deviation: 0.0, samples: 1 } };
+        let samples = previous.samples.saturating_add(1);
+        let weight = sample_weight(samples, WINDOW);
+        let error = sample - previous.mean;
+        Running {
+            mean: previous.mean + error * weight,
+            deviation: previous.deviation + (error.abs() - previous.deviation) * weight,
+            samples,
+        }
+    }
+
+    /// The figure reservations use: the mean plus `MARGIN` deviations.
+    pub fn upper(&self) -> f64 {
+        self.mean + MARGIN * self.deviation
+    }
+
+    const BYTES: usize = 20;
+
+    fn encode(running: Option<Running>, out: &mut Vec<u8>) {
+        let Running { mean, deviation, samples } = running.unwrap_or(Running { mean: 0.0, deviation: 0.0, samples: 0 });
+        out.extend_from_slice(&mean.to_le_bytes());
+        out.extend_from_slice(&deviation.to_le_bytes());
+        out.extend_from_slice(&samples.to_le_bytes());
+    }
+
+    fn decode(bytes: &[u8]) -> Option<Running> {
+        let mean = f64::from_le_bytes(bytes.get(..8)?.try_into().ok()?);
+        let deviation = f64::from_le_bytes(bytes.get(8..16)?.try_into().ok()?);
+        let samples = u32::from_le_bytes(bytes.get(16..20)?.try_into().ok()?);
+        let sane = |x: f64| x.is_finite() && x >= 0.0;
+        (samples > 0 && sane(mean) && sane(deviation)).then_some(Running { mean, deviation, samples })
+    }
+}
+
+/// What one settled reply teaches.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Lesson {
+    /// The prompt as the proxy counted it (before any factor) and as the provider reported it.
+    pub prompt: Option<(u64, u64)>,
+    /// The completion's length.
+    pub output: Option<u64>,
+}
+
+/// What this proxy has learned about one rule's models.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct Calibration {
+    /// The provider's prompt tokens per token the proxy counted.
+    pub prompt_ratio: Option<Running>,
+    /// Completion lengths, in tokens.
+    pub output: Option<Running>,
+}
+
+impl Calibration {
+    /// The factor a prompt counted in the proxy is reserved at: the learned ratio (its
+    /// upper figure), never below `floor` (the rule's configured factor) and never above
+    /// `MAX_FACTOR` (or `floor`, if that is larger). `floor` until anything is learned.
+    pub fn prompt_factor(&self, floor: f64) -> f64 {
+        self.prompt_ratio.map_or(floor, |ratio| ratio.upper().clamp(floor, floor.max(MAX_FACTOR)))
+    }
+
+    /// The completion length that stands in for a tenant's own history, once this proxy
+    /// has seen `PRIOR_SAMPLES` of the model's completions.
+    pub fn output_prior(&self) -> Option<f64> {
+        self.output.filter(|o| o.samples >= PRIOR_SAMPLES).map(|o| o.upper())
+    }
+
+    /// This calibration with `lesson` taken in. A prompt the proxy counted as nothing
+    /// teaches no ratio.
+    pub fn learn(self, lesson: Lesson) -> Calibration {
+        let ratio = lesson
+            .prompt
+            .filter(|&(counted, _)| counted > 0)
+            .map(|(counted, reported)| Running::observe(self.prompt_ratio, reported as f64 / counted as f64));
+        Calibration {
+            prompt_ratio: ratio.or(self.prompt_ratio),
+            output: lesson.output.map(|o| Running::observe(self.output, o as f64)).or(self.output),
+        }
+    }
+
+    pub fn to_bytes(self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(2 * Running::BYTES);
+        Running::encode(self.prompt_ratio, &mut out);
+        Running::encode(self.output, &mut out);
+        out
+    }
+
+    pub fn from_bytes(bytes: &[u8]) -> Calibration {
+        Calibration {
+            prompt_ratio: bytes.get(..Running::BYTES).and_then(Running::decode),
+            output: bytes.get(Running::BYTES..).and_then(Running::decode),
+        }
+    }
+}
+
+/// Tags a rule's value, so another rule's (after the rules moved) reads as absent.
+fn rule_tag(rule: &ModelPolicy) -> [u8; 8] {
+    fnv1a(&[&rule.rule.pattern, rule.rule.encoding.name()]).to_le_bytes()
+}
+
+fn key(config: &Policy, rule: usize) -> String {
+    keys::calibration_key(&config.domain, u32::try_from(rule).unwrap_or(u32::MAX))
+}
+
+fn own<'a>(tag: &[u8; 8], stored: Option<&'a [u8]>) -> Option<&'a [u8]> {
+    stored?.split_at_checked(tag.len()).filter(|(t, _)| t == tag).map(|(_, payload)| payload)
+}
+
+/// What this proxy has learned about the models of rule `rule` (nothing when calibration
+/// is off).
+pub fn read(host: &mut impl Host, config: &Policy, rule: usize) -> Calibration {
+    if !config.tokens.calibrate {
+        return Calibration::default();
+    }
+    let tag = rule_tag(config.tokens.rule(rule));
+    let stored = shared_read(host, &key(config, rule));
+    own(&tag, stored.as_deref()).map(Calibration::from_bytes).unwrap_or_default()
+}
+
+/// Takes `lesson` into rule `rule`'s calibration, shared by every worker, and shows the
+/// result in the rule's gauges.
+pub fn learn(host: &mut impl Host, config: &Policy, rule: usize, lesson: Lesson) {
+    if !config.tokens.calibrate || lesson == Lesson::default() {
+        return;
+    }
+    let policy = config.tokens.rule(rule);
+    let tag = rule_tag(policy);
+    let learned = shared_update(host, &key(config, rule), |stored| {
+        let next = own(&tag, stored).map(Calibration::from_bytes).unwrap_or_default().learn(lesson);
+        let mut value = tag.to_vec();
+        value.extend_from_slice(&next.to_bytes());
+        (Some(value), next)
+    });
+    if let Some(learned) = learned {
+        show(host, policy, learned);
+    }
+}
+
+/// Sets rule `policy`'s gauges: `prompt_factor.<label>`, the factor prompts are reserved
+/// at, in thousandths; `output_prior.<label>`, the completion length a tenant without
+/// history reserves for (0 while the proxy has not learned it).
+pub fn show(host: &mut impl Host, policy: &ModelPolicy, calibration: Calibration) {
+    let factor = calibration.prompt_factor(policy.rule.factor);
+    host.set_gauge(&format!("llm_ratelimit.prompt_factor.{}", policy.label), (factor * 1000.0).round() as u64);
+    let prior = calibration.output_prior().map_or(0, |p| p.round() as u64);
+    host.set_gauge(&format!("llm_ratelimit.output_prior.{}", policy.label), prior);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lesson(counted: u64, reported: u64) -> Lesson {
+        Lesson { prompt: Some((counted, reported)), output: None }
+    }
+
+    #[cfg_attr(not(target_arch = "wasm32"), test)]
+    #[cfg_attr(target_arch = "wasm32", wasm_bindgen_test::wasm_bindgen_test)]
+    fn the_factor_starts_at_the_floor_takes_the_first_ratio_and_follows_recent_replies() {
+        let cold = Calibration::default();
+        assert_eq!(cold.prompt_factor(1.1), 1.1, "nothing learned: the configured factor");
+        // 16 counted, 37 reported: the first reply sets the factor.
+        let first = cold.learn(lesson(16, 37));
+        assert_eq!(first.prompt_factor(1.0), 37.0 / 16.0);
+        assert_eq!((16.0 * first.prompt_factor(1.0)).ceil(), 37.0, "reserves what the provider counts");
+        // The provider changes its count: after WINDOW replies the old ratio weighs
+        // (1 - 1/20)^n, and the spread it caused fades with it.
+        let mut calibration = first;
+        for _ in 0..100 {
+            calibration = calibration.learn(lesson(100, 150));
+        }
+        let ratio = calibration.prompt_ratio.expect("learned");
+        assert!((ratio.mean - 1.5).abs() < 0.01 && ratio.deviation < 0.01, "{ratio:?}");
+        assert!((calibration.prompt_factor(1.0) - 1.5).abs() < 0.03);
+    }
+
+    #[test]
+    fn the_factor_holds_a_margin_for_the_spread_of_ratios() {
+        let mut calibration = Calibration::default();
+        for reported in [110, 130, 110, 130, 110, 130] {
+            calibration = calibration.learn(lesson(100, reported));
+        }
+        let ratio = calibration.prompt_ratio.expect("learned");
+        assert!(ratio.mean > 1.15 && ratio.mean < 1.25, "{ratio:?}");
+        // Mean plus two mean deviations: at least the larger of the two ratios seen.
+        assert!(calibration.prompt_factor(1.0) >= 1.3, "{}", calibration.prompt_factor(1.0));
+    }
+
+    #[test]
+    fn the_factor_is_bounded_by_the_configured_floor_and_the_maximum() {
+        let low = Calibration::default().learn(lesson(100, 50));
+        assert_eq!(low.prompt_factor(1.0), 1.0, "never below the configured factor");
+        assert_eq!(low.prompt_factor(1.2), 1.2);
+        let high = Calibration::default().learn(lesson(10, 1000));
+        assert_eq!(high.prompt_factor(1.0), MAX_FACTOR);
+        assert_eq!(high.prompt_factor(6.0), 6.0, "a configured factor above the maximum stands");
+        assert_eq!(Calibration::default().learn(lesson(0, 40)), Calibration::default(), "nothing counted: no ratio");
+    }
+
+    #[test]
+    fn the_output_prior_needs_a_few_completions_and_round_trips() {
+        let mut calibration = Calibration::default();
+        for output in [40, 40] {
+            calibration = calibration.learn(Lesson { prompt: None, output: Some(output) });
+        }
+        assert_eq!(calibration.output_prior(), None, "two completions are not enough");
+        calibration = calibration.learn(Lesson { prompt: Some((16, 37)), output: Some(40) });
+        assert_eq!(calibration.output_prior(), Some(40.0));
+        assert_eq!(Calibration::from_bytes(&calibration.to_bytes()), calibration);
+        assert_eq!(Calibration::from_bytes(&[1, 2, 3]), Calibration::default());
+        let mut nan = calibration.to_bytes();
+        nan[..8].copy_from_slice(&f64::NAN.to_le_bytes());
+        assert_eq!(Calibration::from_bytes(&nan).prompt_ratio, None);
+        assert_eq!(Calibration::from_bytes(&nan).output, calibration.output);
+    }
+}
