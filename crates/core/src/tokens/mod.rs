@@ -1,9 +1,20 @@
-//! Prompt and completion token counting with OpenAI's BPE encodings (tiktoken-rs), and the
-//! choice of encoding for a model.
+//! Prompt and completion token counting with OpenAI's BPE encodings, and the choice of
+//! encoding for a model.
 //!
-//! Only the vocabularies compiled in (cargo features `o200k`, `cl100k`) are linked: the
-//! singletons are referenced one by one, never through `get_bpe_from_model`, which would
-//! link every vocabulary. Each is built on first use.
+//! Counts equal OpenAI's tiktoken (`count_ordinary`: special-token text is ordinary text).
+//! The counter is our own: the pre-tokenizer regexes written out by hand
+//! (`pretokenize`) and the byte-pair merge over vocabularies that `build.rs` turns into
+//! tables embedded in the binary (`bpe`), so that a VM builds nothing when it starts and
+//! the filter links no regex engine. tiktoken-rs, which ships OpenAI's vocabulary files,
+//! is only read at build time and is the oracle of the tests.
+//!
+//! Only the vocabularies of the cargo features `o200k` and `cl100k` are linked.
+
+mod bpe;
+mod layout;
+#[cfg(all(test, not(target_arch = "wasm32")))]
+mod oracle_tests;
+mod pretokenize;
 
 use serde::Deserialize;
 
@@ -36,65 +47,55 @@ impl Encoding {
     /// a user sends it). Zero for an encoding the build lacks (config validation refuses
     /// those, so this does not happen in a running filter).
     pub fn count(self, text: &str) -> u64 {
-        if text.is_empty() {
-            return 0;
-        }
-        // BPE is quadratic in the length of one pre-tokenized piece, and a run without
-        // whitespace is one piece: a 1.2 MB prompt of one repeated character took 25 s to
-        // count. Such runs are counted in slices of LONG_RUN bytes; text without them is
-        // counted whole, exactly as tiktoken does.
-        let mut total = 0;
-        let mut start = 0;
-        for cut in long_run_cuts(text) {
-            total += self.count_exactly(text.get(start..cut).unwrap_or(""));
-            start = cut;
-        }
-        total + self.count_exactly(text.get(start..).unwrap_or(""))
-    }
-
-    fn count_exactly(self, text: &str) -> u64 {
-        if text.is_empty() {
-            return 0;
-        }
         match self {
             #[cfg(feature = "o200k")]
-            Encoding::O200kBase => tiktoken_rs::o200k_base_singleton().count_ordinary(text) as u64,
+            Encoding::O200kBase => count_pieces(text.as_bytes(), &bpe::O200K_BASE, pretokenize::o200k_piece_end),
             #[cfg(feature = "cl100k")]
-            Encoding::Cl100kBase => tiktoken_rs::cl100k_base_singleton().count_ordinary(text) as u64,
+            Encoding::Cl100kBase => count_pieces(text.as_bytes(), &bpe::CL100K_BASE, pretokenize::cl100k_piece_end),
             #[allow(unreachable_patterns)]
             _ => 0,
         }
     }
 
-    /// Builds the vocabulary now rather than on the first request that needs it.
+    /// Touches the tables before the first request does. There is nothing to build: the
+    /// vocabularies are in the module's data.
     pub fn warm_up(self) {
         self.count("warm up");
     }
 }
 
-/// Longest run of non-whitespace counted as one piece (see `Encoding::count`).
-const LONG_RUN: usize = 512;
+/// Longest piece merged whole. The merge takes O(n log n) time and at most 28 bytes of
+/// memory per byte of a piece (under 2 MB at this bound). A longer piece, a run of 64 KiB
+/// of letters, whitespace or punctuation without a break, which no real text has, is
+/// counted in slices of this size, which can differ from tiktoken by a token per slice.
+/// (tiktoken-rs's own regex overflows an 8 MB stack on 1.2 million spaces.)
+const LONG_PIECE: usize = 64 << 10;
 
-/// Byte offsets at which runs of non-whitespace longer than `LONG_RUN` are cut, at char
-/// boundaries; none for ordinary text.
-fn long_run_cuts(text: &str) -> Vec<usize> {
-    let mut cuts = Vec::new();
-    if text.len() <= LONG_RUN {
-        return cuts; // no run can be longer than the text
-    }
-    let mut run_start = None;
-    for (at, c) in text.char_indices() {
-        if c.is_whitespace() {
-            run_start = None;
-            continue;
+fn count_pieces(text: &[u8], vocabulary: &bpe::Vocabulary, piece_end: impl Fn(&[u8], usize) -> usize) -> u64 {
+    let mut total = 0;
+    let mut start = 0;
+    while start < text.len() {
+        // piece_end always moves forward within the text; the clamp only makes that
+        // certain.
+        let end = piece_end(text, start).clamp(start + 1, text.len());
+        let mut piece = text.get(start..end).unwrap_or_default();
+        while piece.len() > LONG_PIECE {
+            let Some((slice, rest)) = piece.split_at_checked(char_boundary_before(piece, LONG_PIECE)) else {
+                break;
+            };
+            total += vocabulary.count_piece(slice);
+            piece = rest;
         }
-        let start = *run_start.get_or_insert(at);
-        if at - start >= LONG_RUN {
-            cuts.push(at);
-            run_start = Some(at);
-        }
+        total += vocabulary.count_piece(piece);
+        start = end;
     }
-    cuts
+    total
+}
+
+/// The last character boundary of UTF-8 `text` at or before `at`, but at least 1.
+fn char_boundary_before(text: &[u8], at: usize) -> usize {
+    let is_continuation = |at: usize| text.get(at).is_some_and(|byte| byte & 0xc0 == 0x80);
+    (1..=at).rev().find(|&at| !is_continuation(at)).unwrap_or(at)
 }
 
 /// How a model's tokens are counted and capped.
@@ -166,21 +167,17 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_long_run_without_whitespace_is_counted_quickly_and_closely() {
+    fn a_long_run_is_counted_quickly_in_slices() {
         let run = "x".repeat(1_200_000);
         let started = std::time::Instant::now();
         let counted = Encoding::O200kBase.count(&run);
         assert!(started.elapsed().as_secs() < 5, "{:?}", started.elapsed());
-        // Slices of 512 'x' count as tiktoken counts each slice.
-        let slice = Encoding::O200kBase.count_exactly(&"x".repeat(LONG_RUN));
-        assert_eq!(
-            counted,
-            slice * (1_200_000 / LONG_RUN) as u64
-                + Encoding::O200kBase.count_exactly(&"x".repeat(1_200_000 % LONG_RUN))
-        );
-        // Ordinary text is never cut.
-        assert!(long_run_cuts("hello world, a sentence of ordinary words.").is_empty());
-        assert_eq!(long_run_cuts(&"é".repeat(300)), vec![512], "cut at a char boundary");
+        // Slices of LONG_PIECE 'x' count as each slice alone counts.
+        let slice = Encoding::O200kBase.count(&run[..LONG_PIECE]);
+        let rest = Encoding::O200kBase.count(&run[..run.len() % LONG_PIECE]);
+        assert_eq!(counted, slice * (run.len() / LONG_PIECE) as u64 + rest);
+        assert_eq!(char_boundary_before("ééé".as_bytes(), 3), 2, "cut at a char boundary");
+        assert_eq!(char_boundary_before("ééé".as_bytes(), 4), 4);
     }
 
     #[test]
@@ -232,7 +229,8 @@ mod tests {
         struct Table {
             cases: Vec<Case>,
         }
-        let table: Table = serde_json::from_str(include_str!("../../../tests/cases/token_counts.json")).expect("table");
+        let table: Table =
+            serde_json::from_str(include_str!("../../../../tests/cases/token_counts.json")).expect("table");
         assert!(table.cases.len() >= 30);
         for case in table.cases {
             assert_eq!(Encoding::O200kBase.count(&case.text), case.o200k_base, "o200k: {:?}", case.text);
