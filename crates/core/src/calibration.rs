@@ -150,7 +150,7 @@ fn own<'a>(tag: &[u8; 8], stored: Option<&'a [u8]>) -> Option<&'a [u8]> {
 
 /// What this proxy has learned about the models of rule `rule` (nothing when calibration
 /// is off).
-pub fn read(host: &mut impl Host, config: &Policy, rule: usize) -> Calibration {
+pub(crate) fn read(host: &mut impl Host, config: &Policy, rule: usize) -> Calibration {
     if !config.tokens.calibrate {
         return Calibration::default();
     }
@@ -159,22 +159,72 @@ pub fn read(host: &mut impl Host, config: &Policy, rule: usize) -> Calibration {
     own(&tag, stored.as_deref()).map(Calibration::from_bytes).unwrap_or_default()
 }
 
-/// Takes `lesson` into rule `rule`'s calibration, shared by every worker, and shows the
-/// result in the rule's gauges.
-pub fn learn(host: &mut impl Host, config: &Policy, rule: usize, lesson: Lesson) {
-    if !config.tokens.calibrate || lesson == Lesson::default() {
-        return;
-    }
+/// Takes `lessons` (in the order they were learned) into rule `rule`'s calibration, shared
+/// by every worker, and shows the result in the rule's gauges.
+fn learn(host: &mut impl Host, config: &Policy, rule: usize, lessons: &[Lesson]) -> Option<Calibration> {
     let policy = config.tokens.rule(rule);
     let tag = rule_tag(policy);
     let learned = shared_update(host, &key(config, rule), |stored| {
-        let next = own(&tag, stored).map(Calibration::from_bytes).unwrap_or_default().learn(lesson);
+        let stored = own(&tag, stored).map(Calibration::from_bytes).unwrap_or_default();
+        let next = lessons.iter().fold(stored, |calibration, lesson| calibration.learn(*lesson));
         let mut value = tag.to_vec();
         value.extend_from_slice(&next.to_bytes());
         (Some(value), next)
-    });
-    if let Some(learned) = learned {
-        show(host, policy, learned);
+    })?;
+    show(host, policy, learned);
+    Some(learned)
+}
+
+/// Lessons waiting for the next tick, at most: a burst beyond teaches nothing new.
+const MAX_PENDING_LESSONS: usize = 256;
+
+/// One VM's side of the shared calibrations, so that they cost a request no host call of
+/// its own: lessons are gathered and taken in together on the worker's tick (one
+/// compare-and-swap and one pair of gauges per rule that learned something), and a rule's
+/// value is read from shared data at most once a tick. What another worker learned shows
+/// here within a tick or two.
+#[derive(Debug, Default)]
+pub struct LocalCalibrations {
+    pending: Vec<(usize, Lesson)>,
+    /// Each rule's value as last read or written, and when (bounded by the config's rules).
+    known: std::collections::HashMap<usize, (Calibration, u64)>,
+}
+
+impl LocalCalibrations {
+    /// What this proxy has learned about rule `rule` (nothing when calibration is off).
+    pub fn get(&mut self, host: &mut impl Host, config: &Policy, rule: usize, now_ms: u64) -> Calibration {
+        if !config.tokens.calibrate {
+            return Calibration::default();
+        }
+        let fresh_ms = crate::worker::TICK.as_millis() as u64;
+        match self.known.get(&rule) {
+            Some(&(calibration, read_ms)) if now_ms.saturating_sub(read_ms) < fresh_ms => calibration,
+            _ => {
+                let calibration = read(host, config, rule);
+                self.known.insert(rule, (calibration, now_ms));
+                calibration
+            }
+        }
+    }
+
+    /// Keeps `lesson` for the next tick.
+    pub fn note(&mut self, config: &Policy, rule: usize, lesson: Lesson) {
+        if config.tokens.calibrate && lesson != Lesson::default() && self.pending.len() < MAX_PENDING_LESSONS {
+            self.pending.push((rule, lesson));
+        }
+    }
+
+    /// Takes the lessons gathered since the last tick into the shared calibrations.
+    pub fn flush(&mut self, host: &mut impl Host, config: &Policy, now_ms: u64) {
+        let mut pending = std::mem::take(&mut self.pending);
+        pending.sort_by_key(|(rule, _)| *rule); // stable: each rule's lessons stay in order
+        for group in pending.chunk_by(|a, b| a.0 == b.0) {
+            let Some(&(rule, _)) = group.first() else { continue };
+            let lessons: Vec<Lesson> = group.iter().map(|(_, lesson)| *lesson).collect();
+            if let Some(learned) = learn(host, config, rule, &lessons) {
+                self.known.insert(rule, (learned, now_ms));
+            }
+        }
     }
 }
 

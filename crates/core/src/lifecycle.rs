@@ -6,7 +6,7 @@
 
 use crate::breaker::Route;
 use crate::bucket::{check_and_charge, decode_states, encode_states};
-use crate::calibration::{self, Calibration, Lesson};
+use crate::calibration::{Calibration, Lesson, LocalCalibrations};
 use crate::charge::{plan, ChargePlan, Learned};
 use crate::config::{Dimension, FailureMode, MissingIdentity, Mode, Policy};
 use crate::decision::{
@@ -350,7 +350,16 @@ impl RequestFilter {
         let path = host.request_header(":path").unwrap_or_default();
         let tier_value = config.tier.as_ref().and_then(|t| host.request_header(&t.header));
         self.tier = config.tier_of(&self.tenant, tier_value.as_deref()).to_string();
-        let mut learned = FromSharedData { host, config, tenant: &self.tenant, prompt_cache: &mut worker.prompt_cache };
+        // The clock, read once for the decision.
+        let now = host.now_ms();
+        let mut learned = FromSharedData {
+            host,
+            now,
+            config,
+            tenant: &self.tenant,
+            prompt_cache: &mut worker.prompt_cache,
+            calibrations: &mut worker.calibrations,
+        };
         let plan = plan(config, &path, &self.tier, body, &mut learned);
         self.body_len = body.map_or(0, <[u8]>::len);
         let unpriced = plan.unpriced.then(|| plan.model.clone());
@@ -358,7 +367,6 @@ impl RequestFilter {
         if let Some(model) = unpriced {
             return self.apply(host, config, Verdict::Reply(decision::model_not_priced(&model)), false);
         }
-        let now = host.now_ms();
         if config.lease.enabled {
             match self.admit_from_lease(host, worker, config, now) {
                 FromLease::Decided(verdict) => return self.apply(host, config, verdict, false),
@@ -750,7 +758,7 @@ impl RequestFilter {
     /// from, and its slots are released.
     fn settle(&mut self, host: &mut impl Host, worker: &mut Worker, config: &Policy, ending: Ending) {
         let Some(admission) = self.admission.take() else { return };
-        let (token_credit, cost_credit) = self.credits(host, config, ending);
+        let (token_credit, cost_credit) = self.credits(host, worker, config, ending);
         let applies = |i: usize| self.plan.as_ref().is_some_and(|p| p.applies(i));
         // Only the limits this request was charged against (per-model limits may not
         // apply), each with the credit of its dimension.
@@ -835,7 +843,7 @@ impl RequestFilter {
     /// What to give back for this request (negative: to take), in tokens and in
     /// micro-dollars, from what it reserved and what the reply says it used; updates the
     /// running average of completions.
-    fn credits(&mut self, host: &mut impl Host, config: &Policy, ending: Ending) -> (i64, i64) {
+    fn credits(&mut self, host: &mut impl Host, worker: &mut Worker, config: &Policy, ending: Ending) -> (i64, i64) {
         let Some(plan) = self.plan.as_ref() else { return (0, 0) };
         let Some(estimate) = plan.estimate else { return (0, 0) };
         let (reported, streamed_output) = match self.reply.as_mut() {
@@ -864,7 +872,7 @@ impl RequestFilter {
             }
             // What the provider counted against what the proxy did, for the next reservations.
             let prompt = reported.input.map(|input| (plan.counted_prompt, input));
-            calibration::learn(host, config, plan.rule, Lesson { prompt, output });
+            worker.calibrations.note(config, plan.rule, Lesson { prompt, output });
         }
         // Against what the budget was charged (every cost limit is charged the same).
         let charged =
@@ -905,9 +913,11 @@ impl RequestFilter {
 /// VM remembers.
 struct FromSharedData<'a, H> {
     host: &'a mut H,
+    now: u64,
     config: &'a Policy,
     tenant: &'a str,
     prompt_cache: &'a mut PromptCache,
+    calibrations: &'a mut LocalCalibrations,
 }
 
 impl<H: Host> Learned for FromSharedData<'_, H> {
@@ -916,7 +926,7 @@ impl<H: Host> Learned for FromSharedData<'_, H> {
     }
 
     fn calibration(&mut self, rule: usize) -> Calibration {
-        calibration::read(self.host, self.config, rule)
+        self.calibrations.get(self.host, self.config, rule, self.now)
     }
 
     fn count(&mut self, encoding: Encoding, text: &str) -> u64 {

@@ -467,9 +467,11 @@ fn the_prompt_factor_is_learned_from_settled_replies_and_shared_by_the_workers()
         let mut companion = FakeCompanion::default();
         let mut flight = first.send(Request::chat("sk-a", CHAT), &mut companion);
         assert_eq!(charge_of(&flight).limits[1].cost, CHAT_RESERVES as u64, "{kind:?}: nothing learned yet");
-        // The provider counts the 9-token prompt as 21.
+        // The provider counts the 9-token prompt as 21; the lesson is taken in on the tick.
         first.reply(&mut flight, 200, "application/json", &[&usage_reply(21, 41)]);
-        assert_eq!(flight.host.gauges.get("llm_ratelimit.prompt_factor.gpt-4o"), Some(&2333), "{kind:?}: 21/9");
+        first.tick(Some(&mut companion));
+        assert_eq!(first.root.gauges.get("llm_ratelimit.prompt_factor.gpt-4o"), Some(&2333), "{kind:?}: 21/9");
+        advance(&world, crate::worker::TICK.as_millis() as u64);
         let flight = second.send(Request::chat("sk-b", CHAT), &mut companion);
         assert_eq!(charge_of(&flight).limits[1].cost, 21 + 300, "{kind:?}: the other worker reserves 21");
         // Another model's rule learned nothing: its prompt is reserved as counted.
@@ -477,6 +479,14 @@ fn the_prompt_factor_is_learned_from_settled_replies_and_shared_by_the_workers()
         let flight = second.send(Request::chat("sk-b", &mini), &mut companion);
         assert_eq!(charge_of(&flight).limits[1].cost, 9 + 300, "{kind:?}");
         assert_eq!(first.root.metric(Metric::SharedWritesRefused) + flight.host.metric(Metric::SharedWritesRefused), 0);
+        // Within a tick a worker reads a rule's value once, however many requests it plans.
+        let reads = || world.borrow().host_calls.get("shared_get").copied().unwrap_or(0);
+        advance(&world, crate::worker::TICK.as_millis() as u64);
+        let before = reads();
+        second.send(Request::chat("sk-b", CHAT), &mut companion);
+        let after_one = reads();
+        second.send(Request::chat("sk-b", CHAT), &mut companion);
+        assert_eq!(after_one - before, reads() - after_one + 1, "{kind:?}: the second request reads no calibration");
         // A worker configured later shows what was learned before it.
         let third = Proxy::new(&world, &rpm_tpm(json!({})));
         assert_eq!(third.root.gauges.get("llm_ratelimit.prompt_factor.gpt-4o"), Some(&2333), "{kind:?}");
@@ -494,7 +504,9 @@ fn a_new_tenant_reserves_the_models_learned_completion_length() {
         let mut flight = proxy.send(Request::chat(key, CHAT), &mut companion);
         assert_eq!(charge_of(&flight).limits[1].cost, CHAT_RESERVES as u64, "{key}: no prior yet, the cap");
         proxy.reply(&mut flight, 200, "application/json", &[&usage_reply(9, 40)]);
-        priors.push(flight.host.gauges.get("llm_ratelimit.output_prior.gpt-4o").copied());
+        proxy.tick(Some(&mut companion));
+        priors.push(proxy.root.gauges.get("llm_ratelimit.output_prior.gpt-4o").copied());
+        advance(&world, crate::worker::TICK.as_millis() as u64);
     }
     assert_eq!(priors, [Some(0), Some(0), Some(40)], "known after three completions");
     // A tenant never seen reserves 1.5 x the model's 40, not its cap of 300.
@@ -510,7 +522,8 @@ fn without_calibration_nothing_is_learned_or_kept() {
     for _ in 0..3 {
         let mut flight = proxy.send(Request::chat("sk-a", CHAT), &mut companion);
         proxy.reply(&mut flight, 200, "application/json", &[&usage_reply(21, 41)]);
-        assert!(flight.host.gauges.is_empty());
+        proxy.tick(Some(&mut companion));
+        assert!(flight.host.gauges.is_empty() && proxy.root.gauges.is_empty());
     }
     let flight = proxy.send(Request::chat("sk-b", CHAT), &mut companion);
     assert_eq!(charge_of(&flight).limits[1].cost, CHAT_RESERVES as u64);

@@ -4,6 +4,7 @@
 //! the callouts the root owns. No state lives anywhere else.
 
 use crate::breaker::{Breaker, Route};
+use crate::calibration::LocalCalibrations;
 use crate::config::Policy;
 use crate::host::{detect_kind, shared_read, shared_update, Host, HostKind, LogLevel, Metric, Owner};
 use crate::lease::{lease_asks, LeaseEntry, TenantLeases};
@@ -53,6 +54,8 @@ pub struct Worker {
     renewing: HashMap<u32, (String, Vec<LeaseAsk>)>,
     /// Token counts of long prompt texts this VM counted (bounded).
     pub(crate) prompt_cache: PromptCache,
+    /// What settled replies teach, gathered for the tick, and the calibrations as read.
+    pub(crate) calibrations: LocalCalibrations,
 }
 
 impl Default for Worker {
@@ -76,6 +79,7 @@ impl Worker {
             settling: None,
             renewing: HashMap::new(),
             prompt_cache: PromptCache::new(0),
+            calibrations: LocalCalibrations::default(),
         }
     }
 
@@ -169,6 +173,7 @@ impl Worker {
                 self.return_expired_leases(host, &config, now);
             }
         }
+        self.calibrations.flush(host, &config, now);
         self.send_settlements(host, &config);
         if config.has_concurrency() {
             let every = (config.slots.ttl.as_millis() / 3 / TICK.as_millis()).max(1) as u32;
