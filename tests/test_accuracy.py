@@ -10,6 +10,7 @@ proxy that has learned nothing reserves for the prompt shows its own count."""
 import concurrent.futures
 import json
 import re
+import time
 
 import pytest
 
@@ -40,6 +41,12 @@ def start(backend):
     return start_envoy
 
 
+def after_a_tick():
+    """Waits until the workers have taken in what the last reply taught: lessons are
+    gathered per worker and applied on its 50 ms tick, read by the others a tick later."""
+    time.sleep(0.15)
+
+
 def test_the_reservation_learns_the_providers_prompt_count(start):
     port, admin = start([{"name": "tpm", "tokens": BIG, "window": LONG}])
     reserved_prompts, provider_prompts = [], []
@@ -50,6 +57,7 @@ def test_the_reservation_learns_the_providers_prompt_count(start):
         # Replies are as long as the cap, so the completion allowance is the cap.
         reserved_prompts.append(int(headers["x-llm-ratelimit-reserved-tokens"]) - 100)
         provider_prompts.append(int(headers["x-mock-prompt-tokens"]))
+        after_a_tick()
     # Nothing learned yet: the first request reserved the proxy's own count, well short of
     # what the provider then counted.
     counted = reserved_prompts[0]
@@ -70,6 +78,7 @@ def test_a_new_tenant_reserves_the_models_learned_completion_length(start):
         status, headers, _ = send(port, f"sk-known-{i}", chat("hi", max_tokens=1000), headers=short)
         assert status == 200
         assert int(headers["x-llm-ratelimit-reserved-tokens"]) > 1000, "no history anywhere yet: the cap"
+        after_a_tick()
     assert gauge(admin, "output_prior.gpt-4o") == 20
     # A tenant never seen before reserves 1.5 x the model's 20, not its cap of 1,000.
     status, headers, _ = send(port, "sk-newcomer", chat("hi", max_tokens=1000), headers=short)
