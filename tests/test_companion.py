@@ -4,6 +4,7 @@ loading and NOSCRIPT recovery, Redis outages, and Redis Cluster."""
 import json
 import subprocess
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import redis
@@ -148,5 +149,63 @@ def test_runs_against_a_redis_cluster(stack):
         assert len(keys) == 20
         holders = {cluster.nodes_manager.get_node_from_slot(cluster.keyslot(k)).port for k in keys}
         assert len(holders) > 1
+        # A settlement batch across tenants, so across slots and nodes: the companion splits
+        # it by hash slot, and each entry is applied once.
+        tenants = [f"settling{i}" for i in range(12)]
+        for tenant in tenants:
+            charge = {"domain": "llm", "tenant": tenant, "reservation": {"id": "r1", "ttl_ms": 60_000},
+                      "limits": [{"name": "tpm", "capacity": 1000, "window_ms": 3_600_000, "cost": 700}]}
+            assert call(port, charge)[1]["allowed"]
+        batch = {"settlements": [settlement(t, "r1", 650) for t in tenants] + [settlement(tenants[0], "r1", 650)]}
+        status, reply = call(port, batch, path="/v1/settle")
+        assert status == 200 and reply["results"] == ["applied"] * 12 + ["already_settled"]
+        for tenant in tenants:
+            assert float(cluster.hget(f"llmrl:{{llm:{tenant}}}:tb:tpm", "tokens")) == pytest.approx(950, abs=1)
     finally:
         cluster.close()
+
+
+def script_calls(store):
+    """Script calls Redis has served (one per round trip)."""
+    stats = store.info("commandstats")
+    return sum(stats.get(name, {}).get("calls", 0) for name in ("cmdstat_evalsha", "cmdstat_eval"))
+
+
+def test_settles_a_large_batch_in_few_script_calls(single):
+    """A proxy's settlement batch costs one script call per 100 entries, not one each; each
+    entry is still applied once, with its own outcome."""
+    _, redis_port, port = single
+    store = redis.Redis(port=redis_port)
+    tenants = [f"bulk{i}" for i in range(50)]
+    for i in range(250):
+        charge = {"domain": "llm", "tenant": tenants[i % 50], "reservation": {"id": f"r{i}", "ttl_ms": 60_000},
+                  "limits": [{"name": "tpm", "capacity": 1000, "window_ms": 3_600_000, "cost": 100}]}
+        assert call(port, charge)[1]["allowed"]
+    settlements = [settlement(tenants[i % 50], f"r{i}", 60) for i in range(250)]
+    settlements += [settlement(tenants[i], f"unknown{i}", 60) for i in range(10)]
+    before = script_calls(store)
+    status, reply = call(port, {"settlements": settlements}, path="/v1/settle")
+    assert status == 200 and reply["results"] == ["applied"] * 250 + ["already_settled"] * 10
+    assert script_calls(store) - before == 3
+    # Five charges of 100 a tenant, 60 of each given back: 1000 - 5 x 40 left.
+    for tenant in tenants:
+        assert float(store.hget(f"t1:{{llm:{tenant}}}:tb:tpm", "tokens")) == pytest.approx(800, abs=1)
+    status, reply = call(port, {"settlements": settlements}, path="/v1/settle")
+    assert reply["results"] == ["already_settled"] * 260
+    assert float(store.hget(f"t1:{{llm:{tenants[0]}}}:tb:tpm", "tokens")) == pytest.approx(800, abs=1)
+
+
+def test_charges_arriving_together_share_a_script_call(single):
+    """While a script call is out, the calls that arrive wait and go together in the next:
+    with Redis paused, 32 concurrent charges cost two or three script calls, and each is
+    still charged on its own."""
+    _, redis_port, port = single
+    store = redis.Redis(port=redis_port)
+    before = script_calls(store)
+    store.execute_command("CLIENT", "PAUSE", 300, "WRITE")
+    with ThreadPoolExecutor(32) as pool:
+        replies = list(pool.map(lambda i: call(port, bucket_request(f"together{i % 4}", capacity=10)), range(32)))
+    assert [status for status, _ in replies] == [200] * 32
+    # Four tenants of capacity 10, eight charges each: all admitted, 2 left each.
+    assert sorted(reply["limits"][0]["remaining"] for _, reply in replies) == sorted(list(range(2, 10)) * 4)
+    assert script_calls(store) - before <= 3

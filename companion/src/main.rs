@@ -9,6 +9,7 @@
 //! Every endpoint but `/healthz` requires the shared token in `x-llmrl-token`. Each runs
 //! `lua/limits.lua` (see `limits`) by EVALSHA.
 
+mod batcher;
 mod limits;
 mod queue;
 mod store;
@@ -20,6 +21,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::serve::ListenerExt;
 use axum::Router;
+use batcher::Batcher;
 use clap::Parser;
 use limits::Op;
 use llm_ratelimit_protocol::duration::parse_duration;
@@ -59,21 +61,11 @@ struct Args {
 }
 
 struct App {
-    store: Store,
+    /// Every script call goes through it (`lua/limits.lua`, see `batcher`).
+    batcher: Arc<Batcher>,
     token: String,
     key_prefix: String,
-    /// `lua/limits.lua`.
-    script: Script,
-    /// Settlement script calls in flight at once, across all requests. A backlog flushed
-    /// after an outage (every proxy's batches of 200 at once) otherwise queues on the one
-    /// Redis connection, and the calls at the back time out although most of them run:
-    /// a timed-out call reported `failed` is sent again, and one without a reservation is
-    /// then applied twice. Queued here, a call's Redis timeout starts when it is sent.
-    adjustments: tokio::sync::Semaphore,
 }
-
-/// See `App::adjustments`: enough to keep Redis busy, few enough that none waits long.
-const CONCURRENT_ADJUSTMENTS: usize = 16;
 
 fn error(status: StatusCode, message: impl Into<String>) -> Response {
     (status, [("content-type", "application/json")], json!({"error": message.into()}).to_string()).into_response()
@@ -117,7 +109,7 @@ trait LimitsCall: serde::de::DeserializeOwned {
 impl LimitsCall for ChargeRequest {
     async fn charge_waiting(&self, app: &App) -> Option<Result<llm_ratelimit_protocol::LimitsReply, String>> {
         let wait = self.wait.as_ref()?;
-        Some(queue::charge_waiting(&app.store, &app.script, &app.key_prefix, self, wait).await)
+        Some(queue::charge_waiting(&app.batcher, &app.key_prefix, self, wait).await)
     }
 
     fn check(&self) -> Result<(), String> {
@@ -158,7 +150,7 @@ async fn run_limits<R: LimitsCall>(State(app): State<Arc<App>>, headers: HeaderM
         };
     }
     let call = request.call(&app.key_prefix);
-    let value = match app.store.run(&app.script, &call.keys, &[&call.argument]).await {
+    let value = match app.batcher.run(call).await {
         Ok(value) => value,
         Err(err) => return error(StatusCode::SERVICE_UNAVAILABLE, format!("redis: {err}")),
     };
@@ -168,8 +160,7 @@ async fn run_limits<R: LimitsCall>(State(app): State<Arc<App>>, headers: HeaderM
     }
 }
 
-/// Settles each reservation with its own script call (they may belong to different
-/// tenants, so to different cluster slots), all at once.
+/// Settles the reservations of a batch (of any tenants), each at most once.
 async fn run_settle(state: State<Arc<App>>, headers: HeaderMap, body: Bytes) -> Response {
     run_adjustments(state, headers, body, Op::Settle).await
 }
@@ -184,6 +175,8 @@ async fn run_touch(state: State<Arc<App>>, headers: HeaderMap, body: Bytes) -> R
     run_adjustments(state, headers, body, Op::Touch).await
 }
 
+/// Runs an adjustment per entry, each its own call in the script (a settlement applied at
+/// most once, by its reservation record) with its own outcome, batched (see `batcher`).
 async fn run_adjustments(State(app): State<Arc<App>>, headers: HeaderMap, body: Bytes, op: Op) -> Response {
     if !authorised(&app, &headers) {
         return error(StatusCode::UNAUTHORIZED, format!("missing or wrong {TOKEN_HEADER}"));
@@ -192,43 +185,37 @@ async fn run_adjustments(State(app): State<Arc<App>>, headers: HeaderMap, body: 
         Ok(request) => request,
         Err(message) => return error(StatusCode::BAD_REQUEST, message),
     };
-    let mut tasks = tokio::task::JoinSet::new();
-    for (index, settlement) in request.settlements.into_iter().enumerate() {
-        let app = app.clone();
-        tasks.spawn(async move {
-            let call = limits::adjust(&app.key_prefix, op, &settlement);
+    let calls = request.settlements.iter().map(|settlement| limits::adjust(&app.key_prefix, op, settlement)).collect();
+    let replies = app.batcher.run_all(calls).await;
+    let mut failures: Vec<String> = Vec::new();
+    let results = request
+        .settlements
+        .iter()
+        .zip(replies)
+        .map(|(settlement, reply)| {
             let names = settlement.limits.iter().map(|l| l.name.as_str());
-            let Ok(_permit) = app.adjustments.acquire().await else { return (index, SettleOutcome::Failed) };
-            let outcome = match app.store.run(&app.script, &call.keys, &[&call.argument]).await {
-                Ok(value) => match limits::reply(names, &value) {
-                    Ok(reply) if reply.allowed => SettleOutcome::Applied,
-                    Ok(_) => SettleOutcome::AlreadySettled,
-                    Err(err) => {
-                        eprintln!("companion: unexpected settle reply: {err}");
-                        SettleOutcome::Failed
-                    }
-                },
+            match reply.and_then(|value| limits::reply(names, &value)) {
+                Ok(reply) if reply.allowed => SettleOutcome::Applied,
+                Ok(_) => SettleOutcome::AlreadySettled,
                 Err(err) => {
-                    eprintln!("companion: settle failed: {err}");
+                    failures.push(err);
                     SettleOutcome::Failed
                 }
-            };
-            (index, outcome)
-        });
-    }
-    let mut results = vec![SettleOutcome::Failed; tasks.len()];
-    while let Some(joined) = tasks.join_next().await {
-        if let Ok((index, outcome)) = joined {
-            if let Some(slot) = results.get_mut(index) {
-                *slot = outcome;
             }
-        }
+        })
+        .collect();
+    if let Some(first) = failures.first() {
+        eprintln!(
+            "companion: {op:?} failed for {} of {} entries, first: {first}",
+            failures.len(),
+            request.settlements.len()
+        );
     }
     json_reply(SettleReply { results })
 }
 
 async fn healthz(State(app): State<Arc<App>>) -> Response {
-    match app.store.ping().await {
+    match app.batcher.store().ping().await {
         Ok(()) => {
             (StatusCode::OK, [("content-type", "application/json")], json!({"redis": "ok"}).to_string()).into_response()
         }
@@ -288,8 +275,8 @@ async fn serve(args: Args) -> Result<(), String> {
         Target::Single(_) => "single server".to_string(),
         Target::Cluster(nodes) => format!("cluster, {} seed node(s)", nodes.len()),
     };
-    let adjustments = tokio::sync::Semaphore::new(CONCURRENT_ADJUSTMENTS);
-    let app = Arc::new(App { store, token, key_prefix: args.key_prefix.clone(), script, adjustments });
+    let batcher = Batcher::new(store, script, args.redis_timeout);
+    let app = Arc::new(App { batcher, token, key_prefix: args.key_prefix.clone() });
     let router = Router::new()
         .route(CHARGE_PATH, post(run_limits::<ChargeRequest>))
         .route(SETTLE_PATH, post(run_settle))

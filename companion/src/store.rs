@@ -4,8 +4,12 @@
 
 use redis::aio::ConnectionManager;
 use redis::cluster_async::ClusterConnection;
+use redis::cluster_routing::Slot;
 use redis::{Cmd, ErrorKind, RedisError, ServerErrorKind, Value};
 use std::time::Duration;
+
+/// Which calls may go in one script call: `None` on one server, a hash slot on a cluster.
+pub type Lane = Option<Slot>;
 
 /// A Lua script from `lua/`, with its SHA1 as Redis computes it.
 pub struct Script {
@@ -140,6 +144,16 @@ impl Store {
                 self.query(&cmd).await
             }
             result => result,
+        }
+    }
+
+    /// Which calls may share a script call with the call whose first key is `key` (every
+    /// key of a call shares its hash slot): on one server all, on a cluster those of the
+    /// same hash slot, as every key of a script call must be in one slot.
+    pub fn lane(&self, key: &str) -> Lane {
+        match &self.connection {
+            Connection::Single(_) => None,
+            Connection::Cluster(_) => Some(Slot::for_key(key)),
         }
     }
 
