@@ -138,7 +138,7 @@ def test_token_from_file_and_refusal_without_token(stack, tmp_path):
 def test_runs_against_a_redis_cluster(stack):
     ports = stack.redis_cluster(3)
     url = "redis+cluster://" + ",".join(f"127.0.0.1:{p}" for p in ports)
-    _, port = stack.companion(url, TOKEN)
+    _, port = stack.companion(url, TOKEN, extra=["--threads", "2"])  # and on more than one thread
     for tenant in [f"tenant{i}" for i in range(10)]:
         results = [call(port, bucket_request(tenant, capacity=2, names=("rpm", "rpd"))) for _ in range(3)]
         assert [r[0] for r in results] == [200, 200, 200], (tenant, results)
