@@ -118,6 +118,11 @@ def test_survives_a_redis_restart(single):
     status, reply = call(port, bucket_request("during-outage"))
     assert status == 503 and "redis" in reply["error"]
     assert http_get(f"http://127.0.0.1:{port}/healthz")[0] == 503
+    # Settlements fail per entry (to be sent again), logged once per error with a count.
+    batch = {"settlements": [settlement("t9", "res1", 1), settlement("t9", "res2", 1)]}
+    assert call(port, batch, path="/v1/settle") == (200, {"results": ["failed", "failed"]})
+    companion = next(p for p in stack.processes if p.name == "companion")
+    assert "companion: settle failed for 2 of 2 entries: " in companion.log_path.read_text()
     # A new, empty Redis on the same port: reconnect, reload the script (NOSCRIPT), carry on.
     stack.redis(redis_port, name="redis-restarted")
     wait_until(lambda: call(port, bucket_request("after-restart"))[0] == 200, 10, "companion recovery")

@@ -19,8 +19,7 @@ pub struct Call {
 }
 
 /// What the script is asked to do.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "snake_case")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Op {
     Charge,
     Lease,
@@ -29,9 +28,23 @@ pub enum Op {
     Release,
 }
 
+impl Op {
+    /// The op's name, as the script knows it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Op::Charge => "charge",
+            Op::Lease => "lease",
+            Op::Settle => "settle",
+            Op::Touch => "touch",
+            Op::Release => "release",
+        }
+    }
+}
+
 /// ARGV[1]. Each op takes only its own fields: the script refuses any other.
 #[derive(Serialize)]
 struct Arguments<'a> {
+    #[serde(serialize_with = "op_name")]
     op: Op,
     /// charge: how long the reservation record lives (ms); absent: no record.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -72,6 +85,10 @@ enum Amounts {
     },
     /// touch and release: nothing more.
     Nothing {},
+}
+
+fn op_name<S: serde::Serializer>(op: &Op, serializer: S) -> Result<S::Ok, S::Error> {
+    serializer.serialize_str(op.name())
 }
 
 fn script_kind<S: serde::Serializer>(kind: &LimitKind, serializer: S) -> Result<S::Ok, S::Error> {

@@ -191,7 +191,9 @@ async fn run_adjustments(State(app): State<Arc<App>>, headers: HeaderMap, body: 
     };
     let calls = request.settlements.iter().map(|settlement| limits::adjust(&app.key_prefix, op, settlement)).collect();
     let replies = app.batcher.run_all(calls).await;
-    let mut failures: Vec<String> = Vec::new();
+    // How many entries failed with each error: a batch that fails fails whole, so one
+    // line per error rather than one per entry (scripts/faults.py counts these lines).
+    let mut failures: Vec<(String, usize)> = Vec::new();
     let results = request
         .settlements
         .iter()
@@ -202,18 +204,17 @@ async fn run_adjustments(State(app): State<Arc<App>>, headers: HeaderMap, body: 
                 Ok(reply) if reply.allowed => SettleOutcome::Applied,
                 Ok(_) => SettleOutcome::AlreadySettled,
                 Err(err) => {
-                    failures.push(err);
+                    match failures.iter_mut().find(|(known, _)| *known == err) {
+                        Some((_, count)) => *count += 1,
+                        None => failures.push((err, 1)),
+                    }
                     SettleOutcome::Failed
                 }
             }
         })
         .collect();
-    if let Some(first) = failures.first() {
-        eprintln!(
-            "companion: {op:?} failed for {} of {} entries, first: {first}",
-            failures.len(),
-            request.settlements.len()
-        );
+    for (err, count) in failures {
+        eprintln!("companion: {} failed for {count} of {} entries: {err}", op.name(), request.settlements.len());
     }
     json_reply(SettleReply { results })
 }
