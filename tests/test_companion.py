@@ -3,6 +3,7 @@ loading and NOSCRIPT recovery, Redis outages, and Redis Cluster."""
 
 import json
 import subprocess
+import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
@@ -214,3 +215,29 @@ def test_charges_arriving_together_share_a_script_call(single):
     # Four tenants of capacity 10, eight charges each: all admitted, 2 left each.
     assert sorted(reply["limits"][0]["remaining"] for _, reply in replies) == sorted(list(range(2, 10)) * 4)
     assert script_calls(store) - before <= 3
+
+
+def test_a_charge_goes_before_a_backlog_of_settlements(single):
+    """A proxy's settlements flushed in bulk (here 1,000 while Redis is paused) wait behind
+    a charge that arrives after them: the charge is answered first, and every settlement
+    is still applied."""
+    _, redis_port, port = single
+    store = redis.Redis(port=redis_port)
+    for i in range(1000):
+        store.set(f"t1:{{llm:backlog}}:res:r{i}", "0", px=60_000)
+    backlog = {"settlements": [settlement("backlog", f"r{i}", 1) for i in range(1000)]}
+    answered = {}
+
+    def timed(name, body, path):
+        reply = call(port, body, path=path)
+        answered[name] = time.monotonic()
+        return reply
+
+    store.execute_command("CLIENT", "PAUSE", 300, "WRITE")
+    with ThreadPoolExecutor(2) as pool:
+        settled = pool.submit(timed, "settlements", backlog, "/v1/settle")
+        time.sleep(0.1)  # the settlements are queued first
+        charged = pool.submit(timed, "charge", bucket_request("eager"), "/v1/token_bucket")
+        assert charged.result()[0] == 200 and charged.result()[1]["allowed"]
+        assert settled.result() == (200, {"results": ["applied"] * 1000})
+    assert answered["charge"] < answered["settlements"]

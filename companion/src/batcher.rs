@@ -7,6 +7,10 @@
 //! for many requests instead of one each, and the settlements a proxy sends in bulk ride
 //! along with the charges. Inside the script each call is still its own: a charge all or
 //! nothing, a settlement applied at most once by its reservation record.
+//!
+//! Decisions (charges and leases, a request waiting on each) go before adjustments
+//! (settlements, touches, releases) into the next batch: a backlog of settlements flushed
+//! after an outage delays a charge by one batch at most, not by the whole backlog.
 
 use crate::limits::{self, Call};
 use crate::store::{Lane, Script, Store};
@@ -36,16 +40,54 @@ struct Waiting {
     reply: oneshot::Sender<Outcome>,
 }
 
+/// The calls waiting in a busy lane for its next script call.
+#[derive(Default)]
+struct Queued {
+    decisions: VecDeque<Waiting>,
+    adjustments: VecDeque<Waiting>,
+}
+
+impl Queued {
+    fn is_empty(&self) -> bool {
+        self.decisions.is_empty() && self.adjustments.is_empty()
+    }
+
+    /// The next batch, decisions first, then adjustments, `MAX_CALLS` at most; and the
+    /// decisions that waited `timeout` or longer, which are not to be sent.
+    fn next_batch(&mut self, timeout: Duration) -> (Vec<Waiting>, Vec<Waiting>) {
+        let (mut batch, mut stale) = (Vec::new(), Vec::new());
+        while batch.len() < MAX_CALLS {
+            let Some(waiting) = self.decisions.pop_front() else { break };
+            if waiting.since.elapsed() >= timeout {
+                stale.push(waiting);
+            } else {
+                batch.push(waiting);
+            }
+        }
+        let adjustments = self.adjustments.len().min(MAX_CALLS - batch.len());
+        batch.extend(self.adjustments.drain(..adjustments));
+        (batch, stale)
+    }
+}
+
+/// Whether a call decides a request (a charge or a lease) or adjusts what was decided.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Decision,
+    Adjustment,
+}
+
 pub struct Batcher {
     store: Store,
     script: Script,
     /// The busy lanes (a script call out), with the calls waiting for the next: whoever
     /// made a lane busy sends its calls until none waits, and removes it. So this holds at
     /// most one entry per script call in flight.
-    lanes: Mutex<HashMap<Lane, VecDeque<Waiting>>>,
+    lanes: Mutex<HashMap<Lane, Queued>>,
     in_flight: Semaphore,
-    /// A call that waited this long for its lane fails without being sent: Redis is slow
-    /// or away, and its caller's own deadline has passed by then.
+    /// A decision that waited this long for its lane fails without being sent: Redis is
+    /// slow or away, and the request's own deadline has passed by then. (Adjustments wait
+    /// as long as it takes: their callers wait a second or more, and send them again.)
     timeout: Duration,
 }
 
@@ -64,14 +106,19 @@ impl Batcher {
         &self.store
     }
 
-    /// Runs one call: its reply, or what failed.
-    pub async fn run(self: &Arc<Self>, call: Call) -> Outcome {
-        self.run_all(vec![call]).await.pop().unwrap_or_else(|| Err("no reply".into()))
+    /// Runs a charge or a lease: its reply, or what failed.
+    pub async fn decide(self: &Arc<Self>, call: Call) -> Outcome {
+        self.run(vec![call], Kind::Decision).await.pop().unwrap_or_else(|| Err("no reply".into()))
     }
 
-    /// Runs calls (of any tenants), each on its own, batched with whatever else waits in
-    /// their lanes: their replies, in order.
-    pub async fn run_all(self: &Arc<Self>, calls: Vec<Call>) -> Vec<Outcome> {
+    /// Runs settlements, touches or releases (of any tenants), each on its own: their
+    /// replies, in order.
+    pub async fn adjust(self: &Arc<Self>, calls: Vec<Call>) -> Vec<Outcome> {
+        self.run(calls, Kind::Adjustment).await
+    }
+
+    /// Runs calls, batched with whatever else waits in their lanes: their replies, in order.
+    async fn run(self: &Arc<Self>, calls: Vec<Call>, kind: Kind) -> Vec<Outcome> {
         if let Some(lane) = self.take_idle_lane(&calls) {
             // Nothing else waits: send them from here, sparing a hand-over to a drainer.
             let _busy = Busy { batcher: self, lane };
@@ -90,7 +137,9 @@ impl Batcher {
                 if !lanes.contains_key(&lane) {
                     idle.push(lane);
                 }
-                lanes.entry(lane).or_default().push_back(Waiting { call, since, reply });
+                let queued = lanes.entry(lane).or_default();
+                let queue = if kind == Kind::Decision { &mut queued.decisions } else { &mut queued.adjustments };
+                queue.push_back(Waiting { call, since, reply });
             }
         }
         for lane in idle {
@@ -116,29 +165,26 @@ impl Batcher {
         if lanes.contains_key(&lane) {
             return None;
         }
-        lanes.insert(lane, VecDeque::new());
+        lanes.insert(lane, Queued::default());
         Some(lane)
     }
 
-    fn lanes(&self) -> std::sync::MutexGuard<'_, HashMap<Lane, VecDeque<Waiting>>> {
+    fn lanes(&self) -> std::sync::MutexGuard<'_, HashMap<Lane, Queued>> {
         self.lanes.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
     /// Sends the lane's waiting calls, a batch at a time, until none is left.
     async fn drain(&self, lane: Lane) {
         loop {
-            let batch: Vec<Waiting> = {
+            let (batch, stale) = {
                 let mut lanes = self.lanes();
-                let Some(waiting) = lanes.get_mut(&lane) else { return };
-                let take = waiting.len().min(MAX_CALLS);
-                if take == 0 {
+                let Some(queued) = lanes.get_mut(&lane) else { return };
+                if queued.is_empty() {
                     lanes.remove(&lane);
                     return;
                 }
-                waiting.drain(..take).collect()
+                queued.next_batch(self.timeout)
             };
-            let (stale, batch): (Vec<Waiting>, Vec<Waiting>) =
-                batch.into_iter().partition(|waiting| waiting.since.elapsed() >= self.timeout);
             for waiting in stale {
                 let _ = waiting.reply.send(Err(format!("Redis did not take the call within {:?}", self.timeout)));
             }
@@ -192,7 +238,7 @@ impl Drop for Busy<'_> {
         let mut lanes = self.batcher.lanes();
         let runtime = tokio::runtime::Handle::try_current();
         match runtime {
-            Ok(runtime) if lanes.get(&self.lane).is_some_and(|waiting| !waiting.is_empty()) => {
+            Ok(runtime) if lanes.get(&self.lane).is_some_and(|queued| !queued.is_empty()) => {
                 let (batcher, lane) = (self.batcher.clone(), self.lane);
                 runtime.spawn(async move { batcher.drain(lane).await });
             }
@@ -200,5 +246,55 @@ impl Drop for Busy<'_> {
                 lanes.remove(&self.lane);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn waiting(name: &str, age: Duration) -> Waiting {
+        let since = Instant::now().checked_sub(age).unwrap_or_else(Instant::now);
+        let call = Call { keys: vec![name.to_string()], argument: String::new() };
+        Waiting { call, since, reply: oneshot::channel().0 }
+    }
+
+    fn names(batch: &[Waiting]) -> Vec<&str> {
+        batch.iter().map(|w| first_key(&w.call)).collect()
+    }
+
+    #[test]
+    fn decisions_go_first_and_a_stale_decision_is_not_sent() {
+        let timeout = Duration::from_secs(10);
+        let mut queued = Queued::default();
+        for name in ["settle-1", "settle-2"] {
+            queued.adjustments.push_back(waiting(name, timeout * 2)); // adjustments never go stale
+        }
+        queued.decisions.push_back(waiting("charge-late", timeout * 2));
+        queued.decisions.push_back(waiting("charge", Duration::ZERO));
+        let (batch, stale) = queued.next_batch(timeout);
+        assert_eq!(names(&batch), ["charge", "settle-1", "settle-2"]);
+        assert_eq!(names(&stale), ["charge-late"]);
+        assert!(queued.is_empty());
+    }
+
+    #[test]
+    fn a_batch_holds_at_most_max_calls_and_the_rest_waits_in_order() {
+        let mut queued = Queued::default();
+        for i in 0..150 {
+            queued.adjustments.push_back(waiting(&format!("settle-{i}"), Duration::ZERO));
+        }
+        for i in 0..60 {
+            queued.decisions.push_back(waiting(&format!("charge-{i}"), Duration::ZERO));
+        }
+        let (first, _) = queued.next_batch(Duration::from_secs(1));
+        assert_eq!(first.len(), MAX_CALLS);
+        assert_eq!(names(&first)[59..61], ["charge-59", "settle-0"]);
+        let (second, _) = queued.next_batch(Duration::from_secs(1));
+        assert_eq!(names(&second)[0], "settle-40");
+        assert_eq!(second.len(), MAX_CALLS);
+        let (third, _) = queued.next_batch(Duration::from_secs(1));
+        assert_eq!(third.len(), 10);
+        assert!(queued.is_empty());
     }
 }

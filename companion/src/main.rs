@@ -154,7 +154,7 @@ async fn run_limits<R: LimitsCall>(State(app): State<Arc<App>>, headers: HeaderM
         };
     }
     let call = request.call(&app.key_prefix);
-    let value = match app.batcher.run(call).await {
+    let value = match app.batcher.decide(call).await {
         Ok(value) => value,
         Err(err) => return error(StatusCode::SERVICE_UNAVAILABLE, format!("redis: {err}")),
     };
@@ -190,7 +190,7 @@ async fn run_adjustments(State(app): State<Arc<App>>, headers: HeaderMap, body: 
         Err(message) => return error(StatusCode::BAD_REQUEST, message),
     };
     let calls = request.settlements.iter().map(|settlement| limits::adjust(&app.key_prefix, op, settlement)).collect();
-    let replies = app.batcher.run_all(calls).await;
+    let replies = app.batcher.adjust(calls).await;
     // How many entries failed with each error: a batch that fails fails whole, so one
     // line per error rather than one per entry (scripts/faults.py counts these lines).
     let mut failures: Vec<(String, usize)> = Vec::new();

@@ -64,7 +64,7 @@ async fn is_head(store: &Store, key: &str, member: &str) -> Result<bool, String>
 }
 
 async fn charge(batcher: &Arc<Batcher>, call: &Call, request: &ChargeRequest) -> Result<LimitsReply, String> {
-    let value = batcher.run(call.clone()).await.map_err(|e| format!("redis: {e}"))?;
+    let value = batcher.decide(call.clone()).await.map_err(|e| format!("redis: {e}"))?;
     limits::reply(request.limits.iter().map(|l| l.name.as_str()), &value)
 }
 
