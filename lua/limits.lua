@@ -62,6 +62,19 @@
 -- release: the request's slots are released at once, and nothing else changes (its
 -- settlement, which releases them too, may follow).
 --
+-- A batch runs several such calls in one script call, each on its own and all at the
+-- same time (one TIME), as if each were sent alone:
+--   ARGV[1]  {"calls": [{"keys": k1, "call": {...}}, {"keys": k2, "call": {...}}, ...]}
+--            each "call" an object as above; KEYS are the first call's k1 keys, then the
+--            second's k2, and so on. On Redis Cluster every key of a batch must share one
+--            hash slot, as within a call.
+--   Reply    one element per call, in order: its reply (below), or, if the call failed,
+--            its error message as a string (bad arguments, "CANCELLED ...", or a command
+--            Redis refused); the other calls are not affected. What a failed call wrote
+--            before failing stands, as it would alone.
+-- Batches let the companion settle many reservations in one round trip; each settlement
+-- in a batch is applied at most once exactly as alone (its reservation record decides).
+--
 -- Reply  { done, {status, limit, remaining, reset_after_ms, retry_after_ms, charged} per limit }
 --          done            charge: 1 if charged; settle: 1 if applied; lease: 1 if granted;
 --                          touch, release: 1
@@ -466,94 +479,187 @@ local function check_fields(object, where, fixed, numbers, op)
   end
 end
 
+-- Whether `value` is a non-empty JSON array (a table with keys 1..n only).
+local function is_array(value)
+  if type(value) ~= 'table' or #value == 0 then
+    return false
+  end
+  local fields = 0
+  for _ in pairs(value) do
+    fields = fields + 1
+  end
+  return fields == #value
+end
+
 local TOP = { op = true, limits = true }
 local PER_LIMIT = { kind = true, capacity = true, window_ms = true }
 
--- The decoded arguments, the op and the limits (one table per limit, with its key and
--- driver); or nil and what is wrong.
-local function parse()
-  if #ARGV ~= 1 then
-    return nil, nil, nil, 'expected one argument, a JSON object (see the header), got ' .. #ARGV
-  end
-  local decoded, args = pcall(cjson.decode, ARGV[1])
-  if not decoded or type(args) ~= 'table' then
-    return nil, nil, nil, 'ARGV[1] must be a JSON object'
+-- One call's op and limits (one table per limit, with its key and driver), from its
+-- decoded arguments and its keys; or nil and what is wrong.
+local function parse(args, keys)
+  if type(args) ~= 'table' then
+    return nil, nil, 'call must be a JSON object, got ' .. shown(args)
   end
   local op = ops[args.op]
   if type(args.op) ~= 'string' or not op then
-    return nil, nil, nil, 'op must be "charge", "settle", "lease", "touch" or "release", got ' .. shown(args.op)
+    return nil, nil, 'op must be "charge", "settle", "lease", "touch" or "release", got ' .. shown(args.op)
   end
   local problem = check_fields(args, '', TOP, op.args, args.op) or (op.check_args and op.check_args(args))
   if problem then
-    return nil, nil, nil, problem
+    return nil, nil, problem
   end
   local given = args.limits
-  local n = type(given) == 'table' and #given or 0
-  local fields = 0
-  for _ in pairs(type(given) == 'table' and given or {}) do
-    fields = fields + 1
+  if not is_array(given) then
+    return nil, nil, 'limits must be a non-empty array, got ' .. shown(given)
   end
-  if n == 0 or fields ~= n then
-    return nil, nil, nil, 'limits must be a non-empty array, got ' .. shown(given)
-  end
-  if #KEYS < n or #KEYS > n + 2 then
-    return nil, nil, nil, n .. ' limits need ' .. n .. ' to ' .. (n + 2) .. ' keys, got ' .. #KEYS
+  local n = #given
+  if #keys < n or #keys > n + 2 then
+    return nil, nil, n .. ' limits need ' .. n .. ' to ' .. (n + 2) .. ' keys, got ' .. #keys
   end
   local limits = {}
   for i, spec in ipairs(given) do
     local where = 'limits[' .. (i - 1) .. '].'
     if type(spec) ~= 'table' then
-      return nil, nil, nil, 'limits[' .. (i - 1) .. '] must be an object, got ' .. shown(spec)
+      return nil, nil, 'limits[' .. (i - 1) .. '] must be an object, got ' .. shown(spec)
     end
     problem = check_fields(spec, where, PER_LIMIT, op.limit, args.op)
     if problem then
-      return nil, nil, nil, problem
+      return nil, nil, problem
     end
     if type(spec.kind) ~= 'string' or not drivers[spec.kind] then
-      return nil, nil, nil, where .. 'kind must be "tb", "sw" or "slots", got ' .. shown(spec.kind)
+      return nil, nil, where .. 'kind must be "tb", "sw" or "slots", got ' .. shown(spec.kind)
     end
     for _, name in ipairs({ 'capacity', 'window_ms' }) do
       if not is_number(spec[name]) or spec[name] <= 0 then
-        return nil, nil, nil, where .. name .. ' must be a number > 0, got ' .. shown(spec[name])
+        return nil, nil, where .. name .. ' must be a number > 0, got ' .. shown(spec[name])
       end
     end
-    local l = { key = KEYS[i], member = KEYS[n + 1], driver = drivers[spec.kind], status = 1, retry = 0, charged = 0 }
+    local l = { key = keys[i], member = keys[n + 1], driver = drivers[spec.kind], status = 1, retry = 0, charged = 0 }
     for name, value in pairs(spec) do
       l[name] = value
     end
     if op.check then
       local field, value, rule = op.check(l)
       if field then
-        return nil, nil, nil, where .. field .. ' ' .. rule .. ', got ' .. shown(value)
+        return nil, nil, where .. field .. ' ' .. rule .. ', got ' .. shown(value)
       end
     end
     if l.kind == 'slots' and (not l.member or args.op == 'lease') then
-      return nil, nil, nil, 'limits[' .. (i - 1) .. '] is a slot limit: it needs the reservation key, and cannot be leased'
+      return nil, nil, 'limits[' .. (i - 1) .. '] is a slot limit: it needs the reservation key, and cannot be leased'
     end
     limits[i] = l
   end
-  return args, op, limits
+  return op, limits
+end
+
+-- Runs one parsed call over its keys: its reply, or an error reply (a table with `err`).
+local function run(args, op, limits, keys)
+  local n = #limits
+  local done = op.run(limits, args, { reservation = keys[n + 1], cancel_marker = keys[n + 2] })
+  if type(done) == 'table' then
+    return done
+  end
+  local reply = { done }
+  for i, l in ipairs(limits) do
+    reply[i + 1] = { l.status, l.capacity, math.max(0, math.floor(l.level)), l.driver.reset_after(l), l.retry, l.charged }
+  end
+  return reply
+end
+
+local function set_now()
+  local time = redis.call('TIME')
+  now_ms = tonumber(time[1]) * 1000 + tonumber(time[2]) / 1000
+end
+
+-- A batch's entries, each {keys = how many of KEYS, in order, are this call's; call =
+-- its arguments}, with the keys split among them; or nil and what is wrong.
+local function split_batch(calls)
+  if not is_array(calls) then
+    return nil, 'calls must be a non-empty array, got ' .. shown(calls)
+  end
+  local entries, next_key = {}, 1
+  for j, entry in ipairs(calls) do
+    local where = 'calls[' .. (j - 1) .. ']'
+    if type(entry) ~= 'table' then
+      return nil, where .. ' must be an object, got ' .. shown(entry)
+    end
+    for name in pairs(entry) do
+      if name ~= 'keys' and name ~= 'call' then
+        return nil, 'unknown field ' .. where .. '.' .. tostring(name)
+      end
+    end
+    local k = entry.keys
+    if not is_number(k) or k < 1 or k % 1 ~= 0 then
+      return nil, where .. '.keys must be a whole number >= 1, got ' .. shown(k)
+    end
+    local keys = {}
+    for i = 1, k do
+      keys[i] = KEYS[next_key + i - 1]
+    end
+    next_key = next_key + k
+    entries[j] = { args = entry.call, keys = keys }
+  end
+  if next_key - 1 ~= #KEYS then
+    return nil, 'the calls name ' .. (next_key - 1) .. ' keys, got ' .. #KEYS
+  end
+  return entries
+end
+
+local function error_text(err)
+  if type(err) == 'table' then
+    return tostring(err.err)
+  end
+  return tostring(err)
 end
 
 --------------------------------------------------------------------------------------------
 -- The call
 --------------------------------------------------------------------------------------------
 
-local args, op, limits, problem = parse()
-if problem then
+if #ARGV ~= 1 then
+  return redis.error_reply('ERR limits: expected one argument, a JSON object (see the header), got ' .. #ARGV)
+end
+local decoded, args = pcall(cjson.decode, ARGV[1])
+if not decoded or type(args) ~= 'table' then
+  return redis.error_reply('ERR limits: ARGV[1] must be a JSON object')
+end
+
+if args.calls == nil then
+  local op, limits, problem = parse(args, KEYS)
+  if problem then
+    return redis.error_reply('ERR limits: ' .. problem)
+  end
+  set_now()
+  return run(args, op, limits, KEYS)
+end
+
+-- A batch: each call on its own, as if sent alone, at one time. A call that fails (bad
+-- arguments, a cancelled charge, a command Redis refused) is reported as its error
+-- message and the others go on; what it wrote before failing stands, as it would alone.
+for name in pairs(args) do
+  if name ~= 'calls' then
+    return redis.error_reply('ERR limits: unknown field ' .. tostring(name) .. ' next to calls')
+  end
+end
+local entries, problem = split_batch(args.calls)
+if not entries then
   return redis.error_reply('ERR limits: ' .. problem)
 end
-local n = #limits
-local time = redis.call('TIME')
-now_ms = tonumber(time[1]) * 1000 + tonumber(time[2]) / 1000
-
-local done = op.run(limits, args, { reservation = KEYS[n + 1], cancel_marker = KEYS[n + 2] })
-if type(done) == 'table' then
-  return done
+set_now()
+local replies = {}
+for j, entry in ipairs(entries) do
+  local op, limits, call_problem = parse(entry.args, entry.keys)
+  if call_problem then
+    replies[j] = 'ERR limits: calls[' .. (j - 1) .. ']: ' .. call_problem
+  else
+    local ok, reply = pcall(run, entry.args, op, limits, entry.keys)
+    if not ok then
+      replies[j] = error_text(reply)
+    elseif reply.err then
+      replies[j] = error_text(reply)
+    else
+      replies[j] = reply
+    end
+  end
 end
-
-local reply = { done }
-for i, l in ipairs(limits) do
-  reply[i + 1] = { l.status, l.capacity, math.max(0, math.floor(l.level)), l.driver.reset_after(l), l.retry, l.charged }
-end
-return reply
+return replies

@@ -481,7 +481,8 @@ class Faults:
                         lines.append(f"{p.name}: {line.strip()[:220]}")
                 given_up += sum(int(n) for n in re.findall(r"gave up (\d+) settlement", text))
             elif p.name.startswith("companion"):
-                timed_out += len(re.findall(r"settle failed: .*timed out|settle failed: Redis did not answer", text))
+                timed_out += sum(int(n) for n in re.findall(
+                    r"settle failed for (\d+) of \d+ entries: (?:.*timed out|Redis did not answer)", text))
         return lines, given_up, timed_out
 
 

@@ -3,7 +3,9 @@ loading and NOSCRIPT recovery, Redis outages, and Redis Cluster."""
 
 import json
 import subprocess
+import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import redis
@@ -117,6 +119,11 @@ def test_survives_a_redis_restart(single):
     status, reply = call(port, bucket_request("during-outage"))
     assert status == 503 and "redis" in reply["error"]
     assert http_get(f"http://127.0.0.1:{port}/healthz")[0] == 503
+    # Settlements fail per entry (to be sent again), logged once per error with a count.
+    batch = {"settlements": [settlement("t9", "res1", 1), settlement("t9", "res2", 1)]}
+    assert call(port, batch, path="/v1/settle") == (200, {"results": ["failed", "failed"]})
+    companion = next(p for p in stack.processes if p.name == "companion")
+    assert "companion: settle failed for 2 of 2 entries: " in companion.log_path.read_text()
     # A new, empty Redis on the same port: reconnect, reload the script (NOSCRIPT), carry on.
     stack.redis(redis_port, name="redis-restarted")
     wait_until(lambda: call(port, bucket_request("after-restart"))[0] == 200, 10, "companion recovery")
@@ -137,7 +144,7 @@ def test_token_from_file_and_refusal_without_token(stack, tmp_path):
 def test_runs_against_a_redis_cluster(stack):
     ports = stack.redis_cluster(3)
     url = "redis+cluster://" + ",".join(f"127.0.0.1:{p}" for p in ports)
-    _, port = stack.companion(url, TOKEN)
+    _, port = stack.companion(url, TOKEN, extra=["--threads", "2"])  # and on more than one thread
     for tenant in [f"tenant{i}" for i in range(10)]:
         results = [call(port, bucket_request(tenant, capacity=2, names=("rpm", "rpd"))) for _ in range(3)]
         assert [r[0] for r in results] == [200, 200, 200], (tenant, results)
@@ -148,5 +155,89 @@ def test_runs_against_a_redis_cluster(stack):
         assert len(keys) == 20
         holders = {cluster.nodes_manager.get_node_from_slot(cluster.keyslot(k)).port for k in keys}
         assert len(holders) > 1
+        # A settlement batch across tenants, so across slots and nodes: the companion splits
+        # it by hash slot, and each entry is applied once.
+        tenants = [f"settling{i}" for i in range(12)]
+        for tenant in tenants:
+            charge = {"domain": "llm", "tenant": tenant, "reservation": {"id": "r1", "ttl_ms": 60_000},
+                      "limits": [{"name": "tpm", "capacity": 1000, "window_ms": 3_600_000, "cost": 700}]}
+            assert call(port, charge)[1]["allowed"]
+        batch = {"settlements": [settlement(t, "r1", 650) for t in tenants] + [settlement(tenants[0], "r1", 650)]}
+        status, reply = call(port, batch, path="/v1/settle")
+        assert status == 200 and reply["results"] == ["applied"] * 12 + ["already_settled"]
+        for tenant in tenants:
+            assert float(cluster.hget(f"llmrl:{{llm:{tenant}}}:tb:tpm", "tokens")) == pytest.approx(950, abs=1)
     finally:
         cluster.close()
+
+
+def script_calls(store):
+    """Script calls Redis has served (one per round trip)."""
+    stats = store.info("commandstats")
+    return sum(stats.get(name, {}).get("calls", 0) for name in ("cmdstat_evalsha", "cmdstat_eval"))
+
+
+def test_settles_a_large_batch_in_few_script_calls(single):
+    """A proxy's settlement batch costs one script call per 100 entries, not one each; each
+    entry is still applied once, with its own outcome."""
+    _, redis_port, port = single
+    store = redis.Redis(port=redis_port)
+    tenants = [f"bulk{i}" for i in range(50)]
+    for i in range(250):
+        charge = {"domain": "llm", "tenant": tenants[i % 50], "reservation": {"id": f"r{i}", "ttl_ms": 60_000},
+                  "limits": [{"name": "tpm", "capacity": 1000, "window_ms": 3_600_000, "cost": 100}]}
+        assert call(port, charge)[1]["allowed"]
+    settlements = [settlement(tenants[i % 50], f"r{i}", 60) for i in range(250)]
+    settlements += [settlement(tenants[i], f"unknown{i}", 60) for i in range(10)]
+    before = script_calls(store)
+    status, reply = call(port, {"settlements": settlements}, path="/v1/settle")
+    assert status == 200 and reply["results"] == ["applied"] * 250 + ["already_settled"] * 10
+    assert script_calls(store) - before == 3
+    # Five charges of 100 a tenant, 60 of each given back: 1000 - 5 x 40 left.
+    for tenant in tenants:
+        assert float(store.hget(f"t1:{{llm:{tenant}}}:tb:tpm", "tokens")) == pytest.approx(800, abs=1)
+    status, reply = call(port, {"settlements": settlements}, path="/v1/settle")
+    assert reply["results"] == ["already_settled"] * 260
+    assert float(store.hget(f"t1:{{llm:{tenants[0]}}}:tb:tpm", "tokens")) == pytest.approx(800, abs=1)
+
+
+def test_charges_arriving_together_share_a_script_call(single):
+    """While a script call is out, the calls that arrive wait and go together in the next:
+    with Redis paused, 32 concurrent charges cost two or three script calls, and each is
+    still charged on its own."""
+    _, redis_port, port = single
+    store = redis.Redis(port=redis_port)
+    before = script_calls(store)
+    store.execute_command("CLIENT", "PAUSE", 300, "WRITE")
+    with ThreadPoolExecutor(32) as pool:
+        replies = list(pool.map(lambda i: call(port, bucket_request(f"together{i % 4}", capacity=10)), range(32)))
+    assert [status for status, _ in replies] == [200] * 32
+    # Four tenants of capacity 10, eight charges each: all admitted, 2 left each.
+    assert sorted(reply["limits"][0]["remaining"] for _, reply in replies) == sorted(list(range(2, 10)) * 4)
+    assert script_calls(store) - before <= 3
+
+
+def test_a_charge_goes_before_a_backlog_of_settlements(single):
+    """A proxy's settlements flushed in bulk (here 1,000 while Redis is paused) wait behind
+    a charge that arrives after them: the charge is answered first, and every settlement
+    is still applied."""
+    _, redis_port, port = single
+    store = redis.Redis(port=redis_port)
+    for i in range(1000):
+        store.set(f"t1:{{llm:backlog}}:res:r{i}", "0", px=60_000)
+    backlog = {"settlements": [settlement("backlog", f"r{i}", 1) for i in range(1000)]}
+    answered = {}
+
+    def timed(name, body, path):
+        reply = call(port, body, path=path)
+        answered[name] = time.monotonic()
+        return reply
+
+    store.execute_command("CLIENT", "PAUSE", 300, "WRITE")
+    with ThreadPoolExecutor(2) as pool:
+        settled = pool.submit(timed, "settlements", backlog, "/v1/settle")
+        time.sleep(0.1)  # the settlements are queued first
+        charged = pool.submit(timed, "charge", bucket_request("eager"), "/v1/token_bucket")
+        assert charged.result()[0] == 200 and charged.result()[1]["allowed"]
+        assert settled.result() == (200, {"results": ["applied"] * 1000})
+    assert answered["charge"] < answered["settlements"]

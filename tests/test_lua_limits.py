@@ -68,37 +68,59 @@ def call(client, op, keys, limits, amounts, reservation=None, ttl_ms=60_000):
     return client.eval(SCRIPT, len(all_keys), *all_keys, script_args(op, limits, amounts, ttl_ms))
 
 
-def run_case(client, case, tolerance_ms=1):
+def step_args(case, step):
+    """ARGV[1] of one step of a case."""
+    op = step.get("op", "charge")
+    share = step.get("share", 0.5) if op == "lease" else None
+    return script_args(op, case["limits"], step["amounts"], share=share, mins=step.get("mins"))
+
+
+def age_keys(pipe, keys, written_at, clock):
+    """Queues, in `pipe`, the ageing of every written key to the case's virtual clock."""
+    for key in keys:
+        if key in written_at:
+            pipe.eval(SET_AGE, 1, key, clock - written_at[key])
+
+
+def check_step(case, i, step, reply, keys, written_at, clock, tolerance_ms=1):
+    what = f"{case['name']} / step {i}"
+    assert reply[0] == int(step["done"]), what
+    if step["done"]:
+        for key, amount in zip(keys, step["amounts"]):
+            if amount != 0:
+                written_at[key] = clock
+    if "charged" in step:
+        assert [outcome[5] for outcome in reply[1:]] == step["charged"], what
+    for got, want, limit in zip(reply[1:], step["outcomes"], case["limits"]):
+        status, cap, remaining, reset_after_ms, retry_after_ms, _charged = got
+        assert STATUS[status] == want[0], what
+        assert cap == limit["capacity"], what
+        assert remaining == want[1], what
+        assert abs(reset_after_ms - want[2]) <= tolerance_ms, f"{what}: reset {reset_after_ms} vs {want[2]}"
+        assert abs(retry_after_ms - want[3]) <= tolerance_ms, f"{what}: retry {retry_after_ms} vs {want[3]}"
+
+
+def case_keys(case):
     tag = uuid.uuid4().hex
-    keys = [f"test:{{{tag}}}:{limit['name']}" for limit in case["limits"]]
+    return [f"test:{{{tag}}}:{limit['name']}" for limit in case["limits"]]
+
+
+def run_case(client, case):
+    keys = case_keys(case)
     written_at = {}
     clock = 0
     for i, step in enumerate(case["steps"]):
         clock += step["advance_ms"]
         pipe = client.pipeline(transaction=True)
-        for key in keys:
-            if key in written_at:
-                pipe.eval(SET_AGE, 1, key, clock - written_at[key])
-        op = step.get("op", "charge")
-        share = step.get("share", 0.5) if op == "lease" else None
-        pipe.eval(SCRIPT, len(keys), *keys, script_args(op, case["limits"], step["amounts"], share=share, mins=step.get("mins")))
-        reply = pipe.execute()[-1]
-        what = f"{case['name']} / step {i}"
-        assert reply[0] == int(step["done"]), what
-        if step["done"]:
-            for key, amount in zip(keys, step["amounts"]):
-                if amount != 0:
-                    written_at[key] = clock
-        if "charged" in step:
-            assert [outcome[5] for outcome in reply[1:]] == step["charged"], what
-        for got, want, limit in zip(reply[1:], step["outcomes"], case["limits"]):
-            status, cap, remaining, reset_after_ms, retry_after_ms, _charged = got
-            assert STATUS[status] == want[0], what
-            assert cap == limit["capacity"], what
-            assert remaining == want[1], what
-            assert abs(reset_after_ms - want[2]) <= tolerance_ms, f"{what}: reset {reset_after_ms} vs {want[2]}"
-            assert abs(retry_after_ms - want[3]) <= tolerance_ms, f"{what}: retry {retry_after_ms} vs {want[3]}"
+        age_keys(pipe, keys, written_at, clock)
+        pipe.eval(SCRIPT, len(keys), *keys, step_args(case, step))
+        check_step(case, i, step, pipe.execute()[-1], keys, written_at, clock)
     return keys
+
+
+def batch_args(calls):
+    """ARGV[1] of a batch: `calls` is a list of (number of keys, ARGV[1] of the call)."""
+    return json.dumps({"calls": [{"keys": n, "call": json.loads(argument)} for n, argument in calls]})
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c["name"] for c in CASES])
@@ -238,25 +260,28 @@ def test_slots_and_buckets_are_charged_together(client):
     assert client.zcard(keys[1]) == 1
 
 
-def test_runs_on_a_cluster_with_one_hash_tag_per_tenant(module_stack):
+@pytest.fixture(scope="module")
+def cluster(module_stack):
     ports = module_stack.redis_cluster(3)
-    cluster = redis.RedisCluster(host="127.0.0.1", port=ports[0])
-    try:
-        nodes_used = set()
-        for tenant in range(12):
-            keys = [f"test:{{tenant{tenant}}}:rpm", f"test:{{tenant{tenant}}}:rpd"]
-            slot = cluster.keyslot(keys[0])
-            assert cluster.keyslot(keys[1]) == slot
-            nodes_used.add(cluster.nodes_manager.get_node_from_slot(slot).port)
-            limits = [{"capacity": 2, "window_ms": 60_000}, {"capacity": 100, "window_ms": 86_400_000}]
-            results = [cluster.eval(SCRIPT, 2, *keys, script_args("charge", limits, [1, 1]))[0] for _ in range(3)]
-            assert results == [1, 1, 0], tenant
-        assert len(nodes_used) > 1, "tenants should spread over the cluster's nodes"
-        # Without a shared tag the keys land in different slots, which the cluster refuses.
-        with pytest.raises(redis.RedisClusterException):
-            cluster.eval(SCRIPT, 2, "test:a:rpm", "test:b:rpm", script_args("charge", RPM10 * 2, [1, 1]))
-    finally:
-        cluster.close()
+    client = redis.RedisCluster(host="127.0.0.1", port=ports[0])
+    yield client
+    client.close()
+
+
+def test_runs_on_a_cluster_with_one_hash_tag_per_tenant(cluster):
+    nodes_used = set()
+    for tenant in range(12):
+        keys = [f"test:{{tenant{tenant}}}:rpm", f"test:{{tenant{tenant}}}:rpd"]
+        slot = cluster.keyslot(keys[0])
+        assert cluster.keyslot(keys[1]) == slot
+        nodes_used.add(cluster.nodes_manager.get_node_from_slot(slot).port)
+        limits = [{"capacity": 2, "window_ms": 60_000}, {"capacity": 100, "window_ms": 86_400_000}]
+        results = [cluster.eval(SCRIPT, 2, *keys, script_args("charge", limits, [1, 1]))[0] for _ in range(3)]
+        assert results == [1, 1, 0], tenant
+    assert len(nodes_used) > 1, "tenants should spread over the cluster's nodes"
+    # Without a shared tag the keys land in different slots, which the cluster refuses.
+    with pytest.raises(redis.RedisClusterException):
+        cluster.eval(SCRIPT, 2, "test:a:rpm", "test:b:rpm", script_args("charge", RPM10 * 2, [1, 1]))
 
 
 def shift_window(client, key, ms):
@@ -298,3 +323,121 @@ def test_a_sliding_window_charges_several_costs_and_settles_at_the_charge_time(c
     shift_window(client, key, 1001)
     assert call(client, "charge", [key], SW10, [10])[0] == 1
     assert call(client, "charge", [key], SW10, [1])[0] == 0
+
+
+# Batches: several calls in one script call (the companion's way to settle many
+# reservations, and to run calls that arrive together, in one round trip).
+
+
+def test_the_case_table_holds_for_calls_batched_together(client):
+    """Every case of the table at once: step i of all cases in one batch, each call with its
+    own keys and virtual clock, and each reply exactly what the call gets alone."""
+    runs = [{"case": case, "keys": case_keys(case), "written_at": {}, "clock": 0} for case in CASES]
+    for i in range(max(len(case["steps"]) for case in CASES)):
+        due = [run for run in runs if i < len(run["case"]["steps"])]
+        pipe = client.pipeline(transaction=True)
+        keys, calls = [], []
+        for run in due:
+            step = run["case"]["steps"][i]
+            run["clock"] += step["advance_ms"]
+            age_keys(pipe, run["keys"], run["written_at"], run["clock"])
+            keys += run["keys"]
+            calls.append((len(run["keys"]), step_args(run["case"], step)))
+        pipe.eval(SCRIPT, len(keys), *keys, batch_args(calls))
+        replies = pipe.execute()[-1]
+        assert len(replies) == len(due)
+        for run, reply in zip(due, replies):
+            step = run["case"]["steps"][i]
+            check_step(run["case"], i, step, reply, run["keys"], run["written_at"], run["clock"])
+
+
+def settle_call(key, reservation, credit):
+    return (2, script_args("settle", RPM10, [credit])), [key, reservation]
+
+
+def test_a_batch_applies_each_settlement_once(client):
+    tag = uuid.uuid4().hex
+    key = f"test:{{{tag}}}:tpm"
+    r1, r2 = f"test:{{{tag}}}:res:r1", f"test:{{{tag}}}:res:r2"
+    call(client, "charge", [key], RPM10, [4], r1)
+    call(client, "charge", [key], RPM10, [3], r2)  # 3 left
+    calls, keys = [], []
+    for reservation, credit in [(r1, 2), (r1, 2), (r2, -1), (f"test:{{{tag}}}:res:never", 5)]:
+        one, its_keys = settle_call(key, reservation, credit)
+        calls.append(one)
+        keys += its_keys
+    replies = client.eval(SCRIPT, len(keys), *keys, batch_args(calls))
+    # Applied, already settled (within the same batch), applied (a debit), never charged.
+    assert [reply[0] for reply in replies] == [1, 0, 1, 0]
+    assert [reply[1][2] for reply in replies] == [5, 5, 4, 4]
+    assert client.exists(r1, r2) == 0
+    # The same batch again changes nothing.
+    again = client.eval(SCRIPT, len(keys), *keys, batch_args(calls))
+    assert [reply[0] for reply in again] == [0, 0, 0, 0] and again[-1][1][2] == 4
+
+
+def test_a_failing_call_in_a_batch_leaves_the_others_alone(client):
+    tag = uuid.uuid4().hex
+    key = f"test:{{{tag}}}:rpm"
+    cancelled, marker = f"test:{{{tag}}}:res:gone", f"test:{{{tag}}}:cancel:gone"
+    client.set(marker, "1")
+    wrong_type = f"test:{{{tag}}}:res:hash"
+    client.hset(wrong_type, "x", "1")  # a reservation key of the wrong type: GET fails
+    calls = [
+        (1, script_args("charge", RPM10, [1])),
+        (1, script_args("charge", RPM10, [-1], mins=[0])),  # refused by the argument check
+        (2, script_args("settle", RPM10, [1])),  # with the wrong-type reservation key
+        (3, script_args("charge", RPM10, [1])),  # its cancel marker is set
+        (1, script_args("charge", RPM10, [2])),
+    ]
+    keys = [key, key, key, wrong_type, key, cancelled, marker, key]
+    calls.append((1, "7"))  # not an object
+    keys.append(key)
+    replies = client.eval(SCRIPT, len(keys), *keys, batch_args(calls))
+    assert replies[0][0] == 1 and replies[0][1][2] == 9
+    assert replies[1] == b"ERR limits: calls[1]: limits[0].cost must be >= 0, got -1"
+    assert b"WRONGTYPE" in replies[2]
+    assert replies[3].startswith(b"CANCELLED")
+    # The calls after the failures ran; the refused and the cancelled charged nothing.
+    assert replies[4][0] == 1 and replies[4][1][2] == 7
+    assert replies[5] == b"ERR limits: calls[5]: call must be a JSON object, got 7"
+
+
+@pytest.mark.parametrize(
+    "calls, keys, message",
+    [
+        ([], 1, "calls must be a non-empty array"),
+        ({"keys": 1}, 1, "calls must be a non-empty array"),
+        ([{"keys": 0, "call": {}}], 1, "calls[0].keys must be a whole number >= 1, got 0"),
+        ([{"keys": 1.5, "call": {}}], 1, "calls[0].keys must be a whole number >= 1, got 1.5"),
+        ([{"keys": 1, "call": {}, "op": "charge"}], 1, "unknown field calls[0].op"),
+        ([7], 1, "calls[0] must be an object, got 7"),
+        ([{"keys": 1, "call": {}}, {"keys": 1, "call": {}}], 1, "the calls name 2 keys, got 1"),
+        ([{"keys": 1, "call": {}}], 2, "the calls name 1 keys, got 2"),
+    ],
+)
+def test_a_malformed_batch_is_an_error(client, calls, keys, message):
+    argument = json.dumps({"calls": calls})
+    with pytest.raises(redis.ResponseError, match=re.escape(message)):
+        client.eval(SCRIPT, keys, *[f"test:{{bad}}:k{i}" for i in range(keys)], argument)
+
+
+def test_a_batch_takes_nothing_but_its_calls(client):
+    with pytest.raises(redis.ResponseError, match=re.escape("unknown field op next to calls")):
+        client.eval(SCRIPT, 1, "test:{bad}:k", json.dumps({"calls": [], "op": "charge"}))
+
+
+def test_a_batch_runs_on_a_cluster_within_one_hash_slot(cluster):
+    """The companion batches only calls whose keys share a slot: two tenants in one slot
+    share a script call; across slots the cluster refuses it."""
+    first = "tenant-a"
+    slot = cluster.keyslot(f"{{{first}}}")
+    second = next(f"tenant-{i}" for i in range(100_000) if f"tenant-{i}" != first and cluster.keyslot(f"{{tenant-{i}}}") == slot)
+    other = next(f"tenant-{i}" for i in range(100_000) if cluster.keyslot(f"{{tenant-{i}}}") != slot)
+    run = uuid.uuid4().hex[:8]
+    same = [f"test:{{{first}}}:{run}:rpm", f"test:{{{second}}}:{run}:rpm"]
+    calls = [(1, script_args("charge", RPM10, [3])), (1, script_args("charge", RPM10, [4]))]
+    replies = cluster.eval(SCRIPT, 2, *same, batch_args(calls))
+    assert [(reply[0], reply[1][2]) for reply in replies] == [(1, 7), (1, 6)]
+    with pytest.raises(redis.RedisClusterException):
+        cluster.eval(SCRIPT, 2, same[0], f"test:{{{other}}}:{run}:rpm", batch_args(calls))

@@ -12,14 +12,14 @@ use serde::Serialize;
 pub const SOURCE: &str = include_str!("../../lua/limits.lua");
 
 /// A script call: its keys, and its one argument (ARGV[1], a JSON object).
+#[derive(Debug, Clone)]
 pub struct Call {
     pub keys: Vec<String>,
     pub argument: String,
 }
 
 /// What the script is asked to do.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "snake_case")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Op {
     Charge,
     Lease,
@@ -28,9 +28,23 @@ pub enum Op {
     Release,
 }
 
+impl Op {
+    /// The op's name, as the script knows it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Op::Charge => "charge",
+            Op::Lease => "lease",
+            Op::Settle => "settle",
+            Op::Touch => "touch",
+            Op::Release => "release",
+        }
+    }
+}
+
 /// ARGV[1]. Each op takes only its own fields: the script refuses any other.
 #[derive(Serialize)]
 struct Arguments<'a> {
+    #[serde(serialize_with = "op_name")]
     op: Op,
     /// charge: how long the reservation record lives (ms); absent: no record.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -71,6 +85,10 @@ enum Amounts {
     },
     /// touch and release: nothing more.
     Nothing {},
+}
+
+fn op_name<S: serde::Serializer>(op: &Op, serializer: S) -> Result<S::Ok, S::Error> {
+    serializer.serialize_str(op.name())
 }
 
 fn script_kind<S: serde::Serializer>(kind: &LimitKind, serializer: S) -> Result<S::Ok, S::Error> {
@@ -164,6 +182,41 @@ pub fn adjust(prefix: &str, op: Op, settlement: &Settlement) -> Call {
         (Some(id), true) => call.with_cancel_marker(prefix, &settlement.domain, &settlement.tenant, id),
         _ => call,
     }
+}
+
+/// Several calls as one script call (the script's `calls` form): their keys in order, and
+/// each argument with how many of the keys are its own. On a cluster the caller keeps
+/// every key of a batch in one hash slot.
+pub fn batch<'a>(calls: impl IntoIterator<Item = &'a Call>) -> Call {
+    let mut keys = Vec::new();
+    let mut argument = String::from(r#"{"calls":["#);
+    for (i, call) in calls.into_iter().enumerate() {
+        if i > 0 {
+            argument.push(',');
+        }
+        // Each argument is a JSON object already: it goes in as it is.
+        argument.push_str(&format!(r#"{{"keys":{},"call":{}}}"#, call.keys.len(), call.argument));
+        keys.extend(call.keys.iter().cloned());
+    }
+    argument.push_str("]}");
+    Call { keys, argument }
+}
+
+/// A batch's reply, one element per call: the call's reply, or the error it failed with.
+pub fn batch_replies(value: &Value, calls: usize) -> Result<Vec<Result<&Value, String>>, String> {
+    let items = as_array(value)?;
+    if items.len() != calls {
+        return Err(format!("batch reply has {} elements for {calls} calls", items.len()));
+    }
+    Ok(items
+        .iter()
+        .map(|item| match item {
+            Value::Array(_) => Ok(item),
+            Value::BulkString(bytes) => Err(String::from_utf8_lossy(bytes).into_owned()),
+            Value::SimpleString(text) => Err(text.clone()),
+            other => Err(format!("unexpected element {other:?}")),
+        })
+        .collect())
 }
 
 /// The script's reply for the limits named `names`, in order.
@@ -431,6 +484,37 @@ mod tests {
         assert_eq!(reply.limits[1].status, LimitStatus::Limited);
         assert_eq!(reply.limits[1].retry_after_ms, 4_500);
         assert_eq!(reply.limits[1].name, "tpm");
+    }
+
+    #[test]
+    fn a_batch_carries_each_call_with_its_number_of_keys() {
+        let settle = adjust("p:", Op::Settle, &settlement(Some("r1"), LimitKind::TokenBucket, 5));
+        let plain = charge("p:", &request());
+        let call = batch([&settle, &plain]);
+        assert_eq!(call.keys, [settle.keys.clone(), plain.keys.clone()].concat());
+        assert_eq!(
+            argument(&call),
+            json!({"calls": [
+                {"keys": 2, "call": argument(&settle)},
+                {"keys": 3, "call": argument(&plain)},
+            ]})
+        );
+    }
+
+    #[test]
+    fn a_batch_reply_gives_each_call_its_reply_or_its_error() {
+        let ok = Value::Array(vec![Value::Int(1)]);
+        let value = Value::Array(vec![
+            ok.clone(),
+            Value::BulkString(b"CANCELLED the request was abandoned".to_vec()),
+            Value::Int(3),
+        ]);
+        let replies = batch_replies(&value, 3).expect("three elements");
+        assert_eq!(replies[0], Ok(&ok));
+        assert_eq!(replies[1], Err("CANCELLED the request was abandoned".to_string()));
+        assert!(replies[2].is_err());
+        assert!(batch_replies(&value, 2).is_err(), "a reply of another length is refused whole");
+        assert!(batch_replies(&Value::Int(1), 1).is_err());
     }
 
     #[test]

@@ -10,11 +10,13 @@
 //! then, and any entry left by a crashed companion is ignored once its deadline passed
 //! (the deadline is part of the member).
 
+use crate::batcher::Batcher;
 use crate::limits::{self, Call};
-use crate::store::{Script, Store};
+use crate::store::Store;
 use llm_ratelimit_protocol::keys::{redis_key, QUEUE_KIND, QUEUE_NAME};
 use llm_ratelimit_protocol::{ChargeRequest, LimitStatus, LimitsReply, Wait};
 use redis::Value;
+use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 /// How often a waiter looks again when capacity should come back later than that: slots
@@ -61,19 +63,19 @@ async fn is_head(store: &Store, key: &str, member: &str) -> Result<bool, String>
     Ok(true)
 }
 
-async fn charge(store: &Store, script: &Script, call: &Call, request: &ChargeRequest) -> Result<LimitsReply, String> {
-    let value = store.run(script, &call.keys, &[&call.argument]).await.map_err(|e| format!("redis: {e}"))?;
+async fn charge(batcher: &Arc<Batcher>, call: &Call, request: &ChargeRequest) -> Result<LimitsReply, String> {
+    let value = batcher.decide(call.clone()).await.map_err(|e| format!("redis: {e}"))?;
     limits::reply(request.limits.iter().map(|l| l.name.as_str()), &value)
 }
 
 /// Charges, waiting in the tenant's queue for up to `wait.max_ms` if there is no room yet.
 pub async fn charge_waiting(
-    store: &Store,
-    script: &Script,
+    batcher: &Arc<Batcher>,
     prefix: &str,
     request: &ChargeRequest,
     wait: &Wait,
 ) -> Result<LimitsReply, String> {
+    let store = batcher.store();
     let id = request.reservation.as_ref().map_or("", |r| r.id.as_str());
     let call = limits::charge(prefix, request).with_cancel_marker(prefix, &request.domain, &request.tenant, id);
     let started = Instant::now();
@@ -87,7 +89,7 @@ pub async fn charge_waiting(
     loop {
         let waited = started.elapsed();
         if waiter.is_none() || is_head(store, &key, &member).await? {
-            let mut reply = charge(store, script, &call, request).await?;
+            let mut reply = charge(batcher, &call, request).await?;
             reply.waited_ms = waited.as_millis() as u64;
             let never = reply.limits.iter().any(|l| l.status == LimitStatus::Never);
             let retry = reply.limits.iter().map(|l| l.retry_after_ms).max().unwrap_or(0);

@@ -4,8 +4,13 @@
 
 use redis::aio::ConnectionManager;
 use redis::cluster_async::ClusterConnection;
-use redis::{Cmd, ErrorKind, RedisError, ServerErrorKind, Value};
+use redis::cluster_routing::Slot;
+use redis::io::tcp::TcpSettings;
+use redis::{Cmd, ErrorKind, IntoConnectionInfo, RedisError, ServerErrorKind, Value};
 use std::time::Duration;
+
+/// Which calls may go in one script call: `None` on one server, a hash slot on a cluster.
+pub type Lane = Option<Slot>;
 
 /// A Lua script from `lua/`, with its SHA1 as Redis computes it.
 pub struct Script {
@@ -76,9 +81,13 @@ pub fn is_no_script(err: &RedisError) -> bool {
 
 impl Store {
     pub async fn connect(target: &Target, timeout: Duration) -> Result<Store, RedisError> {
+        // Without TCP_NODELAY (redis-rs leaves it off), a call written while an earlier one
+        // is unacknowledged (several in flight on the one multiplexed connection) waits for
+        // that acknowledgement: up to a whole script's run, or a delayed ACK.
+        let tcp = TcpSettings::default().set_nodelay(true);
         let connection = match target {
             Target::Single(url) => {
-                let client = redis::Client::open(url.as_str())?;
+                let client = redis::Client::open(url.as_str().into_connection_info()?.set_tcp_settings(tcp))?;
                 let config = redis::aio::ConnectionManagerConfig::new()
                     .set_connection_timeout(Some(timeout.max(Duration::from_secs(1))))
                     .set_response_timeout(Some(timeout));
@@ -86,6 +95,7 @@ impl Store {
             }
             Target::Cluster(nodes) => {
                 let client = redis::cluster::ClusterClientBuilder::new(nodes.clone())
+                    .tcp_settings(tcp)
                     .connection_timeout(timeout.max(Duration::from_secs(1)))
                     .response_timeout(timeout)
                     .build()?;
@@ -140,6 +150,16 @@ impl Store {
                 self.query(&cmd).await
             }
             result => result,
+        }
+    }
+
+    /// Which calls may share a script call with the call whose first key is `key` (every
+    /// key of a call shares its hash slot): on one server all, on a cluster those of the
+    /// same hash slot, as every key of a script call must be in one slot.
+    pub fn lane(&self, key: &str) -> Lane {
+        match &self.connection {
+            Connection::Single(_) => None,
+            Connection::Cluster(_) => Some(Slot::for_key(key)),
         }
     }
 

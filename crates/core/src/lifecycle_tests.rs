@@ -612,6 +612,36 @@ fn settlements_retry_when_the_companion_fails_and_on_nginx_too() {
 }
 
 #[test]
+fn a_settlement_backlog_goes_out_batch_after_batch_without_waiting_for_ticks() {
+    let world = World::new(HostKind::Envoy);
+    let mut proxy = Proxy::new(&world, &rpm_tpm(json!({})));
+    let mut companion = FakeCompanion::default();
+    let total = 2 * crate::protocol::MAX_SETTLEMENTS_PER_CALL + 500;
+    for i in 0..total {
+        let mut flight = proxy.send(Request::chat(&format!("sk-{}", i % 50), CHAT), &mut companion);
+        proxy.reply(&mut flight, 200, "application/json", &[&usage_reply(9, 41)]);
+    }
+    // One tick; each answer of a full batch sends the next at once.
+    let mut sizes = Vec::new();
+    let mut answered = proxy.root.callouts.len();
+    proxy.worker.on_tick(&mut proxy.root);
+    while let Some(callout) = proxy.root.callouts.get(answered).cloned() {
+        answered += 1;
+        sizes.push(callout.body["settlements"].as_array().map_or(0, Vec::len));
+        let (status, body) = companion.answer(&callout, proxy.now());
+        proxy.root_answer(callout.token, status, body);
+    }
+    let max = crate::protocol::MAX_SETTLEMENTS_PER_CALL;
+    assert_eq!(sizes, [max, max, 500]);
+    assert_eq!(companion.settled.len(), total);
+    // A batch that is not full waits for the next tick, so that batches stay batches.
+    let mut flight = proxy.send(Request::chat("sk-late", CHAT), &mut companion);
+    proxy.reply(&mut flight, 200, "application/json", &[&usage_reply(9, 41)]);
+    assert_eq!(proxy.root.callouts.len(), answered, "nothing sent before the tick");
+    assert_eq!(settle(&mut proxy, &mut companion).len(), 1);
+}
+
+#[test]
 fn the_host_is_told_apart_by_its_shared_data_semantics() {
     for kind in HOSTS {
         let world = World::new(kind);

@@ -28,7 +28,11 @@ use std::time::Duration;
 pub const TICK: Duration = Duration::from_millis(50);
 /// How often expired leases are looked for, in ticks.
 const EXPIRY_TICKS: u32 = 10;
-const SETTLE_BATCH: usize = 200;
+/// Most settlements in one callout: all a call may carry. The companion applies them in
+/// script calls of a hundred, so a large batch costs few round trips; with one batch out
+/// at a time, a smaller one capped what a worker could settle (200 per 50 ms tick fell
+/// behind a worker's 5,500 token requests/s, and the full queue dropped settlements).
+const SETTLE_BATCH: usize = crate::protocol::MAX_SETTLEMENTS_PER_CALL;
 const SETTLE_QUEUE_CAPACITY: usize = 20_000;
 /// Settlement batches and slot heartbeats wait at least this long for the companion.
 const BACKGROUND_TIMEOUT: Duration = Duration::from_secs(1);
@@ -202,10 +206,18 @@ impl Worker {
             return;
         }
         match self.settling.take() {
-            Some((expected, batch)) if expected == token => match callout_reply::<SettleReply>(host, body_size) {
-                Ok(reply) if reply.results.len() == batch.len() => self.requeue(host, batch, Some(&reply.results)),
-                _ => self.requeue(host, batch, None),
-            },
+            Some((expected, batch)) if expected == token => {
+                // A full batch: a backlog, maybe, which goes on at once rather than a tick
+                // later; smaller batches wait for the tick, so that they stay batches.
+                let full = batch.len() >= SETTLE_BATCH;
+                match callout_reply::<SettleReply>(host, body_size) {
+                    Ok(reply) if reply.results.len() == batch.len() => self.requeue(host, batch, Some(&reply.results)),
+                    _ => self.requeue(host, batch, None),
+                }
+                if full {
+                    self.send_settlements(host, &config);
+                }
+            }
             other => self.settling = other,
         }
     }
