@@ -146,7 +146,7 @@ class Bench:
         self.companion, self.companion_port = self.stack.companion(f"redis://127.0.0.1:{self.redis_port}", TOKEN)
         self.mock, self.mock_port = self.stack.mock(extra=["--completion-tokens", "8"])
         for proc in (self.companion, self.mock):
-            subprocess.run(["taskset", "-pc", "1", str(proc.pid)], check=True, capture_output=True)
+            subprocess.run(["taskset", "-apc", "1", str(proc.pid)], check=True, capture_output=True)
 
     def config(self, filter_config, wasm=None, port=None):
         config = envoy_config(listen_port=port or free_port(), admin_port=free_port(), upstream_port=self.mock_port,
@@ -161,7 +161,7 @@ class Bench:
         port = free_port()
         proc, _ = self.stack.envoy(self.config(filter_config, wasm, port), name=name, concurrency=concurrency)
         if concurrency == 1:
-            subprocess.run(["taskset", "-pc", "0", str(proc.pid)], check=True, capture_output=True)
+            subprocess.run(["taskset", "-apc", "0", str(proc.pid)], check=True, capture_output=True)
         return proc, f"http://127.0.0.1:{port}/v1/chat/completions"
 
     def startup(self, name, filter_config, wasm=None, runs=3):
