@@ -352,7 +352,7 @@ impl RequestFilter {
         self.tier = config.tier_of(&self.tenant, tier_value.as_deref()).to_string();
         // The clock, read once for the decision.
         let now = host.now_ms();
-        let mut learned = FromSharedData {
+        let mut learned = ProxyKnowledge {
             host,
             now,
             config,
@@ -909,9 +909,10 @@ impl RequestFilter {
     }
 }
 
-/// What this proxy learned, as the workers share it in shared data, and the counts this
-/// VM remembers.
-struct FromSharedData<'a, H> {
+/// What this proxy knows for one request's plan: the tenant's completion averages (in
+/// shared data), the calibrations as this worker last read them, and the counts this VM
+/// remembers.
+struct ProxyKnowledge<'a, H> {
     host: &'a mut H,
     now: u64,
     config: &'a Policy,
@@ -920,7 +921,7 @@ struct FromSharedData<'a, H> {
     calibrations: &'a mut LocalCalibrations,
 }
 
-impl<H: Host> Learned for FromSharedData<'_, H> {
+impl<H: Host> Learned for ProxyKnowledge<'_, H> {
     fn average(&mut self, model: &str) -> Option<OutputAverage> {
         read_average(self.host, self.config, self.tenant, model).and_then(|b| OutputAverage::from_bytes(&b))
     }

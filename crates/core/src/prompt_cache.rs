@@ -25,9 +25,10 @@ struct Slot {
 pub struct PromptCache {
     seed: u64,
     slots: Vec<Slot>,
-    /// Lookups answered from the table, and texts counted (long ones only), for metrics.
-    pub hits: u64,
-    pub misses: u64,
+    /// Lookups answered from the table, and long texts counted: what shows the table works
+    /// (the tests read them; no metric exports them yet).
+    hits: u64,
+    misses: u64,
 }
 
 impl PromptCache {

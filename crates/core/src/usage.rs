@@ -412,16 +412,24 @@ mod tests {
     pub const ANTHROPIC_STREAM: &str = include_str!("../../../tests/cases/streams/anthropic_messages.sse");
     pub const RESPONSES_STREAM: &str = include_str!("../../../tests/cases/streams/openai_responses.sse");
 
+    /// `bytes` cut into pieces of the given sizes, then the rest.
+    fn in_chunks<'a>(bytes: &'a [u8], sizes: &[usize]) -> Vec<&'a [u8]> {
+        let mut rest = bytes;
+        let mut chunks = Vec::new();
+        for &size in sizes {
+            let (head, tail) = rest.split_at(size.min(rest.len()));
+            chunks.push(head);
+            rest = tail;
+        }
+        chunks.push(rest);
+        chunks
+    }
+
     fn run(stream: &str, chunks: &[usize]) -> (ReportedUsage, u64, bool) {
         let mut tracker = StreamUsage::new(Encoding::O200kBase, 1 << 20);
-        let bytes = stream.as_bytes();
-        let mut at = 0;
-        for &size in chunks {
-            let end = (at + size).min(bytes.len());
-            tracker.feed(&bytes[at..end]);
-            at = end;
+        for chunk in in_chunks(stream.as_bytes(), chunks) {
+            tracker.feed(chunk);
         }
-        tracker.feed(&bytes[at..]);
         tracker.finish();
         (tracker.reported(), tracker.output_tokens(), tracker.finished)
     }
@@ -572,13 +580,9 @@ mod tests {
         fn the_scan_agrees_with_the_whole_reply(text in usage_like_json(), cuts in proptest::collection::vec(0usize..200, 0..8)) {
             let whole = Json::parse(text.as_bytes()).expect("generated JSON");
             let mut reply = ReplyUsage::new();
-            let mut rest = text.as_bytes();
-            for cut in cuts {
-                let (head, tail) = rest.split_at(cut.min(rest.len()));
-                reply.feed(head);
-                rest = tail;
+            for chunk in in_chunks(text.as_bytes(), &cuts) {
+                reply.feed(chunk);
             }
-            reply.feed(rest);
             prop_assert_eq!(reply.finish(), reported_usage(&whole));
         }
 
@@ -591,13 +595,9 @@ mod tests {
                 bytes[at % len] = byte;
             }
             let mut tracker = StreamUsage::new(Encoding::O200kBase, 1 << 20);
-            let mut rest = bytes.as_slice();
-            for cut in cuts {
-                let (head, tail) = rest.split_at(cut.min(rest.len()));
-                tracker.feed(head);
-                rest = tail;
+            for chunk in in_chunks(&bytes, &cuts) {
+                tracker.feed(chunk);
             }
-            tracker.feed(rest);
             tracker.finish();
             let _ = tracker.output_tokens();
             let mut reply = ReplyUsage::new();
