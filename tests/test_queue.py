@@ -10,7 +10,7 @@ import time
 import pytest
 import redis
 
-from stack import send, tenant_of
+from stack import chat, send, tenant_of
 
 
 @pytest.fixture
@@ -66,6 +66,35 @@ def test_a_hopeless_wait_is_refused_at_once(env):
     assert status == 429
     assert done - started < 0.25, "the retry time (500 ms) is beyond max_wait: no waiting"
     assert "x-llm-ratelimit-queued-ms" not in headers
+
+
+def test_a_token_refusal_waits_for_what_settlements_give_back(env):
+    # The first request reserves 900 of the minute's 1,000 tokens and uses about 20. Its
+    # refusal's retry time for the second is the whole window (nothing leaves a sliding
+    # window sooner), yet the second is not judged hopeless: the first's settlement gives
+    # the unused reservation back, and the waiter is admitted then.
+    port = env([{"name": "tpm", "tokens": 1000, "window": "1m", "algorithm": "sliding_window"}],
+               {**QUEUE, "max_wait": "3s"})
+    slow = {"x-mock-first-token-delay-ms": "600", "x-mock-completion-tokens": "10"}
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        first = pool.submit(send, port, "sk-settle", chat(max_tokens=900), headers=slow)
+        time.sleep(0.2)
+        second = send(port, "sk-settle", chat(max_tokens=900), headers={"x-mock-completion-tokens": "10"})
+        assert first.result().status == 200
+    assert second.status == 200, second.body
+    assert second.done > first.result().done, "admitted after the first settled, not before"
+    assert int(second.headers["x-llm-ratelimit-queued-ms"]) >= 200
+
+
+def test_a_token_refusal_still_ends_at_max_wait(env):
+    # Nothing in flight gives anything back: the waiter gets its 429 when its time is up.
+    port = env([{"name": "tpm", "tokens": 1000, "window": "1m", "algorithm": "sliding_window"}],
+               {**QUEUE, "max_wait": "400ms"})
+    assert send(port, "sk-spent", chat(max_tokens=900), headers={"x-mock-completion-tokens": "900"}).status == 200
+    time.sleep(0.2)  # settled at its full reservation
+    refused = send(port, "sk-spent", chat(max_tokens=900))
+    assert refused.status == 429
+    assert 0.35 < refused.elapsed < 3.0
 
 
 def test_a_client_that_gives_up_while_queued_leaves_nothing_behind(env):

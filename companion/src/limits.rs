@@ -287,6 +287,7 @@ mod tests {
                     cost: 1,
                     min_cost: None,
                     kind: LimitKind::TokenBucket,
+                    provisional: false,
                 },
                 LimitCharge {
                     name: "tpm".into(),
@@ -295,6 +296,7 @@ mod tests {
                     cost: 750,
                     min_cost: None,
                     kind: LimitKind::TokenBucket,
+                    provisional: true,
                 },
             ],
             reservation: Some(Reservation { id: "r42".into(), ttl_ms: 900_000 }),

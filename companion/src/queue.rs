@@ -63,6 +63,22 @@ async fn is_head(store: &Store, key: &str, member: &str) -> Result<bool, String>
     Ok(true)
 }
 
+/// Whether no wait within `left` can admit the request: a limit can never admit it, or a
+/// limit that refused it needs longer than that. A provisional limit (tokens and cost,
+/// reserved at an estimate) is not judged by its retry time: that assumes nothing comes
+/// back, while requests in flight settle below their estimates and return capacity at
+/// any moment, so its waiter looks again until its time is up.
+fn is_hopeless(request: &ChargeRequest, reply: &LimitsReply, left: Duration) -> bool {
+    reply.limits.iter().any(|outcome| match outcome.status {
+        LimitStatus::Allowed => false,
+        LimitStatus::Never => true,
+        LimitStatus::Limited => {
+            let provisional = request.limits.iter().any(|l| l.name == outcome.name && l.provisional);
+            !provisional && Duration::from_millis(outcome.retry_after_ms) > left
+        }
+    })
+}
+
 async fn charge(batcher: &Arc<Batcher>, call: &Call, request: &ChargeRequest) -> Result<LimitsReply, String> {
     let value = batcher.decide(call.clone()).await.map_err(|e| format!("redis: {e}"))?;
     limits::reply(request.limits.iter().map(|l| l.name.as_str()), &value)
@@ -91,9 +107,8 @@ pub async fn charge_waiting(
         if waiter.is_none() || is_head(store, &key, &member).await? {
             let mut reply = charge(batcher, &call, request).await?;
             reply.waited_ms = waited.as_millis() as u64;
-            let never = reply.limits.iter().any(|l| l.status == LimitStatus::Never);
             let retry = reply.limits.iter().map(|l| l.retry_after_ms).max().unwrap_or(0);
-            if reply.allowed || never || waited + Duration::from_millis(retry) > max {
+            if reply.allowed || waited >= max || is_hopeless(request, &reply, max - waited) {
                 return Ok(reply);
             }
             if waiter.is_none() {
@@ -115,5 +130,64 @@ pub async fn charge_waiting(
             }
             tokio::time::sleep(POLL).await;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use llm_ratelimit_protocol::{LimitCharge, LimitKind, LimitOutcome};
+
+    fn limit(name: &str, provisional: bool) -> LimitCharge {
+        LimitCharge {
+            name: name.into(),
+            capacity: 1_000,
+            window_ms: 60_000,
+            cost: 100,
+            min_cost: None,
+            kind: LimitKind::SlidingWindow,
+            provisional,
+        }
+    }
+
+    fn outcome(name: &str, status: LimitStatus, retry_after_ms: u64) -> LimitOutcome {
+        LimitOutcome {
+            name: name.into(),
+            status,
+            limit: 1_000,
+            remaining: 0,
+            reset_after_ms: 60_000,
+            retry_after_ms,
+            charged: 0,
+        }
+    }
+
+    fn judged(outcomes: Vec<LimitOutcome>, left_ms: u64) -> bool {
+        let request = ChargeRequest {
+            domain: "llm".into(),
+            tenant: "t".into(),
+            limits: vec![limit("rpm", false), limit("tpm", true)],
+            reservation: None,
+            wait: None,
+        };
+        let reply = LimitsReply { allowed: false, limits: outcomes, waited_ms: 0 };
+        is_hopeless(&request, &reply, Duration::from_millis(left_ms))
+    }
+
+    #[test]
+    fn a_token_reservation_is_waited_for_whatever_its_retry_time() {
+        // Settlements below their estimates give tokens back before the window says.
+        assert!(!judged(vec![outcome("rpm", LimitStatus::Allowed, 0), outcome("tpm", LimitStatus::Limited, 59_000)], 2_000));
+    }
+
+    #[test]
+    fn a_request_limit_beyond_the_wait_is_hopeless_at_once() {
+        assert!(judged(vec![outcome("rpm", LimitStatus::Limited, 30_000), outcome("tpm", LimitStatus::Allowed, 0)], 2_000));
+        assert!(!judged(vec![outcome("rpm", LimitStatus::Limited, 1_500), outcome("tpm", LimitStatus::Allowed, 0)], 2_000));
+    }
+
+    #[test]
+    fn a_cost_that_never_fits_is_hopeless_even_if_provisional() {
+        assert!(judged(vec![outcome("rpm", LimitStatus::Allowed, 0), outcome("tpm", LimitStatus::Never, 0)], 2_000));
     }
 }

@@ -239,6 +239,7 @@ mod tests {
                         cost: amount.max(0) as u64,
                         min_cost: step.mins.as_ref().and_then(|m| m.get(j).copied()),
                         kind: crate::protocol::LimitKind::TokenBucket,
+                        provisional: false,
                     })
                     .collect();
                 let reply = match step.op {
@@ -285,6 +286,7 @@ mod tests {
             cost: 1,
             min_cost: None,
             kind: LimitKind::TokenBucket,
+            provisional: false,
         };
         for gap_ms in [0.0, 1.0, 13.0, 97.0, 142.857, 400.0] {
             let mut states = [None];

@@ -165,6 +165,10 @@ pub fn plan(config: &Policy, path: &str, tier: &str, body: Option<&[u8]>, learne
                 _ => None,
             },
             kind: limit.kind,
+            // An unparsed request's flat cost is never settled: nothing comes back.
+            provisional: request.is_some()
+                && limit.applies_to(&model, tier)
+                && matches!(limit.dimension(), Dimension::Tokens | Dimension::Cost),
         })
         .collect();
     let unpriced =
@@ -264,6 +268,8 @@ mod tests {
         assert_eq!(plan.token_buckets(&config).map(|b| b.name.as_str()).collect::<Vec<_>>(), ["tpm"]);
         assert_eq!((plan.model.as_str(), plan.encoding), ("gpt-4o", Encoding::O200kBase));
         assert!(!plan.clamped && plan.buckets.iter().all(|b| b.min_cost.is_none()));
+        let provisional: Vec<bool> = plan.buckets.iter().map(|b| b.provisional).collect();
+        assert_eq!(provisional, [false, true], "the token reservation is settled; the request count is not");
     }
 
     #[test]
@@ -323,6 +329,7 @@ mod tests {
         for (path, body) in [("/v1/models", ""), ("/v1/chat/completions", "{not json"), ("/v1/chat/completions", "")] {
             let plan = plan(&config, path, "", Some(body.as_bytes()), &mut Cold);
             assert_eq!(plan.estimate, Some(TokenEstimate { prompt: 250, output: 0 }), "{path} {body}");
+            assert!(plan.buckets.iter().all(|b| !b.provisional), "a flat cost is never settled");
         }
     }
 

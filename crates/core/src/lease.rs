@@ -407,6 +407,7 @@ mod tests {
             cost,
             min_cost: None,
             kind: LimitKind::TokenBucket,
+            provisional: false,
         };
         let mut leases = TenantLeases(vec![leased(5.0, 50.0, 10_000)]);
         let refused = LimitsReply {
@@ -444,6 +445,7 @@ mod tests {
             cost: 1,
             min_cost: None,
             kind: LimitKind::TokenBucket,
+            provisional: false,
         };
         let leases = TenantLeases(vec![Lease { remaining: 7.0, global_remaining: 50.0, ..leased(7.0, 10.0, 100) }]);
         let reply = leases.as_reply(std::slice::from_ref(&spec));

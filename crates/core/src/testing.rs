@@ -432,7 +432,7 @@ impl FakeCompanion {
 
 /// A limit as the bucket model takes it (every kind modelled as a token bucket).
 fn spec(name: &str, capacity: u64, window_ms: u64, cost: u64, min_cost: Option<u64>) -> LimitCharge {
-    LimitCharge { name: name.to_string(), capacity, window_ms, cost, min_cost, kind: LimitKind::TokenBucket }
+    LimitCharge { name: name.to_string(), capacity, window_ms, cost, min_cost, kind: LimitKind::TokenBucket, provisional: false }
 }
 
 /// A request as the tests send it.

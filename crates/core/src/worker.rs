@@ -501,6 +501,7 @@ pub(crate) fn limit_charge(limit: &crate::config::Limit, cost: u64) -> LimitChar
         cost,
         min_cost: None,
         kind: limit.kind,
+        provisional: false,
     }
 }
 

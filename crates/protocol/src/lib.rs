@@ -191,6 +191,15 @@ pub struct LimitCharge {
     pub min_cost: Option<u64>,
     #[serde(default, skip_serializing_if = "is_token_bucket")]
     pub kind: LimitKind,
+    /// The cost is an estimate the request's settlement will correct (a token or cost
+    /// reservation): capacity may come back sooner than a refusal's `retry_after_ms` says,
+    /// as requests in flight settle below their estimates. The queue waits for that.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub provisional: bool,
+}
+
+fn is_false(b: &bool) -> bool {
+    !*b
 }
 
 fn is_zero(n: &u64) -> bool {
@@ -361,6 +370,7 @@ mod tests {
                 cost: 1,
                 min_cost: None,
                 kind: LimitKind::TokenBucket,
+                provisional: false,
             }],
             reservation: None,
             wait: None,

@@ -15,7 +15,7 @@ fn pinned<T: Serialize + DeserializeOwned + PartialEq + Debug>(value: &T, json: 
 }
 
 fn spec(name: &str, kind: LimitKind, min_cost: Option<u64>) -> LimitCharge {
-    LimitCharge { name: name.into(), capacity: 100, window_ms: 60_000, cost: 7, min_cost, kind }
+    LimitCharge { name: name.into(), capacity: 100, window_ms: 60_000, cost: 7, min_cost, kind, provisional: false }
 }
 
 #[test]
@@ -43,7 +43,7 @@ fn charge_request() {
     );
     let full = ChargeRequest {
         limits: vec![
-            spec("tpm", LimitKind::TokenBucket, Some(3)),
+            LimitCharge { provisional: true, ..spec("tpm", LimitKind::TokenBucket, Some(3)) },
             spec("sw", LimitKind::SlidingWindow, None),
             spec("cc", LimitKind::Slots, None),
         ],
@@ -55,7 +55,7 @@ fn charge_request() {
         &full,
         concat!(
             r#"{"domain":"llm","tenant":"t1","limits":["#,
-            r#"{"name":"tpm","capacity":100,"window_ms":60000,"cost":7,"min_cost":3},"#,
+            r#"{"name":"tpm","capacity":100,"window_ms":60000,"cost":7,"min_cost":3,"provisional":true},"#,
             r#"{"name":"sw","capacity":100,"window_ms":60000,"cost":7,"kind":"sliding_window"},"#,
             r#"{"name":"cc","capacity":100,"window_ms":60000,"cost":7,"kind":"slots"}],"#,
             r#""reservation":{"id":"abc1","ttl_ms":600000},"wait":{"max_ms":5000,"priority":7,"aging_ms":1000}}"#
