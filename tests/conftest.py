@@ -2,6 +2,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import redis
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
@@ -34,6 +35,15 @@ def module_stack(tmp_path_factory):
         yield s
     finally:
         s.stop_all()
+
+
+@pytest.fixture(scope="module")
+def cluster(module_stack):
+    """A three-node Redis Cluster for one test module, and a client of it."""
+    ports = module_stack.redis_cluster(3)
+    client = redis.RedisCluster(host="127.0.0.1", port=ports[0])
+    yield client
+    client.close()
 
 
 @pytest.fixture

@@ -71,6 +71,31 @@ def test_the_reservation_learns_the_providers_prompt_count(start):
     assert gauge(admin, "prompt_factor.other") == 1000, "a rule without replies keeps its configured factor"
 
 
+def test_a_proxy_started_later_reserves_at_what_the_fleet_learned(start):
+    limits = [{"name": "tpm", "tokens": BIG, "window": LONG}]
+    first, _ = start(limits)
+    for i in range(4):
+        assert send(first, f"sk-fleet-{i}", chat(ESSAY.format(i=i), max_tokens=100)).status == 200
+        after_a_tick()
+    time.sleep(1.3)  # each worker hands in what it learned about once a second
+
+    def first_reservation(port, key):
+        time.sleep(0.2)  # the new proxy's first tick asks the fleet
+        status, headers, _ = send(port, key, chat(ESSAY.format(i=99), max_tokens=100))
+        assert status == 200
+        return int(headers["x-llm-ratelimit-reserved-tokens"]) - 100, int(headers["x-mock-prompt-tokens"])
+
+    # A second proxy's very first request reserves what the provider counts ...
+    second, admin = start(limits)
+    reserved, provider = first_reservation(second, "sk-fleet-second")
+    assert provider <= reserved <= provider + 4, (reserved, provider)
+    assert gauge(admin, "prompt_factor.gpt-4o") > 1500
+    # ... and one that does not share reserves its own count, well short of it.
+    alone, _ = start(limits, tokens={"share_calibration": False})
+    reserved, provider = first_reservation(alone, "sk-fleet-alone")
+    assert reserved * 1.5 < provider, (reserved, provider)
+
+
 def test_a_new_tenant_reserves_the_models_learned_completion_length(start):
     port, admin = start([{"name": "tpm", "tokens": BIG, "window": LONG}])
     short = {"x-mock-completion-tokens": "20"}

@@ -260,13 +260,6 @@ def test_slots_and_buckets_are_charged_together(client):
     assert client.zcard(keys[1]) == 1
 
 
-@pytest.fixture(scope="module")
-def cluster(module_stack):
-    ports = module_stack.redis_cluster(3)
-    client = redis.RedisCluster(host="127.0.0.1", port=ports[0])
-    yield client
-    client.close()
-
 
 def test_runs_on_a_cluster_with_one_hash_tag_per_tenant(cluster):
     nodes_used = set()

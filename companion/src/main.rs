@@ -5,11 +5,13 @@
 //!
 //! Endpoints: `POST /v1/token_bucket` (a charge, of any kind of limit: the path predates
 //! sliding windows and slots), `POST /v1/lease`, `POST /v1/settle`, `POST /v1/touch` and
-//! `POST /v1/release` (JSON in and out, see `llm_ratelimit_protocol`), `GET /healthz`.
+//! `POST /v1/release`, `POST /v1/calibration` (JSON in and out, see
+//! `llm_ratelimit_protocol`), `GET /healthz`.
 //! Every endpoint but `/healthz` requires the shared token in `x-llmrl-token`. Each runs
 //! `lua/limits.lua` (see `limits`) by EVALSHA.
 
 mod batcher;
+mod calibration;
 mod limits;
 mod queue;
 mod store;
@@ -26,8 +28,8 @@ use clap::Parser;
 use limits::Op;
 use llm_ratelimit_protocol::duration::parse_duration;
 use llm_ratelimit_protocol::{
-    ChargeRequest, LeaseRequest, SettleOutcome, SettleReply, SettlementBatch, CHARGE_PATH, HEALTH_PATH, LEASE_PATH,
-    RELEASE_PATH, SETTLE_PATH, TOKEN_HEADER, TOUCH_PATH,
+    CalibrationExchange, ChargeRequest, LeaseRequest, SettleOutcome, SettleReply, SettlementBatch, CALIBRATION_PATH,
+    CHARGE_PATH, HEALTH_PATH, LEASE_PATH, RELEASE_PATH, SETTLE_PATH, TOKEN_HEADER, TOUCH_PATH,
 };
 use serde_json::json;
 use std::sync::Arc;
@@ -69,6 +71,8 @@ struct App {
     batcher: Arc<Batcher>,
     token: String,
     key_prefix: String,
+    /// `lua/calibration.lua`, run alone (see `calibration`).
+    calibration: Script,
 }
 
 fn error(status: StatusCode, message: impl Into<String>) -> Response {
@@ -219,6 +223,21 @@ async fn run_adjustments(State(app): State<Arc<App>>, headers: HeaderMap, body: 
     json_reply(SettleReply { results })
 }
 
+/// Takes a proxy worker's new calibration samples and answers with the fleet's figures.
+async fn run_calibration(State(app): State<Arc<App>>, headers: HeaderMap, body: Bytes) -> Response {
+    if !authorised(&app, &headers) {
+        return error(StatusCode::UNAUTHORIZED, format!("missing or wrong {TOKEN_HEADER}"));
+    }
+    let request = match parse_body(&body, CalibrationExchange::validate) {
+        Ok(request) => request,
+        Err(message) => return error(StatusCode::BAD_REQUEST, message),
+    };
+    match calibration::exchange(app.batcher.store(), &app.calibration, &app.key_prefix, &request).await {
+        Ok(reply) => json_reply(reply),
+        Err(err) => error(StatusCode::SERVICE_UNAVAILABLE, err),
+    }
+}
+
 async fn healthz(State(app): State<Arc<App>>) -> Response {
     match app.batcher.store().ping().await {
         Ok(()) => {
@@ -281,13 +300,15 @@ async fn serve(args: Args) -> Result<(), String> {
         Target::Cluster(nodes) => format!("cluster, {} seed node(s)", nodes.len()),
     };
     let batcher = Batcher::new(store, script, args.redis_timeout);
-    let app = Arc::new(App { batcher, token, key_prefix: args.key_prefix.clone() });
+    let calibration = Script::new("calibration", calibration::SOURCE);
+    let app = Arc::new(App { batcher, token, key_prefix: args.key_prefix.clone(), calibration });
     let router = Router::new()
         .route(CHARGE_PATH, post(run_limits::<ChargeRequest>))
         .route(SETTLE_PATH, post(run_settle))
         .route(TOUCH_PATH, post(run_touch))
         .route(RELEASE_PATH, post(run_release))
         .route(LEASE_PATH, post(run_limits::<LeaseRequest>))
+        .route(CALIBRATION_PATH, post(run_calibration))
         .route(HEALTH_PATH, get(healthz))
         .with_state(app);
     let listener = tokio::net::TcpListener::bind(&args.listen)

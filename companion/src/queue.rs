@@ -177,13 +177,22 @@ mod tests {
     #[test]
     fn a_token_reservation_is_waited_for_whatever_its_retry_time() {
         // Settlements below their estimates give tokens back before the window says.
-        assert!(!judged(vec![outcome("rpm", LimitStatus::Allowed, 0), outcome("tpm", LimitStatus::Limited, 59_000)], 2_000));
+        assert!(!judged(
+            vec![outcome("rpm", LimitStatus::Allowed, 0), outcome("tpm", LimitStatus::Limited, 59_000)],
+            2_000
+        ));
     }
 
     #[test]
     fn a_request_limit_beyond_the_wait_is_hopeless_at_once() {
-        assert!(judged(vec![outcome("rpm", LimitStatus::Limited, 30_000), outcome("tpm", LimitStatus::Allowed, 0)], 2_000));
-        assert!(!judged(vec![outcome("rpm", LimitStatus::Limited, 1_500), outcome("tpm", LimitStatus::Allowed, 0)], 2_000));
+        assert!(judged(
+            vec![outcome("rpm", LimitStatus::Limited, 30_000), outcome("tpm", LimitStatus::Allowed, 0)],
+            2_000
+        ));
+        assert!(!judged(
+            vec![outcome("rpm", LimitStatus::Limited, 1_500), outcome("tpm", LimitStatus::Allowed, 0)],
+            2_000
+        ));
     }
 
     #[test]

@@ -9,16 +9,23 @@
 //! replies and the memory is bounded by the config, whatever model names clients send.
 //! Each value is tagged with its rule's pattern and encoding, so after a config change
 //! that moved the rules a value that was another rule's reads as absent.
+//!
+//! Across proxies (`tokens.share_calibration`): each worker hands its new samples to the
+//! companion about once a second (every 30 s when it learned nothing, and on its first
+//! tick) and takes back the figures all proxies taught, per rule fingerprint, which
+//! replace the proxy's own: a proxy that starts later reserves at what the fleet learned
+//! from its first request. Samples of an exchange that fails are lost to the fleet only
+//! (the proxy learned them already).
 
 use crate::config::{ModelPolicy, Policy};
 use crate::host::{shared_read, shared_update, Host};
-use crate::protocol::keys;
+use crate::protocol::{
+    keys, CalibrationExchange, CalibrationReply, RuleSamples, RunningFigure, MAX_SAMPLES_PER_EXCHANGE,
+};
 use crate::reservation::sample_weight;
 use crate::tables::fnv1a;
 
-/// Samples count as a plain mean over the first this many, then as an exponential average
-/// over about this many (each new sample weighs 1/20).
-pub const WINDOW: u32 = 20;
+pub use crate::protocol::CALIBRATION_WINDOW as WINDOW;
 /// The largest learned prompt factor (unless the rule's own `factor` is larger): one
 /// tenant's odd requests (images the provider bills far above the proxy's figure, say)
 /// cannot make every tenant's reservations grow without end.
@@ -41,9 +48,14 @@ pub struct Running {
 impl Running {
     /// `previous` with `sample` taken in.
     pub fn observe(previous: Option<Running>, sample: f64) -> Running {
+        Running::observe_in(previous, sample, WINDOW)
+    }
+
+    /// `previous` with `sample` taken in, over a window of `window` samples.
+    fn observe_in(previous: Option<Running>, sample: f64, window: u32) -> Running {
         let Some(previous) = previous else { return Running { mean: sample, deviation: 0.0, samples: 1 } };
         let samples = previous.samples.saturating_add(1);
-        let weight = sample_weight(samples, WINDOW);
+        let weight = sample_weight(samples, window);
         let error = sample - previous.mean;
         Running {
             mean: previous.mean + error * weight,
@@ -70,8 +82,7 @@ impl Running {
         let mean = f64::from_le_bytes(bytes.get(..8)?.try_into().ok()?);
         let deviation = f64::from_le_bytes(bytes.get(8..16)?.try_into().ok()?);
         let samples = u32::from_le_bytes(bytes.get(16..20)?.try_into().ok()?);
-        let sane = |x: f64| x.is_finite() && x >= 0.0;
-        (samples > 0 && sane(mean) && sane(deviation)).then_some(Running { mean, deviation, samples })
+        Running::sane(mean, deviation, samples).then_some(Running { mean, deviation, samples })
     }
 }
 
@@ -137,7 +148,29 @@ impl Calibration {
 
 /// Tags a rule's value, so another rule's (after the rules moved) reads as absent.
 fn rule_tag(rule: &ModelPolicy) -> [u8; 8] {
-    fnv1a(&[&rule.rule.pattern, rule.rule.encoding.name()]).to_le_bytes()
+    fingerprint(rule).to_le_bytes()
+}
+
+/// A rule's identity across proxies and configs: its model pattern and encoding.
+fn fingerprint(rule: &ModelPolicy) -> u64 {
+    fnv1a(&[&rule.rule.pattern, rule.rule.encoding.name()])
+}
+
+fn fingerprint_hex(rule: &ModelPolicy) -> String {
+    format!("{:016x}", fingerprint(rule))
+}
+
+impl Running {
+    /// A figure from the fleet, if it is one a proxy could have learned.
+    fn from_figure(figure: RunningFigure) -> Option<Running> {
+        let RunningFigure { mean, deviation, samples } = figure;
+        Running::sane(mean, deviation, samples).then_some(Running { mean, deviation, samples })
+    }
+
+    fn sane(mean: f64, deviation: f64, samples: u32) -> bool {
+        let sane = |x: f64| x.is_finite() && x >= 0.0;
+        samples > 0 && sane(mean) && sane(deviation)
+    }
 }
 
 fn key(config: &Policy, rule: usize) -> String {
@@ -159,20 +192,29 @@ pub(crate) fn read(host: &mut impl Host, config: &Policy, rule: usize) -> Calibr
     own(&tag, stored.as_deref()).map(Calibration::from_bytes).unwrap_or_default()
 }
 
-/// Takes `lessons` (in the order they were learned) into rule `rule`'s calibration, shared
-/// by every worker, and shows the result in the rule's gauges.
-fn learn(host: &mut impl Host, config: &Policy, rule: usize, lessons: &[Lesson]) -> Option<Calibration> {
+/// Rewrites rule `rule`'s calibration, shared by every worker, as `change` makes it from
+/// the stored one, and shows the result in the rule's gauges.
+fn rewrite(
+    host: &mut impl Host,
+    config: &Policy,
+    rule: usize,
+    change: impl Fn(Calibration) -> Calibration,
+) -> Option<Calibration> {
     let policy = config.tokens.rule(rule);
     let tag = rule_tag(policy);
     let learned = shared_update(host, &key(config, rule), |stored| {
-        let stored = own(&tag, stored).map(Calibration::from_bytes).unwrap_or_default();
-        let next = lessons.iter().fold(stored, |calibration, lesson| calibration.learn(*lesson));
+        let next = change(own(&tag, stored).map(Calibration::from_bytes).unwrap_or_default());
         let mut value = tag.to_vec();
         value.extend_from_slice(&next.to_bytes());
         (Some(value), next)
     })?;
     show(host, policy, learned);
     Some(learned)
+}
+
+/// Takes `lessons` (in the order they were learned) into rule `rule`'s calibration.
+fn learn(host: &mut impl Host, config: &Policy, rule: usize, lessons: &[Lesson]) -> Option<Calibration> {
+    rewrite(host, config, rule, |stored| lessons.iter().fold(stored, |calibration, lesson| calibration.learn(*lesson)))
 }
 
 /// Lessons waiting for the next tick, at most: a burst beyond teaches nothing new.
@@ -188,7 +230,19 @@ pub struct LocalCalibrations {
     pending: Vec<(usize, Lesson)>,
     /// Each rule's value as last read or written, and when (bounded by the config's rules).
     known: std::collections::HashMap<usize, (Calibration, u64)>,
+    /// Samples for the next exchange with the other proxies, by rule (bounded by the
+    /// config's rules and `MAX_SAMPLES_PER_EXCHANGE`).
+    outbox: std::collections::BTreeMap<usize, RuleSamples>,
+    /// When the last exchange was sent; `None` before the first.
+    last_exchange_ms: Option<u64>,
+    /// The token of the exchange out, if one is.
+    exchanging: Option<u32>,
 }
+
+/// How often a worker that learned something exchanges it, and how often one that did not
+/// asks what the others learned.
+pub const EXCHANGE_MS: u64 = 1_000;
+pub const IDLE_EXCHANGE_MS: u64 = 30_000;
 
 impl LocalCalibrations {
     /// What this proxy has learned about rule `rule` (nothing when calibration is off).
@@ -207,10 +261,85 @@ impl LocalCalibrations {
         }
     }
 
-    /// Keeps `lesson` for the next tick.
+    /// Keeps `lesson` for the next tick, and its samples for the next exchange.
     pub fn note(&mut self, config: &Policy, rule: usize, lesson: Lesson) {
         if config.tokens.calibrate && lesson != Lesson::default() && self.pending.len() < MAX_PENDING_LESSONS {
             self.pending.push((rule, lesson));
+        }
+        if !config.tokens.share_calibration {
+            return;
+        }
+        let samples = self.outbox.entry(rule).or_insert_with(|| RuleSamples {
+            rule: fingerprint_hex(config.tokens.rule(rule)),
+            prompt_ratios: Vec::new(),
+            outputs: Vec::new(),
+        });
+        let ratio = lesson.prompt.filter(|&(counted, _)| counted > 0).map(|(c, reported)| reported as f64 / c as f64);
+        for (list, sample) in
+            [(&mut samples.prompt_ratios, ratio), (&mut samples.outputs, lesson.output.map(|o| o as f64))]
+        {
+            if let Some(sample) = sample.filter(|_| list.len() < MAX_SAMPLES_PER_EXCHANGE) {
+                list.push(sample);
+            }
+        }
+    }
+
+    /// The exchange to send now, if one is due: every rule of the config, with the
+    /// samples gathered since the last (the rules without any only ask).
+    pub fn exchange(&mut self, config: &Policy, now_ms: u64) -> Option<CalibrationExchange> {
+        if !config.tokens.share_calibration || !config.counts_tokens() || self.exchanging.is_some() {
+            return None;
+        }
+        let every = if self.outbox.is_empty() { IDLE_EXCHANGE_MS } else { EXCHANGE_MS };
+        if self.last_exchange_ms.is_some_and(|last| now_ms.saturating_sub(last) < every) {
+            return None;
+        }
+        self.last_exchange_ms = Some(now_ms);
+        let rules = config
+            .tokens
+            .all_rules()
+            .map(|(index, rule)| {
+                self.outbox.remove(&index).unwrap_or_else(|| RuleSamples {
+                    rule: fingerprint_hex(rule),
+                    prompt_ratios: Vec::new(),
+                    outputs: Vec::new(),
+                })
+            })
+            .collect();
+        Some(CalibrationExchange { domain: config.domain.clone(), rules })
+    }
+
+    /// The exchange was sent as callout `token`.
+    pub fn sent(&mut self, token: u32) {
+        self.exchanging = Some(token);
+    }
+
+    /// Whether callout `token` is the exchange out; it is no longer out after this.
+    pub fn is_exchange(&mut self, token: u32) -> bool {
+        let ours = self.exchanging == Some(token);
+        if ours {
+            self.exchanging = None;
+        }
+        ours
+    }
+
+    /// Takes the fleet's figures: each rule's replace this proxy's own.
+    pub fn take_reply(&mut self, host: &mut impl Host, config: &Policy, reply: &CalibrationReply, now_ms: u64) {
+        for figures in &reply.rules {
+            let Some((index, _)) = config.tokens.all_rules().find(|(_, rule)| fingerprint_hex(rule) == figures.rule)
+            else {
+                continue;
+            };
+            let fleet = Calibration {
+                prompt_ratio: figures.prompt_ratio.and_then(Running::from_figure),
+                output: figures.output.and_then(Running::from_figure),
+            };
+            if fleet == Calibration::default() {
+                continue; // nothing learned anywhere yet: keep what this proxy has
+            }
+            if let Some(learned) = rewrite(host, config, index, |_| fleet) {
+                self.known.insert(index, (learned, now_ms));
+            }
         }
     }
 
@@ -264,6 +393,27 @@ mod tests {
         let ratio = calibration.prompt_ratio.expect("learned");
         assert!((ratio.mean - 1.5).abs() < 0.01 && ratio.deviation < 0.01, "{ratio:?}");
         assert!((calibration.prompt_factor(1.0) - 1.5).abs() < 0.03);
+    }
+
+    #[test]
+    fn running_figures_follow_the_case_table_the_lua_script_is_tested_with() {
+        // tests/cases/calibration.json is read by tests/test_lua_calibration.py too.
+        let table: serde_json::Value =
+            serde_json::from_str(include_str!("../../../tests/cases/calibration.json")).expect("calibration.json");
+        let cases = table["cases"].as_array().expect("cases");
+        assert!(!cases.is_empty());
+        for case in cases {
+            let window = case["window"].as_u64().expect("window") as u32;
+            let running = case["samples"]
+                .as_array()
+                .expect("samples")
+                .iter()
+                .fold(None, |running, x| Some(Running::observe_in(running, x.as_f64().expect("sample"), window)))
+                .expect("samples given");
+            assert_eq!(u64::from(running.samples), case["count"].as_u64().expect("count"), "{case}");
+            assert!((running.mean - case["mean"].as_f64().expect("mean")).abs() < 1e-9, "{case} {running:?}");
+            assert!((running.deviation - case["deviation"].as_f64().expect("dev")).abs() < 1e-9, "{case} {running:?}");
+        }
     }
 
     #[test]

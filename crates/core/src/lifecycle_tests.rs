@@ -5,7 +5,7 @@
 use crate::host::{Action, HostKind, Metric, Owner};
 use crate::lease::TenantLeases;
 use crate::protocol::keys;
-use crate::protocol::{ChargeRequest, LimitsReply, SETTLE_PATH};
+use crate::protocol::{ChargeRequest, LimitsReply, CALIBRATION_PATH, SETTLE_PATH};
 use crate::testing::{advance, FakeCompanion, Proxy, Request, World};
 use serde_json::{json, Value};
 
@@ -495,6 +495,40 @@ fn the_prompt_factor_is_learned_from_settled_replies_and_shared_by_the_workers()
 }
 
 #[test]
+fn what_one_proxy_learned_reaches_another_through_the_companion() {
+    for kind in HOSTS {
+        let mut companion = FakeCompanion::default();
+        let (world_a, world_b) = (World::new(kind), World::new(kind));
+        let mut a = Proxy::new(&world_a, &rpm_tpm(json!({})));
+        a.tick(Some(&mut companion)); // its first tick asks what the fleet knows: nothing
+        let mut flight = a.send(Request::chat("sk-a", CHAT), &mut companion);
+        a.reply(&mut flight, 200, "application/json", &[&usage_reply(21, 41)]);
+        advance(&world_a, crate::calibration::EXCHANGE_MS);
+        a.tick(Some(&mut companion));
+        assert_eq!(companion.calls.get(CALIBRATION_PATH), Some(&2), "{kind:?}");
+        // A proxy that starts now reserves at the fleet's figure from its first tick on.
+        let mut b = Proxy::new(&world_b, &rpm_tpm(json!({})));
+        let cold = b.send(Request::chat("sk-b", CHAT), &mut companion);
+        assert_eq!(charge_of(&cold).limits[1].cost, CHAT_RESERVES as u64, "{kind:?}: before its first exchange");
+        b.tick(Some(&mut companion));
+        assert_eq!(b.root.gauges.get("llm_ratelimit.prompt_factor.gpt-4o"), Some(&2333), "{kind:?}: 21/9");
+        advance(&world_b, crate::worker::TICK.as_millis() as u64);
+        let warm = b.send(Request::chat("sk-b", CHAT), &mut companion);
+        assert_eq!(charge_of(&warm).limits[1].cost, 21 + 300, "{kind:?}");
+        // Idle, it asks again only after IDLE_EXCHANGE_MS.
+        b.tick(Some(&mut companion));
+        assert_eq!(companion.calls.get(CALIBRATION_PATH), Some(&3), "{kind:?}");
+        // A proxy that does not share keeps to what it learns itself.
+        let world_c = World::new(kind);
+        let mut c = Proxy::new(&world_c, &rpm_tpm(json!({"tokens": {"share_calibration": false}})));
+        c.tick(Some(&mut companion));
+        let alone = c.send(Request::chat("sk-c", CHAT), &mut companion);
+        assert_eq!(charge_of(&alone).limits[1].cost, CHAT_RESERVES as u64, "{kind:?}");
+        assert_eq!(companion.calls.get(CALIBRATION_PATH), Some(&3), "{kind:?}: c never exchanged");
+    }
+}
+
+#[test]
 fn a_new_tenant_reserves_the_models_learned_completion_length() {
     let world = World::new(HostKind::Envoy);
     let mut proxy = Proxy::new(&world, &rpm_tpm(json!({})));
@@ -627,7 +661,9 @@ fn a_settlement_backlog_goes_out_batch_after_batch_without_waiting_for_ticks() {
     proxy.worker.on_tick(&mut proxy.root);
     while let Some(callout) = proxy.root.callouts.get(answered).cloned() {
         answered += 1;
-        sizes.push(callout.body["settlements"].as_array().map_or(0, Vec::len));
+        if callout.path == SETTLE_PATH {
+            sizes.push(callout.body["settlements"].as_array().map_or(0, Vec::len));
+        }
         let (status, body) = companion.answer(&callout, proxy.now());
         proxy.root_answer(callout.token, status, body);
     }

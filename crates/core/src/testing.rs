@@ -7,12 +7,14 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
 
 use crate::bucket::{self, BucketState};
+use crate::calibration::Running;
 use crate::decision::LocalReply;
 use crate::host::{Action, Host, HostKind, LogLevel, Metric, Owner, SharedWriteError};
 use crate::lifecycle::RequestFilter;
 use crate::protocol::{
-    ChargeRequest, LeaseRequest, LimitCharge, LimitKind, LimitsReply, SettleOutcome, SettleReply, SettlementBatch,
-    CHARGE_PATH, LEASE_PATH, RELEASE_PATH, SETTLE_PATH, TOUCH_PATH,
+    CalibrationExchange, CalibrationReply, ChargeRequest, LeaseRequest, LimitCharge, LimitKind, LimitsReply,
+    RuleFigures, RunningFigure, SettleOutcome, SettleReply, SettlementBatch, CALIBRATION_PATH, CHARGE_PATH, LEASE_PATH,
+    RELEASE_PATH, SETTLE_PATH, TOUCH_PATH,
 };
 use crate::worker::Worker;
 use serde_json::Value;
@@ -321,9 +323,10 @@ impl Host for FakeHost {
     }
 }
 
-/// The companion and Redis, as the Rust model of the script: token buckets per tenant
-/// and limit, reservation records, leases. Sliding windows are modelled as buckets and
-/// slots as a count per limit, which is all the lifecycle tests need.
+/// The companion and Redis, as the Rust model of the scripts: token buckets per tenant
+/// and limit, reservation records, leases, the fleet's calibrations. Sliding windows are
+/// modelled as buckets and slots as a count per limit, which is all the lifecycle tests
+/// need.
 #[derive(Debug, Default)]
 pub struct FakeCompanion {
     buckets: HashMap<(String, String), Option<BucketState>>,
@@ -336,6 +339,8 @@ pub struct FakeCompanion {
     pub failing: Option<u32>,
     /// Every call answered, by path.
     pub calls: BTreeMap<String, usize>,
+    /// The fleet's calibrations by rule fingerprint: prompt ratio and completion length.
+    pub calibrations: BTreeMap<String, (Option<Running>, Option<Running>)>,
 }
 
 impl FakeCompanion {
@@ -424,6 +429,28 @@ impl FakeCompanion {
                 }
                 serde_json::to_vec(&SettleReply { results })
             }
+            CALIBRATION_PATH => {
+                let exchange: CalibrationExchange = serde_json::from_value(callout.body.clone()).expect("exchange");
+                exchange.validate().expect("a valid exchange");
+                let figure = |r: Option<Running>| {
+                    r.map(|r| RunningFigure { mean: r.mean, deviation: r.deviation, samples: r.samples })
+                };
+                let rules = exchange
+                    .rules
+                    .iter()
+                    .map(|rule| {
+                        let (ratio, output) = self.calibrations.entry(rule.rule.clone()).or_default();
+                        for &x in &rule.prompt_ratios {
+                            *ratio = Some(Running::observe(*ratio, x));
+                        }
+                        for &x in &rule.outputs {
+                            *output = Some(Running::observe(*output, x));
+                        }
+                        RuleFigures { rule: rule.rule.clone(), prompt_ratio: figure(*ratio), output: figure(*output) }
+                    })
+                    .collect();
+                serde_json::to_vec(&CalibrationReply { rules })
+            }
             other => panic!("unknown companion path {other}"),
         };
         (200, body.expect("serialise"))
@@ -432,7 +459,15 @@ impl FakeCompanion {
 
 /// A limit as the bucket model takes it (every kind modelled as a token bucket).
 fn spec(name: &str, capacity: u64, window_ms: u64, cost: u64, min_cost: Option<u64>) -> LimitCharge {
-    LimitCharge { name: name.to_string(), capacity, window_ms, cost, min_cost, kind: LimitKind::TokenBucket, provisional: false }
+    LimitCharge {
+        name: name.to_string(),
+        capacity,
+        window_ms,
+        cost,
+        min_cost,
+        kind: LimitKind::TokenBucket,
+        provisional: false,
+    }
 }
 
 /// A request as the tests send it.

@@ -12,8 +12,8 @@ use crate::lifecycle::RequestFilter;
 use crate::prompt_cache::PromptCache;
 use crate::protocol::keys;
 use crate::protocol::{
-    Adjustment, LeaseAsk, LeaseRequest, LimitCharge, LimitKind, LimitsReply, SettleReply, Settlement, SettlementBatch,
-    LEASE_PATH, SETTLE_PATH, TOKEN_HEADER, TOUCH_PATH,
+    Adjustment, CalibrationReply, LeaseAsk, LeaseRequest, LimitCharge, LimitKind, LimitsReply, SettleReply, Settlement,
+    SettlementBatch, CALIBRATION_PATH, LEASE_PATH, SETTLE_PATH, TOKEN_HEADER, TOUCH_PATH,
 };
 use crate::settle_queue::{Queued, SettleQueue};
 use crate::tables::{read_own, update_own, update_slot, Busy, TenantTable};
@@ -178,6 +178,7 @@ impl Worker {
             }
         }
         self.calibrations.flush(host, &config, now);
+        self.exchange_calibrations(host, &config, now);
         self.send_settlements(host, &config);
         if config.has_concurrency() {
             let every = (config.slots.ttl.as_millis() / 3 / TICK.as_millis()).max(1) as u32;
@@ -190,6 +191,16 @@ impl Worker {
     /// A callout the root owns has answered.
     pub fn on_callout_response(&mut self, host: &mut impl Host, token: u32, body_size: usize) {
         let Some(config) = self.config.clone() else { return };
+        if self.calibrations.is_exchange(token) {
+            match callout_reply::<CalibrationReply>(host, body_size) {
+                Ok(reply) => {
+                    let now = host.now_ms();
+                    self.calibrations.take_reply(host, &config, &reply, now);
+                }
+                Err(why) => host.log(LogLevel::Debug, &format!("llm-ratelimit: calibration exchange failed: {why}")),
+            }
+            return;
+        }
         if let Some((tenant, asked)) = self.renewing.remove(&token) {
             match callout_reply::<LimitsReply>(host, body_size) {
                 Ok(reply) if reply.allowed && reply.limits.len() == asked.len() => {
@@ -219,6 +230,15 @@ impl Worker {
                 }
             }
             other => self.settling = other,
+        }
+    }
+
+    /// Hands this worker's new calibration samples to the companion, when an exchange is due.
+    fn exchange_calibrations(&mut self, host: &mut impl Host, config: &Policy, now: u64) {
+        let Some(exchange) = self.calibrations.exchange(config, now) else { return };
+        match self.call_companion(host, config, CALIBRATION_PATH, &exchange, BACKGROUND_TIMEOUT, Owner::Root) {
+            Ok(token) => self.calibrations.sent(token),
+            Err(why) => host.log(LogLevel::Debug, &format!("llm-ratelimit: no calibration exchange: {why}")),
         }
     }
 

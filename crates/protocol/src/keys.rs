@@ -17,6 +17,11 @@ pub const CANCEL_KIND: &str = "cancel";
 /// Kind and name of a tenant's queue of waiting charges.
 pub const QUEUE_KIND: &str = "queue";
 pub const QUEUE_NAME: &str = "waiters";
+/// Tenant, kind and name of a domain's model calibrations, shared by every proxy: one
+/// hash, a field per model rule (fingerprint). No tenant id is five letters long.
+pub const CALIBRATION_TENANT: &str = "models";
+pub const CALIBRATION_KIND: &str = "cal";
+pub const CALIBRATION_NAME: &str = "rules";
 
 /// Shared data: slot `slot` of the table of leases (the tenant is stored in the value;
 /// tables are bounded, see the filter's `memory` config).

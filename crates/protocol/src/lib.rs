@@ -23,6 +23,9 @@ pub const TOUCH_PATH: &str = "/v1/touch";
 /// Endpoint that releases concurrency slots at once (a `SettlementBatch` naming them); the
 /// slots' settlement, which releases them too, may follow.
 pub const RELEASE_PATH: &str = "/v1/release";
+/// Endpoint where a proxy worker hands in what settled replies taught it about the models'
+/// token counts and gets the figures every proxy taught (a [`CalibrationExchange`]).
+pub const CALIBRATION_PATH: &str = "/v1/calibration";
 
 /// What a limit is in Redis.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
@@ -304,6 +307,92 @@ fn validate_reservation_id(id: &str) -> Result<(), String> {
         Ok(())
     } else {
         Err(format!("reservation id must be 1-{MAX_KEY_PART} of [A-Za-z0-9_.-]"))
+    }
+}
+
+/// Samples count as a plain mean over the first this many, then as an exponential average
+/// over about this many (each new sample weighs 1/20): the filter's running figures and
+/// `lua/calibration.lua`'s alike.
+pub const CALIBRATION_WINDOW: u32 = 20;
+/// Most model rules in one exchange; a config has its own rules plus a few built-in ones.
+pub const MAX_RULES_PER_EXCHANGE: usize = 64;
+/// Most samples of each kind per rule in one exchange; a worker that saw more sends the
+/// first ones (the running figures forget old samples within a few dozen anyway).
+pub const MAX_SAMPLES_PER_EXCHANGE: usize = 64;
+
+/// What one proxy worker learned from settled replies since its last exchange, per model
+/// rule; the answer is every rule's figures as all proxies taught them
+/// ([`CalibrationReply`]). A rule with no samples only asks.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CalibrationExchange {
+    pub domain: String,
+    pub rules: Vec<RuleSamples>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RuleSamples {
+    /// The rule's fingerprint (its model pattern and encoding, 16 hex digits): proxies
+    /// whose configs have the same rule share its figures.
+    pub rule: String,
+    /// The provider's prompt tokens per token the proxy counted, one per reply.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub prompt_ratios: Vec<f64>,
+    /// Completion lengths, in tokens.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub outputs: Vec<f64>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CalibrationReply {
+    /// One per rule asked about, in the order asked.
+    pub rules: Vec<RuleFigures>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RuleFigures {
+    pub rule: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prompt_ratio: Option<RunningFigure>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub output: Option<RunningFigure>,
+}
+
+/// A running mean of samples and their mean absolute deviation from it, over `samples`
+/// samples (the filter's `calibration::Running`; `lua/calibration.lua` keeps it in Redis).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct RunningFigure {
+    pub mean: f64,
+    pub deviation: f64,
+    pub samples: u32,
+}
+
+/// The largest sample taken: a ratio or a completion length beyond it is a bug, not a reply.
+const MAX_SAMPLE: f64 = 1e9;
+
+impl CalibrationExchange {
+    pub fn validate(&self) -> Result<(), String> {
+        if !is_key_part(&self.domain) {
+            return Err(format!("domain must be 1-{MAX_KEY_PART} of [A-Za-z0-9_.-]"));
+        }
+        if self.rules.len() > MAX_RULES_PER_EXCHANGE {
+            return Err(format!("at most {MAX_RULES_PER_EXCHANGE} rules per exchange, got {}", self.rules.len()));
+        }
+        for (i, rule) in self.rules.iter().enumerate() {
+            if rule.rule.len() != 16 || !rule.rule.bytes().all(|b| b.is_ascii_hexdigit()) {
+                return Err(format!("rules[{i}].rule must be 16 hex digits"));
+            }
+            for (field, samples) in [("prompt_ratios", &rule.prompt_ratios), ("outputs", &rule.outputs)] {
+                if samples.len() > MAX_SAMPLES_PER_EXCHANGE {
+                    return Err(format!("rules[{i}].{field}: at most {MAX_SAMPLES_PER_EXCHANGE} samples"));
+                }
+                if !samples.iter().all(|&x| (0.0..=MAX_SAMPLE).contains(&x)) {
+                    return Err(format!("rules[{i}].{field}: samples must be numbers in 0..={MAX_SAMPLE}"));
+                }
+            }
+        }
+        Ok(())
     }
 }
 

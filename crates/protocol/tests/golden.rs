@@ -162,6 +162,53 @@ fn redis_keys() {
     assert_eq!(redis_key("llmrl:", "llm", "t1", RESERVATION_KIND, "abc1"), "llmrl:{llm:t1}:res:abc1");
     assert_eq!(redis_key("llmrl:", "llm", "t1", CANCEL_KIND, "abc1"), "llmrl:{llm:t1}:cancel:abc1");
     assert_eq!(redis_key("llmrl:", "llm", "t1", QUEUE_KIND, QUEUE_NAME), "llmrl:{llm:t1}:queue:waiters");
+    assert_eq!(
+        redis_key("llmrl:", "llm", CALIBRATION_TENANT, CALIBRATION_KIND, CALIBRATION_NAME),
+        "llmrl:{llm:models}:cal:rules"
+    );
+}
+
+#[test]
+fn calibration_exchange() {
+    assert_eq!(CALIBRATION_PATH, "/v1/calibration");
+    let exchange = CalibrationExchange {
+        domain: "llm".into(),
+        rules: vec![
+            RuleSamples { rule: "00112233aabbccdd".into(), prompt_ratios: vec![2.3125, 1.5], outputs: vec![40.0] },
+            RuleSamples { rule: "ffeeddcc00112233".into(), prompt_ratios: vec![], outputs: vec![] },
+        ],
+    };
+    pinned(
+        &exchange,
+        concat!(
+            r#"{"domain":"llm","rules":[{"rule":"00112233aabbccdd","prompt_ratios":[2.3125,1.5],"outputs":[40.0]},"#,
+            r#"{"rule":"ffeeddcc00112233"}]}"#
+        ),
+    );
+    assert_eq!(exchange.validate(), Ok(()));
+    let bad = |rule: RuleSamples| CalibrationExchange { domain: "llm".into(), rules: vec![rule] }.validate();
+    let rule = |id: &str, ratios: Vec<f64>| RuleSamples { rule: id.into(), prompt_ratios: ratios, outputs: vec![] };
+    assert!(bad(rule("xyz", vec![])).is_err_and(|e| e.contains("rules[0].rule")));
+    assert!(bad(rule("00112233aabbccdd", vec![f64::NAN])).is_err_and(|e| e.contains("prompt_ratios")));
+    assert!(bad(rule("00112233aabbccdd", vec![-1.0])).is_err());
+    assert!(bad(rule("00112233aabbccdd", vec![1.0; MAX_SAMPLES_PER_EXCHANGE + 1])).is_err());
+    let reply = CalibrationReply {
+        rules: vec![
+            RuleFigures {
+                rule: "00112233aabbccdd".into(),
+                prompt_ratio: Some(RunningFigure { mean: 2.0, deviation: 0.25, samples: 3 }),
+                output: None,
+            },
+            RuleFigures { rule: "ffeeddcc00112233".into(), prompt_ratio: None, output: None },
+        ],
+    };
+    pinned(
+        &reply,
+        concat!(
+            r#"{"rules":[{"rule":"00112233aabbccdd","prompt_ratio":{"mean":2.0,"deviation":0.25,"samples":3}},"#,
+            r#"{"rule":"ffeeddcc00112233"}]}"#
+        ),
+    );
 }
 
 #[test]

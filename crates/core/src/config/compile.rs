@@ -226,6 +226,7 @@ fn tokens(written: &shape::Tokens) -> Result<TokenPolicy, ConfigError> {
         min_output_tokens,
         warm_up: written.warm_up,
         calibrate: written.calibrate,
+        share_calibration: written.calibrate && written.share_calibration,
     })
 }
 

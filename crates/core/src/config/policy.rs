@@ -277,6 +277,8 @@ pub struct TokenPolicy {
     pub warm_up: bool,
     /// Learn prompt factors and completion priors per rule from settled replies.
     pub calibrate: bool,
+    /// Exchange what is learned with the other proxies of the domain (only with `calibrate`).
+    pub share_calibration: bool,
 }
 
 /// One model rule with what the policy adds to it.

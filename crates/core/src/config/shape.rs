@@ -208,6 +208,8 @@ pub struct Tokens {
     /// Learn from settled replies, per model rule, how the provider's prompt count relates
     /// to the proxy's and how long the model's completions run, and reserve by that.
     pub calibrate: bool,
+    /// Share what is learned with every proxy of the domain, through the companion.
+    pub share_calibration: bool,
 }
 
 /// A model rule as written in `tokens.models`: the counting rule's own fields (`match`,
@@ -253,6 +255,7 @@ impl Default for Tokens {
             warm_up: true,
             default_expected_output: None,
             calibrate: true,
+            share_calibration: true,
         }
     }
 }

@@ -300,6 +300,11 @@ fn rejects_bad_configs_naming_the_field() {
             "expected a boolean",
         ),
         (
+            format!(r#"{{{companion}, {limits}, "tokens": {{"share_calibration": 1}}}}"#),
+            "tokens.share_calibration",
+            "expected a boolean",
+        ),
+        (
             format!(r#"{{{companion}, {limits}, "tokens": {{"output_estimate_factor": 0}}}}"#),
             "tokens.output_estimate_factor",
             "outside 0.1..10",

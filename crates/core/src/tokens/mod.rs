@@ -171,7 +171,10 @@ mod tests {
         let run = "x".repeat(1_200_000);
         let started = std::time::Instant::now();
         let counted = Encoding::O200kBase.count(&run);
-        assert!(started.elapsed().as_secs() < 5, "{:?}", started.elapsed());
+        // Not a speed goal (those live in make bench): a bound that only quadratic work on
+        // the run (hours, unoptimised) could pass; the counting takes ~2-6 s here in a
+        // test build, depending on the machine's load.
+        assert!(started.elapsed().as_secs() < 60, "{:?}", started.elapsed());
         // Slices of LONG_PIECE 'x' count as each slice alone counts.
         let slice = Encoding::O200kBase.count(&run[..LONG_PIECE]);
         let rest = Encoding::O200kBase.count(&run[..run.len() % LONG_PIECE]);
