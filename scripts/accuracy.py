@@ -163,11 +163,14 @@ class Proxies:
                 self.backend.stack.processes.remove(proc)
 
 
-def scenario_config(backend: Backend, scenario: Scenario) -> dict:
+def scenario_config(backend: Backend, scenario: Scenario, domain: str) -> dict:
+    """The scenario's filter config, in a domain of its own: what proxies learn is shared
+    through Redis per domain, and each scenario starts from nothing learned."""
     tokens = {"clamp_max_tokens": True, "min_output_tokens": 64} if scenario.clamp else {}
     tokens = {**tokens, **scenario.tokens} or None
     lease = {"enabled": True} if scenario.lease else None
-    return backend.filter_config(limits(scenario.algorithm), tokens=tokens, lease=lease, companion_timeout="1s")
+    return backend.filter_config(limits(scenario.algorithm), tokens=tokens, lease=lease, companion_timeout="1s",
+                                 domain=domain)
 
 
 def row(name: str, label: str, scenario: Scenario, w: Wave) -> str:
@@ -185,7 +188,7 @@ def run_scenarios(backend: Backend, scenarios: list[Scenario], waves: int) -> bo
     ok = True
     for s_index, scenario in enumerate(scenarios):
         try:
-            proxies = Proxies(backend, scenario_config(backend, scenario), f"s{s_index}")
+            proxies = Proxies(backend, scenario_config(backend, scenario, f"accuracy{s_index}"), f"s{s_index}")
         except (RuntimeError, TimeoutError):
             print(f"{scenario.name:54} refused by this build of the filter (settings it does not know)")
             continue
@@ -242,7 +245,7 @@ def utilisation(backend: Backend, seconds: float, queue: bool, runs: int) -> Non
     same three Envoys (the first run finds them knowing nothing; later ones, what the
     earlier runs taught): the tokens used in the run (under a minute) against the limit."""
     config = backend.filter_config(limits("sliding_window"), queue={"max_wait": "3s"} if queue else None,
-                                   companion_timeout="1s")
+                                   companion_timeout="1s", domain=f"utilisation{int(queue)}")
     proxies = Proxies(backend, config, f"u{int(queue)}")
     mode = "queue on (max_wait 3s)" if queue else "no queue"
     try:

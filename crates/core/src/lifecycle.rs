@@ -416,10 +416,16 @@ impl RequestFilter {
         if let Some(id) = &reservation {
             self.admission = Some(Admission::Reserved(id.clone()));
         }
+        let mut limits = plan.buckets.clone();
+        if wait.is_none() {
+            // Only the queue reads it: a charge that cannot wait goes out as before this
+            // field existed, which a companion older than the filter still takes.
+            limits.iter_mut().for_each(|limit| limit.provisional = false);
+        }
         let request = ChargeRequest {
             domain: config.domain.clone(),
             tenant: self.tenant.clone(),
-            limits: plan.buckets.clone(),
+            limits,
             // Only tokens are settled against the record; slots and the queue use the id.
             // A waiting charge keeps a record too (while it may still be cancelled): if
             // its client gives up, the refund of what it took is settled against it.

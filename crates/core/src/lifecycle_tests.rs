@@ -367,11 +367,14 @@ fn the_queue_is_joined_left_and_cancelled() {
     let charge = charge_of(&waiting);
     let wait = charge.wait.expect("the charge may wait");
     assert_eq!((wait.max_ms, wait.priority), (5_000, 8));
+    let provisional: Vec<bool> = charge.limits.iter().map(|l| l.provisional).collect();
+    assert_eq!(provisional, [false, true], "the queue waits out a token refusal, not a request count's");
     assert_eq!(waiting.host.last_callout().timeout.as_millis(), 5_050, "timeout + the longest wait");
     assert_eq!(queued_count(&mut proxy), 1);
     // The queue is full: the next request does not wait.
     let other = proxy.start(Request::chat("sk-b", CHAT));
     assert!(charge_of(&other).wait.is_none());
+    assert!(charge_of(&other).limits.iter().all(|l| !l.provisional), "sent as before the field existed");
     // The client leaves while waiting: the charge is cancelled with a full refund.
     proxy.done(&mut waiting);
     assert_eq!(queued_count(&mut proxy), 0);
