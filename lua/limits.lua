@@ -24,6 +24,9 @@
 --                       absent or 0: no record)
 --   share               lease, required: the share of what is left that one grant may
 --                       take (0 < share <= 1)
+--   once_ttl_ms         settle, optional: KEYS[n+1] is not a reservation record but the
+--                       marker of a stand-alone adjustment, set (living this long, ms)
+--                       when it is first applied
 --   limits              one object per limit, in KEYS order, with
 --     kind        "tb" (token bucket), "sw" (sliding window) or "slots" (concurrency)
 --     capacity    (> 0)  tb: tokens when full; sw: the most in any window; slots: how
@@ -56,7 +59,9 @@
 -- deleted and each limit gets its credit back (never above capacity; a debit may take it
 -- below zero, so the tenant waits it off); if the record is gone (settled before, or
 -- expired) limits do not change. So a settlement applies at most once, and a reservation
--- never settled simply stands.
+-- never settled simply stands. A stand-alone adjustment (a returned lease, a
+-- reconciliation) with once_ttl_ms applies only if its marker was not set yet, and sets
+-- it: sent again after a lost answer, it applies at most once too.
 -- touch: the request's slots live another window (a heartbeat for long streams); a slot
 -- that already expired is not revived.
 -- release: the request's slots are released at once, and nothing else changes (its
@@ -400,15 +405,23 @@ ops.lease = {
 }
 
 ops.settle = {
-  args = {},
+  args = { once_ttl_ms = false },
   limit = { credit = true },
-  run = function(limits, _, keys)
+  run = function(limits, args, keys)
     if keys.cancel_marker then
       redis.call('SET', keys.cancel_marker, '1', 'PX', 600000)
     end
     bring_to_now(limits)
     local done, charged_at = 1, now_ms
-    if keys.reservation then
+    if args.once_ttl_ms then
+      -- A stand-alone adjustment: the key is its marker, set by the first application.
+      if not keys.reservation or args.once_ttl_ms <= 0 then
+        return { err = 'once_ttl_ms must be > 0 and needs the marker key' }
+      end
+      if not redis.call('SET', keys.reservation, '1', 'NX', 'PX', math.floor(args.once_ttl_ms)) then
+        done = 0
+      end
+    elseif keys.reservation then
       charged_at = tonumber(redis.call('GET', keys.reservation)) or now_ms
       if redis.call('DEL', keys.reservation) == 0 then
         done = 0

@@ -173,6 +173,24 @@ def test_a_reservation_settles_at_most_once_and_expires(client):
     assert call(client, "settle", [key], RPM10, [1], f"test:{{{tag}}}:res:r3")[0] == 0
 
 
+def test_a_stand_alone_adjustment_with_a_once_marker_applies_once(client):
+    # A returned lease has no reservation record: its marker, set when it is first
+    # applied, keeps a batch sent again after a lost answer from giving it back twice.
+    tag = uuid.uuid4().hex
+    key, marker = f"test:{{{tag}}}:tpm", f"test:{{{tag}}}:once:l1"
+    assert call(client, "charge", [key], RPM10, [8])[0] == 1
+    once = json.dumps({"op": "settle", "once_ttl_ms": 600_000,
+                       "limits": [{"kind": "tb", "capacity": 10, "window_ms": 60_000, "credit": 5}]})
+    first = client.eval(SCRIPT, 2, key, marker, once)
+    again = client.eval(SCRIPT, 2, key, marker, once)
+    assert (first[0], first[1][2]) == (1, 7)
+    assert (again[0], again[1][2]) == (0, 7)
+    assert 599_000 < client.pttl(marker) <= 600_000
+    # Without the marker key there is nothing to keep it at once: refused, not applied.
+    with pytest.raises(redis.ResponseError, match="once_ttl_ms must be > 0 and needs the marker key"):
+        client.eval(SCRIPT, 1, key, once)
+
+
 def argv_of(*limits, op="charge", **extra):
     """ARGV[1] for the bad-argument cases: `limits` as given, nothing filled in."""
     return json.dumps({"op": op, "limits": list(limits), **extra})

@@ -2,7 +2,7 @@
 //! one JSON argument (named fields, see the script's header) of a charge, a lease, a
 //! settlement, a touch or a release, and the script's reply back to JSON.
 
-use llm_ratelimit_protocol::keys::{redis_key as key, CANCEL_KIND, RESERVATION_KIND};
+use llm_ratelimit_protocol::keys::{redis_key as key, CANCEL_KIND, ONCE_KIND, RESERVATION_KIND};
 use llm_ratelimit_protocol::{
     ChargeRequest, LeaseRequest, LimitKind, LimitOutcome, LimitStatus, LimitsReply, Settlement,
 };
@@ -52,8 +52,16 @@ struct Arguments<'a> {
     /// lease: the share of what is left that one grant may take.
     #[serde(skip_serializing_if = "Option::is_none")]
     share: Option<f64>,
+    /// settle: the record key is an at-most-once marker to create, living this long (ms).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    once_ttl_ms: Option<u64>,
     limits: Vec<Limit<'a>>,
 }
+
+/// How long a stand-alone adjustment's marker outlives it: longer than the filter keeps
+/// sending a batch again (8 attempts over about 20 s, backing off to 5 s), and short, as
+/// every returned lease leaves one.
+pub const ONCE_TTL_MS: u64 = 60 * 1000;
 
 /// One limit as the script takes it; `name` only makes its key.
 #[derive(Serialize)]
@@ -135,6 +143,7 @@ pub fn charge(prefix: &str, request: &ChargeRequest) -> Call {
         op: Op::Charge,
         reservation_ttl_ms: Some(reservation.map_or(0, |r| r.ttl_ms)),
         share: None,
+        once_ttl_ms: None,
         limits,
     };
     call(prefix, &request.domain, &request.tenant, &arguments, reservation.map(|r| r.id.as_str()))
@@ -155,7 +164,8 @@ pub fn lease(prefix: &str, request: &LeaseRequest) -> Call {
             },
         })
         .collect();
-    let arguments = Arguments { op: Op::Lease, reservation_ttl_ms: None, share: Some(request.share), limits };
+    let arguments =
+        Arguments { op: Op::Lease, reservation_ttl_ms: None, share: Some(request.share), once_ttl_ms: None, limits };
     call(prefix, &request.domain, &request.tenant, &arguments, None)
 }
 
@@ -176,10 +186,17 @@ pub fn adjust(prefix: &str, op: Op, settlement: &Settlement) -> Call {
             },
         })
         .collect();
-    let arguments = Arguments { op, reservation_ttl_ms: None, share: None, limits };
-    let call = call(prefix, &settlement.domain, &settlement.tenant, &arguments, settlement.reservation.as_deref());
+    let (domain, tenant) = (&settlement.domain, &settlement.tenant);
+    // A stand-alone settlement with a once id: its marker takes the record's place.
+    let once = settlement.once.as_deref().filter(|_| op == Op::Settle && settlement.reservation.is_none());
+    let once_ttl_ms = once.map(|_| ONCE_TTL_MS);
+    let arguments = Arguments { op, reservation_ttl_ms: None, share: None, once_ttl_ms, limits };
+    let mut call = call(prefix, domain, tenant, &arguments, settlement.reservation.as_deref());
+    if let Some(once) = once {
+        call.keys.push(key(prefix, domain, tenant, ONCE_KIND, once));
+    }
     match (&settlement.reservation, settlement.cancel) {
-        (Some(id), true) => call.with_cancel_marker(prefix, &settlement.domain, &settlement.tenant, id),
+        (Some(id), true) => call.with_cancel_marker(prefix, domain, tenant, id),
         _ => call,
     }
 }
@@ -313,6 +330,7 @@ mod tests {
             domain: "llm".into(),
             tenant: "abc123".into(),
             reservation: reservation.map(Into::into),
+            once: None,
             cancel: false,
             limits: vec![Adjustment { name: "tpm".into(), capacity: 10_000, window_ms: 60_000, credit, kind }],
         }
@@ -453,6 +471,7 @@ mod tests {
             domain: "llm".into(),
             tenant: "t".into(),
             reservation: None,
+            once: None,
             cancel: false,
             limits: vec![Adjustment {
                 name: "rpm".into(),
@@ -463,6 +482,12 @@ mod tests {
             }],
         };
         assert_eq!(adjust("p:", Op::Settle, &settlement).keys, vec!["p:{llm:t}:tb:rpm"]);
+        assert_eq!(argument(&adjust("p:", Op::Settle, &settlement)).get("once_ttl_ms"), None);
+        // With a once id, its marker is the record: applied at most once.
+        let once = Settlement { once: Some("f00d1".into()), ..settlement };
+        let call = adjust("p:", Op::Settle, &once);
+        assert_eq!(call.keys, vec!["p:{llm:t}:tb:rpm", "p:{llm:t}:once:f00d1"]);
+        assert_eq!(argument(&call)["once_ttl_ms"], ONCE_TTL_MS);
     }
 
     #[test]

@@ -329,6 +329,13 @@ fn leases_admit_without_callouts_refuse_renew_and_return_on_expiry() {
         let credits: i64 = returned.iter().flat_map(|s| &s.limits).map(|a| a.credit).sum();
         assert!(left > 0 && credits == left, "{kind:?}: returned {credits} of {left}");
         assert_eq!(leases(&mut proxy).0[0].remaining, 0.0);
+        // No record to settle against: an id of its own, so a batch sent again after its
+        // answer was lost gives nothing back twice.
+        assert!(returned.iter().all(|s| s.reservation.is_none() && s.once.is_some()), "{kind:?}");
+        let sent = proxy.root.callouts.iter().rev().find(|c| c.path == SETTLE_PATH).cloned().expect("a settle callout");
+        let (_, again) = companion.answer(&sent, proxy.now());
+        let again: crate::protocol::SettleReply = serde_json::from_slice(&again).expect("reply");
+        assert!(again.results.iter().all(|r| *r == crate::protocol::SettleOutcome::AlreadySettled), "{kind:?}");
     }
 }
 

@@ -99,6 +99,7 @@ mod tests {
             domain: "llm".into(),
             tenant: "t".into(),
             reservation: Some(id.into()),
+            once: None,
             cancel: false,
             limits: vec![Adjustment {
                 name: "tpm".into(),

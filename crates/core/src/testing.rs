@@ -331,6 +331,8 @@ impl Host for FakeHost {
 pub struct FakeCompanion {
     buckets: HashMap<(String, String), Option<BucketState>>,
     reservations: BTreeSet<String>,
+    /// Once ids of the stand-alone adjustments applied.
+    applied_once: BTreeSet<String>,
     /// Settlements applied, as they arrived.
     pub settled: Vec<crate::protocol::Settlement>,
     pub touched: usize,
@@ -405,9 +407,10 @@ impl FakeCompanion {
                         TOUCH_PATH => self.touched += 1,
                         RELEASE_PATH => self.released += 1,
                         _ => {
-                            let applies = match &settlement.reservation {
-                                Some(id) => self.reservations.remove(id),
-                                None => true,
+                            let applies = match (&settlement.reservation, &settlement.once) {
+                                (Some(id), _) => self.reservations.remove(id),
+                                (None, Some(once)) => self.applied_once.insert(once.clone()),
+                                (None, None) => true,
                             };
                             if applies {
                                 let specs: Vec<LimitCharge> = settlement

@@ -262,7 +262,10 @@ impl Worker {
     ) {
         let limits = adjustments(config, credits);
         if !limits.is_empty() {
-            let settlement = settlement(config, tenant, reservation, cancel, limits);
+            // Without a reservation record to settle against, an id of its own keeps it
+            // from being applied twice when a batch is sent again after a lost answer.
+            let once = reservation.is_none().then(|| self.ids.next(host));
+            let settlement = Settlement { once, ..settlement(config, tenant, reservation, cancel, limits) };
             self.queue_settlement(host, settlement);
         }
     }
@@ -533,7 +536,7 @@ pub(crate) fn settlement(
     cancel: bool,
     limits: Vec<Adjustment>,
 ) -> Settlement {
-    Settlement { domain: config.domain.clone(), tenant: tenant.to_string(), reservation, cancel, limits }
+    Settlement { domain: config.domain.clone(), tenant: tenant.to_string(), reservation, once: None, cancel, limits }
 }
 
 /// Adjustments of configured limits (by index): buckets and windows with a non-zero

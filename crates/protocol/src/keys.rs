@@ -14,6 +14,8 @@ pub fn redis_key(prefix: &str, domain: &str, tenant: &str, kind: &str, name: &st
 pub const RESERVATION_KIND: &str = "res";
 /// Kind of a queued request's cancel marker (`name`: the reservation id).
 pub const CANCEL_KIND: &str = "cancel";
+/// Kind of the marker of a stand-alone adjustment applied (`name`: its once id).
+pub const ONCE_KIND: &str = "once";
 /// Kind and name of a tenant's queue of waiting charges.
 pub const QUEUE_KIND: &str = "queue";
 pub const QUEUE_NAME: &str = "waiters";

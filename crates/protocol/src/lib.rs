@@ -139,6 +139,10 @@ pub struct Settlement {
     /// stand alone: a returned lease, or what was admitted locally while Redis was away.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reservation: Option<String>,
+    /// For an adjustment that stands alone: an id under which it is applied at most once,
+    /// so a batch sent again after its answer was lost does not apply it twice.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub once: Option<String>,
     pub limits: Vec<Adjustment>,
     /// The request was abandoned while its charge waited in the queue: stop that charge
     /// (atomically with this refund) if it has not happened yet.
@@ -438,6 +442,11 @@ impl SettlementBatch {
             let buckets = s.limits.iter().map(|l| (l.name.as_str(), l.capacity, l.window_ms));
             validate_buckets(&s.domain, &s.tenant, buckets)
                 .and_then(|()| s.reservation.as_deref().map_or(Ok(()), validate_reservation_id))
+                .and_then(|()| s.once.as_deref().map_or(Ok(()), validate_reservation_id))
+                .and_then(|()| match (&s.reservation, &s.once) {
+                    (Some(_), Some(_)) => Err("a settlement has a reservation or a once id, not both".into()),
+                    _ => Ok(()),
+                })
                 .map_err(|e| format!("settlements[{i}]: {e}"))?;
         }
         Ok(())
@@ -505,6 +514,7 @@ mod tests {
             domain: "llm".into(),
             tenant: tenant.into(),
             reservation: Some("r1".into()),
+            once: None,
             cancel: false,
             limits: vec![Adjustment {
                 name: "tpm".into(),

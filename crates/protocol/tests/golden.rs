@@ -93,6 +93,7 @@ fn settle_request_and_reply() {
                 domain: "llm".into(),
                 tenant: "t1".into(),
                 reservation: Some("abc1".into()),
+                once: None,
                 limits: vec![adjustment(LimitKind::TokenBucket), adjustment(LimitKind::Slots)],
                 cancel: true,
             },
@@ -100,6 +101,7 @@ fn settle_request_and_reply() {
                 domain: "llm".into(),
                 tenant: "t2".into(),
                 reservation: None,
+                once: Some("f00d1".into()),
                 limits: vec![adjustment(LimitKind::SlidingWindow)],
                 cancel: false,
             },
@@ -111,7 +113,7 @@ fn settle_request_and_reply() {
             r#"{"settlements":[{"domain":"llm","tenant":"t1","reservation":"abc1","limits":["#,
             r#"{"name":"tpm","capacity":100,"window_ms":60000,"credit":-5},"#,
             r#"{"name":"tpm","capacity":100,"window_ms":60000,"credit":-5,"kind":"slots"}],"cancel":true},"#,
-            r#"{"domain":"llm","tenant":"t2","limits":["#,
+            r#"{"domain":"llm","tenant":"t2","once":"f00d1","limits":["#,
             r#"{"name":"tpm","capacity":100,"window_ms":60000,"credit":-5,"kind":"sliding_window"}]}]}"#
         ),
     );
@@ -161,6 +163,7 @@ fn redis_keys() {
     assert_eq!(redis_key("llmrl:", "llm", "t1", "tb", "rpm"), "llmrl:{llm:t1}:tb:rpm");
     assert_eq!(redis_key("llmrl:", "llm", "t1", RESERVATION_KIND, "abc1"), "llmrl:{llm:t1}:res:abc1");
     assert_eq!(redis_key("llmrl:", "llm", "t1", CANCEL_KIND, "abc1"), "llmrl:{llm:t1}:cancel:abc1");
+    assert_eq!(redis_key("llmrl:", "llm", "t1", ONCE_KIND, "f00d1"), "llmrl:{llm:t1}:once:f00d1");
     assert_eq!(redis_key("llmrl:", "llm", "t1", QUEUE_KIND, QUEUE_NAME), "llmrl:{llm:t1}:queue:waiters");
     assert_eq!(
         redis_key("llmrl:", "llm", CALIBRATION_TENANT, CALIBRATION_KIND, CALIBRATION_NAME),
