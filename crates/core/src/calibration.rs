@@ -131,6 +131,19 @@ impl Calibration {
         }
     }
 
+    /// Each figure from `fleet` where it rests on at least as many samples as this one's.
+    pub fn or_fleet(self, fleet: Calibration) -> Calibration {
+        let pick = |own: Option<Running>, fleet: Option<Running>| match (own, fleet) {
+            (Some(own), Some(theirs)) if own.samples > theirs.samples => Some(own),
+            (own, None) => own,
+            (_, theirs) => theirs,
+        };
+        Calibration {
+            prompt_ratio: pick(self.prompt_ratio, fleet.prompt_ratio),
+            output: pick(self.output, fleet.output),
+        }
+    }
+
     pub fn to_bytes(self) -> Vec<u8> {
         let mut out = Vec::with_capacity(2 * Running::BYTES);
         Running::encode(self.prompt_ratio, &mut out);
@@ -323,7 +336,9 @@ impl LocalCalibrations {
         ours
     }
 
-    /// Takes the fleet's figures: each rule's replace this proxy's own.
+    /// Takes the fleet's figures: each replaces this proxy's own unless the proxy's rests on
+    /// more samples (its latest lessons, taken in on a tick after the exchange went out,
+    /// which the fleet gets with the next one).
     pub fn take_reply(&mut self, host: &mut impl Host, config: &Policy, reply: &CalibrationReply, now_ms: u64) {
         for figures in &reply.rules {
             let Some((index, _)) = config.tokens.all_rules().find(|(_, rule)| fingerprint_hex(rule) == figures.rule)
@@ -337,7 +352,7 @@ impl LocalCalibrations {
             if fleet == Calibration::default() {
                 continue; // nothing learned anywhere yet: keep what this proxy has
             }
-            if let Some(learned) = rewrite(host, config, index, |_| fleet) {
+            if let Some(learned) = rewrite(host, config, index, |own| own.or_fleet(fleet)) {
                 self.known.insert(index, (learned, now_ms));
             }
         }
@@ -414,6 +429,18 @@ mod tests {
             assert!((running.mean - case["mean"].as_f64().expect("mean")).abs() < 1e-9, "{case} {running:?}");
             assert!((running.deviation - case["deviation"].as_f64().expect("dev")).abs() < 1e-9, "{case} {running:?}");
         }
+    }
+
+    #[test]
+    fn the_fleets_figures_replace_the_proxys_unless_the_proxy_knows_more() {
+        let running = |mean: f64, samples| Some(Running { mean, deviation: 0.0, samples });
+        let own = Calibration { prompt_ratio: running(2.0, 5), output: running(40.0, 3) };
+        let fleet = Calibration { prompt_ratio: running(2.5, 50), output: running(90.0, 2) };
+        let taken = own.or_fleet(fleet);
+        assert_eq!(taken.prompt_ratio, fleet.prompt_ratio, "the fleet saw more replies");
+        assert_eq!(taken.output, own.output, "lessons the fleet has not had yet stay");
+        assert_eq!(own.or_fleet(Calibration::default()), own);
+        assert_eq!(Calibration::default().or_fleet(fleet), fleet);
     }
 
     #[test]
