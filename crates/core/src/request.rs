@@ -269,6 +269,8 @@ fn content(value: &Json, count: &mut impl FnMut(&str) -> u64) -> u64 {
 fn content_part(part: &Json, count: &mut impl FnMut(&str) -> u64) -> u64 {
     match part.at("type").as_str().unwrap_or("") {
         "image_url" | "input_image" | "image" => IMAGE_TOKENS,
+        // Bedrock Converse's blocks are keyed by kind, with no `type`.
+        "" if part.get("image").is_some_and(Json::is_object) => IMAGE_TOKENS,
         // Responses API message items: {role, content}; count like a chat message.
         _ if part.get("role").is_some() && part.get("content").is_some() => {
             TOKENS_PER_MESSAGE + part.at("role").as_str().map_or(0, &mut *count) + content(part.at("content"), count)

@@ -322,9 +322,9 @@ mod tests {
         assert_eq!(request.api, Api::Converse);
         assert_eq!(request.model.as_deref(), Some("amazon.nova-pro-v1:0"));
         assert_eq!((request.stream, request.max_output, request.body_is_signed), (true, Some(512), true));
-        // 3 priming + 3 for the message + "user" + the text; the image part counts its
-        // format ("png") and not its bytes; the system text; the tool spec as JSON text.
-        let expected = 3 + 3 + O200K.count("user") + hw + O200K.count("png") + hw + O200K.count(spec);
+        // 3 priming + 3 for the message + "user" + the text; the image block as an image
+        // (not its bytes); the system text; the tool spec as JSON text.
+        let expected = 3 + 3 + O200K.count("user") + hw + crate::request::IMAGE_TOKENS + hw + O200K.count(spec);
         assert_eq!(parsed.prompt_tokens(O200K), expected);
     }
 
