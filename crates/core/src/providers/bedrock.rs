@@ -513,10 +513,11 @@ mod tests {
         charge.limits.iter().map(|l| (l.cost, l.min_cost)).collect()
     }
 
-    /// Converse streamed and invoke streamed, each reply cut at every byte: the tenant is
+    /// Converse streamed and invoke streamed, each reply cut in two at every seventh byte
+    /// (every byte: `every_two_way_split_gives_the_same_usage`): the tenant is
     /// the access key, the model the path's, and the settlement is what the stream reported.
     #[test]
-    fn streams_settle_at_their_reported_usage_at_any_split() {
+    fn streams_settle_at_their_reported_usage_wherever_cut() {
         let streams = [
             ("/model/amazon.nova-lite-v1%3A0/converse-stream", CONVERSE, converse_stream(true), 151 + 10),
             (
