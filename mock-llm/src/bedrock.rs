@@ -381,10 +381,22 @@ fn verify_signature(
             format!("{name}:{}\n", values.join(","))
         })
         .collect();
+    // The payload's hash, unless the client declared the body unsigned (botocore does
+    // when payload signing is off) or sent the hash itself, which must then be the body's.
+    let body_hash = hex(&Sha256::digest(body));
+    let payload_hash = match headers.get("x-amz-content-sha256").and_then(|v| v.to_str().ok()) {
+        Some("UNSIGNED-PAYLOAD") => "UNSIGNED-PAYLOAD".to_string(),
+        Some(declared) if declared != body_hash => {
+            return Err((
+                "XAmzContentSHA256Mismatch",
+                "The provided 'x-amz-content-sha256' header does not match what was computed.",
+            ));
+        }
+        _ => body_hash,
+    };
     let canonical_request = format!(
-        "{method}\n{canonical_uri}\n{}\n{canonical_headers}\n{signed_headers}\n{}",
+        "{method}\n{canonical_uri}\n{}\n{canonical_headers}\n{signed_headers}\n{payload_hash}",
         query.join("&"),
-        hex(&Sha256::digest(body))
     );
     let string_to_sign =
         format!("AWS4-HMAC-SHA256\n{timestamp}\n{scope}\n{}", hex(&Sha256::digest(canonical_request.as_bytes())));
