@@ -548,6 +548,27 @@ mod tests {
         }
     }
 
+    /// A corrupted stream reaches the client as it came, is settled on what came before
+    /// the corruption, and is logged.
+    #[test]
+    fn a_corrupted_stream_is_settled_on_what_came_before_and_logged() {
+        let path = "/model/amazon.nova-lite-v1%3A0/converse-stream";
+        let world = World::new(HostKind::Envoy);
+        let mut proxy = Proxy::new(&world, &lifecycle_config(serde_json::json!({}), 10_000));
+        let mut companion = FakeCompanion::default();
+        let mut flight = proxy.send(signed_request("AKIDTENANT1", path, CONVERSE), &mut companion);
+        let mut reply = converse_stream(true);
+        let metadata_start = converse_stream(false).len();
+        reply[metadata_start + 20] ^= 0x01;
+        proxy.reply_bytes(&mut flight, 200, EVENT_STREAM_CONTENT_TYPE, &[&reply]);
+        proxy.tick(Some(&mut companion));
+        // The metadata event is lost: charged the prompt as estimated and the 10 tokens
+        // streamed, so the output allowance less 10 goes back.
+        assert_eq!(companion.settled.last().expect("settled").limits[0].credit, 300 - 10);
+        assert!(flight.host.logs.iter().any(|(_, line)| line.contains("BadMessageCrc")), "{:?}", flight.host.logs);
+        assert_eq!(world.borrow().host_calls.get("replace_response_body"), None, "the stream passes unchanged");
+    }
+
     /// With `clamp_max_tokens` a signed body is never rewritten: it is reserved at its
     /// prompt's bound plus its whole cap, all or nothing, and counted.
     #[test]
