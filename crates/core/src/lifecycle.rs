@@ -31,7 +31,8 @@ use crate::worker::{adjustments, callout_reply, settlement, Worker};
 use std::rc::Rc;
 use std::time::Duration;
 
-/// Largest SSE event read for usage; larger ones are skipped.
+/// Largest SSE event (or Bedrock event-stream message) read for usage; larger SSE events
+/// are skipped, a larger event-stream message ends the reading as a bad CRC does.
 const MAX_SSE_EVENT: usize = 1 << 20;
 /// How long after its longest wait an abandoned request's cancellation may still arrive.
 const CANCEL_WINDOW_MS: u64 = 10_000;
