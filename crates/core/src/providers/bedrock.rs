@@ -627,6 +627,21 @@ mod tests {
         );
     }
 
+    /// The limiter unavailable (`failure_mode: deny`): Bedrock's 503, which its SDKs retry.
+    #[test]
+    fn an_unavailable_limiter_answers_in_bedrocks_shape() {
+        let world = World::new(HostKind::Envoy);
+        let mut proxy = Proxy::new(&world, &lifecycle_config(serde_json::json!({}), 10_000));
+        let mut companion = FakeCompanion::failing(500);
+        let path = "/model/amazon.nova-lite-v1%3A0/converse";
+        let refused = proxy.send(signed_request("AKIDTENANT1", path, CONVERSE), &mut companion);
+        let reply = refused.replied().expect("a 503");
+        assert_eq!(reply.status, 503);
+        assert!(reply.headers.contains(&("x-amzn-errortype", "ServiceUnavailableException".to_string())));
+        let body: serde_json::Value = serde_json::from_str(&reply.body).expect("JSON");
+        assert!(body["message"].as_str().is_some_and(|m| !m.is_empty()), "{body}");
+    }
+
     #[cfg(not(target_arch = "wasm32"))]
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(200))]
