@@ -129,7 +129,8 @@ OPERATIONS = {"converse": run_converse, "converse_stream": run_converse_stream,
 def test_the_prompt_is_estimated_reserved_and_the_reported_usage_settled(env, operation):
     port, _ = env.start([{"name": "tpm", "tokens": BIG, "window": LONG}])
     key = f"AKIDUSAGE{operation.upper().replace('_', '')}"[:20]
-    reply, usage, text = OPERATIONS[operation](bedrock(port, key))
+    # Streamed events 5 ms apart, so the filter reads them across many body callbacks.
+    reply, usage, text = OPERATIONS[operation](bedrock(port, key, headers={"x-mock-chunk-delay-ms": "5"}))
     headers = reply["ResponseMetadata"]["HTTPHeaders"]
     assert reply["ResponseMetadata"]["HTTPStatusCode"] == 200
     # Reserved: the prompt as the proxy estimates it, plus the output cap.
