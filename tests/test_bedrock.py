@@ -161,6 +161,21 @@ def test_a_refusal_is_boto3s_throttling_exception(env):
     bedrock(port, "AKIDOTHERTENANT").converse(**converse_args())
 
 
+def test_the_model_is_the_paths_even_as_an_arn(env):
+    """boto3 sends an inference profile's ARN percent-encoded (its `:` and `/`): the filter
+    decodes it and a per-model limit matches it; another model is not limited by it."""
+    arn = "arn:aws:bedrock:us-east-1:123456789012:inference-profile/us.anthropic.claude-3-5-haiku-20241022-v1:0"
+    # The pattern's `:` and `/` match only once the path's %3A and %2F are decoded.
+    pattern = "arn:aws:bedrock:*:inference-profile/us.anthropic.claude*"
+    port, _ = env.start([{"name": "claude-rpm", "requests": 1, "window": "1m", "models": [pattern]}])
+    client = bedrock(port, "AKIDARNTENANT")
+    client.converse(**converse_args(model=arn))
+    with pytest.raises(client.exceptions.ThrottlingException):
+        client.converse(**converse_args(model=arn))
+    for _ in range(3):
+        client.converse(**converse_args(model=NOVA))
+
+
 def stat(admin, name):
     text = http_get(f"http://127.0.0.1:{admin}/stats?filter=llm_ratelimit")[1].decode()
     match = re.search(rf"llm_ratelimit\.{re.escape(name)}: (\d+)", text)
