@@ -18,6 +18,9 @@
 //! another tokenizer): 0.25 is about 4 bytes a token. (The body's JSON around the prompt
 //! counts too, so past about 0.3 this counts more than any tokenizer would of the text.)
 //!
+//! - AWS Bedrock `POST /model/{modelId}/converse`, `/converse-stream`, `/invoke` and
+//!   `/invoke-with-response-stream`, with SigV4 signatures verified (see `bedrock.rs`).
+//!
 //! For tests: every reply carries `x-mock-prompt-tokens` and `x-mock-completion-tokens`,
 //! the usage it reports (or would, for a stream without a usage chunk); a request with
 //! `x-mock-status: <code>` gets that error status with the provider's error body.
@@ -33,6 +36,8 @@ use serde_json::{json, Value};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+mod bedrock;
 
 #[derive(Parser, Debug, Clone)]
 #[command(about = "Test fixture: a mock LLM upstream speaking OpenAI's and Anthropic's wire formats")]
@@ -52,6 +57,10 @@ struct Args {
     /// up, instead of about four characters a token over the messages' text.
     #[arg(long, value_parser = per_byte)]
     prompt_tokens_per_byte: Option<f64>,
+    /// The secret Bedrock requests' SigV4 signatures are checked with, whatever their
+    /// access key id (a test credential, never a real one).
+    #[arg(long, default_value = "mock-bedrock-secret")]
+    aws_secret_access_key: String,
 }
 
 fn per_byte(text: &str) -> Result<f64, String> {
@@ -174,14 +183,20 @@ fn json_response(status: StatusCode, body: &Value) -> Response {
 
 /// Sends `events` after `first` delay, then one every `gap`.
 fn sse_response(events: Vec<String>, first: Duration, gap: Duration) -> Response {
+    paced_response(events.into_iter().map(Bytes::from).collect(), "text/event-stream; charset=utf-8", first, gap)
+}
+
+/// A streamed body of `events` of `content_type`: the first after `first`, then one
+/// every `gap`.
+fn paced_response(events: Vec<Bytes>, content_type: &'static str, first: Duration, gap: Duration) -> Response {
     let stream = futures_util::stream::unfold((events.into_iter(), true), move |(mut events, is_first)| async move {
         let event = events.next()?;
         pause(if is_first { first } else { gap }).await;
-        Some((Ok::<Bytes, std::convert::Infallible>(Bytes::from(event)), (events, false)))
+        Some((Ok::<Bytes, std::convert::Infallible>(event), (events, false)))
     });
     Response::builder()
         .status(StatusCode::OK)
-        .header("content-type", "text/event-stream; charset=utf-8")
+        .header("content-type", content_type)
         .header("cache-control", "no-cache")
         .body(Body::from_stream(stream))
         .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response())
@@ -336,6 +351,7 @@ async fn run(args: Args) -> Result<(), String> {
     let router = Router::new()
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/messages", post(messages))
+        .route("/model/{model_id}/{operation}", post(bedrock::handle))
         .route("/healthz", get(|| async { "ok" }))
         .route("/mock/stats", get(stats))
         .with_state(mock);

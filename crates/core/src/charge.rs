@@ -4,7 +4,7 @@
 use crate::calibration::Calibration;
 use crate::config::{Dimension, ModelPolicy, Policy, Price};
 use crate::protocol::{LimitCharge, LimitsReply};
-use crate::request::{Api, LlmRequest, ParsedBody};
+use crate::request::{parse_request, LlmRequest, ParsedBody};
 use crate::reservation::{estimate_output, OutputAverage, TokenEstimate};
 use crate::tokens::Encoding;
 
@@ -111,12 +111,15 @@ impl Learned for Cold {
 /// then never read) and empty for a request without one.
 pub fn plan(config: &Policy, path: &str, tier: &str, body: Option<&[u8]>, learned: &mut impl Learned) -> ChargePlan {
     let policy = &config.tokens;
-    let parsed = body.and_then(|body| Api::from_path(path).and_then(|api| LlmRequest::parse(api, body).ok()));
+    let parsed = body.and_then(|body| parse_request(path, body)?.ok());
     let request = parsed.as_ref().map(|parsed| parsed.request.clone());
     let model = request.as_ref().and_then(|r| r.model.clone()).unwrap_or_default();
     let (rule_index, model_policy) = policy.rule_for(request.as_ref().and_then(|r| r.model.as_deref()));
     let rule = &model_policy.rule;
-    let clamped = policy.clamp_max_tokens && request.as_ref().is_some_and(|r| r.api.produces_output());
+    let bounded = policy.clamp_max_tokens && request.as_ref().is_some_and(|r| r.api.produces_output());
+    // A signed body (Bedrock) cannot have its cap shrunk: it is reserved at the bound
+    // clamping starts from, its whole cap, all or nothing.
+    let clamped = bounded && !request.as_ref().is_some_and(|r| r.body_is_signed);
     let price = config.price_of(&model);
     let mut min_output = None;
     let mut counted_prompt = 0;
@@ -131,9 +134,9 @@ pub fn plan(config: &Policy, path: &str, tier: &str, body: Option<&[u8]>, learne
             let cap = request.max_output.or(rule.max_output).unwrap_or(policy.default_max_output);
             Some(if !request.api.produces_output() {
                 TokenEstimate { prompt, output: 0 }
-            } else if clamped {
-                // The true upper bound, elastic down to a useful minimum.
-                min_output = Some(policy.min_output_tokens.min(cap));
+            } else if bounded {
+                // The true upper bound, elastic down to a useful minimum where it may be clamped.
+                min_output = clamped.then(|| policy.min_output_tokens.min(cap));
                 TokenEstimate { prompt: prompt_bound(prompt, parsed), output: cap }
             } else {
                 let history = learned.average(&model).or_else(|| prior(model_policy, &calibration));
@@ -217,6 +220,7 @@ fn prior(model: &ModelPolicy, calibration: &Calibration) -> Option<OutputAverage
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::request::Api;
 
     fn config(tokens: &str) -> Policy {
         let json = format!(

@@ -107,10 +107,13 @@ pub enum Metric {
     Bypassed,
     ShadowRefusals,
     SharedWritesRefused,
+    /// Requests `tokens.clamp_max_tokens` would have clamped but whose body is signed
+    /// (Bedrock): reserved at their whole output cap instead.
+    SignedNotClamped,
 }
 
 impl Metric {
-    pub const ALL: [Metric; 15] = [
+    pub const ALL: [Metric; 16] = [
         Metric::Allowed,
         Metric::Limited,
         Metric::Unidentified,
@@ -126,6 +129,7 @@ impl Metric {
         Metric::Bypassed,
         Metric::ShadowRefusals,
         Metric::SharedWritesRefused,
+        Metric::SignedNotClamped,
     ];
 
     /// The counter's name as the host shows it.
@@ -146,6 +150,7 @@ impl Metric {
             Metric::Bypassed => "llm_ratelimit.requests_bypassed",
             Metric::ShadowRefusals => "llm_ratelimit.shadow_refusals",
             Metric::SharedWritesRefused => "llm_ratelimit.shared_writes_refused",
+            Metric::SignedNotClamped => "llm_ratelimit.signed_requests_not_clamped",
         }
     }
 }

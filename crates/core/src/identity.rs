@@ -30,18 +30,35 @@ pub enum MissingIdentity {
     Anonymous,
 }
 
+/// The authorization scheme of AWS Signature Version 4 (Bedrock's SDKs sign with it).
+pub const SIGV4_SCHEME: &str = "AWS4-HMAC-SHA256";
+
 /// Returns the credential of the first source that is present and non-empty.
-/// `header` looks a request header up by its lower-case name.
+/// `header` looks a request header up by its lower-case name. A source whose prefix is
+/// the SigV4 scheme yields the access key id of `Credential=`: the rest of a signed
+/// `Authorization` (date, signature) changes with every request.
 pub fn find_credential(sources: &[IdentitySource], mut header: impl FnMut(&str) -> Option<String>) -> Option<String> {
     sources.iter().find_map(|source| {
         let raw = header(&source.header)?;
         let value = raw.trim();
         let value = match &source.prefix {
+            Some(prefix) if prefix.trim().eq_ignore_ascii_case(SIGV4_SCHEME) => {
+                sigv4_access_key(strip_prefix_ignore_case(value, prefix.trim())?)?
+            }
             Some(prefix) => strip_prefix_ignore_case(value, prefix)?.trim(),
             None => value,
         };
         (!value.is_empty()).then(|| value.to_string())
     })
+}
+
+/// `AKID` from `Credential=AKID/20261201/us-east-1/bedrock/aws4_request, SignedHeaders=…`.
+fn sigv4_access_key(parameters: &str) -> Option<&str> {
+    parameters
+        .split(',')
+        .find_map(|part| part.trim().strip_prefix("Credential="))
+        .and_then(|scope| scope.split('/').next())
+        .map(str::trim)
 }
 
 fn strip_prefix_ignore_case<'a>(value: &'a str, prefix: &str) -> Option<&'a str> {
@@ -79,6 +96,7 @@ mod tests {
         vec![
             IdentitySource { header: "authorization".into(), prefix: Some("Bearer ".into()) },
             IdentitySource { header: "x-api-key".into(), prefix: None },
+            IdentitySource { header: "authorization".into(), prefix: Some("AWS4-HMAC-SHA256 ".into()) },
         ]
     }
 
@@ -101,6 +119,14 @@ mod tests {
             (&[("authorization", "Bear")], None),
             (&[("x-api-key", "  ")], None),
             (&[], None),
+            // SigV4: the access key id, whatever the date and signature.
+            (
+                &[("authorization", "AWS4-HMAC-SHA256 Credential=AKIDEXAMPLE/20261201/us-east-1/bedrock/aws4_request, SignedHeaders=content-type;host;x-amz-date, Signature=5d672d79c15b13162d9279b0855cfba6789a8edb4c82c400e06b5924a6f2b5d7")],
+                Some("AKIDEXAMPLE"),
+            ),
+            (&[("authorization", "aws4-hmac-sha256 SignedHeaders=host, Credential=AKID2/x, Signature=00")], Some("AKID2")),
+            (&[("authorization", "AWS4-HMAC-SHA256 Signature=00")], None),
+            (&[("authorization", "AWS4-HMAC-SHA256 Credential=/20261201/us-east-1/bedrock/aws4_request")], None),
         ];
         for (headers, expected) in cases {
             let map: HashMap<&str, &str> = headers.iter().copied().collect();

@@ -21,6 +21,7 @@ use crate::protocol::{
     ChargeRequest, LeaseRequest, LimitCharge, LimitKind, LimitsReply, Reservation, SettlementBatch, Wait, CHARGE_PATH,
     LEASE_PATH, RELEASE_PATH,
 };
+use crate::providers::bedrock::{self, BedrockRoute, EventStreamUsage};
 use crate::reservation::{actual_usage, credit, Ending, OutputAverage, TokenEstimate};
 use crate::sse::UsageChunkRemover;
 use crate::tables::{read_average, read_own, update_average, update_own, Busy, TenantTable};
@@ -30,7 +31,8 @@ use crate::worker::{adjustments, callout_reply, settlement, Worker};
 use std::rc::Rc;
 use std::time::Duration;
 
-/// Largest SSE event read for usage; larger ones are skipped.
+/// Largest SSE event (or Bedrock event-stream message) read for usage; larger SSE events
+/// are skipped, a larger event-stream message ends the reading as a bad CRC does.
 const MAX_SSE_EVENT: usize = 1 << 20;
 /// How long after its longest wait an abandoned request's cancellation may still arrive.
 const CANCEL_WINDOW_MS: u64 = 10_000;
@@ -96,6 +98,8 @@ enum LeaseStep {
 enum ReplyReader {
     Json(ReplyUsage),
     Stream(StreamUsage),
+    /// AWS's binary event stream (Bedrock).
+    EventStream(EventStreamUsage),
 }
 
 /// What to do with the paused request.
@@ -138,6 +142,8 @@ pub struct RequestFilter {
     queued: bool,
     /// Whether the headers are held while the body is read.
     holding_headers: bool,
+    /// A Bedrock request: answered in Bedrock's error shape.
+    bedrock: bool,
 }
 
 impl RequestFilter {
@@ -157,6 +163,7 @@ impl RequestFilter {
             body_len: 0,
             queued: false,
             holding_headers: false,
+            bedrock: false,
         }
     }
 
@@ -260,10 +267,12 @@ impl RequestFilter {
         if self.admission.is_some() && self.plan.as_ref().is_some_and(|p| p.estimate.is_some()) {
             let status: u32 = host.response_header(":status").and_then(|s| s.parse().ok()).unwrap_or(0);
             self.upstream_error = status >= 400;
-            let streaming = host.response_header("content-type").is_some_and(|t| t.contains("text/event-stream"));
+            let content_type = host.response_header("content-type").unwrap_or_default();
             let encoding = self.plan.as_ref().map_or(crate::tokens::Encoding::O200kBase, |p| p.encoding);
-            self.reply = Some(if streaming {
+            self.reply = Some(if content_type.contains("text/event-stream") {
                 ReplyReader::Stream(StreamUsage::new(encoding, MAX_SSE_EVENT))
+            } else if content_type.contains(bedrock::EVENT_STREAM_CONTENT_TYPE) {
+                ReplyReader::EventStream(EventStreamUsage::new(encoding, MAX_SSE_EVENT))
             } else {
                 self.usage_remover = None;
                 ReplyReader::Json(ReplyUsage::new())
@@ -287,6 +296,7 @@ impl RequestFilter {
         match self.reply.as_mut() {
             Some(ReplyReader::Json(reader)) => reader.feed(&chunk),
             Some(ReplyReader::Stream(reader)) => reader.feed(&chunk),
+            Some(ReplyReader::EventStream(reader)) => reader.feed(&chunk),
             None => {}
         }
         if let Some(remover) = self.usage_remover.as_mut() {
@@ -348,6 +358,7 @@ impl RequestFilter {
     /// Plans the charge and decides it. `body` is `None` when the body is not read.
     fn charge(&mut self, host: &mut impl Host, worker: &mut Worker, config: &Policy, body: Option<&[u8]>) -> Action {
         let path = host.request_header(":path").unwrap_or_default();
+        self.bedrock = BedrockRoute::from_path(&path).is_some();
         let tier_value = config.tier.as_ref().and_then(|t| host.request_header(&t.header));
         self.tier = config.tier_of(&self.tenant, tier_value.as_deref()).to_string();
         // The clock, read once for the decision.
@@ -695,6 +706,14 @@ impl RequestFilter {
     /// granted, stream usage requested. Only while the headers are still held can
     /// content-length follow the new body, so nothing changes otherwise.
     fn rewrite_body(&mut self, host: &mut impl Host, config: &Policy, reply: &LimitsReply) {
+        let signed = self.plan.as_ref().and_then(|p| p.request.as_ref()).is_some_and(|r| r.body_is_signed);
+        if signed {
+            // Reserved at its whole cap instead (see `charge::plan`).
+            if config.tokens.clamp_max_tokens {
+                host.add_metric(Metric::SignedNotClamped, 1);
+            }
+            return;
+        }
         if !self.holding_headers {
             return;
         }
@@ -749,6 +768,7 @@ impl RequestFilter {
                 Action::Continue
             }
             Verdict::Reply(reply) => {
+                let reply = if self.bedrock { bedrock::error_reply(reply) } else { reply };
                 self.phase = Phase::Replied;
                 self.response_headers.clear();
                 host.send_reply(&reply);
@@ -856,6 +876,12 @@ impl RequestFilter {
             Some(ReplyReader::Json(reader)) => (reader.finish(), None),
             Some(ReplyReader::Stream(reader)) => {
                 reader.finish();
+                (reader.reported(), Some(reader.output_tokens()))
+            }
+            Some(ReplyReader::EventStream(reader)) => {
+                if let Some(why) = reader.broken() {
+                    host.warn_once("event-stream", &format!("llm-ratelimit: a Bedrock event stream stopped being read ({why:?}); settled on what came before"));
+                }
                 (reader.reported(), Some(reader.output_tokens()))
             }
             None => (ReportedUsage::default(), None),

@@ -24,6 +24,8 @@ pub enum Api {
     Embeddings,
     /// Anthropic `/v1/messages`.
     Messages,
+    /// AWS Bedrock Converse (`/model/{modelId}/converse[-stream]`, see `providers::bedrock`).
+    Converse,
 }
 
 impl Api {
@@ -68,6 +70,9 @@ pub struct LlmRequest {
     pub max_output: Option<u64>,
     /// The field an output cap is written to (see `rewritten`).
     cap_field: &'static str,
+    /// The body is covered by the client's signature (AWS SigV4 on Bedrock): it must
+    /// reach the upstream byte for byte, so it is never rewritten.
+    pub body_is_signed: bool,
 }
 
 /// A request body parsed: what it asks for, and the tree its prompt is counted from.
@@ -96,6 +101,16 @@ fn as_count(value: &Json) -> Option<u64> {
     value.as_u64().or_else(|| value.as_f64().filter(|f| *f >= 0.0).map(|f| f as u64))
 }
 
+/// The request a path and body make: the API the path names and the body parsed as it,
+/// with what the path itself says (Bedrock's model and streaming). `None` for a path no
+/// API is recognised in.
+pub fn parse_request<'a>(path: &str, body: &'a [u8]) -> Option<Result<ParsedBody<'a>, BodyError>> {
+    if let Some(route) = crate::providers::bedrock::BedrockRoute::from_path(path) {
+        return Some(route.parse(body));
+    }
+    Api::from_path(path).map(|api| LlmRequest::parse(api, body))
+}
+
 impl LlmRequest {
     pub fn parse(api: Api, body: &[u8]) -> Result<ParsedBody<'_>, BodyError> {
         let body = Json::parse(body).map_err(BodyError::NotJson)?;
@@ -109,6 +124,7 @@ impl LlmRequest {
             Api::Completions | Api::Messages => as_count(body.at("max_tokens")),
             Api::Responses => as_count(body.at("max_output_tokens")),
             Api::Embeddings => Some(0),
+            Api::Converse => as_count(body.at("inferenceConfig").at("maxTokens")),
         };
         // The field the client used, else the one the API documents
         // (`max_completion_tokens` for chat, which reasoning models require).
@@ -119,6 +135,8 @@ impl LlmRequest {
             Api::ChatCompletions => "max_completion_tokens",
             Api::Responses => "max_output_tokens",
             Api::Completions | Api::Messages | Api::Embeddings => "max_tokens",
+            // Never written: Converse bodies are signed.
+            Api::Converse => "",
         };
         let request = LlmRequest {
             api,
@@ -127,6 +145,7 @@ impl LlmRequest {
             include_usage: body.at("stream_options").at("include_usage").as_bool().unwrap_or(false),
             max_output,
             cap_field,
+            body_is_signed: false,
         };
         Ok(ParsedBody { request, tree: body })
     }
@@ -162,6 +181,11 @@ impl ParsedBody<'_> {
             }
             Api::Completions => inputs(body.at("prompt"), count),
             Api::Embeddings => inputs(body.at("input"), count),
+            Api::Converse => {
+                content(body.at("system"), count)
+                    + chat_messages(body.at("messages"), count)
+                    + crate::providers::bedrock::converse_tools(body.at("toolConfig"), count)
+            }
         }
     }
 }
@@ -171,6 +195,9 @@ impl LlmRequest {
     /// `stream_options.include_usage` set (OpenAI chat streams only) and/or the output cap
     /// set to `max_output` (in the field this API uses). `None` if nothing changes.
     pub fn rewritten(&self, body: &[u8], request_usage: bool, max_output: Option<u64>) -> Option<Vec<u8>> {
+        if self.body_is_signed {
+            return None;
+        }
         let add_usage = request_usage && self.wants_usage_added();
         let cap_field = max_output
             .filter(|&cap| self.max_output.is_none_or(|current| cap < current))
@@ -242,6 +269,8 @@ fn content(value: &Json, count: &mut impl FnMut(&str) -> u64) -> u64 {
 fn content_part(part: &Json, count: &mut impl FnMut(&str) -> u64) -> u64 {
     match part.at("type").as_str().unwrap_or("") {
         "image_url" | "input_image" | "image" => IMAGE_TOKENS,
+        // Bedrock Converse's blocks are keyed by kind, with no `type`.
+        "" if part.get("image").is_some_and(Json::is_object) => IMAGE_TOKENS,
         // Responses API message items: {role, content}; count like a chat message.
         _ if part.get("role").is_some() && part.get("content").is_some() => {
             TOKENS_PER_MESSAGE + part.at("role").as_str().map_or(0, &mut *count) + content(part.at("content"), count)

@@ -610,12 +610,18 @@ impl Proxy {
 
     /// The upstream's reply, in one chunk per element, then the end of the request.
     pub fn reply(&mut self, request: &mut InFlight, status: u32, content_type: &str, chunks: &[&str]) {
+        let chunks: Vec<&[u8]> = chunks.iter().map(|chunk| chunk.as_bytes()).collect();
+        self.reply_bytes(request, status, content_type, &chunks);
+    }
+
+    /// `reply` with chunks of any bytes (a binary framing).
+    pub fn reply_bytes(&mut self, request: &mut InFlight, status: u32, content_type: &str, chunks: &[&[u8]]) {
         request.host.in_response_phases = true;
         request.host.response_headers =
             vec![(":status".into(), status.to_string()), ("content-type".into(), content_type.into())];
         request.filter.on_response_headers(&mut request.host);
         for (i, chunk) in chunks.iter().enumerate() {
-            request.host.response_chunk = chunk.as_bytes().to_vec();
+            request.host.response_chunk = chunk.to_vec();
             let size = chunk.len();
             request.filter.on_response_body(&mut request.host, &mut self.worker, size, i + 1 == chunks.len());
         }

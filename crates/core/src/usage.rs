@@ -6,6 +6,7 @@
 //! | OpenAI chat/completions, embeddings | `usage.prompt_tokens`, `usage.completion_tokens`; streamed: the last chunk |
 //! | OpenAI Responses | `usage.input_tokens`, `usage.output_tokens`; streamed: `response.completed` |
 //! | Anthropic messages | `usage.input_tokens` (+ cache creation and reads), `usage.output_tokens`; streamed: `message_start`, then `message_delta` (cumulative) |
+//! | AWS Bedrock | `usage.inputTokens` (+ cache reads and writes), `usage.outputTokens`; streamed: see `providers::bedrock` |
 //!
 //! A stream without usage is settled on its text: the streamed deltas are counted with
 //! the tokenizer.
@@ -62,6 +63,9 @@ pub fn reported_usage(message: &Json) -> ReportedUsage {
 }
 
 fn from_usage_object(usage: &Json) -> ReportedUsage {
+    if let Some(bedrock) = crate::providers::bedrock::converse_usage(usage) {
+        return bedrock;
+    }
     let field = |name: &str| usage.at(name).as_u64();
     let input = field("prompt_tokens").or_else(|| {
         let base = field("input_tokens")?;
@@ -342,12 +346,28 @@ impl StreamUsage {
         let Ok(message) = Json::parse(event.data.as_bytes()) else {
             return;
         };
-        self.reported.merge(reported_usage(&message));
-        let kind = message.at("type").as_str().unwrap_or(event.event.as_str());
+        self.on_message(&message, &event.event);
+    }
+
+    /// One event's JSON, however it was framed (SSE here, AWS's event stream for
+    /// Bedrock), and the event's name if the framing gives one.
+    pub(crate) fn on_message(&mut self, message: &Json, event_name: &str) {
+        self.reported.merge(reported_usage(message));
+        let kind = message.at("type").as_str().unwrap_or(event_name);
         if matches!(kind, "message_stop" | "response.completed" | "response.incomplete" | "response.failed") {
             self.finished = true;
         }
-        self.collect_text(&message);
+        self.collect_text(message);
+    }
+
+    /// Usage a stream reported in a shape of its own; it overrides earlier reports.
+    pub(crate) fn add_reported(&mut self, usage: ReportedUsage) {
+        self.reported.merge(usage);
+    }
+
+    /// Generated text a stream carried in a shape of its own, counted if no usage is.
+    pub(crate) fn add_text(&mut self, text: &str) {
+        self.push_text(Some(text));
     }
 
     /// The generated text of one event: OpenAI chat deltas (content, refusal, tool

@@ -418,11 +418,14 @@ fn default_companion_timeout() -> ConfigDuration {
     ConfigDuration(Duration::from_millis(50))
 }
 
-/// OpenAI's convention (`Authorization: Bearer <key>`), then Anthropic's (`x-api-key`).
+/// OpenAI's convention (`Authorization: Bearer <key>`), then Anthropic's (`x-api-key`),
+/// then AWS's SigV4 (Bedrock: the access key id of `Authorization: AWS4-HMAC-SHA256
+/// Credential=…`).
 pub fn default_identity_sources() -> Vec<IdentitySource> {
     vec![
         IdentitySource { header: "authorization".into(), prefix: Some("Bearer ".into()) },
         IdentitySource { header: "x-api-key".into(), prefix: None },
+        IdentitySource { header: "authorization".into(), prefix: Some(format!("{} ", crate::identity::SIGV4_SCHEME)) },
     ]
 }
 

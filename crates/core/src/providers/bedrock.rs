@@ -1,0 +1,667 @@
+//! AWS Bedrock Runtime: its paths, its Converse request bodies, its usage (JSON replies and
+//! event streams) and its error shape.
+//!
+//! | path | body | usage |
+//! |---|---|---|
+//! | `/model/{modelId}/converse` | Converse | `usage.inputTokens`, `outputTokens`, `cacheReadInputTokens`, `cacheWriteInputTokens` |
+//! | `/model/{modelId}/converse-stream` | Converse | event stream: the `metadata` event's `usage` |
+//! | `/model/{modelId}/invoke` | Anthropic messages (`anthropic_version`, no `model`) | Anthropic's `usage` |
+//! | `/model/{modelId}/invoke-with-response-stream` | same | event stream: `chunk` events carrying Anthropic's events base64-encoded in `bytes`; the last adds `amazon-bedrock-invocationMetrics` |
+//!
+//! The model is the path's (percent-decoded: ARNs and inference-profile ids are sent
+//! encoded). Prompts are counted with the rule's encoding, an estimate for Bedrock's
+//! models, settled against the reported usage.
+//!
+//! Bedrock requests are signed (SigV4 over the body's SHA-256): the filter never rewrites
+//! their bodies (`LlmRequest::body_is_signed`), so `tokens.clamp_max_tokens` cannot shrink
+//! their output cap. They are reserved at the bound clamping would have started from
+//! instead (see `charge::plan`), all or nothing.
+
+use crate::decision::LocalReply;
+use crate::eventstream::{EventStreamDecoder, Message, StreamError};
+use crate::json::Json;
+use crate::request::{Api, BodyError, LlmRequest, ParsedBody};
+use crate::tokens::Encoding;
+use crate::usage::{ReportedUsage, StreamUsage};
+use base64::Engine;
+
+/// Bedrock's own bound on a model id (an ARN included), in bytes.
+pub const MAX_MODEL_ID_BYTES: usize = 2048;
+/// The response content type of Bedrock's streams.
+pub const EVENT_STREAM_CONTENT_TYPE: &str = "application/vnd.amazon.eventstream";
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Operation {
+    Converse,
+    ConverseStream,
+    Invoke,
+    InvokeWithResponseStream,
+}
+
+impl Operation {
+    const BY_PATH: [(&'static str, Operation); 4] = [
+        ("converse", Operation::Converse),
+        ("converse-stream", Operation::ConverseStream),
+        ("invoke", Operation::Invoke),
+        ("invoke-with-response-stream", Operation::InvokeWithResponseStream),
+    ];
+
+    /// The body's shape: Converse's own, or (invoke, for Anthropic's models on Bedrock)
+    /// Anthropic's messages.
+    pub fn api(self) -> Api {
+        match self {
+            Operation::Converse | Operation::ConverseStream => Api::Converse,
+            Operation::Invoke | Operation::InvokeWithResponseStream => Api::Messages,
+        }
+    }
+
+    pub fn streams(self) -> bool {
+        matches!(self, Operation::ConverseStream | Operation::InvokeWithResponseStream)
+    }
+}
+
+/// A Bedrock Runtime path: the operation and the model it names.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BedrockRoute {
+    pub operation: Operation,
+    pub model: String,
+}
+
+impl BedrockRoute {
+    /// `…/model/{modelId}/{operation}`, ignoring the query string; a prefix before
+    /// `/model/` is allowed (a proxy's route), the model id may be percent-encoded and
+    /// may hold unencoded `/` (an ARN as some clients send it). `None` for other paths
+    /// and for model ids past Bedrock's length bound.
+    pub fn from_path(path: &str) -> Option<BedrockRoute> {
+        let path = path.split(['?', '#']).next().unwrap_or("").trim_end_matches('/');
+        let (rest, operation) = path.rsplit_once('/')?;
+        let operation = Operation::BY_PATH.iter().find(|(name, _)| *name == operation)?.1;
+        let encoded = rest.get(rest.find("/model/")? + "/model/".len()..)?;
+        // Three bytes of path (`%XX`) at most for each byte of the id.
+        if encoded.is_empty() || encoded.len() > 3 * MAX_MODEL_ID_BYTES {
+            return None;
+        }
+        let model = percent_decode(encoded);
+        (model.len() <= MAX_MODEL_ID_BYTES).then_some(BedrockRoute { operation, model })
+    }
+
+    /// The body parsed as the operation's API, with the path's model and streaming, and
+    /// marked signed so it is never rewritten.
+    pub fn parse<'a>(&self, body: &'a [u8]) -> Result<ParsedBody<'a>, BodyError> {
+        let mut parsed = LlmRequest::parse(self.operation.api(), body)?;
+        parsed.request.model = Some(self.model.clone());
+        parsed.request.stream = self.operation.streams();
+        parsed.request.body_is_signed = true;
+        Ok(parsed)
+    }
+}
+
+/// `%XX` sequences decoded; anything else (a stray `%` included) kept as it is; bytes
+/// that are not UTF-8 replaced.
+fn percent_decode(text: &str) -> String {
+    let bytes = text.as_bytes();
+    let mut decoded = Vec::with_capacity(bytes.len());
+    let mut at = 0;
+    while let Some(&byte) = bytes.get(at) {
+        let hex = |i: usize| bytes.get(i).and_then(|&b| char::from(b).to_digit(16));
+        match (byte, hex(at + 1), hex(at + 2)) {
+            (b'%', Some(high), Some(low)) => {
+                decoded.push((high * 16 + low) as u8);
+                at += 3;
+            }
+            _ => {
+                decoded.push(byte);
+                at += 1;
+            }
+        }
+    }
+    String::from_utf8_lossy(&decoded).into_owned()
+}
+
+/// Converse's `toolConfig.tools[].toolSpec`, each counted as its JSON text (name,
+/// description and input schema reach the model as text).
+pub(crate) fn converse_tools(tool_config: &Json, count: &mut impl FnMut(&str) -> u64) -> u64 {
+    let Some(tools) = tool_config.at("tools").as_array() else { return 0 };
+    tools.iter().map(|tool| tool.get("toolSpec").map_or(0, |spec| count(&spec.to_json_string()))).sum()
+}
+
+/// Bedrock's `TokenUsage` (camelCase), if `usage` is one. Bedrock's `inputTokens`
+/// excludes the tokens read from and written to the prompt cache, which are billed too:
+/// the input is their sum, as it is for Anthropic's usage.
+pub(crate) fn converse_usage(usage: &Json) -> Option<ReportedUsage> {
+    let field = |name: &str| usage.at(name).as_u64();
+    if field("inputTokens").is_none() && field("outputTokens").is_none() {
+        return None;
+    }
+    let cache_read = field("cacheReadInputTokens");
+    let input =
+        field("inputTokens").map(|input| input + cache_read.unwrap_or(0) + field("cacheWriteInputTokens").unwrap_or(0));
+    Some(ReportedUsage { input, output: field("outputTokens"), cached_input: cache_read })
+}
+
+/// What Bedrock adds to the last event of an invoke stream:
+/// `amazon-bedrock-invocationMetrics` with `inputTokenCount` and `outputTokenCount` (and,
+/// with prompt caching, `cacheReadInputTokenCount` and `cacheWriteInputTokenCount`).
+fn invocation_metrics(event: &Json) -> ReportedUsage {
+    let metrics = event.at("amazon-bedrock-invocationMetrics");
+    let field = |name: &str| metrics.at(name).as_u64();
+    let cache_read = field("cacheReadInputTokenCount");
+    let input = field("inputTokenCount")
+        .map(|input| input + cache_read.unwrap_or(0) + field("cacheWriteInputTokenCount").unwrap_or(0));
+    ReportedUsage { input, output: field("outputTokenCount"), cached_input: cache_read }
+}
+
+/// Follows a Bedrock event stream (`converse-stream` or `invoke-with-response-stream`):
+/// the usage it reports, and its text, counted if it reports none.
+#[derive(Debug)]
+pub struct EventStreamUsage {
+    decoder: EventStreamDecoder,
+    /// The usage and text found, kept as an SSE stream's are (its SSE parser unused).
+    events: StreamUsage,
+    /// The exception the stream carried (`:exception-type`, or an error's `:error-code`).
+    pub exception: Option<String>,
+}
+
+impl EventStreamUsage {
+    pub fn new(encoding: Encoding, max_message_bytes: usize) -> EventStreamUsage {
+        EventStreamUsage {
+            decoder: EventStreamDecoder::new(max_message_bytes),
+            events: StreamUsage::new(encoding, 0),
+            exception: None,
+        }
+    }
+
+    pub fn feed(&mut self, chunk: &[u8]) {
+        let mut messages = Vec::new();
+        self.decoder.feed(chunk, &mut |message| messages.push(message));
+        for message in messages {
+            self.on_message(&message);
+        }
+    }
+
+    fn on_message(&mut self, message: &Message) {
+        if message.header(":message-type").is_some_and(|kind| kind != "event") {
+            let kind = message.header(":exception-type").or(message.header(":error-code")).unwrap_or("error");
+            self.exception = Some(kind.chars().take(64).collect());
+            return;
+        }
+        let Ok(payload) = Json::parse(&message.payload) else { return };
+        match message.header(":event-type").unwrap_or("") {
+            "chunk" => {
+                let Some(encoded) = payload.at("bytes").as_str() else { return };
+                let Ok(bytes) = base64::engine::general_purpose::STANDARD.decode(encoded) else { return };
+                let Ok(event) = Json::parse(&bytes) else { return };
+                self.events.on_message(&event, "");
+                self.events.add_reported(invocation_metrics(&event));
+            }
+            "contentBlockDelta" => {
+                let delta = payload.at("delta");
+                for text in [delta.at("text"), delta.at("toolUse").at("input"), delta.at("reasoningContent").at("text")]
+                {
+                    if let Some(text) = text.as_str() {
+                        self.events.add_text(text);
+                    }
+                }
+            }
+            "metadata" => {
+                if let Some(usage) = converse_usage(payload.at("usage")) {
+                    self.events.add_reported(usage);
+                }
+                self.events.finished = true;
+            }
+            _ => {}
+        }
+    }
+
+    pub fn reported(&self) -> ReportedUsage {
+        self.events.reported()
+    }
+
+    /// Output tokens: as reported, or else counted from the streamed text.
+    pub fn output_tokens(&self) -> u64 {
+        self.events.output_tokens()
+    }
+
+    /// Whether the stream said it was complete (the `metadata` event, `message_stop`).
+    pub fn finished(&self) -> bool {
+        self.events.finished
+    }
+
+    /// Why the framing stopped being read (a bad CRC, an oversized message), if it did.
+    pub fn broken(&self) -> Option<StreamError> {
+        self.decoder.broken()
+    }
+}
+
+/// A local reply in Bedrock's error shape, which its SDKs read: the error type in
+/// `x-amzn-ErrorType` (boto3 takes the code from it), the text in `{"message": ...}`.
+/// The status, `retry-after` and the rate-limit headers stay as they are.
+pub fn error_reply(mut reply: LocalReply) -> LocalReply {
+    let error_type = match reply.status {
+        429 => "ThrottlingException",
+        503 => "ServiceUnavailableException",
+        401 | 403 => "AccessDeniedException",
+        _ => "ValidationException",
+    };
+    reply.headers.push(("x-amzn-errortype", error_type.to_string()));
+    if !reply.body.is_empty() {
+        let message = Json::parse(reply.body.as_bytes())
+            .ok()
+            .and_then(|body| body.at("error").at("message").as_str().map(str::to_string))
+            .unwrap_or_default();
+        reply.body = serde_json::json!({ "message": message }).to_string();
+    }
+    reply
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::eventstream::encode;
+    use crate::host::{HostKind, Metric};
+    use crate::testing::{FakeCompanion, InFlight, Proxy, Request, World};
+    #[cfg(not(target_arch = "wasm32"))]
+    use proptest::prelude::*;
+
+    const O200K: Encoding = Encoding::O200kBase;
+
+    #[test]
+    fn recognises_bedrock_paths() {
+        let route = |operation, model: &str| Some(BedrockRoute { operation, model: model.to_string() });
+        let cases = [
+            ("/model/amazon.nova-lite-v1:0/converse", route(Operation::Converse, "amazon.nova-lite-v1:0")),
+            (
+                "/model/us.anthropic.claude-3-5-haiku-20241022-v1%3A0/converse-stream",
+                route(Operation::ConverseStream, "us.anthropic.claude-3-5-haiku-20241022-v1:0"),
+            ),
+            (
+                "/model/arn%3Aaws%3Abedrock%3Aus-east-1%3A123456789012%3Ainference-profile%2Fus.anthropic.claude-sonnet-4-v1%3A0/invoke",
+                route(
+                    Operation::Invoke,
+                    "arn:aws:bedrock:us-east-1:123456789012:inference-profile/us.anthropic.claude-sonnet-4-v1:0",
+                ),
+            ),
+            (
+                "/bedrock/model/arn:aws:bedrock:us-east-1::foundation-model/anthropic.claude-v2/invoke-with-response-stream?x=1",
+                route(Operation::InvokeWithResponseStream, "arn:aws:bedrock:us-east-1::foundation-model/anthropic.claude-v2"),
+            ),
+            ("/model/odd%zz%4/converse", route(Operation::Converse, "odd%zz%4")),
+            ("/model/%FF/converse", route(Operation::Converse, "\u{fffd}")),
+            ("/model//converse", None),
+            ("/model/x/count-tokens", None),
+            ("/models/x/converse", None),
+            ("/v1/messages", None),
+            ("", None),
+        ];
+        for (path, expected) in cases {
+            assert_eq!(BedrockRoute::from_path(path), expected, "{path}");
+        }
+        let longest = format!("/model/{}/converse", "%41".repeat(MAX_MODEL_ID_BYTES));
+        assert_eq!(BedrockRoute::from_path(&longest).map(|r| r.model.len()), Some(MAX_MODEL_ID_BYTES));
+        let too_long = format!("/model/{}/converse", "a".repeat(MAX_MODEL_ID_BYTES + 1));
+        assert_eq!(BedrockRoute::from_path(&too_long), None);
+    }
+
+    fn parse<'a>(path: &str, body: &'a str) -> ParsedBody<'a> {
+        BedrockRoute::from_path(path).expect(path).parse(body.as_bytes()).expect(body)
+    }
+
+    #[cfg_attr(not(target_arch = "wasm32"), test)]
+    #[cfg_attr(target_arch = "wasm32", wasm_bindgen_test::wasm_bindgen_test)]
+    fn counts_converse_bodies() {
+        let hw = O200K.count("hello world");
+        let spec = r#"{"name":"weather","description":"Weather for a city","inputSchema":{"json":{"type":"object"}}}"#;
+        let body = format!(
+            r#"{{"messages":[{{"role":"user","content":[{{"text":"hello world"}},{{"image":{{"format":"png","source":{{"bytes":"AAAA"}}}}}},{{"cachePoint":{{"type":"default"}}}}]}}],
+               "system":[{{"text":"hello world"}}],
+               "toolConfig":{{"tools":[{{"toolSpec":{spec}}}]}},
+               "inferenceConfig":{{"maxTokens":512,"temperature":0.5}}}}"#
+        );
+        let parsed = parse("/model/amazon.nova-pro-v1%3A0/converse-stream", &body);
+        let request = &parsed.request;
+        assert_eq!(request.api, Api::Converse);
+        assert_eq!(request.model.as_deref(), Some("amazon.nova-pro-v1:0"));
+        assert_eq!((request.stream, request.max_output, request.body_is_signed), (true, Some(512), true));
+        // 3 priming + 3 for the message + "user" + the text; the image block as an image
+        // (not its bytes); the system text; the tool spec as JSON text.
+        let expected = 3 + 3 + O200K.count("user") + hw + crate::request::IMAGE_TOKENS + hw + O200K.count(spec);
+        assert_eq!(parsed.prompt_tokens(O200K), expected);
+    }
+
+    #[cfg_attr(not(target_arch = "wasm32"), test)]
+    #[cfg_attr(target_arch = "wasm32", wasm_bindgen_test::wasm_bindgen_test)]
+    fn invoke_reads_anthropics_body_with_the_paths_model() {
+        let body = r#"{"anthropic_version":"bedrock-2023-05-31","max_tokens":300,"system":"hello world","messages":[{"role":"user","content":"hello world"}]}"#;
+        let parsed = parse("/model/anthropic.claude-3-haiku-20240307-v1%3A0/invoke", body);
+        let direct = LlmRequest::parse(Api::Messages, body.as_bytes()).expect("messages");
+        assert_eq!(parsed.prompt_tokens(O200K), direct.prompt_tokens(O200K));
+        let request = &parsed.request;
+        assert_eq!(request.model.as_deref(), Some("anthropic.claude-3-haiku-20240307-v1:0"));
+        assert_eq!((request.api, request.stream, request.max_output), (Api::Messages, false, Some(300)));
+        // Signed: nothing is ever rewritten, whatever is asked.
+        assert_eq!(request.rewritten(body.as_bytes(), true, Some(10)), None);
+        let streamed = parse("/model/anthropic.claude-v2/invoke-with-response-stream", body);
+        assert!(streamed.request.stream);
+    }
+
+    fn event(kind: &str, payload: &str) -> Vec<u8> {
+        encode(
+            &[(":event-type", kind), (":content-type", "application/json"), (":message-type", "event")],
+            payload.as_bytes(),
+        )
+    }
+
+    fn chunk(anthropic_event: &str) -> Vec<u8> {
+        let bytes = base64::engine::general_purpose::STANDARD.encode(anthropic_event);
+        event("chunk", &format!(r#"{{"bytes":"{bytes}","p":"abcdefghij"}}"#))
+    }
+
+    /// A converse-stream reply as Bedrock frames it.
+    fn converse_stream(with_metadata: bool) -> Vec<u8> {
+        let mut messages = vec![
+            event("messageStart", r#"{"p":"abcd","role":"assistant"}"#),
+            event("contentBlockDelta", r#"{"contentBlockIndex":0,"delta":{"text":" The quick brown fox"},"p":"ab"}"#),
+            event(
+                "contentBlockDelta",
+                r#"{"contentBlockIndex":0,"delta":{"text":" jumps over the lazy dog."},"p":"a"}"#,
+            ),
+            event("contentBlockStop", r#"{"contentBlockIndex":0,"p":"abc"}"#),
+            event("messageStop", r#"{"p":"abcdef","stopReason":"end_turn"}"#),
+        ];
+        if with_metadata {
+            messages.push(event(
+                "metadata",
+                r#"{"metrics":{"latencyMs":412},"p":"abcdefghijk","usage":{"cacheReadInputTokens":100,"cacheWriteInputTokens":20,"inputTokens":31,"outputTokens":10,"totalTokens":161}}"#,
+            ));
+        }
+        messages.concat()
+    }
+
+    /// An invoke-with-response-stream reply for an Anthropic model.
+    fn invoke_stream() -> Vec<u8> {
+        [
+            chunk(r#"{"type":"message_start","message":{"id":"msg_bdrk_01","type":"message","role":"assistant","model":"claude-3-haiku-20240307","content":[],"stop_reason":null,"usage":{"input_tokens":25,"output_tokens":1}}}"#),
+            chunk(r#"{"type":"content_block_start","index":0,"content_block":{"type":"text","text":""}}"#),
+            chunk(r#"{"type":"content_block_delta","index":0,"delta":{"type":"text_delta","text":" The quick brown fox"}}"#),
+            chunk(r#"{"type":"content_block_stop","index":0}"#),
+            chunk(r#"{"type":"message_delta","delta":{"stop_reason":"end_turn","stop_sequence":null},"usage":{"output_tokens":4}}"#),
+            chunk(r#"{"type":"message_stop","amazon-bedrock-invocationMetrics":{"inputTokenCount":26,"outputTokenCount":5,"invocationLatency":310,"firstByteLatency":120}}"#),
+        ]
+        .concat()
+    }
+
+    fn read(stream: &[u8], cuts: &[usize]) -> (ReportedUsage, u64, bool, Option<String>) {
+        let mut reader = EventStreamUsage::new(O200K, 1 << 20);
+        let mut rest = stream;
+        for &cut in cuts {
+            let (head, tail) = rest.split_at(cut.min(rest.len()));
+            reader.feed(head);
+            rest = tail;
+        }
+        reader.feed(rest);
+        (reader.reported(), reader.output_tokens(), reader.finished(), reader.exception.clone())
+    }
+
+    #[cfg_attr(not(target_arch = "wasm32"), test)]
+    #[cfg_attr(target_arch = "wasm32", wasm_bindgen_test::wasm_bindgen_test)]
+    fn reads_usage_from_each_stream() {
+        let converse = ReportedUsage { input: Some(151), output: Some(10), cached_input: Some(100) };
+        assert_eq!(read(&converse_stream(true), &[]), (converse, 10, true, None));
+        // Without the metadata event: the text, counted (10 tokens in o200k_base).
+        assert_eq!(read(&converse_stream(false), &[]), (ReportedUsage::default(), 10, false, None));
+        // The invocation metrics, last, override what Anthropic's events said.
+        let invoke = ReportedUsage { input: Some(26), output: Some(5), cached_input: None };
+        assert_eq!(read(&invoke_stream(), &[]), (invoke, 5, true, None));
+    }
+
+    #[cfg_attr(not(target_arch = "wasm32"), test)]
+    #[cfg_attr(target_arch = "wasm32", wasm_bindgen_test::wasm_bindgen_test)]
+    fn every_two_way_split_gives_the_same_usage() {
+        for stream in [converse_stream(true), converse_stream(false), invoke_stream()] {
+            let whole = read(&stream, &[]);
+            for at in 0..=stream.len() {
+                assert_eq!(read(&stream, &[at]), whole, "split at {at}");
+            }
+        }
+    }
+
+    #[cfg_attr(not(target_arch = "wasm32"), test)]
+    #[cfg_attr(target_arch = "wasm32", wasm_bindgen_test::wasm_bindgen_test)]
+    fn an_exception_in_the_stream_is_noted_and_what_came_before_counts() {
+        let exception = encode(
+            &[
+                (":exception-type", "throttlingException"),
+                (":content-type", "application/json"),
+                (":message-type", "exception"),
+            ],
+            br#"{"message":"Too many tokens, please wait before trying again."}"#,
+        );
+        let stream = [converse_stream(false), exception].concat();
+        assert_eq!(read(&stream, &[]), (ReportedUsage::default(), 10, false, Some("throttlingException".to_string())));
+        let error = encode(&[(":error-code", "InternalFailure"), (":message-type", "error")], b"");
+        assert_eq!(read(&error, &[]).3.as_deref(), Some("InternalFailure"));
+    }
+
+    #[cfg_attr(not(target_arch = "wasm32"), test)]
+    #[cfg_attr(target_arch = "wasm32", wasm_bindgen_test::wasm_bindgen_test)]
+    fn a_corrupted_stream_settles_on_what_came_before() {
+        let mut stream = converse_stream(true);
+        let metadata_start = converse_stream(false).len();
+        stream[metadata_start + 20] ^= 0x01; // inside the metadata event
+        let mut reader = EventStreamUsage::new(O200K, 1 << 20);
+        reader.feed(&stream);
+        assert_eq!(reader.broken(), Some(StreamError::BadMessageCrc));
+        assert_eq!((reader.reported(), reader.output_tokens()), (ReportedUsage::default(), 10));
+    }
+
+    #[test]
+    fn reads_converse_json_replies() {
+        let body = r#"{"output":{"message":{"role":"assistant","content":[{"text":"Hi"}]}},"stopReason":"end_turn","usage":{"inputTokens":12,"outputTokens":3,"totalTokens":15,"cacheReadInputTokens":0,"cacheWriteInputTokens":4},"metrics":{"latencyMs":200}}"#;
+        let mut reply = crate::usage::ReplyUsage::new();
+        reply.feed(body.as_bytes());
+        assert_eq!(reply.finish(), ReportedUsage { input: Some(16), output: Some(3), cached_input: Some(0) });
+    }
+
+    #[test]
+    fn answers_in_bedrocks_error_shape() {
+        let reply = LocalReply {
+            status: 429,
+            headers: vec![("retry-after", "3".to_string()), ("content-type", "application/json".to_string())],
+            body: r#"{"error":{"message":"Rate limit reached","type":"requests","code":"rate_limit_exceeded"}}"#.into(),
+        };
+        let bedrock = error_reply(reply.clone());
+        assert_eq!(bedrock.status, 429);
+        assert!(bedrock.headers.contains(&("x-amzn-errortype", "ThrottlingException".to_string())));
+        assert!(bedrock.headers.contains(&("retry-after", "3".to_string())));
+        assert_eq!(bedrock.body, r#"{"message":"Rate limit reached"}"#);
+        let empty = error_reply(reply.without_body());
+        assert!(empty.body.is_empty());
+    }
+
+    /// A Bedrock request as boto3 sends it: SigV4-signed, the model in the path.
+    fn signed_request(access_key: &str, path: &str, body: &str) -> Request {
+        let authorization = format!(
+            "AWS4-HMAC-SHA256 Credential={access_key}/20261201/us-east-1/bedrock/aws4_request, SignedHeaders=content-type;host;x-amz-date, Signature={:064x}",
+            body.len()
+        );
+        Request {
+            headers: vec![
+                (":method".into(), "POST".into()),
+                (":path".into(), path.into()),
+                ("authorization".into(), authorization),
+                ("x-amz-date".into(), "20261201T160000Z".into()),
+                ("content-type".into(), "application/json".into()),
+                ("content-length".into(), body.len().to_string()),
+            ],
+            body: body.as_bytes().to_vec(),
+        }
+    }
+
+    fn lifecycle_config(tokens: serde_json::Value, tpm: u64) -> String {
+        serde_json::json!({"companion": {"upstream": "companion", "token": "t"}, "failure_mode": "deny", "tokens": tokens,
+            "limits": [{"name": "rpm", "requests": 2, "window": "1m"}, {"name": "tpm", "tokens": tpm, "window": "1m"}]})
+        .to_string()
+    }
+
+    const CONVERSE: &str =
+        r#"{"messages":[{"role":"user","content":[{"text":"hello world"}]}],"inferenceConfig":{"maxTokens":300}}"#;
+    const INVOKE: &str = r#"{"anthropic_version":"bedrock-2023-05-31","max_tokens":300,"messages":[{"role":"user","content":"hello world"}]}"#;
+
+    fn charge_costs(flight: &InFlight) -> Vec<(u64, Option<u64>)> {
+        let charge: crate::protocol::ChargeRequest =
+            serde_json::from_value(flight.host.last_callout().body.clone()).expect("a charge");
+        charge.limits.iter().map(|l| (l.cost, l.min_cost)).collect()
+    }
+
+    /// Converse streamed and invoke streamed, each reply cut in two at every seventh byte
+    /// (every byte: `every_two_way_split_gives_the_same_usage`): the tenant is
+    /// the access key, the model the path's, and the settlement is what the stream reported.
+    #[test]
+    fn streams_settle_at_their_reported_usage_wherever_cut() {
+        let streams = [
+            ("/model/amazon.nova-lite-v1%3A0/converse-stream", CONVERSE, converse_stream(true), 151 + 10),
+            (
+                "/model/anthropic.claude-3-haiku-20240307-v1%3A0/invoke-with-response-stream",
+                INVOKE,
+                invoke_stream(),
+                26 + 5,
+            ),
+        ];
+        for (path, body, reply, used) in streams {
+            let prompt = BedrockRoute::from_path(path).unwrap().parse(body.as_bytes()).unwrap().prompt_tokens(O200K);
+            for at in (0..=reply.len()).step_by(7) {
+                let world = World::new(HostKind::Envoy);
+                let mut proxy = Proxy::new(&world, &lifecycle_config(serde_json::json!({}), 10_000));
+                let mut companion = FakeCompanion::default();
+                let mut flight = proxy.send(signed_request("AKIDTENANT1", path, body), &mut companion);
+                assert!(flight.forwarded(), "{path}");
+                let charge: crate::protocol::ChargeRequest =
+                    serde_json::from_value(flight.host.last_callout().body.clone()).expect("a charge");
+                assert_eq!(charge.tenant, crate::identity::tenant_id("AKIDTENANT1"));
+                assert_eq!(charge.limits[1].cost, prompt + 300, "{path}: the prompt counted and maxTokens");
+                let (head, tail) = reply.split_at(at);
+                proxy.reply_bytes(&mut flight, 200, EVENT_STREAM_CONTENT_TYPE, &[head, tail]);
+                proxy.tick(Some(&mut companion));
+                let settled = companion.settled.last().expect("settled");
+                assert_eq!(settled.limits[0].credit, (prompt + 300) as i64 - used as i64, "{path} split at {at}");
+            }
+        }
+    }
+
+    /// A corrupted stream reaches the client as it came, is settled on what came before
+    /// the corruption, and is logged.
+    #[test]
+    fn a_corrupted_stream_is_settled_on_what_came_before_and_logged() {
+        let path = "/model/amazon.nova-lite-v1%3A0/converse-stream";
+        let world = World::new(HostKind::Envoy);
+        let mut proxy = Proxy::new(&world, &lifecycle_config(serde_json::json!({}), 10_000));
+        let mut companion = FakeCompanion::default();
+        let mut flight = proxy.send(signed_request("AKIDTENANT1", path, CONVERSE), &mut companion);
+        let mut reply = converse_stream(true);
+        let metadata_start = converse_stream(false).len();
+        reply[metadata_start + 20] ^= 0x01;
+        proxy.reply_bytes(&mut flight, 200, EVENT_STREAM_CONTENT_TYPE, &[&reply]);
+        proxy.tick(Some(&mut companion));
+        // The metadata event is lost: charged the prompt as estimated and the 10 tokens
+        // streamed, so the output allowance less 10 goes back.
+        assert_eq!(companion.settled.last().expect("settled").limits[0].credit, 300 - 10);
+        assert!(flight.host.logs.iter().any(|(_, line)| line.contains("BadMessageCrc")), "{:?}", flight.host.logs);
+        assert_eq!(world.borrow().host_calls.get("replace_response_body"), None, "the stream passes unchanged");
+    }
+
+    /// With `clamp_max_tokens` a signed body is never rewritten: it is reserved at its
+    /// prompt's bound plus its whole cap, all or nothing, and counted.
+    #[test]
+    fn clamping_never_rewrites_a_signed_body() {
+        for (path, body) in [
+            ("/model/anthropic.claude-3-haiku-20240307-v1%3A0/invoke", INVOKE),
+            ("/model/amazon.nova-lite-v1%3A0/converse", CONVERSE),
+        ] {
+            let world = World::new(HostKind::Envoy);
+            let tokens = serde_json::json!({"clamp_max_tokens": true, "min_output_tokens": 50});
+            let mut proxy = Proxy::new(&world, &lifecycle_config(tokens, 10_000));
+            let mut companion = FakeCompanion::default();
+            let flight = proxy.send(signed_request("AKIDTENANT1", path, body), &mut companion);
+            assert!(flight.forwarded());
+            assert_eq!(flight.host.request_body, body.as_bytes(), "{path}: the body went unchanged");
+            assert_eq!(world.borrow().host_calls.get("replace_request_body"), None);
+            let parsed = BedrockRoute::from_path(path).unwrap().parse(body.as_bytes()).unwrap();
+            let bound = crate::charge::prompt_bound(parsed.prompt_tokens(O200K), &parsed);
+            assert_eq!(charge_costs(&flight)[1], (bound + 300, None), "{path}");
+            assert_eq!(flight.host.metric(Metric::SignedNotClamped), 1);
+            // Too little left for the whole cap: refused, not shrunk.
+            let mut proxy = Proxy::new(&world, &lifecycle_config(serde_json::json!({"clamp_max_tokens": true}), 200));
+            let refused = proxy.send(signed_request("AKIDTENANT2", path, body), &mut companion);
+            assert_eq!(refused.replied().map(|r| r.status), Some(429), "{path}");
+        }
+    }
+
+    #[test]
+    fn a_refusal_is_in_bedrocks_shape() {
+        let world = World::new(HostKind::Envoy);
+        let mut proxy = Proxy::new(&world, &lifecycle_config(serde_json::json!({}), 10_000));
+        let mut companion = FakeCompanion::default();
+        let path = "/model/amazon.nova-lite-v1%3A0/converse";
+        for _ in 0..2 {
+            assert!(proxy.send(signed_request("AKIDTENANT1", path, CONVERSE), &mut companion).forwarded());
+        }
+        let refused = proxy.send(signed_request("AKIDTENANT1", path, CONVERSE), &mut companion);
+        let reply = refused.replied().expect("a 429");
+        assert_eq!(reply.status, 429);
+        assert!(
+            reply.headers.contains(&("x-amzn-errortype", "ThrottlingException".to_string())),
+            "{:?}",
+            reply.headers
+        );
+        let body: serde_json::Value = serde_json::from_str(&reply.body).expect("JSON");
+        assert!(body["message"].as_str().is_some_and(|m| m.contains("rpm")), "{body}");
+        // An OpenAI request from the same proxy keeps OpenAI's shape.
+        let chat = r#"{"model":"gpt-4o","messages":[{"role":"user","content":"hi"}]}"#;
+        for _ in 0..2 {
+            assert!(proxy.send(Request::chat("sk-a", chat), &mut companion).forwarded());
+        }
+        let openai = proxy.send(Request::chat("sk-a", chat), &mut companion);
+        let reply = openai.replied().expect("a 429");
+        assert!(
+            reply.body.contains("rate_limit_exceeded") && !reply.headers.iter().any(|(n, _)| *n == "x-amzn-errortype")
+        );
+    }
+
+    /// The limiter unavailable (`failure_mode: deny`): Bedrock's 503, which its SDKs retry.
+    #[test]
+    fn an_unavailable_limiter_answers_in_bedrocks_shape() {
+        let world = World::new(HostKind::Envoy);
+        let mut proxy = Proxy::new(&world, &lifecycle_config(serde_json::json!({}), 10_000));
+        let mut companion = FakeCompanion::failing(500);
+        let path = "/model/amazon.nova-lite-v1%3A0/converse";
+        let refused = proxy.send(signed_request("AKIDTENANT1", path, CONVERSE), &mut companion);
+        let reply = refused.replied().expect("a 503");
+        assert_eq!(reply.status, 503);
+        assert!(reply.headers.contains(&("x-amzn-errortype", "ServiceUnavailableException".to_string())));
+        let body: serde_json::Value = serde_json::from_str(&reply.body).expect("JSON");
+        assert!(body["message"].as_str().is_some_and(|m| !m.is_empty()), "{body}");
+    }
+
+    #[cfg(not(target_arch = "wasm32"))]
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(200))]
+
+        /// Any chunking of either stream gives the usage of the whole.
+        #[test]
+        fn any_chunking_gives_the_same_usage(cuts in proptest::collection::vec(0usize..300, 0..30), which in 0usize..3) {
+            let stream = [converse_stream(true), converse_stream(false), invoke_stream()][which].clone();
+            prop_assert_eq!(read(&stream, &cuts), read(&stream, &[]));
+        }
+
+        /// Mangled streams never panic.
+        #[test]
+        fn mutations_never_panic(flips in proptest::collection::vec((0usize..4000, any::<u8>()), 0..20), which in 0usize..3, cuts in proptest::collection::vec(0usize..300, 0..10)) {
+            let mut stream = [converse_stream(true), converse_stream(false), invoke_stream()][which].clone();
+            for (at, byte) in flips {
+                let len = stream.len();
+                stream[at % len] = byte;
+            }
+            let _ = read(&stream, &cuts);
+        }
+    }
+}

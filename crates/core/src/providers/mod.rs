@@ -1,0 +1,3 @@
+//! Providers whose paths and framings differ from OpenAI's and Anthropic's.
+
+pub mod bedrock;

@@ -1,0 +1,231 @@
+"""AWS Bedrock end to end through Envoy, driven by AWS's own SDK (boto3) with fake
+credentials pointed at Envoy: Converse, ConverseStream, InvokeModel and
+InvokeModelWithResponseStream (Anthropic's messages on Bedrock). The prompt is estimated
+in the proxy, reserved with the output cap, and the usage the reply reported (JSON or
+event stream) is settled. The mock verifies every request's SigV4 signature, so a body
+the filter rewrote would fail as AWS fails it. A refusal reaches boto3 as its
+ThrottlingException."""
+
+import json
+import re
+from types import SimpleNamespace
+
+import boto3
+import botocore.exceptions
+import pytest
+import redis
+from botocore.config import Config
+
+from stack import bucket_key, chat, free_port, http_get, send, wait_until
+
+BIG = 1_000_000
+LONG = "366d"
+STORY = "Tell me a story about rate limits."
+MAX_TOKENS = 300
+# The mock checks signatures with this secret whatever the access key id; a test makes a
+# tenant by choosing an access key id.
+SECRET = "mock-bedrock-secret"
+CLAUDE = "anthropic.claude-3-haiku-20240307-v1:0"  # boto3 sends the colon as %3A
+NOVA = "us.amazon.nova-lite-v1:0"
+pytestmark = pytest.mark.backend(mock_args=["--completion-tokens", "20"])
+
+
+@pytest.fixture
+def env(backend):
+    def start(limits, tokens=None):
+        admin = free_port()
+        port, _ = backend.envoy(backend.filter_config(limits, tokens=tokens), admin_port=admin)
+        return port, admin
+
+    return SimpleNamespace(backend=backend, redis=redis.Redis(port=backend.redis_port), start=start)
+
+
+def bedrock(port, access_key, secret=SECRET, headers=None):
+    """A bedrock-runtime client aimed at Envoy, retries off (boto3 retries throttling by
+    default); `headers` (the mock's per-request controls) are added after signing."""
+    client = boto3.client(
+        "bedrock-runtime", endpoint_url=f"http://127.0.0.1:{port}", region_name="us-east-1",
+        aws_access_key_id=access_key, aws_secret_access_key=secret, aws_session_token=None,
+        config=Config(retries={"mode": "standard", "total_max_attempts": 1}, read_timeout=30),
+    )
+    if headers:
+        def add_headers(request, **_):
+            for name, value in headers.items():
+                request.headers[name] = value
+        client.meta.events.register("before-send.bedrock-runtime.*", add_headers)
+    return client
+
+
+def level(env, key, limit="tpm"):
+    raw = env.redis.hget(bucket_key(key, limit), "tokens")
+    return None if raw is None else float(raw)
+
+
+def wait_level(env, key, expected, limit="tpm"):
+    """Settlement is asynchronous (the next tick): wait for the bucket to show it."""
+    wait_until(lambda: level(env, key, limit) is not None and abs(level(env, key, limit) - expected) < 1.5,
+               10, f"bucket {limit} at {expected} (now {level(env, key, limit)})")
+
+
+def prompt_estimate(port):
+    """What the proxy counts for STORY as one user message in OpenAI's shape (3 to prime
+    the reply, 3 for the message, its role and text in o200k_base): a Bedrock body with
+    the same message is estimated the same way."""
+    status, headers, _ = send(port, "sk-reference", chat(STORY, max_tokens=MAX_TOKENS))
+    assert status == 200
+    return int(headers["x-llm-ratelimit-reserved-tokens"]) - MAX_TOKENS
+
+
+def converse_args(model=NOVA):
+    return {"modelId": model, "messages": [{"role": "user", "content": [{"text": STORY}]}],
+            "inferenceConfig": {"maxTokens": MAX_TOKENS}}
+
+
+def invoke_args(model=CLAUDE):
+    body = {"anthropic_version": "bedrock-2023-05-31", "max_tokens": MAX_TOKENS,
+            "messages": [{"role": "user", "content": STORY}]}
+    return {"modelId": model, "body": json.dumps(body), "contentType": "application/json", "accept": "application/json"}
+
+
+def run_converse(client):
+    reply = client.converse(**converse_args())
+    return reply, (reply["usage"]["inputTokens"], reply["usage"]["outputTokens"]), reply["output"]["message"]["content"][0]["text"]
+
+
+def run_converse_stream(client):
+    reply = client.converse_stream(**converse_args())
+    text, usage = "", None
+    for event in reply["stream"]:
+        text += event.get("contentBlockDelta", {}).get("delta", {}).get("text", "")
+        if "metadata" in event:
+            usage = (event["metadata"]["usage"]["inputTokens"], event["metadata"]["usage"]["outputTokens"])
+    return reply, usage, text
+
+
+def run_invoke(client):
+    reply = client.invoke_model(**invoke_args())
+    body = json.loads(reply["body"].read())
+    return reply, (body["usage"]["input_tokens"], body["usage"]["output_tokens"]), body["content"][0]["text"]
+
+
+def run_invoke_stream(client):
+    reply = client.invoke_model_with_response_stream(**invoke_args())
+    text, usage = "", None
+    for event in reply["body"]:
+        chunk = json.loads(event["chunk"]["bytes"])
+        if chunk["type"] == "content_block_delta":
+            text += chunk["delta"]["text"]
+        metrics = chunk.get("amazon-bedrock-invocationMetrics")
+        if metrics:
+            usage = (metrics["inputTokenCount"], metrics["outputTokenCount"])
+    return reply, usage, text
+
+
+OPERATIONS = {"converse": run_converse, "converse_stream": run_converse_stream,
+              "invoke_model": run_invoke, "invoke_model_with_response_stream": run_invoke_stream}
+
+
+@pytest.mark.parametrize("operation", OPERATIONS)
+def test_the_prompt_is_estimated_reserved_and_the_reported_usage_settled(env, operation):
+    port, _ = env.start([{"name": "tpm", "tokens": BIG, "window": LONG}])
+    key = f"AKIDUSAGE{operation.upper().replace('_', '')}"[:20]
+    # Streamed events 5 ms apart, so the filter reads them across many body callbacks.
+    reply, usage, text = OPERATIONS[operation](bedrock(port, key, headers={"x-mock-chunk-delay-ms": "5"}))
+    headers = reply["ResponseMetadata"]["HTTPHeaders"]
+    assert reply["ResponseMetadata"]["HTTPStatusCode"] == 200
+    # Reserved: the prompt as the proxy estimates it, plus the output cap.
+    reserved = int(headers["x-llm-ratelimit-reserved-tokens"])
+    assert reserved == prompt_estimate(port) + MAX_TOKENS
+    assert int(headers["x-ratelimit-remaining-tokens"]) == BIG - reserved
+    # What the SDK read from the reply is what the mock reported, and it is what settles.
+    reported = (int(headers["x-mock-prompt-tokens"]), int(headers["x-mock-completion-tokens"]))
+    assert usage == reported
+    assert text == " The quick brown fox jumps over the lazy dog." * 2  # the mock's 20 tokens
+    wait_level(env, key, BIG - sum(reported))
+
+
+def test_a_refusal_is_boto3s_throttling_exception(env):
+    port, _ = env.start([{"name": "rpm", "requests": 1, "window": "1m"}])
+    client = bedrock(port, "AKIDTHROTTLED")
+    client.converse(**converse_args())
+    before = env.backend.upstream_received()
+    with pytest.raises(client.exceptions.ThrottlingException) as refused:
+        client.converse_stream(**converse_args())
+    error = refused.value.response
+    assert error["ResponseMetadata"]["HTTPStatusCode"] == 429
+    assert error["Error"]["Code"] == "ThrottlingException"
+    assert "rpm" in error["Error"]["Message"]
+    assert int(error["ResponseMetadata"]["HTTPHeaders"]["retry-after"]) >= 1
+    assert env.backend.upstream_received() == before, "a refused request never reaches Bedrock"
+    # Another access key is another tenant.
+    bedrock(port, "AKIDOTHERTENANT").converse(**converse_args())
+
+
+def test_the_model_is_the_paths_even_as_an_arn(env):
+    """boto3 sends an inference profile's ARN percent-encoded (its `:` and `/`): the filter
+    decodes it and a per-model limit matches it; another model is not limited by it."""
+    arn = "arn:aws:bedrock:us-east-1:123456789012:inference-profile/us.anthropic.claude-3-5-haiku-20241022-v1:0"
+    # The pattern's `:` and `/` match only once the path's %3A and %2F are decoded.
+    pattern = "arn:aws:bedrock:*:inference-profile/us.anthropic.claude*"
+    port, _ = env.start([{"name": "claude-rpm", "requests": 1, "window": "1m", "models": [pattern]}])
+    client = bedrock(port, "AKIDARNTENANT")
+    client.converse(**converse_args(model=arn))
+    with pytest.raises(client.exceptions.ThrottlingException):
+        client.converse(**converse_args(model=arn))
+    for _ in range(3):
+        client.converse(**converse_args(model=NOVA))
+
+
+def stat(admin, name):
+    text = http_get(f"http://127.0.0.1:{admin}/stats?filter=llm_ratelimit")[1].decode()
+    match = re.search(rf"llm_ratelimit\.{re.escape(name)}: (\d+)", text)
+    return int(match.group(1)) if match else 0
+
+
+@pytest.mark.parametrize("operation", ["converse", "invoke_model"])
+def test_clamping_never_rewrites_a_signed_body(env, operation):
+    # The prompt's bound (each text in bytes) plus the whole cap fits once; after the first
+    # settles (30 tokens used) 280 of output remain for the second: an OpenAI request
+    # would be sent with max_tokens clamped to 280, a signed one is refused instead.
+    bound = 3 + 3 + len("user") + len(STORY)
+    port, admin = env.start([{"name": "tpm", "tokens": bound + MAX_TOKENS + 10, "window": LONG}],
+                            tokens={"clamp_max_tokens": True, "min_output_tokens": 20})
+    client = bedrock(port, f"AKIDCLAMP{operation.upper()[:8]}")
+    # The mock checks the signature over the body: a rewritten body would be a 403.
+    reply, usage, _ = OPERATIONS[operation](client)
+    assert reply["ResponseMetadata"]["HTTPStatusCode"] == 200
+    assert int(reply["ResponseMetadata"]["HTTPHeaders"]["x-llm-ratelimit-reserved-tokens"]) == bound + MAX_TOKENS
+    with pytest.raises(client.exceptions.ThrottlingException):
+        OPERATIONS[operation](client)
+    # Counters reach Envoy on the filter's next tick.
+    wait_until(lambda: stat(admin, "signed_requests_not_clamped") >= 1, 5, "the signed_requests_not_clamped counter")
+
+
+def test_the_mock_refuses_a_bad_signature_through_envoy(env):
+    """The control for the test above: the signature check is live through Envoy."""
+    port, _ = env.start([{"name": "tpm", "tokens": BIG, "window": LONG}])
+    client = bedrock(port, "AKIDWRONGSECRET", secret="not-the-secret")
+    with pytest.raises(botocore.exceptions.ClientError) as refused:
+        client.converse(**converse_args())
+    assert refused.value.response["Error"]["Code"] == "InvalidSignatureException"
+
+
+def test_an_exception_inside_the_stream_settles_on_what_came_before(env):
+    port, _ = env.start([{"name": "tpm", "tokens": BIG, "window": LONG}])
+    headers = {"x-mock-stream-exception": "throttlingException"}
+    # Converse: no usage before the exception: the prompt as estimated and the one token
+    # streamed (" The"), counted.
+    client = bedrock(port, "AKIDEXCCONVERSE", headers=headers)
+    reply = client.converse_stream(**converse_args())
+    with pytest.raises(botocore.exceptions.EventStreamError) as broken:
+        list(reply["stream"])
+    assert broken.value.response["Error"]["Code"] == "throttlingException"
+    wait_level(env, "AKIDEXCCONVERSE", BIG - (prompt_estimate(port) + 1))
+    # Invoke: Anthropic's message_start came first, with the provider's prompt count and
+    # one output token.
+    client = bedrock(port, "AKIDEXCINVOKE", headers=headers)
+    reply = client.invoke_model_with_response_stream(**invoke_args())
+    with pytest.raises(botocore.exceptions.EventStreamError):
+        list(reply["body"])
+    prompt = int(reply["ResponseMetadata"]["HTTPHeaders"]["x-mock-prompt-tokens"])
+    wait_level(env, "AKIDEXCINVOKE", BIG - (prompt + 1))
