@@ -17,6 +17,7 @@ pub mod lifecycle;
 pub mod prompt_cache;
 pub mod request;
 pub mod reservation;
+pub mod series;
 pub mod settle_queue;
 pub mod sse;
 pub mod tables;
