@@ -1,0 +1,28 @@
+//! `llm-ratelimit`: the operator's command. Each subcommand lives in its own module; this
+//! file only dispatches.
+
+mod check_config;
+mod package_wasm;
+
+use clap::{Parser, Subcommand};
+use std::process::ExitCode;
+
+#[derive(Parser)]
+#[command(name = "llm-ratelimit", version, about = "Operate llm-ratelimit: check configs, package the filter")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    CheckConfig(check_config::Args),
+    PackageWasm(package_wasm::Args),
+}
+
+fn main() -> ExitCode {
+    match Cli::parse().command {
+        Command::CheckConfig(args) => check_config::run(&args),
+        Command::PackageWasm(args) => package_wasm::run(&args),
+    }
+}
