@@ -60,15 +60,22 @@ def series_of(samples: dict, name: str) -> list[dict]:
     return [dict(labels) for (n, labels) in samples if n == name]
 
 
-def scrape_after_tick(admin_port: int, name: str, labels: dict, expected: float) -> dict:
-    """Scrapes until the series shows `expected` (the filter hands counts to Envoy on its
-    50 ms tick), or returns the last scrape."""
+def scrape_when(admin_port: int, expected: dict) -> dict:
+    """Scrapes until every series in `expected` ({(name, labels dict): value}) shows its
+    value, or returns the last scrape after 10 s. Each of Envoy's worker VMs hands its
+    counts to Envoy on its own 50 ms tick."""
     deadline = time.monotonic() + 10
     while True:
         samples = scrape(admin_port)
-        if samples.get((name, frozenset(labels.items()))) == expected or time.monotonic() > deadline:
+        if all(samples.get((name, frozenset(labels))) == value for (name, labels), value in expected.items()):
+            return samples
+        if time.monotonic() > deadline:
             return samples
         time.sleep(0.1)
+
+
+def series(name: str, **labels) -> tuple:
+    return name, tuple(sorted(labels.items()))
 
 
 @pytest.fixture(scope="module")
@@ -81,9 +88,13 @@ def traffic(module_stack):
     port = backend.envoy(backend.filter_config(LIMITS), admin_port=admin_port)[0]
     replies = [send(port, key="sk-metrics", body=chat("count my tokens", max_tokens=50)) for _ in range(4)]
     assert [r.status for r in replies] == [200, 200, 200, 429]
-    samples = scrape_after_tick(admin_port, "llm_ratelimit_tokens_total",
-                                {"model_rule": "gpt-4o", "gen_ai_token_type": "output", "token_stage": "charged"},
-                                sum(json.loads(r.body)["usage"]["completion_tokens"] for r in replies[:3]))
+    completions = sum(json.loads(r.body)["usage"]["completion_tokens"] for r in replies[:3])
+    samples = scrape_when(admin_port, {
+        series("llm_ratelimit_decisions_total", limit="rpm", decision="allowed"): 3,
+        series("llm_ratelimit_decisions_total", limit="rpm", decision="limited"): 1,
+        series("llm_ratelimit_tokens_total", model_rule="gpt-4o", gen_ai_token_type="output",
+               token_stage="charged"): completions,
+    })
 
     degraded_admin = free_port()
     degraded_config = backend.filter_config(LIMITS, failure_mode="local", companion_timeout="100ms")
@@ -92,8 +103,7 @@ def traffic(module_stack):
     degraded_replies = [send(degraded_port, key="sk-metrics-degraded") for _ in range(2)]
     assert [r.status for r in degraded_replies] == [200, 200]
     assert all(r.headers.get("x-llm-ratelimit-degraded") == "local" for r in degraded_replies)
-    degraded = scrape_after_tick(degraded_admin, "llm_ratelimit_decisions_total",
-                                 {"limit": "rpm", "decision": "degraded"}, 2)
+    degraded = scrape_when(degraded_admin, {series("llm_ratelimit_decisions_total", limit="rpm", decision="degraded"): 2})
     return {"replies": replies, "samples": samples, "degraded": degraded}
 
 
@@ -143,24 +153,28 @@ def test_no_label_carries_a_tenant_or_a_key(traffic):
 
 
 def dashboard_metrics() -> set[str]:
-    """Every metric name the dashboard's PromQL queries mention."""
+    """Every metric name the dashboard's PromQL queries (panels and variables) mention."""
     dashboard = json.loads(DASHBOARD.read_text())
     queries = [t["expr"] for panel in dashboard["panels"] for t in panel.get("targets", [])]
+    queries += [v["definition"] for v in dashboard["templating"]["list"] if "definition" in v]
     assert queries, "the dashboard has queries"
     return {name for query in queries for name in re.findall(r"\bllm_ratelimit_[a-z0-9_]+", query)}
 
 
+def companion_metric(name: str) -> str | None:
+    """The agreed companion metric `name` is (or is a histogram series of), if any."""
+    for suffix in ("", *HISTOGRAM_SUFFIXES):
+        if name.endswith(suffix) and name[: len(name) - len(suffix)] in COMPANION_METRICS:
+            return name[: len(name) - len(suffix)]
+    return None
+
+
 def test_every_metric_the_dashboard_queries_exists(traffic):
     names = dashboard_metrics()
+    # The filter's own `companion_failures` reads llm_ratelimit_companion_failures: a name
+    # is the companion's only if it is on the agreed list; every other must be scraped.
+    companion = {n for n in names if companion_metric(n)}
+    filter_names = names - companion
     scraped = {name for name, _ in traffic["samples"]}
-    filter_names = {n for n in names if not n.startswith("llm_ratelimit_companion_")}
-    assert filter_names and filter_names <= scraped, filter_names - scraped
-
-    def companion_base(name: str) -> str:
-        for suffix in HISTOGRAM_SUFFIXES:
-            if name.endswith(suffix) and name[: -len(suffix)] in COMPANION_METRICS:
-                return name[: -len(suffix)]
-        return name
-
-    companion_names = {companion_base(n) for n in names if n.startswith("llm_ratelimit_companion_")}
-    assert companion_names and companion_names <= set(COMPANION_METRICS), companion_names - set(COMPANION_METRICS)
+    assert filter_names and filter_names <= scraped, sorted(filter_names - scraped)
+    assert {companion_metric(n) for n in companion} == set(COMPANION_METRICS), "every companion metric is shown"
