@@ -104,7 +104,7 @@ def traffic(module_stack):
     assert [r.status for r in degraded_replies] == [200, 200]
     assert all(r.headers.get("x-llm-ratelimit-degraded") == "local" for r in degraded_replies)
     degraded = scrape_when(degraded_admin, {series("llm_ratelimit_decisions_total", limit="rpm", decision="degraded"): 2})
-    return {"replies": replies, "samples": samples, "degraded": degraded}
+    return {"replies": replies, "samples": samples, "degraded": degraded, "admin_port": admin_port}
 
 
 def test_decisions_are_labelled_by_limit_and_decision(traffic):
@@ -143,6 +143,27 @@ def test_tokens_are_labelled_by_gen_ai_token_type_and_stage(traffic):
     # gpt-4o-mini is the gpt-4o rule's: no other rule counted anything.
     others = [s for s in series_of(samples, "llm_ratelimit_tokens_total") if s["model_rule"] != "gpt-4o"]
     assert others and all(value(samples, "llm_ratelimit_tokens_total", **s) == 0 for s in others)
+
+
+def test_gauges_are_labelled_beside_their_old_names(traffic):
+    """prompt_factor.<rule> and output_prior.<rule> also as one series per rule, labelled."""
+    def pairs(samples):
+        rules = [s["model_rule"] for s in series_of(samples, "llm_ratelimit_prompt_factor_thousandths")]
+        old = lambda gauge, rule: samples.get((f"llm_ratelimit_{gauge}_{re.sub('[^a-zA-Z0-9_]', '_', rule)}", frozenset()))  # noqa: E731
+        return rules, [(value(samples, "llm_ratelimit_prompt_factor_thousandths", model_rule=r), old("prompt_factor", r),
+                        value(samples, "llm_ratelimit_output_prior_tokens", model_rule=r), old("output_prior", r))
+                       for r in rules]
+
+    rules, values = pairs(traffic["samples"])
+    # One per model rule: the same rules the token counters have.
+    assert sorted(rules) == sorted({s["model_rule"] for s in series_of(traffic["samples"], "llm_ratelimit_tokens_total")})
+    assert values[rules.index("other")][:2] == (1000, 1000), "a rule without replies keeps its configured factor"
+    # The same values under both names (both are set in one go; a scrape may fall between).
+    deadline = time.monotonic() + 5
+    while any(new != old for new, old, *_ in values) or any(new != old for *_, new, old in values):
+        assert time.monotonic() < deadline, values
+        time.sleep(0.1)
+        rules, values = pairs(scrape(traffic["admin_port"]))
 
 
 def test_no_label_carries_a_tenant_or_a_key(traffic):

@@ -14,6 +14,11 @@ pub const DECISIONS: &str = "llm_ratelimit_decisions_total";
 /// The Prometheus name of the token counter.
 pub const TOKENS: &str = "llm_ratelimit_tokens_total";
 
+/// The Prometheus names of the labelled gauges (set beside their unlabelled names).
+pub const LEASE_BOUND: &str = "llm_ratelimit_lease_bound";
+pub const PROMPT_FACTOR: &str = "llm_ratelimit_prompt_factor_thousandths";
+pub const OUTPUT_PRIOR: &str = "llm_ratelimit_output_prior_tokens";
+
 /// The label names, as Envoy's `stats_tags` `tag_name`s. `gen_ai_token_type` is
 /// OpenTelemetry's `gen_ai.token.type` as Prometheus spells it.
 pub const LABELS: [&str; 5] = ["limit", "decision", "model_rule", "gen_ai_token_type", "token_stage"];
@@ -117,6 +122,16 @@ pub fn names(config: &Policy) -> Vec<String> {
     names
 }
 
+/// A gauge of one limit (`lease_bound`), labelled by the limit's name.
+pub fn limit_gauge(metric: &str, limit: &str) -> String {
+    format!("limit=.={limit};.;{metric}")
+}
+
+/// A gauge of one model rule (`prompt_factor`, `output_prior`), labelled by its label.
+pub fn rule_gauge(metric: &str, rule_label: &str) -> String {
+    format!("model_rule=.={rule_label};.;{metric}")
+}
+
 /// The limit index of each outcome a reply names (the config's order).
 pub fn limit_indices<'a>(
     config: &'a Policy,
@@ -200,6 +215,22 @@ mod tests {
         assert!(degraded.forwarded());
         assert_eq!(counted(&degraded.host, decision(0, Decision::Degraded)), 1);
         assert_eq!(counted(&degraded.host, decision(0, Decision::Allowed)), 0);
+    }
+
+    #[test]
+    fn gauges_are_set_under_both_names() {
+        use crate::testing::{Proxy, World};
+        let json = r#"{"companion": {"upstream": "c", "token": "t"}, "lease": {"enabled": true},
+            "tokens": {"models": [{"match": "claude-*", "encoding": "cl100k_base", "factor": 1.2}]},
+            "limits": [{"name": "rph", "requests": 300, "window": "1h"}, {"name": "tpm", "tokens": 1000, "window": "1m"}]}"#;
+        let world = World::new(crate::host::HostKind::Envoy);
+        let proxy = Proxy::new(&world, json);
+        let gauge = |name: &str| proxy.root.gauges.get(name).copied();
+        assert_eq!(gauge("llm_ratelimit.lease_bound.rph"), Some(30));
+        assert_eq!(gauge("limit=.=rph;.;llm_ratelimit_lease_bound"), Some(30));
+        assert_eq!(gauge("llm_ratelimit.prompt_factor.claude"), Some(1200));
+        assert_eq!(gauge("model_rule=.=claude;.;llm_ratelimit_prompt_factor_thousandths"), Some(1200));
+        assert_eq!(gauge("model_rule=.=other;.;llm_ratelimit_output_prior_tokens"), Some(0));
     }
 
     #[test]

@@ -141,6 +141,7 @@ impl Worker {
             for limit in &config.limits {
                 let bound = (limit.capacity() as f64 * config.lease.max_fraction).ceil() as u64;
                 host.set_gauge(&format!("llm_ratelimit.lease_bound.{}", limit.name), bound);
+                host.set_gauge(&crate::series::limit_gauge(crate::series::LEASE_BOUND, &limit.name), bound);
             }
         }
         if config.tokens.calibrate && config.counts_tokens() {
