@@ -377,6 +377,15 @@ spec:
         ] {
             let _ = check_envoy(junk);
         }
+        // Deep nesting and an alias bomb are refused by the parsers' limits, not by a crash.
+        let deep = format!("{}{}", "[".repeat(100_000), "]".repeat(100_000));
+        assert!(check_envoy(&deep).unwrap_err().contains("not JSON or YAML"));
+        let mut bomb = String::from("a0: &a0 [1, 2, 3, 4, 5, 6, 7, 8, 9]\n");
+        for i in 1..30 {
+            let p = i - 1;
+            bomb += &format!("a{i}: &a{i} [*a{p}, *a{p}, *a{p}, *a{p}, *a{p}, *a{p}, *a{p}, *a{p}, *a{p}]\n");
+        }
+        assert!(check_envoy(&bomb).unwrap_err().contains("not JSON or YAML"));
         // A WasmPlugin of ours without a config is refused, as the filter refuses an empty one.
         let empty = check_envoy("kind: WasmPlugin\nmetadata: {name: llm-ratelimit}\nspec: {url: x}\n").unwrap();
         assert!(empty[0].outcome.is_err());
