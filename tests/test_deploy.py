@@ -20,7 +20,9 @@ ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
 CLI = Path(os.environ.get("LLMRL_CLI_BIN", ROOT / "target/release/llm-ratelimit"))
 WASM = ROOT / "target/wasm32-unknown-unknown/wasm/llm_ratelimit.wasm"
-MANIFESTS = sorted(DEPLOY.rglob("*.yaml"))
+# Kubernetes manifests; deploy/prometheus/ holds alerting rules (checked with the
+# dashboard's queries in tests/test_filter_metrics.py and crates/cli/tests/deploy_queries.rs).
+MANIFESTS = sorted(p for p in DEPLOY.rglob("*.yaml") if p.parent.name != "prometheus")
 # Kinds defined by CRDs: no schema ships with kubernetes-validate, so they are checked
 # for what they embed (the filter config) and their apiVersion only.
 CRD_KINDS = {

@@ -9,11 +9,13 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from stack import Backend, chat, free_port, http_get, send
 
 ROOT = Path(__file__).resolve().parents[1]
 DASHBOARD = ROOT / "deploy/grafana/llm-ratelimit.json"
+ALERTS = ROOT / "deploy/prometheus/llm-ratelimit-alerts.yaml"
 TOKEN = "metrics-test-token"
 LIMITS = [{"name": "rpm", "requests": 3, "window": "1m"}, {"name": "tpm", "tokens": 1_000_000, "window": "1m"}]
 
@@ -173,13 +175,15 @@ def test_no_label_carries_a_tenant_or_a_key(traffic):
             assert not any(tenant_like.search(v) for _, v in labels), (name, labels)
 
 
-def dashboard_metrics() -> set[str]:
-    """Every metric name the dashboard's PromQL queries (panels and variables) mention."""
+def queried_metrics() -> set[str]:
+    """Every metric name the PromQL of deploy/ mentions: the dashboard's panels and
+    variables, the alerting rules. (crates/cli/tests/deploy_queries.rs parses them.)"""
     dashboard = json.loads(DASHBOARD.read_text())
     queries = [t["expr"] for panel in dashboard["panels"] for t in panel.get("targets", [])]
     queries += [v["definition"] for v in dashboard["templating"]["list"] if "definition" in v]
-    assert queries, "the dashboard has queries"
-    return {name for query in queries for name in re.findall(r"\bllm_ratelimit_[a-z0-9_]+", query)}
+    alerts = [rule["expr"] for group in yaml.safe_load(ALERTS.read_text())["groups"] for rule in group["rules"]]
+    assert queries and alerts
+    return {name for query in queries + alerts for name in re.findall(r"\bllm_ratelimit_[a-z0-9_]+", query)}
 
 
 def companion_metric(name: str) -> str | None:
@@ -190,8 +194,8 @@ def companion_metric(name: str) -> str | None:
     return None
 
 
-def test_every_metric_the_dashboard_queries_exists(traffic):
-    names = dashboard_metrics()
+def test_every_metric_the_dashboard_and_alerts_query_exists(traffic):
+    names = queried_metrics()
     # The filter's own `companion_failures` reads llm_ratelimit_companion_failures: a name
     # is the companion's only if it is on the agreed list; every other must be scraped.
     companion = {n for n in names if companion_metric(n)}
