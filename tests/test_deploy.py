@@ -108,6 +108,15 @@ def test_every_embedded_filter_config_passes_check_config():
     assert "warning" not in result.stderr, result.stderr
 
 
+def test_check_config_reads_what_kubectl_prints_on_its_standard_input():
+    """`kubectl get … -o yaml` prints a List holding the resources."""
+    resources = [d for d in documents(DEPLOY / "istio/wasmplugin.yaml") if d["kind"] == "WasmPlugin"]
+    listing = yaml.safe_dump({"apiVersion": "v1", "kind": "List", "items": resources})
+    result = subprocess.run([str(CLI), "check-config", "-"], input=listing, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count(": ok: ") == 1, result.stdout
+
+
 def test_check_config_fails_on_a_bad_embedded_config(tmp_path):
     bad = (DEPLOY / "istio/wasmplugin.yaml").read_text().replace("window: 1m}", "window: 1 minute}", 1)
     path = tmp_path / "bad.yaml"

@@ -168,6 +168,14 @@ def test_gauges_are_labelled_beside_their_old_names(traffic):
         rules, values = pairs(scrape(traffic["admin_port"]))
 
 
+def test_the_readmes_bootstrap_snippet_is_the_demos():
+    """The README's stats_tags block is the one envoy/demo.yaml (and so every test) runs."""
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split("<!-- stats-tags -->", 1)[1].split("```yaml", 1)[1].split("```", 1)[0]
+    demo = yaml.safe_load((ROOT / "envoy/demo.yaml").read_text())
+    assert yaml.safe_load(block) == {"stats_config": demo["stats_config"]}
+
+
 def test_no_label_carries_a_tenant_or_a_key(traffic):
     tenant_like = re.compile(r"[0-9a-f]{32}|sk-")
     for name, labels in traffic["samples"]:

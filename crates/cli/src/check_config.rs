@@ -15,7 +15,8 @@ use std::process::ExitCode;
 #[derive(clap::Args)]
 pub struct Args {
     /// Files: a filter config (JSON), or YAML/JSON manifests embedding one or more (Envoy
-    /// bootstrap or listener, Istio WasmPlugin, Envoy Gateway EnvoyExtensionPolicy).
+    /// bootstrap or listener, Istio WasmPlugin, Envoy Gateway EnvoyExtensionPolicy);
+    /// `-` reads standard input (e.g. `kubectl get wasmplugin -A -o yaml | … check-config -`).
     #[arg(required = true)]
     files: Vec<PathBuf>,
     /// Check every Wasm filter found, not only those whose name, root id, VM id or code
@@ -50,7 +51,7 @@ pub fn run(args: &Args) -> ExitCode {
     let mut failed = false;
     for file in &args.files {
         let name = file.display();
-        let text = match std::fs::read_to_string(file) {
+        let text = match read(file) {
             Ok(text) => text,
             Err(err) => {
                 eprintln!("{name}: cannot read: {err}");
@@ -84,6 +85,13 @@ pub fn run(args: &Args) -> ExitCode {
     } else {
         ExitCode::SUCCESS
     }
+}
+
+fn read(file: &std::path::Path) -> std::io::Result<String> {
+    if file.as_os_str() == "-" {
+        return std::io::read_to_string(std::io::stdin());
+    }
+    std::fs::read_to_string(file)
 }
 
 /// What checking one embedded config said.
@@ -168,6 +176,12 @@ fn find_in_document(document: &Value, prefix: &str, all_wasm: bool, found: &mut 
     let kind = document.get("kind").and_then(Value::as_str).unwrap_or("");
     let name = object_name(document);
     match kind {
+        // What `kubectl get … -o yaml` prints: the resources, in `items`.
+        "List" => {
+            for (index, item) in document.get("items").and_then(Value::as_array).into_iter().flatten().enumerate() {
+                find_in_document(item, &join(format!("items[{index}]")), all_wasm, found);
+            }
+        }
         "WasmPlugin" => {
             if all_wasm || mentions_us(document, "pluginConfig") {
                 // Istio hands `pluginConfig` to the filter as JSON; no config: an empty one.
@@ -361,6 +375,15 @@ spec:
 
         let not_istio = yaml.replace("outbound|8080||c.ns.svc.cluster.local", "llm_ratelimit_companion");
         assert!(check_envoy(&not_istio).unwrap()[0].warnings[0].contains("not an Istio cluster name"));
+    }
+
+    #[test]
+    fn a_kubectl_list_is_searched_item_by_item() {
+        let list = "apiVersion: v1\nkind: List\nitems:\n- kind: EnvoyExtensionPolicy\n  metadata: {name: p, namespace: ns}\n  spec:\n    wasm:\n    - name: llm-ratelimit\n      config: {companion: {upstream: c, token: t}, limits: [{name: rpm, requests: 1, window: 1m}]}\n";
+        let reports = check_envoy(list).unwrap();
+        assert_eq!(reports.len(), 1);
+        assert_eq!(reports[0].place, "items[0], EnvoyExtensionPolicy ns/p, spec.wasm[0].config");
+        assert!(reports[0].outcome.is_ok());
     }
 
     #[test]
