@@ -184,8 +184,10 @@ fn find_in_document(document: &Value, prefix: &str, all_wasm: bool, found: &mut 
         }
         "WasmPlugin" => {
             if all_wasm || mentions_us(document, "pluginConfig") {
-                // Istio hands `pluginConfig` to the filter as JSON; no config: an empty one.
-                let config = document.pointer("/spec/pluginConfig").map_or_else(Vec::new, json_bytes);
+                // Istio hands `pluginConfig` (a protobuf Struct) to the filter as JSON; no
+                // config: an empty one.
+                let config =
+                    document.pointer("/spec/pluginConfig").map(as_struct).map_or_else(Vec::new, |c| json_bytes(&c));
                 found.push(Embedded {
                     place: join(format!("WasmPlugin {name}, spec.pluginConfig")),
                     config,
@@ -275,6 +277,20 @@ fn object_name(document: &Value) -> String {
         (Some(namespace), Some(name)) => format!("{namespace}/{name}"),
         (None, Some(name)) => name.to_string(),
         _ => "(unnamed)".to_string(),
+    }
+}
+
+/// A value as a protobuf `Struct` carries it: every number is a double, which Istio
+/// writes back as JSON without a fraction when it is whole (`1e6` becomes `1000000`).
+fn as_struct(value: &Value) -> Value {
+    match value {
+        Value::Number(n) => match n.as_f64() {
+            Some(f) if f.fract() == 0.0 && f.abs() < 9_007_199_254_740_992.0 => Value::from(f as i64),
+            _ => value.clone(),
+        },
+        Value::Array(items) => Value::Array(items.iter().map(as_struct).collect()),
+        Value::Object(object) => Value::Object(object.iter().map(|(k, v)| (k.clone(), as_struct(v))).collect()),
+        other => other.clone(),
     }
 }
 
@@ -372,6 +388,11 @@ spec:
         assert!(reports[0].outcome.is_ok() && reports[0].warnings.is_empty(), "{:?}", reports[0]);
         assert_eq!(reports[1].place, "document 2, EnvoyExtensionPolicy llm-ratelimit, spec.wasm[0].config");
         assert!(reports[1].outcome.as_ref().unwrap_err().contains("field `limits[0].window`"));
+
+        // YAML's 1e6 is a float; through Istio's Struct it reaches the filter as 1000000.
+        let float = yaml.replace("requests: 20, window: 1m}]\n---", "requests: 1e6, window: 1m}]\n---");
+        assert_ne!(float, yaml);
+        assert!(check_envoy(&float).unwrap()[0].outcome.is_ok(), "{:?}", check_envoy(&float));
 
         let not_istio = yaml.replace("outbound|8080||c.ns.svc.cluster.local", "llm_ratelimit_companion");
         assert!(check_envoy(&not_istio).unwrap()[0].warnings[0].contains("not an Istio cluster name"));
