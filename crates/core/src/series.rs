@@ -215,6 +215,11 @@ mod tests {
         assert!(degraded.forwarded());
         assert_eq!(counted(&degraded.host, decision(0, Decision::Degraded)), 1);
         assert_eq!(counted(&degraded.host, decision(0, Decision::Allowed)), 0);
+        // The degraded mode's own refusal is the limit's: rpm (1 a minute) has no room left.
+        let refused_locally = local.send(Request::get("sk-d", "/v1/models"), &mut FakeCompanion::failing(500));
+        assert_eq!(refused_locally.replied().map(|r| r.status), Some(429));
+        assert_eq!(counted(&refused_locally.host, decision(0, Decision::Limited)), 1);
+        assert_eq!(counted(&refused_locally.host, decision(1, Decision::Limited)), 0);
     }
 
     #[test]
