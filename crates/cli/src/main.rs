@@ -1,5 +1,7 @@
 //! `llm-ratelimit`: the operator's command. Each subcommand lives in its own module; this
 //! file only dispatches.
+// Input is the user's files: an error message, never a panic.
+#![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing))]
 
 mod check_config;
 mod package_wasm;
