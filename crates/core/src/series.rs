@@ -222,6 +222,23 @@ mod tests {
         assert_eq!(counted(&refused_locally.host, decision(1, Decision::Limited)), 0);
     }
 
+    /// Leases: admissions from a lease and refusals remembered from Redis count per limit.
+    #[test]
+    fn lease_decisions_count_under_their_limit() {
+        use crate::testing::{FakeCompanion, Proxy, Request, World};
+        let json = r#"{"companion": {"upstream": "c", "token": "t"}, "lease": {"enabled": true},
+            "limits": [{"name": "rpm", "requests": 2, "window": "1m"}]}"#;
+        let world = World::new(crate::host::HostKind::Envoy);
+        let mut proxy = Proxy::new(&world, json);
+        let mut companion = FakeCompanion::default();
+        let flights: Vec<_> = (0..4).map(|_| proxy.send(Request::get("sk-a", "/v1/models"), &mut companion)).collect();
+        let total = |d| flights.iter().map(|f| f.host.series_value(decision(0, d))).sum::<u64>();
+        assert_eq!(flights.iter().filter(|f| f.forwarded()).count(), 2);
+        assert_eq!((total(Decision::Allowed), total(Decision::Limited)), (2, 2));
+        let remembered = flights.last().unwrap();
+        assert_eq!(remembered.host.series_value(decision(0, Decision::Limited)), 1, "refused from the lease entry");
+    }
+
     #[test]
     fn gauges_are_set_under_both_names() {
         use crate::testing::{Proxy, World};
