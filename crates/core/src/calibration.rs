@@ -23,6 +23,7 @@ use crate::protocol::{
     keys, CalibrationExchange, CalibrationReply, RuleSamples, RunningFigure, MAX_SAMPLES_PER_EXCHANGE,
 };
 use crate::reservation::sample_weight;
+use crate::series;
 use crate::tables::fnv1a;
 
 pub use crate::protocol::CALIBRATION_WINDOW as WINDOW;
@@ -376,10 +377,12 @@ impl LocalCalibrations {
 /// at, in thousandths; `output_prior.<label>`, the completion length a tenant without
 /// history reserves for (0 while the proxy has not learned it).
 pub fn show(host: &mut impl Host, policy: &ModelPolicy, calibration: Calibration) {
-    let factor = calibration.prompt_factor(policy.rule.factor);
-    host.set_gauge(&format!("llm_ratelimit.prompt_factor.{}", policy.label), (factor * 1000.0).round() as u64);
+    let factor = (calibration.prompt_factor(policy.rule.factor) * 1000.0).round() as u64;
+    host.set_gauge(&format!("llm_ratelimit.prompt_factor.{}", policy.label), factor);
+    host.set_gauge(&series::rule_gauge(series::PROMPT_FACTOR, &policy.label), factor);
     let prior = calibration.output_prior().map_or(0, |p| p.round() as u64);
     host.set_gauge(&format!("llm_ratelimit.output_prior.{}", policy.label), prior);
+    host.set_gauge(&series::rule_gauge(series::OUTPUT_PRIOR, &policy.label), prior);
 }
 
 #[cfg(test)]

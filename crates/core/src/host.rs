@@ -192,6 +192,8 @@ pub trait Host {
     fn send_reply(&mut self, reply: &LocalReply);
 
     fn add_metric(&mut self, metric: Metric, amount: u64);
+    /// Adds to a labelled counter: `series` indexes `series::names(config)`.
+    fn add_series(&mut self, series: usize, amount: u64);
     fn set_gauge(&mut self, name: &str, value: u64);
     fn log(&mut self, level: LogLevel, message: &str);
     /// Logs a warning the first time `topic` comes up in this VM (for faults that would

@@ -19,6 +19,7 @@ pub mod prompt_cache;
 pub mod providers;
 pub mod request;
 pub mod reservation;
+pub mod series;
 pub mod settle_queue;
 pub mod sse;
 pub mod tables;

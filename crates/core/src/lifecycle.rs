@@ -18,11 +18,12 @@ use crate::lease::{lease_asks, LeaseEntry, TenantLeases};
 use crate::prompt_cache::PromptCache;
 use crate::protocol::keys;
 use crate::protocol::{
-    ChargeRequest, LeaseRequest, LimitCharge, LimitKind, LimitsReply, Reservation, SettlementBatch, Wait, CHARGE_PATH,
-    LEASE_PATH, RELEASE_PATH,
+    ChargeRequest, LeaseRequest, LimitCharge, LimitKind, LimitStatus, LimitsReply, Reservation, SettlementBatch, Wait,
+    CHARGE_PATH, LEASE_PATH, RELEASE_PATH,
 };
 use crate::providers::bedrock::{self, BedrockRoute, EventStreamUsage};
 use crate::reservation::{actual_usage, credit, Ending, OutputAverage, TokenEstimate};
+use crate::series::{self, Decision, TokenStage, TokenType};
 use crate::sse::UsageChunkRemover;
 use crate::tables::{read_average, read_own, update_average, update_own, Busy, TenantTable};
 use crate::tokens::Encoding;
@@ -351,6 +352,31 @@ impl RequestFilter {
         self.plan.as_ref().map_or_else(|| reply.clone(), |plan| plan.relevant(reply))
     }
 
+    /// An admission: counted in `requests_allowed` and under every limit that applies.
+    fn count_admission(&self, host: &mut impl Host, config: &Policy, decision: Decision) {
+        host.add_metric(Metric::Allowed, 1);
+        self.count_per_limit(host, config, decision);
+    }
+
+    fn count_per_limit(&self, host: &mut impl Host, config: &Policy, decision: Decision) {
+        let Some(plan) = self.plan.as_ref() else { return };
+        for limit in (0..config.limits.len()).filter(|&i| plan.applies(i)) {
+            host.add_series(series::decision(limit, decision), 1);
+        }
+    }
+
+    /// A refusal: counted in `requests_limited` and under each limit that had no room
+    /// (as `shadow` when shadow mode lets it through).
+    fn count_refusal(&self, host: &mut impl Host, config: &Policy, reply: &LimitsReply) {
+        host.add_metric(Metric::Limited, 1);
+        let decision = if config.mode == Mode::Shadow { Decision::Shadow } else { Decision::Limited };
+        let relevant = self.relevant(reply);
+        let refusing = relevant.limits.iter().filter(|o| o.status != LimitStatus::Allowed).map(|o| o.name.as_str());
+        for limit in series::limit_indices(config, refusing) {
+            host.add_series(series::decision(limit, decision), 1);
+        }
+    }
+
     fn rejection(&self, config: &Policy, reply: &LimitsReply) -> Verdict {
         Verdict::Reply(decision::rejection(&self.relevant(reply), config, self.reserved_tokens()))
     }
@@ -528,7 +554,7 @@ impl RequestFilter {
                 FromLease::Decided(self.admitted_from_lease(host, worker, config, &leases, now))
             }
             Some(Ok(LeaseStep::Refused(refusal))) => {
-                host.add_metric(Metric::Limited, 1);
+                self.count_refusal(host, config, &refusal);
                 FromLease::Decided(self.rejection(config, &refusal))
             }
             Some(Ok(LeaseStep::Ask)) => FromLease::AskForLease,
@@ -545,7 +571,7 @@ impl RequestFilter {
         leases: &TenantLeases,
         now: u64,
     ) -> Verdict {
-        host.add_metric(Metric::Allowed, 1);
+        self.count_admission(host, config, Decision::Allowed);
         worker.note_leased(config, &self.tenant, leases, now);
         self.admission = Some(Admission::Leased);
         let buckets = self.plan.as_ref().map(|p| p.buckets.clone()).unwrap_or_default();
@@ -554,6 +580,11 @@ impl RequestFilter {
 
     fn admitted_headers(&self, host: &mut impl Host, config: &Policy, reply: &LimitsReply) -> Vec<Header> {
         let mut headers = decision::rate_limit_headers(&self.relevant(reply), config);
+        if let Some(plan) = self.plan.as_ref() {
+            if let Some(estimate) = plan.estimate {
+                count_tokens(host, config, plan.rule, TokenStage::Reserved, estimate);
+            }
+        }
         if self.plan.as_ref().is_some_and(|p| p.estimate.is_some()) {
             let reserved = self.reserved_tokens();
             host.add_metric(Metric::TokensReserved, reserved);
@@ -594,7 +625,7 @@ impl RequestFilter {
     ) -> Verdict {
         let now = host.now_ms();
         if !reply.allowed {
-            host.add_metric(Metric::Limited, 1);
+            self.count_refusal(host, config, &reply);
             self.admission = None; // nothing was charged
             if self.ask == Ask::Lease {
                 // Later requests that need as much are refused here until the retry time.
@@ -620,14 +651,14 @@ impl RequestFilter {
                         // request stands charged.
                         let surplus = reply.limits.iter().zip(&costs).map(|(o, &c)| o.charged as i64 - c as i64);
                         worker.settle_credits(host, config, &self.tenant, None, false, surplus.enumerate());
-                        host.add_metric(Metric::Allowed, 1);
+                        self.count_admission(host, config, Decision::Allowed);
                         self.admission = Some(Admission::Charged);
                         Verdict::Forward(self.admitted_headers(host, config, &reply))
                     }
                 }
             }
             Ask::Charge => {
-                host.add_metric(Metric::Allowed, 1);
+                self.count_admission(host, config, Decision::Allowed);
                 self.rewrite_body(host, config, &reply);
                 if let (true, Some(Admission::Reserved(id))) = (config.has_concurrency(), &self.admission) {
                     let costs = self.costs();
@@ -661,7 +692,10 @@ impl RequestFilter {
         );
         match config.failure_mode {
             FailureMode::Local => self.decide_locally(host, worker, config),
-            FailureMode::Allow => Verdict::Forward(vec![(DEGRADED_HEADER, "companion-unavailable".to_string())]),
+            FailureMode::Allow => {
+                self.count_per_limit(host, config, Decision::Degraded);
+                Verdict::Forward(vec![(DEGRADED_HEADER, "companion-unavailable".to_string())])
+            }
             FailureMode::Deny => Verdict::Reply(decision::limiter_unavailable()),
         }
     }
@@ -691,10 +725,10 @@ impl RequestFilter {
             return Verdict::Reply(decision::limiter_unavailable());
         };
         if !reply.allowed {
-            host.add_metric(Metric::Limited, 1);
+            self.count_refusal(host, config, &reply);
             return self.rejection(config, &reply).with_header(DEGRADED_HEADER, "local".to_string());
         }
-        host.add_metric(Metric::Allowed, 1);
+        self.count_admission(host, config, Decision::Degraded);
         // Redis learns of the budget spent here; slots are this proxy's alone.
         let debits = specs.iter().enumerate().filter(|(_, b)| b.kind != LimitKind::Slots);
         worker.settle_credits(host, config, &self.tenant, None, false, debits.map(|(i, b)| (i, -(b.cost as i64))));
@@ -894,6 +928,7 @@ impl RequestFilter {
             TokenEstimate { prompt: 0, output: 0 }
         };
         host.add_metric(Metric::TokensCharged, used.total());
+        count_tokens(host, config, plan.rule, TokenStage::Charged, used);
         if ending == Ending::Completed && forwarded {
             let output = reported.output.or(streamed_output).filter(|_| plan.produces_output());
             if let Some(output) = output {
@@ -1003,6 +1038,15 @@ fn release_now(host: &mut impl Host, worker: &Worker, config: &Policy, slots: cr
     let timeout = config.companion.timeout.max(RELEASE_TIMEOUT);
     if let Err(why) = worker.call_companion(host, config, RELEASE_PATH, &request, timeout, Owner::Root) {
         host.log(LogLevel::Debug, &format!("llm-ratelimit: cannot release slots at once ({why}); the settlement will"));
+    }
+}
+
+/// Tokens by `gen_ai.token.type`: the prompt is input, the completion output.
+fn count_tokens(host: &mut impl Host, config: &Policy, rule: usize, stage: TokenStage, tokens: TokenEstimate) {
+    for (kind, amount) in [(TokenType::Input, tokens.prompt), (TokenType::Output, tokens.output)] {
+        if amount > 0 {
+            host.add_series(series::tokens(config, rule, kind, stage), amount);
+        }
     }
 }
 

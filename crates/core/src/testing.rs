@@ -100,6 +100,8 @@ pub struct FakeHost {
     pub replies: Vec<LocalReply>,
     pub resumed: usize,
     pub metrics: BTreeMap<Metric, u64>,
+    /// Labelled counters, by `series` index.
+    pub series: BTreeMap<usize, u64>,
     pub gauges: BTreeMap<String, u64>,
     pub logs: Vec<(LogLevel, String)>,
     warned: BTreeSet<&'static str>,
@@ -122,6 +124,7 @@ impl FakeHost {
             replies: Vec::new(),
             resumed: 0,
             metrics: BTreeMap::new(),
+            series: BTreeMap::new(),
             gauges: BTreeMap::new(),
             logs: Vec::new(),
             warned: BTreeSet::new(),
@@ -132,6 +135,10 @@ impl FakeHost {
 
     pub fn metric(&self, metric: Metric) -> u64 {
         self.metrics.get(&metric).copied().unwrap_or(0)
+    }
+
+    pub fn series_value(&self, series: usize) -> u64 {
+        self.series.get(&series).copied().unwrap_or(0)
     }
 
     pub fn response_header_value(&self, name: &str) -> Option<&str> {
@@ -303,6 +310,11 @@ impl Host for FakeHost {
     fn add_metric(&mut self, metric: Metric, amount: u64) {
         self.count_call("add_metric");
         *self.metrics.entry(metric).or_default() += amount;
+    }
+
+    fn add_series(&mut self, series: usize, amount: u64) {
+        self.count_call("add_series");
+        *self.series.entry(series).or_default() += amount;
     }
 
     fn set_gauge(&mut self, name: &str, value: u64) {

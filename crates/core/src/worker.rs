@@ -68,6 +68,20 @@ impl Default for Worker {
     }
 }
 
+/// What a config cannot do on this host, in the words the filter logs at load (also run
+/// by `llm-ratelimit check-config --host`).
+pub fn check_for_host(config: &Policy, host: HostKind) -> Result<(), String> {
+    if config.hold_request_headers == Some(true) && !host.reads_body_while_headers_wait() {
+        return Err(format!(
+            "invalid filter config: field `hold_request_headers`: {} does not deliver a request body while \
+             its headers are held, so every request would hang; leave it unset (the filter then waits for \
+             the body without holding the headers)",
+            host.name()
+        ));
+    }
+    Ok(())
+}
+
 impl Worker {
     pub fn new() -> Worker {
         Worker {
@@ -109,14 +123,7 @@ impl Worker {
         // nanoseconds at start-up will do for keeping crafted texts off others' entries).
         self.prompt_cache = PromptCache::new(host.now_nanos() as u64);
         let config = Policy::from_json(bytes).map_err(|e| e.to_string())?;
-        if config.hold_request_headers == Some(true) && !self.host_kind.reads_body_while_headers_wait() {
-            return Err(format!(
-                "invalid filter config: field `hold_request_headers`: {} does not deliver a request body while \
-                 its headers are held, so every request would hang; leave it unset (the filter then waits for \
-                 the body without holding the headers)",
-                self.host_kind.name()
-            ));
-        }
+        check_for_host(&config, self.host_kind)?;
         host.log(
             LogLevel::Info,
             &format!(
@@ -134,6 +141,7 @@ impl Worker {
             for limit in &config.limits {
                 let bound = (limit.capacity() as f64 * config.lease.max_fraction).ceil() as u64;
                 host.set_gauge(&format!("llm_ratelimit.lease_bound.{}", limit.name), bound);
+                host.set_gauge(&crate::series::limit_gauge(crate::series::LEASE_BOUND, &limit.name), bound);
             }
         }
         if config.tokens.calibrate && config.counts_tokens() {

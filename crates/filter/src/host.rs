@@ -1,8 +1,10 @@
 //! [`Host`] over the proxy-wasm ABI. Every call handles the host's status: failures are
 //! logged or surface as values, never as a panic (the SDK's trait helpers unwrap).
 
+use llm_ratelimit_core::config::Policy;
 use llm_ratelimit_core::decision::LocalReply;
 use llm_ratelimit_core::host::{Host, LogLevel, Metric, Owner, SharedWriteError};
+use llm_ratelimit_core::series;
 use proxy_wasm::hostcalls;
 use proxy_wasm::types::{BufferType, MapType, MetricType, Status};
 use std::cell::RefCell;
@@ -18,6 +20,10 @@ pub struct HostState {
     /// several counters, and each increment would be a call into the host on the
     /// request's path; the root's tick hands them over together.
     pending: Vec<u64>,
+    /// The labelled counters (`series::names`), defined for the config loaded, and their
+    /// increments not yet given to the host, in the same way.
+    series_ids: Vec<Option<u32>>,
+    series_pending: Vec<u64>,
     warned: BTreeSet<&'static str>,
 }
 
@@ -28,9 +34,19 @@ impl HostState {
         self.pending = vec![0; Metric::ALL.len()];
     }
 
+    /// Defines the labelled counters of `config` (defining one the host already has
+    /// gives its id back, so a reload keeps the counts).
+    pub fn define_series(&mut self, config: &Policy) {
+        let names = series::names(config);
+        self.series_ids = names.iter().map(|name| hostcalls::define_metric(MetricType::Counter, name).ok()).collect();
+        self.series_pending = vec![0; names.len()];
+    }
+
     /// Gives the host the counts gathered since the last flush.
     pub fn flush_metrics(&mut self) {
-        for (id, pending) in self.metric_ids.iter().zip(self.pending.iter_mut()) {
+        let counters = self.metric_ids.iter().zip(self.pending.iter_mut());
+        let series = self.series_ids.iter().zip(self.series_pending.iter_mut());
+        for (id, pending) in counters.chain(series) {
             let amount = std::mem::take(pending);
             if let (Some(id), Ok(amount @ 1..)) = (id, i64::try_from(amount)) {
                 let _ = hostcalls::increment_metric(*id, amount);
@@ -165,6 +181,12 @@ impl Host for ProxyHost {
 
     fn add_metric(&mut self, metric: Metric, amount: u64) {
         if let Some(pending) = self.state.borrow_mut().pending.get_mut(metric as usize) {
+            *pending = pending.saturating_add(amount);
+        }
+    }
+
+    fn add_series(&mut self, series: usize, amount: u64) {
+        if let Some(pending) = self.state.borrow_mut().series_pending.get_mut(series) {
             *pending = pending.saturating_add(amount);
         }
     }

@@ -61,7 +61,12 @@ impl RootContext for Root {
         let Ok(mut worker) = self.worker.try_borrow_mut() else { return false };
         match worker.configure(&mut host, &host::plugin_configuration()) {
             Ok(()) => {
-                self.state.borrow_mut().define_metrics();
+                let mut state = self.state.borrow_mut();
+                state.define_metrics();
+                if let Some(config) = worker.config() {
+                    state.define_series(config);
+                }
+                drop(state);
                 host::set_tick_period(TICK);
                 true
             }

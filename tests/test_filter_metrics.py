@@ -1,0 +1,213 @@
+"""The filter's labelled metrics, end to end: traffic through a real Envoy started from
+envoy/demo.yaml (whose `stats_config.stats_tags` is the bootstrap snippet the README
+gives), then `/stats/prometheus` scraped from its admin port. Also checks that every
+metric the Grafana dashboard queries exists (the filter's against this scrape)."""
+
+import json
+import re
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from stack import Backend, chat, free_port, http_get, send
+
+ROOT = Path(__file__).resolve().parents[1]
+DASHBOARD = ROOT / "deploy/grafana/llm-ratelimit.json"
+ALERTS = ROOT / "deploy/prometheus/llm-ratelimit-alerts.yaml"
+TOKEN = "metrics-test-token"
+LIMITS = [{"name": "rpm", "requests": 3, "window": "1m"}, {"name": "tpm", "tokens": 1_000_000, "window": "1m"}]
+
+# The companion's metrics as agreed (helpers' BRIEF.md). One list, to be replaced by a
+# scrape of the companion's /metrics once that endpoint exists on this branch.
+COMPANION_METRICS = [
+    "llm_ratelimit_companion_decisions_total",
+    "llm_ratelimit_companion_redis_call_duration_seconds",
+    "llm_ratelimit_companion_script_errors_total",
+    "llm_ratelimit_companion_noscript_reloads_total",
+    "llm_ratelimit_companion_queue_depth",
+    "llm_ratelimit_companion_queue_wait_seconds",
+    "llm_ratelimit_companion_settlements_total",
+    "llm_ratelimit_companion_auth_failures_total",
+    "llm_ratelimit_companion_admin_resets_total",
+]
+# What Prometheus derives from a histogram's name.
+HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
+
+SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})? (\S+)$')
+LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+
+def scrape(admin_port: int) -> dict:
+    """`/stats/prometheus` as {(name, frozenset of label pairs): value}."""
+    status, body = http_get(f"http://127.0.0.1:{admin_port}/stats/prometheus", timeout=10)
+    assert status == 200
+    samples = {}
+    for line in body.decode().splitlines():
+        if not line or line.startswith("#"):
+            continue
+        match = SAMPLE.match(line)
+        assert match, f"not Prometheus text: {line!r}"
+        name, labels, value = match.groups()
+        samples[(name, frozenset(LABEL.findall(labels or "")))] = float(value)
+    return samples
+
+
+def value(samples: dict, name: str, **labels) -> float:
+    return samples[(name, frozenset(labels.items()))]
+
+
+def series_of(samples: dict, name: str) -> list[dict]:
+    return [dict(labels) for (n, labels) in samples if n == name]
+
+
+def scrape_when(admin_port: int, expected: dict) -> dict:
+    """Scrapes until every series in `expected` ({(name, labels dict): value}) shows its
+    value, or returns the last scrape after 10 s. Each of Envoy's worker VMs hands its
+    counts to Envoy on its own 50 ms tick."""
+    deadline = time.monotonic() + 10
+    while True:
+        samples = scrape(admin_port)
+        if all(samples.get((name, frozenset(labels))) == value for (name, labels), value in expected.items()):
+            return samples
+        if time.monotonic() > deadline:
+            return samples
+        time.sleep(0.1)
+
+
+def series(name: str, **labels) -> tuple:
+    return name, tuple(sorted(labels.items()))
+
+
+@pytest.fixture(scope="module")
+def traffic(module_stack):
+    """Four chats from one tenant through an Envoy with rpm = 3 (three admitted, one
+    refused), and two through a second Envoy whose companion is unreachable
+    (`failure_mode` local: decided in the degraded mode). Returns the replies and scrapes."""
+    backend = Backend(module_stack, token=TOKEN)
+    admin_port = free_port()
+    port = backend.envoy(backend.filter_config(LIMITS), admin_port=admin_port)[0]
+    replies = [send(port, key="sk-metrics", body=chat("count my tokens", max_tokens=50)) for _ in range(4)]
+    assert [r.status for r in replies] == [200, 200, 200, 429]
+    completions = sum(json.loads(r.body)["usage"]["completion_tokens"] for r in replies[:3])
+    samples = scrape_when(admin_port, {
+        series("llm_ratelimit_decisions_total", limit="rpm", decision="allowed"): 3,
+        series("llm_ratelimit_decisions_total", limit="rpm", decision="limited"): 1,
+        series("llm_ratelimit_tokens_total", model_rule="gpt-4o", gen_ai_token_type="output",
+               token_stage="charged"): completions,
+    })
+
+    degraded_admin = free_port()
+    degraded_config = backend.filter_config(LIMITS, failure_mode="local", companion_timeout="100ms")
+    degraded_port = backend.envoy(degraded_config, name="envoy-degraded", companion_port=free_port(),
+                                  admin_port=degraded_admin)[0]
+    degraded_replies = [send(degraded_port, key="sk-metrics-degraded") for _ in range(2)]
+    assert [r.status for r in degraded_replies] == [200, 200]
+    assert all(r.headers.get("x-llm-ratelimit-degraded") == "local" for r in degraded_replies)
+    degraded = scrape_when(degraded_admin, {series("llm_ratelimit_decisions_total", limit="rpm", decision="degraded"): 2})
+    return {"replies": replies, "samples": samples, "degraded": degraded, "admin_port": admin_port}
+
+
+def test_decisions_are_labelled_by_limit_and_decision(traffic):
+    samples = traffic["samples"]
+    decisions = "llm_ratelimit_decisions_total"
+    assert value(samples, decisions, limit="rpm", decision="allowed") == 3
+    assert value(samples, decisions, limit="rpm", decision="limited") == 1, "rpm refused the fourth"
+    assert value(samples, decisions, limit="tpm", decision="allowed") == 3
+    assert value(samples, decisions, limit="tpm", decision="limited") == 0, "tpm had room"
+    for limit in ("rpm", "tpm"):
+        assert value(samples, decisions, limit=limit, decision="degraded") == 0
+        assert value(samples, decisions, limit=limit, decision="shadow") == 0
+    # Exactly the config's limits and the four decisions: nothing a client can add to.
+    assert sorted((s["limit"], s["decision"]) for s in series_of(samples, decisions)) == sorted(
+        (limit, decision) for limit in ("rpm", "tpm") for decision in ("allowed", "limited", "degraded", "shadow"))
+    # The unlabelled counters are still there, under their old names.
+    assert value(samples, "llm_ratelimit_requests_allowed") == 3
+    assert value(samples, "llm_ratelimit_requests_limited") == 1
+
+    degraded = traffic["degraded"]
+    assert value(degraded, decisions, limit="rpm", decision="degraded") == 2
+    assert value(degraded, decisions, limit="rpm", decision="allowed") == 0
+
+
+def test_tokens_are_labelled_by_gen_ai_token_type_and_stage(traffic):
+    samples, admitted = traffic["samples"], traffic["replies"][:3]
+    tokens = lambda kind, stage: value(samples, "llm_ratelimit_tokens_total", model_rule="gpt-4o",  # noqa: E731
+                                       gen_ai_token_type=kind, token_stage=stage)
+    usages = [json.loads(r.body)["usage"] for r in admitted]
+    assert tokens("input", "charged") == sum(u["prompt_tokens"] for u in usages)
+    assert tokens("output", "charged") == sum(u["completion_tokens"] for u in usages)
+    reserved = sum(int(r.headers["x-llm-ratelimit-reserved-tokens"]) for r in admitted)
+    assert tokens("input", "reserved") + tokens("output", "reserved") == reserved
+    assert tokens("input", "reserved") > 0 and tokens("output", "reserved") > 0
+    assert value(samples, "llm_ratelimit_tokens_reserved") == reserved
+    # gpt-4o-mini is the gpt-4o rule's: no other rule counted anything.
+    others = [s for s in series_of(samples, "llm_ratelimit_tokens_total") if s["model_rule"] != "gpt-4o"]
+    assert others and all(value(samples, "llm_ratelimit_tokens_total", **s) == 0 for s in others)
+
+
+def test_gauges_are_labelled_beside_their_old_names(traffic):
+    """prompt_factor.<rule> and output_prior.<rule> also as one series per rule, labelled."""
+    def pairs(samples):
+        rules = [s["model_rule"] for s in series_of(samples, "llm_ratelimit_prompt_factor_thousandths")]
+        old = lambda gauge, rule: samples.get((f"llm_ratelimit_{gauge}_{re.sub('[^a-zA-Z0-9_]', '_', rule)}", frozenset()))  # noqa: E731
+        return rules, [(value(samples, "llm_ratelimit_prompt_factor_thousandths", model_rule=r), old("prompt_factor", r),
+                        value(samples, "llm_ratelimit_output_prior_tokens", model_rule=r), old("output_prior", r))
+                       for r in rules]
+
+    rules, values = pairs(traffic["samples"])
+    # One per model rule: the same rules the token counters have.
+    assert sorted(rules) == sorted({s["model_rule"] for s in series_of(traffic["samples"], "llm_ratelimit_tokens_total")})
+    assert values[rules.index("other")][:2] == (1000, 1000), "a rule without replies keeps its configured factor"
+    # The same values under both names (both are set in one go; a scrape may fall between).
+    deadline = time.monotonic() + 5
+    while any(new != old for new, old, *_ in values) or any(new != old for *_, new, old in values):
+        assert time.monotonic() < deadline, values
+        time.sleep(0.1)
+        rules, values = pairs(scrape(traffic["admin_port"]))
+
+
+def test_the_readmes_bootstrap_snippet_is_the_demos():
+    """The README's stats_tags block is the one envoy/demo.yaml (and so every test) runs."""
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split("<!-- stats-tags -->", 1)[1].split("```yaml", 1)[1].split("```", 1)[0]
+    demo = yaml.safe_load((ROOT / "envoy/demo.yaml").read_text())
+    assert yaml.safe_load(block) == {"stats_config": demo["stats_config"]}
+
+
+def test_no_label_carries_a_tenant_or_a_key(traffic):
+    tenant_like = re.compile(r"[0-9a-f]{32}|sk-")
+    for name, labels in traffic["samples"]:
+        if name.startswith("llm_ratelimit"):
+            assert not any(tenant_like.search(v) for _, v in labels), (name, labels)
+
+
+def queried_metrics() -> set[str]:
+    """Every metric name the PromQL of deploy/ mentions: the dashboard's panels and
+    variables, the alerting rules. (crates/cli/tests/deploy_queries.rs parses them.)"""
+    dashboard = json.loads(DASHBOARD.read_text())
+    queries = [t["expr"] for panel in dashboard["panels"] for t in panel.get("targets", [])]
+    queries += [v["definition"] for v in dashboard["templating"]["list"] if "definition" in v]
+    alerts = [rule["expr"] for group in yaml.safe_load(ALERTS.read_text())["groups"] for rule in group["rules"]]
+    assert queries and alerts
+    return {name for query in queries + alerts for name in re.findall(r"\bllm_ratelimit_[a-z0-9_]+", query)}
+
+
+def companion_metric(name: str) -> str | None:
+    """The agreed companion metric `name` is (or is a histogram series of), if any."""
+    for suffix in ("", *HISTOGRAM_SUFFIXES):
+        if name.endswith(suffix) and name[: len(name) - len(suffix)] in COMPANION_METRICS:
+            return name[: len(name) - len(suffix)]
+    return None
+
+
+def test_every_metric_the_dashboard_and_alerts_query_exists(traffic):
+    names = queried_metrics()
+    # The filter's own `companion_failures` reads llm_ratelimit_companion_failures: a name
+    # is the companion's only if it is on the agreed list; every other must be scraped.
+    companion = {n for n in names if companion_metric(n)}
+    filter_names = names - companion
+    scraped = {name for name, _ in traffic["samples"]}
+    assert filter_names and filter_names <= scraped, sorted(filter_names - scraped)
+    assert {companion_metric(n) for n in companion} == set(COMPANION_METRICS), "every companion metric is shown"
