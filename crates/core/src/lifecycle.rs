@@ -4,14 +4,16 @@
 //!
 //! The worker ([`Worker`]) holds what outlives a request; each callback borrows it.
 
+use crate::answers::Caller;
 use crate::breaker::Route;
 use crate::bucket::{check_and_charge, decode_states, encode_states};
 use crate::calibration::{Calibration, Lesson, LocalCalibrations};
 use crate::charge::{plan, ChargePlan, Learned};
-use crate::config::{Dimension, FailureMode, MissingIdentity, Mode, Policy};
+use crate::config::{FailureMode, Measure, MissingIdentity, Mode, Policy};
 use crate::decision::{
     self, Header, LocalReply, DEGRADED_HEADER, QUEUED_HEADER, RESERVED_TOKENS_HEADER, SHADOW_HEADER,
 };
+use crate::dialect::Dialect;
 use crate::host::{shared_update, Action, Host, LogLevel, Metric, Owner};
 use crate::identity::{find_credential, tenant_id, ANONYMOUS_TENANT};
 use crate::lease::{lease_asks, LeaseEntry, TenantLeases};
@@ -138,6 +140,10 @@ pub struct RequestFilter {
     queued: bool,
     /// Whether the headers are held while the body is read.
     holding_headers: bool,
+    /// The request's `:path`, as its headers said.
+    path: String,
+    /// Whose shape the filter's own answers to this request take.
+    dialect: Dialect,
 }
 
 impl RequestFilter {
@@ -157,6 +163,8 @@ impl RequestFilter {
             body_len: 0,
             queued: false,
             holding_headers: false,
+            path: String::new(),
+            dialect: Dialect::default(),
         }
     }
 
@@ -173,10 +181,14 @@ impl RequestFilter {
 
     pub fn on_request_headers(&mut self, host: &mut impl Host, worker: &mut Worker, end_of_stream: bool) -> Action {
         let Some(config) = self.config.clone() else { return Action::Continue };
-        if !config.bypass.paths.is_empty() && config.bypass.path(&host.request_header(":path").unwrap_or_default()) {
+        self.path = host.request_header(":path").unwrap_or_default();
+        if !config.bypass.paths.is_empty() && config.bypass.path(&self.path) {
             host.add_metric(Metric::Bypassed, 1);
             return Action::Continue;
         }
+        // Known before any body, so every answer, even one that never reads it, is in the
+        // caller's shape.
+        self.dialect = config.error_format.dialect(&self.path);
         match self.identify(host, &config) {
             Ok(tenant) => self.tenant = tenant,
             Err(verdict) => return self.apply(host, &config, verdict, false),
@@ -213,7 +225,7 @@ impl RequestFilter {
         match self.phase {
             Phase::ReadingBody => {
                 if body_size as u64 > config.tokens.max_request_bytes {
-                    let reply = Verdict::Reply(decision::body_too_large(config.tokens.max_request_bytes));
+                    let reply = Verdict::Reply(decision::body_too_large(config.tokens.max_request_bytes, self.dialect));
                     return self.apply(host, &config, reply, false);
                 }
                 if !end_of_stream {
@@ -323,7 +335,7 @@ impl RequestFilter {
             (None, MissingIdentity::Anonymous) => Ok(ANONYMOUS_TENANT.to_string()),
             (None, MissingIdentity::Reject) => {
                 host.add_metric(Metric::Unidentified, 1);
-                Err(Verdict::Reply(decision::missing_identity()))
+                Err(Verdict::Reply(decision::missing_identity(self.dialect)))
             }
         }
     }
@@ -341,13 +353,19 @@ impl RequestFilter {
         self.plan.as_ref().map_or_else(|| reply.clone(), |plan| plan.relevant(reply))
     }
 
-    fn rejection(&self, config: &Policy, reply: &LimitsReply) -> Verdict {
-        Verdict::Reply(decision::rejection(&self.relevant(reply), config, self.reserved_tokens()))
+    fn rejection(&self, host: &mut impl Host, config: &Policy, reply: &LimitsReply) -> Verdict {
+        let charged = self.plan.as_ref().map_or(&[][..], |p| p.buckets.as_slice());
+        Verdict::Reply(decision::rejection(&self.relevant(reply), config, charged, self.caller(host)))
+    }
+
+    /// Who the filter's answers to this request are for, now.
+    fn caller(&self, host: &mut impl Host) -> Caller {
+        Caller { dialect: self.dialect, now_ms: host.now_ms() }
     }
 
     /// Plans the charge and decides it. `body` is `None` when the body is not read.
     fn charge(&mut self, host: &mut impl Host, worker: &mut Worker, config: &Policy, body: Option<&[u8]>) -> Action {
-        let path = host.request_header(":path").unwrap_or_default();
+        let path = std::mem::take(&mut self.path);
         let tier_value = config.tier.as_ref().and_then(|t| host.request_header(&t.header));
         self.tier = config.tier_of(&self.tenant, tier_value.as_deref()).to_string();
         // The clock, read once for the decision.
@@ -365,7 +383,7 @@ impl RequestFilter {
         let unpriced = plan.unpriced.then(|| plan.model.clone());
         self.plan = Some(plan);
         if let Some(model) = unpriced {
-            return self.apply(host, config, Verdict::Reply(decision::model_not_priced(&model)), false);
+            return self.apply(host, config, Verdict::Reply(decision::model_not_priced(&model, self.dialect)), false);
         }
         if config.lease.enabled {
             match self.admit_from_lease(host, worker, config, now) {
@@ -512,7 +530,7 @@ impl RequestFilter {
             }
             Some(Ok(LeaseStep::Refused(refusal))) => {
                 host.add_metric(Metric::Limited, 1);
-                FromLease::Decided(self.rejection(config, &refusal))
+                FromLease::Decided(self.rejection(host, config, &refusal))
             }
             Some(Ok(LeaseStep::Ask)) => FromLease::AskForLease,
             // First seen, the slot held by another tenant's lease, or the write refused.
@@ -536,7 +554,7 @@ impl RequestFilter {
     }
 
     fn admitted_headers(&self, host: &mut impl Host, config: &Policy, reply: &LimitsReply) -> Vec<Header> {
-        let mut headers = decision::rate_limit_headers(&self.relevant(reply), config);
+        let mut headers = decision::rate_limit_headers(&self.relevant(reply), config, self.caller(host));
         if self.plan.as_ref().is_some_and(|p| p.estimate.is_some()) {
             let reserved = self.reserved_tokens();
             host.add_metric(Metric::TokensReserved, reserved);
@@ -590,7 +608,7 @@ impl RequestFilter {
                     (Some(entry.encode()), ())
                 });
             }
-            return self.rejection(config, &reply);
+            return self.rejection(host, config, &reply);
         }
         match self.ask {
             Ask::Lease => {
@@ -645,7 +663,7 @@ impl RequestFilter {
         match config.failure_mode {
             FailureMode::Local => self.decide_locally(host, worker, config),
             FailureMode::Allow => Verdict::Forward(vec![(DEGRADED_HEADER, "companion-unavailable".to_string())]),
-            FailureMode::Deny => Verdict::Reply(decision::limiter_unavailable()),
+            FailureMode::Deny => Verdict::Reply(decision::limiter_unavailable(self.dialect)),
         }
     }
 
@@ -671,11 +689,11 @@ impl RequestFilter {
             },
         );
         let Some(Ok(reply)) = reply else {
-            return Verdict::Reply(decision::limiter_unavailable());
+            return Verdict::Reply(decision::limiter_unavailable(self.dialect));
         };
         if !reply.allowed {
             host.add_metric(Metric::Limited, 1);
-            return self.rejection(config, &reply).with_header(DEGRADED_HEADER, "local".to_string());
+            return self.rejection(host, config, &reply).with_header(DEGRADED_HEADER, "local".to_string());
         }
         host.add_metric(Metric::Allowed, 1);
         // Redis learns of the budget spent here; slots are this proxy's alone.
@@ -693,12 +711,8 @@ impl RequestFilter {
             return;
         }
         let Some(plan) = self.plan.as_mut() else { return };
-        let charged = plan
-            .token_buckets(config)
-            .next()
-            .and_then(|b| reply.limits.iter().find(|o| o.name == b.name))
-            .map(|o| o.charged);
-        let Some(body) = plan.apply_grant(config, charged) else { return };
+        let charged: Vec<u64> = reply.limits.iter().map(|o| o.charged).collect();
+        let Some(body) = plan.apply_grant(config, &charged) else { return };
         if host.replace_request_body(self.body_len, &body)
             && host.set_request_header("content-length", &body.len().to_string())
             && config.tokens.request_stream_usage
@@ -758,21 +772,8 @@ impl RequestFilter {
     /// from, and its slots are released.
     fn settle(&mut self, host: &mut impl Host, worker: &mut Worker, config: &Policy, ending: Ending) {
         let Some(admission) = self.admission.take() else { return };
-        let (token_credit, cost_credit) = self.credits(host, worker, config, ending);
+        let credits = self.credits(host, worker, config, ending);
         let applies = |i: usize| self.plan.as_ref().is_some_and(|p| p.applies(i));
-        // Only the limits this request was charged against (per-model limits may not
-        // apply), each with the credit of its dimension.
-        let credits: Vec<(usize, i64)> = config
-            .limits
-            .iter()
-            .enumerate()
-            .filter(|(i, _)| applies(*i))
-            .filter_map(|(i, limit)| match limit.dimension() {
-                Dimension::Tokens => Some((i, token_credit)),
-                Dimension::Cost => Some((i, cost_credit)),
-                _ => None,
-            })
-            .collect();
         let slot_limits: Vec<usize> = config
             .limits
             .iter()
@@ -840,12 +841,19 @@ impl RequestFilter {
         worker.queue_settlement(host, settlement);
     }
 
-    /// What to give back for this request (negative: to take), in tokens and in
-    /// micro-dollars, from what it reserved and what the reply says it used; updates the
-    /// running average of completions.
-    fn credits(&mut self, host: &mut impl Host, worker: &mut Worker, config: &Policy, ending: Ending) -> (i64, i64) {
-        let Some(plan) = self.plan.as_ref() else { return (0, 0) };
-        let Some(estimate) = plan.estimate else { return (0, 0) };
+    /// What to give back for this request (negative: to take) to each token and cost
+    /// limit it applies to (per-model limits may not), by limit index: of the part of its
+    /// tokens the limit counts, or in micro-dollars, what it reserved less what the reply
+    /// says it used. Updates the running average of completions.
+    fn credits(
+        &mut self,
+        host: &mut impl Host,
+        worker: &mut Worker,
+        config: &Policy,
+        ending: Ending,
+    ) -> Vec<(usize, i64)> {
+        let Some(plan) = self.plan.as_ref() else { return Vec::new() };
+        let Some(estimate) = plan.estimate else { return Vec::new() };
         let (reported, streamed_output) = match self.reply.as_mut() {
             Some(ReplyReader::Json(reader)) => (reader.finish(), None),
             Some(ReplyReader::Stream(reader)) => {
@@ -874,18 +882,19 @@ impl RequestFilter {
             let prompt = reported.input.map(|input| (plan.counted_prompt, input));
             worker.calibrations.note(config, plan.rule, Lesson { prompt, output });
         }
-        // Against what the budget was charged (every cost limit is charged the same).
-        let charged =
-            plan.buckets.iter().zip(&config.limits).find(|(b, l)| l.dimension() == Dimension::Cost && b.cost > 0);
-        let cost_credit = match (plan.price, charged) {
-            (Some(price), Some((bucket, _))) => {
-                let signed = |n: u64| i64::try_from(n).unwrap_or(i64::MAX);
-                let cached = if forwarded { reported.cached_input.unwrap_or(0) } else { 0 };
-                signed(bucket.cost).saturating_sub(signed(price.micro_usd_cached(used, cached)))
-            }
-            _ => 0,
-        };
-        (credit(estimate, used.total()), cost_credit)
+        let cached = if forwarded { reported.cached_input.unwrap_or(0) } else { 0 };
+        let credits = config.limits.iter().zip(&plan.buckets).enumerate().filter(|(i, _)| plan.applies(*i));
+        credits
+            .filter_map(|(i, (limit, bucket))| match limit.measure {
+                Measure::Tokens { count, .. } => Some((i, credit(count.reserved(estimate), count.used(used, cached)))),
+                // Against what the budget was charged, at the price of each part used.
+                Measure::Usd { .. } => {
+                    let cost = plan.price.map_or(0, |price| credit(bucket.cost, price.micro_usd_cached(used, cached)));
+                    Some((i, cost))
+                }
+                Measure::Requests(_) | Measure::Concurrency(_) => None,
+            })
+            .collect()
     }
 
     fn release_local_slots(&self, host: &mut impl Host, config: &Policy, indices: &[usize]) {
@@ -974,6 +983,9 @@ fn release_now(host: &mut impl Host, worker: &Worker, config: &Policy, slots: cr
     }
 }
 
+#[cfg(test)]
+#[path = "lifecycle_answers_tests.rs"]
+mod answers_tests;
 #[cfg(test)]
 #[path = "lifecycle_tests.rs"]
 mod tests;

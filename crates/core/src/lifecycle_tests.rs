@@ -17,7 +17,7 @@ const CHAT_RESERVES: i64 = 309;
 /// reply, 3 for the message, `user` and `hello world` in bytes.
 const CHAT_PROMPT_BOUND: u64 = 21;
 
-fn config(limits: Value, extra: Value) -> String {
+pub(super) fn config(limits: Value, extra: Value) -> String {
     let mut config =
         json!({"companion": {"upstream": "companion", "token": "t"}, "failure_mode": "deny", "limits": limits});
     if let (Some(config), Some(extra)) = (config.as_object_mut(), extra.as_object()) {
@@ -45,7 +45,7 @@ fn tenant(key: &str) -> String {
 }
 
 /// The settlements the worker sends on its next tick, answered by `companion`.
-fn settle(proxy: &mut Proxy, companion: &mut FakeCompanion) -> Vec<crate::protocol::Settlement> {
+pub(super) fn settle(proxy: &mut Proxy, companion: &mut FakeCompanion) -> Vec<crate::protocol::Settlement> {
     let before = companion.settled.len();
     proxy.tick(Some(companion));
     companion.settled[before..].to_vec()
