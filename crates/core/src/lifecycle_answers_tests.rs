@@ -2,7 +2,7 @@
 //! shape (chosen from the path when the headers arrive, or fixed by `error_format`), and
 //! token limits that count one part of a request's tokens, reserved and settled apart.
 
-use super::tests::{config, settle};
+use super::tests::{config, lease_of, settle};
 use crate::host::HostKind;
 use crate::protocol::{ChargeRequest, Settlement};
 use crate::testing::{FakeCompanion, InFlight, Proxy, Request, World};
@@ -205,4 +205,49 @@ fn clamping_fits_the_output_allowance_to_an_output_limit() {
     let charge: ChargeRequest = serde_json::from_value(second.host.last_callout().body.clone()).expect("a charge");
     assert_eq!(charge.limits[1].min_cost, Some(50));
     assert_eq!(charge.limits[0].min_cost, None, "the prompt is not elastic");
+}
+
+#[test]
+fn leased_requests_settle_each_part_and_redis_ends_at_what_was_used() {
+    for kind in HOSTS {
+        let world = World::new(kind);
+        let limits = json!([
+            {"name": "itpm", "tokens": 100000, "window": "366d", "count": "input"},
+            {"name": "otpm", "tokens": 100000, "window": "366d", "count": "output"},
+            {"name": "ctpm", "tokens": 100000, "window": "366d", "count": "cached_input"}
+        ]);
+        let mut proxy = Proxy::new(&world, &config(limits, json!({"lease": {"enabled": true, "ttl": "1s"}})));
+        let mut companion = FakeCompanion::default();
+        for _ in 0..4 {
+            let mut request = proxy.send(at("/v1/messages", Request::chat("sk-a", MESSAGES)), &mut companion);
+            assert!(request.forwarded(), "{kind:?}");
+            proxy.reply(&mut request, 200, "application/json", &[&anthropic_usage(10, 20, 40)]);
+            proxy.tick(Some(&mut companion));
+        }
+        assert_eq!(companion.calls.get(crate::protocol::LEASE_PATH), Some(&1), "{kind:?}: leased from the second");
+        // A leased request settles into its leases, the cached input too: that limit's
+        // lease holds nothing and goes below zero, and what it owes reaches Redis when
+        // the lease ends.
+        assert!(companion.settled.iter().all(|s| s.reservation.is_some()), "{kind:?}: no settlement but the first's");
+        let cached = lease_of(&mut proxy, "sk-a").0[2].remaining;
+        assert!((cached + 60.0).abs() < 0.5, "{kind:?}: the cached-input lease owes {cached}");
+        // The leases expire and give back what is left: Redis holds exactly what the four
+        // replies used of each part (30 input, 40 output, 20 of the input cached, each).
+        crate::testing::advance(&world, 1_500);
+        for _ in 0..10 {
+            proxy.tick(Some(&mut companion));
+        }
+        let tenant = crate::identity::tenant_id("sk-a");
+        let charge: ChargeRequest = serde_json::from_value(json!({"domain": "llm", "tenant": tenant, "limits": [
+            {"name": "itpm", "capacity": 100000, "window_ms": 31_622_400_000u64, "cost": 0},
+            {"name": "otpm", "capacity": 100000, "window_ms": 31_622_400_000u64, "cost": 0},
+            {"name": "ctpm", "capacity": 100000, "window_ms": 31_622_400_000u64, "cost": 0}]}))
+        .expect("specs");
+        let now = proxy.now();
+        let used: Vec<f64> =
+            charge.limits.iter().map(|limit| 100_000.0 - companion.level(&tenant, limit, now)).collect();
+        for (used, expected) in used.iter().zip([120.0, 160.0, 80.0]) {
+            assert!((used - expected).abs() < 1.0, "{kind:?}: used {used}, expected {expected}");
+        }
+    }
 }

@@ -333,7 +333,7 @@ fn leases_admit_without_callouts_refuse_renew_and_return_on_expiry() {
 }
 
 /// A tenant's leases as its slot of the lease table holds them (empty if not its own).
-fn lease_of(proxy: &mut Proxy, key: &str) -> TenantLeases {
+pub(super) fn lease_of(proxy: &mut Proxy, key: &str) -> TenantLeases {
     let config = proxy.worker.config().unwrap().clone();
     let stored = crate::tables::read_own(&mut proxy.root, &config, crate::tables::TenantTable::Leases, &tenant(key));
     crate::lease::LeaseEntry::decode(stored.as_deref(), config.limits.len()).leases
