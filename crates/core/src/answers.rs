@@ -17,6 +17,15 @@ use crate::dialect::Dialect;
 use crate::protocol::LimitsReply;
 use serde_json::json;
 
+/// Bedrock's error code, where AWS's REST-JSON protocol carries it.
+pub const BEDROCK_ERROR_HEADER: &str = "x-amzn-errortype";
+
+/// Whether a local reply's header is part of its error (the body's type, Bedrock's error
+/// code), so it has no place on a response forwarded instead (shadow mode).
+pub fn belongs_to_the_error(name: &str) -> bool {
+    name == "content-type" || name == BEDROCK_ERROR_HEADER
+}
+
 /// Who is answered, and when: the shape, and the time reset headers count from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Caller {
@@ -117,7 +126,7 @@ pub fn error_reply(dialect: Dialect, refusal: Refusal, message: &str, retry_afte
             json!({"error": {"code": status, "message": message, "status": refusal.google(), "details": details}})
         }
         Dialect::Bedrock => {
-            headers.push(("x-amzn-errortype", refusal.bedrock().to_string()));
+            headers.push((BEDROCK_ERROR_HEADER, refusal.bedrock().to_string()));
             json!({"message": message})
         }
     };

@@ -4,7 +4,7 @@
 //!
 //! The worker ([`Worker`]) holds what outlives a request; each callback borrows it.
 
-use crate::answers::Caller;
+use crate::answers::{self, Caller};
 use crate::breaker::Route;
 use crate::bucket::{check_and_charge, decode_states, encode_states};
 use crate::calibration::{Calibration, Lesson, LocalCalibrations};
@@ -737,7 +737,7 @@ impl RequestFilter {
                 let mut headers: Vec<Header> = reply
                     .headers
                     .into_iter()
-                    .filter(|(name, _)| *name != "retry-after" && *name != "content-type")
+                    .filter(|(name, _)| *name != "retry-after" && !answers::belongs_to_the_error(name))
                     .collect();
                 headers.push((SHADOW_HEADER, reply.status.to_string()));
                 Verdict::Forward(headers)

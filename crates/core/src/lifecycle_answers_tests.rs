@@ -251,3 +251,19 @@ fn leased_requests_settle_each_part_and_redis_ends_at_what_was_used() {
         }
     }
 }
+
+#[test]
+fn shadow_mode_forwards_a_refusal_without_its_error_headers() {
+    let world = World::new(HostKind::Envoy);
+    let limits = json!([{"name": "rpm", "requests": 1, "window": "1m"}]);
+    let mut proxy = Proxy::new(&world, &config(limits, json!({"mode": "shadow"})));
+    let mut companion = FakeCompanion::default();
+    let bedrock = || at("/model/anthropic.claude-3-haiku/converse", Request::chat("sk-a", "{}"));
+    assert!(proxy.send(bedrock(), &mut companion).forwarded());
+    let mut second = proxy.send(bedrock(), &mut companion);
+    assert!(second.forwarded(), "shadow mode never refuses");
+    proxy.reply(&mut second, 200, "application/json", &["{}"]);
+    assert_eq!(second.host.response_header_value("x-llm-ratelimit-shadow"), Some("429"));
+    assert_eq!(second.host.response_header_value("x-amzn-errortype"), None, "a 200 is no ThrottlingException");
+    assert!(second.host.response_header_value("ratelimit").is_some());
+}
