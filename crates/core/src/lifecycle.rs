@@ -353,14 +353,15 @@ impl RequestFilter {
         self.plan.as_ref().map_or_else(|| reply.clone(), |plan| plan.relevant(reply))
     }
 
-    fn rejection(&self, host: &mut impl Host, config: &Policy, reply: &LimitsReply) -> Verdict {
+    /// The 429 for `reply`, decided at `now` (ms).
+    fn rejection(&self, config: &Policy, reply: &LimitsReply, now: u64) -> Verdict {
         let charged = self.plan.as_ref().map_or(&[][..], |p| p.buckets.as_slice());
-        Verdict::Reply(decision::rejection(&self.relevant(reply), config, charged, self.caller(host)))
+        Verdict::Reply(decision::rejection(&self.relevant(reply), config, charged, self.caller(now)))
     }
 
-    /// Who the filter's answers to this request are for, now.
-    fn caller(&self, host: &mut impl Host) -> Caller {
-        Caller { dialect: self.dialect, now_ms: host.now_ms() }
+    /// Who the filter's answers to this request are for, at `now` (ms).
+    fn caller(&self, now: u64) -> Caller {
+        Caller { dialect: self.dialect, now_ms: now }
     }
 
     /// Plans the charge and decides it. `body` is `None` when the body is not read.
@@ -530,7 +531,7 @@ impl RequestFilter {
             }
             Some(Ok(LeaseStep::Refused(refusal))) => {
                 host.add_metric(Metric::Limited, 1);
-                FromLease::Decided(self.rejection(host, config, &refusal))
+                FromLease::Decided(self.rejection(config, &refusal, now))
             }
             Some(Ok(LeaseStep::Ask)) => FromLease::AskForLease,
             // First seen, the slot held by another tenant's lease, or the write refused.
@@ -550,11 +551,11 @@ impl RequestFilter {
         worker.note_leased(config, &self.tenant, leases, now);
         self.admission = Some(Admission::Leased);
         let buckets = self.plan.as_ref().map(|p| p.buckets.clone()).unwrap_or_default();
-        Verdict::Forward(self.admitted_headers(host, config, &leases.as_reply(&buckets)))
+        Verdict::Forward(self.admitted_headers(host, config, &leases.as_reply(&buckets), now))
     }
 
-    fn admitted_headers(&self, host: &mut impl Host, config: &Policy, reply: &LimitsReply) -> Vec<Header> {
-        let mut headers = decision::rate_limit_headers(&self.relevant(reply), config, self.caller(host));
+    fn admitted_headers(&self, host: &mut impl Host, config: &Policy, reply: &LimitsReply, now: u64) -> Vec<Header> {
+        let mut headers = decision::rate_limit_headers(&self.relevant(reply), config, self.caller(now));
         if self.plan.as_ref().is_some_and(|p| p.estimate.is_some()) {
             let reserved = self.reserved_tokens();
             host.add_metric(Metric::TokensReserved, reserved);
@@ -608,7 +609,7 @@ impl RequestFilter {
                     (Some(entry.encode()), ())
                 });
             }
-            return self.rejection(host, config, &reply);
+            return self.rejection(config, &reply, now);
         }
         match self.ask {
             Ask::Lease => {
@@ -623,7 +624,7 @@ impl RequestFilter {
                         worker.settle_credits(host, config, &self.tenant, None, false, surplus.enumerate());
                         host.add_metric(Metric::Allowed, 1);
                         self.admission = Some(Admission::Charged);
-                        Verdict::Forward(self.admitted_headers(host, config, &reply))
+                        Verdict::Forward(self.admitted_headers(host, config, &reply, now))
                     }
                 }
             }
@@ -641,7 +642,7 @@ impl RequestFilter {
                     let slots = settlement(config, &self.tenant, Some(id.clone()), false, adjustments(config, held));
                     worker.hold_slots(id.clone(), slots);
                 }
-                Verdict::Forward(self.admitted_headers(host, config, &reply))
+                Verdict::Forward(self.admitted_headers(host, config, &reply, now))
             }
         }
     }
@@ -673,7 +674,8 @@ impl RequestFilter {
     fn decide_locally(&mut self, host: &mut impl Host, worker: &mut Worker, config: &Policy) -> Verdict {
         host.add_metric(Metric::LocalDecisions, 1);
         let specs = self.plan.as_ref().map(|plan| local_specs(config, plan)).unwrap_or_default();
-        let now = host.now_ms() as f64;
+        let now_ms = host.now_ms();
+        let now = now_ms as f64;
         // A local bucket may be replaced by a colliding tenant's at once: what it admitted
         // was queued for Redis when it admitted it.
         let reply = update_own(
@@ -693,14 +695,15 @@ impl RequestFilter {
         };
         if !reply.allowed {
             host.add_metric(Metric::Limited, 1);
-            return self.rejection(host, config, &reply).with_header(DEGRADED_HEADER, "local".to_string());
+            return self.rejection(config, &reply, now_ms).with_header(DEGRADED_HEADER, "local".to_string());
         }
         host.add_metric(Metric::Allowed, 1);
         // Redis learns of the budget spent here; slots are this proxy's alone.
         let debits = specs.iter().enumerate().filter(|(_, b)| b.kind != LimitKind::Slots);
         worker.settle_credits(host, config, &self.tenant, None, false, debits.map(|(i, b)| (i, -(b.cost as i64))));
         self.admission = Some(Admission::Local);
-        Verdict::Forward(self.admitted_headers(host, config, &reply)).with_header(DEGRADED_HEADER, "local".to_string())
+        Verdict::Forward(self.admitted_headers(host, config, &reply, now_ms))
+            .with_header(DEGRADED_HEADER, "local".to_string())
     }
 
     /// Sends upstream the body the charge calls for: the output cap clamped to what was
