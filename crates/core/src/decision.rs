@@ -279,15 +279,10 @@ mod tests {
         }
     }
 
+    /// A bucket of `cost` as the wire has it (fields it defaults left to their defaults).
     fn charge(name: &str, cost: u64) -> LimitCharge {
-        LimitCharge {
-            name: name.into(),
-            capacity: 1,
-            window_ms: 1,
-            cost,
-            min_cost: None,
-            kind: crate::protocol::LimitKind::TokenBucket,
-        }
+        let bucket = serde_json::json!({"name": name, "capacity": 1, "window_ms": 1, "cost": cost});
+        serde_json::from_value(bucket).expect("a bucket")
     }
 
     fn header<'a>(headers: &'a [Header], name: &str) -> Option<&'a str> {
