@@ -36,19 +36,17 @@ impl Dialect {
         }
     }
 
-    /// The family a path belongs to (the query ignored): an API the filter parses, else
-    /// Google's and Bedrock's path shapes, else OpenAI's.
+    /// The family a path belongs to (the query ignored): Google's and Bedrock's path
+    /// shapes first (Bedrock's `invoke` carries Anthropic's body, yet its callers are
+    /// AWS's SDKs), then the API the filter parses from the path, else OpenAI's.
     pub fn of_path(path: &str) -> Dialect {
-        if let Some(api) = Api::from_path(path) {
-            return Dialect::of_api(api);
-        }
-        let path = path.split(['?', '#']).next().unwrap_or("").trim_end_matches('/');
-        if is_google_path(path) {
+        let bare = path.split(['?', '#']).next().unwrap_or("").trim_end_matches('/');
+        if is_google_path(bare) {
             Dialect::Google
-        } else if is_bedrock_path(path) {
+        } else if is_bedrock_path(bare) {
             Dialect::Bedrock
         } else {
-            Dialect::OpenAi
+            Api::from_path(path).map_or(Dialect::OpenAi, Dialect::of_api)
         }
     }
 }
