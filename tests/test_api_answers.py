@@ -57,7 +57,7 @@ def test_the_anthropic_sdk_reads_our_413_and_503(backend):
     limits = [{"name": "tpm", "tokens": BIG, "window": LONG}]
     port, _ = backend.envoy(backend.filter_config(limits, tokens={"max_request_bytes": 1024}))
     client = anthropic_sdk.Anthropic(base_url=f"http://127.0.0.1:{port}", api_key="sk-ant-sdk", max_retries=0)
-    with pytest.raises(anthropic_sdk.APIStatusError) as too_large:
+    with pytest.raises(anthropic_sdk.ContentTooLargeError) as too_large:
         client.messages.create(model="claude-sonnet-4-5", max_tokens=64, messages=[{"role": "user", "content": "x" * 4000}])
     assert too_large.value.status_code == 413
     assert too_large.value.body["error"]["type"] == "request_too_large"
@@ -66,7 +66,7 @@ def test_the_anthropic_sdk_reads_our_413_and_503(backend):
     down, _ = backend.envoy(backend.filter_config(limits, companion_timeout="200ms"), name="envoy-down",
                             companion_port=free_port())
     client = anthropic_sdk.Anthropic(base_url=f"http://127.0.0.1:{down}", api_key="sk-ant-sdk", max_retries=0)
-    with pytest.raises(anthropic_sdk.InternalServerError) as unavailable:
+    with pytest.raises(anthropic_sdk.ServiceUnavailableError) as unavailable:
         client.messages.create(model="claude-sonnet-4-5", max_tokens=64, messages=[{"role": "user", "content": "hi"}])
     assert unavailable.value.status_code == 503
     assert unavailable.value.body["error"]["type"] == "overloaded_error"
