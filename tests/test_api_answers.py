@@ -141,6 +141,34 @@ def test_error_format_fixes_the_shape_whatever_the_path(backend):
     assert "invalid filter config: field `error_format`" in proc.log_path.read_text()
 
 
+@pytest.mark.parametrize("path, shape", [
+    ("/v1/messages", "anthropic"),
+    ("/v1beta/models/gemini-2.0-flash:generateContent", "google"),
+    ("/model/anthropic.claude-3-haiku-20240307-v1%3A0/converse", "bedrock"),
+    ("/v1/chat/completions", "openai"),
+])
+def test_envoys_own_413_is_mapped_into_the_callers_shape(backend, path, shape):
+    """A body past Envoy's buffer limit (2 MiB in envoy/demo.yaml) is refused by Envoy
+    before the filter can answer; the demo's local reply mappers put it in the shape the
+    filter would have used for that path."""
+    from test_oversized import body_of, post_reading_early, too_large
+
+    port, _ = backend.envoy(backend.filter_config([{"name": "tpm", "tokens": BIG, "window": LONG}],
+                                                  tokens={"max_request_bytes": 16 << 20}))
+    status, headers, payload, _ = post_reading_early(port, body_of(8_000_000), path=path)
+    assert status == 413 and headers["content-type"] == "application/json"
+    message = too_large(2 << 20)
+    expected = {
+        "anthropic": {"type": "error", "error": {"type": "request_too_large", "message": message}},
+        "google": {"error": {"code": 413, "message": message, "status": "INVALID_ARGUMENT", "details": []}},
+        "bedrock": {"message": message},
+        "openai": {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": "request_too_large"}},
+    }[shape]
+    assert json.loads(payload) == expected
+    assert headers.get("x-amzn-errortype") == ("ValidationException" if shape == "bedrock" else None)
+    assert backend.upstream_received() == 0
+
+
 # Token dimensions --------------------------------------------------------------------
 def level(env_redis, key, limit):
     raw = env_redis.hget(bucket_key(key, limit), "tokens")
