@@ -46,12 +46,13 @@ def body_of(size: int) -> bytes:
     return json.dumps(chat(text[: size - shell])).encode()
 
 
-def post_reading_early(port: int, body: bytes, key: str = "sk-oversized", timeout: float = 30.0):
+def post_reading_early(port: int, body: bytes, key: str = "sk-oversized", timeout: float = 30.0,
+                       path: str = "/v1/chat/completions"):
     """POSTs `body` from a thread while reading the response, the way a client must to see
     an answer that comes before its upload ends. Returns (status, headers, body, upload
     error or None)."""
     sock = socket.create_connection(("127.0.0.1", port), timeout=timeout)
-    head = (f"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1:{port}\r\ncontent-type: application/json\r\n"
+    head = (f"POST {path} HTTP/1.1\r\nhost: 127.0.0.1:{port}\r\ncontent-type: application/json\r\n"
             f"authorization: Bearer {key}\r\ncontent-length: {len(body)}\r\n\r\n").encode()
     upload_error = []
 

@@ -23,7 +23,10 @@
 //!
 //! For tests: every reply carries `x-mock-prompt-tokens` and `x-mock-completion-tokens`,
 //! the usage it reports (or would, for a stream without a usage chunk); a request with
-//! `x-mock-status: <code>` gets that error status with the provider's error body.
+//! `x-mock-status: <code>` gets that error status with the provider's error body; with
+//! `x-mock-cached-tokens: N`, N of the prompt tokens (at most all) are reported as read
+//! from the prompt cache (OpenAI `prompt_tokens_details.cached_tokens`; Anthropic
+//! `cache_read_input_tokens`, which its `input_tokens` then leave out, as Anthropic does).
 
 use axum::body::{Body, Bytes};
 use axum::http::{HeaderMap, StatusCode};
@@ -86,6 +89,8 @@ struct Plan {
     stream: bool,
     include_usage: bool,
     prompt_tokens: u64,
+    /// Of the prompt tokens, those reported as read from the prompt cache.
+    cached_tokens: u64,
     completion_tokens: u64,
     truncated: bool,
     first_delay: Duration,
@@ -127,11 +132,13 @@ impl Mock {
     fn plan(&self, headers: &HeaderMap, request: &Value, body_len: usize, max_tokens: Option<u64>) -> Plan {
         let wanted = header_u64(headers, "x-mock-completion-tokens").unwrap_or(self.args.completion_tokens);
         let completion_tokens = max_tokens.map_or(wanted, |cap| wanted.min(cap));
+        let prompt_tokens = self.prompt_tokens(request, body_len);
         Plan {
             model: request["model"].as_str().unwrap_or("unknown").to_string(),
             stream: request["stream"].as_bool().unwrap_or(false),
             include_usage: request["stream_options"]["include_usage"].as_bool().unwrap_or(false),
-            prompt_tokens: self.prompt_tokens(request, body_len),
+            prompt_tokens,
+            cached_tokens: header_u64(headers, "x-mock-cached-tokens").unwrap_or(0).min(prompt_tokens),
             completion_tokens,
             truncated: completion_tokens < wanted,
             first_delay: Duration::from_millis(
@@ -235,7 +242,7 @@ async fn chat_completions(mock: axum::extract::State<Arc<Mock>>, headers: Header
         "prompt_tokens": plan.prompt_tokens,
         "completion_tokens": plan.completion_tokens,
         "total_tokens": plan.prompt_tokens + plan.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": 0, "audio_tokens": 0},
+        "prompt_tokens_details": {"cached_tokens": plan.cached_tokens, "audio_tokens": 0},
         "completion_tokens_details": {"reasoning_tokens": 0, "audio_tokens": 0, "accepted_prediction_tokens": 0, "rejected_prediction_tokens": 0}
     });
     if !plan.stream {
@@ -307,7 +314,7 @@ async fn messages(mock: axum::extract::State<Arc<Mock>>, headers: HeaderMap, bod
                     "id": id, "type": "message", "role": "assistant", "model": plan.model,
                     "content": [{"type": "text", "text": words.concat()}],
                     "stop_reason": stop_reason, "stop_sequence": null,
-                    "usage": {"input_tokens": plan.prompt_tokens, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0, "output_tokens": plan.completion_tokens, "service_tier": "standard"}
+                    "usage": {"input_tokens": plan.prompt_tokens - plan.cached_tokens, "cache_creation_input_tokens": 0, "cache_read_input_tokens": plan.cached_tokens, "output_tokens": plan.completion_tokens, "service_tier": "standard"}
                 }),
             ),
             &plan,
@@ -320,7 +327,7 @@ async fn messages(mock: axum::extract::State<Arc<Mock>>, headers: HeaderMap, bod
             json!({"type": "message_start", "message": {
                 "id": id, "type": "message", "role": "assistant", "model": plan.model, "content": [],
                 "stop_reason": null, "stop_sequence": null,
-                "usage": {"input_tokens": plan.prompt_tokens, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0, "output_tokens": 1, "service_tier": "standard"}
+                "usage": {"input_tokens": plan.prompt_tokens - plan.cached_tokens, "cache_creation_input_tokens": 0, "cache_read_input_tokens": plan.cached_tokens, "output_tokens": 1, "service_tier": "standard"}
             }}),
         ),
         event(

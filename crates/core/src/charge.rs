@@ -2,7 +2,7 @@
 //! estimate against every token limit, decided from the path and body alone.
 
 use crate::calibration::Calibration;
-use crate::config::{Dimension, ModelPolicy, Policy, Price};
+use crate::config::{Dimension, Measure, ModelPolicy, Policy, Price, TokenCount};
 use crate::protocol::{LimitCharge, LimitsReply};
 use crate::request::{parse_request, LlmRequest, ParsedBody};
 use crate::reservation::{estimate_output, OutputAverage, TokenEstimate};
@@ -23,6 +23,10 @@ pub struct ChargePlan {
     /// The prompt as the proxy counted it, before any factor (0 when not counted): what
     /// the provider's count is compared with.
     pub counted_prompt: u64,
+    /// Whether each configured limit applies to this request (its model and tier), in
+    /// config order: it is settled, and shown in headers, even when the request reserves
+    /// nothing of it (a `cached_input` limit, an `output` limit for an embedding).
+    pub applicable: Vec<bool>,
     /// The parsed request.
     pub request: Option<LlmRequest>,
     /// The client's body, kept when it may be rewritten once the decision is known.
@@ -41,13 +45,21 @@ impl ChargePlan {
         self.estimate.map_or(0, TokenEstimate::total)
     }
 
-    /// After the charge: the output allowance granted (`charged` is what the token
-    /// buckets were charged) and the body to send upstream instead of the client's, if
+    /// After the charge: the output allowance granted (`charged` is what each bucket was
+    /// charged, in plan order) and the body to send upstream instead of the client's, if
     /// it changes. Shrinks the estimate to the grant, so the settlement is against it.
-    pub fn apply_grant(&mut self, config: &Policy, charged: Option<u64>) -> Option<Vec<u8>> {
-        let granted = match (self.clamped, &mut self.estimate, charged) {
-            (true, Some(estimate), Some(charged)) => {
-                estimate.output = charged.saturating_sub(estimate.prompt);
+    /// Every elastic bucket (a `total` or `output` token limit, when clamping) gave up the
+    /// same reduction of the output allowance, so any one of them tells the grant.
+    pub fn apply_grant(&mut self, config: &Policy, charged: &[u64]) -> Option<Vec<u8>> {
+        let reduction = self
+            .buckets
+            .iter()
+            .zip(charged)
+            .find(|(bucket, _)| bucket.min_cost.is_some())
+            .map_or(0, |(bucket, &charged)| bucket.cost.saturating_sub(charged));
+        let granted = match (self.clamped, &mut self.estimate) {
+            (true, Some(estimate)) => {
+                estimate.output = estimate.output.saturating_sub(reduction);
                 Some(estimate.output)
             }
             _ => None,
@@ -61,23 +73,21 @@ impl ChargePlan {
         self.request.as_ref().is_some_and(|r| r.api.produces_output())
     }
 
-    /// Buckets charged by the token estimate, for settling.
-    pub fn token_buckets<'a>(&'a self, config: &'a Policy) -> impl Iterator<Item = &'a LimitCharge> + 'a {
-        self.buckets
-            .iter()
-            .filter(|b| b.cost > 0 && config.limit(&b.name).is_some_and(|l| l.dimension() == Dimension::Tokens))
-    }
-
-    /// Whether the limit at `index` applies to this request (is charged something).
+    /// Whether the limit at `index` applies to this request.
     pub fn applies(&self, index: usize) -> bool {
-        self.buckets.get(index).is_some_and(|b| b.cost > 0)
+        self.applicable.get(index).copied().unwrap_or(false)
     }
 
     /// The reply's outcomes for the limits that apply to this request: what headers and
     /// 429s should speak of.
     pub fn relevant(&self, reply: &LimitsReply) -> LimitsReply {
-        let limits =
-            reply.limits.iter().zip(&self.buckets).filter(|(_, b)| b.cost > 0).map(|(o, _)| o.clone()).collect();
+        let limits = reply
+            .limits
+            .iter()
+            .zip(&self.applicable)
+            .filter(|(_, applies)| **applies)
+            .map(|(o, _)| o.clone())
+            .collect();
         LimitsReply { allowed: reply.allowed, waited_ms: reply.waited_ms, limits }
     }
 }
@@ -145,26 +155,31 @@ pub fn plan(config: &Policy, path: &str, tier: &str, body: Option<&[u8]>, learne
         }
         (None, Some(_)) => Some(TokenEstimate { prompt: policy.unparsed_request_cost, output: 0 }),
     };
+    let applicable: Vec<bool> = config.limits.iter().map(|limit| limit.applies_to(&model, tier)).collect();
     let buckets = config
         .limits
         .iter()
-        .map(|limit| LimitCharge {
+        .zip(&applicable)
+        .map(|(limit, &applies)| LimitCharge {
             name: limit.name.clone(),
             capacity: limit.capacity(),
             window_ms: limit.window_ms(),
             // A limit for other models is still asked about (cost 0 only looks), so every
             // plan has one bucket per configured limit, in config order.
-            cost: match (limit.applies_to(&model, tier), limit.dimension()) {
+            cost: match (applies, limit.measure) {
                 (false, _) => 0,
-                (true, Dimension::Requests | Dimension::Concurrency) => 1,
-                (true, Dimension::Tokens) => estimate.map_or(0, TokenEstimate::total),
-                (true, Dimension::Cost) => match (price, estimate) {
+                (true, Measure::Requests(_) | Measure::Concurrency(_)) => 1,
+                (true, Measure::Tokens { count, .. }) => estimate.map_or(0, |e| count.reserved(e)),
+                (true, Measure::Usd { .. }) => match (price, estimate) {
                     (Some(price), Some(estimate)) => price.micro_usd(estimate),
                     _ => 0,
                 },
             },
-            min_cost: match (limit.applies_to(&model, tier), limit.dimension(), estimate, min_output) {
-                (true, Dimension::Tokens, Some(estimate), Some(min_output)) => Some(estimate.prompt + min_output),
+            // With clamping, the limits that count the output give up the same share of
+            // the output allowance (down to `min_output_tokens`) to fit.
+            min_cost: match (applies, limit.token_count(), estimate, min_output) {
+                (true, Some(TokenCount::Total), Some(estimate), Some(min_output)) => Some(estimate.prompt + min_output),
+                (true, Some(TokenCount::Output), Some(_), Some(min_output)) => Some(min_output),
                 _ => None,
             },
             kind: limit.kind,
@@ -187,6 +202,7 @@ pub fn plan(config: &Policy, path: &str, tier: &str, body: Option<&[u8]>, learne
         model,
         rule: rule_index,
         counted_prompt,
+        applicable,
         request,
         rewritable_body,
         clamped,
@@ -269,7 +285,7 @@ mod tests {
         assert_eq!(plan.estimate, Some(TokenEstimate { prompt: 9, output: 300 }));
         let costs: Vec<u64> = plan.buckets.iter().map(|b| b.cost).collect();
         assert_eq!(costs, [1, 309]);
-        assert_eq!(plan.token_buckets(&config).map(|b| b.name.as_str()).collect::<Vec<_>>(), ["tpm"]);
+        assert_eq!(plan.applicable, [true, true]);
         assert_eq!((plan.model.as_str(), plan.encoding), ("gpt-4o", Encoding::O200kBase));
         assert!(!plan.clamped && plan.buckets.iter().all(|b| b.min_cost.is_none()));
         let provisional: Vec<bool> = plan.buckets.iter().map(|b| b.provisional).collect();
@@ -353,7 +369,7 @@ mod tests {
         let config = config(r#"{"request_stream_usage": true}"#);
         let body = r#"{"model":"gpt-4o","stream":true,"messages":[]}"#;
         let mut plan = plan(&config, "/v1/chat/completions", "", Some(body.as_bytes()), &mut Cold);
-        let rewritten = json(plan.apply_grant(&config, Some(999)));
+        let rewritten = json(plan.apply_grant(&config, &[1, 999]));
         assert_eq!(rewritten["stream_options"]["include_usage"], true);
         assert!(rewritten.get("max_completion_tokens").is_none(), "not clamping: {rewritten}");
     }
@@ -377,11 +393,11 @@ mod tests {
         assert_eq!((tpm.cost, tpm.min_cost), (bound + 300, Some(bound + 50)));
         assert_eq!(plan.buckets[0].min_cost, None);
         // Charged the bound and 120: the request may generate 120 tokens, and is told so.
-        assert_eq!(json(plan.apply_grant(&config, Some(bound + 120)))["max_tokens"], 120);
+        assert_eq!(json(plan.apply_grant(&config, &[1, bound + 120]))["max_tokens"], 120);
         assert_eq!(plan.estimate, Some(TokenEstimate { prompt: bound, output: 120 }));
         // Granted in full: the body stays as it was.
         let mut plan = super::plan(&config, "/v1/chat/completions", "", Some(CHAT.as_bytes()), &mut Cold);
-        assert_eq!(plan.apply_grant(&config, Some(bound + 300)), None);
+        assert_eq!(plan.apply_grant(&config, &[1, bound + 300]), None);
     }
 
     #[test]
@@ -451,5 +467,48 @@ mod tests {
         // No prior anywhere: the cap.
         config.tokens.rules[0].expected_output = None;
         assert_eq!(reserve(&config, &mut Known::default()), Some(300));
+    }
+
+    #[cfg_attr(not(target_arch = "wasm32"), test)]
+    #[cfg_attr(target_arch = "wasm32", wasm_bindgen_test::wasm_bindgen_test)]
+    fn each_token_limit_reserves_the_part_it_counts() {
+        let written = r#"{"companion": {"upstream": "c", "token": "t"}, "tokens": {"models": [{"match": "gpt-4o*", "encoding": "o200k_base", "factor": 2.0}]},
+            "limits": [{"name": "tpm", "tokens": 10000, "window": "1m"},
+                       {"name": "itpm", "tokens": 10000, "window": "1m", "count": "input"},
+                       {"name": "otpm", "tokens": 10000, "window": "1m", "count": "output"},
+                       {"name": "ctpm", "tokens": 10000, "window": "1m", "count": "cached_input"},
+                       {"name": "usd", "usd": 1, "window": "1d"}],
+            "prices": [{"match": "*", "input": 2, "output": 10}]}"#;
+        let config = Policy::from_json(written.as_bytes()).expect("config");
+        let plan = plan(&config, "/v1/chat/completions", "", Some(CHAT.as_bytes()), &mut Cold);
+        // 9 counted, at the rule's factor of 2: 18 input; 300 output allowed.
+        let costs: Vec<u64> = plan.buckets.iter().map(|b| b.cost).collect();
+        assert_eq!(costs, [318, 18, 300, 0, 18 * 2 + 300 * 10], "the budget prices each part");
+        assert_eq!(plan.applicable, [true; 5], "a limit reserving nothing still applies (it is settled)");
+        let body = r#"{"model":"text-embedding-3-small","input":"hello world"}"#;
+        let embedding = super::plan(&config, "/v1/embeddings", "", Some(body.as_bytes()), &mut Cold);
+        assert_eq!(embedding.buckets.iter().map(|b| b.cost).collect::<Vec<_>>(), [2, 2, 0, 0, 4]);
+        // Clamping: the limits that count output are elastic, down to the least output.
+        let clamped = written
+            .replace(r#""factor": 2.0}]"#, r#""factor": 2.0}], "clamp_max_tokens": true, "min_output_tokens": 50"#);
+        let config = Policy::from_json(clamped.as_bytes()).expect("config");
+        let mut plan = super::plan(&config, "/v1/chat/completions", "", Some(CHAT.as_bytes()), &mut Cold);
+        let least: Vec<Option<u64>> = plan.buckets.iter().map(|b| b.min_cost).collect();
+        assert_eq!(least, [Some(21 + 50), None, Some(50), None, None]);
+        // The output limit had 120 left: every elastic limit gave up 180.
+        let rewritten = json(plan.apply_grant(&config, &[21 + 120, 21, 120, 0, 1]));
+        assert_eq!(rewritten["max_tokens"], 120);
+        assert_eq!(plan.estimate, Some(TokenEstimate { prompt: 21, output: 120 }));
+    }
+
+    #[test]
+    fn each_count_takes_its_part_of_what_was_used() {
+        use crate::config::TokenCount::*;
+        let used = TokenEstimate { prompt: 700, output: 40 };
+        let cases = [(Total, 740, 740), (Input, 700, 700), (Output, 40, 40), (CachedInput, 0, 500)];
+        for (count, reserved, settled) in cases {
+            assert_eq!((count.reserved(used), count.used(used, 500)), (reserved, settled), "{count:?}");
+        }
+        assert_eq!(CachedInput.used(used, 9_999), 700, "never more than the input");
     }
 }

@@ -1,10 +1,12 @@
 //! What the client sees: rate-limit headers on every response, and the local replies (429,
-//! 401, 413, 503) in OpenAI's error shape, so existing SDKs parse them and back off.
+//! 401, 403, 413, 503), said here and wrapped in the caller's API's error shape
+//! (`crate::answers`), so existing SDKs parse them and back off.
 
+use crate::answers::{anthropic_headers, error_reply, Caller, Refusal};
 use crate::config::{Dimension, HeaderStyle, Policy};
+use crate::dialect::Dialect;
 use crate::duration::format_reset;
-use crate::protocol::{LimitOutcome, LimitStatus, LimitsReply};
-use serde_json::json;
+use crate::protocol::{LimitCharge, LimitOutcome, LimitStatus, LimitsReply};
 
 pub type Header = (&'static str, String);
 
@@ -41,13 +43,27 @@ fn dimension_of(config: &Policy, outcome: &LimitOutcome) -> Dimension {
     config.limit(&outcome.name).map_or(Dimension::Requests, |l| l.dimension())
 }
 
-/// OpenAI's `x-ratelimit-*-requests` and `x-ratelimit-*-tokens` headers, each for the
-/// most restrictive limit of its dimension (fewest left; on a tie, longest to reset), and
-/// the IETF `RateLimit-Policy` / `RateLimit` fields listing every limit.
-pub fn rate_limit_headers(reply: &LimitsReply, config: &Policy) -> Vec<Header> {
+/// The most restrictive of the reply's limits whose name `of_kind` accepts: fewest left;
+/// on a tie, longest to reset.
+pub(crate) fn tightest(reply: &LimitsReply, of_kind: impl Fn(&str) -> bool) -> Option<&LimitOutcome> {
+    reply.limits.iter().filter(|o| of_kind(&o.name)).min_by_key(|o| (o.remaining, std::cmp::Reverse(o.reset_after_ms)))
+}
+
+/// The rate-limit headers `headers` configures: the caller's provider's own
+/// (`provider`: OpenAI's `x-ratelimit-*` or Anthropic's `anthropic-ratelimit-*`), each
+/// named convention, and the IETF `RateLimit-Policy` / `RateLimit` fields listing every
+/// limit.
+pub fn rate_limit_headers(reply: &LimitsReply, config: &Policy, caller: Caller) -> Vec<Header> {
     let mut headers = Vec::new();
-    if config.headers.contains(&HeaderStyle::Openai) {
+    let wants = |style: HeaderStyle, dialect: Dialect| {
+        config.headers.contains(&style)
+            || (config.headers.contains(&HeaderStyle::Provider) && caller.dialect == dialect)
+    };
+    if wants(HeaderStyle::Openai, Dialect::OpenAi) {
         openai_headers(reply, config, &mut headers);
+    }
+    if wants(HeaderStyle::Anthropic, Dialect::Anthropic) {
+        anthropic_headers(reply, config, caller.now_ms, &mut headers);
     }
     // The IETF and classic fields describe quotas per time window: concurrency is not one.
     let windowed: Vec<_> = reply.limits.iter().filter(|o| dimension_of(config, o) != Dimension::Concurrency).collect();
@@ -69,15 +85,13 @@ pub fn rate_limit_headers(reply: &LimitsReply, config: &Policy) -> Vec<Header> {
     headers
 }
 
+/// OpenAI's `x-ratelimit-*-requests`, `-tokens` (the tightest token limit, whatever part
+/// of the tokens it counts) and `-concurrency`.
 fn openai_headers(reply: &LimitsReply, config: &Policy, headers: &mut Vec<Header>) {
     // OpenAI has no header for a money budget: the IETF and classic fields cover it.
     for dimension in [Dimension::Requests, Dimension::Tokens, Dimension::Concurrency] {
-        let tightest = reply
-            .limits
-            .iter()
-            .filter(|o| dimension_of(config, o) == dimension)
-            .min_by_key(|o| (o.remaining, std::cmp::Reverse(o.reset_after_ms)));
-        if let Some(o) = tightest {
+        let of_dimension = |name: &str| config.limit(name).map_or(Dimension::Requests, |l| l.dimension()) == dimension;
+        if let Some(o) = tightest(reply, of_dimension) {
             let (limit, remaining, reset) = match dimension {
                 Dimension::Requests => {
                     ("x-ratelimit-limit-requests", "x-ratelimit-remaining-requests", "x-ratelimit-reset-requests")
@@ -118,72 +132,81 @@ fn ietf_headers(windowed: &[&LimitOutcome], config: &Policy, headers: &mut Vec<H
 }
 
 /// The 429 for a reply that was not allowed. It names the limit that binds longest; when
-/// a limit can never fit the request it says so and gives no `Retry-After`.
-/// `requested_tokens` is what the request asked of token limits.
-pub fn rejection(reply: &LimitsReply, config: &Policy, requested_tokens: u64) -> LocalReply {
+/// a limit can never fit the request it says so and gives no `Retry-After`. `charged` is
+/// what the request asked of each limit (its plan's buckets).
+pub fn rejection(reply: &LimitsReply, config: &Policy, charged: &[LimitCharge], caller: Caller) -> LocalReply {
     let never = reply.limits.iter().find(|o| o.status == LimitStatus::Never);
     let binding = never
         .or_else(|| reply.limits.iter().filter(|o| o.status == LimitStatus::Limited).max_by_key(|o| o.retry_after_ms));
-    let mut headers = rate_limit_headers(reply, config);
+    let headers = rate_limit_headers(reply, config, caller);
     let Some(outcome) = binding else {
         // Not allowed yet nothing limited: only an inconsistent reply gets here.
-        headers.push(("retry-after", "1".to_string()));
-        headers.push(("content-type", "application/json".to_string()));
-        let body = error_body("Rate limit reached. Please try again in 1s.", "requests", "rate_limit_exceeded");
-        return LocalReply { status: 429, headers, body };
+        let message = "Rate limit reached. Please try again in 1s.";
+        return refuse(caller.dialect, Refusal::RateLimited("requests"), message, Some(1), headers);
     };
+    let limit_config = config.limit(&outcome.name);
     let dimension = dimension_of(config, outcome);
-    let window = config.limit(&outcome.name).map_or(String::new(), |l| format!(" per {}", format_reset(l.window_ms())));
+    let count = limit_config.and_then(|l| l.token_count()).unwrap_or_default();
+    let window = limit_config.map_or(String::new(), |l| format!(" per {}", format_reset(l.window_ms())));
     let (name, limit) = (&outcome.name, outcome.limit);
+    let needs = charged.iter().find(|b| b.name == *name).map_or(0, |b| b.cost);
+    let retry = (outcome.status != LimitStatus::Never).then(|| retry_after_seconds(outcome.retry_after_ms));
     let message = match (outcome.status, dimension) {
         (LimitStatus::Never, Dimension::Tokens) => format!(
-            "Request too large for limit \"{name}\": it needs {requested_tokens} tokens (prompt and completion allowance), \
-             but the limit allows {limit}{window}, so it can never be admitted. Shorten the prompt or lower max_tokens."
+            "Request too large for limit \"{name}\": it needs {needs} {} ({}), but the limit allows {limit}{window}, so \
+             it can never be admitted. Shorten the prompt or lower max_tokens.",
+            count.name(),
+            count.reservation()
         ),
         (LimitStatus::Never, Dimension::Cost) => format!(
             "Request too expensive for budget \"{name}\": it may cost more than the whole budget of {}{window}, so it \
              can never be admitted. Shorten the prompt or lower max_tokens.",
             usd(limit)
         ),
-        (_, Dimension::Cost) => {
-            headers.push(("retry-after", retry_after_seconds(outcome.retry_after_ms).to_string()));
-            format!(
-                "Budget reached: limit \"{name}\" allows {}{window}, {} left. Please try again in {}.",
-                usd(limit),
-                usd(outcome.remaining),
-                format_reset(outcome.retry_after_ms)
-            )
-        }
+        (_, Dimension::Cost) => format!(
+            "Budget reached: limit \"{name}\" allows {}{window}, {} left. Please try again in {}.",
+            usd(limit),
+            usd(outcome.remaining),
+            format_reset(outcome.retry_after_ms)
+        ),
         (LimitStatus::Never, Dimension::Requests | Dimension::Concurrency) => format!(
             "Request too large for limit \"{name}\": it allows {limit} requests{window}, so this request can never be admitted."
         ),
-        (_, Dimension::Concurrency) => {
-            headers.push(("retry-after", retry_after_seconds(outcome.retry_after_ms).to_string()));
-            format!(
-                "Concurrency limit reached: limit \"{name}\" allows {limit} requests in flight at once. Please try again \
-                 in {}.",
-                format_reset(outcome.retry_after_ms)
-            )
-        }
-        (_, Dimension::Tokens) => {
-            headers.push(("retry-after", retry_after_seconds(outcome.retry_after_ms).to_string()));
-            format!(
-                "Rate limit reached for tokens: limit \"{name}\" allows {limit}{window}, {} left, and this request needs \
-                 {requested_tokens} (prompt and completion allowance). Please try again in {}.",
-                outcome.remaining,
-                format_reset(outcome.retry_after_ms)
-            )
-        }
-        (_, Dimension::Requests) => {
-            headers.push(("retry-after", retry_after_seconds(outcome.retry_after_ms).to_string()));
-            format!(
-                "Rate limit reached for requests: limit \"{name}\" allows {limit}{window}. Please try again in {}.",
-                format_reset(outcome.retry_after_ms)
-            )
-        }
+        (_, Dimension::Concurrency) => format!(
+            "Concurrency limit reached: limit \"{name}\" allows {limit} requests in flight at once. Please try again \
+             in {}.",
+            format_reset(outcome.retry_after_ms)
+        ),
+        (_, Dimension::Tokens) if needs == 0 => format!(
+            "Rate limit reached for {}: limit \"{name}\" allows {limit}{window}, and earlier requests used it up. \
+             Please try again in {}.",
+            count.name(),
+            format_reset(outcome.retry_after_ms)
+        ),
+        (_, Dimension::Tokens) => format!(
+            "Rate limit reached for {}: limit \"{name}\" allows {limit}{window}, {} left, and this request needs \
+             {needs} ({}). Please try again in {}.",
+            count.name(),
+            outcome.remaining,
+            count.reservation(),
+            format_reset(outcome.retry_after_ms)
+        ),
+        (_, Dimension::Requests) => format!(
+            "Rate limit reached for requests: limit \"{name}\" allows {limit}{window}. Please try again in {}.",
+            format_reset(outcome.retry_after_ms)
+        ),
     };
-    headers.push(("content-type", "application/json".to_string()));
-    LocalReply { status: 429, headers, body: error_body(&message, dimension.name(), "rate_limit_exceeded") }
+    let kind = if dimension == Dimension::Tokens { count.error_type() } else { dimension.name() };
+    refuse(caller.dialect, Refusal::RateLimited(kind), &message, retry, headers)
+}
+
+/// A 429 in `dialect`'s shape with the rate-limit headers and, when a wait helps,
+/// `retry-after`.
+fn refuse(dialect: Dialect, refusal: Refusal, message: &str, retry: Option<u64>, headers: Vec<Header>) -> LocalReply {
+    let mut reply = error_reply(dialect, refusal, message, retry);
+    let retry_after = retry.map(|seconds| ("retry-after", seconds.to_string()));
+    reply.headers.splice(0..0, headers.into_iter().chain(retry_after));
+    reply
 }
 
 /// Micro-dollars as dollars: `$0.0035`, `$50.00`.
@@ -197,63 +220,37 @@ fn usd(micro: u64) -> String {
 }
 
 /// 403 for a request whose model has no price while a budget applies to it.
-pub fn model_not_priced(model: &str) -> LocalReply {
+pub fn model_not_priced(model: &str, dialect: Dialect) -> LocalReply {
     let shown: String = model.chars().take(100).collect();
-    local_error(
-        403,
-        &format!("The model \"{shown}\" has no price in this gateway's price table, so its budget cannot charge it."),
-        "invalid_request_error",
-        "model_not_priced",
-    )
+    let message =
+        format!("The model \"{shown}\" has no price in this gateway's price table, so its budget cannot charge it.");
+    error_reply(dialect, Refusal::NotPriced, &message, None)
 }
 
 /// 401 for a request without the identifying header, when the config says `reject`.
-pub fn missing_identity() -> LocalReply {
-    local_error(
-        401,
-        "No API key provided. Send it as 'Authorization: Bearer <key>' or in the header the operator configured.",
-        "invalid_request_error",
-        "missing_api_key",
-    )
+pub fn missing_identity(dialect: Dialect) -> LocalReply {
+    let message =
+        "No API key provided. Send it as 'Authorization: Bearer <key>' or in the header the operator configured.";
+    error_reply(dialect, Refusal::Unidentified, message, None)
 }
 
 /// 413 for a body too large to count.
-pub fn body_too_large(limit: u64) -> LocalReply {
-    local_error(
-        413,
-        &format!("The request body is larger than the {limit} bytes this gateway reads to count tokens."),
-        "invalid_request_error",
-        "request_too_large",
-    )
+pub fn body_too_large(limit: u64, dialect: Dialect) -> LocalReply {
+    let message = format!("The request body is larger than the {limit} bytes this gateway reads to count tokens.");
+    error_reply(dialect, Refusal::TooLarge, &message, None)
 }
 
 /// 503 when the limiter cannot decide and the config says `deny`.
-pub fn limiter_unavailable() -> LocalReply {
-    let mut reply = local_error(
-        503,
-        "The rate limiter is unavailable, so the request was not forwarded. Please try again shortly.",
-        "server_error",
-        "rate_limiter_unavailable",
-    );
+pub fn limiter_unavailable(dialect: Dialect) -> LocalReply {
+    let message = "The rate limiter is unavailable, so the request was not forwarded. Please try again shortly.";
+    let mut reply = error_reply(dialect, Refusal::Unavailable, message, Some(1));
     reply.headers.insert(0, ("retry-after", "1".to_string()));
     reply
-}
-
-fn local_error(status: u32, message: &str, kind: &str, code: &str) -> LocalReply {
-    LocalReply {
-        status,
-        headers: vec![("content-type", "application/json".to_string())],
-        body: error_body(message, kind, code),
-    }
 }
 
 /// Whole seconds, rounded up and at least 1: a client that waits this long finds room.
 pub fn retry_after_seconds(ms: u64) -> u64 {
     ms.div_ceil(1000).max(1)
-}
-
-fn error_body(message: &str, kind: &str, code: &str) -> String {
-    json!({"error": {"message": message, "type": kind, "param": null, "code": code}}).to_string()
 }
 
 #[cfg(test)]
@@ -282,6 +279,12 @@ mod tests {
         }
     }
 
+    /// A bucket of `cost` as the wire has it (fields it defaults left to their defaults).
+    fn charge(name: &str, cost: u64) -> LimitCharge {
+        let bucket = serde_json::json!({"name": name, "capacity": 1, "window_ms": 1, "cost": cost});
+        serde_json::from_value(bucket).expect("a bucket")
+    }
+
     fn header<'a>(headers: &'a [Header], name: &str) -> Option<&'a str> {
         headers.iter().find(|(n, _)| *n == name).map(|(_, v)| v.as_str())
     }
@@ -297,7 +300,7 @@ mod tests {
                 outcome("tpm", LimitStatus::Allowed, 10_000, 8_800, 7_200, 0),
             ],
         };
-        let headers = rate_limit_headers(&reply, &config());
+        let headers = rate_limit_headers(&reply, &config(), Caller::default());
         assert_eq!(header(&headers, "x-ratelimit-limit-requests"), Some("1000"));
         assert_eq!(header(&headers, "x-ratelimit-remaining-requests"), Some("7"));
         assert_eq!(header(&headers, "x-ratelimit-reset-requests"), Some("10m0s"));
@@ -321,7 +324,7 @@ mod tests {
                 outcome("inflight", LimitStatus::Limited, 3, 0, 0, 800),
             ],
         };
-        let reply = rejection(&reply, &config(), 0);
+        let reply = rejection(&reply, &config(), &[], Caller::default());
         assert_eq!(header(&reply.headers, "x-ratelimit-limit-concurrency"), Some("3"));
         assert_eq!(header(&reply.headers, "x-ratelimit-remaining-concurrency"), Some("0"));
         assert_eq!(header(&reply.headers, "retry-after"), Some("1"));
@@ -343,18 +346,18 @@ mod tests {
         };
         let mut config = config();
         config.headers = vec![HeaderStyle::Classic];
-        let headers = rate_limit_headers(&reply, &config);
+        let headers = rate_limit_headers(&reply, &config, Caller::default());
         let names: Vec<&str> = headers.iter().map(|(n, _)| *n).collect();
         assert_eq!(names, ["x-ratelimit-limit", "x-ratelimit-remaining", "x-ratelimit-reset"]);
         // tpm has 10% left, rpm 75%: tpm is the most restrictive.
         assert_eq!(header(&headers, "x-ratelimit-limit"), Some("10000"));
         assert_eq!(header(&headers, "x-ratelimit-reset"), Some("54"));
         config.headers = vec![HeaderStyle::Ietf];
-        let headers = rate_limit_headers(&reply, &config);
+        let headers = rate_limit_headers(&reply, &config, Caller::default());
         assert_eq!(header(&headers, "x-ratelimit-remaining-requests"), None);
         assert!(header(&headers, "ratelimit").is_some());
         config.headers.clear();
-        assert!(rate_limit_headers(&reply, &config).is_empty());
+        assert!(rate_limit_headers(&reply, &config, Caller::default()).is_empty());
     }
 
     #[test]
@@ -364,7 +367,7 @@ mod tests {
             waited_ms: 0,
             limits: vec![outcome("rpm", LimitStatus::Allowed, 20, 19, 3_000, 0)],
         };
-        let headers = rate_limit_headers(&reply, &config());
+        let headers = rate_limit_headers(&reply, &config(), Caller::default());
         assert_eq!(header(&headers, "x-ratelimit-remaining-tokens"), None);
         assert_eq!(header(&headers, "x-ratelimit-remaining-requests"), Some("19"));
     }
@@ -380,7 +383,7 @@ mod tests {
                 outcome("rpd", LimitStatus::Allowed, 1000, 500, 100, 0),
             ],
         };
-        let reply = rejection(&reply, &config(), 0);
+        let reply = rejection(&reply, &config(), &[], Caller::default());
         assert_eq!(reply.status, 429);
         assert_eq!(header(&reply.headers, "retry-after"), Some("37"));
         let body: serde_json::Value = serde_json::from_str(&reply.body).expect("json body");
@@ -401,7 +404,7 @@ mod tests {
                 outcome("tpm", LimitStatus::Limited, 10_000, 300, 58_200, 5_400),
             ],
         };
-        let reply = rejection(&reply, &config(), 1_200);
+        let reply = rejection(&reply, &config(), &[charge("tpm", 1_200)], Caller::default());
         assert_eq!(header(&reply.headers, "retry-after"), Some("6"));
         assert_eq!(header(&reply.headers, "x-ratelimit-remaining-tokens"), Some("300"));
         let body: serde_json::Value = serde_json::from_str(&reply.body).expect("json body");
@@ -420,7 +423,7 @@ mod tests {
                 outcome("tpm", LimitStatus::Never, 10_000, 10_000, 0, 0),
             ],
         };
-        let reply = rejection(&reply, &config(), 12_000);
+        let reply = rejection(&reply, &config(), &[charge("tpm", 12_000)], Caller::default());
         assert_eq!(reply.status, 429);
         assert_eq!(header(&reply.headers, "retry-after"), None);
         assert!(
@@ -440,7 +443,7 @@ mod tests {
             waited_ms: 0,
             limits: vec![outcome("day", LimitStatus::Limited, 5_000_000, 1_250, 86_000_000, 3_000)],
         };
-        let reply = rejection(&reply, &config, 0);
+        let reply = rejection(&reply, &config, &[], Caller::default());
         let body: serde_json::Value = serde_json::from_str(&reply.body).expect("json body");
         assert_eq!(body["error"]["type"], "cost");
         let message = body["error"]["message"].as_str().expect("message");
@@ -458,14 +461,159 @@ mod tests {
     #[test]
     fn other_local_replies_parse_as_openai_errors() {
         let cases = [
-            (missing_identity(), 401, "missing_api_key"),
-            (limiter_unavailable(), 503, "rate_limiter_unavailable"),
-            (body_too_large(1024), 413, "request_too_large"),
+            (missing_identity(Dialect::OpenAi), 401, "missing_api_key"),
+            (limiter_unavailable(Dialect::OpenAi), 503, "rate_limiter_unavailable"),
+            (body_too_large(1024, Dialect::OpenAi), 413, "request_too_large"),
+            (model_not_priced("m", Dialect::OpenAi), 403, "model_not_priced"),
         ];
         for (reply, status, code) in cases {
             assert_eq!(reply.status, status);
             let body: serde_json::Value = serde_json::from_str(&reply.body).expect("json body");
             assert_eq!(body["error"]["code"], code);
         }
+    }
+
+    fn replied(allowed: bool, limits: Vec<LimitOutcome>) -> LimitsReply {
+        LimitsReply { allowed, waited_ms: 0, limits }
+    }
+
+    /// What an OpenAI caller has always seen: the exact body and headers, byte for byte.
+    #[test]
+    fn the_openai_429_is_unchanged() {
+        let reply = replied(
+            false,
+            vec![
+                outcome("rpm", LimitStatus::Limited, 20, 0, 60_000, 2_962),
+                outcome("tpm", LimitStatus::Allowed, 10_000, 7_987, 12_100, 0),
+            ],
+        );
+        let reply = rejection(&reply, &config(), &[charge("rpm", 1)], Caller { dialect: Dialect::OpenAi, now_ms: 5 });
+        assert_eq!(reply.status, 429);
+        // As JSON: the order of its keys follows serde_json's features in the build
+        // (sorted in the filter's; tests/test_oversized.py pins those bytes end to end).
+        let body: serde_json::Value = serde_json::from_str(&reply.body).expect("json body");
+        let message = "Rate limit reached for requests: limit \"rpm\" allows 20 per 1m0s. Please try again in 2.962s.";
+        assert_eq!(
+            body,
+            serde_json::json!({"error": {"message": message, "type": "requests", "param": null, "code": "rate_limit_exceeded"}})
+        );
+        let names: Vec<&str> = reply.headers.iter().map(|(n, _)| *n).collect();
+        assert_eq!(
+            names,
+            [
+                "x-ratelimit-limit-requests",
+                "x-ratelimit-remaining-requests",
+                "x-ratelimit-reset-requests",
+                "x-ratelimit-limit-tokens",
+                "x-ratelimit-remaining-tokens",
+                "x-ratelimit-reset-tokens",
+                "ratelimit-policy",
+                "ratelimit",
+                "retry-after",
+                "content-type"
+            ]
+        );
+        assert_eq!(header(&reply.headers, "retry-after"), Some("3"));
+    }
+
+    fn dimensions_config() -> Policy {
+        let json = r#"{"companion": {"upstream": "c", "token": "t"}, "limits": [
+            {"name": "rpm", "requests": 50, "window": "1m"},
+            {"name": "tpm", "tokens": 96000, "window": "1m"},
+            {"name": "itpm", "tokens": 80000, "window": "1m", "count": "input"},
+            {"name": "otpm", "tokens": 16000, "window": "1m", "count": "output"},
+            {"name": "ctpm", "tokens": 5000, "window": "1m", "count": "cached_input"}]}"#;
+        Policy::from_json(json.as_bytes()).expect("config")
+    }
+
+    #[test]
+    fn an_anthropic_caller_gets_anthropics_headers_with_times() {
+        let reply = replied(
+            true,
+            vec![
+                outcome("rpm", LimitStatus::Allowed, 50, 49, 1_200, 0),
+                outcome("tpm", LimitStatus::Allowed, 96_000, 95_000, 625, 0),
+                outcome("itpm", LimitStatus::Allowed, 80_000, 79_000, 750, 0),
+                outcome("otpm", LimitStatus::Allowed, 16_000, 15_000, 3_750, 0),
+                outcome("ctpm", LimitStatus::Allowed, 5_000, 5_000, 0, 0),
+            ],
+        );
+        // 2026-12-01T15:37:00.500Z.
+        let caller = Caller { dialect: Dialect::Anthropic, now_ms: 1_796_139_420_500 };
+        let headers = rate_limit_headers(&reply, &dimensions_config(), caller);
+        let expected = [
+            ("anthropic-ratelimit-requests-limit", "50"),
+            ("anthropic-ratelimit-requests-remaining", "49"),
+            ("anthropic-ratelimit-requests-reset", "2026-12-01T15:37:02Z"),
+            ("anthropic-ratelimit-tokens-limit", "96000"),
+            ("anthropic-ratelimit-tokens-remaining", "95000"),
+            ("anthropic-ratelimit-tokens-reset", "2026-12-01T15:37:02Z"),
+            ("anthropic-ratelimit-input-tokens-limit", "80000"),
+            ("anthropic-ratelimit-input-tokens-remaining", "79000"),
+            ("anthropic-ratelimit-input-tokens-reset", "2026-12-01T15:37:02Z"),
+            ("anthropic-ratelimit-output-tokens-limit", "16000"),
+            ("anthropic-ratelimit-output-tokens-remaining", "15000"),
+            ("anthropic-ratelimit-output-tokens-reset", "2026-12-01T15:37:05Z"),
+        ];
+        for (name, value) in expected {
+            assert_eq!(header(&headers, name), Some(value), "{name}");
+        }
+        assert_eq!(header(&headers, "x-ratelimit-remaining-requests"), None, "not OpenAI's");
+        assert!(header(&headers, "ratelimit").is_some_and(|v| v.contains("\"ctpm\";r=5000")), "IETF lists every limit");
+        // Named conventions apply whatever the caller: OpenAI's on an Anthropic caller,
+        // its tokens headers for the tightest token limit of any count.
+        let mut config = dimensions_config();
+        config.headers = vec![HeaderStyle::Openai];
+        let headers = rate_limit_headers(&reply, &config, caller);
+        assert_eq!(header(&headers, "x-ratelimit-remaining-tokens"), Some("5000"));
+        assert_eq!(header(&headers, "anthropic-ratelimit-requests-limit"), None);
+        // Google and Bedrock publish no rate-limit headers: the IETF ones only.
+        for dialect in [Dialect::Google, Dialect::Bedrock] {
+            let headers = rate_limit_headers(&reply, &dimensions_config(), Caller { dialect, now_ms: 0 });
+            let names: Vec<&str> = headers.iter().map(|(n, _)| *n).collect();
+            assert_eq!(names, ["ratelimit-policy", "ratelimit"], "{dialect:?}");
+        }
+    }
+
+    #[test]
+    fn a_429_says_which_tokens_ran_out_in_the_callers_shape() {
+        let config = dimensions_config();
+        let charged =
+            [charge("rpm", 1), charge("tpm", 1_300), charge("itpm", 300), charge("otpm", 1_000), charge("ctpm", 0)];
+        let refused =
+            |name: &str, status: LimitStatus| replied(false, vec![outcome(name, status, 16_000, 200, 45_000, 3_000)]);
+        let anthropic = Caller { dialect: Dialect::Anthropic, now_ms: 0 };
+        let reply = rejection(&refused("otpm", LimitStatus::Limited), &config, &charged, anthropic);
+        let body: serde_json::Value = serde_json::from_str(&reply.body).expect("json body");
+        assert_eq!(body["type"], "error");
+        assert_eq!(body["error"]["type"], "rate_limit_error");
+        let message = body["error"]["message"].as_str().expect("message");
+        assert!(
+            message.contains("Rate limit reached for output tokens: limit \"otpm\"")
+                && message.contains("200 left, and this request needs 1000 (its completion allowance)"),
+            "{message}"
+        );
+        assert_eq!(header(&reply.headers, "retry-after"), Some("3"));
+        assert_eq!(header(&reply.headers, "anthropic-ratelimit-output-tokens-remaining"), Some("200"));
+        let reply = rejection(&refused("itpm", LimitStatus::Never), &config, &charged, Caller::default());
+        let body: serde_json::Value = serde_json::from_str(&reply.body).expect("json body");
+        assert_eq!(body["error"]["type"], "input_tokens");
+        assert!(body["error"]["message"].as_str().unwrap_or("").contains("needs 300 input tokens (its prompt)"));
+        assert_eq!(header(&reply.headers, "retry-after"), None);
+        let reply = rejection(&refused("ctpm", LimitStatus::Limited), &config, &charged, Caller::default());
+        assert!(reply.body.contains("Rate limit reached for cached input tokens") && reply.body.contains("used it up"));
+        assert!(reply.body.contains(r#""type":"cached_input_tokens""#), "{}", reply.body);
+        let google = Caller { dialect: Dialect::Google, now_ms: 0 };
+        let reply = rejection(&refused("tpm", LimitStatus::Limited), &config, &charged, google);
+        let body: serde_json::Value = serde_json::from_str(&reply.body).expect("json body");
+        assert_eq!(
+            (body["error"]["status"].as_str(), body["error"]["code"].as_u64()),
+            (Some("RESOURCE_EXHAUSTED"), Some(429))
+        );
+        assert_eq!(body["error"]["details"][0]["retryDelay"], "3s");
+        let bedrock = Caller { dialect: Dialect::Bedrock, now_ms: 0 };
+        let reply = rejection(&refused("rpm", LimitStatus::Limited), &config, &charged, bedrock);
+        assert_eq!(header(&reply.headers, "x-amzn-errortype"), Some("ThrottlingException"));
+        assert_eq!(header(&reply.headers, "retry-after"), Some("3"));
     }
 }

@@ -3,12 +3,14 @@
 //! only maps proxy-wasm callbacks onto it.
 #![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing))]
 
+pub mod answers;
 pub mod breaker;
 pub mod bucket;
 pub mod calibration;
 pub mod charge;
 pub mod config;
 pub mod decision;
+pub mod dialect;
 pub mod eventstream;
 pub mod host;
 pub mod identity;

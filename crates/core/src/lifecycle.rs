@@ -4,14 +4,16 @@
 //!
 //! The worker ([`Worker`]) holds what outlives a request; each callback borrows it.
 
+use crate::answers::{self, Caller};
 use crate::breaker::Route;
 use crate::bucket::{check_and_charge, decode_states, encode_states};
 use crate::calibration::{Calibration, Lesson, LocalCalibrations};
 use crate::charge::{plan, ChargePlan, Learned};
-use crate::config::{Dimension, FailureMode, MissingIdentity, Mode, Policy};
+use crate::config::{FailureMode, Measure, MissingIdentity, Mode, Policy};
 use crate::decision::{
     self, Header, LocalReply, DEGRADED_HEADER, QUEUED_HEADER, RESERVED_TOKENS_HEADER, SHADOW_HEADER,
 };
+use crate::dialect::Dialect;
 use crate::host::{shared_update, Action, Host, LogLevel, Metric, Owner};
 use crate::identity::{find_credential, tenant_id, ANONYMOUS_TENANT};
 use crate::lease::{lease_asks, LeaseEntry, TenantLeases};
@@ -21,7 +23,7 @@ use crate::protocol::{
     ChargeRequest, LeaseRequest, LimitCharge, LimitKind, LimitStatus, LimitsReply, Reservation, SettlementBatch, Wait,
     CHARGE_PATH, LEASE_PATH, RELEASE_PATH,
 };
-use crate::providers::bedrock::{self, BedrockRoute, EventStreamUsage};
+use crate::providers::bedrock::{self, EventStreamUsage};
 use crate::reservation::{actual_usage, credit, Ending, OutputAverage, TokenEstimate};
 use crate::series::{self, Decision, TokenStage, TokenType};
 use crate::sse::UsageChunkRemover;
@@ -143,8 +145,10 @@ pub struct RequestFilter {
     queued: bool,
     /// Whether the headers are held while the body is read.
     holding_headers: bool,
-    /// A Bedrock request: answered in Bedrock's error shape.
-    bedrock: bool,
+    /// The request's `:path`, as its headers said.
+    path: String,
+    /// Whose shape the filter's own answers to this request take.
+    dialect: Dialect,
 }
 
 impl RequestFilter {
@@ -164,7 +168,8 @@ impl RequestFilter {
             body_len: 0,
             queued: false,
             holding_headers: false,
-            bedrock: false,
+            path: String::new(),
+            dialect: Dialect::default(),
         }
     }
 
@@ -181,10 +186,14 @@ impl RequestFilter {
 
     pub fn on_request_headers(&mut self, host: &mut impl Host, worker: &mut Worker, end_of_stream: bool) -> Action {
         let Some(config) = self.config.clone() else { return Action::Continue };
-        if !config.bypass.paths.is_empty() && config.bypass.path(&host.request_header(":path").unwrap_or_default()) {
+        self.path = host.request_header(":path").unwrap_or_default();
+        if !config.bypass.paths.is_empty() && config.bypass.path(&self.path) {
             host.add_metric(Metric::Bypassed, 1);
             return Action::Continue;
         }
+        // Known before any body, so every answer, even one that never reads it, is in the
+        // caller's shape.
+        self.dialect = config.error_format.dialect(&self.path);
         match self.identify(host, &config) {
             Ok(tenant) => self.tenant = tenant,
             Err(verdict) => return self.apply(host, &config, verdict, false),
@@ -221,7 +230,7 @@ impl RequestFilter {
         match self.phase {
             Phase::ReadingBody => {
                 if body_size as u64 > config.tokens.max_request_bytes {
-                    let reply = Verdict::Reply(decision::body_too_large(config.tokens.max_request_bytes));
+                    let reply = Verdict::Reply(decision::body_too_large(config.tokens.max_request_bytes, self.dialect));
                     return self.apply(host, &config, reply, false);
                 }
                 if !end_of_stream {
@@ -334,7 +343,7 @@ impl RequestFilter {
             (None, MissingIdentity::Anonymous) => Ok(ANONYMOUS_TENANT.to_string()),
             (None, MissingIdentity::Reject) => {
                 host.add_metric(Metric::Unidentified, 1);
-                Err(Verdict::Reply(decision::missing_identity()))
+                Err(Verdict::Reply(decision::missing_identity(self.dialect)))
             }
         }
     }
@@ -377,14 +386,20 @@ impl RequestFilter {
         }
     }
 
-    fn rejection(&self, config: &Policy, reply: &LimitsReply) -> Verdict {
-        Verdict::Reply(decision::rejection(&self.relevant(reply), config, self.reserved_tokens()))
+    /// The 429 for `reply`, decided at `now` (ms).
+    fn rejection(&self, config: &Policy, reply: &LimitsReply, now: u64) -> Verdict {
+        let charged = self.plan.as_ref().map_or(&[][..], |p| p.buckets.as_slice());
+        Verdict::Reply(decision::rejection(&self.relevant(reply), config, charged, self.caller(now)))
+    }
+
+    /// Who the filter's answers to this request are for, at `now` (ms).
+    fn caller(&self, now: u64) -> Caller {
+        Caller { dialect: self.dialect, now_ms: now }
     }
 
     /// Plans the charge and decides it. `body` is `None` when the body is not read.
     fn charge(&mut self, host: &mut impl Host, worker: &mut Worker, config: &Policy, body: Option<&[u8]>) -> Action {
-        let path = host.request_header(":path").unwrap_or_default();
-        self.bedrock = BedrockRoute::from_path(&path).is_some();
+        let path = std::mem::take(&mut self.path);
         let tier_value = config.tier.as_ref().and_then(|t| host.request_header(&t.header));
         self.tier = config.tier_of(&self.tenant, tier_value.as_deref()).to_string();
         // The clock, read once for the decision.
@@ -402,7 +417,7 @@ impl RequestFilter {
         let unpriced = plan.unpriced.then(|| plan.model.clone());
         self.plan = Some(plan);
         if let Some(model) = unpriced {
-            return self.apply(host, config, Verdict::Reply(decision::model_not_priced(&model)), false);
+            return self.apply(host, config, Verdict::Reply(decision::model_not_priced(&model, self.dialect)), false);
         }
         if config.lease.enabled {
             match self.admit_from_lease(host, worker, config, now) {
@@ -555,7 +570,7 @@ impl RequestFilter {
             }
             Some(Ok(LeaseStep::Refused(refusal))) => {
                 self.count_refusal(host, config, &refusal);
-                FromLease::Decided(self.rejection(config, &refusal))
+                FromLease::Decided(self.rejection(config, &refusal, now))
             }
             Some(Ok(LeaseStep::Ask)) => FromLease::AskForLease,
             // First seen, the slot held by another tenant's lease, or the write refused.
@@ -575,11 +590,11 @@ impl RequestFilter {
         worker.note_leased(config, &self.tenant, leases, now);
         self.admission = Some(Admission::Leased);
         let buckets = self.plan.as_ref().map(|p| p.buckets.clone()).unwrap_or_default();
-        Verdict::Forward(self.admitted_headers(host, config, &leases.as_reply(&buckets)))
+        Verdict::Forward(self.admitted_headers(host, config, &leases.as_reply(&buckets), now))
     }
 
-    fn admitted_headers(&self, host: &mut impl Host, config: &Policy, reply: &LimitsReply) -> Vec<Header> {
-        let mut headers = decision::rate_limit_headers(&self.relevant(reply), config);
+    fn admitted_headers(&self, host: &mut impl Host, config: &Policy, reply: &LimitsReply, now: u64) -> Vec<Header> {
+        let mut headers = decision::rate_limit_headers(&self.relevant(reply), config, self.caller(now));
         if let Some(plan) = self.plan.as_ref() {
             if let Some(estimate) = plan.estimate {
                 count_tokens(host, config, plan.rule, TokenStage::Reserved, estimate);
@@ -638,7 +653,7 @@ impl RequestFilter {
                     (Some(entry.encode()), ())
                 });
             }
-            return self.rejection(config, &reply);
+            return self.rejection(config, &reply, now);
         }
         match self.ask {
             Ask::Lease => {
@@ -653,7 +668,7 @@ impl RequestFilter {
                         worker.settle_credits(host, config, &self.tenant, None, false, surplus.enumerate());
                         self.count_admission(host, config, Decision::Allowed);
                         self.admission = Some(Admission::Charged);
-                        Verdict::Forward(self.admitted_headers(host, config, &reply))
+                        Verdict::Forward(self.admitted_headers(host, config, &reply, now))
                     }
                 }
             }
@@ -671,7 +686,7 @@ impl RequestFilter {
                     let slots = settlement(config, &self.tenant, Some(id.clone()), false, adjustments(config, held));
                     worker.hold_slots(id.clone(), slots);
                 }
-                Verdict::Forward(self.admitted_headers(host, config, &reply))
+                Verdict::Forward(self.admitted_headers(host, config, &reply, now))
             }
         }
     }
@@ -696,7 +711,7 @@ impl RequestFilter {
                 self.count_per_limit(host, config, Decision::Degraded);
                 Verdict::Forward(vec![(DEGRADED_HEADER, "companion-unavailable".to_string())])
             }
-            FailureMode::Deny => Verdict::Reply(decision::limiter_unavailable()),
+            FailureMode::Deny => Verdict::Reply(decision::limiter_unavailable(self.dialect)),
         }
     }
 
@@ -706,7 +721,8 @@ impl RequestFilter {
     fn decide_locally(&mut self, host: &mut impl Host, worker: &mut Worker, config: &Policy) -> Verdict {
         host.add_metric(Metric::LocalDecisions, 1);
         let specs = self.plan.as_ref().map(|plan| local_specs(config, plan)).unwrap_or_default();
-        let now = host.now_ms() as f64;
+        let now_ms = host.now_ms();
+        let now = now_ms as f64;
         // A local bucket may be replaced by a colliding tenant's at once: what it admitted
         // was queued for Redis when it admitted it.
         let reply = update_own(
@@ -722,18 +738,19 @@ impl RequestFilter {
             },
         );
         let Some(Ok(reply)) = reply else {
-            return Verdict::Reply(decision::limiter_unavailable());
+            return Verdict::Reply(decision::limiter_unavailable(self.dialect));
         };
         if !reply.allowed {
             self.count_refusal(host, config, &reply);
-            return self.rejection(config, &reply).with_header(DEGRADED_HEADER, "local".to_string());
+            return self.rejection(config, &reply, now_ms).with_header(DEGRADED_HEADER, "local".to_string());
         }
         self.count_admission(host, config, Decision::Degraded);
         // Redis learns of the budget spent here; slots are this proxy's alone.
         let debits = specs.iter().enumerate().filter(|(_, b)| b.kind != LimitKind::Slots);
         worker.settle_credits(host, config, &self.tenant, None, false, debits.map(|(i, b)| (i, -(b.cost as i64))));
         self.admission = Some(Admission::Local);
-        Verdict::Forward(self.admitted_headers(host, config, &reply)).with_header(DEGRADED_HEADER, "local".to_string())
+        Verdict::Forward(self.admitted_headers(host, config, &reply, now_ms))
+            .with_header(DEGRADED_HEADER, "local".to_string())
     }
 
     /// Sends upstream the body the charge calls for: the output cap clamped to what was
@@ -752,12 +769,8 @@ impl RequestFilter {
             return;
         }
         let Some(plan) = self.plan.as_mut() else { return };
-        let charged = plan
-            .token_buckets(config)
-            .next()
-            .and_then(|b| reply.limits.iter().find(|o| o.name == b.name))
-            .map(|o| o.charged);
-        let Some(body) = plan.apply_grant(config, charged) else { return };
+        let charged: Vec<u64> = reply.limits.iter().map(|o| o.charged).collect();
+        let Some(body) = plan.apply_grant(config, &charged) else { return };
         if host.replace_request_body(self.body_len, &body)
             && host.set_request_header("content-length", &body.len().to_string())
             && config.tokens.request_stream_usage
@@ -782,7 +795,7 @@ impl RequestFilter {
                 let mut headers: Vec<Header> = reply
                     .headers
                     .into_iter()
-                    .filter(|(name, _)| *name != "retry-after" && *name != "content-type")
+                    .filter(|(name, _)| *name != "retry-after" && !answers::belongs_to_the_error(name))
                     .collect();
                 headers.push((SHADOW_HEADER, reply.status.to_string()));
                 Verdict::Forward(headers)
@@ -802,7 +815,6 @@ impl RequestFilter {
                 Action::Continue
             }
             Verdict::Reply(reply) => {
-                let reply = if self.bedrock { bedrock::error_reply(reply) } else { reply };
                 self.phase = Phase::Replied;
                 self.response_headers.clear();
                 host.send_reply(&reply);
@@ -818,21 +830,8 @@ impl RequestFilter {
     /// from, and its slots are released.
     fn settle(&mut self, host: &mut impl Host, worker: &mut Worker, config: &Policy, ending: Ending) {
         let Some(admission) = self.admission.take() else { return };
-        let (token_credit, cost_credit) = self.credits(host, worker, config, ending);
+        let credits = self.credits(host, worker, config, ending);
         let applies = |i: usize| self.plan.as_ref().is_some_and(|p| p.applies(i));
-        // Only the limits this request was charged against (per-model limits may not
-        // apply), each with the credit of its dimension.
-        let credits: Vec<(usize, i64)> = config
-            .limits
-            .iter()
-            .enumerate()
-            .filter(|(i, _)| applies(*i))
-            .filter_map(|(i, limit)| match limit.dimension() {
-                Dimension::Tokens => Some((i, token_credit)),
-                Dimension::Cost => Some((i, cost_credit)),
-                _ => None,
-            })
-            .collect();
         let slot_limits: Vec<usize> = config
             .limits
             .iter()
@@ -900,12 +899,19 @@ impl RequestFilter {
         worker.queue_settlement(host, settlement);
     }
 
-    /// What to give back for this request (negative: to take), in tokens and in
-    /// micro-dollars, from what it reserved and what the reply says it used; updates the
-    /// running average of completions.
-    fn credits(&mut self, host: &mut impl Host, worker: &mut Worker, config: &Policy, ending: Ending) -> (i64, i64) {
-        let Some(plan) = self.plan.as_ref() else { return (0, 0) };
-        let Some(estimate) = plan.estimate else { return (0, 0) };
+    /// What to give back for this request (negative: to take) to each token and cost
+    /// limit it applies to (per-model limits may not), by limit index: of the part of its
+    /// tokens the limit counts, or in micro-dollars, what it reserved less what the reply
+    /// says it used. Updates the running average of completions.
+    fn credits(
+        &mut self,
+        host: &mut impl Host,
+        worker: &mut Worker,
+        config: &Policy,
+        ending: Ending,
+    ) -> Vec<(usize, i64)> {
+        let Some(plan) = self.plan.as_ref() else { return Vec::new() };
+        let Some(estimate) = plan.estimate else { return Vec::new() };
         let (reported, streamed_output) = match self.reply.as_mut() {
             Some(ReplyReader::Json(reader)) => (reader.finish(), None),
             Some(ReplyReader::Stream(reader)) => {
@@ -941,18 +947,19 @@ impl RequestFilter {
             let prompt = reported.input.map(|input| (plan.counted_prompt, input));
             worker.calibrations.note(config, plan.rule, Lesson { prompt, output });
         }
-        // Against what the budget was charged (every cost limit is charged the same).
-        let charged =
-            plan.buckets.iter().zip(&config.limits).find(|(b, l)| l.dimension() == Dimension::Cost && b.cost > 0);
-        let cost_credit = match (plan.price, charged) {
-            (Some(price), Some((bucket, _))) => {
-                let signed = |n: u64| i64::try_from(n).unwrap_or(i64::MAX);
-                let cached = if forwarded { reported.cached_input.unwrap_or(0) } else { 0 };
-                signed(bucket.cost).saturating_sub(signed(price.micro_usd_cached(used, cached)))
-            }
-            _ => 0,
-        };
-        (credit(estimate, used.total()), cost_credit)
+        let cached = if forwarded { reported.cached_input.unwrap_or(0) } else { 0 };
+        let credits = config.limits.iter().zip(&plan.buckets).enumerate().filter(|(i, _)| plan.applies(*i));
+        credits
+            .filter_map(|(i, (limit, bucket))| match limit.measure {
+                Measure::Tokens { count, .. } => Some((i, credit(count.reserved(estimate), count.used(used, cached)))),
+                // Against what the budget was charged, at the price of each part used.
+                Measure::Usd { .. } => {
+                    let cost = plan.price.map_or(0, |price| credit(bucket.cost, price.micro_usd_cached(used, cached)));
+                    Some((i, cost))
+                }
+                Measure::Requests(_) | Measure::Concurrency(_) => None,
+            })
+            .collect()
     }
 
     fn release_local_slots(&self, host: &mut impl Host, config: &Policy, indices: &[usize]) {
@@ -1050,6 +1057,9 @@ fn count_tokens(host: &mut impl Host, config: &Policy, rule: usize, stage: Token
     }
 }
 
+#[cfg(test)]
+#[path = "lifecycle_answers_tests.rs"]
+mod answers_tests;
 #[cfg(test)]
 #[path = "lifecycle_tests.rs"]
 mod tests;

@@ -17,7 +17,7 @@ const CHAT_RESERVES: i64 = 309;
 /// reply, 3 for the message, `user` and `hello world` in bytes.
 const CHAT_PROMPT_BOUND: u64 = 21;
 
-fn config(limits: Value, extra: Value) -> String {
+pub(super) fn config(limits: Value, extra: Value) -> String {
     let mut config =
         json!({"companion": {"upstream": "companion", "token": "t"}, "failure_mode": "deny", "limits": limits});
     if let (Some(config), Some(extra)) = (config.as_object_mut(), extra.as_object()) {
@@ -45,7 +45,7 @@ fn tenant(key: &str) -> String {
 }
 
 /// The settlements the worker sends on its next tick, answered by `companion`.
-fn settle(proxy: &mut Proxy, companion: &mut FakeCompanion) -> Vec<crate::protocol::Settlement> {
+pub(super) fn settle(proxy: &mut Proxy, companion: &mut FakeCompanion) -> Vec<crate::protocol::Settlement> {
     let before = companion.settled.len();
     proxy.tick(Some(companion));
     companion.settled[before..].to_vec()
@@ -340,7 +340,7 @@ fn leases_admit_without_callouts_refuse_renew_and_return_on_expiry() {
 }
 
 /// A tenant's leases as its slot of the lease table holds them (empty if not its own).
-fn lease_of(proxy: &mut Proxy, key: &str) -> TenantLeases {
+pub(super) fn lease_of(proxy: &mut Proxy, key: &str) -> TenantLeases {
     let config = proxy.worker.config().unwrap().clone();
     let stored = crate::tables::read_own(&mut proxy.root, &config, crate::tables::TenantTable::Leases, &tenant(key));
     crate::lease::LeaseEntry::decode(stored.as_deref(), config.limits.len()).leases

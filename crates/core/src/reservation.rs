@@ -75,9 +75,10 @@ pub fn actual_usage(
     TokenEstimate { prompt, output }
 }
 
-/// Tokens to give back (positive) or to take as well (negative).
-pub fn credit(estimate: TokenEstimate, actual: u64) -> i64 {
-    i64::try_from(estimate.total()).unwrap_or(i64::MAX).saturating_sub(i64::try_from(actual).unwrap_or(i64::MAX))
+/// What to give back (positive) or to take as well (negative) of what was `reserved`,
+/// once `used` is known.
+pub fn credit(reserved: u64, used: u64) -> i64 {
+    i64::try_from(reserved).unwrap_or(i64::MAX).saturating_sub(i64::try_from(used).unwrap_or(i64::MAX))
 }
 
 /// The weight of the newest of `samples` samples in a running average: a plain mean over
@@ -170,9 +171,10 @@ mod tests {
 
     #[test]
     fn credit_is_signed() {
-        assert_eq!(credit(EST, 200), 400);
-        assert_eq!(credit(EST, 600), 0);
-        assert_eq!(credit(EST, 1000), -400);
+        assert_eq!(credit(EST.total(), 200), 400);
+        assert_eq!(credit(EST.total(), 600), 0);
+        assert_eq!(credit(EST.total(), 1000), -400);
+        assert_eq!(credit(0, u64::MAX), -i64::MAX);
     }
 
     #[test]

@@ -52,6 +52,7 @@ pub(super) fn compile(written: &Document) -> Result<Policy, ConfigError> {
         prices,
         mode: written.mode,
         headers: written.headers.clone(),
+        error_format: written.error_format,
         bypass,
         queue,
         fallback,
@@ -156,7 +157,9 @@ fn limit(at: &str, written: &shape::Limit, has_tier: bool, slot_ttl: Duration) -
 fn measure(at: &str, written: &shape::Limit) -> Result<Measure, ConfigError> {
     let (measure, key) = match (written.requests, written.tokens, written.concurrency, written.usd) {
         (Some(n), None, None, None) => (Measure::Requests(n), "requests"),
-        (None, Some(n), None, None) => (Measure::Tokens(n), "tokens"),
+        (None, Some(n), None, None) => {
+            (Measure::Tokens { amount: n, count: written.count.unwrap_or_default() }, "tokens")
+        }
         (None, None, Some(n), None) => (Measure::Concurrency(n), "concurrency"),
         (None, None, None, Some(usd)) => {
             let usd = within(format!("{at}.usd"), usd, (Excluded(0.0), Included(1e9)), "(0, 1e9]")?;
@@ -164,6 +167,9 @@ fn measure(at: &str, written: &shape::Limit) -> Result<Measure, ConfigError> {
         }
         _ => return Err(invalid(at, "set exactly one of `requests`, `tokens`, `concurrency` and `usd`")),
     };
+    if written.count.is_some() && written.tokens.is_none() {
+        return Err(invalid(format!("{at}.count"), "only a `tokens` limit counts a part of a request's tokens"));
+    }
     // A usd amount is checked in micro-dollars: too small a fraction of a cent rounds to 0.
     within(format!("{at}.{key}"), measure.capacity(), 1..=1_000_000_000_000, "1..1000000000000")?;
     Ok(measure)
@@ -466,6 +472,7 @@ quoted_as_displayed!(u8, u32, u64, f64);
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::TokenCount;
     use serde::de::DeserializeOwned;
 
     /// A section of the shape, from its JSON.
@@ -485,15 +492,33 @@ mod tests {
         invalid(field, message)
     }
 
+    fn token_measure(amount: u64, count: TokenCount) -> Measure {
+        Measure::Tokens { amount, count }
+    }
+
     #[test]
     fn each_measure_compiles_to_its_capacity_dimension_and_kind() {
         let cases = [
             (r#"{"name": "r", "requests": 20, "window": "1m"}"#, Measure::Requests(20), LimitKind::TokenBucket),
-            (r#"{"name": "t", "tokens": 9000, "window": "1m"}"#, Measure::Tokens(9000), LimitKind::TokenBucket),
             (
-                r#"{"name": "t", "tokens": 9000, "window": "1m", "algorithm": "sliding_window"}"#,
-                Measure::Tokens(9000),
+                r#"{"name": "t", "tokens": 9000, "window": "1m"}"#,
+                token_measure(9000, TokenCount::Total),
+                LimitKind::TokenBucket,
+            ),
+            (
+                r#"{"name": "t", "tokens": 9000, "window": "1m", "algorithm": "sliding_window", "count": "output"}"#,
+                token_measure(9000, TokenCount::Output),
                 LimitKind::SlidingWindow,
+            ),
+            (
+                r#"{"name": "t", "tokens": 400, "window": "1m", "count": "input"}"#,
+                token_measure(400, TokenCount::Input),
+                LimitKind::TokenBucket,
+            ),
+            (
+                r#"{"name": "t", "tokens": 400, "window": "1m", "count": "cached_input"}"#,
+                token_measure(400, TokenCount::CachedInput),
+                LimitKind::TokenBucket,
             ),
             (r#"{"name": "u", "usd": 2.5, "window": "1d"}"#, Measure::Usd { micro: 2_500_000 }, LimitKind::TokenBucket),
             (r#"{"name": "c", "concurrency": 4}"#, Measure::Concurrency(4), LimitKind::Slots),

@@ -17,9 +17,10 @@ mod tests;
 pub use error::ConfigError;
 pub use policy::{
     Bypass, Companion, Dimension, FailureMode, Fallback, HeaderStyle, Identity, LeaseConfig, Limit, Measure, Memory,
-    Mode, ModelPolicy, Policy, Price, PriceEntry, QueueConfig, Secret, Slots, TierConfig, TokenPolicy,
+    Mode, ModelPolicy, Policy, Price, PriceEntry, QueueConfig, Secret, Slots, TierConfig, TokenCount, TokenPolicy,
 };
 // Types of the policy's fields that belong to the modules that act on them.
+pub use crate::dialect::ErrorFormat;
 pub use crate::identity::{IdentitySource, MissingIdentity};
 pub use crate::reservation::UpstreamErrorCharge;
 

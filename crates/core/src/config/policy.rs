@@ -3,6 +3,7 @@
 //! measure is one enum, so no code downstream re-checks or re-derives anything. What each
 //! setting means for operators is documented on the shape (`super::shape`).
 
+use crate::dialect::ErrorFormat;
 use crate::identity::{IdentitySource, MissingIdentity};
 use crate::lease::LeasePolicy;
 use crate::protocol::LimitKind;
@@ -29,6 +30,8 @@ pub struct Policy {
     pub prices: Vec<PriceEntry>,
     pub mode: Mode,
     pub headers: Vec<HeaderStyle>,
+    /// Whose shape local replies and the `provider` headers take.
+    pub error_format: ErrorFormat,
     pub bypass: Bypass,
     pub queue: QueueConfig,
     pub fallback: Fallback,
@@ -146,8 +149,13 @@ pub enum Mode {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum HeaderStyle {
+    /// The caller's API's own (see `crate::dialect`): OpenAI's for OpenAI's paths,
+    /// Anthropic's for Anthropic's; Google and Bedrock publish none.
+    Provider,
     /// `x-ratelimit-{limit,remaining,reset}-{requests,tokens}` (and `-concurrency`).
     Openai,
+    /// `anthropic-ratelimit-{requests,tokens,input-tokens,output-tokens}-{limit,remaining,reset}`.
+    Anthropic,
     /// `RateLimit-Policy` and `RateLimit` (IETF draft).
     Ietf,
     /// `X-RateLimit-Limit`, `X-RateLimit-Remaining`, `X-RateLimit-Reset` for the most
@@ -176,8 +184,8 @@ pub struct Limit {
 pub enum Measure {
     /// Requests per window.
     Requests(u64),
-    /// Tokens (prompt and completion) per window.
-    Tokens(u64),
+    /// Tokens per window: all of them, or one part (`count`).
+    Tokens { amount: u64, count: TokenCount },
     /// Money per window.
     Usd { micro: u64 },
     /// Requests in flight at once.
@@ -188,7 +196,7 @@ impl Measure {
     pub fn dimension(self) -> Dimension {
         match self {
             Measure::Requests(_) => Dimension::Requests,
-            Measure::Tokens(_) => Dimension::Tokens,
+            Measure::Tokens { .. } => Dimension::Tokens,
             Measure::Usd { .. } => Dimension::Cost,
             Measure::Concurrency(_) => Dimension::Concurrency,
         }
@@ -197,8 +205,79 @@ impl Measure {
     /// The amount, in the unit Redis counts: requests, tokens, micro-dollars, slots.
     pub fn capacity(self) -> u64 {
         match self {
-            Measure::Requests(n) | Measure::Tokens(n) | Measure::Concurrency(n) => n,
+            Measure::Requests(n) | Measure::Tokens { amount: n, .. } | Measure::Concurrency(n) => n,
             Measure::Usd { micro } => micro,
+        }
+    }
+}
+
+/// Which of a request's tokens a token limit counts (`limits[].count`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TokenCount {
+    /// Input and output.
+    #[default]
+    Total,
+    /// Input (prompt) tokens, those read from a prompt cache included.
+    Input,
+    /// Output (completion) tokens.
+    Output,
+    /// Input tokens the provider reports as read from its prompt cache. Unknown until the
+    /// reply: reserved as 0, taken at settlement (see `TokenCount::reserved`).
+    CachedInput,
+}
+
+impl TokenCount {
+    /// What a request reserves against a limit of this count, from its estimate. Cached
+    /// input is unknown before the reply, and reserving the whole prompt would refuse
+    /// requests that never touch the cache, so it reserves nothing: such a limit refuses
+    /// while its budget is overdrawn by earlier settlements, and concurrent requests may
+    /// overdraw it by what they read from the cache.
+    pub fn reserved(self, estimate: TokenEstimate) -> u64 {
+        match self {
+            TokenCount::Total => estimate.total(),
+            TokenCount::Input => estimate.prompt,
+            TokenCount::Output => estimate.output,
+            TokenCount::CachedInput => 0,
+        }
+    }
+
+    /// What a request used of this count: `used` as settled, `cached` of its input read
+    /// from the provider's prompt cache.
+    pub fn used(self, used: TokenEstimate, cached: u64) -> u64 {
+        match self {
+            TokenCount::CachedInput => cached.min(used.prompt),
+            other => other.reserved(used),
+        }
+    }
+
+    /// How 429 messages name these tokens.
+    pub fn name(self) -> &'static str {
+        match self {
+            TokenCount::Total => "tokens",
+            TokenCount::Input => "input tokens",
+            TokenCount::Output => "output tokens",
+            TokenCount::CachedInput => "cached input tokens",
+        }
+    }
+
+    /// OpenAI's `error.type` of a 429 for these tokens (`tokens`, as OpenAI's own, for all).
+    pub fn error_type(self) -> &'static str {
+        match self {
+            TokenCount::Total => "tokens",
+            TokenCount::Input => "input_tokens",
+            TokenCount::Output => "output_tokens",
+            TokenCount::CachedInput => "cached_input_tokens",
+        }
+    }
+
+    /// What the request's reservation against such a limit is made of, for 429s.
+    pub fn reservation(self) -> &'static str {
+        match self {
+            TokenCount::Total => "prompt and completion allowance",
+            TokenCount::Input => "its prompt",
+            TokenCount::Output => "its completion allowance",
+            TokenCount::CachedInput => "none until the reply says",
         }
     }
 }
@@ -228,6 +307,14 @@ impl Dimension {
 impl Limit {
     pub fn dimension(&self) -> Dimension {
         self.measure.dimension()
+    }
+
+    /// The tokens a token limit counts; `None` for every other limit.
+    pub fn token_count(&self) -> Option<TokenCount> {
+        match self.measure {
+            Measure::Tokens { count, .. } => Some(count),
+            _ => None,
+        }
     }
 
     /// The budget: requests, tokens or micro-dollars per window, or requests at once.
@@ -529,7 +616,7 @@ mod tests {
     fn each_measure_has_its_dimension_and_capacity() {
         let cases = [
             (Measure::Requests(20), Dimension::Requests, 20),
-            (Measure::Tokens(10_000), Dimension::Tokens, 10_000),
+            (Measure::Tokens { amount: 10_000, count: TokenCount::Input }, Dimension::Tokens, 10_000),
             (Measure::Usd { micro: 5_000_000 }, Dimension::Cost, 5_000_000),
             (Measure::Concurrency(4), Dimension::Concurrency, 4),
         ];

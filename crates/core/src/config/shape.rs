@@ -7,7 +7,8 @@
 //! identity sources) are the policy's own types, deserialized in place.
 
 use super::error::{invalid, ConfigError};
-use super::policy::{FailureMode, HeaderStyle, Mode, Price, Secret};
+use super::policy::{FailureMode, HeaderStyle, Mode, Price, Secret, TokenCount};
+use crate::dialect::ErrorFormat;
 use crate::duration::parse_duration;
 use crate::identity::{IdentitySource, MissingIdentity};
 use crate::reservation::UpstreamErrorCharge;
@@ -47,6 +48,10 @@ pub struct Document {
     /// Which header conventions responses carry (`Retry-After` is always on a 429).
     #[serde(default = "default_header_styles")]
     pub headers: Vec<HeaderStyle>,
+    /// Whose shape the filter's own replies (429, 413, 503...) and the `provider` headers
+    /// take: `auto`, the caller's API by the request's path, or one fixed.
+    #[serde(default)]
+    pub error_format: ErrorFormat,
     #[serde(default)]
     pub bypass: Bypass,
     #[serde(default)]
@@ -122,6 +127,10 @@ pub struct Limit {
     /// Tokens (prompt and completion) admitted per `window`.
     #[serde(default)]
     pub tokens: Option<u64>,
+    /// Which of a request's tokens a `tokens` limit counts: all (`total`), `input`,
+    /// `output` or `cached_input`.
+    #[serde(default)]
+    pub count: Option<TokenCount>,
     /// Requests in flight at once, across all proxies (no `window`: a slot is held until
     /// the response ends, or for `slots.ttl` if its proxy stops renewing it).
     #[serde(default)]
@@ -430,5 +439,5 @@ pub fn default_identity_sources() -> Vec<IdentitySource> {
 }
 
 fn default_header_styles() -> Vec<HeaderStyle> {
-    vec![HeaderStyle::Openai, HeaderStyle::Ietf]
+    vec![HeaderStyle::Provider, HeaderStyle::Ietf]
 }

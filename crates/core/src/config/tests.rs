@@ -62,7 +62,8 @@ fn fills_defaults() {
     assert_eq!(config.identity.missing, MissingIdentity::Reject);
     assert_eq!(config.failure_mode, FailureMode::Local);
     assert_eq!(config.mode, Mode::Enforce);
-    assert_eq!(config.headers, vec![HeaderStyle::Openai, HeaderStyle::Ietf]);
+    assert_eq!(config.headers, vec![HeaderStyle::Provider, HeaderStyle::Ietf]);
+    assert_eq!(config.error_format, ErrorFormat::Auto, "answered in the caller's shape");
     assert!(!config.bypass.path("/v1/chat/completions"));
     assert_eq!(config.fallback.instances, 1);
     assert!(!config.lease.enabled);
@@ -412,6 +413,21 @@ fn rejects_bad_configs_naming_the_field() {
             format!(r#"{{{companion}, {limits}, "headers": ["openai", "github"]}}"#),
             "headers[1]",
             "unknown variant `github`",
+        ),
+        (
+            format!(r#"{{{companion}, {limits}, "error_format": "cohere"}}"#),
+            "error_format",
+            "unknown variant `cohere`, expected one of `auto`, `openai`, `anthropic`, `google`, `bedrock`",
+        ),
+        (
+            format!(r#"{{{companion}, "limits": [{{"name": "t", "tokens": 5, "window": "1m", "count": "prompt"}}]}}"#),
+            "limits[0].count",
+            "unknown variant `prompt`, expected one of `total`, `input`, `output`, `cached_input`",
+        ),
+        (
+            format!(r#"{{{companion}, "limits": [{{"name": "r", "requests": 5, "window": "1m", "count": "input"}}]}}"#),
+            "limits[0].count",
+            "only a `tokens` limit counts",
         ),
         (
             format!(r#"{{{companion}, {limits}, "bypass": {{"tenants": ["sk-live-123"]}}}}"#),

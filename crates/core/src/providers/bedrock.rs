@@ -17,7 +17,6 @@
 //! their output cap. They are reserved at the bound clamping would have started from
 //! instead (see `charge::plan`), all or nothing.
 
-use crate::decision::LocalReply;
 use crate::eventstream::{EventStreamDecoder, Message, StreamError};
 use crate::json::Json;
 use crate::request::{Api, BodyError, LlmRequest, ParsedBody};
@@ -233,27 +232,6 @@ impl EventStreamUsage {
     }
 }
 
-/// A local reply in Bedrock's error shape, which its SDKs read: the error type in
-/// `x-amzn-ErrorType` (boto3 takes the code from it), the text in `{"message": ...}`.
-/// The status, `retry-after` and the rate-limit headers stay as they are.
-pub fn error_reply(mut reply: LocalReply) -> LocalReply {
-    let error_type = match reply.status {
-        429 => "ThrottlingException",
-        503 => "ServiceUnavailableException",
-        401 | 403 => "AccessDeniedException",
-        _ => "ValidationException",
-    };
-    reply.headers.push(("x-amzn-errortype", error_type.to_string()));
-    if !reply.body.is_empty() {
-        let message = Json::parse(reply.body.as_bytes())
-            .ok()
-            .and_then(|body| body.at("error").at("message").as_str().map(str::to_string))
-            .unwrap_or_default();
-        reply.body = serde_json::json!({ "message": message }).to_string();
-    }
-    reply
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -460,22 +438,6 @@ mod tests {
         let mut reply = crate::usage::ReplyUsage::new();
         reply.feed(body.as_bytes());
         assert_eq!(reply.finish(), ReportedUsage { input: Some(16), output: Some(3), cached_input: Some(0) });
-    }
-
-    #[test]
-    fn answers_in_bedrocks_error_shape() {
-        let reply = LocalReply {
-            status: 429,
-            headers: vec![("retry-after", "3".to_string()), ("content-type", "application/json".to_string())],
-            body: r#"{"error":{"message":"Rate limit reached","type":"requests","code":"rate_limit_exceeded"}}"#.into(),
-        };
-        let bedrock = error_reply(reply.clone());
-        assert_eq!(bedrock.status, 429);
-        assert!(bedrock.headers.contains(&("x-amzn-errortype", "ThrottlingException".to_string())));
-        assert!(bedrock.headers.contains(&("retry-after", "3".to_string())));
-        assert_eq!(bedrock.body, r#"{"message":"Rate limit reached"}"#);
-        let empty = error_reply(reply.without_body());
-        assert!(empty.body.is_empty());
     }
 
     /// A Bedrock request as boto3 sends it: SigV4-signed, the model in the path.
