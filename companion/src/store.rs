@@ -2,6 +2,7 @@
 //! it again and retrying once on NOSCRIPT, as after a restart or `SCRIPT FLUSH`), and ping.
 //! Every call is bounded by the configured timeout.
 
+use prometheus_client::metrics::counter::Counter;
 use redis::aio::ConnectionManager;
 use redis::cluster_async::ClusterConnection;
 use redis::cluster_routing::Slot;
@@ -35,6 +36,8 @@ enum Connection {
 pub struct Store {
     connection: Connection,
     timeout: Duration,
+    /// Counts each load after a NOSCRIPT.
+    noscript_reloads: Counter,
 }
 
 /// Where Redis is: one server, or the seed nodes of a cluster.
@@ -102,7 +105,12 @@ impl Store {
                 Connection::Cluster(client.get_async_connection().await?)
             }
         };
-        Ok(Store { connection, timeout })
+        Ok(Store { connection, timeout, noscript_reloads: Counter::default() })
+    }
+
+    /// Counts NOSCRIPT reloads in `counter` (a metric).
+    pub fn counting_reloads_in(self, counter: Counter) -> Store {
+        Store { noscript_reloads: counter, ..self }
     }
 
     pub async fn query(&self, cmd: &Cmd) -> Result<Value, RedisError> {
@@ -146,6 +154,7 @@ impl Store {
         match self.query(&cmd).await {
             Err(err) if is_no_script(&err) => {
                 eprintln!("companion: script {} missing in Redis (NOSCRIPT); loading it again", script.name);
+                self.noscript_reloads.inc();
                 self.load(script).await?;
                 self.query(&cmd).await
             }
