@@ -24,7 +24,7 @@ help: ## List the targets
 setup: ## Install what is missing (wasm toolchain, redis-server, wrk, Envoy and Python packages)
 	@scripts/setup.sh
 
-build: setup wasm native ## Build the filter (.wasm), the companion and the mock upstream
+build: setup wasm native ## Build the filter (.wasm), the companion, the llm-ratelimit CLI and the mock upstream
 
 wasm:
 	$(WASM_CARGO) rustc -p llm-ratelimit --profile wasm --lib --crate-type cdylib --target $(WASM_TARGET) $(WASM_FLAGS)
@@ -36,7 +36,7 @@ empty-filter: setup
 	CARGO_TARGET_DIR=$(CURDIR)/target $(WASM_CARGO) build --release --manifest-path bench/empty-filter/Cargo.toml --target $(WASM_TARGET) $(WASM_FLAGS)
 
 native:
-	cargo build --release -p llm-ratelimit-companion -p mock-llm
+	cargo build --release -p llm-ratelimit-companion -p mock-llm -p llm-ratelimit-cli
 
 test: build ## Run every test: unit (native and wasm), Lua against Redis, companion, end to end through Envoy
 	cargo test --workspace
