@@ -119,12 +119,12 @@ def test_usage_shows_the_level_after_requests_and_reset_starts_the_tenant_afresh
         assert done.returncode == 0, done.stderr
         return json.loads(done.stdout)
 
-    def tokens_settled():
+    def settled():
         # The settlement (real usage in place of the reservation) follows on the worker's tick.
         reply = usage("--key", key)
-        return reply if reply["limits"][2]["used"] == 0 else None
+        return reply if reply["limits"][2]["used"] == 0 and reply["reservations"] == 0 else None
 
-    reply = wait_until(tokens_settled, 15, "the requests' slots released")
+    reply = wait_until(settled, 15, "the requests' slots released and reservations settled")
     assert reply["tenant"] == tenant_of(key) and reply["domain"] == "llm"
     rpm, tpm, inflight = reply["limits"]
     assert (rpm["name"], rpm["limit"], rpm["used"], rpm["remaining"]) == ("rpm", 10, 3, 7)
@@ -139,8 +139,18 @@ def test_usage_shows_the_level_after_requests_and_reset_starts_the_tenant_afresh
     rows = {line.split()[0]: line for line in table.stdout.splitlines()[2:]}
     assert re.search(r"requests \(token bucket\)\s+3\s+7\s+10\s", rows["rpm"]), table.stdout
     assert "in flight" in rows["inflight"]
-    # Nothing was charged by asking.
+    # Nothing was charged by asking; every reservation was settled.
     assert usage("--key", key)["limits"][0]["used"] == 3
+    assert reply["reservations_complete"]
+    assert table.stdout.splitlines()[-1] == "reservations awaiting settlement: 0"
+    # Two charges with reservations, not settled (as while their replies stream): counted.
+    for reservation in ("r-open-1", "r-open-2"):
+        charge = {"domain": "llm", "tenant": tenant_of(key), "reservation": {"id": reservation, "ttl_ms": 60_000},
+                  "limits": [{"name": "tpm", "capacity": 50_000, "window_ms": 3_600_000, "cost": 10,
+                              "kind": "sliding_window"}]}
+        assert post(backend.companion_port, "/v1/token_bucket", charge, TOKEN) == 200
+    assert usage("--key", key)["reservations"] == 2
+    assert usage("--key", "sk-another-tenant")["reservations"] == 0
 
     # Reset: the tenant is fresh; the reset is logged by tenant id and counted.
     done = cli("reset", *common, "--key", key)
@@ -196,3 +206,30 @@ def test_metrics_on_a_listener_of_their_own(stack):
     wait_until(lambda: http_get(f"http://127.0.0.1:{metrics_port}/metrics")[0] == 200, 10, "metrics listener")
     assert metric(scrape(metrics_port), "decisions_total", op="charge", outcome="allowed") == 0
     assert http_get(f"http://127.0.0.1:{port}/metrics")[0] == 404
+
+
+def post_json(port: int, path: str, body: dict) -> dict:
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps(body).encode(), method="POST",
+                                     headers={"x-llmrl-token": TOKEN, "content-type": "application/json"})
+    with urllib.request.urlopen(request, timeout=10) as reply:
+        return json.loads(reply.read())
+
+
+def test_usage_and_reset_on_a_cluster_find_each_tenant_on_its_node(stack):
+    """Reservation records are counted by SCAN on the node that holds the tenant's slot."""
+    ports = stack.redis_cluster(3)
+    _, port = stack.companion("redis+cluster://" + ",".join(f"127.0.0.1:{p}" for p in ports), TOKEN)
+    limits = [{"name": "tpm", "capacity": 1000, "window_ms": 60_000}]
+    for n in range(6):
+        tenant = tenant_of(f"sk-cluster-{n}")
+        for r in range(n):
+            charge = {"domain": "llm", "tenant": tenant, "reservation": {"id": f"r{r}", "ttl_ms": 60_000},
+                      "limits": [{**limits[0], "cost": 10}]}
+            assert post_json(port, "/v1/token_bucket", charge)["allowed"]
+        usage = post_json(port, "/v1/usage", {"domain": "llm", "tenant": tenant, "limits": limits})
+        assert (usage["reservations"], usage["reservations_complete"]) == (n, True)
+        assert usage["limits"][0]["used"] == 10 * n
+        assert post_json(port, "/v1/admin/reset", {"domain": "llm", "tenant": tenant, "limits": limits}) == {
+            "deleted": 1 if n else 0}
+        assert post_json(port, "/v1/usage", {"domain": "llm", "tenant": tenant, "limits": limits})["limits"][0][
+            "remaining"] == 1000

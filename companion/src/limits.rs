@@ -196,7 +196,8 @@ pub fn tenant(prefix: &str, op: Op, request: &TenantLimits) -> Call {
     call(prefix, &request.domain, &request.tenant, &arguments, None)
 }
 
-/// A peek's reply as where the tenant stands on each limit of `request`.
+/// A peek's reply as where the tenant stands on each limit of `request` (its reservations
+/// are counted apart, see `reservations`).
 pub fn usage(request: &TenantLimits, value: &Value) -> Result<UsageReply, String> {
     let outcomes = reply(request.limits.iter().map(|l| l.name.as_str()), value)?;
     let limits = request
@@ -213,7 +214,7 @@ pub fn usage(request: &TenantLimits, value: &Value) -> Result<UsageReply, String
             retry_after_ms: outcome.retry_after_ms,
         })
         .collect();
-    Ok(UsageReply { limits })
+    Ok(UsageReply { limits, reservations: 0, reservations_complete: false })
 }
 
 /// Several calls as one script call (the script's `calls` form): their keys in order, and

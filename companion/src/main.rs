@@ -15,6 +15,7 @@ mod batcher;
 mod limits;
 mod metrics;
 mod queue;
+mod reservations;
 mod store;
 
 use axum::body::Bytes;
@@ -217,13 +218,19 @@ async fn run_usage(State(app): State<Arc<App>>, headers: HeaderMap, body: Bytes)
         Ok(value) => value,
         Err(err) => return failed(&app, MetricOp::Usage, StatusCode::SERVICE_UNAVAILABLE, format!("redis: {err}")),
     };
-    match limits::usage(&request, &value) {
-        Ok(usage) => {
-            let room = usage.limits.iter().all(|l| l.remaining > 0);
-            decided(&app, MetricOp::Usage, room, usage)
+    let mut usage = match limits::usage(&request, &value) {
+        Ok(usage) => usage,
+        Err(err) => {
+            return failed(&app, MetricOp::Usage, StatusCode::BAD_GATEWAY, format!("unexpected script reply: {err}"))
         }
-        Err(err) => failed(&app, MetricOp::Usage, StatusCode::BAD_GATEWAY, format!("unexpected script reply: {err}")),
+    };
+    let store = app.batcher.store();
+    match reservations::count(store, &app.metrics, &app.key_prefix, &request.domain, &request.tenant).await {
+        Ok((count, complete)) => (usage.reservations, usage.reservations_complete) = (count, complete),
+        Err(err) => return failed(&app, MetricOp::Usage, StatusCode::SERVICE_UNAVAILABLE, format!("redis: {err}")),
     }
+    let room = usage.limits.iter().all(|l| l.remaining > 0);
+    decided(&app, MetricOp::Usage, room, usage)
 }
 
 /// Deletes a tenant's counters for the limits named: the tenant starts afresh. Logged

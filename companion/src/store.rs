@@ -5,7 +5,7 @@
 use prometheus_client::metrics::counter::Counter;
 use redis::aio::ConnectionManager;
 use redis::cluster_async::ClusterConnection;
-use redis::cluster_routing::Slot;
+use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, Slot, SlotAddr};
 use redis::io::tcp::TcpSettings;
 use redis::{Cmd, ErrorKind, IntoConnectionInfo, RedisError, ServerErrorKind, Value};
 use std::time::Duration;
@@ -120,6 +120,22 @@ impl Store {
                 Connection::Cluster(c) => cmd.query_async(&mut c.clone()).await,
             }
         };
+        self.bounded(call).await
+    }
+
+    /// Runs a command that names no key (SCAN) on the server holding `key`'s hash slot:
+    /// on one server, that server.
+    pub async fn query_on_node_of(&self, key: &str, cmd: &Cmd) -> Result<Value, RedisError> {
+        let Connection::Cluster(cluster) = &self.connection else { return self.query(cmd).await };
+        let route = Route::with_key(key, SlotAddr::Master);
+        let routing = RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(route));
+        self.bounded(cluster.clone().route_command(cmd.clone(), routing)).await
+    }
+
+    async fn bounded(
+        &self,
+        call: impl std::future::Future<Output = Result<Value, RedisError>>,
+    ) -> Result<Value, RedisError> {
         match tokio::time::timeout(self.timeout, call).await {
             Ok(result) => result,
             Err(_) => Err(RedisError::from(std::io::Error::new(

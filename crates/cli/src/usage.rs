@@ -26,6 +26,8 @@ pub fn run(args: &Args) -> Result<(), String> {
     } else {
         println!("tenant {} in domain {}", resolved.request.tenant, resolved.request.domain);
         print!("{}", table(&resolved.policy, &usage));
+        let at_least = if usage.reservations_complete { "" } else { "at least " };
+        println!("reservations awaiting settlement: {at_least}{}", usage.reservations);
     }
     Ok(())
 }
@@ -112,6 +114,8 @@ mod tests {
                 usage("budget", LimitKind::SlidingWindow, 5_000_000, 4_998_750, 86_000_000, 0),
                 usage("inflight", LimitKind::Slots, 2, 1, 0, 0),
             ],
+            reservations: 0,
+            reservations_complete: true,
         };
         let text = table(&policy, &reply);
         // Cells are separated by two spaces at least; a cell holds single spaces only.

@@ -39,6 +39,13 @@ pub struct LimitSpec {
 pub struct UsageReply {
     /// One per limit asked about, in request order.
     pub limits: Vec<LimitUsage>,
+    /// The tenant's reservations awaiting settlement: requests admitted whose real usage
+    /// is not known yet (or never will be: a reservation not settled expires after the
+    /// filter's `tokens.reservation_ttl`, and its charge stands).
+    pub reservations: u64,
+    /// False when counting stopped early (a very large keyspace): `reservations` is then
+    /// a lower bound.
+    pub reservations_complete: bool,
 }
 
 /// Where a tenant stands on one limit, now.

@@ -244,12 +244,15 @@ fn usage_and_reset_replies() {
                 retry_after_ms: 800,
             },
         ],
+        reservations: 3,
+        reservations_complete: true,
     };
     pinned(
         &usage,
         concat!(
             r#"{"limits":[{"name":"rpm","limit":20,"remaining":17,"used":3,"reset_after_ms":9000,"retry_after_ms":0},"#,
-            r#"{"name":"inflight","kind":"slots","limit":4,"remaining":0,"used":4,"reset_after_ms":0,"retry_after_ms":800}]}"#
+            r#"{"name":"inflight","kind":"slots","limit":4,"remaining":0,"used":4,"reset_after_ms":0,"retry_after_ms":800}],"#,
+            r#""reservations":3,"reservations_complete":true}"#
         ),
     );
     pinned(&ResetReply { deleted: 2 }, r#"{"deleted":2}"#);
