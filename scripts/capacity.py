@@ -16,9 +16,10 @@
    is what one core of Redis can run. On a loaded machine the CPU time is the figure to
    trust: wall times grow with every other process that takes the core.
 
-Prints a table and writes the figures as JSON (--out). Redis calls per request in each
-mode come from `make bench` (README, "Benchmark"); the README's capacity table is
-derived from these figures with the arithmetic shown there.
+Prints a table and writes the figures as JSON (--out); then the planning table derived
+from them (`plan`, also alone from saved figures: --plan FILE), with the assumptions it
+states. Redis calls per request in each mode come from `make bench` (README,
+"Benchmark").
 """
 
 import argparse
@@ -70,7 +71,7 @@ SCENARIOS = [
     ("sliding window, 100 entries", 0.1, 100, [("sw", "rpm", 1000, HOUR, 1)], None),
     ("concurrency slots, 1 held", 1.0, 1, [("slots", "inflight", 100, HOUR, 1)], "member"),
     ("concurrency slots, 4 held", 0.5, 4, [("slots", "inflight", 100, HOUR, 1)], "member"),
-    ("token bucket + 1 reservation in flight", 1.0, 1, [("tb", "tpm", 10**6, HOUR, 500)], "record"),
+    ("token bucket + 10 reservations in flight", 0.5, 10, [("tb", "tpm", 10**6, HOUR, 500)], "record"),
 ]
 
 
@@ -156,13 +157,85 @@ def benchmark(port: int, client: redis.Redis, sha: str, limits: list[dict], batc
     }
 
 
+# What the planning table assumes, beyond what this script measures.
+# The companion, one thread: charges/s at 16 connections, the companion alone (README,
+# "The companion", --threads).
+COMPANION_CHARGES_PER_SECOND = 17_800
+# Script calls per request from `make bench` (README, "Benchmark", commit 5a9b8f3): lease
+# mode with 1,000 tenants, each with ~13 requests/s.
+LEASE_CALLS_PER_REQUEST = 0.03
+# Direct mode: each request is charged, and settled (token or cost limits), by a call of
+# its own (batched with others into script calls).
+DIRECT_CALLS_PER_REQUEST = 2
+# Plan each Redis shard (one core runs the scripts) and each companion at half of what
+# they sustain: headroom for bursts, failover and persistence.
+UTILISATION = 0.5
+SHARD_MEMORY_BYTES = 16 * 2**30
+# A request holds its reservation from its charge to its settlement: a streamed completion
+# takes seconds.
+SECONDS_IN_FLIGHT = 5
+LEASE_TTL_SECONDS = 10  # the filter's default lease.ttl
+
+
+def plan(figures: dict) -> list[str]:
+    """The planning table, from measured figures: lines to print."""
+    memory = {row["scenario"]: row["bytes_per_tenant"] for row in figures["memory"]}
+    per_tenant = memory["token buckets, 2 limits (requests + tokens)"]
+    per_reservation = (memory["token bucket + 10 reservations in flight"] - memory["token bucket, 1 limit"]) / 10
+    batched = next(r for r in figures["throughput"] if r["limits"] == "2 token buckets" and r["batch"] == 10)
+    alone = next(r for r in figures["throughput"] if r["limits"] == "2 token buckets" and r["batch"] == 1)
+    cpu_batched, cpu_alone = batched["redis_cpu_usec_per_charge"], alone["redis_cpu_usec_per_charge"]
+    lines = [
+        "Policy: requests + tokens, two token buckets per tenant, every tenant active within the window (its keys",
+        f"live until its buckets are full again); requests in flight {SECONDS_IN_FLIGHT} s each (a reservation each).",
+        f"  memory  = tenants x {per_tenant:.0f} B + requests/s x {SECONDS_IN_FLIGHT} s x {per_reservation:.0f} B",
+        f"  direct: Redis CPU = requests/s x {DIRECT_CALLS_PER_REQUEST} calls x {cpu_batched:.1f} us (batched, 10 per script call)",
+        f"  lease:  Redis CPU = requests/s x {LEASE_CALLS_PER_REQUEST} calls x {cpu_alone:.1f} us (calls alone), where leases apply",
+        f"  shards  = max(Redis CPU / {UTILISATION:.0%} of a core, memory / {SHARD_MEMORY_BYTES / 2**30:.0f} GiB)",
+        f"  companions (one thread each) = requests/s / ({UTILISATION:.0%} x {COMPANION_CHARGES_PER_SECOND:,} charges/s) in direct mode",
+        "",
+        f"{'tenants':>11} {'requests/s':>11} {'memory':>9} {'direct: shards':>15} {'companions':>11}  lease mode",
+    ]
+    for tenants in (1_000, 1_000_000, 100_000_000):
+        for rate in (10_000, 100_000, 1_000_000):
+            bytes_needed = tenants * per_tenant + rate * SECONDS_IN_FLIGHT * per_reservation
+            by_memory = bytes_needed / SHARD_MEMORY_BYTES
+            direct_cores = rate * DIRECT_CALLS_PER_REQUEST * cpu_batched / 1e6
+            direct_shards = max(1, -(-max(direct_cores / UTILISATION, by_memory) // 1))
+            companions = max(1, -(-rate // (UTILISATION * COMPANION_CHARGES_PER_SECOND)))
+            per_tenant_rate = rate / tenants
+            # A lease pays when a tenant's proxy admits many requests per grant: at least
+            # one grant per lease.ttl, so a tenant needs several requests per ttl.
+            if per_tenant_rate * LEASE_TTL_SECONDS >= 100:
+                lease_cores = rate * LEASE_CALLS_PER_REQUEST * cpu_alone / 1e6
+                shards = max(1, -(-max(lease_cores / UTILISATION, by_memory) // 1))
+                lease = f"{shards:.0f} shard(s): lease.enabled, max_fraction 0.1, ttl 10s ({per_tenant_rate:,.0f} req/s per tenant)"
+            else:
+                lease = f"no gain: {per_tenant_rate:g} req/s per tenant, {per_tenant_rate * LEASE_TTL_SECONDS:.2g} per lease.ttl"
+            lines.append(f"{tenants:>11,} {rate:>11,} {human_bytes(bytes_needed):>9} {direct_shards:>15.0f} "
+                         f"{companions:>11.0f}  {lease}")
+    return lines
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tenants", type=int, default=50_000, help="tenants written per memory scenario")
     parser.add_argument("--requests", type=int, default=100_000, help="script calls per throughput run")
     parser.add_argument("--connections", type=int, default=16)
     parser.add_argument("--out", type=Path, default=ROOT / "run/capacity.json")
+    parser.add_argument("--plan", type=Path, help="print only the planning table, from figures saved by a run")
     args = parser.parse_args()
+    if args.plan:
+        print("\n".join(plan(json.loads(args.plan.read_text()))))
+        return 0
 
     load = os.getloadavg()
     stack = Stack(Path(tempfile.mkdtemp(prefix="llmrl-capacity-")))
@@ -199,6 +272,8 @@ def main() -> int:
         args.out.write_text(json.dumps({"redis": version, "load_before": load, "load_after": after,
                                         "memory": memory, "throughput": throughput}, indent=1))
         print(f"figures written to {args.out}")
+        print("\n3. Planning (arithmetic from the figures above; assumptions in scripts/capacity.py)")
+        print("\n".join("   " + line for line in plan(json.loads(args.out.read_text()))))
     finally:
         stack.stop_all()
     return 0
