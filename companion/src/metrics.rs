@@ -11,7 +11,7 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
-use prometheus_client::registry::{Registry, Unit};
+use prometheus_client::registry::{Metric, Registry, Unit};
 use std::time::Duration;
 
 /// The ops of `_decisions_total` and `_redis_call_duration_seconds`: what the companion
@@ -115,76 +115,96 @@ fn redis_buckets() -> Histogram {
     Histogram::new(exponential_buckets(0.000_025, 2.0, 16))
 }
 
+/// Registers a handle on `metric` under `name` and gives the metric back to be kept.
+fn registered<M: Metric + Clone>(registry: &mut Registry, name: &str, help: &str, unit: Option<Unit>, metric: M) -> M {
+    match unit {
+        Some(unit) => registry.register_with_unit(name, help, unit, metric.clone()),
+        None => registry.register(name, help, metric.clone()),
+    }
+    metric
+}
+
 impl Metrics {
     pub fn new() -> Metrics {
         let mut registry = Registry::with_prefix("llm_ratelimit_companion");
-        let decisions_family = Family::<Labels, Counter>::default();
-        let decisions = MetricOp::ALL
-            .iter()
-            .map(|op| Outcome::ALL.map(|outcome| decisions_family.get_or_create_owned(&labels(*op, outcome))))
-            .collect();
-        registry.register(
+        let r = &mut registry;
+        let decisions = registered(
+            r,
             "decisions",
-            "Calls answered, by op and outcome (settle and release: per entry)",
-            decisions_family,
+            "Calls answered, by op and outcome (settle, release and touch: per entry)",
+            None,
+            Family::<Labels, Counter>::default(),
         );
-        let duration_family = Family::<OpLabel, Histogram>::new_with_constructor(redis_buckets as fn() -> Histogram);
-        let redis_call_duration =
-            MetricOp::ALL.iter().map(|op| duration_family.get_or_create_owned(&[("op", op.label())])).collect();
-        registry.register_with_unit(
+        let redis_call_duration = registered(
+            r,
             "redis_call_duration",
             "Time of the Redis call that carried each call (a batch: its one script call, for each call in it)",
-            Unit::Seconds,
-            duration_family,
+            Some(Unit::Seconds),
+            Family::<OpLabel, Histogram>::new_with_constructor(redis_buckets as fn() -> Histogram),
         );
-        let metrics = Metrics {
-            registry: Registry::default(),
-            decisions,
-            redis_call_duration,
-            script_errors: Counter::default(),
-            noscript_reloads: Counter::default(),
-            queue_depth: Gauge::default(),
-            // A queued charge waits from a few milliseconds up to queue.max_wait (10 min).
-            queue_wait: Histogram::new(exponential_buckets(0.005, 2.0, 18)),
-            settlements_applied: Counter::default(),
-            settlements_dropped: Counter::default(),
-            auth_failures: Counter::default(),
-            admin_resets: Counter::default(),
-        };
-        registry.register(
-            "script_errors",
-            "Script calls Redis answered with an error (bad arguments, a refused command) or an unexpected reply",
-            metrics.script_errors.clone(),
-        );
-        registry.register(
-            "noscript_reloads",
-            "Times the script was missing in Redis (NOSCRIPT: a restart, SCRIPT FLUSH) and was loaded again",
-            metrics.noscript_reloads.clone(),
-        );
-        registry.register("queue_depth", "Charges waiting in this companion for capacity", metrics.queue_depth.clone());
-        registry.register_with_unit(
-            "queue_wait",
-            "How long charges that waited for capacity waited, until admitted or refused",
-            Unit::Seconds,
-            metrics.queue_wait.clone(),
-        );
-        let settlements = Family::<[(&'static str, &'static str); 1], Counter>::default();
-        let (applied, dropped) = (
-            settlements.get_or_create_owned(&[("outcome", "applied")]),
-            settlements.get_or_create_owned(&[("outcome", "dropped")]),
-        );
-        registry.register(
+        let settlements = registered(
+            r,
             "settlements",
             "Settlements applied, or dropped because their reservation was gone (settled before, or expired)",
-            settlements,
+            None,
+            Family::<OpLabel, Counter>::default(),
         );
-        registry.register(
-            "auth_failures",
-            "Requests refused for a missing or wrong x-llmrl-token",
-            metrics.auth_failures.clone(),
-        );
-        registry.register("admin_resets", "Tenants whose counters an admin reset", metrics.admin_resets.clone());
-        Metrics { registry, settlements_applied: applied, settlements_dropped: dropped, ..metrics }
+        Metrics {
+            decisions: MetricOp::ALL
+                .iter()
+                .map(|op| Outcome::ALL.map(|outcome| decisions.get_or_create_owned(&labels(*op, outcome))))
+                .collect(),
+            redis_call_duration: MetricOp::ALL
+                .iter()
+                .map(|op| redis_call_duration.get_or_create_owned(&[("op", op.label())]))
+                .collect(),
+            settlements_applied: settlements.get_or_create_owned(&[("outcome", "applied")]),
+            settlements_dropped: settlements.get_or_create_owned(&[("outcome", "dropped")]),
+            script_errors: registered(
+                r,
+                "script_errors",
+                "Script calls Redis answered with an error (bad arguments, a refused command) or an unexpected reply",
+                None,
+                Counter::default(),
+            ),
+            noscript_reloads: registered(
+                r,
+                "noscript_reloads",
+                "Times the script was missing in Redis (NOSCRIPT: a restart, SCRIPT FLUSH) and was loaded again",
+                None,
+                Counter::default(),
+            ),
+            queue_depth: registered(
+                r,
+                "queue_depth",
+                "Charges waiting in this companion for capacity",
+                None,
+                Gauge::default(),
+            ),
+            queue_wait: registered(
+                r,
+                "queue_wait",
+                "How long charges that waited for capacity waited, until admitted or refused",
+                Some(Unit::Seconds),
+                // A queued charge waits from a few milliseconds up to queue.max_wait (10 min).
+                Histogram::new(exponential_buckets(0.005, 2.0, 18)),
+            ),
+            auth_failures: registered(
+                r,
+                "auth_failures",
+                "Requests refused for a missing or wrong x-llmrl-token",
+                None,
+                Counter::default(),
+            ),
+            admin_resets: registered(
+                r,
+                "admin_resets",
+                "Tenants whose counters an admin reset",
+                None,
+                Counter::default(),
+            ),
+            registry,
+        }
     }
 
     pub fn decision(&self, op: MetricOp, outcome: Outcome) {
