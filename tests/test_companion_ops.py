@@ -5,7 +5,7 @@ metrics after traffic through Envoy (the series and their values), and the
 import json
 import re
 import subprocess
-import time
+import threading
 import urllib.request
 
 import pytest
@@ -233,3 +233,27 @@ def test_usage_and_reset_on_a_cluster_find_each_tenant_on_its_node(stack):
             "deleted": 1 if n else 0}
         assert post_json(port, "/v1/usage", {"domain": "llm", "tenant": tenant, "limits": limits})["limits"][0][
             "remaining"] == 1000
+
+
+def test_the_queue_shows_its_depth_and_waits(backend):
+    """A charge that may wait, against a bucket that refills one request per second: it
+    waits about a second, visible in queue_depth while it waits and queue_wait_seconds
+    after."""
+    port = backend.companion_port
+    limits = [{"name": "rps", "capacity": 1, "window_ms": 1000, "cost": 1}]
+    charge = {"domain": "llm", "tenant": "queued", "limits": limits}
+    assert post_json(port, "/v1/token_bucket", charge)["allowed"]
+    waiting = {**charge, "reservation": {"id": "w1", "ttl_ms": 60_000},
+               "wait": {"max_ms": 5_000, "priority": 5, "aging_ms": 1_000}}
+    answers = []
+    waiter = threading.Thread(target=lambda: answers.append(post_json(port, "/v1/token_bucket", waiting)))
+    waiter.start()
+    wait_until(lambda: metric(scrape(port), "queue_depth") == 1, 5, "a charge waiting")
+    waiter.join(10)
+    assert answers and answers[0]["allowed"] and answers[0]["waited_ms"] > 0
+    samples = scrape(port)
+    assert metric(samples, "queue_depth") == 0
+    assert metric(samples, "queue_wait_seconds_count") == 1
+    assert abs(metric(samples, "queue_wait_seconds_sum") - answers[0]["waited_ms"] / 1000) < 0.05
+    assert metric(samples, "decisions_total", op="queue", outcome="allowed") == 1
+    assert metric(samples, "redis_call_duration_seconds_count", op="queue") >= 2  # ZADD, PEXPIRE at least
