@@ -102,3 +102,75 @@ impl TenantArgs {
 fn spec(limit: &Limit) -> LimitSpec {
     LimitSpec { name: limit.name.clone(), capacity: limit.capacity(), window_ms: limit.window_ms(), kind: limit.kind }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+    use llm_ratelimit_protocol::LimitKind;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    /// Tests run in parallel: each config file its own name.
+    static FILES: AtomicUsize = AtomicUsize::new(0);
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        tenant: TenantArgs,
+    }
+
+    fn resolve(config: &str, args: &[&str]) -> Result<Resolved, String> {
+        let n = FILES.fetch_add(1, Ordering::Relaxed);
+        let path = std::env::temp_dir().join(format!("llmrl-cli-test-{}-{n}.json", std::process::id()));
+        std::fs::write(&path, config).map_err(|e| e.to_string())?;
+        let path_text = path.to_string_lossy().into_owned();
+        let cli = Cli::try_parse_from(["llm-ratelimit", "--config", path_text.as_str()].iter().chain(args))
+            .map_err(|e| e.to_string())?;
+        let resolved = cli.tenant.resolve();
+        let _ = std::fs::remove_file(&path);
+        resolved
+    }
+
+    const CONFIG: &str = r#"{"companion": {"upstream": "c", "token": "secret-token"}, "domain": "prod",
+        "limits": [{"name": "rpm", "requests": 20, "window": "1m"}, {"name": "inflight", "concurrency": 3},
+                   {"name": "tpm", "tokens": 1000, "window": "1h", "algorithm": "sliding_window"}]}"#;
+
+    #[test]
+    fn a_key_is_hashed_as_the_filter_hashes_it() {
+        // tests/cases/keys.json pins sk-a to this tenant for the filter and the harness.
+        let resolved = resolve(CONFIG, &["--key", "sk-a"]).expect("resolves");
+        assert_eq!(resolved.request.tenant, "200b482a0a785564144b9f1b4f3f1104");
+        assert_eq!(resolved.request.domain, "prod");
+        assert_eq!(resolved.token, "secret-token");
+    }
+
+    #[test]
+    fn the_limits_are_named_as_a_charge_names_them() {
+        let resolved = resolve(CONFIG, &["--tenant", "200b482a0a785564144b9f1b4f3f1104", "--token", "t2"]).expect("ok");
+        let limits: Vec<(&str, u64, u64, LimitKind)> =
+            resolved.request.limits.iter().map(|l| (l.name.as_str(), l.capacity, l.window_ms, l.kind)).collect();
+        assert_eq!(
+            limits,
+            [
+                ("rpm", 20, 60_000, LimitKind::TokenBucket),
+                ("inflight", 3, 30_000, LimitKind::Slots),
+                ("tpm", 1000, 3_600_000, LimitKind::SlidingWindow)
+            ]
+        );
+        assert_eq!(resolved.token, "t2");
+        let only = resolve(CONFIG, &["--tenant", "anonymous", "--limit", "tpm"]).expect("ok");
+        assert_eq!(only.request.limits.len(), 1);
+    }
+
+    #[test]
+    fn what_cannot_name_a_tenant_or_a_limit_is_refused() {
+        let err = resolve(CONFIG, &["--tenant", "sk-a"]).err().unwrap_or_default();
+        assert!(err.contains("--tenant takes a tenant id") && !err.contains("sk-a"), "{err}");
+        let err = resolve(CONFIG, &["--key", "k", "--limit", "rpd"]).err().unwrap_or_default();
+        assert!(err.contains(r#"no limit "rpd" (it has rpm, inflight, tpm)"#), "{err}");
+        let err = resolve(CONFIG, &["--key", "k", "--tenant", "anonymous"]).err().unwrap_or_default();
+        assert!(err.contains("cannot be used with"), "{err}");
+        let err = resolve(r#"{"limits": []}"#, &["--key", "k"]).err().unwrap_or_default();
+        assert!(err.contains("companion"), "{err}");
+    }
+}
