@@ -16,7 +16,7 @@ WASM_CARGO := RUSTC_BOOTSTRAP=1 RUSTC=/usr/bin/rustc /usr/bin/cargo
 WASM_FLAGS := -Zbuild-std=std,panic_abort
 endif
 
-.PHONY: help setup build wasm empty-filter native test wasm-test fuzz unit integration up down demo bench soak faults accuracy lint clean
+.PHONY: help setup build wasm empty-filter native test wasm-test fuzz unit integration up down demo bench soak faults accuracy capacity lint clean
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -24,7 +24,7 @@ help: ## List the targets
 setup: ## Install what is missing (wasm toolchain, redis-server, wrk, Envoy and Python packages)
 	@scripts/setup.sh
 
-build: setup wasm native ## Build the filter (.wasm), the companion, the mock upstream and the llm-ratelimit CLI
+build: setup wasm native ## Build the filter (.wasm), the companion, the llm-ratelimit CLI and the mock upstream
 
 wasm:
 	$(WASM_CARGO) rustc -p llm-ratelimit --profile wasm --lib --crate-type cdylib --target $(WASM_TARGET) $(WASM_FLAGS)
@@ -77,6 +77,9 @@ faults: build ## Fault suite under load (~6 min, not in make test): Redis restar
 
 accuracy: build ## Token limits against their budget when the upstream counts prompts its own way (~6 min, not in make test)
 	$(PY) scripts/accuracy.py
+
+capacity: setup ## Redis memory per tenant for each kind of limit, and what one Redis shard sustains running the script (~3 min, not in make test)
+	$(PY) scripts/capacity.py
 
 FUZZ_SECONDS ?= 60
 FUZZ_TARGETS := config request_body sse_stream json_reply event_stream

@@ -2,7 +2,8 @@
 -- reserved once the real cost is known, lease blocks of budget to proxy instances, and
 -- keep concurrency slots alive. Three kinds of limit (token bucket, sliding window,
 -- concurrency slots), each a driver with the same small set of operations (see
--- "Drivers"); five ops over them, dispatched in one place (see "Ops").
+-- "Drivers"); seven ops over them, dispatched in one place (see "Ops"): the five the
+-- filter's requests need, and two for operators (peek, reset).
 --
 -- KEYS[1..n]  limit i, in the order of `limits` below: a token bucket (a hash {tokens,
 --             ts}), a sliding window (a sorted set of entries "seq:amount" scored by
@@ -19,7 +20,8 @@
 --
 -- ARGV[1]     one JSON object with named fields; a field the op does not take is an
 --             error, so a misspelt name fails loudly instead of being ignored:
---   op                  "charge", "settle", "lease", "touch" or "release"
+--   op                  "charge", "settle", "lease", "touch", "release", "peek" or
+--                       "reset"
 --   reservation_ttl_ms  charge, optional: how long the reservation record lives (ms;
 --                       absent or 0: no record)
 --   share               lease, required: the share of what is left that one grant may
@@ -41,7 +43,7 @@
 --              needed    optional, default wanted: the grant needed (<= wanted)
 --     settle   credit    tokens to give back (> 0) or to take as well (< 0); slots:
 --                        ignored (the slot is released)
---     touch, release: nothing more.
+--     touch, release, peek, reset: nothing more.
 --   Numbers are JSON numbers, read as doubles (as tonumber would read them): integers
 --   are exact up to 2^53. Nothing is encoded back to JSON.
 --
@@ -66,6 +68,11 @@
 -- that already expired is not revived.
 -- release: the request's slots are released at once, and nothing else changes (its
 -- settlement, which releases them too, may follow).
+-- peek: where each limit stands now, as a charge of 1 would see it, writing nothing (not
+-- even the housekeeping a charge does: expired window entries and slots stay until the
+-- next charge drops them). status 1 if one more unit fits now, else 0 with its retry.
+-- reset: each limit's key is deleted (the limit is full again); reservations not yet
+-- settled stay, and their settlement can only give back up to capacity.
 --
 -- A batch runs several such calls in one script call, each on its own and all at the
 -- same time (one TIME), as if each were sent alone:
@@ -82,7 +89,7 @@
 --
 -- Reply  { done, {status, limit, remaining, reset_after_ms, retry_after_ms, charged} per limit }
 --          done            charge: 1 if charged; settle: 1 if applied; lease: 1 if granted;
---                          touch, release: 1
+--                          touch, release, peek: 1; reset: how many keys existed
 --          status          1 room, 0 not now, -1 never (cost > capacity); settle, touch,
 --                          release: 1
 --          limit           the capacity
@@ -118,6 +125,7 @@ local function nothing() end
 -- Drivers. One per kind, each with the same operations over a limit `l` (see `parse`:
 -- l.key, l.member, l.capacity, l.window_ms, and l.level, what it has free now):
 --   refresh(l)                 brings the limit to now; returns what it has free
+--   peek(l)                    what refresh returns, writing nothing
 --   retry_after(l, needed)     ms until `needed` fits (called when l.level < needed)
 --   take(l, amount)            charges `amount` (> 0) now
 --   give_back(l, credit, at)   a settlement's credit, for a charge made at time `at`
@@ -145,6 +153,9 @@ function tb.refresh(l)
   end
   return math.min(l.capacity, tokens + math.max(0, now_ms - ts) * l.capacity / l.window_ms)
 end
+
+-- Reading the hash writes nothing.
+tb.peek = tb.refresh
 
 function tb.retry_after(l, needed)
   return math.ceil((needed - l.level) * l.window_ms / l.capacity)
@@ -188,25 +199,36 @@ local function sw_add(l, at_ms, amount)
   redis.call('PEXPIRE', l.key, math.ceil(l.window_ms) + 1000)
 end
 
+-- The running sum without the entries that left the window, and how many left.
+local function sw_in_window(l)
+  local sum = sw_meta(l.key, '~sum')
+  local expired = redis.call('ZRANGEBYSCORE', l.key, 0, now_ms - l.window_ms)
+  for _, member in ipairs(expired) do
+    sum = sum - (tonumber(string.match(member, ':(.+)$')) or 0)
+  end
+  return sum, #expired
+end
+
 -- Forgets the entries that left the window.
 function sw.refresh(l)
-  local sum = sw_meta(l.key, '~sum')
-  local cutoff = now_ms - l.window_ms
-  local expired = redis.call('ZRANGEBYSCORE', l.key, 0, cutoff)
-  if #expired > 0 then
-    for _, member in ipairs(expired) do
-      sum = sum - (tonumber(string.match(member, ':(.+)$')) or 0)
-    end
-    redis.call('ZREMRANGEBYSCORE', l.key, 0, cutoff)
+  local sum, expired = sw_in_window(l)
+  if expired > 0 then
+    redis.call('ZREMRANGEBYSCORE', l.key, 0, now_ms - l.window_ms)
     sw_set_meta(l.key, '~sum', sum)
   end
   return l.capacity - sum
 end
 
--- Walks the entries oldest first until enough leaves.
+function sw.peek(l)
+  return l.capacity - sw_in_window(l)
+end
+
+-- Walks the entries in the window oldest first until enough leaves (after a refresh the
+-- window holds every entry; after a peek, older ones may still be stored).
 function sw.retry_after(l, needed)
   local short = needed - l.level
-  local entries = redis.call('ZRANGEBYSCORE', l.key, '(0', '+inf', 'WITHSCORES', 'LIMIT', 0, 1000)
+  local after = string.format('(%.17g', math.max(0, now_ms - l.window_ms))
+  local entries = redis.call('ZRANGEBYSCORE', l.key, after, '+inf', 'WITHSCORES', 'LIMIT', 0, 1000)
   local freed = 0
   for j = 1, #entries, 2 do
     freed = freed + (tonumber(string.match(entries[j], ':(.+)$')) or 0)
@@ -259,13 +281,20 @@ local function slots_hold(l, only_if_held)
   end
 end
 
--- Drops the expired slots; remembers when the oldest live one expires.
-function slots.refresh(l)
-  redis.call('ZREMRANGEBYSCORE', l.key, '-inf', now_ms)
-  local free = l.capacity - redis.call('ZCARD', l.key)
-  local first = redis.call('ZRANGE', l.key, 0, 0, 'WITHSCORES')
+-- What is free counting live slots only (expiring after now); remembers when the oldest
+-- live one expires.
+function slots.peek(l)
+  local live = string.format('(%.17g', now_ms)
+  local free = l.capacity - redis.call('ZCOUNT', l.key, live, '+inf')
+  local first = redis.call('ZRANGEBYSCORE', l.key, live, '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
   l.oldest = tonumber(first[2])
   return free
+end
+
+-- Drops the expired slots first.
+function slots.refresh(l)
+  redis.call('ZREMRANGEBYSCORE', l.key, '-inf', now_ms)
+  return slots.peek(l)
 end
 
 function slots.retry_after(l)
@@ -294,6 +323,7 @@ end
 
 --------------------------------------------------------------------------------------------
 -- Ops. Each names the fields it takes (true: required, false: optional; all numbers),
+-- whether it is about the tenant rather than one request (tenant_wide: no member key),
 -- checks what the fields alone cannot say, and runs over the limits, already checked:
 -- run(limits, args, keys) returns done (or an error reply), and sets each limit's status,
 -- retry and charged where they differ from 1, 0 and 0.
@@ -455,6 +485,37 @@ end
 ops.touch = each('touch')
 ops.release = each('release')
 
+-- Looks only: each limit as a charge of one unit would find it.
+ops.peek = {
+  tenant_wide = true, -- no request of its own: a slot limit needs no member
+  args = {},
+  limit = {},
+  run = function(limits)
+    for _, l in ipairs(limits) do
+      l.level = l.driver.peek(l)
+      if l.level < 1 then
+        l.status, l.retry = 0, l.driver.retry_after(l, 1)
+      end
+    end
+    return 1
+  end,
+}
+
+-- Every kind keeps a limit in its one key: deleting it is the state of a fresh tenant.
+ops.reset = {
+  tenant_wide = true,
+  args = {},
+  limit = {},
+  run = function(limits)
+    local deleted = 0
+    for _, l in ipairs(limits) do
+      deleted = deleted + redis.call('DEL', l.key)
+      l.level = l.capacity
+    end
+    return deleted
+  end,
+}
+
 --------------------------------------------------------------------------------------------
 -- Arguments
 --------------------------------------------------------------------------------------------
@@ -515,7 +576,8 @@ local function parse(args, keys)
   end
   local op = ops[args.op]
   if type(args.op) ~= 'string' or not op then
-    return nil, nil, 'op must be "charge", "settle", "lease", "touch" or "release", got ' .. shown(args.op)
+    return nil, nil, 'op must be "charge", "settle", "lease", "touch", "release", "peek" or "reset", got '
+      .. shown(args.op)
   end
   local problem = check_fields(args, '', TOP, op.args, args.op) or (op.check_args and op.check_args(args))
   if problem then
@@ -557,7 +619,7 @@ local function parse(args, keys)
         return nil, nil, where .. field .. ' ' .. rule .. ', got ' .. shown(value)
       end
     end
-    if l.kind == 'slots' and (not l.member or args.op == 'lease') then
+    if l.kind == 'slots' and ((not l.member and not op.tenant_wide) or args.op == 'lease') then
       return nil, nil, 'limits[' .. (i - 1) .. '] is a slot limit: it needs the reservation key, and cannot be leased'
     end
     limits[i] = l

@@ -13,8 +13,9 @@
 //! after an outage delays a charge by one batch at most, not by the whole backlog.
 
 use crate::limits::{self, Call};
+use crate::metrics::{MetricOp, Metrics};
 use crate::store::{Lane, Script, Store};
-use redis::Value;
+use redis::{ErrorKind, RedisError, ServerErrorKind, Value};
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -89,16 +90,18 @@ pub struct Batcher {
     /// slow or away, and the request's own deadline has passed by then. (Adjustments wait
     /// as long as it takes: their callers wait a second or more, and send them again.)
     timeout: Duration,
+    metrics: Arc<Metrics>,
 }
 
 impl Batcher {
-    pub fn new(store: Store, script: Script, timeout: Duration) -> Arc<Batcher> {
+    pub fn new(store: Store, script: Script, timeout: Duration, metrics: Arc<Metrics>) -> Arc<Batcher> {
         Arc::new(Batcher {
             store,
             script,
             lanes: Mutex::new(HashMap::new()),
             in_flight: Semaphore::new(CALLS_IN_FLIGHT),
             timeout,
+            metrics,
         })
     }
 
@@ -205,20 +208,61 @@ impl Batcher {
         let Ok(_permit) = self.in_flight.acquire().await else {
             return vec![Err("shutting down".into()); calls.len()];
         };
-        if let [only] = calls {
+        let started = Instant::now();
+        let outcomes = if let [only] = calls {
             let result = self.store.run(&self.script, &only.keys, &[&only.argument]).await;
-            return vec![result.map_err(|err| err.to_string())];
+            if result.as_ref().is_err_and(is_script_error) {
+                self.metrics.script_errors.inc();
+            }
+            vec![result.map_err(|err| err.to_string())]
+        } else {
+            self.send_batch(calls).await
+        };
+        let took = started.elapsed();
+        for call in calls {
+            self.metrics.redis_call(MetricOp::of_script(call.op), took);
         }
-        let call = limits::batch(calls.iter().copied());
-        let value = match self.store.run(&self.script, &call.keys, &[&call.argument]).await {
+        outcomes
+    }
+
+    async fn send_batch(&self, calls: &[&Call]) -> Vec<Outcome> {
+        let (keys, argument) = limits::batch(calls.iter().copied());
+        let value = match self.store.run(&self.script, &keys, &[&argument]).await {
             Ok(value) => value,
-            Err(err) => return vec![Err(err.to_string()); calls.len()],
+            Err(err) => {
+                if is_script_error(&err) {
+                    self.metrics.script_errors.inc();
+                }
+                return vec![Err(err.to_string()); calls.len()];
+            }
         };
         match limits::batch_replies(&value, calls.len()) {
-            Ok(replies) => replies.into_iter().map(|reply| reply.cloned()).collect(),
-            Err(err) => vec![Err(format!("unexpected batch reply: {err}")); calls.len()],
+            Ok(replies) => replies
+                .into_iter()
+                .map(|reply| {
+                    if reply.as_ref().is_err_and(|err| !err.starts_with(CANCELLED)) {
+                        self.metrics.script_errors.inc();
+                    }
+                    reply.cloned()
+                })
+                .collect(),
+            Err(err) => {
+                self.metrics.script_errors.inc();
+                vec![Err(format!("unexpected batch reply: {err}")); calls.len()]
+            }
         }
     }
+}
+
+/// The error a charge gets when its request was abandoned while it waited (see the
+/// script): expected, not a script error.
+const CANCELLED: &str = "CANCELLED";
+
+/// Whether Redis answered the script call with an error of the script's own (bad
+/// arguments, a command it refused), not a failure to reach Redis or a cancelled charge.
+fn is_script_error(err: &RedisError) -> bool {
+    matches!(err.kind(), ErrorKind::Server(ServerErrorKind::ResponseError) | ErrorKind::Extension)
+        && err.code() != Some(CANCELLED)
 }
 
 fn first_key(call: &Call) -> &str {
@@ -255,7 +299,7 @@ mod tests {
 
     fn waiting(name: &str, age: Duration) -> Waiting {
         let since = Instant::now().checked_sub(age).unwrap_or_else(Instant::now);
-        let call = Call { keys: vec![name.to_string()], argument: String::new() };
+        let call = Call { op: limits::Op::Charge, keys: vec![name.to_string()], argument: String::new() };
         Waiting { call, since, reply: oneshot::channel().0 }
     }
 

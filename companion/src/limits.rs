@@ -1,19 +1,21 @@
 //! The translation between the JSON endpoints and `lua/limits.lua`: the KEYS and the
 //! one JSON argument (named fields, see the script's header) of a charge, a lease, a
-//! settlement, a touch or a release, and the script's reply back to JSON.
+//! settlement, a touch, a release, a peek or a reset, and the script's reply back to JSON.
 
 use llm_ratelimit_protocol::keys::{redis_key as key, CANCEL_KIND, ONCE_KIND, RESERVATION_KIND};
 use llm_ratelimit_protocol::{
-    ChargeRequest, LeaseRequest, LimitKind, LimitOutcome, LimitStatus, LimitsReply, Settlement,
+    ChargeRequest, LeaseRequest, LimitKind, LimitOutcome, LimitStatus, LimitUsage, LimitsReply, Settlement,
+    TenantLimits, UsageReply,
 };
 use redis::Value;
 use serde::Serialize;
 
 pub const SOURCE: &str = include_str!("../../lua/limits.lua");
 
-/// A script call: its keys, and its one argument (ARGV[1], a JSON object).
+/// A script call: its op, its keys, and its one argument (ARGV[1], a JSON object).
 #[derive(Debug, Clone)]
 pub struct Call {
+    pub op: Op,
     pub keys: Vec<String>,
     pub argument: String,
 }
@@ -26,6 +28,10 @@ pub enum Op {
     Settle,
     Touch,
     Release,
+    /// Where a tenant stands, charging nothing.
+    Peek,
+    /// Deletes a tenant's counters.
+    Reset,
 }
 
 impl Op {
@@ -37,6 +43,8 @@ impl Op {
             Op::Settle => "settle",
             Op::Touch => "touch",
             Op::Release => "release",
+            Op::Peek => "peek",
+            Op::Reset => "reset",
         }
     }
 }
@@ -74,6 +82,12 @@ struct Limit<'a> {
     window_ms: u64,
     #[serde(flatten)]
     amounts: Amounts,
+}
+
+impl<'a> Limit<'a> {
+    fn of(name: &'a str, kind: LimitKind, capacity: u64, window_ms: u64, amounts: Amounts) -> Limit<'a> {
+        Limit { name, kind, capacity, window_ms, amounts }
+    }
 }
 
 /// What each op says about a limit beyond its kind and size, under the script's names.
@@ -114,7 +128,7 @@ fn call(prefix: &str, domain: &str, tenant: &str, arguments: &Arguments, reserva
     // Serialising plain structs of numbers and strings cannot fail; an empty argument
     // would still be refused by the script, never misread.
     let argument = serde_json::to_string(arguments).unwrap_or_default();
-    Call { keys, argument }
+    Call { op: arguments.op, keys, argument }
 }
 
 impl Call {
@@ -131,12 +145,8 @@ pub fn charge(prefix: &str, request: &ChargeRequest) -> Call {
     let limits = request
         .limits
         .iter()
-        .map(|l| Limit {
-            name: &l.name,
-            kind: l.kind,
-            capacity: l.capacity,
-            window_ms: l.window_ms,
-            amounts: Amounts::Charge { cost: l.cost, min_cost: l.min() },
+        .map(|l| {
+            Limit::of(&l.name, l.kind, l.capacity, l.window_ms, Amounts::Charge { cost: l.cost, min_cost: l.min() })
         })
         .collect();
     let arguments = Arguments {
@@ -153,15 +163,9 @@ pub fn lease(prefix: &str, request: &LeaseRequest) -> Call {
     let limits = request
         .limits
         .iter()
-        .map(|l| Limit {
-            name: &l.name,
-            kind: l.kind,
-            capacity: l.capacity,
-            window_ms: l.window_ms,
-            amounts: Amounts::Lease {
-                wanted: l.wanted,
-                needed: l.needed.map_or(l.wanted, |needed| needed.min(l.wanted)),
-            },
+        .map(|l| {
+            let needed = l.needed.map_or(l.wanted, |needed| needed.min(l.wanted));
+            Limit::of(&l.name, l.kind, l.capacity, l.window_ms, Amounts::Lease { wanted: l.wanted, needed })
         })
         .collect();
     let arguments =
@@ -175,15 +179,12 @@ pub fn adjust(prefix: &str, op: Op, settlement: &Settlement) -> Call {
     let limits = settlement
         .limits
         .iter()
-        .map(|l| Limit {
-            name: &l.name,
-            kind: l.kind,
-            capacity: l.capacity,
-            window_ms: l.window_ms,
-            amounts: match op {
+        .map(|l| {
+            let amounts = match op {
                 Op::Settle => Amounts::Settle { credit: l.credit },
                 _ => Amounts::Nothing {},
-            },
+            };
+            Limit::of(&l.name, l.kind, l.capacity, l.window_ms, amounts)
         })
         .collect();
     let (domain, tenant) = (&settlement.domain, &settlement.tenant);
@@ -201,10 +202,42 @@ pub fn adjust(prefix: &str, op: Op, settlement: &Settlement) -> Call {
     }
 }
 
+/// A peek (`Op::Peek`) or a reset (`Op::Reset`) of a tenant's limits.
+pub fn tenant(prefix: &str, op: Op, request: &TenantLimits) -> Call {
+    let limits = request
+        .limits
+        .iter()
+        .map(|l| Limit::of(&l.name, l.kind, l.capacity, l.window_ms, Amounts::Nothing {}))
+        .collect();
+    let arguments = Arguments { op, reservation_ttl_ms: None, share: None, once_ttl_ms: None, limits };
+    call(prefix, &request.domain, &request.tenant, &arguments, None)
+}
+
+/// A peek's reply as where the tenant stands on each limit of `request` (its reservations
+/// are counted apart, see `reservations`).
+pub fn usage(request: &TenantLimits, value: &Value) -> Result<UsageReply, String> {
+    let outcomes = reply(request.limits.iter().map(|l| l.name.as_str()), value)?;
+    let limits = request
+        .limits
+        .iter()
+        .zip(outcomes.limits)
+        .map(|(spec, outcome)| LimitUsage {
+            name: outcome.name,
+            kind: spec.kind,
+            limit: outcome.limit,
+            remaining: outcome.remaining,
+            used: outcome.limit.saturating_sub(outcome.remaining),
+            reset_after_ms: outcome.reset_after_ms,
+            retry_after_ms: outcome.retry_after_ms,
+        })
+        .collect();
+    Ok(UsageReply { limits, reservations: 0, reservations_complete: false })
+}
+
 /// Several calls as one script call (the script's `calls` form): their keys in order, and
 /// each argument with how many of the keys are its own. On a cluster the caller keeps
 /// every key of a batch in one hash slot.
-pub fn batch<'a>(calls: impl IntoIterator<Item = &'a Call>) -> Call {
+pub fn batch<'a>(calls: impl IntoIterator<Item = &'a Call>) -> (Vec<String>, String) {
     let mut keys = Vec::new();
     let mut argument = String::from(r#"{"calls":["#);
     for (i, call) in calls.into_iter().enumerate() {
@@ -216,7 +249,7 @@ pub fn batch<'a>(calls: impl IntoIterator<Item = &'a Call>) -> Call {
         keys.extend(call.keys.iter().cloned());
     }
     argument.push_str("]}");
-    Call { keys, argument }
+    (keys, argument)
 }
 
 /// A batch's reply, one element per call: the call's reply, or the error it failed with.
@@ -517,10 +550,10 @@ mod tests {
     fn a_batch_carries_each_call_with_its_number_of_keys() {
         let settle = adjust("p:", Op::Settle, &settlement(Some("r1"), LimitKind::TokenBucket, 5));
         let plain = charge("p:", &request());
-        let call = batch([&settle, &plain]);
-        assert_eq!(call.keys, [settle.keys.clone(), plain.keys.clone()].concat());
+        let (keys, argument_text) = batch([&settle, &plain]);
+        assert_eq!(keys, [settle.keys.clone(), plain.keys.clone()].concat());
         assert_eq!(
-            argument(&call),
+            serde_json::from_str::<Json>(&argument_text).expect("ARGV[1] is JSON"),
             json!({"calls": [
                 {"keys": 2, "call": argument(&settle)},
                 {"keys": 3, "call": argument(&plain)},

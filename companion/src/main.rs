@@ -6,14 +6,18 @@
 //! Endpoints: `POST /v1/token_bucket` (a charge, of any kind of limit: the path predates
 //! sliding windows and slots), `POST /v1/lease`, `POST /v1/settle`, `POST /v1/touch` and
 //! `POST /v1/release`, `POST /v1/calibration` (JSON in and out, see
-//! `llm_ratelimit_protocol`), `GET /healthz`.
-//! Every endpoint but `/healthz` requires the shared token in `x-llmrl-token`. Each runs
-//! `lua/limits.lua` (see `limits`) by EVALSHA.
+//! `llm_ratelimit_protocol`); for operators, `POST /v1/usage` (where a tenant stands,
+//! charging nothing) and `POST /v1/admin/reset`; `GET /healthz` and `GET /metrics`
+//! (Prometheus). Every endpoint but `/healthz` and `/metrics` requires the shared token in
+//! `x-llmrl-token`. Each runs `lua/limits.lua` (see `limits`) by EVALSHA, but the
+//! calibration exchange, which runs `lua/calibration.lua`.
 
 mod batcher;
 mod calibration;
 mod limits;
+mod metrics;
 mod queue;
+mod reservations;
 mod store;
 
 use axum::body::Bytes;
@@ -28,9 +32,11 @@ use clap::Parser;
 use limits::Op;
 use llm_ratelimit_protocol::duration::parse_duration;
 use llm_ratelimit_protocol::{
-    CalibrationExchange, ChargeRequest, LeaseRequest, SettleOutcome, SettleReply, SettlementBatch, CALIBRATION_PATH,
-    CHARGE_PATH, HEALTH_PATH, LEASE_PATH, RELEASE_PATH, SETTLE_PATH, TOKEN_HEADER, TOUCH_PATH,
+    CalibrationExchange, ChargeRequest, LeaseRequest, ResetReply, SettleOutcome, SettleReply, SettlementBatch,
+    TenantLimits, CALIBRATION_PATH, CHARGE_PATH, HEALTH_PATH, LEASE_PATH, RELEASE_PATH, RESET_PATH, SETTLE_PATH,
+    TOKEN_HEADER, TOUCH_PATH, USAGE_PATH,
 };
+use metrics::{MetricOp, Metrics, Outcome};
 use serde_json::json;
 use std::sync::Arc;
 use std::time::Duration;
@@ -64,13 +70,21 @@ struct Args {
     /// File holding the shared secret (trailing whitespace ignored).
     #[arg(long, env = "LLMRL_COMPANION_TOKEN_FILE")]
     token_file: Option<std::path::PathBuf>,
+    /// Serve `GET /metrics` on this address only (not on --listen), e.g. a port that only
+    /// the Prometheus scraper reaches. Unset: on --listen, like /healthz, without the token.
+    #[arg(long, env = "LLMRL_METRICS_LISTEN")]
+    metrics_listen: Option<String>,
 }
+
+/// The path Prometheus scrapes.
+const METRICS_PATH: &str = "/metrics";
 
 struct App {
     /// Every script call goes through it (`lua/limits.lua`, see `batcher`).
     batcher: Arc<Batcher>,
     token: String,
     key_prefix: String,
+    metrics: Arc<Metrics>,
     /// `lua/calibration.lua`, run alone (see `calibration`).
     calibration: Script,
 }
@@ -85,7 +99,15 @@ fn same_secret(given: &[u8], expected: &[u8]) -> bool {
 }
 
 fn authorised(app: &App, headers: &HeaderMap) -> bool {
-    headers.get(TOKEN_HEADER).is_some_and(|v| same_secret(v.as_bytes(), app.token.as_bytes()))
+    let authorised = headers.get(TOKEN_HEADER).is_some_and(|v| same_secret(v.as_bytes(), app.token.as_bytes()));
+    if !authorised {
+        app.metrics.auth_failures.inc();
+    }
+    authorised
+}
+
+fn unauthorised() -> Response {
+    error(StatusCode::UNAUTHORIZED, format!("missing or wrong {TOKEN_HEADER}"))
 }
 
 /// Parses and validates a JSON body, or says what is wrong with it (for a 400).
@@ -112,12 +134,14 @@ trait LimitsCall: serde::de::DeserializeOwned {
     fn check(&self) -> Result<(), String>;
     fn call(&self, prefix: &str) -> limits::Call;
     fn names(&self) -> Vec<&str>;
+    /// How its decision is counted.
+    fn metric_op(&self) -> MetricOp;
 }
 
 impl LimitsCall for ChargeRequest {
     async fn charge_waiting(&self, app: &App) -> Option<Result<llm_ratelimit_protocol::LimitsReply, String>> {
         let wait = self.wait.as_ref()?;
-        Some(queue::charge_waiting(&app.batcher, &app.key_prefix, self, wait).await)
+        Some(queue::charge_waiting(&app.batcher, &app.metrics, &app.key_prefix, self, wait).await)
     }
 
     fn check(&self) -> Result<(), String> {
@@ -128,6 +152,13 @@ impl LimitsCall for ChargeRequest {
     }
     fn names(&self) -> Vec<&str> {
         self.limits.iter().map(|l| l.name.as_str()).collect()
+    }
+    fn metric_op(&self) -> MetricOp {
+        if self.wait.is_some() {
+            MetricOp::Queue
+        } else {
+            MetricOp::Charge
+        }
     }
 }
 
@@ -141,31 +172,105 @@ impl LimitsCall for LeaseRequest {
     fn names(&self) -> Vec<&str> {
         self.limits.iter().map(|l| l.name.as_str()).collect()
     }
+    fn metric_op(&self) -> MetricOp {
+        MetricOp::Lease
+    }
+}
+
+fn decided(app: &App, op: MetricOp, allowed: bool, reply: impl serde::Serialize) -> Response {
+    app.metrics.decision(op, if allowed { Outcome::Allowed } else { Outcome::Limited });
+    json_reply(reply)
+}
+
+fn failed(app: &App, op: MetricOp, status: StatusCode, message: String) -> Response {
+    app.metrics.decision(op, Outcome::Error);
+    error(status, message)
 }
 
 async fn run_limits<R: LimitsCall>(State(app): State<Arc<App>>, headers: HeaderMap, body: Bytes) -> Response {
     if !authorised(&app, &headers) {
-        return error(StatusCode::UNAUTHORIZED, format!("missing or wrong {TOKEN_HEADER}"));
+        return unauthorised();
     }
     let request: R = match parse_body(&body, R::check) {
         Ok(request) => request,
         Err(message) => return error(StatusCode::BAD_REQUEST, message),
     };
+    let op = request.metric_op();
     if let Some(result) = request.charge_waiting(&app).await {
         return match result {
-            Ok(reply) => json_reply(reply),
-            Err(err) => error(StatusCode::SERVICE_UNAVAILABLE, err),
+            Ok(reply) => decided(&app, op, reply.allowed, reply),
+            Err(err) => failed(&app, op, StatusCode::SERVICE_UNAVAILABLE, err),
         };
     }
     let call = request.call(&app.key_prefix);
     let value = match app.batcher.decide(call).await {
         Ok(value) => value,
-        Err(err) => return error(StatusCode::SERVICE_UNAVAILABLE, format!("redis: {err}")),
+        Err(err) => return failed(&app, op, StatusCode::SERVICE_UNAVAILABLE, format!("redis: {err}")),
     };
     match limits::reply(request.names().into_iter(), &value) {
-        Ok(reply) => json_reply(reply),
-        Err(err) => error(StatusCode::BAD_GATEWAY, format!("unexpected script reply: {err}")),
+        Ok(reply) => decided(&app, op, reply.allowed, reply),
+        Err(err) => failed(&app, op, StatusCode::BAD_GATEWAY, format!("unexpected script reply: {err}")),
     }
+}
+
+/// Where a tenant stands on each limit, charging nothing (the script's peek).
+async fn run_usage(State(app): State<Arc<App>>, headers: HeaderMap, body: Bytes) -> Response {
+    let request = match tenant_request(&app, &headers, &body) {
+        Ok(request) => request,
+        Err(response) => return *response,
+    };
+    let value = match app.batcher.decide(limits::tenant(&app.key_prefix, Op::Peek, &request)).await {
+        Ok(value) => value,
+        Err(err) => return failed(&app, MetricOp::Usage, StatusCode::SERVICE_UNAVAILABLE, format!("redis: {err}")),
+    };
+    let mut usage = match limits::usage(&request, &value) {
+        Ok(usage) => usage,
+        Err(err) => {
+            return failed(&app, MetricOp::Usage, StatusCode::BAD_GATEWAY, format!("unexpected script reply: {err}"))
+        }
+    };
+    let store = app.batcher.store();
+    match reservations::count(store, &app.metrics, &app.key_prefix, &request.domain, &request.tenant).await {
+        Ok((count, complete)) => (usage.reservations, usage.reservations_complete) = (count, complete),
+        Err(err) => return failed(&app, MetricOp::Usage, StatusCode::SERVICE_UNAVAILABLE, format!("redis: {err}")),
+    }
+    let room = usage.limits.iter().all(|l| l.remaining > 0);
+    decided(&app, MetricOp::Usage, room, usage)
+}
+
+/// Deletes a tenant's counters for the limits named: the tenant starts afresh. Logged
+/// with the tenant id (a hash, never a credential) and the limits' names.
+async fn run_reset(State(app): State<Arc<App>>, headers: HeaderMap, body: Bytes) -> Response {
+    let request = match tenant_request(&app, &headers, &body) {
+        Ok(request) => request,
+        Err(response) => return *response,
+    };
+    let deleted = match app.batcher.decide(limits::tenant(&app.key_prefix, Op::Reset, &request)).await {
+        Ok(redis::Value::Array(items)) => match items.first() {
+            Some(redis::Value::Int(n)) => u64::try_from(*n).unwrap_or(0),
+            _ => return error(StatusCode::BAD_GATEWAY, "unexpected script reply to a reset".to_string()),
+        },
+        Ok(_) => return error(StatusCode::BAD_GATEWAY, "unexpected script reply to a reset".to_string()),
+        Err(err) => return error(StatusCode::SERVICE_UNAVAILABLE, format!("redis: {err}")),
+    };
+    app.metrics.admin_resets.inc();
+    let names: Vec<&str> = request.limits.iter().map(|l| l.name.as_str()).collect();
+    eprintln!(
+        "companion: admin reset of tenant {} in domain {}: limits {} ({deleted} counters deleted)",
+        request.tenant,
+        request.domain,
+        names.join(", ")
+    );
+    json_reply(ResetReply { deleted })
+}
+
+/// An operator's request about one tenant, authorised and checked; or the answer saying
+/// why not.
+fn tenant_request(app: &App, headers: &HeaderMap, body: &[u8]) -> Result<TenantLimits, Box<Response>> {
+    if !authorised(app, headers) {
+        return Err(Box::new(unauthorised()));
+    }
+    parse_body(body, TenantLimits::validate).map_err(|message| Box::new(error(StatusCode::BAD_REQUEST, message)))
 }
 
 /// Settles the reservations of a batch (of any tenants), each at most once.
@@ -187,8 +292,9 @@ async fn run_touch(state: State<Arc<App>>, headers: HeaderMap, body: Bytes) -> R
 /// most once, by its reservation record) with its own outcome, batched (see `batcher`).
 async fn run_adjustments(State(app): State<Arc<App>>, headers: HeaderMap, body: Bytes, op: Op) -> Response {
     if !authorised(&app, &headers) {
-        return error(StatusCode::UNAUTHORIZED, format!("missing or wrong {TOKEN_HEADER}"));
+        return unauthorised();
     }
+    let metric_op = MetricOp::of_script(op);
     let request = match parse_body(&body, SettlementBatch::validate) {
         Ok(request) => request,
         Err(message) => return error(StatusCode::BAD_REQUEST, message),
@@ -204,9 +310,21 @@ async fn run_adjustments(State(app): State<Arc<App>>, headers: HeaderMap, body: 
         .zip(replies)
         .map(|(settlement, reply)| {
             let names = settlement.limits.iter().map(|l| l.name.as_str());
-            match reply.and_then(|value| limits::reply(names, &value)) {
-                Ok(reply) if reply.allowed => SettleOutcome::Applied,
-                Ok(_) => SettleOutcome::AlreadySettled,
+            let outcome = reply.and_then(|value| limits::reply(names, &value));
+            app.metrics.decision(metric_op, if outcome.is_ok() { Outcome::Allowed } else { Outcome::Error });
+            match outcome {
+                Ok(reply) if reply.allowed => {
+                    if op == Op::Settle {
+                        app.metrics.settlements_applied.inc();
+                    }
+                    SettleOutcome::Applied
+                }
+                Ok(_) => {
+                    if op == Op::Settle {
+                        app.metrics.settlements_dropped.inc();
+                    }
+                    SettleOutcome::AlreadySettled
+                }
                 Err(err) => {
                     match failures.iter_mut().find(|(known, _)| *known == err) {
                         Some((_, count)) => *count += 1,
@@ -226,15 +344,18 @@ async fn run_adjustments(State(app): State<Arc<App>>, headers: HeaderMap, body: 
 /// Takes a proxy worker's new calibration samples and answers with the fleet's figures.
 async fn run_calibration(State(app): State<Arc<App>>, headers: HeaderMap, body: Bytes) -> Response {
     if !authorised(&app, &headers) {
-        return error(StatusCode::UNAUTHORIZED, format!("missing or wrong {TOKEN_HEADER}"));
+        return unauthorised();
     }
     let request = match parse_body(&body, CalibrationExchange::validate) {
         Ok(request) => request,
         Err(message) => return error(StatusCode::BAD_REQUEST, message),
     };
-    match calibration::exchange(app.batcher.store(), &app.calibration, &app.key_prefix, &request).await {
-        Ok(reply) => json_reply(reply),
-        Err(err) => error(StatusCode::SERVICE_UNAVAILABLE, err),
+    let started = std::time::Instant::now();
+    let result = calibration::exchange(app.batcher.store(), &app.calibration, &app.key_prefix, &request).await;
+    app.metrics.redis_call(MetricOp::Calibration, started.elapsed());
+    match result {
+        Ok(reply) => decided(&app, MetricOp::Calibration, true, reply),
+        Err(err) => failed(&app, MetricOp::Calibration, StatusCode::SERVICE_UNAVAILABLE, err),
     }
 }
 
@@ -245,6 +366,11 @@ async fn healthz(State(app): State<Arc<App>>) -> Response {
         }
         Err(err) => error(StatusCode::SERVICE_UNAVAILABLE, format!("redis unreachable: {err}")),
     }
+}
+
+async fn metrics_text(State(metrics): State<Arc<Metrics>>) -> Response {
+    let content_type = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+    (StatusCode::OK, [("content-type", content_type)], metrics.render()).into_response()
 }
 
 fn read_token(args: &Args) -> Result<String, String> {
@@ -299,9 +425,13 @@ async fn serve(args: Args) -> Result<(), String> {
         Target::Single(_) => "single server".to_string(),
         Target::Cluster(nodes) => format!("cluster, {} seed node(s)", nodes.len()),
     };
-    let batcher = Batcher::new(store, script, args.redis_timeout);
+    let metrics = Arc::new(Metrics::new());
+    let store = store.counting_reloads_in(metrics.noscript_reloads.clone());
+    let batcher = Batcher::new(store, script, args.redis_timeout, metrics.clone());
     let calibration = Script::new("calibration", calibration::SOURCE);
-    let app = Arc::new(App { batcher, token, key_prefix: args.key_prefix.clone(), calibration });
+    let app =
+        Arc::new(App { batcher, token, key_prefix: args.key_prefix.clone(), metrics: metrics.clone(), calibration });
+    let metrics_router = Router::new().route(METRICS_PATH, get(metrics_text)).with_state(metrics);
     let router = Router::new()
         .route(CHARGE_PATH, post(run_limits::<ChargeRequest>))
         .route(SETTLE_PATH, post(run_settle))
@@ -309,16 +439,36 @@ async fn serve(args: Args) -> Result<(), String> {
         .route(RELEASE_PATH, post(run_release))
         .route(LEASE_PATH, post(run_limits::<LeaseRequest>))
         .route(CALIBRATION_PATH, post(run_calibration))
+        .route(USAGE_PATH, post(run_usage))
+        .route(RESET_PATH, post(run_reset))
         .route(HEALTH_PATH, get(healthz))
         .with_state(app);
-    let listener = tokio::net::TcpListener::bind(&args.listen)
-        .await
-        .map_err(|e| format!("cannot listen on {}: {e}", args.listen))?
-        // Replies are small: without TCP_NODELAY, Nagle and delayed ACKs add ~40 ms.
-        .tap_io(|tcp| {
-            let _ = tcp.set_nodelay(true);
-        });
+    let (router, metrics_server) = match &args.metrics_listen {
+        None => (router.merge(metrics_router), None),
+        Some(address) => {
+            let listener = bind(address).await?;
+            eprintln!("companion: metrics on {address}{METRICS_PATH}");
+            (router, Some(tokio::spawn(run_server(listener, metrics_router))))
+        }
+    };
+    let listener = bind(&args.listen).await?;
     eprintln!("companion: listening on {} (Redis: {mode})", args.listen);
+    let served = run_server(listener, router).await;
+    if let Some(metrics_server) = metrics_server {
+        metrics_server.abort();
+    }
+    served
+}
+
+async fn bind(address: &str) -> Result<tokio::net::TcpListener, String> {
+    tokio::net::TcpListener::bind(address).await.map_err(|e| format!("cannot listen on {address}: {e}"))
+}
+
+async fn run_server(listener: tokio::net::TcpListener, router: Router) -> Result<(), String> {
+    // Replies are small: without TCP_NODELAY, Nagle and delayed ACKs add ~40 ms.
+    let listener = listener.tap_io(|tcp| {
+        let _ = tcp.set_nodelay(true);
+    });
     axum::serve(listener, router)
         .with_graceful_shutdown(async {
             let _ = tokio::signal::ctrl_c().await;

@@ -12,6 +12,7 @@
 
 use crate::batcher::Batcher;
 use crate::limits::{self, Call};
+use crate::metrics::{MetricOp, Metrics};
 use crate::store::Store;
 use llm_ratelimit_protocol::keys::{redis_key, QUEUE_KIND, QUEUE_NAME};
 use llm_ratelimit_protocol::{ChargeRequest, LimitStatus, LimitsReply, Wait};
@@ -28,15 +29,17 @@ fn now_ms() -> u64 {
 }
 
 /// Removes the waiter's entry when the wait ends, however it ends (also when the client
-/// gave up and the request future is dropped).
+/// gave up and the request future is dropped), and counts it out of the queue's depth.
 struct Waiter {
     store: Store,
     key: String,
     member: String,
+    metrics: Arc<Metrics>,
 }
 
 impl Drop for Waiter {
     fn drop(&mut self) {
+        self.metrics.queue_depth.dec();
         let (store, key, member) =
             (self.store.clone(), std::mem::take(&mut self.key), std::mem::take(&mut self.member));
         tokio::spawn(async move {
@@ -45,9 +48,17 @@ impl Drop for Waiter {
     }
 }
 
+/// A queue's own Redis command (not a script call), timed as op `queue`.
+async fn query(store: &Store, metrics: &Metrics, cmd: &redis::Cmd) -> Result<Value, String> {
+    let started = Instant::now();
+    let result = store.query(cmd).await.map_err(|e| e.to_string());
+    metrics.redis_call(MetricOp::Queue, started.elapsed());
+    result
+}
+
 /// Whether `member` is first among the waiters still within their deadline.
-async fn is_head(store: &Store, key: &str, member: &str) -> Result<bool, String> {
-    let value = store.query(redis::cmd("ZRANGE").arg(key).arg(0).arg(63)).await.map_err(|e| e.to_string())?;
+async fn is_head(store: &Store, metrics: &Metrics, key: &str, member: &str) -> Result<bool, String> {
+    let value = query(store, metrics, redis::cmd("ZRANGE").arg(key).arg(0).arg(63)).await?;
     let Value::Array(members) = value else { return Ok(true) };
     let now = now_ms();
     for entry in members {
@@ -87,6 +98,7 @@ async fn charge(batcher: &Arc<Batcher>, call: &Call, request: &ChargeRequest) ->
 /// Charges, waiting in the tenant's queue for up to `wait.max_ms` if there is no room yet.
 pub async fn charge_waiting(
     batcher: &Arc<Batcher>,
+    metrics: &Arc<Metrics>,
     prefix: &str,
     request: &ChargeRequest,
     wait: &Wait,
@@ -104,23 +116,28 @@ pub async fn charge_waiting(
     let mut last: Option<LimitsReply> = None;
     loop {
         let waited = started.elapsed();
-        if waiter.is_none() || is_head(store, &key, &member).await? {
+        if waiter.is_none() || is_head(store, metrics, &key, &member).await? {
             let mut reply = charge(batcher, &call, request).await?;
             reply.waited_ms = waited.as_millis() as u64;
             let retry = reply.limits.iter().map(|l| l.retry_after_ms).max().unwrap_or(0);
             if reply.allowed || waited >= max || is_hopeless(request, &reply, max - waited) {
+                if waiter.is_some() {
+                    metrics.queue_wait.observe(waited.as_secs_f64());
+                }
                 return Ok(reply);
             }
             if waiter.is_none() {
-                let add = redis::cmd("ZADD").arg(&key).arg(score).arg(&member).clone();
-                store.query(&add).await.map_err(|e| e.to_string())?;
-                let _ = store.query(redis::cmd("PEXPIRE").arg(&key).arg(wait.max_ms + 1000)).await;
-                waiter = Some(Waiter { store: store.clone(), key: key.clone(), member: member.clone() });
+                query(store, metrics, redis::cmd("ZADD").arg(&key).arg(score).arg(&member)).await?;
+                let _ = query(store, metrics, redis::cmd("PEXPIRE").arg(&key).arg(wait.max_ms + 1000)).await;
+                metrics.queue_depth.inc();
+                let metrics = metrics.clone();
+                waiter = Some(Waiter { store: store.clone(), key: key.clone(), member: member.clone(), metrics });
             }
             last = Some(reply);
             tokio::time::sleep(Duration::from_millis(retry).clamp(Duration::from_millis(2), POLL)).await;
         } else {
             if waited >= max {
+                metrics.queue_wait.observe(waited.as_secs_f64());
                 return last
                     .map(|mut r| {
                         r.waited_ms = waited.as_millis() as u64;

@@ -2,9 +2,10 @@
 //! it again and retrying once on NOSCRIPT, as after a restart or `SCRIPT FLUSH`), and ping.
 //! Every call is bounded by the configured timeout.
 
+use prometheus_client::metrics::counter::Counter;
 use redis::aio::ConnectionManager;
 use redis::cluster_async::ClusterConnection;
-use redis::cluster_routing::Slot;
+use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, Slot, SlotAddr};
 use redis::io::tcp::TcpSettings;
 use redis::{Cmd, ErrorKind, IntoConnectionInfo, RedisError, ServerErrorKind, Value};
 use std::time::Duration;
@@ -35,6 +36,8 @@ enum Connection {
 pub struct Store {
     connection: Connection,
     timeout: Duration,
+    /// Counts each load after a NOSCRIPT.
+    noscript_reloads: Counter,
 }
 
 /// Where Redis is: one server, or the seed nodes of a cluster.
@@ -102,7 +105,12 @@ impl Store {
                 Connection::Cluster(client.get_async_connection().await?)
             }
         };
-        Ok(Store { connection, timeout })
+        Ok(Store { connection, timeout, noscript_reloads: Counter::default() })
+    }
+
+    /// Counts NOSCRIPT reloads in `counter` (a metric).
+    pub fn counting_reloads_in(self, counter: Counter) -> Store {
+        Store { noscript_reloads: counter, ..self }
     }
 
     pub async fn query(&self, cmd: &Cmd) -> Result<Value, RedisError> {
@@ -112,6 +120,22 @@ impl Store {
                 Connection::Cluster(c) => cmd.query_async(&mut c.clone()).await,
             }
         };
+        self.bounded(call).await
+    }
+
+    /// Runs a command that names no key (SCAN) on the server holding `key`'s hash slot:
+    /// on one server, that server.
+    pub async fn query_on_node_of(&self, key: &str, cmd: &Cmd) -> Result<Value, RedisError> {
+        let Connection::Cluster(cluster) = &self.connection else { return self.query(cmd).await };
+        let route = Route::with_key(key, SlotAddr::Master);
+        let routing = RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(route));
+        self.bounded(cluster.clone().route_command(cmd.clone(), routing)).await
+    }
+
+    async fn bounded(
+        &self,
+        call: impl std::future::Future<Output = Result<Value, RedisError>>,
+    ) -> Result<Value, RedisError> {
         match tokio::time::timeout(self.timeout, call).await {
             Ok(result) => result,
             Err(_) => Err(RedisError::from(std::io::Error::new(
@@ -146,6 +170,7 @@ impl Store {
         match self.query(&cmd).await {
             Err(err) if is_no_script(&err) => {
                 eprintln!("companion: script {} missing in Redis (NOSCRIPT); loading it again", script.name);
+                self.noscript_reloads.inc();
                 self.load(script).await?;
                 self.query(&cmd).await
             }

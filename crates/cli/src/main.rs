@@ -1,16 +1,23 @@
 //! `llm-ratelimit`: the operator's command. Each subcommand lives in its own module; this
-//! file only dispatches.
-// Input is the user's files: an error message, never a panic.
+//! file only parses the command line and dispatches.
+// Input is the user's files and the companion's replies: an error message, never a panic.
 #![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing))]
 
 mod check_config;
 mod package_wasm;
+mod reset;
+mod tenant;
+mod usage;
 
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;
 
 #[derive(Parser)]
-#[command(name = "llm-ratelimit", version, about = "Operate llm-ratelimit: check configs, package the filter")]
+#[command(
+    name = "llm-ratelimit",
+    version,
+    about = "Operate llm-ratelimit: check configs, package the filter, see and reset where a tenant stands"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -20,11 +27,24 @@ struct Cli {
 enum Command {
     CheckConfig(check_config::Args),
     PackageWasm(package_wasm::Args),
+    /// Where a tenant stands on each limit of a policy, charging nothing.
+    Usage(usage::Args),
+    /// Delete a tenant's counters for a policy's limits (the tenant starts afresh).
+    Reset(reset::Args),
 }
 
 fn main() -> ExitCode {
-    match Cli::parse().command {
-        Command::CheckConfig(args) => check_config::run(&args),
-        Command::PackageWasm(args) => package_wasm::run(&args),
+    let result = match Cli::parse().command {
+        Command::CheckConfig(args) => return check_config::run(&args),
+        Command::PackageWasm(args) => return package_wasm::run(&args),
+        Command::Usage(args) => usage::run(&args),
+        Command::Reset(args) => reset::run(&args),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(message) => {
+            eprintln!("llm-ratelimit: {message}");
+            ExitCode::FAILURE
+        }
     }
 }

@@ -210,7 +210,7 @@ fn refuse(dialect: Dialect, refusal: Refusal, message: &str, retry: Option<u64>,
 }
 
 /// Micro-dollars as dollars: `$0.0035`, `$50.00`.
-fn usd(micro: u64) -> String {
+pub fn usd(micro: u64) -> String {
     let dollars = micro as f64 / 1e6;
     if dollars >= 1.0 {
         format!("${dollars:.2}")

@@ -5,6 +5,9 @@ use serde::{Deserialize, Serialize};
 
 pub mod duration;
 pub mod keys;
+mod tenant_ops;
+
+pub use tenant_ops::{LimitSpec, LimitUsage, ResetReply, TenantLimits, UsageReply, RESET_PATH, USAGE_PATH};
 
 /// Header carrying the shared secret on every callout to the companion.
 pub const TOKEN_HEADER: &str = "x-llmrl-token";
@@ -213,7 +216,7 @@ fn is_zero(n: &u64) -> bool {
     *n == 0
 }
 
-fn is_token_bucket(kind: &LimitKind) -> bool {
+pub(crate) fn is_token_bucket(kind: &LimitKind) -> bool {
     *kind == LimitKind::TokenBucket
 }
 
@@ -397,6 +400,16 @@ impl CalibrationExchange {
             }
         }
         Ok(())
+    }
+}
+
+impl TenantLimits {
+    pub fn validate(&self) -> Result<(), String> {
+        validate_buckets(
+            &self.domain,
+            &self.tenant,
+            self.limits.iter().map(|l| (l.name.as_str(), l.capacity, l.window_ms)),
+        )
     }
 }
 

@@ -237,3 +237,73 @@ fn shared_data_keys() {
     assert_eq!(average_key("llm", 7), "llmrl.avg.llm.7");
     assert_eq!(calibration_key("llm", 3), "llmrl.cal.llm.3");
 }
+
+#[test]
+fn usage_and_reset_paths() {
+    assert_eq!([USAGE_PATH, RESET_PATH], ["/v1/usage", "/v1/admin/reset"]);
+}
+
+#[test]
+fn usage_and_reset_request() {
+    let query = TenantLimits {
+        domain: "llm".into(),
+        tenant: "t1".into(),
+        limits: vec![
+            LimitSpec { name: "rpm".into(), capacity: 20, window_ms: 60_000, kind: LimitKind::TokenBucket },
+            LimitSpec { name: "tpm".into(), capacity: 10_000, window_ms: 60_000, kind: LimitKind::SlidingWindow },
+            LimitSpec { name: "inflight".into(), capacity: 4, window_ms: 30_000, kind: LimitKind::Slots },
+        ],
+    };
+    pinned(
+        &query,
+        concat!(
+            r#"{"domain":"llm","tenant":"t1","limits":["#,
+            r#"{"name":"rpm","capacity":20,"window_ms":60000},"#,
+            r#"{"name":"tpm","capacity":10000,"window_ms":60000,"kind":"sliding_window"},"#,
+            r#"{"name":"inflight","capacity":4,"window_ms":30000,"kind":"slots"}]}"#
+        ),
+    );
+    assert_eq!(query.validate(), Ok(()));
+    let unknown = r#"{"domain":"llm","tenant":"t1","limits":[{"name":"rpm","capacity":1,"window_ms":1,"cost":1}]}"#;
+    assert!(serde_json::from_str::<TenantLimits>(unknown).is_err(), "a cost is not part of a query");
+    let mut bad = query.clone();
+    bad.tenant = "{t1}".into();
+    assert!(bad.validate().is_err_and(|e| e.contains("tenant")));
+}
+
+#[test]
+fn usage_and_reset_replies() {
+    let usage = UsageReply {
+        limits: vec![
+            LimitUsage {
+                name: "rpm".into(),
+                kind: LimitKind::TokenBucket,
+                limit: 20,
+                remaining: 17,
+                used: 3,
+                reset_after_ms: 9_000,
+                retry_after_ms: 0,
+            },
+            LimitUsage {
+                name: "inflight".into(),
+                kind: LimitKind::Slots,
+                limit: 4,
+                remaining: 0,
+                used: 4,
+                reset_after_ms: 0,
+                retry_after_ms: 800,
+            },
+        ],
+        reservations: 3,
+        reservations_complete: true,
+    };
+    pinned(
+        &usage,
+        concat!(
+            r#"{"limits":[{"name":"rpm","limit":20,"remaining":17,"used":3,"reset_after_ms":9000,"retry_after_ms":0},"#,
+            r#"{"name":"inflight","kind":"slots","limit":4,"remaining":0,"used":4,"reset_after_ms":0,"retry_after_ms":800}],"#,
+            r#""reservations":3,"reservations_complete":true}"#
+        ),
+    );
+    pinned(&ResetReply { deleted: 2 }, r#"{"deleted":2}"#);
+}

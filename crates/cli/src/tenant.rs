@@ -1,0 +1,176 @@
+//! What `usage` and `reset` share: one tenant and a policy's limits, named as the filter
+//! names them (its config compiled by the filter's own compiler, the key hashed by the
+//! filter's own function), and the call to the companion.
+
+use llm_ratelimit_core::config::{Limit, Policy};
+use llm_ratelimit_core::identity::{is_tenant_id, tenant_id};
+use llm_ratelimit_protocol::{LimitSpec, TenantLimits, TOKEN_HEADER};
+use serde::de::DeserializeOwned;
+use std::path::PathBuf;
+use std::time::Duration;
+
+#[derive(clap::Args)]
+#[command(group = clap::ArgGroup::new("who").required(true).args(["key", "tenant"]))]
+pub struct TenantArgs {
+    /// The filter's config (the JSON the proxy loads): its domain, limits and companion token.
+    #[arg(long, value_name = "FILE")]
+    pub config: PathBuf,
+    /// The tenant's API key, hashed here as the filter hashes it (never sent). Prefer
+    /// LLMRL_API_KEY: a command line is visible to other users of the machine.
+    #[arg(long, env = "LLMRL_API_KEY", hide_env_values = true)]
+    pub key: Option<String>,
+    /// The tenant id (32 hex digits, as in the companion's logs and `bypass.tenants`).
+    #[arg(long)]
+    pub tenant: Option<String>,
+    /// Only these limits (repeat the flag); default every limit of the policy.
+    #[arg(long = "limit", value_name = "NAME")]
+    pub limits: Vec<String>,
+    /// The companion's base URL.
+    #[arg(long, env = "LLMRL_COMPANION_URL", default_value = "http://127.0.0.1:8081")]
+    pub companion: String,
+    /// The companion's shared token; default the config's `companion.token`.
+    #[arg(long, env = "LLMRL_COMPANION_TOKEN", hide_env_values = true)]
+    pub token: Option<String>,
+    /// Longest wait for the companion's answer.
+    #[arg(long, default_value = "5s", value_parser = llm_ratelimit_protocol::duration::parse_duration)]
+    pub timeout: Duration,
+}
+
+/// The policy, the request naming the tenant and its limits, and the token to send.
+pub struct Resolved {
+    pub policy: Policy,
+    pub request: TenantLimits,
+    token: String,
+}
+
+impl TenantArgs {
+    pub fn resolve(&self) -> Result<Resolved, String> {
+        let text = std::fs::read(&self.config).map_err(|e| format!("cannot read {}: {e}", self.config.display()))?;
+        let policy = Policy::from_json(&text).map_err(|e| format!("{}: {e}", self.config.display()))?;
+        let tenant = match (&self.key, &self.tenant) {
+            (Some(key), _) => tenant_id(key.trim()),
+            (None, Some(tenant)) if is_tenant_id(tenant) => tenant.clone(),
+            (None, Some(_)) => {
+                return Err(
+                    "--tenant takes a tenant id (32 lower-case hex digits, or anonymous); for a key use --key".into()
+                )
+            }
+            (None, None) => return Err("give --key or --tenant".into()),
+        };
+        for name in &self.limits {
+            if policy.limit(name).is_none() {
+                let known: Vec<&str> = policy.limits.iter().map(|l| l.name.as_str()).collect();
+                return Err(format!("the policy has no limit {name:?} (it has {})", known.join(", ")));
+            }
+        }
+        let limits = policy
+            .limits
+            .iter()
+            .filter(|l| self.limits.is_empty() || self.limits.contains(&l.name))
+            .map(spec)
+            .collect();
+        let token = self.token.clone().unwrap_or_else(|| policy.companion.token.expose().to_string());
+        let request = TenantLimits { domain: policy.domain.clone(), tenant, limits };
+        Ok(Resolved { policy, request, token })
+    }
+
+    /// POSTs `request` to the companion's `path` and reads its JSON answer.
+    pub fn call<T: DeserializeOwned>(&self, resolved: &Resolved, path: &str) -> Result<T, String> {
+        let config =
+            ureq::Agent::config_builder().http_status_as_error(false).timeout_global(Some(self.timeout)).build();
+        let agent = ureq::Agent::new_with_config(config);
+        let url = format!("{}{path}", self.companion.trim_end_matches('/'));
+        let mut response = agent
+            .post(&url)
+            .header(TOKEN_HEADER, &resolved.token)
+            .send_json(&resolved.request)
+            .map_err(|e| format!("cannot reach the companion at {url}: {e}"))?;
+        let status = response.status();
+        let body = response.body_mut().read_to_string().map_err(|e| format!("reading the companion's answer: {e}"))?;
+        if !status.is_success() {
+            let message = serde_json::from_str::<serde_json::Value>(&body)
+                .ok()
+                .and_then(|v| v.get("error").and_then(|e| e.as_str()).map(str::to_string))
+                .unwrap_or(body);
+            return Err(format!("the companion answered {}: {message}", status.as_u16()));
+        }
+        serde_json::from_str(&body).map_err(|e| format!("unexpected answer from the companion: {e}"))
+    }
+}
+
+/// A limit as a charge names it, without a cost.
+fn spec(limit: &Limit) -> LimitSpec {
+    LimitSpec { name: limit.name.clone(), capacity: limit.capacity(), window_ms: limit.window_ms(), kind: limit.kind }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+    use llm_ratelimit_protocol::LimitKind;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    /// Tests run in parallel: each config file its own name.
+    static FILES: AtomicUsize = AtomicUsize::new(0);
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        tenant: TenantArgs,
+    }
+
+    fn resolve(config: &str, args: &[&str]) -> Result<Resolved, String> {
+        let n = FILES.fetch_add(1, Ordering::Relaxed);
+        let path = std::env::temp_dir().join(format!("llmrl-cli-test-{}-{n}.json", std::process::id()));
+        std::fs::write(&path, config).map_err(|e| e.to_string())?;
+        let path_text = path.to_string_lossy().into_owned();
+        let cli = Cli::try_parse_from(["llm-ratelimit", "--config", path_text.as_str()].iter().chain(args))
+            .map_err(|e| e.to_string())?;
+        let resolved = cli.tenant.resolve();
+        let _ = std::fs::remove_file(&path);
+        resolved
+    }
+
+    const CONFIG: &str = r#"{"companion": {"upstream": "c", "token": "secret-token"}, "domain": "prod",
+        "limits": [{"name": "rpm", "requests": 20, "window": "1m"}, {"name": "inflight", "concurrency": 3},
+                   {"name": "tpm", "tokens": 1000, "window": "1h", "algorithm": "sliding_window"}]}"#;
+
+    #[test]
+    fn a_key_is_hashed_as_the_filter_hashes_it() {
+        // tests/cases/keys.json pins sk-a to this tenant for the filter and the harness.
+        let resolved = resolve(CONFIG, &["--key", "sk-a"]).expect("resolves");
+        assert_eq!(resolved.request.tenant, "200b482a0a785564144b9f1b4f3f1104");
+        assert_eq!(resolved.request.domain, "prod");
+        assert_eq!(resolved.token, "secret-token");
+    }
+
+    #[test]
+    fn the_limits_are_named_as_a_charge_names_them() {
+        let resolved = resolve(CONFIG, &["--tenant", "200b482a0a785564144b9f1b4f3f1104", "--token", "t2"]).expect("ok");
+        let limits: Vec<(&str, u64, u64, LimitKind)> =
+            resolved.request.limits.iter().map(|l| (l.name.as_str(), l.capacity, l.window_ms, l.kind)).collect();
+        assert_eq!(
+            limits,
+            [
+                ("rpm", 20, 60_000, LimitKind::TokenBucket),
+                ("inflight", 3, 30_000, LimitKind::Slots),
+                ("tpm", 1000, 3_600_000, LimitKind::SlidingWindow)
+            ]
+        );
+        assert_eq!(resolved.token, "t2");
+        let only = resolve(CONFIG, &["--tenant", "anonymous", "--limit", "tpm"]).expect("ok");
+        assert_eq!(only.request.limits.len(), 1);
+    }
+
+    #[test]
+    fn what_cannot_name_a_tenant_or_a_limit_is_refused() {
+        let err = resolve(CONFIG, &["--tenant", "sk-a"]).err().unwrap_or_default();
+        assert!(err.contains("--tenant takes a tenant id") && !err.contains("sk-a"), "{err}");
+        let err = resolve(CONFIG, &["--key", "k", "--limit", "rpd"]).err().unwrap_or_default();
+        assert!(err.contains(r#"no limit "rpd" (it has rpm, inflight, tpm)"#), "{err}");
+        let err = resolve(CONFIG, &["--key", "k", "--tenant", "anonymous"]).err().unwrap_or_default();
+        assert!(err.contains("cannot be used with"), "{err}");
+        let err = resolve(r#"{"limits": []}"#, &["--key", "k"]).err().unwrap_or_default();
+        assert!(err.contains("companion"), "{err}");
+    }
+}
