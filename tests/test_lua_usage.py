@@ -9,9 +9,9 @@ import uuid
 import pytest
 import redis
 
-# The fixtures too: a redis-server and a three-node cluster for this module.
+# The redis-server fixture too (the three-node cluster is conftest's).
 from test_lua_limits import (  # noqa: F401
-    CASES, SCRIPT, age_keys, case_keys, check_step, client, cluster, shift_window, step_args,
+    CASES, SCRIPT, age_keys, case_keys, check_step, client, shift_window, step_args,
 )
 
 

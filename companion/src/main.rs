@@ -412,15 +412,19 @@ async fn serve(args: Args) -> Result<(), String> {
     }
     let store = connect(&target, &args).await?;
     let script = Script::new("limits", limits::SOURCE);
+    let calibration = Script::new("calibration", calibration::SOURCE);
+    // Both loaded now, so a NOSCRIPT reload later means Redis lost them (the metric's alert).
     let deadline = tokio::time::Instant::now() + args.startup_wait;
-    while let Err(err) = store.load(&script).await {
-        if tokio::time::Instant::now() >= deadline {
-            return Err(format!("cannot load {}: {err}", script.name));
+    for script in [&script, &calibration] {
+        while let Err(err) = store.load(script).await {
+            if tokio::time::Instant::now() >= deadline {
+                return Err(format!("cannot load {}: {err}", script.name));
+            }
+            eprintln!("companion: retrying SCRIPT LOAD of {}: {err}", script.name);
+            tokio::time::sleep(Duration::from_millis(250)).await;
         }
-        eprintln!("companion: retrying SCRIPT LOAD of {}: {err}", script.name);
-        tokio::time::sleep(Duration::from_millis(250)).await;
+        eprintln!("companion: loaded {} ({})", script.name, script.sha);
     }
-    eprintln!("companion: loaded {} ({})", script.name, script.sha);
     let mode = match &target {
         Target::Single(_) => "single server".to_string(),
         Target::Cluster(nodes) => format!("cluster, {} seed node(s)", nodes.len()),
@@ -428,7 +432,6 @@ async fn serve(args: Args) -> Result<(), String> {
     let metrics = Arc::new(Metrics::new());
     let store = store.counting_reloads_in(metrics.noscript_reloads.clone());
     let batcher = Batcher::new(store, script, args.redis_timeout, metrics.clone());
-    let calibration = Script::new("calibration", calibration::SOURCE);
     let app =
         Arc::new(App { batcher, token, key_prefix: args.key_prefix.clone(), metrics: metrics.clone(), calibration });
     let metrics_router = Router::new().route(METRICS_PATH, get(metrics_text)).with_state(metrics);
