@@ -19,19 +19,6 @@ ALERTS = ROOT / "deploy/prometheus/llm-ratelimit-alerts.yaml"
 TOKEN = "metrics-test-token"
 LIMITS = [{"name": "rpm", "requests": 3, "window": "1m"}, {"name": "tpm", "tokens": 1_000_000, "window": "1m"}]
 
-# The companion's metrics as agreed (helpers' BRIEF.md). One list, to be replaced by a
-# scrape of the companion's /metrics once that endpoint exists on this branch.
-COMPANION_METRICS = [
-    "llm_ratelimit_companion_decisions_total",
-    "llm_ratelimit_companion_redis_call_duration_seconds",
-    "llm_ratelimit_companion_script_errors_total",
-    "llm_ratelimit_companion_noscript_reloads_total",
-    "llm_ratelimit_companion_queue_depth",
-    "llm_ratelimit_companion_queue_wait_seconds",
-    "llm_ratelimit_companion_settlements_total",
-    "llm_ratelimit_companion_auth_failures_total",
-    "llm_ratelimit_companion_admin_resets_total",
-]
 # What Prometheus derives from a histogram's name.
 HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
 
@@ -106,7 +93,11 @@ def traffic(module_stack):
     assert [r.status for r in degraded_replies] == [200, 200]
     assert all(r.headers.get("x-llm-ratelimit-degraded") == "local" for r in degraded_replies)
     degraded = scrape_when(degraded_admin, {series("llm_ratelimit_decisions_total", limit="rpm", decision="degraded"): 2})
-    return {"replies": replies, "samples": samples, "degraded": degraded, "admin_port": admin_port}
+    companion = http_get(f"http://127.0.0.1:{backend.companion_port}/metrics")[1].decode()
+    companion_names = {m.group(1) for line in companion.splitlines() if (m := SAMPLE.match(line))}
+    assert companion_names
+    return {"replies": replies, "samples": samples, "degraded": degraded, "admin_port": admin_port,
+            "companion_names": companion_names}
 
 
 def test_decisions_are_labelled_by_limit_and_decision(traffic):
@@ -194,20 +185,22 @@ def queried_metrics() -> set[str]:
     return {name for query in queries + alerts for name in re.findall(r"\bllm_ratelimit_[a-z0-9_]+", query)}
 
 
-def companion_metric(name: str) -> str | None:
-    """The agreed companion metric `name` is (or is a histogram series of), if any."""
-    for suffix in ("", *HISTOGRAM_SUFFIXES):
-        if name.endswith(suffix) and name[: len(name) - len(suffix)] in COMPANION_METRICS:
-            return name[: len(name) - len(suffix)]
-    return None
+def family(name: str) -> str:
+    """The metric a sample name belongs to (a histogram's series to the histogram)."""
+    for suffix in HISTOGRAM_SUFFIXES:
+        if name.endswith(suffix):
+            return name[: -len(suffix)]
+    return name
 
 
 def test_every_metric_the_dashboard_and_alerts_query_exists(traffic):
     names = queried_metrics()
     # The filter's own `companion_failures` reads llm_ratelimit_companion_failures: a name
-    # is the companion's only if it is on the agreed list; every other must be scraped.
-    companion = {n for n in names if companion_metric(n)}
+    # is the companion's only if its /metrics has it; every other must be Envoy's.
+    companion_scraped = traffic["companion_names"]
+    companion = names & companion_scraped
     filter_names = names - companion
     scraped = {name for name, _ in traffic["samples"]}
     assert filter_names and filter_names <= scraped, sorted(filter_names - scraped)
-    assert {companion_metric(n) for n in companion} == set(COMPANION_METRICS), "every companion metric is shown"
+    shown = {family(n) for n in companion}
+    assert shown == {family(n) for n in companion_scraped}, "every companion metric is shown"
