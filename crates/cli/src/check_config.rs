@@ -162,6 +162,20 @@ fn embedded_configs(text: &str, all_wasm: bool) -> Result<Vec<Embedded>, String>
     Ok(found)
 }
 
+/// The one filter config in `text` (a bare JSON config, or a manifest that embeds one),
+/// for the commands that act on a policy.
+pub fn the_config(text: &str) -> Result<Vec<u8>, String> {
+    let mut found = embedded_configs(text, false)?;
+    match found.len() {
+        0 => Err("no llm-ratelimit filter config found".into()),
+        1 => Ok(found.remove(0).config),
+        n => {
+            let places: Vec<String> = found.iter().map(|e| e.place.clone()).collect();
+            Err(format!("{n} filter configs found ({}): give a file holding one", places.join(", ")))
+        }
+    }
+}
+
 /// A filter config on its own: the keys only it has at its top.
 fn is_bare_config(document: &Value) -> bool {
     document.as_object().is_some_and(|o| o.contains_key("limits") || o.contains_key("companion"))

@@ -12,7 +12,9 @@ use std::time::Duration;
 #[derive(clap::Args)]
 #[command(group = clap::ArgGroup::new("who").required(true).args(["key", "tenant"]))]
 pub struct TenantArgs {
-    /// The filter's config (the JSON the proxy loads): its domain, limits and companion token.
+    /// The filter's config (the JSON the proxy loads, or an Envoy, Istio or Envoy Gateway
+    /// manifest holding one, as `check-config` reads them): its domain, limits and
+    /// companion token.
     #[arg(long, value_name = "FILE")]
     pub config: PathBuf,
     /// The tenant's API key, hashed here as the filter hashes it (never sent). Prefer
@@ -45,8 +47,10 @@ pub struct Resolved {
 
 impl TenantArgs {
     pub fn resolve(&self) -> Result<Resolved, String> {
-        let text = std::fs::read(&self.config).map_err(|e| format!("cannot read {}: {e}", self.config.display()))?;
-        let policy = Policy::from_json(&text).map_err(|e| format!("{}: {e}", self.config.display()))?;
+        let file = self.config.display();
+        let text = std::fs::read_to_string(&self.config).map_err(|e| format!("cannot read {file}: {e}"))?;
+        let config = crate::check_config::the_config(&text).map_err(|e| format!("{file}: {e}"))?;
+        let policy = Policy::from_json(&config).map_err(|e| format!("{file}: {e}"))?;
         let tenant = match (&self.key, &self.tenant) {
             (Some(key), _) => tenant_id(key.trim()),
             (None, Some(tenant)) if is_tenant_id(tenant) => tenant.clone(),
@@ -142,6 +146,19 @@ mod tests {
         assert_eq!(resolved.request.tenant, "200b482a0a785564144b9f1b4f3f1104");
         assert_eq!(resolved.request.domain, "prod");
         assert_eq!(resolved.token, "secret-token");
+    }
+
+    #[test]
+    fn the_config_may_come_in_a_manifest() {
+        // An Istio WasmPlugin, as check-config reads it: the policy is the embedded one.
+        let manifest = format!(
+            "apiVersion: extensions.istio.io/v1alpha1\nkind: WasmPlugin\nmetadata: {{name: llm-ratelimit}}\nspec:\n  pluginConfig: {}\n",
+            CONFIG.replace('\n', " ")
+        );
+        let resolved = resolve(&manifest, &["--key", "sk-a"]).expect("resolves");
+        assert_eq!(resolved.request.domain, "prod");
+        let two = format!("{manifest}---\n{manifest}");
+        assert!(resolve(&two, &["--key", "sk-a"]).is_err_and(|e| e.contains("2 filter configs found")));
     }
 
     #[test]
