@@ -16,7 +16,7 @@ WASM_CARGO := RUSTC_BOOTSTRAP=1 RUSTC=/usr/bin/rustc /usr/bin/cargo
 WASM_FLAGS := -Zbuild-std=std,panic_abort
 endif
 
-.PHONY: help setup build wasm empty-filter native test wasm-test fuzz unit integration up down demo bench soak faults accuracy capacity lint clean
+.PHONY: help setup build wasm empty-filter floor-filter native test wasm-test fuzz unit integration up down demo bench soak faults accuracy capacity lint clean
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -34,6 +34,10 @@ EMPTY_WASM := target/$(WASM_TARGET)/release/empty_filter.wasm
 
 empty-filter: setup
 	CARGO_TARGET_DIR=$(CURDIR)/target $(WASM_CARGO) build --release --manifest-path bench/empty-filter/Cargo.toml --target $(WASM_TARGET) $(WASM_FLAGS)
+
+# The benchmark's ABI floor: the host calls of a leased token-aware request, no logic.
+floor-filter: setup
+	CARGO_TARGET_DIR=$(CURDIR)/target $(WASM_CARGO) build --release --manifest-path bench/floor-filter/Cargo.toml --target $(WASM_TARGET) $(WASM_FLAGS)
 
 native:
 	cargo build --release -p llm-ratelimit-companion -p mock-llm -p llm-ratelimit-cli
@@ -61,7 +65,7 @@ down: ## Stop the demo stack
 demo: up ## Start the demo stack and send a short burst through it
 	$(PY) scripts/demo.py burst
 
-bench: build empty-filter ## Measure Envoy without and with the filter in one run and print ratios
+bench: build empty-filter floor-filter ## Measure Envoy without and with the filter in one run and print ratios
 	cargo build --release -p llm-ratelimit-core --example tokenize_bench
 	$(PY) scripts/bench.py
 

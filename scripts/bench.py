@@ -2,7 +2,8 @@
 all measured in one run on this machine so the ratios mean something on a noisy host.
 
 1. Start-up: time from starting Envoy (--concurrency 2) to /ready, and the first request
-   after it, for no filter, the empty filter and llm-ratelimit (o200k + cl100k linked).
+   after it, for no filter, the empty filter, the ABI floor filter and llm-ratelimit
+   (o200k + cl100k linked).
 2. Requests/s at 16 connections, Envoy's CPU time per request, p50/p99 at 1 connection
    and Redis round trips per request, for request limits and request + token limits, each
    decided by a callout per request (direct) or from a leased budget (lease); and the
@@ -10,7 +11,11 @@ all measured in one run on this machine so the ratios mean something on a noisy 
    bodies: a tiny chat; a realistic one (a system prompt and three exchanges, 2.4 kB);
    and a conversation of 1 to 20 turns, each request resending the turns before it, as a
    chat client does. Envoy --concurrency 1 on CPU 0; wrk, the mock upstream, the
-   companion and Redis share CPU 1 (as in shared/notes/anchors.md).
+   companion and Redis share CPU 1 (as in shared/notes/anchors.md). Next to the empty
+   filter, the ABI floor filter (bench/floor-filter): the host calls a token-aware filter
+   deciding from a lease makes per request (headers read and held, the body copied in, one
+   shared-data read and compare-and-swap, the rate-limit headers set, the reply copied in)
+   with no logic; llm-ratelimit's cost over it is its own work.
 3. Prompt size: p50 at 1 connection for 1k- and 32k-token prompts, with and without the
    filter; the difference between the two added latencies gives the filter's prompt
    processing rate (read, JSON parse and tokenize) in MB/s, next to native tiktoken-rs on
@@ -37,6 +42,7 @@ from stack import ROOT, Stack, envoy_config, free_port, http_get
 
 TOKEN = "bench-token"
 EMPTY_WASM = ROOT / "target/wasm32-unknown-unknown/release/empty_filter.wasm"
+FLOOR_WASM = ROOT / "target/wasm32-unknown-unknown/release/floor_filter.wasm"
 COMPANION = {"upstream": "llm_ratelimit_companion", "token": TOKEN, "timeout": "1s"}
 REQUESTS_ONLY = {"companion": COMPANION, "failure_mode": "deny",
                  "limits": [{"name": "rpm", "requests": 1_000_000_000, "window": "1m"}]}
@@ -195,6 +201,23 @@ class Bench:
         return {**throughput, "trips": trips, "cpu_us": cpu_us, "latency": wrk(url, script, 1, max(3, self.seconds // 2))}
 
 
+def median_run(runs: list[dict]) -> dict:
+    """Each figure's median over interleaved rounds of one row."""
+    def median(key, of=lambda r: r):
+        return statistics.median(of(r)[key] for r in runs)
+    return {"rps": median("rps"), "cpu_us": median("cpu_us"), "trips": median("trips"),
+            "latency": {"p50": median("p50", lambda r: r["latency"]), "p99": median("p99", lambda r: r["latency"])}}
+
+
+# A reference row not measured (--only) leaves its columns blank.
+def ratio(row: dict, ref: "dict | None") -> str:
+    return f"{row['rps'] / ref['rps']:.2f}" if ref else "-"
+
+
+def added_p50(row: dict, ref: "dict | None") -> str:
+    return f"{row['latency']['p50'] - ref['latency']['p50']:.3f} ms" if ref else "-"
+
+
 def cpu_seconds(pid: int) -> float:
     """CPU time a process has used (all its threads): per request, less sensitive than
     throughput to whatever else the machine runs."""
@@ -214,22 +237,31 @@ def _ready(proc, admin_port: int) -> bool:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seconds", type=int, default=10, help="duration of each throughput run")
+    parser.add_argument("--parts", default="123", help="which parts to run (default 123)")
+    parser.add_argument("--only", action="append", metavar="ROW",
+                        help="part 2: measure only this row (repeatable, e.g. --only 'wasm ABI floor')")
+    parser.add_argument("--bodies", action="append", metavar="BODY", choices=("tiny chat", "realistic chat", "1-20 turns"),
+                        help="part 2: measure only this body (repeatable)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="part 2: interleaved rounds over the rows; each figure is the median of the rounds")
     args = parser.parse_args()
     for tool in ("wrk", "taskset"):
         if not shutil.which(tool):
             sys.exit(f"bench: {tool} is missing (make setup installs wrk)")
-    if not EMPTY_WASM.exists():
-        sys.exit(f"bench: {EMPTY_WASM} is missing (make empty-filter builds it)")
+    for wasm, target in ((EMPTY_WASM, "empty-filter"), (FLOOR_WASM, "floor-filter")):
+        if not wasm.exists():
+            sys.exit(f"bench: {wasm} is missing (make {target} builds it)")
 
     workdir = Path(tempfile.mkdtemp(prefix="llmrl-bench-"))
     bench = Bench(workdir, args.seconds)
     try:
-        print("1. Start-up (Envoy --concurrency 2, median of 3)")
-        print(f"   {'filter':<28}{'to /ready':>12}{'first request':>16}")
-        for name, config, wasm in (("none", None, None), ("empty wasm filter", None, EMPTY_WASM),
-                                   ("llm-ratelimit, tokens", WITH_TOKENS, None)):
-            ready, first = bench.startup(re.sub(r"[^a-z]+", "-", name).strip("-"), config, wasm)
-            print(f"   {name:<28}{ready:>10.2f} s{first * 1000:>13.1f} ms")
+        if "1" in args.parts:
+            print("1. Start-up (Envoy --concurrency 2, median of 3)")
+            print(f"   {'filter':<28}{'to /ready':>12}{'first request':>16}")
+            for name, config, wasm in (("none", None, None), ("empty wasm filter", None, EMPTY_WASM),
+                                       ("wasm ABI floor", None, FLOOR_WASM), ("llm-ratelimit, tokens", WITH_TOKENS, None)):
+                ready, first = bench.startup(re.sub(r"[^a-z]+", "-", name).strip("-"), config, wasm)
+                print(f"   {name:<28}{ready:>10.2f} s{first * 1000:>13.1f} ms")
 
         bodies = {
             "tiny chat": script_for(workdir, "small", {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "Say hello"}], "max_tokens": 8}),
@@ -237,62 +269,86 @@ def main() -> None:
             "1-20 turns": script_for(workdir, "turns", [conversation(turns) for turns in range(20)]),
         }
         variants = [("passthrough", None, None), ("empty wasm filter", None, EMPTY_WASM),
+                    ("wasm ABI floor", None, FLOOR_WASM),
                     ("requests, direct", REQUESTS_ONLY, None), ("requests, lease", LEASED, None),
                     ("+ tokens, direct", WITH_TOKENS, None), ("+ tokens, lease", LEASED_TOKENS, None),
                     ("5 buckets, direct", FIVE_BUCKETS, None), ("1 sliding, direct", SLIDING, None),
                     ("5 sliding, direct", FIVE_SLIDING, None)]
+        if args.only:
+            unknown = set(args.only) - {name for name, _, _ in variants}
+            if unknown:
+                sys.exit(f"bench: no row named {', '.join(sorted(unknown))}")
+            variants = [v for v in variants if v[0] in args.only]
+        if args.bodies:
+            bodies = {name: script for name, script in bodies.items() if name in args.bodies}
         # The bodies that matter for a token policy: the filter parses and counts them.
-        body_variants = ("passthrough", "empty wasm filter", "+ tokens, direct", "+ tokens, lease")
-        results = {}
+        body_variants = ("passthrough", "empty wasm filter", "wasm ABI floor", "+ tokens, direct", "+ tokens, lease")
+        results, loads = {}, []
         urls, procs = {}, {}
-        for name, config, wasm in variants:
+        for name, config, wasm in variants if {"2", "3"} & set(args.parts) else []:
             procs[name], urls[name] = bench.envoy(re.sub(r"[^a-z]+", "-", name).strip("-"), config, wasm)
-            for body_name, script in bodies.items():
-                if body_name == "tiny chat" or name in body_variants:
-                    results[(body_name, name)] = bench.run(urls[name], script, procs[name])
-        print("\n2. Requests (Envoy --concurrency 1 on CPU 0; the rest on CPU 1)")
-        print(f"   {'path':<20}{'req/s':>9}{'ratio':>7}{'/empty':>8}{'CPU/req':>10}{'p50 1 conn':>12}{'p99 1 conn':>12}"
-              f"{'added p50':>11}{'/empty':>10}{'Redis trips/req':>17}")
+        for _ in range(args.rounds if "2" in args.parts else 0):
+            loads.append(os.getloadavg()[0])
+            for name, _, _ in variants:
+                for body_name, script in bodies.items():
+                    if body_name == "tiny chat" or name in body_variants:
+                        results.setdefault((body_name, name), []).append(bench.run(urls[name], script, procs[name]))
+        if results:
+            print("\n2. Requests (Envoy --concurrency 1 on CPU 0; the rest on CPU 1"
+                  + (f"; medians of {args.rounds} interleaved rounds)" if args.rounds > 1 else ")"))
+            print(f"   {'path':<20}{'req/s':>9}{'ratio':>7}{'/empty':>8}{'/floor':>8}{'CPU/req':>10}{'p50 1 conn':>12}"
+                  f"{'p99 1 conn':>12}{'added p50':>11}{'/empty':>10}{'Redis trips/req':>17}")
         for body_name in bodies:
+            rows = {name: median_run(runs) for (b, name), runs in results.items() if b == body_name}
+            if not rows:
+                continue
             print(f"   {body_name}:")
-            base, empty = results[(body_name, "passthrough")], results[(body_name, "empty wasm filter")]
-            for (b, name), r in results.items():
-                if b != body_name:
-                    continue
+            base, empty, floor = (rows.get(n) for n in ("passthrough", "empty wasm filter", "wasm ABI floor"))
+            for name, r in rows.items():
                 lat = r["latency"]
-                print(f"   {name:<20}{r['rps']:>9,.0f}{r['rps'] / base['rps']:>7.2f}{r['rps'] / empty['rps']:>8.2f}"
+                print(f"   {name:<20}{r['rps']:>9,.0f}{ratio(r, base):>7}{ratio(r, empty):>8}{ratio(r, floor):>8}"
                       f"{r['cpu_us']:>7.1f} us{lat['p50']:>9.3f} ms{lat['p99']:>9.3f} ms"
-                      f"{lat['p50'] - base['latency']['p50']:>8.3f} ms{lat['p50'] - empty['latency']['p50']:>7.3f} ms"
-                      f"{r['trips']:>17.2f}")
+                      f"{added_p50(r, base):>11}{added_p50(r, empty):>10}{r['trips']:>17.2f}")
+                if args.rounds > 1:
+                    each = ", ".join(f"{run['rps']:,.0f} {run['cpu_us']:.1f} us" for run in results[(body_name, name)])
+                    print(f"   {'':<20}rounds (req/s, CPU/req): {each}")
+        if loads:
+            print(f"   load average (1 min) at the start of each round: {', '.join(f'{l:.1f}' for l in loads)}")
 
-        print("\n3. Prompt size (1 connection; filter with a token limit)")
-        sizes = {}
-        for label, words in (("1k", 700), ("32k", 22_500)):
-            text = prompt_text(words)
-            text_file = workdir / f"prompt-{label}.txt"
-            text_file.write_text(text)
-            native = json.loads(subprocess.run([str(ROOT / "target/release/examples/tokenize_bench"), str(text_file)],
-                                               capture_output=True, text=True, check=True).stdout)
-            # Each request's prompt is new (a number in front), so none is answered from
-            # the filter's table of counts already made.
-            script = script_for(workdir, f"prompt-{label}", {"model": "gpt-4o-mini", "max_tokens": 8,
-                                                              "messages": [{"role": "user", "content": "{{n}} " + text}]})
-            plain = wrk(urls["passthrough"], script, 1, max(3, args.seconds // 2))
-            filtered = wrk(urls["+ tokens, direct"], script, 1, max(3, args.seconds // 2))
-            sizes[label] = {"native": native, "added": filtered["p50"] - plain["p50"], "plain": plain, "filtered": filtered}
-            print(f"   {label:>4} prompt ({native['tokens']:>6,} tokens, {native['bytes'] / 1000:>6.1f} kB): p50 "
-                  f"{plain['p50']:.3f} ms without, {filtered['p50']:.3f} ms with the filter: +{sizes[label]['added']:.3f} ms")
-        extra_bytes = sizes["32k"]["native"]["bytes"] - sizes["1k"]["native"]["bytes"]
-        extra_ms = sizes["32k"]["added"] - sizes["1k"]["added"]
-        in_filter = extra_bytes / (extra_ms / 1000) / 1e6 if extra_ms > 0 else float("nan")
-        native_rate = sizes["32k"]["native"]["mb_per_s"]
-        print(f"   prompt processing in the filter (read, parse, tokenize): {in_filter:.1f} MB/s; "
-              f"native tiktoken-rs on the same text: {native_rate:.1f} MB/s (ratio {in_filter / native_rate:.2f}); "
-              f"the filter's counter natively: {sizes['32k']['native']['ours_mb_per_s']:.1f} MB/s")
+        if "3" in args.parts and {"passthrough", "+ tokens, direct"} <= urls.keys():
+            prompt_size(workdir, urls, args.seconds)
         print(f"\n(wrk -t1, {args.seconds}s per throughput run; {time.strftime('%Y-%m-%d')})")
     finally:
         bench.stack.stop_all()
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def prompt_size(workdir: Path, urls: dict, seconds: int) -> None:
+    """Part 3: the filter's prompt processing rate, from the added p50 of two prompt sizes."""
+    print("\n3. Prompt size (1 connection; filter with a token limit)")
+    sizes = {}
+    for label, words in (("1k", 700), ("32k", 22_500)):
+        text = prompt_text(words)
+        text_file = workdir / f"prompt-{label}.txt"
+        text_file.write_text(text)
+        native = json.loads(subprocess.run([str(ROOT / "target/release/examples/tokenize_bench"), str(text_file)],
+                                           capture_output=True, text=True, check=True).stdout)
+        # Each request's prompt is new (a number in front), so none is answered from
+        # the filter's table of counts already made.
+        script = script_for(workdir, f"prompt-{label}", {"model": "gpt-4o-mini", "max_tokens": 8,
+                                                          "messages": [{"role": "user", "content": "{{n}} " + text}]})
+        plain = wrk(urls["passthrough"], script, 1, max(3, seconds // 2))
+        filtered = wrk(urls["+ tokens, direct"], script, 1, max(3, seconds // 2))
+        sizes[label] = {"native": native, "added": filtered["p50"] - plain["p50"], "plain": plain, "filtered": filtered}
+        print(f"   {label:>4} prompt ({native['tokens']:>6,} tokens, {native['bytes'] / 1000:>6.1f} kB): p50 "
+              f"{plain['p50']:.3f} ms without, {filtered['p50']:.3f} ms with the filter: +{sizes[label]['added']:.3f} ms")
+    extra_bytes = sizes["32k"]["native"]["bytes"] - sizes["1k"]["native"]["bytes"]
+    extra_ms = sizes["32k"]["added"] - sizes["1k"]["added"]
+    in_filter = extra_bytes / (extra_ms / 1000) / 1e6 if extra_ms > 0 else float("nan")
+    native_rate = sizes["32k"]["native"]["mb_per_s"]
+    print(f"   prompt processing in the filter (read, parse, tokenize): {in_filter:.1f} MB/s; "
+          f"native tiktoken-rs on the same text: {native_rate:.1f} MB/s (ratio {in_filter / native_rate:.2f}); "
+          f"the filter's counter natively: {sizes['32k']['native']['ours_mb_per_s']:.1f} MB/s")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,137 @@
+"""Envoy's instructions per request under callgrind: the benchmark's rows as counts that
+stay put on a loaded machine, where req/s and CPU time move with whatever else runs.
+
+For each row (no filter, the empty filter, the ABI floor filter, llm-ratelimit with RPM +
+TPM in lease mode, optionally from another .wasm) Envoy (--concurrency 1) runs under
+`valgrind --tool=callgrind`; the script reads the instructions Envoy ran up to /ready
+(start-up: mostly V8 compiling the module), its instructions per second while idle (the
+filter's tick, Envoy's timers), then per body the instructions of a run of requests at one
+connection, less the idle rate over the run's time, per request. Counts are user space
+only: the kernel's share of a request (sockets, epoll) is the same for every filter and
+is not in them. The companion's Redis round trips per request are printed alongside: a
+callout costs instructions too.
+
+Under callgrind Envoy serves some tens of requests a second, so requests rotate over 10 API
+keys, not bench.py's 1,000: each tenant comes back within its lease, as each of the 1,000
+does at bench.py's rates. Start-up takes minutes under valgrind.
+
+Usage: scripts/bench_instructions.py [--rows passthrough,empty,floor,lease] [--wasm PATH] [--rounds 2]
+"""
+
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import bench
+import stack
+
+ROWS = {"passthrough": (None, None), "empty": (None, bench.EMPTY_WASM), "floor": (None, bench.FLOOR_WASM),
+        "lease": (bench.LEASED_TOKENS, None)}
+BODIES = {
+    "tiny": {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "Say hello"}], "max_tokens": 8},
+    "realistic": bench.conversation(3),
+    "turns": [bench.conversation(turns) for turns in range(20)],
+}
+TENANTS = 10
+
+
+def total_instructions(dump: Path) -> int:
+    for line in dump.read_text(errors="replace").splitlines():
+        if line.startswith(("summary:", "totals:")):
+            return int(line.split()[1])
+    raise RuntimeError(f"no totals in {dump}")
+
+
+class Callgrind:
+    """One Envoy under callgrind; `window` counts the instructions run while an action runs."""
+
+    def __init__(self, workdir: Path, name: str, pid: int):
+        self.workdir, self.name, self.pid = workdir, name, pid
+
+    def control(self, flag: str) -> None:
+        subprocess.run(["callgrind_control", flag, str(self.pid)], check=True, capture_output=True, timeout=300)
+
+    def dump(self) -> int:
+        self.control("-d")
+        dumps = self.workdir.glob(f"callgrind.{self.name}.{self.pid}.out.*")
+        return total_instructions(max(dumps, key=lambda p: int(p.name.rsplit(".", 1)[1])))
+
+    def window(self, action):
+        self.control("-z")
+        started = time.monotonic()
+        result = action()
+        return self.dump(), time.monotonic() - started, result
+
+
+def measure(bench_: bench.Bench, workdir: Path, name: str, config, wasm, scripts: dict, seconds: int, rounds: int) -> dict:
+    wrapper = workdir / "envoy-callgrind.sh"
+    wrapper.write_text("#!/bin/sh\nexec valgrind --tool=callgrind --smc-check=all-non-file --separate-threads=no "
+                       f"--callgrind-out-file={workdir}/callgrind.$CALLGRIND_ROW.%p.out {stack.envoy_bin()} \"$@\"\n")
+    wrapper.chmod(0o755)
+    port, admin = stack.free_port(), stack.free_port()
+    envoy_config = bench_.config(config, wasm, port)
+    envoy_config["admin"]["address"]["socket_address"]["port_value"] = admin
+    os.environ.update(ENVOY_BIN=str(wrapper), CALLGRIND_ROW=name)
+    try:
+        proc, _ = bench_.stack.envoy(envoy_config, name=name, concurrency=1, wait=False)
+    finally:
+        for variable in ("ENVOY_BIN", "CALLGRIND_ROW"):
+            del os.environ[variable]
+    stack.wait_until(lambda: stack.http_get(f"http://127.0.0.1:{admin}/ready")[0] == 200, 1800, name, proc)
+    grind = Callgrind(workdir, name, proc.popen.pid)
+    result = {"startup": grind.dump()}
+    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+    for script in scripts.values():
+        bench.wrk(url, script, 2, 5)  # every tenant leased, V8's code warm
+    idle, idle_seconds, _ = grind.window(lambda: time.sleep(5))
+    result["idle_per_s"] = idle / idle_seconds
+    for _ in range(rounds):
+        for body, script in scripts.items():
+            trips = bench.redis_round_trips(bench_.redis_port)
+            counted, run_seconds, run = grind.window(lambda: bench.wrk(url, script, 1, seconds))
+            trips = (bench.redis_round_trips(bench_.redis_port) - trips) / run["requests"]
+            per_request = (counted - result["idle_per_s"] * run_seconds) / run["requests"]
+            result.setdefault(body, []).append((per_request, trips))
+    proc.stop()
+    bench_.stack.processes.remove(proc)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", default="empty,floor,lease", help="comma-separated: passthrough, empty, floor, lease")
+    parser.add_argument("--wasm", type=Path, help="llm-ratelimit .wasm for the lease row (default: make wasm's)")
+    parser.add_argument("--rounds", type=int, default=2, help="runs per body; each figure is their median")
+    parser.add_argument("--seconds", type=int, default=8, help="duration of each run")
+    parser.add_argument("--startup-only", action="store_true", help="only the instructions to /ready")
+    args = parser.parse_args()
+    if not shutil.which("valgrind"):
+        sys.exit("bench_instructions: valgrind is missing")
+    bench.WRK_SCRIPT = bench.WRK_SCRIPT.replace("(n % 1000)", f"(n % {TENANTS})")
+    workdir = Path(tempfile.mkdtemp(prefix="llmrl-instructions-"))
+    bench_ = bench.Bench(workdir, args.seconds)
+    scripts = {} if args.startup_only else {body: bench.script_for(workdir, body, b) for body, b in BODIES.items()}
+    print(f"{'row':<8}{'start-up':>14}{'idle/s':>12}" + "".join(f"{body + ' /req':>22}" for body in scripts)
+          + "   (instructions; Redis trips/req)", flush=True)
+    try:
+        for row in args.rows.split(","):
+            config, wasm = ROWS[row]
+            if row == "lease" and args.wasm:
+                wasm = args.wasm
+            r = measure(bench_, workdir, row, config, wasm, scripts, args.seconds, args.rounds)
+            cells = "".join(f"{statistics.median(c for c, _ in r[b]):>14,.0f} {statistics.median(t for _, t in r[b]):>6.2f}"
+                            for b in scripts)
+            print(f"{row:<8}{r['startup']:>14,}{r.get('idle_per_s', 0):>12,.0f}{cells}", flush=True)
+    finally:
+        bench_.stack.stop_all()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
