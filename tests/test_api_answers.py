@@ -111,12 +111,11 @@ def test_boto3_raises_throttling_exception_on_bedrocks_path(backend):
     config = backend.filter_config(limits, identity={"sources": [{"header": "x-tenant"}], "missing": "anonymous"})
     port, _ = backend.envoy(config)
     client = boto3.client("bedrock-runtime", endpoint_url=f"http://127.0.0.1:{port}", region_name="us-east-1",
-                          aws_access_key_id="AKIDEXAMPLE", aws_secret_access_key="secret",
+                          aws_access_key_id="AKIDEXAMPLE", aws_secret_access_key="mock-bedrock-secret",
                           config=Config(retries={"total_max_attempts": 1}))
     ask = dict(modelId="anthropic.claude-3-haiku-20240307-v1:0", messages=[{"role": "user", "content": [{"text": "hi"}]}])
-    with pytest.raises(client.exceptions.ClientError) as upstream:
-        client.converse(**ask)  # admitted; the mock does not speak Bedrock: a 404
-    assert upstream.value.response["ResponseMetadata"]["HTTPStatusCode"] == 404
+    admitted = client.converse(**ask)  # the mock speaks Bedrock and checks the signature
+    assert admitted["ResponseMetadata"]["HTTPStatusCode"] == 200
     with pytest.raises(client.exceptions.ThrottlingException) as refused:
         client.converse(**ask)
     error = refused.value.response
