@@ -79,7 +79,7 @@ accuracy: build ## Token limits against their budget when the upstream counts pr
 	$(PY) scripts/accuracy.py
 
 FUZZ_SECONDS ?= 60
-FUZZ_TARGETS := config request_body sse_stream json_reply
+FUZZ_TARGETS := config request_body sse_stream json_reply json_array_stream
 
 fuzz: ## Run each cargo-fuzz target for FUZZ_SECONDS (default 60)
 	@command -v cargo-fuzz >/dev/null || cargo install --quiet cargo-fuzz --version 0.13.2

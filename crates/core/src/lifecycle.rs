@@ -21,6 +21,8 @@ use crate::protocol::{
     ChargeRequest, LeaseRequest, LimitCharge, LimitKind, LimitsReply, Reservation, SettlementBatch, Wait, CHARGE_PATH,
     LEASE_PATH, RELEASE_PATH,
 };
+use crate::providers;
+use crate::request::Api;
 use crate::reservation::{actual_usage, credit, Ending, OutputAverage, TokenEstimate};
 use crate::sse::UsageChunkRemover;
 use crate::tables::{read_average, read_own, update_average, update_own, Busy, TenantTable};
@@ -262,8 +264,14 @@ impl RequestFilter {
             self.upstream_error = status >= 400;
             let streaming = host.response_header("content-type").is_some_and(|t| t.contains("text/event-stream"));
             let encoding = self.plan.as_ref().map_or(crate::tokens::Encoding::O200kBase, |p| p.encoding);
+            // Gemini streams without `alt=sse` as one JSON array of responses.
+            let json_array =
+                self.plan.as_ref().and_then(|p| p.request.as_ref()).map(|r| r.api) == Some(Api::StreamGenerateContent);
             self.reply = Some(if streaming {
                 ReplyReader::Stream(StreamUsage::new(encoding, MAX_SSE_EVENT))
+            } else if json_array {
+                self.usage_remover = None;
+                ReplyReader::Stream(StreamUsage::json_array(encoding, MAX_SSE_EVENT))
             } else {
                 self.usage_remover = None;
                 ReplyReader::Json(ReplyUsage::new())
@@ -745,7 +753,8 @@ impl RequestFilter {
             Verdict::Reply(reply) => {
                 self.phase = Phase::Replied;
                 self.response_headers.clear();
-                host.send_reply(&reply);
+                let path = host.request_header(":path").unwrap_or_default();
+                host.send_reply(&providers::in_callers_shape(&path, reply));
                 Action::Pause
             }
         }
@@ -846,14 +855,15 @@ impl RequestFilter {
     fn credits(&mut self, host: &mut impl Host, worker: &mut Worker, config: &Policy, ending: Ending) -> (i64, i64) {
         let Some(plan) = self.plan.as_ref() else { return (0, 0) };
         let Some(estimate) = plan.estimate else { return (0, 0) };
-        let (reported, streamed_output) = match self.reply.as_mut() {
-            Some(ReplyReader::Json(reader)) => (reader.finish(), None),
+        let (reported, streamed_output, reply_model) = match self.reply.as_mut() {
+            Some(ReplyReader::Json(reader)) => (reader.finish(), None, reader.model()),
             Some(ReplyReader::Stream(reader)) => {
                 reader.finish();
-                (reader.reported(), Some(reader.output_tokens()))
+                (reader.reported(), Some(reader.output_tokens()), reader.model())
             }
-            None => (ReportedUsage::default(), None),
+            None => (ReportedUsage::default(), None, None),
         };
+        let price = plan.settlement_price(config, reply_model);
         let forwarded = self.phase == Phase::Forwarded;
         // A request that never went upstream cost nothing.
         let used = if forwarded {
@@ -877,7 +887,7 @@ impl RequestFilter {
         // Against what the budget was charged (every cost limit is charged the same).
         let charged =
             plan.buckets.iter().zip(&config.limits).find(|(b, l)| l.dimension() == Dimension::Cost && b.cost > 0);
-        let cost_credit = match (plan.price, charged) {
+        let cost_credit = match (price, charged) {
             (Some(price), Some((bucket, _))) => {
                 let signed = |n: u64| i64::try_from(n).unwrap_or(i64::MAX);
                 let cached = if forwarded { reported.cached_input.unwrap_or(0) } else { 0 };

@@ -6,11 +6,15 @@
 //! | OpenAI chat/completions, embeddings | `usage.prompt_tokens`, `usage.completion_tokens`; streamed: the last chunk |
 //! | OpenAI Responses | `usage.input_tokens`, `usage.output_tokens`; streamed: `response.completed` |
 //! | Anthropic messages | `usage.input_tokens` (+ cache creation and reads), `usage.output_tokens`; streamed: `message_start`, then `message_delta` (cumulative) |
+//! | Gemini, Vertex AI | `usageMetadata` (see `providers::gemini`); streamed (SSE or a JSON array): every response, cumulative |
+//! | vLLM, Ollama, Groq | as OpenAI; vLLM's `continuous_usage_stats` on every chunk (cumulative), Groq's `x_groq.usage` in the last |
 //!
 //! A stream without usage is settled on its text: the streamed deltas are counted with
 //! the tokenizer.
 
-use crate::json::Json;
+use crate::json::{closes_string, Json};
+use crate::json_array_stream::JsonArrayStream;
+use crate::providers::gemini;
 use crate::sse::{SseEvent, SseParser};
 use crate::tokens::Encoding;
 
@@ -49,11 +53,17 @@ impl ReportedUsage {
     }
 }
 
-/// Usage from a usage object, or from a message holding one at `usage`, `message.usage`
-/// or `response.usage`.
+/// Usage from a usage object, or from a message holding one at `usage`, `message.usage`,
+/// `response.usage`, `usageMetadata` (Gemini) or `x_groq.usage` (Groq's streams).
 pub fn reported_usage(message: &Json) -> ReportedUsage {
     let mut found = ReportedUsage::default();
-    for usage in [&message.at("usage"), &message.at("message").at("usage"), &message.at("response").at("usage")] {
+    for usage in [
+        &message.at("usage"),
+        &message.at("message").at("usage"),
+        &message.at("response").at("usage"),
+        &message.at("usageMetadata"),
+        &message.at("x_groq").at("usage"),
+    ] {
         if usage.is_object() {
             found.merge(from_usage_object(usage));
         }
@@ -76,7 +86,9 @@ fn from_usage_object(usage: &Json) -> ReportedUsage {
         .as_u64()
         .or_else(|| usage.at("input_tokens_details").at("cached_tokens").as_u64())
         .or_else(|| field("cache_read_input_tokens"));
-    ReportedUsage { input, output, cached_input }
+    let mut found = ReportedUsage { input, output, cached_input };
+    found.merge(gemini::usage_from_metadata(usage));
+    found
 }
 
 /// Where the APIs put usage in a JSON reply, in the order later reports override earlier.
@@ -96,14 +108,17 @@ enum PathKey {
     Usage,
     Message,
     Response,
+    /// `model`: which model answered, at the top of the reply.
+    Model,
     Other,
 }
 
 impl PathKey {
     fn of(key: &[u8]) -> PathKey {
         match key {
-            b"usage" => PathKey::Usage,
+            b"usage" | b"usageMetadata" => PathKey::Usage,
             b"message" => PathKey::Message,
+            b"model" => PathKey::Model,
             b"response" => PathKey::Response,
             _ => PathKey::Other,
         }
@@ -141,6 +156,9 @@ pub struct ReplyUsage {
     capture: Option<(UsagePath, Vec<u8>)>,
     /// The last object found at each path.
     found: [Option<Vec<u8>>; 3],
+    /// The top-level `model` string being read (its raw JSON text), and the last one read.
+    model_text: Option<Vec<u8>>,
+    model: Option<String>,
 }
 
 impl ReplyUsage {
@@ -162,6 +180,7 @@ impl ReplyUsage {
                 if let Some((_, bytes)) = self.capture.as_mut() {
                     bytes.extend_from_slice(rest.get(..skip).unwrap_or(&[]));
                 }
+                self.keep_model_text(rest.get(..skip).unwrap_or(&[]));
                 at += skip;
                 if at >= chunk.len() {
                     break;
@@ -181,11 +200,14 @@ impl ReplyUsage {
             }
         }
         if self.in_string {
-            if self.escaped {
-                self.escaped = false;
-            } else if byte == b'\\' {
-                self.escaped = true;
-            } else if byte == b'"' {
+            if byte == b'"' && !self.escaped {
+                if let Some(text) = self.model_text.take() {
+                    self.model = model_name(&text);
+                }
+            } else {
+                self.keep_model_text(&[byte]);
+            }
+            if closes_string(&mut self.escaped, byte) {
                 self.in_string = false;
                 if self.reading_key {
                     self.reading_key = false;
@@ -209,14 +231,21 @@ impl ReplyUsage {
                 }
                 return;
             }
-            if self.reading_key && self.key.len() <= 8 {
+            // Long enough for the longest key that matters (`usageMetadata`).
+            if self.reading_key && self.key.len() <= 13 {
                 self.key.push(byte);
             }
             return;
         }
+        if matches!(byte, b' ' | b'\t' | b'\n' | b'\r') {
+            return; // `"usage": {` is as much after the colon as `"usage":{`
+        }
         let after_colon = std::mem::take(&mut self.after_colon);
         match byte {
             b'"' => {
+                if after_colon && self.depth == 1 && self.in_object() && self.path[0] == Some(PathKey::Model) {
+                    self.model_text = Some(Vec::new());
+                }
                 self.in_string = true;
                 self.reading_key = self.expect_key && self.depth <= 2;
                 self.expect_key = false;
@@ -276,6 +305,21 @@ impl ReplyUsage {
         self.expect_key = object;
     }
 
+    /// Adds to the `model` string being read; one too long for a model name is not kept.
+    fn keep_model_text(&mut self, bytes: &[u8]) {
+        if let Some(text) = self.model_text.as_mut() {
+            text.extend_from_slice(bytes);
+            if text.len() > crate::providers::MAX_MODEL_NAME {
+                self.model_text = None;
+            }
+        }
+    }
+
+    /// The reply's top-level `model`, if it had a non-empty one.
+    pub fn model(&self) -> Option<&str> {
+        self.model.as_deref()
+    }
+
     pub fn finish(&self) -> ReportedUsage {
         let mut usage = ReportedUsage::default();
         for bytes in self.found.iter().flatten() {
@@ -287,46 +331,92 @@ impl ReplyUsage {
     }
 }
 
+/// A reply's `model` from the raw text of its JSON string: unescaped, non-empty, bounded.
+fn model_name(text: &[u8]) -> Option<String> {
+    if text.is_empty() || text.len() > crate::providers::MAX_MODEL_NAME {
+        return None;
+    }
+    let mut quoted = Vec::with_capacity(text.len() + 2);
+    quoted.push(b'"');
+    quoted.extend_from_slice(text);
+    quoted.push(b'"');
+    serde_json::from_slice::<String>(&quoted).ok().filter(|m| !m.is_empty())
+}
+
 /// Follows a streamed reply: the usage it reports, and the text it streamed (counted only
 /// if the stream never reports its output tokens).
 #[derive(Debug)]
 pub struct StreamUsage {
-    parser: SseParser,
+    parser: Framing,
     reported: ReportedUsage,
     encoding: Encoding,
     text: String,
     counted_output: u64,
+    /// The last non-empty `model` a message named.
+    model: Option<String>,
     /// True once the stream said it was complete (`[DONE]`, `message_stop`,
     /// `response.completed`).
     pub finished: bool,
+}
+
+/// How a stream's messages are framed.
+#[derive(Debug)]
+enum Framing {
+    Sse(SseParser),
+    /// A JSON array of messages (Gemini's `streamGenerateContent` without `alt=sse`).
+    JsonArray(JsonArrayStream),
 }
 
 /// Streamed text is counted in pieces of about this size, so memory stays bounded.
 const TEXT_FLUSH_BYTES: usize = 16 * 1024;
 
 impl StreamUsage {
+    /// A stream of Server-Sent Events.
     pub fn new(encoding: Encoding, max_event_bytes: usize) -> StreamUsage {
+        StreamUsage::framed(encoding, Framing::Sse(SseParser::new(max_event_bytes)))
+    }
+
+    /// A stream of messages sent as one JSON array.
+    pub fn json_array(encoding: Encoding, max_message_bytes: usize) -> StreamUsage {
+        StreamUsage::framed(encoding, Framing::JsonArray(JsonArrayStream::new(max_message_bytes)))
+    }
+
+    fn framed(encoding: Encoding, parser: Framing) -> StreamUsage {
         StreamUsage {
-            parser: SseParser::new(max_event_bytes),
+            parser,
             reported: ReportedUsage::default(),
             encoding,
             text: String::new(),
             counted_output: 0,
+            model: None,
             finished: false,
         }
     }
 
     pub fn feed(&mut self, chunk: &[u8]) {
-        let mut events = Vec::new();
-        self.parser.feed(chunk, &mut |event| events.push(event));
-        for event in events {
-            self.on_event(event);
+        match &mut self.parser {
+            Framing::Sse(parser) => {
+                let mut events = Vec::new();
+                parser.feed(chunk, &mut |event| events.push(event));
+                for event in events {
+                    self.on_event(event);
+                }
+            }
+            Framing::JsonArray(parser) => {
+                let mut messages = Vec::new();
+                parser.feed(chunk, &mut |message| messages.push(message.to_vec()));
+                for message in messages {
+                    self.on_message(&message, "");
+                }
+            }
         }
     }
 
     pub fn finish(&mut self) {
         let mut events = Vec::new();
-        self.parser.finish(&mut |event| events.push(event));
+        if let Framing::Sse(parser) = &mut self.parser {
+            parser.finish(&mut |event| events.push(event));
+        }
         for event in events {
             self.on_event(event);
         }
@@ -337,14 +427,27 @@ impl StreamUsage {
             self.finished = true;
             return;
         }
+        self.on_message(event.data.as_bytes(), &event.event);
+    }
+
+    /// One message of the stream (`event`: its SSE event name, if it has one).
+    fn on_message(&mut self, bytes: &[u8], event: &str) {
         // A tree borrowing from the event: a delta's text is read, not copied, until it
         // is added to the text kept for counting.
-        let Ok(message) = Json::parse(event.data.as_bytes()) else {
+        let Ok(message) = Json::parse(bytes) else {
             return;
         };
         self.reported.merge(reported_usage(&message));
-        let kind = message.at("type").as_str().unwrap_or(event.event.as_str());
-        if matches!(kind, "message_stop" | "response.completed" | "response.incomplete" | "response.failed") {
+        let model = message.at("model").as_str().or_else(|| message.at("message").at("model").as_str());
+        if let Some(model) = model.filter(|m| !m.is_empty() && m.len() <= crate::providers::MAX_MODEL_NAME) {
+            if self.model.as_deref() != Some(model) {
+                self.model = Some(model.to_string());
+            }
+        }
+        let kind = message.at("type").as_str().unwrap_or(event);
+        if matches!(kind, "message_stop" | "response.completed" | "response.incomplete" | "response.failed")
+            || gemini::is_final(&message)
+        {
             self.finished = true;
         }
         self.collect_text(&message);
@@ -357,9 +460,14 @@ impl StreamUsage {
         if let Some(choices) = message.at("choices").as_array() {
             for choice in choices {
                 let delta = &choice.at("delta");
-                for text in
-                    [&delta.at("content"), &delta.at("refusal"), &delta.at("reasoning_content"), &choice.at("text")]
-                {
+                for text in [
+                    &delta.at("content"),
+                    &delta.at("refusal"),
+                    &delta.at("reasoning_content"),
+                    // Ollama's and Groq's name for a reasoning model's thinking.
+                    &delta.at("reasoning"),
+                    &choice.at("text"),
+                ] {
                     self.push_text(text.as_str());
                 }
                 for call in delta.at("tool_calls").as_array().into_iter().flatten() {
@@ -380,6 +488,9 @@ impl StreamUsage {
             }
             _ => {}
         }
+        for text in gemini::streamed_texts(message) {
+            self.push_text(Some(text));
+        }
     }
 
     fn push_text(&mut self, text: Option<&str>) {
@@ -393,6 +504,11 @@ impl StreamUsage {
 
     pub fn reported(&self) -> ReportedUsage {
         self.reported
+    }
+
+    /// The model the stream's messages named last, if any.
+    pub fn model(&self) -> Option<&str> {
+        self.model.as_deref()
     }
 
     /// Output tokens: as reported, or else counted from the streamed text.
@@ -411,6 +527,24 @@ mod tests {
     pub const OPENAI_STREAM_NO_USAGE: &str = include_str!("../../../tests/cases/streams/openai_chat_no_usage.sse");
     pub const ANTHROPIC_STREAM: &str = include_str!("../../../tests/cases/streams/anthropic_messages.sse");
     pub const RESPONSES_STREAM: &str = include_str!("../../../tests/cases/streams/openai_responses.sse");
+    pub const GEMINI_SSE: &str = include_str!("../../../tests/cases/streams/gemini_stream.sse");
+    pub const GEMINI_ARRAY: &str = include_str!("../../../tests/cases/streams/gemini_stream.json");
+    pub const VLLM_STREAM: &str = include_str!("../../../tests/cases/streams/vllm_continuous_usage.sse");
+    pub const GROQ_STREAM: &str = include_str!("../../../tests/cases/streams/groq_chat_x_groq.sse");
+    pub const OLLAMA_STREAM: &str = include_str!("../../../tests/cases/streams/ollama_chat_usage.sse");
+    pub const AZURE_STREAM: &str = include_str!("../../../tests/cases/streams/azure_chat_usage.sse");
+    /// Every SSE transcript, for the tests that run them all.
+    const SSE_STREAMS: [&str; 9] = [
+        OPENAI_STREAM,
+        OPENAI_STREAM_NO_USAGE,
+        ANTHROPIC_STREAM,
+        RESPONSES_STREAM,
+        GEMINI_SSE,
+        VLLM_STREAM,
+        GROQ_STREAM,
+        OLLAMA_STREAM,
+        AZURE_STREAM,
+    ];
 
     /// `bytes` cut into pieces of the given sizes, then the rest.
     fn in_chunks<'a>(bytes: &'a [u8], sizes: &[usize]) -> Vec<&'a [u8]> {
@@ -426,7 +560,15 @@ mod tests {
     }
 
     fn run(stream: &str, chunks: &[usize]) -> (ReportedUsage, u64, bool) {
-        let mut tracker = StreamUsage::new(Encoding::O200kBase, 1 << 20);
+        run_with(StreamUsage::new(Encoding::O200kBase, 1 << 20), stream, chunks)
+    }
+
+    /// A stream sent as a JSON array (Gemini without `alt=sse`).
+    fn run_array(stream: &str, chunks: &[usize]) -> (ReportedUsage, u64, bool) {
+        run_with(StreamUsage::json_array(Encoding::O200kBase, 1 << 20), stream, chunks)
+    }
+
+    fn run_with(mut tracker: StreamUsage, stream: &str, chunks: &[usize]) -> (ReportedUsage, u64, bool) {
         for chunk in in_chunks(stream.as_bytes(), chunks) {
             tracker.feed(chunk);
         }
@@ -441,10 +583,80 @@ mod tests {
             (OPENAI_STREAM, ReportedUsage { input: Some(19), output: Some(10), cached_input: Some(0) }, 10),
             (ANTHROPIC_STREAM, ReportedUsage { input: Some(472), output: Some(15), cached_input: Some(0) }, 15),
             (RESPONSES_STREAM, ReportedUsage { input: Some(37), output: Some(11), cached_input: Some(0) }, 11),
+            // Cumulative usageMetadata, thinking counted as output, the cached part of the prompt.
+            (GEMINI_SSE, ReportedUsage { input: Some(12), output: Some(29), cached_input: Some(4) }, 29),
+            // Usage on every chunk (continuous_usage_stats), the last one's counts.
+            (VLLM_STREAM, ReportedUsage { input: Some(23), output: Some(5), cached_input: None }, 5),
+            // Usage only in the last chunk's `x_groq`.
+            (GROQ_STREAM, ReportedUsage { input: Some(41), output: Some(5), cached_input: None }, 5),
+            (OLLAMA_STREAM, ReportedUsage { input: Some(17), output: Some(9), cached_input: None }, 9),
+            // A first chunk with empty choices and no usage (the prompt's filter results).
+            (AZURE_STREAM, ReportedUsage { input: Some(14), output: Some(5), cached_input: Some(0) }, 5),
         ];
         for (stream, usage, output) in cases {
-            assert_eq!(run(stream, &[]), (usage, output, true));
+            assert_eq!(run(stream, &[]), (usage, output, true), "{}", &stream[..80]);
         }
+        let gemini = ReportedUsage { input: Some(12), output: Some(29), cached_input: Some(4) };
+        assert_eq!(run_array(GEMINI_ARRAY, &[]), (gemini, 29, true));
+    }
+
+    #[cfg_attr(not(target_arch = "wasm32"), test)]
+    #[cfg_attr(target_arch = "wasm32", wasm_bindgen_test::wasm_bindgen_test)]
+    fn both_gemini_framings_give_the_same_usage_whatever_the_split() {
+        let whole = run(GEMINI_SSE, &[]);
+        for at in 0..=GEMINI_SSE.len() {
+            assert_eq!(run(GEMINI_SSE, &[at]), whole, "SSE split at {at}");
+        }
+        for at in 0..=GEMINI_ARRAY.len() {
+            assert_eq!(run_array(GEMINI_ARRAY, &[at]), whole, "array split at {at}");
+        }
+    }
+
+    #[cfg_attr(not(target_arch = "wasm32"), test)]
+    #[cfg_attr(target_arch = "wasm32", wasm_bindgen_test::wasm_bindgen_test)]
+    fn streams_without_usage_are_counted_from_their_text_thinking_included() {
+        let encoding = Encoding::O200kBase;
+        let strip = |stream: &str| {
+            stream
+                .split("\"usageMetadata\"")
+                .map(|piece| piece.to_string())
+                .collect::<Vec<_>>()
+                .join("\"ignoredMetadata\"")
+        };
+        let gemini_text =
+            "Plan: say it {quoted} \"well\".The quick brown fox \"jumps\" [over] the lazy dog. \u{e9}\u{1F600}";
+        let (reported, output, _) = run(&strip(GEMINI_SSE), &[]);
+        assert_eq!((reported, output), (ReportedUsage::default(), encoding.count(gemini_text)));
+        let (reported, output, _) = run_array(&strip(GEMINI_ARRAY), &[]);
+        assert_eq!((reported, output), (ReportedUsage::default(), encoding.count(gemini_text)));
+        let ollama = OLLAMA_STREAM.replace("\"usage\"", "\"ignored\"");
+        assert_eq!(run(&ollama, &[]).1, encoding.count(" Thinking about foxes. The quick brown fox jumps"));
+    }
+
+    #[test]
+    fn a_reply_names_its_model_and_pretty_printed_usage_is_found() {
+        let read = |body: &str| {
+            let mut reply = ReplyUsage::new();
+            for chunk in body.as_bytes().chunks(3) {
+                reply.feed(chunk);
+            }
+            (reply.finish(), reply.model().map(str::to_string))
+        };
+        let azure = "{\n  \"choices\": [{\"message\": {\"content\": \"a \\\"model\\\": \\\"x\\\"\"}}],\n  \"model\" : \"gpt-4o-2024-11-20\",\n  \"usage\": {\n    \"prompt_tokens\": 14,\n    \"completion_tokens\": 5\n  }\n}";
+        assert_eq!(
+            read(azure),
+            (ReportedUsage { input: Some(14), output: Some(5), cached_input: None }, Some("gpt-4o-2024-11-20".into()))
+        );
+        // Gemini's pretty-printed reply: usage at `usageMetadata`, no `model` (it is in the path).
+        let gemini = "{\r\n  \"candidates\": [],\r\n  \"usageMetadata\": {\r\n    \"promptTokenCount\": 8,\r\n    \"candidatesTokenCount\": 3,\r\n    \"thoughtsTokenCount\": 2\r\n  },\r\n  \"modelVersion\": \"gemini-2.5-flash\"\r\n}";
+        assert_eq!(read(gemini), (ReportedUsage { input: Some(8), output: Some(5), cached_input: None }, None));
+        for odd in [r#"{"model":""}"#, r#"{"model":7}"#, r#"{"x":{"model":"inner"}}"#] {
+            assert_eq!(read(odd).1, None, "{odd}");
+        }
+        let escaped = r#"{"model":"a\"b\u00e9"}"#;
+        assert_eq!(read(escaped).1.as_deref(), Some("a\"b\u{e9}"));
+        let long = format!(r#"{{"model":"{}","usage":{{"prompt_tokens":1}}}}"#, "m".repeat(10_000));
+        assert_eq!(read(&long), (ReportedUsage { input: Some(1), output: None, cached_input: None }, None));
     }
 
     /// Higress #2187: a stream without a usage chunk must still be charged.
@@ -568,9 +780,10 @@ mod tests {
 
         /// Any split of a stream into any number of chunks gives the same usage.
         #[test]
-        fn any_chunking_gives_the_same_usage(cuts in proptest::collection::vec(0usize..400, 0..30), which in 0usize..4) {
-            let stream = [OPENAI_STREAM, OPENAI_STREAM_NO_USAGE, ANTHROPIC_STREAM, RESPONSES_STREAM][which];
+        fn any_chunking_gives_the_same_usage(cuts in proptest::collection::vec(0usize..400, 0..30), which in 0usize..SSE_STREAMS.len()) {
+            let stream = SSE_STREAMS[which];
             prop_assert_eq!(run(stream, &cuts), run(stream, &[]));
+            prop_assert_eq!(run_array(GEMINI_ARRAY, &cuts), run_array(GEMINI_ARRAY, &[]));
         }
 
         /// Random JSON whose keys are the ones usage is made of, at random depths, cut
@@ -588,18 +801,19 @@ mod tests {
 
         /// Mangled streams and replies never panic.
         #[test]
-        fn mutations_never_panic(flips in proptest::collection::vec((0usize..4000, any::<u8>()), 0..40), which in 0usize..4, cuts in proptest::collection::vec(0usize..300, 0..10)) {
-            let mut bytes = [OPENAI_STREAM, OPENAI_STREAM_NO_USAGE, ANTHROPIC_STREAM, RESPONSES_STREAM][which].as_bytes().to_vec();
+        fn mutations_never_panic(flips in proptest::collection::vec((0usize..4000, any::<u8>()), 0..40), which in 0usize..SSE_STREAMS.len() + 1, cuts in proptest::collection::vec(0usize..300, 0..10)) {
+            let mut bytes = SSE_STREAMS.get(which).unwrap_or(&GEMINI_ARRAY).as_bytes().to_vec();
             for (at, byte) in flips {
                 let len = bytes.len();
                 bytes[at % len] = byte;
             }
-            let mut tracker = StreamUsage::new(Encoding::O200kBase, 1 << 20);
-            for chunk in in_chunks(&bytes, &cuts) {
-                tracker.feed(chunk);
+            for mut tracker in [StreamUsage::new(Encoding::O200kBase, 1 << 20), StreamUsage::json_array(Encoding::O200kBase, 1 << 20)] {
+                for chunk in in_chunks(&bytes, &cuts) {
+                    tracker.feed(chunk);
+                }
+                tracker.finish();
+                let _ = tracker.output_tokens();
             }
-            tracker.finish();
-            let _ = tracker.output_tokens();
             let mut reply = ReplyUsage::new();
             reply.feed(&bytes);
             let _ = reply.finish();
