@@ -18,9 +18,16 @@
 //! another tokenizer): 0.25 is about 4 bytes a token. (The body's JSON around the prompt
 //! counts too, so past about 0.3 this counts more than any tokenizer would of the text.)
 //!
+//! Also Google's Gemini API and Vertex AI (`…/models/{model}:generateContent`,
+//! `:streamGenerateContent` as SSE with `alt=sse` or a JSON array without, `:countTokens`;
+//! see gemini.rs) and Azure OpenAI's deployment paths (see azure.rs).
+//!
 //! For tests: every reply carries `x-mock-prompt-tokens` and `x-mock-completion-tokens`,
 //! the usage it reports (or would, for a stream without a usage chunk); a request with
 //! `x-mock-status: <code>` gets that error status with the provider's error body.
+
+mod azure;
+mod gemini;
 
 use axum::body::{Body, Bytes};
 use axum::http::{HeaderMap, StatusCode};
@@ -35,7 +42,7 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 #[derive(Parser, Debug, Clone)]
-#[command(about = "Test fixture: a mock LLM upstream speaking OpenAI's and Anthropic's wire formats")]
+#[command(about = "Test fixture: a mock LLM upstream speaking OpenAI's, Anthropic's, Gemini's and Azure OpenAI's wire formats")]
 struct Args {
     #[arg(long, default_value = "127.0.0.1:8090")]
     listen: String,
@@ -174,14 +181,31 @@ fn json_response(status: StatusCode, body: &Value) -> Response {
 
 /// Sends `events` after `first` delay, then one every `gap`.
 fn sse_response(events: Vec<String>, first: Duration, gap: Duration) -> Response {
-    let stream = futures_util::stream::unfold((events.into_iter(), true), move |(mut events, is_first)| async move {
-        let event = events.next()?;
+    streamed(events, None, "text/event-stream; charset=utf-8", first, gap)
+}
+
+/// A streamed body: `pieces` one after another (the first after `first`, then one every
+/// `gap`), or, with `chunk_bytes` (the `x-mock-chunk-bytes` control), their bytes re-cut
+/// into pieces of that size.
+fn streamed(
+    pieces: Vec<String>,
+    chunk_bytes: Option<u64>,
+    content_type: &str,
+    first: Duration,
+    gap: Duration,
+) -> Response {
+    let pieces: Vec<Bytes> = match chunk_bytes {
+        Some(size) => pieces.concat().into_bytes().chunks(size.max(1) as usize).map(Bytes::copy_from_slice).collect(),
+        None => pieces.into_iter().map(Bytes::from).collect(),
+    };
+    let stream = futures_util::stream::unfold((pieces.into_iter(), true), move |(mut pieces, is_first)| async move {
+        let piece = pieces.next()?;
         pause(if is_first { first } else { gap }).await;
-        Some((Ok::<Bytes, std::convert::Infallible>(Bytes::from(event)), (events, false)))
+        Some((Ok::<Bytes, std::convert::Infallible>(piece), (pieces, false)))
     });
     Response::builder()
         .status(StatusCode::OK)
-        .header("content-type", "text/event-stream; charset=utf-8")
+        .header("content-type", content_type)
         .header("cache-control", "no-cache")
         .body(Body::from_stream(stream))
         .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response())
@@ -204,14 +228,19 @@ async fn chat_completions(mock: axum::extract::State<Arc<Mock>>, headers: Header
         Ok(value @ Value::Object(_)) => value,
         _ => return openai_error(StatusCode::BAD_REQUEST, "We could not parse the JSON body of your request."),
     };
+    chat_reply(&mock, &headers, &request, body.len()).await
+}
+
+/// The chat completion for a parsed request (also Azure's, see azure.rs).
+async fn chat_reply(mock: &Mock, headers: &HeaderMap, request: &Value, body_len: usize) -> Response {
     if !request["messages"].is_array() {
         return openai_error(StatusCode::BAD_REQUEST, "Missing required parameter: 'messages'.");
     }
     let max_tokens = request["max_completion_tokens"].as_u64().or(request["max_tokens"].as_u64());
-    if let Some(status) = forced_error(&headers) {
+    if let Some(status) = forced_error(headers) {
         return openai_error(status, "The mock was asked to fail this request.");
     }
-    let plan = mock.plan(&headers, &request, body.len(), max_tokens);
+    let plan = mock.plan(headers, request, body_len, max_tokens);
     let id = format!("chatcmpl-mock{:08}", plan.id);
     let created = now_secs();
     let words = completion_text(plan.completion_tokens);
@@ -336,6 +365,11 @@ async fn run(args: Args) -> Result<(), String> {
     let router = Router::new()
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/messages", post(messages))
+        .route("/v1beta/models/{*rest}", post(gemini::models))
+        .route("/v1/models/{*rest}", post(gemini::models))
+        .route("/v1/projects/{project}/locations/{location}/publishers/google/models/{*rest}", post(gemini::vertex))
+        .route("/openai/deployments/{deployment}/chat/completions", post(azure::deployment_chat))
+        .route("/openai/v1/chat/completions", post(chat_completions))
         .route("/healthz", get(|| async { "ok" }))
         .route("/mock/stats", get(stats))
         .with_state(mock);
