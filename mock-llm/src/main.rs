@@ -42,7 +42,9 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 #[derive(Parser, Debug, Clone)]
-#[command(about = "Test fixture: a mock LLM upstream speaking OpenAI's, Anthropic's, Gemini's and Azure OpenAI's wire formats")]
+#[command(
+    about = "Test fixture: a mock LLM upstream speaking OpenAI's, Anthropic's, Gemini's and Azure OpenAI's wire formats"
+)]
 struct Args {
     #[arg(long, default_value = "127.0.0.1:8090")]
     listen: String,

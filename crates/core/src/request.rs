@@ -208,7 +208,7 @@ impl LlmRequest {
             options.as_object_mut()?.insert("include_usage".into(), Value::Bool(true));
         }
         if let Some((path, cap)) = cap_field {
-            let Some((field, parents)) = path.split_last() else { return None };
+            let (field, parents) = path.split_last()?;
             let mut object = object;
             for parent in parents {
                 let inner = object.entry(*parent).or_insert_with(|| Value::Object(Default::default()));

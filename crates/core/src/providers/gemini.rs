@@ -132,17 +132,13 @@ pub fn in_google_shape(mut reply: LocalReply) -> LocalReply {
         503 => "UNAVAILABLE",
         _ => "UNKNOWN",
     };
-    let retry = reply.headers.iter().find(|(name, _)| *name == "retry-after").map(|(_, seconds)| seconds.clone());
-    let details: Vec<serde_json::Value> = retry
-        .map(
-            |seconds| json!({"@type": "type.googleapis.com/google.rpc.RetryInfo", "retryDelay": format!("{seconds}s")}),
-        )
-        .into_iter()
-        .collect();
-    let mut error = json!({"code": reply.status, "message": message, "status": status});
-    if !details.is_empty() {
-        error["details"] = serde_json::Value::Array(details);
-    }
+    let retry = reply.headers.iter().find(|(name, _)| *name == "retry-after").map(|(_, seconds)| seconds.as_str());
+    let error = match retry {
+        Some(seconds) => json!({"code": reply.status, "message": message, "status": status, "details": [
+            {"@type": "type.googleapis.com/google.rpc.RetryInfo", "retryDelay": format!("{seconds}s")}
+        ]}),
+        None => json!({"code": reply.status, "message": message, "status": status}),
+    };
     reply.body = json!({ "error": error }).to_string();
     reply
 }
