@@ -100,12 +100,15 @@ enum UsagePath {
     /// carry them.
     Message,
     Response,
+    /// `usageMetadata`: Gemini and Vertex AI.
+    Metadata,
 }
 
 /// The key of a field on the way to a usage object; every other key is `Other`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum PathKey {
     Usage,
+    UsageMetadata,
     Message,
     Response,
     /// `model`: which model answered, at the top of the reply.
@@ -116,7 +119,8 @@ enum PathKey {
 impl PathKey {
     fn of(key: &[u8]) -> PathKey {
         match key {
-            b"usage" | b"usageMetadata" => PathKey::Usage,
+            b"usage" => PathKey::Usage,
+            b"usageMetadata" => PathKey::UsageMetadata,
             b"message" => PathKey::Message,
             b"model" => PathKey::Model,
             b"response" => PathKey::Response,
@@ -131,8 +135,8 @@ const MAX_USAGE_OBJECT: usize = 16 * 1024;
 const TRACKED_DEPTH: u32 = 64;
 
 /// Finds a JSON reply's usage as its bytes pass, whatever its size: the reply is scanned
-/// once, chunk by chunk, and only the usage objects (at `usage`, `message.usage` or
-/// `response.usage`) are kept, then read when the reply ends. Text inside strings is
+/// once, chunk by chunk, and only the usage objects (at `usage`, `message.usage`,
+/// `response.usage` or `usageMetadata`) and the top-level `model` are kept, then read when the reply ends. Text inside strings is
 /// skipped a chunk at a time, so a long reply costs little more than its copy from the
 /// host. Malformed JSON yields what was found before it broke, never an error.
 #[derive(Debug, Default)]
@@ -155,7 +159,7 @@ pub struct ReplyUsage {
     /// The usage object being collected: where it belongs and its bytes so far.
     capture: Option<(UsagePath, Vec<u8>)>,
     /// The last object found at each path.
-    found: [Option<Vec<u8>>; 3],
+    found: [Option<Vec<u8>>; 4],
     /// The top-level `model` string being read (its raw JSON text), and the last one read.
     model_text: Option<Vec<u8>>,
     model: Option<String>,
@@ -221,12 +225,16 @@ impl ReplyUsage {
                     // JSON reader: forget what the earlier one held.
                     let replaced = match self.path {
                         [Some(PathKey::Usage), None] => Some(UsagePath::Top),
+                        [Some(PathKey::UsageMetadata), None] => Some(UsagePath::Metadata),
                         [Some(PathKey::Message), None | Some(PathKey::Usage)] => Some(UsagePath::Message),
                         [Some(PathKey::Response), None | Some(PathKey::Usage)] => Some(UsagePath::Response),
                         _ => None,
                     };
                     if let Some(path) = replaced.filter(|_| self.depth <= 2) {
                         *self.found_at(path) = None;
+                    }
+                    if self.depth == 1 && key == PathKey::Model {
+                        self.model = None;
                     }
                 }
                 return;
@@ -254,6 +262,7 @@ impl ReplyUsage {
             b'{' => {
                 let usage_path = match (after_colon && self.in_object(), self.depth, self.path) {
                     (true, 1, [Some(PathKey::Usage), _]) => Some(UsagePath::Top),
+                    (true, 1, [Some(PathKey::UsageMetadata), _]) => Some(UsagePath::Metadata),
                     (true, 2, [Some(PathKey::Message), Some(PathKey::Usage)]) => Some(UsagePath::Message),
                     (true, 2, [Some(PathKey::Response), Some(PathKey::Usage)]) => Some(UsagePath::Response),
                     _ => None,
@@ -268,7 +277,7 @@ impl ReplyUsage {
                 self.depth = self.depth.saturating_sub(1);
                 self.expect_key = false;
                 let closes_capture = match &self.capture {
-                    Some((UsagePath::Top, _)) => self.depth == 1,
+                    Some((UsagePath::Top | UsagePath::Metadata, _)) => self.depth == 1,
                     Some(_) => self.depth == 2,
                     None => false,
                 };
@@ -285,11 +294,12 @@ impl ReplyUsage {
     }
 
     fn found_at(&mut self, path: UsagePath) -> &mut Option<Vec<u8>> {
-        let [top, message, response] = &mut self.found;
+        let [top, message, response, metadata] = &mut self.found;
         match path {
             UsagePath::Top => top,
             UsagePath::Message => message,
             UsagePath::Response => response,
+            UsagePath::Metadata => metadata,
         }
     }
 
@@ -744,6 +754,8 @@ mod tests {
             number.clone(),
             Just("null".to_string()),
             Just(r#""a \"usage\": {\"prompt_tokens\": 9} \\""#.to_string()),
+            Just(r#""gpt-4o-2024-11-20""#.to_string()),
+            Just(r#""""#.to_string()),
         ];
         let counts = prop_oneof![
             Just("prompt_tokens"),
@@ -752,6 +764,10 @@ mod tests {
             Just("output_tokens"),
             Just("total_tokens"),
             Just("cache_read_input_tokens"),
+            Just("promptTokenCount"),
+            Just("candidatesTokenCount"),
+            Just("thoughtsTokenCount"),
+            Just("cachedContentTokenCount"),
         ];
         let details = prop::collection::vec((Just("cached_tokens"), number.clone()), 0..2).prop_map(object);
         let usage = prop::collection::vec(
@@ -759,7 +775,14 @@ mod tests {
             0..5,
         )
         .prop_map(object);
-        let keys = prop_oneof![Just("usage"), Just("message"), Just("response"), Just("x")];
+        let keys = prop_oneof![
+            Just("usage"),
+            Just("usageMetadata"),
+            Just("message"),
+            Just("response"),
+            Just("model"),
+            Just("x")
+        ];
         let any = leaf.prop_recursive(3, 24, 4, {
             let keys = keys.clone();
             move |inner| {
@@ -797,6 +820,7 @@ mod tests {
                 reply.feed(chunk);
             }
             prop_assert_eq!(reply.finish(), reported_usage(&whole));
+            prop_assert_eq!(reply.model(), whole.at("model").as_str().filter(|m| !m.is_empty()));
         }
 
         /// Mangled streams and replies never panic.
