@@ -61,12 +61,15 @@ pub fn reported_usage(message: &Json) -> ReportedUsage {
         &message.at("usage"),
         &message.at("message").at("usage"),
         &message.at("response").at("usage"),
-        &message.at("usageMetadata"),
         &message.at("x_groq").at("usage"),
     ] {
         if usage.is_object() {
             found.merge(from_usage_object(usage));
         }
+    }
+    let metadata = message.at("usageMetadata");
+    if metadata.is_object() {
+        found.merge(gemini::usage_from_metadata(metadata));
     }
     found
 }
@@ -86,9 +89,7 @@ fn from_usage_object(usage: &Json) -> ReportedUsage {
         .as_u64()
         .or_else(|| usage.at("input_tokens_details").at("cached_tokens").as_u64())
         .or_else(|| field("cache_read_input_tokens"));
-    let mut found = ReportedUsage { input, output, cached_input };
-    found.merge(gemini::usage_from_metadata(usage));
-    found
+    ReportedUsage { input, output, cached_input }
 }
 
 /// Where the APIs put usage in a JSON reply, in the order later reports override earlier.
@@ -316,6 +317,7 @@ impl ReplyUsage {
     }
 
     /// Adds to the `model` string being read; one too long for a model name is not kept.
+    #[inline]
     fn keep_model_text(&mut self, bytes: &[u8]) {
         if let Some(text) = self.model_text.as_mut() {
             text.extend_from_slice(bytes);
@@ -332,10 +334,14 @@ impl ReplyUsage {
 
     pub fn finish(&self) -> ReportedUsage {
         let mut usage = ReportedUsage::default();
-        for bytes in self.found.iter().flatten() {
+        let [top, message, response, metadata] = &self.found;
+        for bytes in [top, message, response].into_iter().flatten() {
             if let Ok(object) = Json::parse(bytes) {
                 usage.merge(from_usage_object(&object));
             }
+        }
+        if let Some(Ok(object)) = metadata.as_deref().map(Json::parse) {
+            usage.merge(gemini::usage_from_metadata(&object));
         }
         usage
     }

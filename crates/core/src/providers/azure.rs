@@ -12,16 +12,18 @@ use crate::request::Api;
 pub const MAX_DEPLOYMENT_NAME: usize = 64;
 
 pub(super) fn route(path: &str) -> Option<Route> {
-    const DEPLOYMENTS: &str = "/openai/deployments/";
-    if let Some(at) = path.find(DEPLOYMENTS) {
-        let after = path.get(at + DEPLOYMENTS.len()..)?;
+    // One search for the segment every Azure path has (most paths are not Azure's).
+    const OPENAI: &str = "/openai/";
+    let at = memchr::memmem::find(path.as_bytes(), OPENAI.as_bytes())?;
+    let after = path.get(at + OPENAI.len()..)?;
+    if let Some(after) = after.strip_prefix("deployments/") {
         let (name, operation) = after.split_at(after.find('/')?);
         let api = Api::from_path(operation)?;
         let name = percent_encoding::percent_decode_str(name).decode_utf8().ok();
         let name = name.filter(|n| is_deployment_name(n)).map(|n| PathModel::Deployment(n.into_owned()));
         return Some(Route { api, path_model: name });
     }
-    if path.contains("/openai/v1/") || path.ends_with("/openai/responses") {
+    if after.starts_with("v1/") || after == "responses" {
         let api = Api::from_path(path)?;
         return Some(Route { api, path_model: Some(PathModel::DeploymentInBody) });
     }
