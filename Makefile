@@ -86,7 +86,7 @@ capacity: setup ## Redis memory per tenant for each kind of limit, and what one 
 	$(PY) scripts/capacity.py
 
 FUZZ_SECONDS ?= 60
-FUZZ_TARGETS := config request_body sse_stream json_reply event_stream
+FUZZ_TARGETS := config request_body sse_stream json_reply event_stream json_array_stream
 
 fuzz: ## Run each cargo-fuzz target for FUZZ_SECONDS (default 60)
 	@command -v cargo-fuzz >/dev/null || cargo install --quiet cargo-fuzz --version 0.13.2

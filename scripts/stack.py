@@ -52,6 +52,18 @@ def bucket_key(api_key: str, limit: str, domain: str = "llm", prefix: str = "llm
     return redis_key(prefix, domain, tenant_of(api_key), "tb", limit)
 
 
+def bucket_level(redis_client, api_key: str, limit: str) -> float | None:
+    """What a tenant's token bucket for `limit` holds in Redis (None: never charged)."""
+    raw = redis_client.hget(bucket_key(api_key, limit), "tokens")
+    return None if raw is None else float(raw)
+
+
+def wait_bucket(redis_client, api_key: str, limit: str, expected: float, timeout: float = 10) -> None:
+    """Settlement is asynchronous (the worker's next tick): wait for the bucket to show it."""
+    wait_until(lambda: (level := bucket_level(redis_client, api_key, limit)) is not None and abs(level - expected) < 1.5,
+               timeout, f"bucket {limit} at {expected} (now {bucket_level(redis_client, api_key, limit)})")
+
+
 def envoy_bin() -> str:
     if os.environ.get("ENVOY_BIN"):
         return os.environ["ENVOY_BIN"]

@@ -1,5 +1,6 @@
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import redis
@@ -54,3 +55,13 @@ def backend(stack, request):
     marker = request.node.get_closest_marker("backend")
     options = {"token": BACKEND_TOKEN, **(marker.kwargs if marker else {})}
     return Backend(stack, **options)
+
+
+@pytest.fixture
+def provider_env(backend):
+    """An Envoy per filter config on the test's backend: `provider_env.start(limits, **options)`
+    returns its port; `provider_env.redis` is a client of the backend's Redis."""
+    def start(limits, **options):
+        return backend.envoy(backend.filter_config(limits, **options))[0]
+
+    return SimpleNamespace(redis=redis.Redis(port=backend.redis_port), start=start, backend=backend)

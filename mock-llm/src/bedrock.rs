@@ -300,7 +300,7 @@ fn invoke_events(plan: &Plan, exception_type: Option<&str>) -> Vec<Bytes> {
 }
 
 fn paced(events: Vec<Bytes>, plan: &Plan) -> Response {
-    let mut response = crate::paced_response(events, EVENT_STREAM, plan.first_delay, plan.chunk_delay);
+    let mut response = crate::streamed(events, None, EVENT_STREAM, plan.first_delay, plan.chunk_delay);
     let headers = response.headers_mut();
     headers.insert("x-amzn-requestid", axum::http::HeaderValue::from_static("mock-request"));
     headers.insert("x-amzn-bedrock-content-type", axum::http::HeaderValue::from_static("application/json"));

@@ -18,8 +18,11 @@
 //! another tokenizer): 0.25 is about 4 bytes a token. (The body's JSON around the prompt
 //! counts too, so past about 0.3 this counts more than any tokenizer would of the text.)
 //!
-//! - AWS Bedrock `POST /model/{modelId}/converse`, `/converse-stream`, `/invoke` and
-//!   `/invoke-with-response-stream`, with SigV4 signatures verified (see `bedrock.rs`).
+//! Also AWS Bedrock's `POST /model/{modelId}/converse`, `/converse-stream`, `/invoke` and
+//! `/invoke-with-response-stream`, with SigV4 signatures verified (see bedrock.rs); Google's
+//! Gemini API and Vertex AI (`…/models/{model}:generateContent`, `:streamGenerateContent`
+//! as SSE with `alt=sse` or a JSON array without, `:countTokens`; see gemini.rs); and Azure
+//! OpenAI's deployment paths (see azure.rs).
 //!
 //! For tests: every reply carries `x-mock-prompt-tokens` and `x-mock-completion-tokens`,
 //! the usage it reports (or would, for a stream without a usage chunk); a request with
@@ -27,6 +30,9 @@
 //! `x-mock-cached-tokens: N`, N of the prompt tokens (at most all) are reported as read
 //! from the prompt cache (OpenAI `prompt_tokens_details.cached_tokens`; Anthropic
 //! `cache_read_input_tokens`, which its `input_tokens` then leave out, as Anthropic does).
+
+mod azure;
+mod gemini;
 
 use axum::body::{Body, Bytes};
 use axum::http::{HeaderMap, StatusCode};
@@ -43,7 +49,9 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 mod bedrock;
 
 #[derive(Parser, Debug, Clone)]
-#[command(about = "Test fixture: a mock LLM upstream speaking OpenAI's and Anthropic's wire formats")]
+#[command(
+    about = "Test fixture: a mock LLM upstream speaking OpenAI's, Anthropic's, Gemini's and Azure OpenAI's wire formats"
+)]
 struct Args {
     #[arg(long, default_value = "127.0.0.1:8090")]
     listen: String,
@@ -190,16 +198,27 @@ fn json_response(status: StatusCode, body: &Value) -> Response {
 
 /// Sends `events` after `first` delay, then one every `gap`.
 fn sse_response(events: Vec<String>, first: Duration, gap: Duration) -> Response {
-    paced_response(events.into_iter().map(Bytes::from).collect(), "text/event-stream; charset=utf-8", first, gap)
+    streamed(events.into_iter().map(Bytes::from).collect(), None, "text/event-stream; charset=utf-8", first, gap)
 }
 
-/// A streamed body of `events` of `content_type`: the first after `first`, then one
-/// every `gap`.
-fn paced_response(events: Vec<Bytes>, content_type: &'static str, first: Duration, gap: Duration) -> Response {
-    let stream = futures_util::stream::unfold((events.into_iter(), true), move |(mut events, is_first)| async move {
-        let event = events.next()?;
+/// A streamed body: `pieces` one after another (the first after `first`, then one every
+/// `gap`), or, with `chunk_bytes` (the `x-mock-chunk-bytes` control), their bytes re-cut
+/// into pieces of that size.
+fn streamed(
+    pieces: Vec<Bytes>,
+    chunk_bytes: Option<u64>,
+    content_type: &str,
+    first: Duration,
+    gap: Duration,
+) -> Response {
+    let pieces: Vec<Bytes> = match chunk_bytes {
+        Some(size) => pieces.concat().chunks(size.max(1) as usize).map(Bytes::copy_from_slice).collect(),
+        None => pieces,
+    };
+    let stream = futures_util::stream::unfold((pieces.into_iter(), true), move |(mut pieces, is_first)| async move {
+        let piece = pieces.next()?;
         pause(if is_first { first } else { gap }).await;
-        Some((Ok::<Bytes, std::convert::Infallible>(event), (events, false)))
+        Some((Ok::<Bytes, std::convert::Infallible>(piece), (pieces, false)))
     });
     Response::builder()
         .status(StatusCode::OK)
@@ -226,14 +245,19 @@ async fn chat_completions(mock: axum::extract::State<Arc<Mock>>, headers: Header
         Ok(value @ Value::Object(_)) => value,
         _ => return openai_error(StatusCode::BAD_REQUEST, "We could not parse the JSON body of your request."),
     };
+    chat_reply(&mock, &headers, &request, body.len()).await
+}
+
+/// The chat completion for a parsed request (also Azure's, see azure.rs).
+async fn chat_reply(mock: &Mock, headers: &HeaderMap, request: &Value, body_len: usize) -> Response {
     if !request["messages"].is_array() {
         return openai_error(StatusCode::BAD_REQUEST, "Missing required parameter: 'messages'.");
     }
     let max_tokens = request["max_completion_tokens"].as_u64().or(request["max_tokens"].as_u64());
-    if let Some(status) = forced_error(&headers) {
+    if let Some(status) = forced_error(headers) {
         return openai_error(status, "The mock was asked to fail this request.");
     }
-    let plan = mock.plan(&headers, &request, body.len(), max_tokens);
+    let plan = mock.plan(headers, request, body_len, max_tokens);
     let id = format!("chatcmpl-mock{:08}", plan.id);
     let created = now_secs();
     let words = completion_text(plan.completion_tokens);
@@ -359,6 +383,11 @@ async fn run(args: Args) -> Result<(), String> {
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/messages", post(messages))
         .route("/model/{model_id}/{operation}", post(bedrock::handle))
+        .route("/v1beta/models/{*rest}", post(gemini::models))
+        .route("/v1/models/{*rest}", post(gemini::models))
+        .route("/v1/projects/{project}/locations/{location}/publishers/google/models/{*rest}", post(gemini::vertex))
+        .route("/openai/deployments/{deployment}/chat/completions", post(azure::deployment_chat))
+        .route("/openai/v1/chat/completions", post(chat_completions))
         .route("/healthz", get(|| async { "ok" }))
         .route("/mock/stats", get(stats))
         .with_state(mock);

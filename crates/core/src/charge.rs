@@ -4,6 +4,7 @@
 use crate::calibration::Calibration;
 use crate::config::{Dimension, Measure, ModelPolicy, Policy, Price, TokenCount};
 use crate::protocol::{LimitCharge, LimitsReply};
+use crate::providers;
 use crate::request::{parse_request, LlmRequest, ParsedBody};
 use crate::reservation::{estimate_output, OutputAverage, TokenEstimate};
 use crate::tokens::Encoding;
@@ -18,6 +19,9 @@ pub struct ChargePlan {
     pub encoding: Encoding,
     /// The model, for the running average of completion lengths.
     pub model: String,
+    /// The model is an Azure deployment's name with no entry in `deployments`: the
+    /// reply's `model` prices the settlement.
+    pub model_from_reply: bool,
     /// The index of the model's rule (`TokenPolicy::rule`), which keys what is learned.
     pub rule: usize,
     /// The prompt as the proxy counted it, before any factor (0 when not counted): what
@@ -65,6 +69,15 @@ impl ChargePlan {
             _ => None,
         };
         self.request.as_ref()?.rewritten(self.rewritable_body.as_deref()?, config.tokens.request_stream_usage, granted)
+    }
+
+    /// The price the reply is settled at: the plan's, or for an unmapped Azure deployment
+    /// the price of the model the reply named, if the price table has one.
+    pub fn settlement_price(&self, config: &Policy, reply_model: Option<&str>) -> Option<Price> {
+        match reply_model.filter(|_| self.model_from_reply).and_then(|model| config.price_of(model)) {
+            Some(price) => Some(price),
+            None => self.price,
+        }
     }
 
     /// Whether the request asks for a completion (not an embedding), so its reply teaches
@@ -121,16 +134,22 @@ impl Learned for Cold {
 /// then never read) and empty for a request without one.
 pub fn plan(config: &Policy, path: &str, tier: &str, body: Option<&[u8]>, learned: &mut impl Learned) -> ChargePlan {
     let policy = &config.tokens;
-    let parsed = body.and_then(|body| parse_request(path, body)?.ok());
+    let route = providers::route(path);
+    let parsed = body.and_then(|body| parse_request(path, route.as_ref(), body)?.ok());
     let request = parsed.as_ref().map(|parsed| parsed.request.clone());
-    let model = request.as_ref().and_then(|r| r.model.clone()).unwrap_or_default();
-    let (rule_index, model_policy) = policy.rule_for(request.as_ref().and_then(|r| r.model.as_deref()));
+    // From the body, or the path (Gemini, Vertex AI), or a deployment (Azure).
+    let named =
+        providers::model_name(route.as_ref(), request.as_ref().and_then(|r| r.model.as_deref()), &config.deployments);
+    let model = named.name;
+    let (rule_index, model_policy) = policy.rule_for(Some(model.as_str()).filter(|m| !m.is_empty()));
     let rule = &model_policy.rule;
     let bounded = policy.clamp_max_tokens && request.as_ref().is_some_and(|r| r.api.produces_output());
     // A signed body (Bedrock) cannot have its cap shrunk: it is reserved at the bound
     // clamping starts from, its whole cap, all or nothing.
     let clamped = bounded && !request.as_ref().is_some_and(|r| r.body_is_signed);
-    let price = config.price_of(&model);
+    let price = config
+        .price_of(&model)
+        .or_else(|| named.unmapped_deployment.then(|| providers::azure::ceiling_price(&config.prices)).flatten());
     let mut min_output = None;
     let mut counted_prompt = 0;
     let estimate = match (&parsed, body) {
@@ -200,6 +219,7 @@ pub fn plan(config: &Policy, path: &str, tier: &str, body: Option<&[u8]>, learne
         estimate,
         encoding: rule.encoding,
         model,
+        model_from_reply: named.unmapped_deployment,
         rule: rule_index,
         counted_prompt,
         applicable,

@@ -35,6 +35,7 @@ impl Dialect {
             Api::ChatCompletions | Api::Completions | Api::Responses | Api::Embeddings => Dialect::OpenAi,
             Api::Messages => Dialect::Anthropic,
             Api::Converse => Dialect::Bedrock,
+            Api::GenerateContent | Api::StreamGenerateContent | Api::CountTokens => Dialect::Google,
         }
     }
 

@@ -236,6 +236,20 @@ impl Serialize for Json<'_> {
     }
 }
 
+/// One byte of a JSON string's text, for scanners that follow a document byte by byte:
+/// whether it closes the string. `escaped` carries a backslash over to the next byte.
+pub(crate) fn closes_string(escaped: &mut bool, byte: u8) -> bool {
+    if *escaped {
+        *escaped = false;
+        false
+    } else if byte == b'\\' {
+        *escaped = true;
+        false
+    } else {
+        byte == b'"'
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

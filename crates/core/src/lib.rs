@@ -15,6 +15,7 @@ pub mod eventstream;
 pub mod host;
 pub mod identity;
 mod json;
+pub mod json_array_stream;
 pub mod lease;
 pub mod lifecycle;
 pub mod prompt_cache;

@@ -24,6 +24,7 @@ use crate::protocol::{
     CHARGE_PATH, LEASE_PATH, RELEASE_PATH,
 };
 use crate::providers::bedrock::{self, EventStreamUsage};
+use crate::request::Api;
 use crate::reservation::{actual_usage, credit, Ending, OutputAverage, TokenEstimate};
 use crate::series::{self, Decision, TokenStage, TokenType};
 use crate::sse::UsageChunkRemover;
@@ -279,10 +280,16 @@ impl RequestFilter {
             self.upstream_error = status >= 400;
             let content_type = host.response_header("content-type").unwrap_or_default();
             let encoding = self.plan.as_ref().map_or(crate::tokens::Encoding::O200kBase, |p| p.encoding);
+            // Gemini streams without `alt=sse` as one JSON array of responses.
+            let json_array =
+                self.plan.as_ref().and_then(|p| p.request.as_ref()).map(|r| r.api) == Some(Api::StreamGenerateContent);
             self.reply = Some(if content_type.contains("text/event-stream") {
                 ReplyReader::Stream(StreamUsage::new(encoding, MAX_SSE_EVENT))
             } else if content_type.contains(bedrock::EVENT_STREAM_CONTENT_TYPE) {
                 ReplyReader::EventStream(EventStreamUsage::new(encoding, MAX_SSE_EVENT))
+            } else if json_array {
+                self.usage_remover = None;
+                ReplyReader::Stream(StreamUsage::json_array(encoding, MAX_SSE_EVENT))
             } else {
                 self.usage_remover = None;
                 ReplyReader::Json(ReplyUsage::new())
@@ -912,20 +919,21 @@ impl RequestFilter {
     ) -> Vec<(usize, i64)> {
         let Some(plan) = self.plan.as_ref() else { return Vec::new() };
         let Some(estimate) = plan.estimate else { return Vec::new() };
-        let (reported, streamed_output) = match self.reply.as_mut() {
-            Some(ReplyReader::Json(reader)) => (reader.finish(), None),
+        let (reported, streamed_output, reply_model) = match self.reply.as_mut() {
+            Some(ReplyReader::Json(reader)) => (reader.finish(), None, reader.model()),
             Some(ReplyReader::Stream(reader)) => {
                 reader.finish();
-                (reader.reported(), Some(reader.output_tokens()))
+                (reader.reported(), Some(reader.output_tokens()), reader.model())
             }
             Some(ReplyReader::EventStream(reader)) => {
                 if let Some(why) = reader.broken() {
                     host.warn_once("event-stream", &format!("llm-ratelimit: a Bedrock event stream stopped being read ({why:?}); settled on what came before"));
                 }
-                (reader.reported(), Some(reader.output_tokens()))
+                (reader.reported(), Some(reader.output_tokens()), None)
             }
-            None => (ReportedUsage::default(), None),
+            None => (ReportedUsage::default(), None, None),
         };
+        let price = plan.settlement_price(config, reply_model);
         let forwarded = self.phase == Phase::Forwarded;
         // A request that never went upstream cost nothing.
         let used = if forwarded {
@@ -954,7 +962,7 @@ impl RequestFilter {
                 Measure::Tokens { count, .. } => Some((i, credit(count.reserved(estimate), count.used(used, cached)))),
                 // Against what the budget was charged, at the price of each part used.
                 Measure::Usd { .. } => {
-                    let cost = plan.price.map_or(0, |price| credit(bucket.cost, price.micro_usd_cached(used, cached)));
+                    let cost = price.map_or(0, |price| credit(bucket.cost, price.micro_usd_cached(used, cached)));
                     Some((i, cost))
                 }
                 Measure::Requests(_) | Measure::Concurrency(_) => None,

@@ -26,6 +26,12 @@ pub enum Api {
     Messages,
     /// AWS Bedrock Converse (`/model/{modelId}/converse[-stream]`, see `providers::bedrock`).
     Converse,
+    /// Gemini and Vertex AI `…/models/{model}:generateContent` (see `providers::gemini`).
+    GenerateContent,
+    /// Gemini and Vertex AI `:streamGenerateContent`: SSE with `alt=sse`, else a JSON array.
+    StreamGenerateContent,
+    /// Gemini and Vertex AI `:countTokens`: generates nothing, charged no tokens.
+    CountTokens,
 }
 
 impl Api {
@@ -49,7 +55,12 @@ impl Api {
     }
 
     pub fn produces_output(self) -> bool {
-        self != Api::Embeddings
+        !matches!(self, Api::Embeddings | Api::CountTokens)
+    }
+
+    /// Gemini's and Vertex AI's `generateContent` family.
+    pub fn is_gemini(self) -> bool {
+        matches!(self, Api::GenerateContent | Api::StreamGenerateContent | Api::CountTokens)
     }
 }
 
@@ -68,8 +79,8 @@ pub struct LlmRequest {
     pub include_usage: bool,
     /// `max_completion_tokens`, `max_tokens` or `max_output_tokens`, whichever applies.
     pub max_output: Option<u64>,
-    /// The field an output cap is written to (see `rewritten`).
-    cap_field: &'static str,
+    /// Where an output cap is written (see `rewritten`): a field, or a path of fields.
+    cap_field: &'static [&'static str],
     /// The body is covered by the client's signature (AWS SigV4 on Bedrock): it must
     /// reach the upstream byte for byte, so it is never rewritten.
     pub body_is_signed: bool,
@@ -101,14 +112,18 @@ fn as_count(value: &Json) -> Option<u64> {
     value.as_u64().or_else(|| value.as_f64().filter(|f| *f >= 0.0).map(|f| f as u64))
 }
 
-/// The request a path and body make: the API the path names and the body parsed as it,
-/// with what the path itself says (Bedrock's model and streaming). `None` for a path no
-/// API is recognised in.
-pub fn parse_request<'a>(path: &str, body: &'a [u8]) -> Option<Result<ParsedBody<'a>, BodyError>> {
-    if let Some(route) = crate::providers::bedrock::BedrockRoute::from_path(path) {
-        return Some(route.parse(body));
+/// The request a path and body make: the API the path names (`route`, as
+/// `providers::route` read it) and the body parsed as it, with what a Bedrock path itself
+/// says (the model, streaming, a signed body). `None` for a path no API is recognised in.
+pub fn parse_request<'a>(
+    path: &str,
+    route: Option<&crate::providers::Route>,
+    body: &'a [u8],
+) -> Option<Result<ParsedBody<'a>, BodyError>> {
+    if let Some(bedrock) = crate::providers::bedrock::BedrockRoute::from_path(path) {
+        return Some(bedrock.parse(body));
     }
-    Api::from_path(path).map(|api| LlmRequest::parse(api, body))
+    route.map(|route| LlmRequest::parse(route.api, body))
 }
 
 impl LlmRequest {
@@ -123,25 +138,31 @@ impl LlmRequest {
             }
             Api::Completions | Api::Messages => as_count(body.at("max_tokens")),
             Api::Responses => as_count(body.at("max_output_tokens")),
-            Api::Embeddings => Some(0),
+            Api::Embeddings | Api::CountTokens => Some(0),
             Api::Converse => as_count(body.at("inferenceConfig").at("maxTokens")),
+            Api::GenerateContent | Api::StreamGenerateContent => {
+                as_count(body.at("generationConfig").at("maxOutputTokens"))
+            }
         };
         // The field the client used, else the one the API documents
         // (`max_completion_tokens` for chat, which reasoning models require).
-        let cap_field = match api {
+        let cap_field: &'static [&'static str] = match api {
             Api::ChatCompletions if body.get("max_tokens").is_some() && body.get("max_completion_tokens").is_none() => {
-                "max_tokens"
+                &["max_tokens"]
             }
-            Api::ChatCompletions => "max_completion_tokens",
-            Api::Responses => "max_output_tokens",
-            Api::Completions | Api::Messages | Api::Embeddings => "max_tokens",
+            Api::ChatCompletions => &["max_completion_tokens"],
+            Api::Responses => &["max_output_tokens"],
+            Api::Completions | Api::Messages | Api::Embeddings => &["max_tokens"],
+            Api::GenerateContent | Api::StreamGenerateContent | Api::CountTokens => {
+                &["generationConfig", "maxOutputTokens"]
+            }
             // Never written: Converse bodies are signed.
-            Api::Converse => "",
+            Api::Converse => &[],
         };
         let request = LlmRequest {
             api,
             model: body.at("model").as_str().map(str::to_string),
-            stream: body.at("stream").as_bool().unwrap_or(false),
+            stream: api == Api::StreamGenerateContent || body.at("stream").as_bool().unwrap_or(false),
             include_usage: body.at("stream_options").at("include_usage").as_bool().unwrap_or(false),
             max_output,
             cap_field,
@@ -186,6 +207,8 @@ impl ParsedBody<'_> {
                     + chat_messages(body.at("messages"), count)
                     + crate::providers::bedrock::converse_tools(body.at("toolConfig"), count)
             }
+            Api::GenerateContent | Api::StreamGenerateContent => crate::providers::gemini::prompt_tokens(body, count),
+            Api::CountTokens => 0,
         }
     }
 }
@@ -215,8 +238,17 @@ impl LlmRequest {
             }
             options.as_object_mut()?.insert("include_usage".into(), Value::Bool(true));
         }
-        if let Some((field, cap)) = cap_field {
-            object.insert(field.into(), Value::from(cap));
+        if let Some((path, cap)) = cap_field {
+            let (field, parents) = path.split_last()?;
+            let mut object = object;
+            for parent in parents {
+                let inner = object.entry(*parent).or_insert_with(|| Value::Object(Default::default()));
+                if !inner.is_object() {
+                    *inner = Value::Object(Default::default());
+                }
+                object = inner.as_object_mut()?;
+            }
+            object.insert((*field).into(), Value::from(cap));
         }
         serde_json::to_vec(&body).ok()
     }
@@ -281,7 +313,7 @@ fn content_part(part: &Json, count: &mut impl FnMut(&str) -> u64) -> u64 {
 
 /// Every string in a JSON value except identifiers and data blobs, plus the key names of
 /// objects that carry free-form JSON (tool arguments, schemas).
-fn text_leaves(value: &Json, count: &mut impl FnMut(&str) -> u64) -> u64 {
+pub(crate) fn text_leaves(value: &Json, count: &mut impl FnMut(&str) -> u64) -> u64 {
     const SKIPPED: [&str; 9] =
         ["type", "id", "call_id", "tool_use_id", "tool_call_id", "cache_control", "source", "detail", "status"];
     match value {

@@ -7,11 +7,15 @@
 //! | OpenAI Responses | `usage.input_tokens`, `usage.output_tokens`; streamed: `response.completed` |
 //! | Anthropic messages | `usage.input_tokens` (+ cache creation and reads), `usage.output_tokens`; streamed: `message_start`, then `message_delta` (cumulative) |
 //! | AWS Bedrock | `usage.inputTokens` (+ cache reads and writes), `usage.outputTokens`; streamed: see `providers::bedrock` |
+//! | Gemini, Vertex AI | `usageMetadata` (see `providers::gemini`); streamed (SSE or a JSON array): every response, cumulative |
+//! | vLLM, Ollama, Groq | as OpenAI; vLLM's `continuous_usage_stats` on every chunk (cumulative), Groq's `x_groq.usage` in the last |
 //!
 //! A stream without usage is settled on its text: the streamed deltas are counted with
 //! the tokenizer.
 
-use crate::json::Json;
+use crate::json::{closes_string, Json};
+use crate::json_array_stream::JsonArrayStream;
+use crate::providers::gemini;
 use crate::sse::{SseEvent, SseParser};
 use crate::tokens::Encoding;
 
@@ -50,14 +54,23 @@ impl ReportedUsage {
     }
 }
 
-/// Usage from a usage object, or from a message holding one at `usage`, `message.usage`
-/// or `response.usage`.
+/// Usage from a usage object, or from a message holding one at `usage`, `message.usage`,
+/// `response.usage`, `usageMetadata` (Gemini) or `x_groq.usage` (Groq's streams).
 pub fn reported_usage(message: &Json) -> ReportedUsage {
     let mut found = ReportedUsage::default();
-    for usage in [&message.at("usage"), &message.at("message").at("usage"), &message.at("response").at("usage")] {
+    for usage in [
+        &message.at("usage"),
+        &message.at("message").at("usage"),
+        &message.at("response").at("usage"),
+        &message.at("x_groq").at("usage"),
+    ] {
         if usage.is_object() {
             found.merge(from_usage_object(usage));
         }
+    }
+    let metadata = message.at("usageMetadata");
+    if metadata.is_object() {
+        found.merge(gemini::usage_from_metadata(metadata));
     }
     found
 }
@@ -92,14 +105,19 @@ enum UsagePath {
     /// carry them.
     Message,
     Response,
+    /// `usageMetadata`: Gemini and Vertex AI.
+    Metadata,
 }
 
 /// The key of a field on the way to a usage object; every other key is `Other`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum PathKey {
     Usage,
+    UsageMetadata,
     Message,
     Response,
+    /// `model`: which model answered, at the top of the reply.
+    Model,
     Other,
 }
 
@@ -107,7 +125,9 @@ impl PathKey {
     fn of(key: &[u8]) -> PathKey {
         match key {
             b"usage" => PathKey::Usage,
+            b"usageMetadata" => PathKey::UsageMetadata,
             b"message" => PathKey::Message,
+            b"model" => PathKey::Model,
             b"response" => PathKey::Response,
             _ => PathKey::Other,
         }
@@ -120,8 +140,8 @@ const MAX_USAGE_OBJECT: usize = 16 * 1024;
 const TRACKED_DEPTH: u32 = 64;
 
 /// Finds a JSON reply's usage as its bytes pass, whatever its size: the reply is scanned
-/// once, chunk by chunk, and only the usage objects (at `usage`, `message.usage` or
-/// `response.usage`) are kept, then read when the reply ends. Text inside strings is
+/// once, chunk by chunk, and only the usage objects (at `usage`, `message.usage`,
+/// `response.usage` or `usageMetadata`) and the top-level `model` are kept, then read when the reply ends. Text inside strings is
 /// skipped a chunk at a time, so a long reply costs little more than its copy from the
 /// host. Malformed JSON yields what was found before it broke, never an error.
 #[derive(Debug, Default)]
@@ -144,7 +164,10 @@ pub struct ReplyUsage {
     /// The usage object being collected: where it belongs and its bytes so far.
     capture: Option<(UsagePath, Vec<u8>)>,
     /// The last object found at each path.
-    found: [Option<Vec<u8>>; 3],
+    found: [Option<Vec<u8>>; 4],
+    /// The top-level `model` string being read (its raw JSON text), and the last one read.
+    model_text: Option<Vec<u8>>,
+    model: Option<String>,
 }
 
 impl ReplyUsage {
@@ -166,6 +189,7 @@ impl ReplyUsage {
                 if let Some((_, bytes)) = self.capture.as_mut() {
                     bytes.extend_from_slice(rest.get(..skip).unwrap_or(&[]));
                 }
+                self.keep_model_text(rest.get(..skip).unwrap_or(&[]));
                 at += skip;
                 if at >= chunk.len() {
                     break;
@@ -185,11 +209,14 @@ impl ReplyUsage {
             }
         }
         if self.in_string {
-            if self.escaped {
-                self.escaped = false;
-            } else if byte == b'\\' {
-                self.escaped = true;
-            } else if byte == b'"' {
+            if byte == b'"' && !self.escaped {
+                if let Some(text) = self.model_text.take() {
+                    self.model = model_name(&text);
+                }
+            } else {
+                self.keep_model_text(&[byte]);
+            }
+            if closes_string(&mut self.escaped, byte) {
                 self.in_string = false;
                 if self.reading_key {
                     self.reading_key = false;
@@ -203,6 +230,7 @@ impl ReplyUsage {
                     // JSON reader: forget what the earlier one held.
                     let replaced = match self.path {
                         [Some(PathKey::Usage), None] => Some(UsagePath::Top),
+                        [Some(PathKey::UsageMetadata), None] => Some(UsagePath::Metadata),
                         [Some(PathKey::Message), None | Some(PathKey::Usage)] => Some(UsagePath::Message),
                         [Some(PathKey::Response), None | Some(PathKey::Usage)] => Some(UsagePath::Response),
                         _ => None,
@@ -210,17 +238,27 @@ impl ReplyUsage {
                     if let Some(path) = replaced.filter(|_| self.depth <= 2) {
                         *self.found_at(path) = None;
                     }
+                    if self.depth == 1 && key == PathKey::Model {
+                        self.model = None;
+                    }
                 }
                 return;
             }
-            if self.reading_key && self.key.len() <= 8 {
+            // Long enough for the longest key that matters (`usageMetadata`).
+            if self.reading_key && self.key.len() <= 13 {
                 self.key.push(byte);
             }
             return;
         }
+        if matches!(byte, b' ' | b'\t' | b'\n' | b'\r') {
+            return; // `"usage": {` is as much after the colon as `"usage":{`
+        }
         let after_colon = std::mem::take(&mut self.after_colon);
         match byte {
             b'"' => {
+                if after_colon && self.depth == 1 && self.in_object() && self.path[0] == Some(PathKey::Model) {
+                    self.model_text = Some(Vec::new());
+                }
                 self.in_string = true;
                 self.reading_key = self.expect_key && self.depth <= 2;
                 self.expect_key = false;
@@ -229,6 +267,7 @@ impl ReplyUsage {
             b'{' => {
                 let usage_path = match (after_colon && self.in_object(), self.depth, self.path) {
                     (true, 1, [Some(PathKey::Usage), _]) => Some(UsagePath::Top),
+                    (true, 1, [Some(PathKey::UsageMetadata), _]) => Some(UsagePath::Metadata),
                     (true, 2, [Some(PathKey::Message), Some(PathKey::Usage)]) => Some(UsagePath::Message),
                     (true, 2, [Some(PathKey::Response), Some(PathKey::Usage)]) => Some(UsagePath::Response),
                     _ => None,
@@ -243,7 +282,7 @@ impl ReplyUsage {
                 self.depth = self.depth.saturating_sub(1);
                 self.expect_key = false;
                 let closes_capture = match &self.capture {
-                    Some((UsagePath::Top, _)) => self.depth == 1,
+                    Some((UsagePath::Top | UsagePath::Metadata, _)) => self.depth == 1,
                     Some(_) => self.depth == 2,
                     None => false,
                 };
@@ -260,11 +299,12 @@ impl ReplyUsage {
     }
 
     fn found_at(&mut self, path: UsagePath) -> &mut Option<Vec<u8>> {
-        let [top, message, response] = &mut self.found;
+        let [top, message, response, metadata] = &mut self.found;
         match path {
             UsagePath::Top => top,
             UsagePath::Message => message,
             UsagePath::Response => response,
+            UsagePath::Metadata => metadata,
         }
     }
 
@@ -280,57 +320,123 @@ impl ReplyUsage {
         self.expect_key = object;
     }
 
+    /// Adds to the `model` string being read; one too long for a model name is not kept.
+    #[inline]
+    fn keep_model_text(&mut self, bytes: &[u8]) {
+        if let Some(text) = self.model_text.as_mut() {
+            text.extend_from_slice(bytes);
+            if text.len() > crate::providers::MAX_MODEL_NAME {
+                self.model_text = None;
+            }
+        }
+    }
+
+    /// The reply's top-level `model`, if it had a non-empty one.
+    pub fn model(&self) -> Option<&str> {
+        self.model.as_deref()
+    }
+
     pub fn finish(&self) -> ReportedUsage {
         let mut usage = ReportedUsage::default();
-        for bytes in self.found.iter().flatten() {
+        let [top, message, response, metadata] = &self.found;
+        for bytes in [top, message, response].into_iter().flatten() {
             if let Ok(object) = Json::parse(bytes) {
                 usage.merge(from_usage_object(&object));
             }
         }
+        if let Some(Ok(object)) = metadata.as_deref().map(Json::parse) {
+            usage.merge(gemini::usage_from_metadata(&object));
+        }
         usage
     }
+}
+
+/// A reply's `model` from the raw text of its JSON string: unescaped, non-empty, bounded.
+fn model_name(text: &[u8]) -> Option<String> {
+    if text.is_empty() || text.len() > crate::providers::MAX_MODEL_NAME {
+        return None;
+    }
+    let mut quoted = Vec::with_capacity(text.len() + 2);
+    quoted.push(b'"');
+    quoted.extend_from_slice(text);
+    quoted.push(b'"');
+    serde_json::from_slice::<String>(&quoted).ok().filter(|m| !m.is_empty())
 }
 
 /// Follows a streamed reply: the usage it reports, and the text it streamed (counted only
 /// if the stream never reports its output tokens).
 #[derive(Debug)]
 pub struct StreamUsage {
-    parser: SseParser,
+    parser: Framing,
     reported: ReportedUsage,
     encoding: Encoding,
     text: String,
     counted_output: u64,
+    /// The last non-empty `model` a message named.
+    model: Option<String>,
     /// True once the stream said it was complete (`[DONE]`, `message_stop`,
     /// `response.completed`).
     pub finished: bool,
+}
+
+/// How a stream's messages are framed.
+#[derive(Debug)]
+enum Framing {
+    Sse(SseParser),
+    /// A JSON array of messages (Gemini's `streamGenerateContent` without `alt=sse`).
+    JsonArray(JsonArrayStream),
 }
 
 /// Streamed text is counted in pieces of about this size, so memory stays bounded.
 const TEXT_FLUSH_BYTES: usize = 16 * 1024;
 
 impl StreamUsage {
+    /// A stream of Server-Sent Events.
     pub fn new(encoding: Encoding, max_event_bytes: usize) -> StreamUsage {
+        StreamUsage::framed(encoding, Framing::Sse(SseParser::new(max_event_bytes)))
+    }
+
+    /// A stream of messages sent as one JSON array.
+    pub fn json_array(encoding: Encoding, max_message_bytes: usize) -> StreamUsage {
+        StreamUsage::framed(encoding, Framing::JsonArray(JsonArrayStream::new(max_message_bytes)))
+    }
+
+    fn framed(encoding: Encoding, parser: Framing) -> StreamUsage {
         StreamUsage {
-            parser: SseParser::new(max_event_bytes),
+            parser,
             reported: ReportedUsage::default(),
             encoding,
             text: String::new(),
             counted_output: 0,
+            model: None,
             finished: false,
         }
     }
 
     pub fn feed(&mut self, chunk: &[u8]) {
-        let mut events = Vec::new();
-        self.parser.feed(chunk, &mut |event| events.push(event));
-        for event in events {
-            self.on_event(event);
+        match &mut self.parser {
+            Framing::Sse(parser) => {
+                let mut events = Vec::new();
+                parser.feed(chunk, &mut |event| events.push(event));
+                for event in events {
+                    self.on_event(event);
+                }
+            }
+            Framing::JsonArray(parser) => {
+                let mut messages = Vec::new();
+                parser.feed(chunk, &mut |message| messages.push(message.to_vec()));
+                for message in messages {
+                    self.on_message_bytes(&message, "");
+                }
+            }
         }
     }
 
     pub fn finish(&mut self) {
         let mut events = Vec::new();
-        self.parser.finish(&mut |event| events.push(event));
+        if let Framing::Sse(parser) = &mut self.parser {
+            parser.finish(&mut |event| events.push(event));
+        }
         for event in events {
             self.on_event(event);
         }
@@ -341,20 +447,33 @@ impl StreamUsage {
             self.finished = true;
             return;
         }
-        // A tree borrowing from the event: a delta's text is read, not copied, until it
-        // is added to the text kept for counting.
-        let Ok(message) = Json::parse(event.data.as_bytes()) else {
-            return;
-        };
-        self.on_message(&message, &event.event);
+        self.on_message_bytes(event.data.as_bytes(), &event.event);
     }
 
-    /// One event's JSON, however it was framed (SSE here, AWS's event stream for
-    /// Bedrock), and the event's name if the framing gives one.
+    /// One message of the stream as it came (`event`: its SSE event name, if it has one).
+    fn on_message_bytes(&mut self, bytes: &[u8], event: &str) {
+        // A tree borrowing from the event: a delta's text is read, not copied, until it
+        // is added to the text kept for counting.
+        let Ok(message) = Json::parse(bytes) else {
+            return;
+        };
+        self.on_message(&message, event);
+    }
+
+    /// One message's JSON, however it was framed (SSE, a JSON array, AWS's event stream for
+    /// Bedrock), and the message's event name if the framing gives one.
     pub(crate) fn on_message(&mut self, message: &Json, event_name: &str) {
         self.reported.merge(reported_usage(message));
+        let model = message.at("model").as_str().or_else(|| message.at("message").at("model").as_str());
+        if let Some(model) = model.filter(|m| !m.is_empty() && m.len() <= crate::providers::MAX_MODEL_NAME) {
+            if self.model.as_deref() != Some(model) {
+                self.model = Some(model.to_string());
+            }
+        }
         let kind = message.at("type").as_str().unwrap_or(event_name);
-        if matches!(kind, "message_stop" | "response.completed" | "response.incomplete" | "response.failed") {
+        if matches!(kind, "message_stop" | "response.completed" | "response.incomplete" | "response.failed")
+            || gemini::is_final(message)
+        {
             self.finished = true;
         }
         self.collect_text(message);
@@ -377,9 +496,14 @@ impl StreamUsage {
         if let Some(choices) = message.at("choices").as_array() {
             for choice in choices {
                 let delta = &choice.at("delta");
-                for text in
-                    [&delta.at("content"), &delta.at("refusal"), &delta.at("reasoning_content"), &choice.at("text")]
-                {
+                for text in [
+                    &delta.at("content"),
+                    &delta.at("refusal"),
+                    &delta.at("reasoning_content"),
+                    // Ollama's and Groq's name for a reasoning model's thinking.
+                    &delta.at("reasoning"),
+                    &choice.at("text"),
+                ] {
                     self.push_text(text.as_str());
                 }
                 for call in delta.at("tool_calls").as_array().into_iter().flatten() {
@@ -400,6 +524,9 @@ impl StreamUsage {
             }
             _ => {}
         }
+        for text in gemini::streamed_texts(message) {
+            self.push_text(Some(text));
+        }
     }
 
     fn push_text(&mut self, text: Option<&str>) {
@@ -413,6 +540,11 @@ impl StreamUsage {
 
     pub fn reported(&self) -> ReportedUsage {
         self.reported
+    }
+
+    /// The model the stream's messages named last, if any.
+    pub fn model(&self) -> Option<&str> {
+        self.model.as_deref()
     }
 
     /// Output tokens: as reported, or else counted from the streamed text.
@@ -431,6 +563,24 @@ mod tests {
     pub const OPENAI_STREAM_NO_USAGE: &str = include_str!("../../../tests/cases/streams/openai_chat_no_usage.sse");
     pub const ANTHROPIC_STREAM: &str = include_str!("../../../tests/cases/streams/anthropic_messages.sse");
     pub const RESPONSES_STREAM: &str = include_str!("../../../tests/cases/streams/openai_responses.sse");
+    pub const GEMINI_SSE: &str = include_str!("../../../tests/cases/streams/gemini_stream.sse");
+    pub const GEMINI_ARRAY: &str = include_str!("../../../tests/cases/streams/gemini_stream.json");
+    pub const VLLM_STREAM: &str = include_str!("../../../tests/cases/streams/vllm_continuous_usage.sse");
+    pub const GROQ_STREAM: &str = include_str!("../../../tests/cases/streams/groq_chat_x_groq.sse");
+    pub const OLLAMA_STREAM: &str = include_str!("../../../tests/cases/streams/ollama_chat_usage.sse");
+    pub const AZURE_STREAM: &str = include_str!("../../../tests/cases/streams/azure_chat_usage.sse");
+    /// Every SSE transcript, for the tests that run them all.
+    const SSE_STREAMS: [&str; 9] = [
+        OPENAI_STREAM,
+        OPENAI_STREAM_NO_USAGE,
+        ANTHROPIC_STREAM,
+        RESPONSES_STREAM,
+        GEMINI_SSE,
+        VLLM_STREAM,
+        GROQ_STREAM,
+        OLLAMA_STREAM,
+        AZURE_STREAM,
+    ];
 
     /// `bytes` cut into pieces of the given sizes, then the rest.
     fn in_chunks<'a>(bytes: &'a [u8], sizes: &[usize]) -> Vec<&'a [u8]> {
@@ -446,7 +596,15 @@ mod tests {
     }
 
     fn run(stream: &str, chunks: &[usize]) -> (ReportedUsage, u64, bool) {
-        let mut tracker = StreamUsage::new(Encoding::O200kBase, 1 << 20);
+        run_with(StreamUsage::new(Encoding::O200kBase, 1 << 20), stream, chunks)
+    }
+
+    /// A stream sent as a JSON array (Gemini without `alt=sse`).
+    fn run_array(stream: &str, chunks: &[usize]) -> (ReportedUsage, u64, bool) {
+        run_with(StreamUsage::json_array(Encoding::O200kBase, 1 << 20), stream, chunks)
+    }
+
+    fn run_with(mut tracker: StreamUsage, stream: &str, chunks: &[usize]) -> (ReportedUsage, u64, bool) {
         for chunk in in_chunks(stream.as_bytes(), chunks) {
             tracker.feed(chunk);
         }
@@ -461,10 +619,80 @@ mod tests {
             (OPENAI_STREAM, ReportedUsage { input: Some(19), output: Some(10), cached_input: Some(0) }, 10),
             (ANTHROPIC_STREAM, ReportedUsage { input: Some(472), output: Some(15), cached_input: Some(0) }, 15),
             (RESPONSES_STREAM, ReportedUsage { input: Some(37), output: Some(11), cached_input: Some(0) }, 11),
+            // Cumulative usageMetadata, thinking counted as output, the cached part of the prompt.
+            (GEMINI_SSE, ReportedUsage { input: Some(12), output: Some(29), cached_input: Some(4) }, 29),
+            // Usage on every chunk (continuous_usage_stats), the last one's counts.
+            (VLLM_STREAM, ReportedUsage { input: Some(23), output: Some(5), cached_input: None }, 5),
+            // Usage only in the last chunk's `x_groq`.
+            (GROQ_STREAM, ReportedUsage { input: Some(41), output: Some(5), cached_input: None }, 5),
+            (OLLAMA_STREAM, ReportedUsage { input: Some(17), output: Some(9), cached_input: None }, 9),
+            // A first chunk with empty choices and no usage (the prompt's filter results).
+            (AZURE_STREAM, ReportedUsage { input: Some(14), output: Some(5), cached_input: Some(0) }, 5),
         ];
         for (stream, usage, output) in cases {
-            assert_eq!(run(stream, &[]), (usage, output, true));
+            assert_eq!(run(stream, &[]), (usage, output, true), "{}", &stream[..80]);
         }
+        let gemini = ReportedUsage { input: Some(12), output: Some(29), cached_input: Some(4) };
+        assert_eq!(run_array(GEMINI_ARRAY, &[]), (gemini, 29, true));
+    }
+
+    #[cfg_attr(not(target_arch = "wasm32"), test)]
+    #[cfg_attr(target_arch = "wasm32", wasm_bindgen_test::wasm_bindgen_test)]
+    fn both_gemini_framings_give_the_same_usage_whatever_the_split() {
+        let whole = run(GEMINI_SSE, &[]);
+        for at in 0..=GEMINI_SSE.len() {
+            assert_eq!(run(GEMINI_SSE, &[at]), whole, "SSE split at {at}");
+        }
+        for at in 0..=GEMINI_ARRAY.len() {
+            assert_eq!(run_array(GEMINI_ARRAY, &[at]), whole, "array split at {at}");
+        }
+    }
+
+    #[cfg_attr(not(target_arch = "wasm32"), test)]
+    #[cfg_attr(target_arch = "wasm32", wasm_bindgen_test::wasm_bindgen_test)]
+    fn streams_without_usage_are_counted_from_their_text_thinking_included() {
+        let encoding = Encoding::O200kBase;
+        let strip = |stream: &str| {
+            stream
+                .split("\"usageMetadata\"")
+                .map(|piece| piece.to_string())
+                .collect::<Vec<_>>()
+                .join("\"ignoredMetadata\"")
+        };
+        let gemini_text =
+            "Plan: say it {quoted} \"well\".The quick brown fox \"jumps\" [over] the lazy dog. \u{e9}\u{1F600}";
+        let (reported, output, _) = run(&strip(GEMINI_SSE), &[]);
+        assert_eq!((reported, output), (ReportedUsage::default(), encoding.count(gemini_text)));
+        let (reported, output, _) = run_array(&strip(GEMINI_ARRAY), &[]);
+        assert_eq!((reported, output), (ReportedUsage::default(), encoding.count(gemini_text)));
+        let ollama = OLLAMA_STREAM.replace("\"usage\"", "\"ignored\"");
+        assert_eq!(run(&ollama, &[]).1, encoding.count(" Thinking about foxes. The quick brown fox jumps"));
+    }
+
+    #[test]
+    fn a_reply_names_its_model_and_pretty_printed_usage_is_found() {
+        let read = |body: &str| {
+            let mut reply = ReplyUsage::new();
+            for chunk in body.as_bytes().chunks(3) {
+                reply.feed(chunk);
+            }
+            (reply.finish(), reply.model().map(str::to_string))
+        };
+        let azure = "{\n  \"choices\": [{\"message\": {\"content\": \"a \\\"model\\\": \\\"x\\\"\"}}],\n  \"model\" : \"gpt-4o-2024-11-20\",\n  \"usage\": {\n    \"prompt_tokens\": 14,\n    \"completion_tokens\": 5\n  }\n}";
+        assert_eq!(
+            read(azure),
+            (ReportedUsage { input: Some(14), output: Some(5), cached_input: None }, Some("gpt-4o-2024-11-20".into()))
+        );
+        // Gemini's pretty-printed reply: usage at `usageMetadata`, no `model` (it is in the path).
+        let gemini = "{\r\n  \"candidates\": [],\r\n  \"usageMetadata\": {\r\n    \"promptTokenCount\": 8,\r\n    \"candidatesTokenCount\": 3,\r\n    \"thoughtsTokenCount\": 2\r\n  },\r\n  \"modelVersion\": \"gemini-2.5-flash\"\r\n}";
+        assert_eq!(read(gemini), (ReportedUsage { input: Some(8), output: Some(5), cached_input: None }, None));
+        for odd in [r#"{"model":""}"#, r#"{"model":7}"#, r#"{"x":{"model":"inner"}}"#] {
+            assert_eq!(read(odd).1, None, "{odd}");
+        }
+        let escaped = r#"{"model":"a\"b\u00e9"}"#;
+        assert_eq!(read(escaped).1.as_deref(), Some("a\"b\u{e9}"));
+        let long = format!(r#"{{"model":"{}","usage":{{"prompt_tokens":1}}}}"#, "m".repeat(10_000));
+        assert_eq!(read(&long), (ReportedUsage { input: Some(1), output: None, cached_input: None }, None));
     }
 
     /// Higress #2187: a stream without a usage chunk must still be charged.
@@ -552,6 +780,8 @@ mod tests {
             number.clone(),
             Just("null".to_string()),
             Just(r#""a \"usage\": {\"prompt_tokens\": 9} \\""#.to_string()),
+            Just(r#""gpt-4o-2024-11-20""#.to_string()),
+            Just(r#""""#.to_string()),
         ];
         let counts = prop_oneof![
             Just("prompt_tokens"),
@@ -560,6 +790,10 @@ mod tests {
             Just("output_tokens"),
             Just("total_tokens"),
             Just("cache_read_input_tokens"),
+            Just("promptTokenCount"),
+            Just("candidatesTokenCount"),
+            Just("thoughtsTokenCount"),
+            Just("cachedContentTokenCount"),
         ];
         let details = prop::collection::vec((Just("cached_tokens"), number.clone()), 0..2).prop_map(object);
         let usage = prop::collection::vec(
@@ -567,7 +801,14 @@ mod tests {
             0..5,
         )
         .prop_map(object);
-        let keys = prop_oneof![Just("usage"), Just("message"), Just("response"), Just("x")];
+        let keys = prop_oneof![
+            Just("usage"),
+            Just("usageMetadata"),
+            Just("message"),
+            Just("response"),
+            Just("model"),
+            Just("x")
+        ];
         let any = leaf.prop_recursive(3, 24, 4, {
             let keys = keys.clone();
             move |inner| {
@@ -588,9 +829,10 @@ mod tests {
 
         /// Any split of a stream into any number of chunks gives the same usage.
         #[test]
-        fn any_chunking_gives_the_same_usage(cuts in proptest::collection::vec(0usize..400, 0..30), which in 0usize..4) {
-            let stream = [OPENAI_STREAM, OPENAI_STREAM_NO_USAGE, ANTHROPIC_STREAM, RESPONSES_STREAM][which];
+        fn any_chunking_gives_the_same_usage(cuts in proptest::collection::vec(0usize..400, 0..30), which in 0usize..SSE_STREAMS.len()) {
+            let stream = SSE_STREAMS[which];
             prop_assert_eq!(run(stream, &cuts), run(stream, &[]));
+            prop_assert_eq!(run_array(GEMINI_ARRAY, &cuts), run_array(GEMINI_ARRAY, &[]));
         }
 
         /// Random JSON whose keys are the ones usage is made of, at random depths, cut
@@ -604,22 +846,24 @@ mod tests {
                 reply.feed(chunk);
             }
             prop_assert_eq!(reply.finish(), reported_usage(&whole));
+            prop_assert_eq!(reply.model(), whole.at("model").as_str().filter(|m| !m.is_empty()));
         }
 
         /// Mangled streams and replies never panic.
         #[test]
-        fn mutations_never_panic(flips in proptest::collection::vec((0usize..4000, any::<u8>()), 0..40), which in 0usize..4, cuts in proptest::collection::vec(0usize..300, 0..10)) {
-            let mut bytes = [OPENAI_STREAM, OPENAI_STREAM_NO_USAGE, ANTHROPIC_STREAM, RESPONSES_STREAM][which].as_bytes().to_vec();
+        fn mutations_never_panic(flips in proptest::collection::vec((0usize..4000, any::<u8>()), 0..40), which in 0usize..SSE_STREAMS.len() + 1, cuts in proptest::collection::vec(0usize..300, 0..10)) {
+            let mut bytes = SSE_STREAMS.get(which).unwrap_or(&GEMINI_ARRAY).as_bytes().to_vec();
             for (at, byte) in flips {
                 let len = bytes.len();
                 bytes[at % len] = byte;
             }
-            let mut tracker = StreamUsage::new(Encoding::O200kBase, 1 << 20);
-            for chunk in in_chunks(&bytes, &cuts) {
-                tracker.feed(chunk);
+            for mut tracker in [StreamUsage::new(Encoding::O200kBase, 1 << 20), StreamUsage::json_array(Encoding::O200kBase, 1 << 20)] {
+                for chunk in in_chunks(&bytes, &cuts) {
+                    tracker.feed(chunk);
+                }
+                tracker.finish();
+                let _ = tracker.output_tokens();
             }
-            tracker.finish();
-            let _ = tracker.output_tokens();
             let mut reply = ReplyUsage::new();
             reply.feed(&bytes);
             let _ = reply.finish();

@@ -16,7 +16,7 @@ use super::policy::{
 use super::shape::{self, Algorithm, ConfigDuration, Document};
 use crate::identity::{is_tenant_id, IdentitySource};
 use crate::protocol::LimitKind;
-use std::collections::HashSet;
+use std::collections::{BTreeMap, HashSet};
 use std::ops::Bound::{Excluded, Included};
 use std::ops::RangeBounds;
 use std::time::Duration;
@@ -40,6 +40,7 @@ pub(super) fn compile(written: &Document) -> Result<Policy, ConfigError> {
     let tier = written.tier.as_ref().map(|t| tier(t, &limits)).transpose()?;
     let queue = queue(&written.queue, &limits)?;
     lease_combines(&lease, &queue, &limits, &tokens)?;
+    deployments(&written.deployments)?;
     Ok(Policy {
         companion,
         domain: written.domain.clone(),
@@ -59,6 +60,7 @@ pub(super) fn compile(written: &Document) -> Result<Policy, ConfigError> {
         lease,
         memory,
         hold_request_headers: written.hold_request_headers,
+        deployments: written.deployments.clone(),
     })
 }
 
@@ -435,6 +437,21 @@ fn positive<T: PartialOrd + Default>(field: impl Into<String>, value: T) -> Resu
     } else {
         Err(invalid(field, "must be positive"))
     }
+}
+
+/// Each entry maps a name Azure accepts for a deployment to a model name.
+fn deployments(deployments: &BTreeMap<String, String>) -> Result<(), ConfigError> {
+    for (deployment, model) in deployments {
+        let at = format!("deployments.{deployment}");
+        if !crate::providers::azure::is_deployment_name(deployment) {
+            return Err(invalid(at, "not an Azure deployment name (1 to 64 letters, digits, `-`, `_` or `.`)"));
+        }
+        not_empty(&at, model)?;
+        if model.len() > crate::providers::MAX_MODEL_NAME || model.chars().any(char::is_control) {
+            return Err(invalid(at, "not a model name"));
+        }
+    }
+    Ok(())
 }
 
 fn not_empty(field: impl Into<String>, value: &str) -> Result<(), ConfigError> {

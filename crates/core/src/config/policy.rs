@@ -39,6 +39,8 @@ pub struct Policy {
     pub memory: Memory,
     /// As written: unset means "where the host can" (see `Worker::holds_request_headers`).
     pub hold_request_headers: Option<bool>,
+    /// Azure OpenAI deployment → model (see `providers`).
+    pub deployments: BTreeMap<String, String>,
 }
 
 /// Sizes of the shared-data tables (see `crate::tables`).

@@ -68,6 +68,11 @@ pub struct Document {
     /// the decision. `true` on a host that cannot is refused at load.
     #[serde(default)]
     pub hold_request_headers: Option<bool>,
+    /// Azure OpenAI: deployment name → the model it serves, for paths that name a
+    /// deployment rather than a model (`/openai/deployments/{deployment}/...`) and for the
+    /// v1 paths' `model`, so per-model limits, prices and model rules apply.
+    #[serde(default)]
+    pub deployments: BTreeMap<String, String>,
 }
 
 impl Document {
@@ -427,13 +432,16 @@ fn default_companion_timeout() -> ConfigDuration {
     ConfigDuration(Duration::from_millis(50))
 }
 
-/// OpenAI's convention (`Authorization: Bearer <key>`), then Anthropic's (`x-api-key`),
+/// OpenAI's convention (`Authorization: Bearer <key>`, also Vertex AI's), then
+/// Anthropic's (`x-api-key`), Gemini's (`x-goog-api-key`), Azure OpenAI's (`api-key`),
 /// then AWS's SigV4 (Bedrock: the access key id of `Authorization: AWS4-HMAC-SHA256
 /// Credential=…`).
 pub fn default_identity_sources() -> Vec<IdentitySource> {
     vec![
         IdentitySource { header: "authorization".into(), prefix: Some("Bearer ".into()) },
         IdentitySource { header: "x-api-key".into(), prefix: None },
+        IdentitySource { header: "x-goog-api-key".into(), prefix: None },
+        IdentitySource { header: "api-key".into(), prefix: None },
         IdentitySource { header: "authorization".into(), prefix: Some(format!("{} ", crate::identity::SIGV4_SCHEME)) },
     ]
 }
