@@ -92,9 +92,9 @@ def test_google_genai_raises_resource_exhausted_on_geminis_path(backend):
     config = backend.filter_config(limits, identity={"sources": [{"header": "x-goog-api-key"}]})
     port, _ = backend.envoy(config)
     path = "/v1beta/models/gemini-2.0-flash:generateContent"
-    # The tenant's one request of the minute (the mock does not speak Gemini: a 404).
+    # The tenant's one request of the minute.
     first = send(port, None, {"contents": [{"parts": [{"text": "hi"}]}]}, path=path, headers={"x-goog-api-key": "g-key"})
-    assert first.status == 404
+    assert first.status == 200
     client = genai.Client(api_key="g-key", http_options=genai.types.HttpOptions(base_url=f"http://127.0.0.1:{port}"))
     with pytest.raises(genai.errors.ClientError) as refused:
         client.models.generate_content(model="gemini-2.0-flash", contents="hi")

@@ -20,8 +20,10 @@ pub fn run(args: &Args) -> Result<(), String> {
     let usage: UsageReply = args.tenant.call(&resolved, USAGE_PATH)?;
     if args.json {
         let mut value = serde_json::to_value(&usage).map_err(|e| e.to_string())?;
-        value["tenant"] = resolved.request.tenant.clone().into();
-        value["domain"] = resolved.request.domain.clone().into();
+        if let Some(object) = value.as_object_mut() {
+            object.insert("tenant".into(), resolved.request.tenant.clone().into());
+            object.insert("domain".into(), resolved.request.domain.clone().into());
+        }
         println!("{value}");
     } else {
         println!("tenant {} in domain {}", resolved.request.tenant, resolved.request.domain);
@@ -37,9 +39,13 @@ pub fn run(args: &Args) -> Result<(), String> {
 fn table(policy: &Policy, usage: &UsageReply) -> String {
     let header = ["limit", "counts", "used", "remaining", "of", "full in", "next fits in"].map(String::from);
     let rows: Vec<[String; 7]> = usage.limits.iter().map(|l| row(policy, l)).collect();
-    let widths: Vec<usize> = (0..header.len())
-        .map(|i| rows.iter().map(|r| r[i].len()).chain([header[i].len()]).max().unwrap_or(0))
-        .collect();
+    // Each column as wide as its widest cell, the header's included.
+    let widths = rows.iter().fold(header.clone().map(|cell| cell.len()), |mut widths, row| {
+        for (width, cell) in widths.iter_mut().zip(row) {
+            *width = (*width).max(cell.len());
+        }
+        widths
+    });
     let mut text = String::new();
     for cells in std::iter::once(&header).chain(&rows) {
         let line: Vec<String> = cells
