@@ -354,6 +354,13 @@ class Backend:
         )
         return port, proc
 
+    def envoy_for(self, limits: list[dict], name: str = "envoy", **options) -> tuple[int, int]:
+        """Starts an Envoy whose filter has these limits (and `options`, as
+        `filter_config` takes them); returns its listener and admin ports."""
+        admin = free_port()
+        port, _ = self.envoy(self.filter_config(limits, **options), name=name, admin_port=admin)
+        return port, admin
+
     def upstream_received(self) -> int:
         """How many requests the mock upstream has received."""
         return json.loads(http_get(f"http://127.0.0.1:{self.mock_port}/mock/stats")[1])["received"]

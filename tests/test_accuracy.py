@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from stack import chat, http_get, send, free_port
+from stack import chat, http_get, send
 
 BIG = 1_000_000
 LONG = "366d"
@@ -34,9 +34,7 @@ ESSAY = "Request {i}: write a long essay about rate limits."
 @pytest.fixture
 def start(backend):
     def start_envoy(limits, tokens=None):
-        admin = free_port()
-        port, _ = backend.envoy(backend.filter_config(limits, tokens=tokens), admin_port=admin)
-        return port, admin
+        return backend.envoy_for(limits, tokens=tokens)
 
     return start_envoy
 

@@ -16,7 +16,7 @@ import pytest
 import redis
 from botocore.config import Config
 
-from stack import bucket_key, chat, free_port, http_get, send, wait_until
+from stack import bucket_key, chat, http_get, send, wait_until
 
 BIG = 1_000_000
 LONG = "366d"
@@ -33,9 +33,7 @@ pytestmark = pytest.mark.backend(mock_args=["--completion-tokens", "20"])
 @pytest.fixture
 def env(backend):
     def start(limits, tokens=None):
-        admin = free_port()
-        port, _ = backend.envoy(backend.filter_config(limits, tokens=tokens), admin_port=admin)
-        return port, admin
+        return backend.envoy_for(limits, tokens=tokens)
 
     return SimpleNamespace(backend=backend, redis=redis.Redis(port=backend.redis_port), start=start)
 

@@ -8,7 +8,7 @@ import time
 import pytest
 import redis
 
-from stack import bucket_key, chat, free_port, http_get, send, wait_until
+from stack import bucket_key, chat, http_get, send, wait_until
 
 BODY = chat(max_tokens=20)
 
@@ -19,10 +19,7 @@ def env(backend):
         store = redis.Redis(port=backend.redis_port)
 
         def start(self, limits, lease=None, name="envoy", tokens=None):
-            config = backend.filter_config(limits, lease={"enabled": True, **(lease or {})}, tokens=tokens or None)
-            admin = free_port()
-            port, _ = backend.envoy(config, name=name, admin_port=admin)
-            return port, admin
+            return backend.envoy_for(limits, name=name, lease={"enabled": True, **(lease or {})}, tokens=tokens or None)
 
         def script_calls(self):
             stats = self.store.info("commandstats")
