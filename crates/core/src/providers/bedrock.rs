@@ -80,7 +80,9 @@ impl BedrockRoute {
         if encoded.is_empty() || encoded.len() > 3 * MAX_MODEL_ID_BYTES {
             return None;
         }
-        let model = percent_decode(encoded);
+        // `%XX` decoded; anything else (a stray `%` included) kept; bytes that are not
+        // UTF-8 replaced.
+        let model = percent_encoding::percent_decode_str(encoded).decode_utf8_lossy().into_owned();
         (model.len() <= MAX_MODEL_ID_BYTES).then_some(BedrockRoute { operation, model })
     }
 
@@ -93,28 +95,6 @@ impl BedrockRoute {
         parsed.request.body_is_signed = true;
         Ok(parsed)
     }
-}
-
-/// `%XX` sequences decoded; anything else (a stray `%` included) kept as it is; bytes
-/// that are not UTF-8 replaced.
-fn percent_decode(text: &str) -> String {
-    let bytes = text.as_bytes();
-    let mut decoded = Vec::with_capacity(bytes.len());
-    let mut at = 0;
-    while let Some(&byte) = bytes.get(at) {
-        let hex = |i: usize| bytes.get(i).and_then(|&b| char::from(b).to_digit(16));
-        match (byte, hex(at + 1), hex(at + 2)) {
-            (b'%', Some(high), Some(low)) => {
-                decoded.push((high * 16 + low) as u8);
-                at += 3;
-            }
-            _ => {
-                decoded.push(byte);
-                at += 1;
-            }
-        }
-    }
-    String::from_utf8_lossy(&decoded).into_owned()
 }
 
 /// Converse's `toolConfig.tools[].toolSpec`, each counted as its JSON text (name,
