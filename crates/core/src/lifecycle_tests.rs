@@ -539,6 +539,28 @@ fn what_one_proxy_learned_reaches_another_through_the_companion() {
 }
 
 #[test]
+fn workers_reading_the_same_time_draw_different_reservation_ids() {
+    // ngx_wasm_module's clock has millisecond resolution: two workers may start their
+    // first requests at the same reading. Their ids must still differ, or one request's
+    // settlement settles the other's reservation.
+    for kind in HOSTS {
+        let world = World::new(kind);
+        let (mut first, mut second) =
+            (Proxy::new(&world, &rpm_tpm(json!({}))), Proxy::new(&world, &rpm_tpm(json!({}))));
+        let mut companion = FakeCompanion::default();
+        let ids: Vec<String> = [&mut first, &mut second]
+            .into_iter()
+            .flat_map(|proxy| {
+                (0..3).map(|_| charge_of(&proxy.send(Request::chat("sk-a", CHAT), &mut companion))).collect::<Vec<_>>()
+            })
+            .map(|charge| charge.reservation.expect("a reservation").id)
+            .collect();
+        let distinct: std::collections::BTreeSet<&String> = ids.iter().collect();
+        assert_eq!(distinct.len(), ids.len(), "{kind:?}: {ids:?}");
+    }
+}
+
+#[test]
 fn a_new_tenant_reserves_the_models_learned_completion_length() {
     let world = World::new(HostKind::Envoy);
     let mut proxy = Proxy::new(&world, &rpm_tpm(json!({})));

@@ -123,6 +123,9 @@ impl Worker {
         // nanoseconds at start-up will do for keeping crafted texts off others' entries).
         self.prompt_cache = PromptCache::new(host.now_nanos() as u64);
         let config = Policy::from_json(bytes).map_err(|e| e.to_string())?;
+        if self.ids.vm == 0 {
+            self.ids.vm = take_vm_number(host, &config.domain);
+        }
         check_for_host(&config, self.host_kind)?;
         host.log(
             LogLevel::Info,
@@ -575,21 +578,38 @@ pub(crate) fn callout_reply<T: DeserializeOwned>(host: &mut impl Host, body_size
 }
 
 /// Reservation ids, unique per request across proxies: a per-VM nonce from the clock at
-/// first use (there is no OS randomness in this wasm target), mixed with a counter.
+/// first use and the VM's number in its proxy (there is no OS randomness in this wasm
+/// target), mixed with a counter. The clock alone is not enough: ngx_wasm_module's has
+/// millisecond resolution, and two workers whose first requests fell in the same
+/// millisecond drew the same nonce (seen on a real nginx: four requests on two workers
+/// left one reservation record, and their settlements one another's).
 #[derive(Debug, Default)]
 struct ReservationIds {
-    nonce: u64,
+    nonce: Option<u64>,
+    /// This VM's number among the proxy's (see `take_vm_number`); 0 if none was taken.
+    vm: u64,
     counter: u64,
 }
 
 impl ReservationIds {
     fn next(&mut self, host: &mut impl Host) -> String {
-        if self.nonce == 0 {
-            self.nonce = mix(host.now_nanos() as u64) | 1;
-        }
+        let vm = self.vm;
+        // `mix` is a bijection: VMs with different numbers draw different nonces even when
+        // they read the same time.
+        let nonce = *self.nonce.get_or_insert_with(|| mix(host.now_nanos() as u64 ^ mix(vm)));
         self.counter += 1;
-        format!("{:016x}{:x}", mix(self.nonce ^ self.counter), self.counter)
+        format!("{:016x}{:x}", mix(nonce ^ self.counter), self.counter)
     }
+}
+
+/// The next number among this proxy's VMs (1, 2, ...), from a counter in shared data.
+fn take_vm_number(host: &mut impl Host, domain: &str) -> u64 {
+    let taken = shared_update(host, &keys::vm_numbers_key(domain), |stored| {
+        let before = stored.and_then(|b| b.get(..8)).and_then(|b| b.try_into().ok()).map_or(0, u64::from_le_bytes);
+        let number = before.wrapping_add(1);
+        (Some(number.to_le_bytes().to_vec()), number)
+    });
+    taken.unwrap_or(0)
 }
 
 /// splitmix64: spreads a counter into well-mixed bits.

@@ -46,6 +46,12 @@ pub fn breaker_key(domain: &str) -> String {
     format!("llmrl.breaker.{domain}")
 }
 
+/// Shared data: how many VMs of this proxy have taken a number (each takes the next at
+/// configure; the number keeps their reservation ids apart).
+pub fn vm_numbers_key(domain: &str) -> String {
+    format!("llmrl.vms.{domain}")
+}
+
 /// Shared data: slot `slot` of the table of running completion averages (by tenant and
 /// model; model names are hashed, never part of a key).
 pub fn average_key(domain: &str, slot: u32) -> String {

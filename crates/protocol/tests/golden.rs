@@ -234,6 +234,7 @@ fn shared_data_keys() {
     assert_eq!(local_key("llm", 7), "llmrl.local.llm.7");
     assert_eq!(queued_key("llm"), "llmrl.queued.llm");
     assert_eq!(breaker_key("llm"), "llmrl.breaker.llm");
+    assert_eq!(vm_numbers_key("llm"), "llmrl.vms.llm");
     assert_eq!(average_key("llm", 7), "llmrl.avg.llm.7");
     assert_eq!(calibration_key("llm", 3), "llmrl.cal.llm.3");
 }
