@@ -197,7 +197,9 @@ pub fn plan(config: &Policy, path: &str, tier: &str, body: Option<&[u8]>, learne
             // With clamping, the limits that count the output give up the same share of
             // the output allowance (down to `min_output_tokens`) to fit.
             min_cost: match (applies, limit.token_count(), estimate, min_output) {
-                (true, Some(TokenCount::Total), Some(estimate), Some(min_output)) => Some(estimate.prompt + min_output),
+                (true, Some(TokenCount::Total), Some(estimate), Some(min_output)) => {
+                    Some(estimate.prompt.saturating_add(min_output))
+                }
                 (true, Some(TokenCount::Output), Some(_), Some(min_output)) => Some(min_output),
                 _ => None,
             },
@@ -310,6 +312,18 @@ mod tests {
         assert!(!plan.clamped && plan.buckets.iter().all(|b| b.min_cost.is_none()));
         let provisional: Vec<bool> = plan.buckets.iter().map(|b| b.provisional).collect();
         assert_eq!(provisional, [false, true], "the token reservation is settled; the request count is not");
+    }
+
+    #[test]
+    fn an_output_cap_past_any_count_reserves_the_most_not_a_wrapped_sum() {
+        // Seen on a real nginx: max_tokens 1e20 read as u64::MAX, and prompt + cap wrapped
+        // round to a 10-token reservation for a fresh tenant.
+        let config = config("{}");
+        for cap in ["1e20", "1e308", "18446744073709551615"] {
+            let body = CHAT.replace("\"max_tokens\":300", &format!("\"max_tokens\":{cap}"));
+            let plan = plan(&config, "/v1/chat/completions", "", Some(body.as_bytes()), &mut Cold);
+            assert_eq!(plan.buckets[1].cost, u64::MAX, "{cap}");
+        }
     }
 
     #[test]

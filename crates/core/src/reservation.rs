@@ -17,8 +17,10 @@ pub struct TokenEstimate {
 }
 
 impl TokenEstimate {
+    /// Saturating: `max_tokens: 1e20` is a client's to send, and must read as too large
+    /// for any limit, not wrap round to a small reservation.
     pub fn total(self) -> u64 {
-        self.prompt + self.output
+        self.prompt.saturating_add(self.output)
     }
 }
 

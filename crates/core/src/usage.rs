@@ -28,7 +28,7 @@ pub struct Usage {
 
 impl Usage {
     pub fn total(self) -> u64 {
-        self.input + self.output
+        self.input.saturating_add(self.output)
     }
 }
 
@@ -82,7 +82,8 @@ fn from_usage_object(usage: &Json) -> ReportedUsage {
     let field = |name: &str| usage.at(name).as_u64();
     let input = field("prompt_tokens").or_else(|| {
         let base = field("input_tokens")?;
-        Some(base + field("cache_creation_input_tokens").unwrap_or(0) + field("cache_read_input_tokens").unwrap_or(0))
+        let cache_parts = [field("cache_creation_input_tokens"), field("cache_read_input_tokens")];
+        Some(cache_parts.into_iter().flatten().fold(base, u64::saturating_add))
     });
     let output = field("completion_tokens").or_else(|| field("output_tokens"));
     // Embeddings report prompt tokens only: their output is zero, not unknown.

@@ -113,8 +113,9 @@ pub(crate) fn converse_usage(usage: &Json) -> Option<ReportedUsage> {
         return None;
     }
     let cache_read = field("cacheReadInputTokens");
-    let input =
-        field("inputTokens").map(|input| input + cache_read.unwrap_or(0) + field("cacheWriteInputTokens").unwrap_or(0));
+    let input = field("inputTokens").map(|input| {
+        input.saturating_add(cache_read.unwrap_or(0)).saturating_add(field("cacheWriteInputTokens").unwrap_or(0))
+    });
     Some(ReportedUsage { input, output: field("outputTokens"), cached_input: cache_read })
 }
 
@@ -125,8 +126,9 @@ fn invocation_metrics(event: &Json) -> ReportedUsage {
     let metrics = event.at("amazon-bedrock-invocationMetrics");
     let field = |name: &str| metrics.at(name).as_u64();
     let cache_read = field("cacheReadInputTokenCount");
-    let input = field("inputTokenCount")
-        .map(|input| input + cache_read.unwrap_or(0) + field("cacheWriteInputTokenCount").unwrap_or(0));
+    let input = field("inputTokenCount").map(|input| {
+        input.saturating_add(cache_read.unwrap_or(0)).saturating_add(field("cacheWriteInputTokenCount").unwrap_or(0))
+    });
     ReportedUsage { input, output: field("outputTokenCount"), cached_input: cache_read }
 }
 
