@@ -2,8 +2,11 @@
 //! a bare filter config or on the manifests that carry one (Envoy bootstrap or listener
 //! YAML/JSON, Istio `WasmPlugin`, Envoy Gateway `EnvoyExtensionPolicy`, several YAML
 //! documents per file). A config the filter would refuse fails with the message the filter
-//! logs at load, naming the field; the exit status is non-zero on any error.
+//! logs at load, naming the field; the exit status is non-zero on any error. Beyond that it
+//! lints (`crate::lint`): combinations that would hang or be silently ignored on the host
+//! fail too, and likely mistakes are warned about (failures with `--strict`).
 
+use crate::lint::{self, Plugin};
 use llm_ratelimit_core::config::Policy;
 use llm_ratelimit_core::host::HostKind;
 use llm_ratelimit_core::worker::check_for_host;
@@ -26,6 +29,10 @@ pub struct Args {
     /// The proxy the filter will run in, for the checks that depend on it.
     #[arg(long, value_enum, default_value_t = Proxy::Envoy)]
     host: Proxy,
+    /// Fail on warnings too (likely mistakes: a token limit below the default completion
+    /// allowance, a degraded mode sized for one proxy, timeouts in the wrong order).
+    #[arg(long)]
+    strict: bool,
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]
@@ -41,6 +48,8 @@ struct Embedded {
     config: Vec<u8>,
     /// The config sits in an Istio WasmPlugin: the companion's cluster is Istio's.
     istio: bool,
+    /// The plugin options around it, where the file shows them.
+    plugin: Plugin,
 }
 
 pub fn run(args: &Args) -> ExitCode {
@@ -59,7 +68,8 @@ pub fn run(args: &Args) -> ExitCode {
                 continue;
             }
         };
-        match check_text(&text, args.all_wasm, host) {
+        let strict_json = file.extension().is_some_and(|e| e.eq_ignore_ascii_case("json"));
+        match check_text(&text, strict_json, args.all_wasm, host) {
             Ok(reports) => {
                 for report in reports {
                     match &report.outcome {
@@ -69,8 +79,13 @@ pub fn run(args: &Args) -> ExitCode {
                             failed = true;
                         }
                     }
+                    for failure in &report.failures {
+                        eprintln!("{name}: {}: error: {failure}", report.place);
+                        failed = true;
+                    }
                     for warning in &report.warnings {
                         eprintln!("{name}: {}: warning: {warning}", report.place);
+                        failed |= args.strict;
                     }
                 }
             }
@@ -100,11 +115,18 @@ struct Report {
     place: String,
     /// A summary of the policy, or the error the filter would log.
     outcome: Result<String, String>,
+    /// What the filter accepts but would hang or ignore on this host (`lint::failures`).
+    failures: Vec<String>,
     warnings: Vec<String>,
 }
 
 /// Finds every filter config in `text` and checks each; an error when there is none.
-fn check_text(text: &str, all_wasm: bool, host: HostKind) -> Result<Vec<Report>, String> {
+fn check_text(text: &str, strict_json: bool, all_wasm: bool, host: HostKind) -> Result<Vec<Report>, String> {
+    if strict_json {
+        // A `.json` file is JSON, as Envoy reads it: no falling back to YAML's leniency
+        // (which would accept a trailing comma Envoy refuses).
+        serde_json::from_str::<Value>(text).map_err(|e| format!("not valid JSON: {e}"))?;
+    }
     let found = embedded_configs(text, all_wasm)?;
     if found.is_empty() {
         return Err("no llm-ratelimit filter config found (use --all-wasm to check every Wasm filter)".into());
@@ -119,7 +141,11 @@ fn check(embedded: Embedded, host: HostKind) -> Report {
         Ok(policy)
     });
     let mut warnings = Vec::new();
+    let mut failures = Vec::new();
     if let Ok(policy) = &outcome {
+        failures = lint::failures(policy, &embedded.config, host, embedded.plugin);
+        let written = serde_json::from_slice::<Value>(&embedded.config).unwrap_or(Value::Null);
+        warnings = lint::warnings(policy, &written);
         if embedded.istio && !policy.companion.upstream.starts_with("outbound|") {
             warnings.push(format!(
                 "companion.upstream {:?} is not an Istio cluster name; Istio names a Service's cluster \
@@ -132,7 +158,7 @@ fn check(embedded: Embedded, host: HostKind) -> Report {
         let names: Vec<&str> = policy.limits.iter().map(|l| l.name.as_str()).collect();
         format!("{} limit(s): {}; companion {:?}", names.len(), names.join(", "), policy.companion.upstream)
     });
-    Report { place: embedded.place, outcome, warnings }
+    Report { place: embedded.place, outcome, failures, warnings }
 }
 
 /// Every filter config in `text`: the text itself when it is a bare config, else those
@@ -146,13 +172,14 @@ fn embedded_configs(text: &str, all_wasm: bool) -> Result<Vec<Embedded>, String>
                 place: "filter config".into(),
                 config: text.as_bytes().to_vec(),
                 istio: false,
+                plugin: Plugin::Unknown,
             }]);
         }
         let mut found = Vec::new();
         find_in_document(&document, "", all_wasm, &mut found);
         return Ok(found);
     }
-    let documents: Vec<Value> = serde_saphyr::from_multiple(text).map_err(|e| format!("not JSON or YAML: {e}"))?;
+    let documents: Vec<Value> = serde_saphyr::from_multiple(text).map_err(yaml_error)?;
     let several = documents.len() > 1;
     let mut found = Vec::new();
     for (index, document) in documents.iter().enumerate() {
@@ -184,7 +211,8 @@ fn is_bare_config(document: &Value) -> bool {
 fn find_in_document(document: &Value, prefix: &str, all_wasm: bool, found: &mut Vec<Embedded>) {
     let join = |place: String| if prefix.is_empty() { place } else { format!("{prefix}, {place}") };
     if is_bare_config(document) {
-        found.push(Embedded { place: join("filter config".into()), config: json_bytes(document), istio: false });
+        let config = json_bytes(document);
+        found.push(Embedded { place: join("filter config".into()), config, istio: false, plugin: Plugin::Unknown });
         return;
     }
     let kind = document.get("kind").and_then(Value::as_str).unwrap_or("");
@@ -206,6 +234,7 @@ fn find_in_document(document: &Value, prefix: &str, all_wasm: bool, found: &mut 
                     place: join(format!("WasmPlugin {name}, spec.pluginConfig")),
                     config,
                     istio: true,
+                    plugin: Plugin::Unknown,
                 });
             }
         }
@@ -215,7 +244,7 @@ fn find_in_document(document: &Value, prefix: &str, all_wasm: bool, found: &mut 
                 if all_wasm || mentions_us(plugin, "config") {
                     let config = plugin.get("config").map_or_else(Vec::new, json_bytes);
                     let place = join(format!("EnvoyExtensionPolicy {name}, spec.wasm[{index}].config"));
-                    found.push(Embedded { place, config, istio: false });
+                    found.push(Embedded { place, config, istio: false, plugin: Plugin::Unknown });
                 }
             }
         }
@@ -239,7 +268,14 @@ fn find_envoy_plugins(
                     let config = object.get("configuration").map_or_else(Vec::new, string_value);
                     let named = object.get("name").or_else(|| object.get("root_id")).and_then(Value::as_str);
                     let label = named.map(|n| format!(" ({n})")).unwrap_or_default();
-                    found.push(Embedded { place: join(format!("{path}.configuration{label}")), config, istio: false });
+                    let allow_on_headers_stop_iteration =
+                        object.get("allow_on_headers_stop_iteration").is_some_and(|v| v == &Value::Bool(true));
+                    found.push(Embedded {
+                        place: join(format!("{path}.configuration{label}")),
+                        config,
+                        istio: false,
+                        plugin: Plugin::Envoy { allow_on_headers_stop_iteration },
+                    });
                 }
                 return;
             }
@@ -255,6 +291,30 @@ fn find_envoy_plugins(
         }
         _ => {}
     }
+}
+
+/// A YAML parse error in our words: a duplicate key is the usual slip, and the parser's own
+/// message suggests one of its options rather than the fix.
+fn yaml_error(error: serde_saphyr::Error) -> String {
+    let text = error.to_string();
+    if text.contains("duplicate mapping key") {
+        let at = error.location().map(|l| format!("line {} column {}: ", l.line(), l.column())).unwrap_or_default();
+        // The error may come wrapped (with a snippet); its message carries the key.
+        let key = match &error {
+            serde_saphyr::Error::DuplicateMappingKey { key: Some(key), .. } => format!("`{key}` "),
+            _ => text
+                .split("duplicate mapping key: ")
+                .nth(1)
+                .and_then(|rest| rest.split(", set ").next())
+                .map(|key| format!("`{key}` "))
+                .unwrap_or_default(),
+        };
+        return format!(
+            "not valid YAML: {at}the key {key}appears twice in the same mapping; YAML allows each key once \
+             (Envoy and Kubernetes refuse the file too): remove or merge one of them"
+        );
+    }
+    format!("not JSON or YAML: {text}")
 }
 
 /// The bytes Envoy hands the filter for a `configuration`: a `StringValue`'s `value`
@@ -320,7 +380,7 @@ mod tests {
         "limits": [{"name": "rpm", "requests": 20, "window": "1m"}]}"#;
 
     fn check_envoy(text: &str) -> Result<Vec<Report>, String> {
-        check_text(text, false, HostKind::Envoy)
+        check_text(text, false, false, HostKind::Envoy)
     }
 
     fn outcomes(text: &str) -> Vec<Result<String, String>> {
@@ -339,8 +399,8 @@ mod tests {
     #[test]
     fn host_dependent_checks_follow_the_host() {
         let holding = GOOD.replace("\"limits\"", "\"hold_request_headers\": true, \"limits\"");
-        assert!(check_text(&holding, false, HostKind::Envoy).unwrap()[0].outcome.is_ok());
-        let nginx = check_text(&holding, false, HostKind::Nginx).unwrap();
+        assert!(check_text(&holding, false, false, HostKind::Envoy).unwrap()[0].outcome.is_ok());
+        let nginx = check_text(&holding, false, false, HostKind::Nginx).unwrap();
         assert!(nginx[0].outcome.as_ref().unwrap_err().contains("field `hold_request_headers`"));
     }
 
@@ -366,7 +426,7 @@ mod tests {
         assert!(reports[0].place.contains("http_filters[0]") && reports[0].place.ends_with("(llm_ratelimit)"));
         assert!(reports[1].place.contains("http_filters[2]"));
         assert!(reports[1].outcome.as_ref().unwrap_err().contains("field `limits[0].name`"));
-        assert_eq!(check_text(&yaml, true, HostKind::Envoy).unwrap().len(), 3, "--all-wasm");
+        assert_eq!(check_text(&yaml, false, true, HostKind::Envoy).unwrap().len(), 3, "--all-wasm");
     }
 
     fn indent(text: &str, by: usize) -> String {
@@ -383,6 +443,7 @@ spec:
   url: oci://registry.example/llm-ratelimit:1
   pluginConfig:
     companion: {upstream: "outbound|8080||c.ns.svc.cluster.local", token: t}
+    fallback: {instances: 3}
     limits: [{name: rpm, requests: 20, window: 1m}]
 ---
 apiVersion: gateway.envoyproxy.io/v1alpha1

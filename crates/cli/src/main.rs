@@ -4,6 +4,7 @@
 #![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing))]
 
 mod check_config;
+mod lint;
 mod package_wasm;
 mod reset;
 mod tenant;
