@@ -17,6 +17,7 @@ mod calibration;
 mod limits;
 mod metrics;
 mod queue;
+mod refusals;
 mod reservations;
 mod store;
 
@@ -87,6 +88,7 @@ struct App {
     metrics: Arc<Metrics>,
     /// `lua/calibration.lua`, run alone (see `calibration`).
     calibration: Script,
+    refusals: refusals::RefusalLog,
 }
 
 fn error(status: StatusCode, message: impl Into<String>) -> Response {
@@ -102,6 +104,9 @@ fn authorised(app: &App, headers: &HeaderMap) -> bool {
     let authorised = headers.get(TOKEN_HEADER).is_some_and(|v| same_secret(v.as_bytes(), app.token.as_bytes()));
     if !authorised {
         app.metrics.auth_failures.inc();
+        if let Some(line) = app.refusals.refused(headers.contains_key(TOKEN_HEADER), std::time::Instant::now()) {
+            eprintln!("{line}");
+        }
     }
     authorised
 }
@@ -432,8 +437,14 @@ async fn serve(args: Args) -> Result<(), String> {
     let metrics = Arc::new(Metrics::new());
     let store = store.counting_reloads_in(metrics.noscript_reloads.clone());
     let batcher = Batcher::new(store, script, args.redis_timeout, metrics.clone());
-    let app =
-        Arc::new(App { batcher, token, key_prefix: args.key_prefix.clone(), metrics: metrics.clone(), calibration });
+    let app = Arc::new(App {
+        batcher,
+        token,
+        key_prefix: args.key_prefix.clone(),
+        metrics: metrics.clone(),
+        calibration,
+        refusals: refusals::RefusalLog::new(),
+    });
     let metrics_router = Router::new().route(METRICS_PATH, get(metrics_text)).with_state(metrics);
     let router = Router::new()
         .route(CHARGE_PATH, post(run_limits::<ChargeRequest>))

@@ -96,6 +96,8 @@ pub enum Metric {
     Limited,
     Unidentified,
     CompanionFailures,
+    /// Callouts the companion refused with 401: the filter's token is not the companion's.
+    CalloutCredentialRefusals,
     TokensReserved,
     TokensCharged,
     SettlementsFailed,
@@ -113,11 +115,12 @@ pub enum Metric {
 }
 
 impl Metric {
-    pub const ALL: [Metric; 16] = [
+    pub const ALL: [Metric; 17] = [
         Metric::Allowed,
         Metric::Limited,
         Metric::Unidentified,
         Metric::CompanionFailures,
+        Metric::CalloutCredentialRefusals,
         Metric::TokensReserved,
         Metric::TokensCharged,
         Metric::SettlementsFailed,
@@ -139,6 +142,7 @@ impl Metric {
             Metric::Limited => "llm_ratelimit.requests_limited",
             Metric::Unidentified => "llm_ratelimit.requests_unidentified",
             Metric::CompanionFailures => "llm_ratelimit.companion_failures",
+            Metric::CalloutCredentialRefusals => "llm_ratelimit.callout_credential_refusals_total",
             Metric::TokensReserved => "llm_ratelimit.tokens_reserved",
             Metric::TokensCharged => "llm_ratelimit.tokens_charged",
             Metric::SettlementsFailed => "llm_ratelimit.settlements_failed",

@@ -571,6 +571,19 @@ pub(crate) fn adjustments(config: &Policy, credits: impl Iterator<Item = (usize,
 /// The companion's reply to the callout being delivered, if it is a usable one.
 pub(crate) fn callout_reply<T: DeserializeOwned>(host: &mut impl Host, body_size: usize) -> Result<T, String> {
     let status = host.callout_status();
+    if status == Some(401) {
+        // Not an outage: the companion is up and refuses this filter's token. Every
+        // decision stays local until someone fixes the config, so say so loudly, once per
+        // VM (not once per request), and count it apart from failures.
+        host.add_metric(Metric::CalloutCredentialRefusals, 1);
+        host.warn_once(
+            "companion-credentials",
+            "llm-ratelimit: credential mismatch: the companion refused this filter's token (401); \
+             `companion.token` does not match the companion's token, so every decision is made locally \
+             (failure_mode) until they match. This is a configuration error, not an outage",
+        );
+        return Err("companion refused the filter's credentials (401)".into());
+    }
     if status != Some(200) {
         return Err(format!("companion answered status {status:?}"));
     }
