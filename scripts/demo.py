@@ -49,7 +49,8 @@ def up() -> None:
     stack = Stack(RUN)
     try:
         _, redis_port = stack.redis(REDIS_PORT, name="redis")
-        stack.companion(f"redis://127.0.0.1:{redis_port}", token, port=COMPANION_PORT)
+        # Below the demo filter's companion.timeout (100ms), as the README asks.
+        stack.companion(f"redis://127.0.0.1:{redis_port}", token, port=COMPANION_PORT, redis_timeout="40ms")
         stack.mock(MOCK_PORT, extra=["--completion-tokens", "40", "--chunk-delay-ms", "5"])
         os.chdir(ROOT)  # the committed config names the .wasm relative to the repository root
         stack.envoy(demo_config, name="envoy", concurrency=2)

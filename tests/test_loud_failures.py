@@ -58,3 +58,14 @@ def test_an_unreachable_companion_is_an_outage_not_a_credential_mismatch(backend
                "the breaker opening logged", envoy)
     assert MISMATCH not in envoy.log_path.read_text(errors="replace")
     assert counter(scrape(admin), REFUSALS) == 0
+
+
+def test_a_refusal_reaches_the_access_log_at_once(backend):
+    """The demo's access log (envoy/demo.yaml, Envoy started as the demo starts it) shows a
+    429 within a second, not when Envoy's 10 s flush comes round."""
+    port, envoy = backend.envoy(backend.filter_config([{"name": "rpm", "requests": 1, "window": "1m"}]))
+    assert [send(port, key="sk-logged").status for _ in range(2)] == [200, 429]
+    refused_at = time.monotonic()
+    wait_until(lambda: '"status":429' in envoy.log_path.read_text(errors="replace"), 2, "the 429's access log line",
+               envoy)
+    assert time.monotonic() - refused_at < 2

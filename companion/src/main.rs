@@ -55,8 +55,10 @@ struct Args {
     /// Prefix of every key this service writes.
     #[arg(long, env = "LLMRL_KEY_PREFIX", default_value = "llmrl:")]
     key_prefix: String,
-    /// Longest wait for one Redis call (the filter's own timeout should be longer).
-    #[arg(long, env = "LLMRL_REDIS_TIMEOUT", default_value = "50ms", value_parser = parse_duration)]
+    /// Longest wait for one Redis call, and for a call's turn to be sent. A call may wait
+    /// its turn and then run, so twice this stays below the filter's `companion.timeout`
+    /// (50ms by default) with room for the hop.
+    #[arg(long, env = "LLMRL_REDIS_TIMEOUT", default_value = "20ms", value_parser = parse_duration)]
     redis_timeout: Duration,
     /// Longest wait for Redis at start-up before giving up.
     #[arg(long, env = "LLMRL_STARTUP_WAIT", default_value = "30s", value_parser = parse_duration)]
