@@ -122,9 +122,15 @@ fn ietf_headers(windowed: &[&LimitOutcome], config: &Policy, headers: &mut Vec<H
                 format!("\"{}\";q={};w={}", o.name, o.limit, seconds(window))
             })
             .collect::<Vec<_>>();
+        // `t` says when `r` is worth asking again: with nothing left, when a request fits
+        // again (what `retry-after` says), not when the whole window has refilled, which
+        // would keep a client that follows this header waiting many times too long.
         let state = windowed
             .iter()
-            .map(|o| format!("\"{}\";r={};t={}", o.name, o.remaining, seconds(o.reset_after_ms)))
+            .map(|o| {
+                let wait = if o.remaining == 0 && o.retry_after_ms > 0 { o.retry_after_ms } else { o.reset_after_ms };
+                format!("\"{}\";r={};t={}", o.name, o.remaining, seconds(wait))
+            })
             .collect::<Vec<_>>();
         headers.push(("ratelimit-policy", policy.join(", ")));
         headers.push(("ratelimit", state.join(", ")));
@@ -142,7 +148,7 @@ pub fn rejection(reply: &LimitsReply, config: &Policy, charged: &[LimitCharge], 
     let Some(outcome) = binding else {
         // Not allowed yet nothing limited: only an inconsistent reply gets here.
         let message = "Rate limit reached. Please try again in 1s.";
-        return refuse(caller.dialect, Refusal::RateLimited("requests"), message, Some(1), headers);
+        return refuse(caller.dialect, Refusal::RateLimited("requests"), message, Some(1000), headers);
     };
     let limit_config = config.limit(&outcome.name);
     let dimension = dimension_of(config, outcome);
@@ -150,7 +156,7 @@ pub fn rejection(reply: &LimitsReply, config: &Policy, charged: &[LimitCharge], 
     let window = limit_config.map_or(String::new(), |l| format!(" per {}", format_reset(l.window_ms())));
     let (name, limit) = (&outcome.name, outcome.limit);
     let needs = charged.iter().find(|b| b.name == *name).map_or(0, |b| b.cost);
-    let retry = (outcome.status != LimitStatus::Never).then(|| retry_after_seconds(outcome.retry_after_ms));
+    let retry = (outcome.status != LimitStatus::Never).then_some(outcome.retry_after_ms);
     let message = match (outcome.status, dimension) {
         (LimitStatus::Never, Dimension::Tokens) => format!(
             "Request too large for limit \"{name}\": it needs {needs} {} ({}), but the limit allows {limit}{window}, so \
@@ -200,13 +206,24 @@ pub fn rejection(reply: &LimitsReply, config: &Policy, charged: &[LimitCharge], 
     refuse(caller.dialect, Refusal::RateLimited(kind), &message, retry, headers)
 }
 
-/// A 429 in `dialect`'s shape with the rate-limit headers and, when a wait helps,
-/// `retry-after`.
-fn refuse(dialect: Dialect, refusal: Refusal, message: &str, retry: Option<u64>, headers: Vec<Header>) -> LocalReply {
-    let mut reply = error_reply(dialect, refusal, message, retry);
-    let retry_after = retry.map(|seconds| ("retry-after", seconds.to_string()));
-    reply.headers.splice(0..0, headers.into_iter().chain(retry_after));
+/// A 429 in `dialect`'s shape with the rate-limit headers and, when a wait helps (`retry_ms`),
+/// `retry-after` and `retry-after-ms`.
+fn refuse(
+    dialect: Dialect,
+    refusal: Refusal,
+    message: &str,
+    retry_ms: Option<u64>,
+    headers: Vec<Header>,
+) -> LocalReply {
+    let mut reply = error_reply(dialect, refusal, message, retry_ms.map(retry_after_seconds));
+    reply.headers.splice(0..0, headers.into_iter().chain(retry_ms.into_iter().flat_map(retry_headers)));
     reply
+}
+
+/// `retry-after` in whole seconds (HTTP's), and `retry-after-ms`, which the OpenAI and
+/// Anthropic SDKs read first, exact to the millisecond (at least 1).
+fn retry_headers(ms: u64) -> [Header; 2] {
+    [("retry-after", retry_after_seconds(ms).to_string()), ("retry-after-ms", ms.max(1).to_string())]
 }
 
 /// Micro-dollars as dollars: `$0.0035`, `$50.00`.
@@ -227,10 +244,26 @@ pub fn model_not_priced(model: &str, dialect: Dialect) -> LocalReply {
     error_reply(dialect, Refusal::NotPriced, &message, None)
 }
 
-/// 401 for a request without the identifying header, when the config says `reject`.
+/// 401 for a request without the identifying header, when the config says `reject`. It
+/// names the credential the caller's own API uses.
 pub fn missing_identity(dialect: Dialect) -> LocalReply {
-    let message =
-        "No API key provided. Send it as 'Authorization: Bearer <key>' or in the header the operator configured.";
+    let message = match dialect {
+        Dialect::OpenAi => {
+            "No API key provided. Send it as 'Authorization: Bearer <key>' (Azure OpenAI: the 'api-key' header) or in \
+             the header the operator configured."
+        }
+        Dialect::Anthropic => {
+            "No API key provided. Send it in the 'x-api-key' header or in the header the operator configured."
+        }
+        Dialect::Google => {
+            "No API key provided. Send it in the 'x-goog-api-key' header (Vertex AI: 'Authorization: Bearer <token>') \
+             or in the header the operator configured."
+        }
+        Dialect::Bedrock => {
+            "No credentials provided. Sign the request with AWS Signature Version 4 ('Authorization: AWS4-HMAC-SHA256 \
+             Credential=...'), as the AWS SDKs do, or send the header the operator configured."
+        }
+    };
     error_reply(dialect, Refusal::Unidentified, message, None)
 }
 
@@ -244,7 +277,7 @@ pub fn body_too_large(limit: u64, dialect: Dialect) -> LocalReply {
 pub fn limiter_unavailable(dialect: Dialect) -> LocalReply {
     let message = "The rate limiter is unavailable, so the request was not forwarded. Please try again shortly.";
     let mut reply = error_reply(dialect, Refusal::Unavailable, message, Some(1));
-    reply.headers.insert(0, ("retry-after", "1".to_string()));
+    reply.headers.splice(0..0, retry_headers(1000));
     reply
 }
 
@@ -510,10 +543,31 @@ mod tests {
                 "ratelimit-policy",
                 "ratelimit",
                 "retry-after",
+                "retry-after-ms",
                 "content-type"
             ]
         );
         assert_eq!(header(&reply.headers, "retry-after"), Some("3"));
+        // What the OpenAI and Anthropic SDKs read first: the wait to the millisecond.
+        assert_eq!(header(&reply.headers, "retry-after-ms"), Some("2962"));
+        // The IETF header agrees with Retry-After where nothing is left (rpm: a request fits
+        // in 2.962 s, though the window refills in 60 s); tpm, with room, says its reset.
+        assert_eq!(header(&reply.headers, "ratelimit"), Some(r#""rpm";r=0;t=3, "tpm";r=7987;t=13"#));
+    }
+
+    #[test]
+    fn each_apis_401_names_its_own_credential() {
+        for (dialect, credential) in [
+            (Dialect::OpenAi, "'Authorization: Bearer <key>'"),
+            (Dialect::Anthropic, "'x-api-key'"),
+            (Dialect::Google, "'x-goog-api-key'"),
+            (Dialect::Bedrock, "AWS Signature Version 4"),
+        ] {
+            let reply = missing_identity(dialect);
+            assert_eq!(reply.status, 401);
+            assert!(reply.body.contains(credential), "{dialect:?}: {}", reply.body);
+        }
+        assert!(!missing_identity(Dialect::Anthropic).body.contains("Bearer"), "Anthropic callers send x-api-key");
     }
 
     fn dimensions_config() -> Policy {

@@ -150,6 +150,9 @@ pub struct RequestFilter {
     path: String,
     /// Whose shape the filter's own answers to this request take.
     dialect: Dialect,
+    /// What the filter's own replies carry as `x-request-id` and `request-id`: the
+    /// proxy's `x-request-id` (Envoy sets one), else one of the filter's own.
+    request_id: String,
 }
 
 impl RequestFilter {
@@ -171,6 +174,7 @@ impl RequestFilter {
             holding_headers: false,
             path: String::new(),
             dialect: Dialect::default(),
+            request_id: String::new(),
         }
     }
 
@@ -188,6 +192,10 @@ impl RequestFilter {
     pub fn on_request_headers(&mut self, host: &mut impl Host, worker: &mut Worker, end_of_stream: bool) -> Action {
         let Some(config) = self.config.clone() else { return Action::Continue };
         self.path = host.request_header(":path").unwrap_or_default();
+        self.request_id = match host.request_header("x-request-id") {
+            Some(id) if is_request_id(&id) => id,
+            _ => format!("llmrl-{}", worker.new_reservation_id(host)),
+        };
         if !config.bypass.paths.is_empty() && config.bypass.path(&self.path) {
             host.add_metric(Metric::Bypassed, 1);
             return Action::Continue;
@@ -821,9 +829,15 @@ impl RequestFilter {
                 }
                 Action::Continue
             }
-            Verdict::Reply(reply) => {
+            Verdict::Reply(mut reply) => {
                 self.phase = Phase::Replied;
                 self.response_headers.clear();
+                // OpenAI's SDK reads `x-request-id`, Anthropic's `request-id`: a caller can
+                // quote either when it asks why it was refused.
+                if !self.request_id.is_empty() {
+                    reply.headers.push(("x-request-id", self.request_id.clone()));
+                    reply.headers.push(("request-id", self.request_id.clone()));
+                }
                 host.send_reply(&reply);
                 Action::Pause
             }
@@ -1071,3 +1085,9 @@ mod answers_tests;
 #[cfg(test)]
 #[path = "lifecycle_tests.rs"]
 mod tests;
+
+/// Whether a request's `x-request-id` may be echoed in a reply: short, and only the
+/// characters ids are made of (a client may send anything).
+fn is_request_id(id: &str) -> bool {
+    !id.is_empty() && id.len() <= 128 && id.bytes().all(|b| b.is_ascii_alphanumeric() || b"-_.:".contains(&b))
+}
