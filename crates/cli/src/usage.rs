@@ -19,12 +19,7 @@ pub fn run(args: &Args) -> Result<(), String> {
     let resolved = args.tenant.resolve()?;
     let usage: UsageReply = args.tenant.call(&resolved, USAGE_PATH)?;
     if args.json {
-        let mut value = serde_json::to_value(&usage).map_err(|e| e.to_string())?;
-        if let Some(object) = value.as_object_mut() {
-            object.insert("tenant".into(), resolved.request.tenant.clone().into());
-            object.insert("domain".into(), resolved.request.domain.clone().into());
-        }
-        println!("{value}");
+        println!("{}", as_json(&usage, &resolved.request.tenant, &resolved.request.domain)?);
     } else {
         println!("tenant {} in domain {}", resolved.request.tenant, resolved.request.domain);
         print!("{}", table(&resolved.policy, &usage));
@@ -32,6 +27,40 @@ pub fn run(args: &Args) -> Result<(), String> {
         println!("reservations awaiting settlement: {at_least}{}", usage.reservations);
     }
     Ok(())
+}
+
+/// The companion's answer as the README lists it: every limit with its `kind` (the wire
+/// leaves out the default, a token bucket), the limit that binds marked (`binding`), and
+/// the tenant and domain asked about.
+fn as_json(usage: &UsageReply, tenant: &str, domain: &str) -> Result<serde_json::Value, String> {
+    let mut value = serde_json::to_value(usage).map_err(|e| e.to_string())?;
+    let binding = binding(&usage.limits);
+    if let Some(object) = value.as_object_mut() {
+        if let Some(limits) = object.get_mut("limits").and_then(serde_json::Value::as_array_mut) {
+            for (index, (json, limit)) in limits.iter_mut().zip(&usage.limits).enumerate() {
+                if let Some(entry) = json.as_object_mut() {
+                    entry.insert("kind".into(), serde_json::to_value(limit.kind).map_err(|e| e.to_string())?);
+                    entry.insert("binding".into(), (Some(index) == binding).into());
+                }
+            }
+        }
+        let name = binding.and_then(|i| usage.limits.get(i)).map(|l| l.name.clone());
+        object.insert("binding".into(), name.into());
+        object.insert("tenant".into(), tenant.into());
+        object.insert("domain".into(), domain.into());
+    }
+    Ok(value)
+}
+
+/// The limit that decides when the tenant is refused: of those with nothing left, the one
+/// that frees up last (the one a 429 would name); else the one with the smallest share
+/// left. `None` for no limits.
+fn binding(limits: &[LimitUsage]) -> Option<usize> {
+    let exhausted = limits.iter().enumerate().filter(|(_, l)| l.remaining == 0).max_by_key(|(_, l)| l.retry_after_ms);
+    exhausted.map(|(i, _)| i).or_else(|| {
+        let share = |l: &LimitUsage| l.remaining as f64 / l.limit.max(1) as f64;
+        limits.iter().enumerate().min_by(|(_, a), (_, b)| share(a).total_cmp(&share(b))).map(|(i, _)| i)
+    })
 }
 
 /// One row per limit: what it counts, how much is used and left, when it is full again
@@ -132,5 +161,31 @@ mod tests {
         assert_eq!(rows[2], ["budget", "cost (sliding window)", "$0.00125", "$5.00", "$5.00", "23h53m20s", "now"]);
         assert_eq!(rows[3], ["inflight", "in flight", "1", "1", "2", "0s", "now"], "{text}");
         assert_eq!(rows.len(), 4);
+
+        // JSON: every limit's kind, the token bucket's too, and the binding limit marked.
+        let json = as_json(&reply, "t1", "llm").unwrap();
+        let kinds: Vec<&str> = json["limits"].as_array().unwrap().iter().map(|l| l["kind"].as_str().unwrap()).collect();
+        assert_eq!(kinds.len(), 3);
+        assert!(kinds.iter().all(|k| !k.is_empty()), "{json}");
+        assert_eq!(json["limits"][0]["kind"], serde_json::to_value(LimitKind::TokenBucket).unwrap());
+        assert_eq!(json["binding"], "rpm", "rpm has nothing left: {json}");
+        let marked: Vec<bool> = json["limits"].as_array().unwrap().iter().map(|l| l["binding"] == true).collect();
+        assert_eq!(marked, [true, false, false]);
+    }
+
+    #[test]
+    fn with_room_everywhere_the_smallest_share_left_binds() {
+        let usage = |name: &str, limit: u64, remaining: u64| LimitUsage {
+            name: name.into(),
+            kind: LimitKind::TokenBucket,
+            limit,
+            remaining,
+            used: limit - remaining,
+            reset_after_ms: 1,
+            retry_after_ms: 0,
+        };
+        // 5 of 20 left (25%) binds before 4,000 of 10,000 (40%).
+        assert_eq!(binding(&[usage("tpm", 10_000, 4_000), usage("rpm", 20, 5)]), Some(1));
+        assert_eq!(binding(&[]), None);
     }
 }
