@@ -204,3 +204,19 @@ def test_every_metric_the_dashboard_and_alerts_query_exists(traffic):
     assert filter_names and filter_names <= scraped, sorted(filter_names - scraped)
     shown = {family(n) for n in companion}
     assert shown == {family(n) for n in companion_scraped}, "every companion metric is shown"
+
+
+def test_every_alert_is_per_instance_with_a_runbook_into_the_readme():
+    """Each alert says which proxy or companion (`by (instance)`), and links to a
+    Troubleshooting entry that exists."""
+    readme = (ROOT / "README.md").read_text()
+    anchors = set(re.findall(r'<a id="([a-z0-9-]+)"></a>', readme))
+    troubleshooting = readme.split("\n## Troubleshooting\n", 1)[1].split("\n## ", 1)[0]
+    rules = [rule for group in yaml.safe_load(ALERTS.read_text())["groups"] for rule in group["rules"]]
+    assert len(rules) >= 10
+    for rule in rules:
+        assert "instance" in rule["expr"] and "by (instance" in rule["expr"], rule["alert"]
+        url = rule["annotations"]["runbook_url"]
+        assert url.startswith("README.md#"), (rule["alert"], url)
+        anchor = url.split("#", 1)[1]
+        assert anchor in anchors and f'<a id="{anchor}">' in troubleshooting, (rule["alert"], anchor)
