@@ -164,6 +164,7 @@ mod tests {
             min_cost: None,
             kind: LimitKind::SlidingWindow,
             provisional,
+            look_only: false,
         }
     }
 

@@ -615,6 +615,35 @@ fn per_model_limits_charge_and_settle_only_their_models() {
     assert_eq!(charge_of(&flight).limits.iter().map(|l| l.cost).collect::<Vec<_>>(), [309, 309]);
 }
 
+/// Issue 26 item 7: a tenant that overdrew a per-model limit (the provider reported far
+/// more than was reserved) is refused for that model only, directly and from leases.
+#[test]
+fn an_overdrawn_per_model_limit_refuses_only_the_models_it_covers() {
+    for (kind, lease) in [(HostKind::Envoy, false), (HostKind::Nginx, false), (HostKind::Envoy, true)] {
+        let world = World::new(kind);
+        let limits = json!([
+            {"name": "rpm", "requests": 100, "window": "1m"},
+            {"name": "gpt4o-tpm", "tokens": 1000, "window": "1m", "models": ["gpt-4o*"]}
+        ]);
+        let extra = if lease { json!({"lease": {"enabled": true}}) } else { json!({}) };
+        let mut proxy = Proxy::new(&world, &config(limits, extra));
+        let mut companion = FakeCompanion::default();
+        let mut flight = proxy.send(Request::chat("sk-a", CHAT), &mut companion);
+        assert!(flight.forwarded(), "{kind:?}");
+        proxy.reply(&mut flight, 200, "application/json", &[&usage_reply(9, 5_000)]);
+        proxy.done(&mut flight);
+        settle(&mut proxy, &mut companion);
+        let what = format!("{kind:?}, lease {lease}");
+        let other = CHAT.replace("gpt-4o", "claude-sonnet-4");
+        for i in 0..3 {
+            let flight = proxy.send(Request::chat("sk-a", &other), &mut companion);
+            assert!(flight.forwarded(), "{what}: another model's request {i} is not the overdrawn limit's to refuse");
+        }
+        let refused = proxy.send(Request::chat("sk-a", CHAT), &mut companion);
+        assert_eq!(refused.replied().map(|r| r.status), Some(429), "{what}: gpt-4o itself is still refused");
+    }
+}
+
 #[test]
 fn concurrency_slots_are_released_at_once_and_renewed_meanwhile() {
     for kind in HOSTS {

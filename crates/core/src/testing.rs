@@ -402,8 +402,14 @@ impl FakeCompanion {
             }
             LEASE_PATH => {
                 let request: LeaseRequest = serde_json::from_value(callout.body.clone()).expect("lease");
-                let specs: Vec<LimitCharge> =
-                    request.limits.iter().map(|a| spec(&a.name, a.capacity, a.window_ms, a.wanted, a.needed)).collect();
+                let specs: Vec<LimitCharge> = request
+                    .limits
+                    .iter()
+                    .map(|a| LimitCharge {
+                        look_only: a.look_only,
+                        ..spec(&a.name, a.capacity, a.window_ms, a.wanted, a.needed)
+                    })
+                    .collect();
                 let mut states = self.states(&request.tenant, &specs);
                 let reply: LimitsReply = bucket::lease(&mut states, &specs, request.share, now);
                 if reply.allowed {
@@ -482,6 +488,7 @@ fn spec(name: &str, capacity: u64, window_ms: u64, cost: u64, min_cost: Option<u
         min_cost,
         kind: LimitKind::TokenBucket,
         provisional: false,
+        look_only: false,
     }
 }
 
