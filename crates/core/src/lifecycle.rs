@@ -407,7 +407,7 @@ impl RequestFilter {
     /// Plans the charge and decides it. `body` is `None` when the body is not read.
     fn charge(&mut self, host: &mut impl Host, worker: &mut Worker, config: &Policy, body: Option<&[u8]>) -> Action {
         let path = std::mem::take(&mut self.path);
-        let tier_value = config.tier.as_ref().and_then(|t| host.request_header(&t.header));
+        let tier_value = config.tier.as_ref().and_then(|t| single_header(host, &t.header));
         self.tier = config.tier_of(&self.tenant, tier_value.as_deref()).to_string();
         // The clock, read once for the decision.
         let now = host.now_ms();
@@ -520,7 +520,7 @@ impl RequestFilter {
         let priority = queue
             .priority_header
             .as_deref()
-            .and_then(|name| host.request_header(name))
+            .and_then(|name| single_header(host, name))
             .and_then(|value| value.trim().parse::<u8>().ok())
             .filter(|p| *p <= 9)
             .or_else(|| queue.tier_priorities.get(&self.tier).copied())
@@ -1021,6 +1021,17 @@ impl<H: Host> Learned for ProxyKnowledge<'_, H> {
 /// on a host that never reports end of stream on request headers (ngx_wasm_module), no
 /// `content-length` and no `transfer-encoding` either. Such a request gets no body
 /// callback there, so waiting for one would let it through uncharged.
+/// The value of a header the client must not be able to choose by adding a copy (the
+/// tier, the priority): `None`, so the default applies, when it was sent more than once,
+/// since hosts and the component that sets it disagree on which copy counts.
+fn single_header(host: &mut impl Host, name: &str) -> Option<String> {
+    let mut values = host.request_header_values(name);
+    match values.len() {
+        1 => values.pop(),
+        _ => None,
+    }
+}
+
 fn has_no_body(host: &mut impl Host, worker: &Worker) -> bool {
     match host.request_header("content-length") {
         Some(length) => length.trim() == "0",

@@ -644,6 +644,32 @@ fn an_overdrawn_per_model_limit_refuses_only_the_models_it_covers() {
     }
 }
 
+/// Issue 26 item 11: a tier header sent twice (a client's copy beside the one a trusted
+/// component appended) gives the default tier, whichever copy comes first.
+#[test]
+fn a_tier_header_sent_twice_gives_the_default_tier() {
+    for kind in HOSTS {
+        let world = World::new(kind);
+        let limits = json!([
+            {"name": "rph-free", "requests": 1, "window": "1h", "tiers": ["free"]},
+            {"name": "rph-gold", "requests": 100, "window": "1h", "tiers": ["gold"]}
+        ]);
+        let tier = json!({"tier": {"header": "x-tier", "default": "free"}});
+        let mut proxy = Proxy::new(&world, &config(limits, tier));
+        let mut companion = FakeCompanion::default();
+        let twice = |first: &str, second: &str| {
+            Request::get("sk-a", "/v1/models").header("x-tier", first).header("x-tier", second)
+        };
+        let looked: Vec<bool> =
+            charge_of(&proxy.send(twice("gold", "free"), &mut companion)).limits.iter().map(|l| l.look_only).collect();
+        assert_eq!(looked, [false, true], "{kind:?}: charged as free, gold only looked at");
+        let refused = proxy.send(twice("gold", "gold"), &mut companion);
+        assert_eq!(refused.replied().map(|r| r.status), Some(429), "{kind:?}: even two equal copies are the default");
+        let gold = proxy.send(Request::get("sk-a", "/v1/models").header("x-tier", "gold"), &mut companion);
+        assert!(gold.forwarded(), "{kind:?}: one copy is read as before");
+    }
+}
+
 #[test]
 fn concurrency_slots_are_released_at_once_and_renewed_meanwhile() {
     for kind in HOSTS {

@@ -174,6 +174,11 @@ impl Host for FakeHost {
         self.request_headers.iter().find(|(n, _)| n == name).map(|(_, v)| v.clone())
     }
 
+    fn request_header_values(&mut self, name: &str) -> Vec<String> {
+        self.count_call("request_header_values");
+        self.request_headers.iter().filter(|(n, _)| n == name).map(|(_, v)| v.clone()).collect()
+    }
+
     fn set_request_header(&mut self, name: &str, value: &str) -> bool {
         self.count_call("set_request_header");
         self.request_headers.retain(|(n, _)| n != name);
