@@ -730,20 +730,20 @@ impl RequestFilter {
         let specs = self.plan.as_ref().map(|plan| local_specs(config, plan)).unwrap_or_default();
         let now_ms = host.now_ms();
         let now = now_ms as f64;
-        // A local bucket may be replaced by a colliding tenant's at once: what it admitted
-        // was queued for Redis when it admitted it.
-        let reply = update_own(
-            host,
-            config,
-            TenantTable::Local,
-            &self.tenant,
-            |_| true,
-            |payload| {
-                let mut states = decode_states(payload, specs.len());
-                let reply = check_and_charge(&mut states, &specs, now);
-                (reply.allowed.then(|| encode_states(&states)), reply)
-            },
-        );
+        // A colliding tenant's local bucket may be replaced only once it has admitted
+        // nothing for a whole window: taken sooner, its owner would find a fresh budget.
+        let idle = |payload: &[u8]| {
+            let states = decode_states(Some(payload), specs.len());
+            states
+                .iter()
+                .zip(&specs)
+                .all(|(state, spec)| state.is_none_or(|s| now - s.updated_ms >= spec.window_ms as f64))
+        };
+        let reply = update_own(host, config, TenantTable::Local, &self.tenant, idle, |payload| {
+            let mut states = decode_states(payload, specs.len());
+            let reply = check_and_charge(&mut states, &specs, now);
+            (reply.allowed.then(|| encode_states(&states)), reply)
+        });
         let Some(Ok(reply)) = reply else {
             return Verdict::Reply(decision::limiter_unavailable(self.dialect));
         };

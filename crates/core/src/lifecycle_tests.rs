@@ -918,3 +918,40 @@ fn a_refusal_after_a_timed_out_callout_reaches_the_client_on_every_host() {
         }
     }
 }
+
+/// Issue 26 item 9: with the companion away, a tenant whose local bucket is spent
+/// alternates its requests with a key whose first slot is its own. The newcomer may not
+/// take a bucket that admitted within its window: it goes to its second slot (or, both
+/// held, is not decided locally), and the spent bucket stays spent.
+#[test]
+fn a_colliding_newcomer_does_not_reset_a_spent_local_bucket() {
+    for kind in HOSTS {
+        let world = World::new(kind);
+        let limits = json!([{"name": "rpm", "requests": 3, "window": "1m"}]);
+        let extra = json!({"failure_mode": "local", "memory": {"tenant_slots": 16}});
+        let mut proxy = Proxy::new(&world, &config(limits, extra));
+        let config = proxy.worker.config().unwrap().clone();
+        let slots = |key: &str| crate::tables::TenantTable::slots(&config, &tenant(key));
+        let own = slots("sk-a")[0];
+        let rival = (0..10_000).map(|i| format!("sk-r{i}")).find(|r| slots(r)[0] == own).unwrap();
+        let mut companion = FakeCompanion::failing(500);
+        let mut admitted = 0;
+        for _ in 0..10 {
+            let mine = proxy.send(Request::get("sk-a", "/v1/models"), &mut companion);
+            if mine.forwarded() {
+                admitted += 1;
+            } else {
+                assert_eq!(mine.replied().map(|r| r.status), Some(429), "{kind:?}");
+            }
+            proxy.send(Request::get(&rival, "/v1/models"), &mut companion);
+        }
+        assert_eq!(admitted, 3, "{kind:?}: the colliding rival handed sk-a a fresh local bucket");
+        // A whole window later the idle bucket may be taken.
+        advance(&world, 60_001);
+        let both_held = (0..20_000)
+            .map(|i| format!("sk-n{i}"))
+            .find(|n| slots(n).iter().all(|s| *s == own || *s == slots(&rival).get(1).copied().unwrap_or(own)))
+            .unwrap();
+        assert!(proxy.send(Request::get(&both_held, "/v1/models"), &mut companion).forwarded(), "{kind:?}");
+    }
+}

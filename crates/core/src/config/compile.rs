@@ -33,7 +33,7 @@ pub(super) fn compile(written: &Document) -> Result<Policy, ConfigError> {
     let tokens = tokens(&written.tokens)?;
     let fallback = fallback(&written.fallback)?;
     let lease = lease(&written.lease)?;
-    let memory = memory(&written.memory)?;
+    let memory = memory(&written.memory, companion.token.expose(), &written.domain)?;
     let bypass = bypass(&written.bypass)?;
     let prices = prices(&written.prices)?;
     budgets_are_priced(&limits, &prices)?;
@@ -250,11 +250,12 @@ fn fallback(written: &shape::Fallback) -> Result<Fallback, ConfigError> {
     Ok(Fallback { instances, breaker_failures, breaker_cooldown })
 }
 
-fn memory(written: &shape::Memory) -> Result<Memory, ConfigError> {
+fn memory(written: &shape::Memory, token: &str, domain: &str) -> Result<Memory, ConfigError> {
     const RANGE: std::ops::RangeInclusive<u32> = 16..=1 << 20;
     Ok(Memory {
         tenant_slots: within("memory.tenant_slots", written.tenant_slots, RANGE, "16..1048576")?,
         average_slots: within("memory.average_slots", written.average_slots, RANGE, "16..1048576")?,
+        slot_key: crate::tables::slot_key(token, domain),
     })
 }
 

@@ -48,6 +48,8 @@ pub struct Policy {
 pub struct Memory {
     pub tenant_slots: u32,
     pub average_slots: u32,
+    /// The secret key of the tables' slot hash (`crate::tables::slot_key`).
+    pub slot_key: [u64; 2],
 }
 
 impl Policy {
