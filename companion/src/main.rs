@@ -87,6 +87,8 @@ struct App {
     metrics: Arc<Metrics>,
     /// `lua/calibration.lua`, run alone (see `calibration`).
     calibration: Script,
+    /// This companion's waiters, by tenant (see `queue`).
+    lines: Arc<queue::Lines>,
 }
 
 fn error(status: StatusCode, message: impl Into<String>) -> Response {
@@ -141,7 +143,7 @@ trait LimitsCall: serde::de::DeserializeOwned {
 impl LimitsCall for ChargeRequest {
     async fn charge_waiting(&self, app: &App) -> Option<Result<llm_ratelimit_protocol::LimitsReply, String>> {
         let wait = self.wait.as_ref()?;
-        Some(queue::charge_waiting(&app.batcher, &app.metrics, &app.key_prefix, self, wait).await)
+        Some(queue::charge_waiting(&app.batcher, &app.metrics, &app.lines, &app.key_prefix, self, wait).await)
     }
 
     fn check(&self) -> Result<(), String> {
@@ -432,8 +434,14 @@ async fn serve(args: Args) -> Result<(), String> {
     let metrics = Arc::new(Metrics::new());
     let store = store.counting_reloads_in(metrics.noscript_reloads.clone());
     let batcher = Batcher::new(store, script, args.redis_timeout, metrics.clone());
-    let app =
-        Arc::new(App { batcher, token, key_prefix: args.key_prefix.clone(), metrics: metrics.clone(), calibration });
+    let app = Arc::new(App {
+        batcher,
+        token,
+        key_prefix: args.key_prefix.clone(),
+        metrics: metrics.clone(),
+        calibration,
+        lines: Arc::default(),
+    });
     let metrics_router = Router::new().route(METRICS_PATH, get(metrics_text)).with_state(metrics);
     let router = Router::new()
         .route(CHARGE_PATH, post(run_limits::<ChargeRequest>))

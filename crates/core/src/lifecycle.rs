@@ -28,7 +28,7 @@ use crate::request::Api;
 use crate::reservation::{actual_usage, credit, Ending, OutputAverage, TokenEstimate};
 use crate::series::{self, Decision, TokenStage, TokenType};
 use crate::sse::UsageChunkRemover;
-use crate::tables::{read_average, read_own, update_average, update_own, Busy, TenantTable};
+use crate::tables::{queued_slot, read_average, read_own, update_average, update_own, Busy, TenantTable};
 use crate::tokens::Encoding;
 use crate::usage::{ReplyUsage, ReportedUsage, StreamUsage};
 use crate::worker::{adjustments, callout_reply, settlement, Worker};
@@ -508,12 +508,13 @@ impl RequestFilter {
         if !queue.enabled() {
             return None;
         }
-        let joined = shared_update(host, &keys::queued_key(&config.domain), |bytes| {
-            let waiting = bytes.and_then(|b| b.try_into().ok()).map_or(0, u32::from_le_bytes);
-            let room = waiting < queue.max_length;
-            (room.then(|| (waiting + 1).to_le_bytes().to_vec()), room)
-        });
-        if joined != Some(true) {
+        // A place of the tenant's share first, then of the whole queue.
+        let own = keys::queued_tenant_key(&config.domain, queued_slot(config, &self.tenant));
+        if !take_place(host, &own, queue.max_per_tenant) {
+            return None;
+        }
+        if !take_place(host, &keys::queued_key(&config.domain), queue.max_length) {
+            give_place(host, &own);
             return None;
         }
         self.queued = true;
@@ -530,10 +531,8 @@ impl RequestFilter {
 
     fn leave_queue(&mut self, host: &mut impl Host, config: &Policy) {
         if std::mem::take(&mut self.queued) {
-            shared_update(host, &keys::queued_key(&config.domain), |bytes| {
-                let waiting = bytes.and_then(|b| b.try_into().ok()).map_or(0, u32::from_le_bytes);
-                (Some(waiting.saturating_sub(1).to_le_bytes().to_vec()), ())
-            });
+            give_place(host, &keys::queued_key(&config.domain));
+            give_place(host, &keys::queued_tenant_key(&config.domain, queued_slot(config, &self.tenant)));
         }
     }
 
@@ -1021,6 +1020,24 @@ impl<H: Host> Learned for ProxyKnowledge<'_, H> {
 /// on a host that never reports end of stream on request headers (ngx_wasm_module), no
 /// `content-length` and no `transfer-encoding` either. Such a request gets no body
 /// callback there, so waiting for one would let it through uncharged.
+/// Takes a place in the waiter count at `key` if fewer than `most` wait there.
+fn take_place(host: &mut impl Host, key: &str, most: u32) -> bool {
+    let joined = shared_update(host, key, |bytes| {
+        let waiting = bytes.and_then(|b| b.try_into().ok()).map_or(0, u32::from_le_bytes);
+        let room = waiting < most;
+        (room.then(|| (waiting + 1).to_le_bytes().to_vec()), room)
+    });
+    joined == Some(true)
+}
+
+/// Gives back a place taken with `take_place`.
+fn give_place(host: &mut impl Host, key: &str) {
+    shared_update(host, key, |bytes| {
+        let waiting = bytes.and_then(|b| b.try_into().ok()).map_or(0, u32::from_le_bytes);
+        (Some(waiting.saturating_sub(1).to_le_bytes().to_vec()), ())
+    });
+}
+
 /// The value of a header the client must not be able to choose by adding a copy (the
 /// tier, the priority): `None`, so the default applies, when it was sent more than once,
 /// since hosts and the component that sets it disagree on which copy counts.

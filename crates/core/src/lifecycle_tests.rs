@@ -955,3 +955,28 @@ fn a_colliding_newcomer_does_not_reset_a_spent_local_bucket() {
         assert!(proxy.send(Request::get(&both_held, "/v1/models"), &mut companion).forwarded(), "{kind:?}");
     }
 }
+
+/// Issue 26 item 10: one tenant's waiters hold at most `queue.tenant_share` of the queue,
+/// so another tenant still finds a place; every place comes back when its request ends.
+#[test]
+fn one_tenant_holds_only_its_share_of_the_queue() {
+    for kind in HOSTS {
+        let world = World::new(kind);
+        let extra = json!({"queue": {"max_wait": "5s", "max_length": 4, "tenant_share": 0.5}});
+        let mut proxy = Proxy::new(&world, &rpm_tpm(extra));
+        let mut flood: Vec<_> = (0..4).map(|_| proxy.start(Request::chat("sk-a", CHAT))).collect();
+        let waits: Vec<bool> = flood.iter().map(|f| charge_of(f).wait.is_some()).collect();
+        assert_eq!(waits, [true, true, false, false], "{kind:?}: sk-a's share is 2 of 4 places");
+        let mut other = proxy.start(Request::chat("sk-b", CHAT));
+        assert!(charge_of(&other).wait.is_some(), "{kind:?}: another tenant still finds a place");
+        for flight in flood.iter_mut().chain([&mut other]) {
+            proxy.done(flight);
+        }
+        let key =
+            keys::queued_tenant_key("llm", crate::tables::queued_slot(proxy.worker.config().unwrap(), &tenant("sk-a")));
+        let count = |proxy: &mut Proxy, key: &str| {
+            proxy.root.shared_value(key).map_or(0, |b| u32::from_le_bytes(b.try_into().unwrap()))
+        };
+        assert_eq!((count(&mut proxy, &key), count(&mut proxy, &keys::queued_key("llm"))), (0, 0), "{kind:?}");
+    }
+}

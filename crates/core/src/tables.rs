@@ -200,6 +200,15 @@ fn average_slot(config: &Policy, tenant: &str, model: &str) -> (String, [u8; OWN
     (keys::average_key(&config.domain, slot), hash.rotate_left(17).to_le_bytes())
 }
 
+/// Counters of waiters per tenant in the queue: a fixed table, so a tenant's share of the
+/// queue costs no key per tenant.
+pub const QUEUED_SLOTS: u64 = 1024;
+
+/// The slot of `tenant`'s waiter counter (tenants sharing one share its bound).
+pub fn queued_slot(config: &Policy, tenant: &str) -> u32 {
+    (keyed_hash(config.memory.slot_key, &[tenant, "queued"]) % QUEUED_SLOTS) as u32
+}
+
 /// The key of the tables' slot hash: from the companion token (a secret between the
 /// proxies and the companion) and the domain, so every worker of a proxy agrees on it
 /// without shared state (there is no OS randomness on the filter's target, and a seed

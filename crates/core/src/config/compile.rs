@@ -355,9 +355,14 @@ fn queue(written: &shape::Queue, limits: &[Limit]) -> Result<QueueConfig, Config
     }
     let priority_header =
         written.priority_header.as_deref().map(|h| header_name("queue.priority_header", h, h)).transpose()?;
+    let share = written.tenant_share;
+    if !(share > 0.0 && share <= 1.0) {
+        return Err(invalid("queue.tenant_share", format!("must be in (0, 1], got {share}")));
+    }
     Ok(QueueConfig {
         max_wait,
         max_length: written.max_length,
+        max_per_tenant: ((f64::from(written.max_length) * share).ceil() as u32).max(1),
         priority_header,
         default_priority,
         tier_priorities: written.tier_priorities.clone(),
