@@ -467,39 +467,30 @@ mod tests {
         request.limits[1].look_only = true;
         let limits = argument(&charge("llmrl:", &request))["limits"].clone();
         assert_eq!((limits[0].get("look_only"), &limits[1]["look_only"]), (None, &json!(1)));
-        let lease_request = LeaseRequest {
+        let lease_request = lease_request(0, None, true);
+        assert_eq!(argument(&lease("llmrl:", &lease_request))["limits"][0]["look_only"], json!(1));
+    }
+
+    fn lease_request(wanted: u64, needed: Option<u64>, look_only: bool) -> LeaseRequest {
+        LeaseRequest {
             domain: "llm".into(),
             tenant: "abc123".into(),
             limits: vec![LeaseAsk {
                 name: "tpm".into(),
                 capacity: 10_000,
                 window_ms: 60_000,
-                wanted: 0,
-                needed: None,
+                wanted,
+                needed,
                 kind: LimitKind::TokenBucket,
-                look_only: true,
+                look_only,
             }],
             share: 0.5,
-        };
-        assert_eq!(argument(&lease("llmrl:", &lease_request))["limits"][0]["look_only"], json!(1));
+        }
     }
 
     #[test]
     fn a_lease_passes_wanted_needed_and_share() {
-        let request = LeaseRequest {
-            domain: "llm".into(),
-            tenant: "abc123".into(),
-            limits: vec![LeaseAsk {
-                name: "tpm".into(),
-                capacity: 10_000,
-                window_ms: 60_000,
-                wanted: 500,
-                needed: Some(20),
-                kind: LimitKind::TokenBucket,
-                look_only: false,
-            }],
-            share: 0.5,
-        };
+        let request = lease_request(500, Some(20), false);
         let call = lease("llmrl:", &request);
         assert_eq!(call.keys, vec!["llmrl:{llm:abc123}:tb:tpm"]);
         assert_eq!(
