@@ -36,11 +36,16 @@
 --     window_ms   (> 0)  tb: time in which an empty bucket refills to capacity; sw: the
 --                        window; slots: how long a slot lives unless touched
 --     and, by op:
---     charge   cost      what the call costs (>= 0; 0 only looks; slots: 1)
+--     charge   cost      what the call costs (>= 0; slots: 1); a cost of 0 charges
+--                        nothing but still refuses while the limit is overdrawn
 --              min_cost  optional, default cost: the least this limit may be charged
 --                        (<= cost); a limit with min_cost < cost is elastic
+--              look_only optional, 1: the limit does not apply to this call (another
+--                        model or tier): it is reported, and charged its cost, but never
+--                        refuses, however overdrawn
 --     lease    wanted    the grant wanted (>= 0)
 --              needed    optional, default wanted: the grant needed (<= wanted)
+--              look_only optional, 1: as for charge, the grant never refused for it
 --     settle   credit    tokens to give back (> 0) or to take as well (< 0); slots:
 --                        ignored (the slot is released)
 --     touch, release, peek, reset: nothing more.
@@ -336,11 +341,13 @@ local function bring_to_now(limits)
 end
 
 -- Charges grants[i] from each limit if each holds required[i], and none can never fit
--- (least[i] above capacity); otherwise charges nothing.
+-- (least[i] above capacity); otherwise charges nothing. A look-only limit never refuses.
 local function admit(limits, grants, required, least)
   local done = 1
   for i, l in ipairs(limits) do
-    if least[i] > l.capacity then
+    if l.look_only == 1 then
+      l.status = 1
+    elseif least[i] > l.capacity then
       l.status, done = -1, 0
     elseif l.level < required[i] then
       l.status, done = 0, 0
@@ -366,7 +373,7 @@ local ops = {}
 
 ops.charge = {
   args = { reservation_ttl_ms = false },
-  limit = { cost = true, min_cost = false },
+  limit = { cost = true, min_cost = false, look_only = false },
   check = function(l)
     if l.cost < 0 then
       return 'cost', l.cost, 'must be >= 0'
@@ -408,7 +415,7 @@ ops.charge = {
 
 ops.lease = {
   args = { share = true },
-  limit = { wanted = true, needed = false },
+  limit = { wanted = true, needed = false, look_only = false },
   check_args = function(args)
     if not (args.share > 0 and args.share <= 1) then
       return 'a lease needs a share in (0, 1], got ' .. tostring(args.share)

@@ -44,8 +44,8 @@ AMOUNT_FIELDS = {
 }
 
 
-def script_args(op, limits, amounts, ttl_ms=0, share=None, mins=None):
-    """ARGV[1]: one JSON object, for the case table's `amounts` (and `mins`)."""
+def script_args(op, limits, amounts, ttl_ms=0, share=None, mins=None, looks=None):
+    """ARGV[1]: one JSON object, for the case table's `amounts` (and `mins`, `looks`)."""
     amount_field, min_field = AMOUNT_FIELDS[op]
     specs = []
     for i, (limit, amount) in enumerate(zip(limits, amounts)):
@@ -54,6 +54,8 @@ def script_args(op, limits, amounts, ttl_ms=0, share=None, mins=None):
             spec[amount_field] = amount
         if min_field:
             spec[min_field] = mins[i] if mins else max(amount, 0)
+        if looks and looks[i]:
+            spec["look_only"] = 1
         specs.append(spec)
     args = {"op": op, "limits": specs}
     if op == "charge":
@@ -72,7 +74,7 @@ def step_args(case, step):
     """ARGV[1] of one step of a case."""
     op = step.get("op", "charge")
     share = step.get("share", 0.5) if op == "lease" else None
-    return script_args(op, case["limits"], step["amounts"], share=share, mins=step.get("mins"))
+    return script_args(op, case["limits"], step["amounts"], share=share, mins=step.get("mins"), looks=step.get("looks"))
 
 
 def age_keys(pipe, keys, written_at, clock):
@@ -221,6 +223,7 @@ TB5 = {"kind": "tb", "capacity": 5, "window_ms": 1000}
         ([argv_of({**TB5, "cost": 1}, share=0.5)], "unknown field share for op charge"),
         ([argv_of({**TB5, "credit": 1}, op="settle", reservation_ttl_ms=1000)], "unknown field reservation_ttl_ms for op settle"),
         ([argv_of({**TB5, "wanted": 1})], "unknown field limits[0].wanted for op charge"),
+        ([argv_of({**TB5, "credit": 1, "look_only": 1}, op="settle")], "unknown field limits[0].look_only for op settle"),
         ([argv_of(op="lease", share=0.5)], "limits must be a non-empty array"),
     ],
 )
@@ -293,6 +296,21 @@ def test_runs_on_a_cluster_with_one_hash_tag_per_tenant(cluster):
     # Without a shared tag the keys land in different slots, which the cluster refuses.
     with pytest.raises(redis.RedisClusterException):
         cluster.eval(SCRIPT, 2, "test:a:rpm", "test:b:rpm", script_args("charge", RPM10 * 2, [1, 1]))
+
+
+@pytest.mark.parametrize("kind", ["tb", "sw"])
+def test_a_look_only_limit_never_refuses_on_a_cluster(cluster, kind):
+    """An overdrawn per-model limit refuses a cost of 0 (a cached_input limit that applies
+    and reserves nothing), but not a call for which it only looks (another model)."""
+    limit = [{"kind": kind, "capacity": 10, "window_ms": 60_000}]
+    key, record = f"test:{{look-{kind}}}:{kind}:tpm", f"test:{{look-{kind}}}:r:1"
+    assert cluster.eval(SCRIPT, 2, key, record, script_args("charge", limit, [10], ttl_ms=60_000))[0] == 1
+    assert cluster.eval(SCRIPT, 2, key, record, script_args("settle", limit, [-5]))[0] == 1  # overdrawn by 5
+    assert cluster.eval(SCRIPT, 1, key, script_args("charge", limit, [0]))[0] == 0
+    looked = cluster.eval(SCRIPT, 1, key, script_args("charge", limit, [0], looks=[True]))
+    assert (looked[0], looked[1][0], looked[1][5]) == (1, 1, 0)
+    assert cluster.eval(SCRIPT, 1, key, script_args("lease", limit, [0], share=0.5, looks=[True]))[0] == 1
+    assert cluster.eval(SCRIPT, 1, key, script_args("lease", limit, [0], share=0.5))[0] == 0
 
 
 def shift_window(client, key, ms):

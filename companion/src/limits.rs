@@ -97,16 +97,26 @@ enum Amounts {
     Charge {
         cost: u64,
         min_cost: u64,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        look_only: Option<u8>,
     },
     Lease {
         wanted: u64,
         needed: u64,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        look_only: Option<u8>,
     },
     Settle {
         credit: i64,
     },
     /// touch and release: nothing more.
     Nothing {},
+}
+
+/// A flag as the script takes it (its fields are numbers): 1 when set, absent otherwise,
+/// so calls without it read as they did before it existed.
+fn script_flag(set: bool) -> Option<u8> {
+    set.then_some(1)
 }
 
 fn op_name<S: serde::Serializer>(op: &Op, serializer: S) -> Result<S::Ok, S::Error> {
@@ -146,7 +156,13 @@ pub fn charge(prefix: &str, request: &ChargeRequest) -> Call {
         .limits
         .iter()
         .map(|l| {
-            Limit::of(&l.name, l.kind, l.capacity, l.window_ms, Amounts::Charge { cost: l.cost, min_cost: l.min() })
+            Limit::of(
+                &l.name,
+                l.kind,
+                l.capacity,
+                l.window_ms,
+                Amounts::Charge { cost: l.cost, min_cost: l.min(), look_only: script_flag(l.look_only) },
+            )
         })
         .collect();
     let arguments = Arguments {
@@ -165,7 +181,13 @@ pub fn lease(prefix: &str, request: &LeaseRequest) -> Call {
         .iter()
         .map(|l| {
             let needed = l.needed.map_or(l.wanted, |needed| needed.min(l.wanted));
-            Limit::of(&l.name, l.kind, l.capacity, l.window_ms, Amounts::Lease { wanted: l.wanted, needed })
+            Limit::of(
+                &l.name,
+                l.kind,
+                l.capacity,
+                l.window_ms,
+                Amounts::Lease { wanted: l.wanted, needed, look_only: script_flag(l.look_only) },
+            )
         })
         .collect();
     let arguments =
@@ -338,6 +360,7 @@ mod tests {
                     min_cost: None,
                     kind: LimitKind::TokenBucket,
                     provisional: false,
+                    look_only: false,
                 },
                 LimitCharge {
                     name: "tpm".into(),
@@ -347,6 +370,7 @@ mod tests {
                     min_cost: None,
                     kind: LimitKind::TokenBucket,
                     provisional: true,
+                    look_only: false,
                 },
             ],
             reservation: Some(Reservation { id: "r42".into(), ttl_ms: 900_000 }),
@@ -438,20 +462,35 @@ mod tests {
     }
 
     #[test]
-    fn a_lease_passes_wanted_needed_and_share() {
-        let request = LeaseRequest {
+    fn a_look_only_limit_reaches_the_script_as_1() {
+        let mut request = request();
+        request.limits[1].look_only = true;
+        let limits = argument(&charge("llmrl:", &request))["limits"].clone();
+        assert_eq!((limits[0].get("look_only"), &limits[1]["look_only"]), (None, &json!(1)));
+        let lease_request = lease_request(0, None, true);
+        assert_eq!(argument(&lease("llmrl:", &lease_request))["limits"][0]["look_only"], json!(1));
+    }
+
+    fn lease_request(wanted: u64, needed: Option<u64>, look_only: bool) -> LeaseRequest {
+        LeaseRequest {
             domain: "llm".into(),
             tenant: "abc123".into(),
             limits: vec![LeaseAsk {
                 name: "tpm".into(),
                 capacity: 10_000,
                 window_ms: 60_000,
-                wanted: 500,
-                needed: Some(20),
+                wanted,
+                needed,
                 kind: LimitKind::TokenBucket,
+                look_only,
             }],
             share: 0.5,
-        };
+        }
+    }
+
+    #[test]
+    fn a_lease_passes_wanted_needed_and_share() {
+        let request = lease_request(500, Some(20), false);
         let call = lease("llmrl:", &request);
         assert_eq!(call.keys, vec!["llmrl:{llm:abc123}:tb:tpm"]);
         assert_eq!(
@@ -483,6 +522,7 @@ mod tests {
             wanted: 1,
             needed: None,
             kind: LimitKind::TokenBucket,
+            look_only: false,
         };
         let request = LeaseRequest { domain: "llm".into(), tenant: "t".into(), limits: vec![ask], share };
         let written = argument(&lease("p:", &request))["share"].as_f64();

@@ -91,6 +91,8 @@ struct App {
     /// `lua/calibration.lua`, run alone (see `calibration`).
     calibration: Script,
     refusals: refusals::RefusalLog,
+    /// This companion's waiters, by tenant (see `queue`).
+    lines: Arc<queue::Lines>,
 }
 
 fn error(status: StatusCode, message: impl Into<String>) -> Response {
@@ -148,7 +150,7 @@ trait LimitsCall: serde::de::DeserializeOwned {
 impl LimitsCall for ChargeRequest {
     async fn charge_waiting(&self, app: &App) -> Option<Result<llm_ratelimit_protocol::LimitsReply, String>> {
         let wait = self.wait.as_ref()?;
-        Some(queue::charge_waiting(&app.batcher, &app.metrics, &app.key_prefix, self, wait).await)
+        Some(queue::charge_waiting(&app.batcher, &app.metrics, &app.lines, &app.key_prefix, self, wait).await)
     }
 
     fn check(&self) -> Result<(), String> {
@@ -446,6 +448,7 @@ async fn serve(args: Args) -> Result<(), String> {
         metrics: metrics.clone(),
         calibration,
         refusals: refusals::RefusalLog::new(),
+        lines: Arc::default(),
     });
     let metrics_router = Router::new().route(METRICS_PATH, get(metrics_text)).with_state(metrics);
     let router = Router::new()

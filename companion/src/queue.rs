@@ -9,6 +9,12 @@
 //! A waiter whose client gives up is dropped with its HTTP request: its entry is removed
 //! then, and any entry left by a crashed companion is ignored once its deadline passed
 //! (the deadline is part of the member).
+//!
+//! Waiters do not each poll Redis: this companion keeps its own waiters of each tenant in
+//! a line in the same order (`Lines`), and only the first of a line looks at Redis (is it
+//! the head, and is there room). The others sleep until the line changes (someone ahead
+//! left) or their time is up. So a tenant with a thousand waiters costs each companion
+//! one poll at a time, as a tenant with one does.
 
 use crate::batcher::Batcher;
 use crate::limits::{self, Call};
@@ -17,8 +23,10 @@ use crate::store::Store;
 use llm_ratelimit_protocol::keys::{redis_key, QUEUE_KIND, QUEUE_NAME};
 use llm_ratelimit_protocol::{ChargeRequest, LimitStatus, LimitsReply, Wait};
 use redis::Value;
-use std::sync::Arc;
+use std::collections::{BTreeSet, HashMap};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use tokio::sync::Notify;
 
 /// How often a waiter looks again when capacity should come back later than that: slots
 /// are released at unpredictable times.
@@ -28,20 +36,68 @@ fn now_ms() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
 }
 
+/// A place in a line: the waiter's score (as in Redis, whole ms) and its member.
+type Place = (i64, String);
+
+/// This companion's waiters, a line per tenant queue (its Redis key), each in the Redis
+/// order. A line lives while it has waiters.
+#[derive(Default)]
+pub struct Lines {
+    lines: Mutex<HashMap<String, Arc<Line>>>,
+}
+
+#[derive(Default)]
+struct Line {
+    places: Mutex<BTreeSet<Place>>,
+    /// Woken whenever a waiter leaves: the next one may now be first.
+    changed: Notify,
+}
+
+impl Lines {
+    fn join(&self, key: &str, place: Place) -> Arc<Line> {
+        let mut lines = self.lines.lock().unwrap_or_else(|e| e.into_inner());
+        let line = lines.entry(key.to_string()).or_default().clone();
+        line.places.lock().unwrap_or_else(|e| e.into_inner()).insert(place);
+        line
+    }
+
+    fn leave(&self, key: &str, place: &Place) {
+        let mut lines = self.lines.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(line) = lines.get(key).cloned() {
+            let mut places = line.places.lock().unwrap_or_else(|e| e.into_inner());
+            places.remove(place);
+            if places.is_empty() {
+                lines.remove(key);
+            }
+            drop(places);
+            line.changed.notify_waiters();
+        }
+    }
+}
+
+impl Line {
+    fn is_first(&self, place: &Place) -> bool {
+        self.places.lock().unwrap_or_else(|e| e.into_inner()).first() == Some(place)
+    }
+}
+
 /// Removes the waiter's entry when the wait ends, however it ends (also when the client
 /// gave up and the request future is dropped), and counts it out of the queue's depth.
 struct Waiter {
     store: Store,
     key: String,
-    member: String,
+    place: Place,
+    line: Arc<Line>,
+    lines: Arc<Lines>,
     metrics: Arc<Metrics>,
 }
 
 impl Drop for Waiter {
     fn drop(&mut self) {
         self.metrics.queue_depth.dec();
+        self.lines.leave(&self.key, &self.place);
         let (store, key, member) =
-            (self.store.clone(), std::mem::take(&mut self.key), std::mem::take(&mut self.member));
+            (self.store.clone(), std::mem::take(&mut self.key), std::mem::take(&mut self.place.1));
         tokio::spawn(async move {
             let _ = store.query(redis::cmd("ZREM").arg(&key).arg(&member)).await;
         });
@@ -95,10 +151,21 @@ async fn charge(batcher: &Arc<Batcher>, call: &Call, request: &ChargeRequest) ->
     limits::reply(request.limits.iter().map(|l| l.name.as_str()), &value)
 }
 
+/// The answer of a waiter whose time ran out before it was first: the refusal it had.
+fn out_of_time(metrics: &Metrics, last: Option<LimitsReply>, waited: Duration) -> Result<LimitsReply, String> {
+    metrics.queue_wait.observe(waited.as_secs_f64());
+    last.map(|mut r| {
+        r.waited_ms = waited.as_millis() as u64;
+        r
+    })
+    .ok_or_else(|| "no answer".to_string())
+}
+
 /// Charges, waiting in the tenant's queue for up to `wait.max_ms` if there is no room yet.
 pub async fn charge_waiting(
     batcher: &Arc<Batcher>,
     metrics: &Arc<Metrics>,
+    lines: &Arc<Lines>,
     prefix: &str,
     request: &ChargeRequest,
     wait: &Wait,
@@ -111,11 +178,29 @@ pub async fn charge_waiting(
     let key = redis_key(prefix, &request.domain, &request.tenant, QUEUE_KIND, QUEUE_NAME);
     let enqueued = now_ms();
     let member = format!("{}:{id}", enqueued + wait.max_ms);
-    let score = enqueued as f64 - f64::from(wait.priority) * wait.aging_ms as f64;
+    let score = enqueued as i64 - i64::from(wait.priority) * wait.aging_ms as i64;
     let mut waiter: Option<Waiter> = None;
     let mut last: Option<LimitsReply> = None;
     loop {
         let waited = started.elapsed();
+        // Armed before looking, so a change while this waiter looks is not missed.
+        let changed = waiter.as_ref().map(|w| w.line.clone());
+        let changed = changed.as_ref().map(|line| line.changed.notified());
+        let mut changed = std::pin::pin!(changed);
+        if let Some(notified) = changed.as_mut().as_pin_mut() {
+            notified.enable();
+        }
+        let first_here = waiter.as_ref().is_none_or(|w| w.line.is_first(&w.place));
+        if waiter.is_some() && !first_here {
+            // Someone of this companion is ahead: it polls; this one waits for it to leave.
+            if waited >= max {
+                return out_of_time(metrics, last, waited);
+            }
+            if let Some(notified) = changed.as_mut().as_pin_mut() {
+                let _ = tokio::time::timeout(max - waited, notified).await;
+            }
+            continue;
+        }
         if waiter.is_none() || is_head(store, metrics, &key, &member).await? {
             let mut reply = charge(batcher, &call, request).await?;
             reply.waited_ms = waited.as_millis() as u64;
@@ -130,20 +215,22 @@ pub async fn charge_waiting(
                 query(store, metrics, redis::cmd("ZADD").arg(&key).arg(score).arg(&member)).await?;
                 let _ = query(store, metrics, redis::cmd("PEXPIRE").arg(&key).arg(wait.max_ms + 1000)).await;
                 metrics.queue_depth.inc();
-                let metrics = metrics.clone();
-                waiter = Some(Waiter { store: store.clone(), key: key.clone(), member: member.clone(), metrics });
+                let place = (score, member.clone());
+                let line = lines.join(&key, place.clone());
+                waiter = Some(Waiter {
+                    store: store.clone(),
+                    key: key.clone(),
+                    place,
+                    line,
+                    lines: lines.clone(),
+                    metrics: metrics.clone(),
+                });
             }
             last = Some(reply);
             tokio::time::sleep(Duration::from_millis(retry).clamp(Duration::from_millis(2), POLL)).await;
         } else {
             if waited >= max {
-                metrics.queue_wait.observe(waited.as_secs_f64());
-                return last
-                    .map(|mut r| {
-                        r.waited_ms = waited.as_millis() as u64;
-                        r
-                    })
-                    .ok_or_else(|| "no answer".to_string());
+                return out_of_time(metrics, last, waited);
             }
             tokio::time::sleep(POLL).await;
         }
@@ -164,6 +251,7 @@ mod tests {
             min_cost: None,
             kind: LimitKind::SlidingWindow,
             provisional,
+            look_only: false,
         }
     }
 

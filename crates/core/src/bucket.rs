@@ -78,7 +78,8 @@ fn levels_at(states: &[Option<BucketState>], specs: &[LimitCharge], now_ms: f64)
 }
 
 /// If every bucket holds what it `required`, takes `taken[i]` from each; reports each
-/// bucket as the script does. A bucket whose minimum exceeds its capacity never fits.
+/// bucket as the script does. A bucket whose minimum exceeds its capacity never fits; a
+/// look-only bucket never refuses.
 fn take_all(
     states: &mut [Option<BucketState>],
     specs: &[LimitCharge],
@@ -92,14 +93,16 @@ fn take_all(
             .iter()
             .zip(levels)
             .zip(required)
-            .all(|((spec, &level), &req)| spec.min() <= spec.capacity && level >= req as f64);
+            .all(|((spec, &level), &req)| spec.look_only || (spec.min() <= spec.capacity && level >= req as f64));
     let limits = specs
         .iter()
         .zip(levels)
         .zip(states.iter_mut())
         .zip(required.iter().zip(taken))
         .map(|(((spec, &level), state), (&req, &take))| {
-            let (status, retry_after_ms) = if spec.min() > spec.capacity {
+            let (status, retry_after_ms) = if spec.look_only {
+                (LimitStatus::Allowed, 0)
+            } else if spec.min() > spec.capacity {
                 (LimitStatus::Never, 0)
             } else if level < req as f64 {
                 (
@@ -206,6 +209,9 @@ mod tests {
         /// Least each bucket may be charged (elastic buckets); default: the amount.
         #[serde(default)]
         mins: Option<Vec<u64>>,
+        /// Which buckets only look (the limit does not apply to the call); default none.
+        #[serde(default)]
+        looks: Option<Vec<bool>>,
         /// What each bucket was charged, when the case checks it.
         #[serde(default)]
         charged: Option<Vec<u64>>,
@@ -240,6 +246,7 @@ mod tests {
                         min_cost: step.mins.as_ref().and_then(|m| m.get(j).copied()),
                         kind: crate::protocol::LimitKind::TokenBucket,
                         provisional: false,
+                        look_only: step.looks.as_ref().and_then(|l| l.get(j).copied()).unwrap_or(false),
                     })
                     .collect();
                 let reply = match step.op {
@@ -287,6 +294,7 @@ mod tests {
             min_cost: None,
             kind: LimitKind::TokenBucket,
             provisional: false,
+            look_only: false,
         };
         for gap_ms in [0.0, 1.0, 13.0, 97.0, 142.857, 400.0] {
             let mut states = [None];

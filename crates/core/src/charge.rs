@@ -183,8 +183,8 @@ pub fn plan(config: &Policy, path: &str, tier: &str, body: Option<&[u8]>, learne
             name: limit.name.clone(),
             capacity: limit.capacity(),
             window_ms: limit.window_ms(),
-            // A limit for other models is still asked about (cost 0 only looks), so every
-            // plan has one bucket per configured limit, in config order.
+            // A limit for other models is still asked about, look-only (it never refuses),
+            // so every plan has one bucket per configured limit, in config order.
             cost: match (applies, limit.measure) {
                 (false, _) => 0,
                 (true, Measure::Requests(_) | Measure::Concurrency(_)) => 1,
@@ -208,6 +208,7 @@ pub fn plan(config: &Policy, path: &str, tier: &str, body: Option<&[u8]>, learne
             provisional: request.is_some()
                 && limit.applies_to(&model, tier)
                 && matches!(limit.dimension(), Dimension::Tokens | Dimension::Cost),
+            look_only: !applies,
         })
         .collect();
     let unpriced =

@@ -147,6 +147,7 @@ pub fn lease_asks(leases: &TenantLeases, charges: &[LimitCharge], policy: &Lease
             },
             needed: Some(charge.cost),
             kind: charge.kind,
+            look_only: charge.look_only,
         })
         .collect()
 }
@@ -408,6 +409,7 @@ mod tests {
             min_cost: None,
             kind: LimitKind::TokenBucket,
             provisional: false,
+            look_only: false,
         };
         let mut leases = TenantLeases(vec![leased(5.0, 50.0, 10_000)]);
         let refused = LimitsReply {
@@ -446,6 +448,7 @@ mod tests {
             min_cost: None,
             kind: LimitKind::TokenBucket,
             provisional: false,
+            look_only: false,
         };
         let leases = TenantLeases(vec![Lease { remaining: 7.0, global_remaining: 50.0, ..leased(7.0, 10.0, 100) }]);
         let reply = leases.as_reply(std::slice::from_ref(&spec));

@@ -28,7 +28,7 @@ use crate::request::Api;
 use crate::reservation::{actual_usage, credit, Ending, OutputAverage, TokenEstimate};
 use crate::series::{self, Decision, TokenStage, TokenType};
 use crate::sse::UsageChunkRemover;
-use crate::tables::{read_average, read_own, update_average, update_own, Busy, TenantTable};
+use crate::tables::{queued_slot, read_average, read_own, update_average, update_own, Busy, TenantTable};
 use crate::tokens::Encoding;
 use crate::usage::{ReplyUsage, ReportedUsage, StreamUsage};
 use crate::worker::{adjustments, callout_reply, settlement, Worker};
@@ -415,7 +415,7 @@ impl RequestFilter {
     /// Plans the charge and decides it. `body` is `None` when the body is not read.
     fn charge(&mut self, host: &mut impl Host, worker: &mut Worker, config: &Policy, body: Option<&[u8]>) -> Action {
         let path = std::mem::take(&mut self.path);
-        let tier_value = config.tier.as_ref().and_then(|t| host.request_header(&t.header));
+        let tier_value = config.tier.as_ref().and_then(|t| single_header(host, &t.header));
         self.tier = config.tier_of(&self.tenant, tier_value.as_deref()).to_string();
         // The clock, read once for the decision.
         let now = host.now_ms();
@@ -516,19 +516,20 @@ impl RequestFilter {
         if !queue.enabled() {
             return None;
         }
-        let joined = shared_update(host, &keys::queued_key(&config.domain), |bytes| {
-            let waiting = bytes.and_then(|b| b.try_into().ok()).map_or(0, u32::from_le_bytes);
-            let room = waiting < queue.max_length;
-            (room.then(|| (waiting + 1).to_le_bytes().to_vec()), room)
-        });
-        if joined != Some(true) {
+        // A place of the tenant's share first, then of the whole queue.
+        let own = keys::queued_tenant_key(&config.domain, queued_slot(config, &self.tenant));
+        if !take_place(host, &own, queue.max_per_tenant) {
+            return None;
+        }
+        if !take_place(host, &keys::queued_key(&config.domain), queue.max_length) {
+            give_place(host, &own);
             return None;
         }
         self.queued = true;
         let priority = queue
             .priority_header
             .as_deref()
-            .and_then(|name| host.request_header(name))
+            .and_then(|name| single_header(host, name))
             .and_then(|value| value.trim().parse::<u8>().ok())
             .filter(|p| *p <= 9)
             .or_else(|| queue.tier_priorities.get(&self.tier).copied())
@@ -538,10 +539,8 @@ impl RequestFilter {
 
     fn leave_queue(&mut self, host: &mut impl Host, config: &Policy) {
         if std::mem::take(&mut self.queued) {
-            shared_update(host, &keys::queued_key(&config.domain), |bytes| {
-                let waiting = bytes.and_then(|b| b.try_into().ok()).map_or(0, u32::from_le_bytes);
-                (Some(waiting.saturating_sub(1).to_le_bytes().to_vec()), ())
-            });
+            give_place(host, &keys::queued_key(&config.domain));
+            give_place(host, &keys::queued_tenant_key(&config.domain, queued_slot(config, &self.tenant)));
         }
     }
 
@@ -738,20 +737,20 @@ impl RequestFilter {
         let specs = self.plan.as_ref().map(|plan| local_specs(config, plan)).unwrap_or_default();
         let now_ms = host.now_ms();
         let now = now_ms as f64;
-        // A local bucket may be replaced by a colliding tenant's at once: what it admitted
-        // was queued for Redis when it admitted it.
-        let reply = update_own(
-            host,
-            config,
-            TenantTable::Local,
-            &self.tenant,
-            |_| true,
-            |payload| {
-                let mut states = decode_states(payload, specs.len());
-                let reply = check_and_charge(&mut states, &specs, now);
-                (reply.allowed.then(|| encode_states(&states)), reply)
-            },
-        );
+        // A colliding tenant's local bucket may be replaced only once it has admitted
+        // nothing for a whole window: taken sooner, its owner would find a fresh budget.
+        let idle = |payload: &[u8]| {
+            let states = decode_states(Some(payload), specs.len());
+            states
+                .iter()
+                .zip(&specs)
+                .all(|(state, spec)| state.is_none_or(|s| now - s.updated_ms >= spec.window_ms as f64))
+        };
+        let reply = update_own(host, config, TenantTable::Local, &self.tenant, idle, |payload| {
+            let mut states = decode_states(payload, specs.len());
+            let reply = check_and_charge(&mut states, &specs, now);
+            (reply.allowed.then(|| encode_states(&states)), reply)
+        });
         let Some(Ok(reply)) = reply else {
             return Verdict::Reply(decision::limiter_unavailable(self.dialect));
         };
@@ -1035,6 +1034,35 @@ impl<H: Host> Learned for ProxyKnowledge<'_, H> {
 /// on a host that never reports end of stream on request headers (ngx_wasm_module), no
 /// `content-length` and no `transfer-encoding` either. Such a request gets no body
 /// callback there, so waiting for one would let it through uncharged.
+/// Takes a place in the waiter count at `key` if fewer than `most` wait there.
+fn take_place(host: &mut impl Host, key: &str, most: u32) -> bool {
+    let joined = shared_update(host, key, |bytes| {
+        let waiting = bytes.and_then(|b| b.try_into().ok()).map_or(0, u32::from_le_bytes);
+        let room = waiting < most;
+        (room.then(|| (waiting + 1).to_le_bytes().to_vec()), room)
+    });
+    joined == Some(true)
+}
+
+/// Gives back a place taken with `take_place`.
+fn give_place(host: &mut impl Host, key: &str) {
+    shared_update(host, key, |bytes| {
+        let waiting = bytes.and_then(|b| b.try_into().ok()).map_or(0, u32::from_le_bytes);
+        (Some(waiting.saturating_sub(1).to_le_bytes().to_vec()), ())
+    });
+}
+
+/// The value of a header the client must not be able to choose by adding a copy (the
+/// tier, the priority): `None`, so the default applies, when it was sent more than once,
+/// since hosts and the component that sets it disagree on which copy counts.
+fn single_header(host: &mut impl Host, name: &str) -> Option<String> {
+    let mut values = host.request_header_values(name);
+    match values.len() {
+        1 => values.pop(),
+        _ => None,
+    }
+}
+
 fn has_no_body(host: &mut impl Host, worker: &Worker) -> bool {
     match host.request_header("content-length") {
         Some(length) => length.trim() == "0",

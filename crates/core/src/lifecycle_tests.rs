@@ -615,6 +615,61 @@ fn per_model_limits_charge_and_settle_only_their_models() {
     assert_eq!(charge_of(&flight).limits.iter().map(|l| l.cost).collect::<Vec<_>>(), [309, 309]);
 }
 
+/// Issue 26 item 7: a tenant that overdrew a per-model limit (the provider reported far
+/// more than was reserved) is refused for that model only, directly and from leases.
+#[test]
+fn an_overdrawn_per_model_limit_refuses_only_the_models_it_covers() {
+    for (kind, lease) in [(HostKind::Envoy, false), (HostKind::Nginx, false), (HostKind::Envoy, true)] {
+        let world = World::new(kind);
+        let limits = json!([
+            {"name": "rpm", "requests": 100, "window": "1m"},
+            {"name": "gpt4o-tpm", "tokens": 1000, "window": "1m", "models": ["gpt-4o*"]}
+        ]);
+        let extra = if lease { json!({"lease": {"enabled": true}}) } else { json!({}) };
+        let mut proxy = Proxy::new(&world, &config(limits, extra));
+        let mut companion = FakeCompanion::default();
+        let mut flight = proxy.send(Request::chat("sk-a", CHAT), &mut companion);
+        assert!(flight.forwarded(), "{kind:?}");
+        proxy.reply(&mut flight, 200, "application/json", &[&usage_reply(9, 5_000)]);
+        proxy.done(&mut flight);
+        settle(&mut proxy, &mut companion);
+        let what = format!("{kind:?}, lease {lease}");
+        let other = CHAT.replace("gpt-4o", "claude-sonnet-4");
+        for i in 0..3 {
+            let flight = proxy.send(Request::chat("sk-a", &other), &mut companion);
+            assert!(flight.forwarded(), "{what}: another model's request {i} is not the overdrawn limit's to refuse");
+        }
+        let refused = proxy.send(Request::chat("sk-a", CHAT), &mut companion);
+        assert_eq!(refused.replied().map(|r| r.status), Some(429), "{what}: gpt-4o itself is still refused");
+    }
+}
+
+/// Issue 26 item 11: a tier header sent twice (a client's copy beside the one a trusted
+/// component appended) gives the default tier, whichever copy comes first.
+#[test]
+fn a_tier_header_sent_twice_gives_the_default_tier() {
+    for kind in HOSTS {
+        let world = World::new(kind);
+        let limits = json!([
+            {"name": "rph-free", "requests": 1, "window": "1h", "tiers": ["free"]},
+            {"name": "rph-gold", "requests": 100, "window": "1h", "tiers": ["gold"]}
+        ]);
+        let tier = json!({"tier": {"header": "x-tier", "default": "free"}});
+        let mut proxy = Proxy::new(&world, &config(limits, tier));
+        let mut companion = FakeCompanion::default();
+        let twice = |first: &str, second: &str| {
+            Request::get("sk-a", "/v1/models").header("x-tier", first).header("x-tier", second)
+        };
+        let looked: Vec<bool> =
+            charge_of(&proxy.send(twice("gold", "free"), &mut companion)).limits.iter().map(|l| l.look_only).collect();
+        assert_eq!(looked, [false, true], "{kind:?}: charged as free, gold only looked at");
+        let refused = proxy.send(twice("gold", "gold"), &mut companion);
+        assert_eq!(refused.replied().map(|r| r.status), Some(429), "{kind:?}: even two equal copies are the default");
+        let gold = proxy.send(Request::get("sk-a", "/v1/models").header("x-tier", "gold"), &mut companion);
+        assert!(gold.forwarded(), "{kind:?}: one copy is read as before");
+    }
+}
+
 #[test]
 fn concurrency_slots_are_released_at_once_and_renewed_meanwhile() {
     for kind in HOSTS {
@@ -861,5 +916,67 @@ fn a_refusal_after_a_timed_out_callout_reaches_the_client_on_every_host() {
             proxy.answer_with(&mut answered, 500, b"{}".to_vec());
             assert!(answered.replied().is_some_and(|r| r.body.contains("error")), "{kind:?} {mode}");
         }
+    }
+}
+
+/// Issue 26 item 9: with the companion away, a tenant whose local bucket is spent
+/// alternates its requests with a key whose first slot is its own. The newcomer may not
+/// take a bucket that admitted within its window: it goes to its second slot (or, both
+/// held, is not decided locally), and the spent bucket stays spent.
+#[test]
+fn a_colliding_newcomer_does_not_reset_a_spent_local_bucket() {
+    for kind in HOSTS {
+        let world = World::new(kind);
+        let limits = json!([{"name": "rpm", "requests": 3, "window": "1m"}]);
+        let extra = json!({"failure_mode": "local", "memory": {"tenant_slots": 16}});
+        let mut proxy = Proxy::new(&world, &config(limits, extra));
+        let config = proxy.worker.config().unwrap().clone();
+        let slots = |key: &str| crate::tables::TenantTable::slots(&config, &tenant(key));
+        let own = slots("sk-a")[0];
+        let rival = (0..10_000).map(|i| format!("sk-r{i}")).find(|r| slots(r)[0] == own).unwrap();
+        let mut companion = FakeCompanion::failing(500);
+        let mut admitted = 0;
+        for _ in 0..10 {
+            let mine = proxy.send(Request::get("sk-a", "/v1/models"), &mut companion);
+            if mine.forwarded() {
+                admitted += 1;
+            } else {
+                assert_eq!(mine.replied().map(|r| r.status), Some(429), "{kind:?}");
+            }
+            proxy.send(Request::get(&rival, "/v1/models"), &mut companion);
+        }
+        assert_eq!(admitted, 3, "{kind:?}: the colliding rival handed sk-a a fresh local bucket");
+        // A whole window later the idle bucket may be taken.
+        advance(&world, 60_001);
+        let both_held = (0..20_000)
+            .map(|i| format!("sk-n{i}"))
+            .find(|n| slots(n).iter().all(|s| *s == own || *s == slots(&rival).get(1).copied().unwrap_or(own)))
+            .unwrap();
+        assert!(proxy.send(Request::get(&both_held, "/v1/models"), &mut companion).forwarded(), "{kind:?}");
+    }
+}
+
+/// Issue 26 item 10: one tenant's waiters hold at most `queue.tenant_share` of the queue,
+/// so another tenant still finds a place; every place comes back when its request ends.
+#[test]
+fn one_tenant_holds_only_its_share_of_the_queue() {
+    for kind in HOSTS {
+        let world = World::new(kind);
+        let extra = json!({"queue": {"max_wait": "5s", "max_length": 4, "tenant_share": 0.5}});
+        let mut proxy = Proxy::new(&world, &rpm_tpm(extra));
+        let mut flood: Vec<_> = (0..4).map(|_| proxy.start(Request::chat("sk-a", CHAT))).collect();
+        let waits: Vec<bool> = flood.iter().map(|f| charge_of(f).wait.is_some()).collect();
+        assert_eq!(waits, [true, true, false, false], "{kind:?}: sk-a's share is 2 of 4 places");
+        let mut other = proxy.start(Request::chat("sk-b", CHAT));
+        assert!(charge_of(&other).wait.is_some(), "{kind:?}: another tenant still finds a place");
+        for flight in flood.iter_mut().chain([&mut other]) {
+            proxy.done(flight);
+        }
+        let key =
+            keys::queued_tenant_key("llm", crate::tables::queued_slot(proxy.worker.config().unwrap(), &tenant("sk-a")));
+        let count = |proxy: &mut Proxy, key: &str| {
+            proxy.root.shared_value(key).map_or(0, |b| u32::from_le_bytes(b.try_into().unwrap()))
+        };
+        assert_eq!((count(&mut proxy, &key), count(&mut proxy, &keys::queued_key("llm"))), (0, 0), "{kind:?}");
     }
 }

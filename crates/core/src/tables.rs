@@ -8,8 +8,13 @@
 //! traffic.
 //!
 //! Who may replace whose entry is the caller's rule: a tenant's lease entry only once its
-//! leases have expired and been returned; a local bucket at once (what it admitted was
-//! queued for Redis when it admitted it); a running average at once (an estimate).
+//! leases have expired and been returned; a local bucket only once it has admitted
+//! nothing for a whole window (else a newcomer would hand its owner a fresh budget); a
+//! running average at once (an estimate).
+//!
+//! Slots come from a keyed hash (SipHash-2-4) whose key is derived from the companion
+//! token, which clients never see: a client cannot grind credentials offline for one
+//! whose slots are another tenant's (or its own, to reset its local bucket).
 
 use crate::config::Policy;
 use crate::host::{shared_get_read, shared_read, shared_update, shared_update_from, Host, SharedRead};
@@ -39,8 +44,9 @@ impl TenantTable {
 
     /// The two slots `tenant`'s entry may sit at, in the order they are tried.
     pub fn slots(config: &Policy, tenant: &str) -> [u32; 2] {
-        let slots = config.memory.tenant_slots;
-        [slot_of(&[tenant], slots), slot_of(&[tenant, "second"], slots)]
+        let slots = u64::from(config.memory.tenant_slots.max(1));
+        let hash = keyed_hash(config.memory.slot_key, &[tenant]);
+        [(hash % slots) as u32, ((hash >> 32 ^ hash.rotate_left(17)) % slots) as u32]
     }
 }
 
@@ -189,14 +195,49 @@ pub fn update_average(
 }
 
 fn average_slot(config: &Policy, tenant: &str, model: &str) -> (String, [u8; OWNER_HASH_BYTES]) {
-    let hash = fnv1a(&[tenant, model]);
+    let hash = keyed_hash(config.memory.slot_key, &[tenant, model]);
     let slot = (hash % u64::from(config.memory.average_slots.max(1))) as u32;
     (keys::average_key(&config.domain, slot), hash.rotate_left(17).to_le_bytes())
 }
 
-/// The slot of `parts` in a table of `slots`.
-pub fn slot_of(parts: &[&str], slots: u32) -> u32 {
-    (fnv1a(parts) % u64::from(slots.max(1))) as u32
+/// Counters of waiters per tenant in the queue: a fixed table, so a tenant's share of the
+/// queue costs no key per tenant.
+pub const QUEUED_SLOTS: u64 = 1024;
+
+/// The slot of `tenant`'s waiter counter (tenants sharing one share its bound).
+pub fn queued_slot(config: &Policy, tenant: &str) -> u32 {
+    (keyed_hash(config.memory.slot_key, &[tenant, "queued"]) % QUEUED_SLOTS) as u32
+}
+
+/// The key of the tables' slot hash: from the companion token (a secret between the
+/// proxies and the companion) and the domain, so every worker of a proxy agrees on it
+/// without shared state (there is no OS randomness on the filter's target, and a seed
+/// written to shared data races at its creation on Envoy), and no client can compute it.
+pub fn slot_key(token: &str, domain: &str) -> [u64; 2] {
+    use sha2::{Digest, Sha256};
+    let digest = Sha256::new()
+        .chain_update(b"llm-ratelimit/slots/v1\0")
+        .chain_update(token.as_bytes())
+        .chain_update(b"\0")
+        .chain_update(domain.as_bytes())
+        .finalize();
+    let word = |at: usize| digest.get(at..at + 8).and_then(|b| b.try_into().ok()).map_or(0, u64::from_le_bytes);
+    [word(0), word(8)]
+}
+
+/// SipHash-2-4 of the parts (each followed by a 0 byte) under `key`: a keyed PRF, so
+/// which inputs share a slot cannot be told without the key. std's `SipHasher` is that
+/// function exactly; it is deprecated only in favour of `DefaultHasher`, which takes no
+/// key, and no SipHash crate is vendored here.
+fn keyed_hash(key: [u64; 2], parts: &[&str]) -> u64 {
+    use std::hash::Hasher;
+    #[allow(deprecated)]
+    let mut hasher = std::hash::SipHasher::new_with_keys(key[0], key[1]);
+    for part in parts {
+        hasher.write(part.as_bytes());
+        hasher.write_u8(0);
+    }
+    hasher.finish()
 }
 
 /// FNV-1a over the parts, each followed by a 0 byte (so ("ab", "c") != ("a", "bc")).
@@ -227,13 +268,30 @@ mod tests {
 
     #[test]
     fn slots_spread_and_stay_in_range() {
+        let key = slot_key("secret", "llm");
         let mut used = std::collections::BTreeSet::new();
         for i in 0..1000 {
-            let slot = slot_of(&[&format!("tenant-{i}")], 64);
-            assert!(slot < 64);
+            let slot = keyed_hash(key, &[&format!("tenant-{i}")]) % 64;
             used.insert(slot);
         }
         assert_eq!(used.len(), 64, "1000 tenants reach every one of 64 slots");
+        assert_ne!(keyed_hash(key, &["ab", "c"]), keyed_hash(key, &["a", "bc"]));
         assert_ne!(fnv1a(&["ab", "c"]), fnv1a(&["a", "bc"]));
+    }
+
+    /// Issue 26 item 9: which tenants share a slot depends on the secret key, so it cannot
+    /// be worked out offline. Of 1,000 tenants, those sharing tenant-0's slot under one
+    /// token are (almost) all different under another.
+    #[test]
+    fn which_tenants_collide_depends_on_the_secret() {
+        let sharing = |token: &str| -> std::collections::BTreeSet<usize> {
+            let key = slot_key(token, "llm");
+            let of = |i: usize| keyed_hash(key, &[&format!("tenant-{i}")]) % 64;
+            (1..1000).filter(|&i| of(i) == of(0)).collect()
+        };
+        let (a, b) = (sharing("token-a"), sharing("token-b"));
+        assert!(a.len() > 5 && b.len() > 5, "about 1000/64 each: {} and {}", a.len(), b.len());
+        assert!(a.intersection(&b).count() <= 3, "{a:?} vs {b:?}");
+        assert_ne!(slot_key("t", "llm"), slot_key("t", "other"), "the domain is part of the key");
     }
 }

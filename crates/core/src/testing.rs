@@ -174,6 +174,11 @@ impl Host for FakeHost {
         self.request_headers.iter().find(|(n, _)| n == name).map(|(_, v)| v.clone())
     }
 
+    fn request_header_values(&mut self, name: &str) -> Vec<String> {
+        self.count_call("request_header_values");
+        self.request_headers.iter().filter(|(n, _)| n == name).map(|(_, v)| v.clone()).collect()
+    }
+
     fn set_request_header(&mut self, name: &str, value: &str) -> bool {
         self.count_call("set_request_header");
         self.request_headers.retain(|(n, _)| n != name);
@@ -402,8 +407,14 @@ impl FakeCompanion {
             }
             LEASE_PATH => {
                 let request: LeaseRequest = serde_json::from_value(callout.body.clone()).expect("lease");
-                let specs: Vec<LimitCharge> =
-                    request.limits.iter().map(|a| spec(&a.name, a.capacity, a.window_ms, a.wanted, a.needed)).collect();
+                let specs: Vec<LimitCharge> = request
+                    .limits
+                    .iter()
+                    .map(|a| LimitCharge {
+                        look_only: a.look_only,
+                        ..spec(&a.name, a.capacity, a.window_ms, a.wanted, a.needed)
+                    })
+                    .collect();
                 let mut states = self.states(&request.tenant, &specs);
                 let reply: LimitsReply = bucket::lease(&mut states, &specs, request.share, now);
                 if reply.allowed {
@@ -482,6 +493,7 @@ fn spec(name: &str, capacity: u64, window_ms: u64, cost: u64, min_cost: Option<u
         min_cost,
         kind: LimitKind::TokenBucket,
         provisional: false,
+        look_only: false,
     }
 }
 

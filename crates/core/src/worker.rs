@@ -536,6 +536,7 @@ pub(crate) fn limit_charge(limit: &crate::config::Limit, cost: u64) -> LimitChar
         min_cost: None,
         kind: limit.kind,
         provisional: false,
+        look_only: false,
     }
 }
 

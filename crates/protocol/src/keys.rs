@@ -41,6 +41,12 @@ pub fn queued_key(domain: &str) -> String {
     format!("llmrl.queued.{domain}")
 }
 
+/// Shared data: how many requests of the tenants at `slot` (a fixed table, see the
+/// core's `tables::queued_slot`) wait in this proxy's queue.
+pub fn queued_tenant_key(domain: &str, slot: u32) -> String {
+    format!("llmrl.queued.{domain}.{slot}")
+}
+
 /// Shared data: the circuit breaker in front of the companion.
 pub fn breaker_key(domain: &str) -> String {
     format!("llmrl.breaker.{domain}")

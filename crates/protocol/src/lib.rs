@@ -83,6 +83,10 @@ pub struct LeaseAsk {
     pub needed: Option<u64>,
     #[serde(default, skip_serializing_if = "is_token_bucket")]
     pub kind: LimitKind,
+    /// As `LimitCharge::look_only`: the limit does not apply to the request that asks,
+    /// so it never refuses the grant (and grants nothing it does not want).
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub look_only: bool,
 }
 
 /// Check several buckets of one tenant and charge them all, or none.
@@ -206,6 +210,11 @@ pub struct LimitCharge {
     /// as requests in flight settle below their estimates. The queue waits for that.
     #[serde(default, skip_serializing_if = "is_false")]
     pub provisional: bool,
+    /// The limit does not apply to this request (another model or tier): it is reported
+    /// but never refuses, whatever its level. A limit that applies and reserves nothing
+    /// (`cost` 0, such as a `cached_input` limit) still refuses while overdrawn.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub look_only: bool,
 }
 
 fn is_false(b: &bool) -> bool {
@@ -482,6 +491,7 @@ mod tests {
                 min_cost: None,
                 kind: LimitKind::TokenBucket,
                 provisional: false,
+                look_only: false,
             }],
             reservation: None,
             wait: None,

@@ -15,7 +15,16 @@ fn pinned<T: Serialize + DeserializeOwned + PartialEq + Debug>(value: &T, json: 
 }
 
 fn spec(name: &str, kind: LimitKind, min_cost: Option<u64>) -> LimitCharge {
-    LimitCharge { name: name.into(), capacity: 100, window_ms: 60_000, cost: 7, min_cost, kind, provisional: false }
+    LimitCharge {
+        name: name.into(),
+        capacity: 100,
+        window_ms: 60_000,
+        cost: 7,
+        min_cost,
+        kind,
+        provisional: false,
+        look_only: false,
+    }
 }
 
 #[test]
@@ -75,12 +84,55 @@ fn lease_request() {
             wanted: 7,
             needed: Some(0),
             kind: LimitKind::TokenBucket,
+            look_only: false,
         }],
         share: 0.5,
     };
     pinned(
         &lease,
         r#"{"domain":"llm","tenant":"t1","limits":[{"name":"tpm","capacity":100,"window_ms":60000,"cost":7,"min_cost":0}],"share":0.5}"#,
+    );
+}
+
+/// A limit that does not apply to the request (another model or tier) is sent look-only;
+/// limits that apply go out exactly as before the field existed.
+#[test]
+fn a_limit_that_does_not_apply_is_look_only() {
+    let request = ChargeRequest {
+        domain: "llm".into(),
+        tenant: "t1".into(),
+        limits: vec![
+            spec("rpm", LimitKind::TokenBucket, None),
+            LimitCharge { cost: 0, look_only: true, ..spec("tpm_gpt4o", LimitKind::SlidingWindow, None) },
+        ],
+        reservation: None,
+        wait: None,
+    };
+    pinned(
+        &request,
+        concat!(
+            r#"{"domain":"llm","tenant":"t1","limits":["#,
+            r#"{"name":"rpm","capacity":100,"window_ms":60000,"cost":7},"#,
+            r#"{"name":"tpm_gpt4o","capacity":100,"window_ms":60000,"cost":0,"kind":"sliding_window","look_only":true}]}"#
+        ),
+    );
+    let lease = LeaseRequest {
+        domain: "llm".into(),
+        tenant: "t1".into(),
+        limits: vec![LeaseAsk {
+            name: "tpm_gpt4o".into(),
+            capacity: 100,
+            window_ms: 60_000,
+            wanted: 0,
+            needed: Some(0),
+            kind: LimitKind::TokenBucket,
+            look_only: true,
+        }],
+        share: 0.5,
+    };
+    pinned(
+        &lease,
+        r#"{"domain":"llm","tenant":"t1","limits":[{"name":"tpm_gpt4o","capacity":100,"window_ms":60000,"cost":0,"min_cost":0,"look_only":true}],"share":0.5}"#,
     );
 }
 

@@ -33,7 +33,7 @@ pub(super) fn compile(written: &Document) -> Result<Policy, ConfigError> {
     let tokens = tokens(&written.tokens)?;
     let fallback = fallback(&written.fallback)?;
     let lease = lease(&written.lease)?;
-    let memory = memory(&written.memory)?;
+    let memory = memory(&written.memory, companion.token.expose(), &written.domain)?;
     let bypass = bypass(&written.bypass)?;
     let prices = prices(&written.prices)?;
     budgets_are_priced(&limits, &prices)?;
@@ -250,11 +250,12 @@ fn fallback(written: &shape::Fallback) -> Result<Fallback, ConfigError> {
     Ok(Fallback { instances, breaker_failures, breaker_cooldown })
 }
 
-fn memory(written: &shape::Memory) -> Result<Memory, ConfigError> {
+fn memory(written: &shape::Memory, token: &str, domain: &str) -> Result<Memory, ConfigError> {
     const RANGE: std::ops::RangeInclusive<u32> = 16..=1 << 20;
     Ok(Memory {
         tenant_slots: within("memory.tenant_slots", written.tenant_slots, RANGE, "16..1048576")?,
         average_slots: within("memory.average_slots", written.average_slots, RANGE, "16..1048576")?,
+        slot_key: crate::tables::slot_key(token, domain),
     })
 }
 
@@ -354,9 +355,14 @@ fn queue(written: &shape::Queue, limits: &[Limit]) -> Result<QueueConfig, Config
     }
     let priority_header =
         written.priority_header.as_deref().map(|h| header_name("queue.priority_header", h, h)).transpose()?;
+    let share = written.tenant_share;
+    if !(share > 0.0 && share <= 1.0) {
+        return Err(invalid("queue.tenant_share", format!("must be in (0, 1], got {share}")));
+    }
     Ok(QueueConfig {
         max_wait,
         max_length: written.max_length,
+        max_per_tenant: ((f64::from(written.max_length) * share).ceil() as u32).max(1),
         priority_header,
         default_priority,
         tier_priorities: written.tier_priorities.clone(),

@@ -48,6 +48,8 @@ pub struct Policy {
 pub struct Memory {
     pub tenant_slots: u32,
     pub average_slots: u32,
+    /// The secret key of the tables' slot hash (`crate::tables::slot_key`).
+    pub slot_key: [u64; 2],
 }
 
 impl Policy {
@@ -557,6 +559,9 @@ pub struct QueueConfig {
     pub max_wait: Duration,
     /// The most requests one proxy keeps waiting at once.
     pub max_length: u32,
+    /// The most of them one tenant's waiters may be (`queue.tenant_share` of
+    /// `max_length`, at least 1).
+    pub max_per_tenant: u32,
     /// A request header carrying a priority 0 to 9, in lower case.
     pub priority_header: Option<String>,
     pub default_priority: u8,

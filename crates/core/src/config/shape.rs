@@ -388,6 +388,8 @@ pub struct Queue {
     pub max_wait: ConfigDuration,
     /// The most requests one proxy keeps waiting at once; more are refused at once.
     pub max_length: u32,
+    /// The share of `max_length` one tenant's waiters may hold (0 < share <= 1).
+    pub tenant_share: f64,
     /// A request header carrying a priority 0 (lowest) to 9 (highest), if the operator
     /// lets clients choose.
     pub priority_header: Option<String>,
@@ -405,6 +407,7 @@ impl Default for Queue {
         Queue {
             max_wait: ConfigDuration(Duration::ZERO),
             max_length: 1000,
+            tenant_share: 0.1,
             priority_header: None,
             default_priority: 5,
             tier_priorities: BTreeMap::new(),
