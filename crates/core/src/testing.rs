@@ -666,3 +666,43 @@ impl Proxy {
         self.root.callout_answer = None;
     }
 }
+
+/// One bad config of `tests/cases/bad_configs/`: `<name>.json` and, beside it,
+/// `<name>.expect` holding the one line the filter logs when it refuses it (and
+/// `llm-ratelimit check-config` prints), `None` when that file is missing.
+#[derive(Debug)]
+pub struct BadConfig {
+    pub name: String,
+    pub config: Vec<u8>,
+    pub expected: Option<String>,
+}
+
+/// The folder of bad-config fixtures, shared by the config tests and the CLI's checker.
+pub const BAD_CONFIGS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/cases/bad_configs");
+
+/// Every bad-config fixture, by name. Panics on an expectation without its config, so a
+/// renamed fixture cannot leave its expectation behind unread.
+pub fn bad_configs() -> Vec<BadConfig> {
+    let folder = std::path::Path::new(BAD_CONFIGS);
+    let mut names: Vec<(String, String)> = std::fs::read_dir(folder)
+        .unwrap_or_else(|e| panic!("{BAD_CONFIGS}: {e}"))
+        .map(|entry| entry.unwrap().file_name().to_string_lossy().into_owned())
+        .filter_map(|file| file.rsplit_once('.').map(|(name, ext)| (name.to_string(), ext.to_string())))
+        .collect();
+    names.sort();
+    for (name, ext) in &names {
+        assert!(ext == "json" || ext == "expect", "{name}.{ext}: a fixture is <name>.json beside <name>.expect");
+        assert!(names.contains(&(name.clone(), "json".into())), "{name}.expect has no {name}.json");
+    }
+    names
+        .into_iter()
+        .filter(|(_, ext)| ext == "json")
+        .map(|(name, _)| {
+            let config = std::fs::read(folder.join(format!("{name}.json"))).unwrap();
+            let expected = std::fs::read_to_string(folder.join(format!("{name}.expect")))
+                .ok()
+                .map(|text| text.trim_end_matches('\n').to_string());
+            BadConfig { name, config, expected }
+        })
+        .collect()
+}
