@@ -84,6 +84,10 @@ def age_keys(pipe, keys, written_at, clock):
 
 def check_step(case, i, step, reply, keys, written_at, clock, tolerance_ms=1):
     what = f"{case['name']} / step {i}"
+    # One outcome per limit, in the table and in the reply: zip alone would pass a reply
+    # missing outcomes.
+    assert len(step["outcomes"]) == len(step["amounts"]) == len(case["limits"]) == len(keys), what
+    assert len(reply) == 1 + len(case["limits"]), f"{what}: {reply}"
     assert reply[0] == int(step["done"]), what
     if step["done"]:
         for key, amount in zip(keys, step["amounts"]):
