@@ -78,7 +78,7 @@ soak: build ## Many tenants: a new API key per request through one Envoy, its me
 FAULT_MINUTES ?= 4
 
 faults: build ## Fault suite under load (~6 min, not in make test): Redis restarted and paused, companion and an Envoy killed
-	$(PY) scripts/faults.py --minutes $(FAULT_MINUTES)
+	$(PY) scripts/faults --minutes $(FAULT_MINUTES)
 
 accuracy: build ## Token limits against their budget when the upstream counts prompts its own way (~6 min, not in make test)
 	$(PY) scripts/accuracy.py
