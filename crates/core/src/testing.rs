@@ -338,7 +338,8 @@ impl Host for FakeHost {
 /// The companion and Redis, as the Rust model of the scripts: each tenant's limits with
 /// the semantics of their kind in `lua/limits.lua` (token buckets by `bucket.rs`, the
 /// model the case table pins; sliding windows as the log of what each call took; slots as
-/// request ids with their expiry), reservation records, leases, the fleet's calibrations.
+/// request ids with their expiry; these two pinned with the script by
+/// tests/cases/windows_and_slots.json), reservation records, leases, the fleet's calibrations.
 #[derive(Debug, Default)]
 pub struct FakeCompanion {
     counters: HashMap<(String, String), Counter>,
@@ -872,4 +873,93 @@ pub fn bad_configs() -> Vec<BadConfig> {
             BadConfig { name, config, expected }
         })
         .collect()
+}
+
+/// The fake companion's sliding windows and slots against the case table that
+/// tests/test_lua_limits.py runs against lua/limits.lua in a real Redis.
+#[cfg(test)]
+mod case_table {
+    use super::*;
+    use serde_json::json;
+
+    fn callout(path: &str, body: Value) -> Callout {
+        let (upstream, headers) = (String::new(), Vec::new());
+        Callout { token: 0, upstream, path: path.into(), headers, body, timeout: Duration::ZERO, owner: Owner::Root }
+    }
+
+    fn kind(limit: &Value) -> Value {
+        json!(match limit["kind"].as_str() {
+            Some("sw") => "sliding_window",
+            Some("slots") => "slots",
+            other => panic!("not a window or slot limit: {other:?}"),
+        })
+    }
+
+    #[test]
+    fn windows_and_slots_follow_the_shared_case_table() {
+        let table: Value =
+            serde_json::from_str(include_str!("../../../tests/cases/windows_and_slots.json")).expect("case table");
+        let cases = table["cases"].as_array().expect("cases");
+        assert!(cases.len() >= 3);
+        for case in cases {
+            let name = case["name"].as_str().unwrap();
+            let limits = case["limits"].as_array().unwrap();
+            let mut companion = FakeCompanion::default();
+            let mut now = 1_000_000u64;
+            for (i, step) in case["steps"].as_array().unwrap().iter().enumerate() {
+                let what = format!("{name} / step {i}");
+                now += step["advance_ms"].as_u64().unwrap();
+                let amounts = step["amounts"].as_array().unwrap();
+                assert_eq!(amounts.len(), limits.len(), "{what}");
+                let request = step["request"].as_str().unwrap();
+                let spec = |amount_field: &str| -> Vec<Value> {
+                    limits
+                        .iter()
+                        .zip(amounts)
+                        .map(|(l, amount)| {
+                            json!({"name": l["name"], "capacity": l["capacity"], "window_ms": l["window_ms"],
+                                   "kind": kind(l), amount_field: amount})
+                        })
+                        .collect()
+                };
+                let settlement = |limits| json!({"settlements": [{"domain": "d", "tenant": "t", "reservation": request, "limits": limits}]});
+                let op = step["op"].as_str().unwrap_or("charge");
+                let (path, body) = match op {
+                    "charge" => (
+                        CHARGE_PATH,
+                        json!({"domain": "d", "tenant": "t", "limits": spec("cost"),
+                                                     "reservation": {"id": request, "ttl_ms": 60_000}}),
+                    ),
+                    "settle" => (SETTLE_PATH, settlement(spec("credit"))),
+                    "touch" => (TOUCH_PATH, settlement(spec("credit"))),
+                    "release" => (RELEASE_PATH, settlement(spec("credit"))),
+                    other => panic!("{what}: op {other}"),
+                };
+                let (status, reply) = companion.answer(&callout(path, body), now);
+                assert_eq!(status, 200, "{what}");
+                let done = step["done"].as_bool().unwrap();
+                if op != "charge" {
+                    let reply: SettleReply = serde_json::from_slice(&reply).unwrap();
+                    assert_eq!(
+                        reply.results,
+                        [if done { SettleOutcome::Applied } else { SettleOutcome::AlreadySettled }]
+                    );
+                    continue;
+                }
+                let reply: LimitsReply = serde_json::from_slice(&reply).unwrap();
+                assert_eq!(reply.allowed, done, "{what}");
+                let outcomes = step["outcomes"].as_array().unwrap();
+                assert_eq!(reply.limits.len(), outcomes.len(), "{what}");
+                for (got, want) in reply.limits.iter().zip(outcomes) {
+                    let status = match got.status {
+                        LimitStatus::Allowed => "allowed",
+                        LimitStatus::Limited => "limited",
+                        LimitStatus::Never => "never",
+                    };
+                    let got = json!([status, got.remaining, got.reset_after_ms, got.retry_after_ms]);
+                    assert_eq!(&got, want, "{what}");
+                }
+            }
+        }
+    }
 }
