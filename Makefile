@@ -98,7 +98,7 @@ fuzz-check: ## Compile every fuzz target and run each briefly (part of make test
 	@test "$$(grep -c '^\[\[bin\]\]' fuzz/Cargo.toml)" = "$(words $(FUZZ_TARGETS))" || { echo "fuzz/Cargo.toml and FUZZ_TARGETS list different targets"; exit 1; }
 	cd fuzz && CARGO_TARGET_DIR=$(CURDIR)/target cargo build --bins
 	@for target in $(FUZZ_TARGETS); do \
-	  out=$$(target/debug/$$target -runs=$(FUZZ_CHECK_RUNS) -seed=1 -max_len=4096 2>&1) \
+	  out=$$(target/debug/$$target -runs=$(FUZZ_CHECK_RUNS) -seed=1 -max_len=4096 -artifact_prefix=target/fuzz-check- 2>&1) \
 	    || { echo "$$out" | tail -40; echo "fuzz-check: $$target failed"; exit 1; }; \
 	  echo "fuzz-check: $$target: $$(echo "$$out" | tail -1)"; \
 	done
