@@ -16,7 +16,7 @@ WASM_CARGO := RUSTC_BOOTSTRAP=1 RUSTC=/usr/bin/rustc /usr/bin/cargo
 WASM_FLAGS := -Zbuild-std=std,panic_abort
 endif
 
-.PHONY: help setup build wasm empty-filter floor-filter native test wasm-test fuzz unit integration up down demo bench soak faults accuracy capacity lint clean
+.PHONY: help setup build wasm empty-filter floor-filter native test wasm-test fuzz fuzz-check unit integration up down demo bench soak faults accuracy capacity lint clean
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -44,6 +44,7 @@ native:
 
 test: build ## Run every test: unit (native and wasm), Lua against Redis, companion, end to end through Envoy
 	cargo test --workspace
+	$(MAKE) --no-print-directory fuzz-check
 	$(MAKE) --no-print-directory wasm-test
 	$(PY) -m pytest tests -q -p no:cacheprovider
 
@@ -77,7 +78,7 @@ soak: build ## Many tenants: a new API key per request through one Envoy, its me
 FAULT_MINUTES ?= 4
 
 faults: build ## Fault suite under load (~6 min, not in make test): Redis restarted and paused, companion and an Envoy killed
-	$(PY) scripts/faults.py --minutes $(FAULT_MINUTES)
+	$(PY) scripts/faults --minutes $(FAULT_MINUTES)
 
 accuracy: build ## Token limits against their budget when the upstream counts prompts its own way (~6 min, not in make test)
 	$(PY) scripts/accuracy.py
@@ -87,6 +88,20 @@ capacity: setup ## Redis memory per tenant for each kind of limit, and what one 
 
 FUZZ_SECONDS ?= 60
 FUZZ_TARGETS := config request_body sse_stream json_reply event_stream json_array_stream
+
+# fuzz/ is a workspace of its own (cargo-fuzz builds it with sanitizer flags), so the
+# workspace's build never compiles it: this does, natively and without instrumentation
+# (no nightly, no cargo-fuzz), and runs each target on FUZZ_CHECK_RUNS generated inputs.
+FUZZ_CHECK_RUNS ?= 20000
+
+fuzz-check: ## Compile every fuzz target and run each briefly (part of make test)
+	@test "$$(grep -c '^\[\[bin\]\]' fuzz/Cargo.toml)" = "$(words $(FUZZ_TARGETS))" || { echo "fuzz/Cargo.toml and FUZZ_TARGETS list different targets"; exit 1; }
+	cd fuzz && CARGO_TARGET_DIR=$(CURDIR)/target cargo build --bins
+	@for target in $(FUZZ_TARGETS); do \
+	  out=$$(target/debug/$$target -runs=$(FUZZ_CHECK_RUNS) -seed=1 -max_len=4096 -artifact_prefix=target/fuzz-check- 2>&1) \
+	    || { echo "$$out" | tail -40; echo "fuzz-check: $$target failed"; exit 1; }; \
+	  echo "fuzz-check: $$target: $$(echo "$$out" | tail -1)"; \
+	done
 
 fuzz: ## Run each cargo-fuzz target for FUZZ_SECONDS (default 60)
 	@command -v cargo-fuzz >/dev/null || cargo install --quiet cargo-fuzz --version 0.13.2

@@ -119,7 +119,9 @@
 -- again (a missing key and a full bucket are the same state); a slot set expires when its
 -- last slot would.
 -- The Rust model of the token buckets is crates/core/src/bucket.rs;
--- tests/cases/token_bucket.json is the case table both are tested with.
+-- tests/cases/token_bucket.json is the case table both are tested with. The sliding windows
+-- and slots are modelled by the fake companion (crates/core/src/testing.rs), tested with
+-- this script against tests/cases/windows_and_slots.json.
 
 -- The time of this call (ms, fractional); set once the arguments are known to be good.
 local now_ms

@@ -1,5 +1,6 @@
-"""lua/limits.lua against a real redis-server, with the case table that the Rust
-model (crates/core/src/bucket.rs) is tested with; and on a three-node Redis Cluster."""
+"""lua/limits.lua against a real redis-server, with the case tables that the Rust
+models are tested with (token buckets: crates/core/src/bucket.rs; sliding windows and
+slots: the fake companion of crates/core/src/testing.rs); and on a three-node Redis Cluster."""
 
 import json
 import re
@@ -86,6 +87,10 @@ def age_keys(pipe, keys, written_at, clock):
 
 def check_step(case, i, step, reply, keys, written_at, clock, tolerance_ms=1):
     what = f"{case['name']} / step {i}"
+    # One outcome per limit, in the table and in the reply: zip alone would pass a reply
+    # missing outcomes.
+    assert len(step["outcomes"]) == len(step["amounts"]) == len(case["limits"]) == len(keys), what
+    assert len(reply) == 1 + len(case["limits"]), f"{what}: {reply}"
     assert reply[0] == int(step["done"]), what
     if step["done"]:
         for key, amount in zip(keys, step["amounts"]):
@@ -470,3 +475,62 @@ def test_a_batch_runs_on_a_cluster_within_one_hash_slot(cluster):
     assert [(reply[0], reply[1][2]) for reply in replies] == [(1, 7), (1, 6)]
     with pytest.raises(redis.RedisClusterException):
         cluster.eval(SCRIPT, 2, same[0], f"test:{{{other}}}:{run}:rpm", batch_args(calls))
+
+
+# The sliding windows and slots of tests/cases/windows_and_slots.json, which the Rust
+# model (the fake companion of crates/core/src/testing.rs) is tested with too. Time moves
+# by moving every stored time back: window entries and slot expiries (scores > 0; the
+# window's bookkeeping members score below 0) and the reservation records (the time of
+# their charge), all by the step's advance less the real time since the last step, in the
+# same MULTI as the call.
+WS_CASES = json.loads((ROOT / "tests/cases/windows_and_slots.json").read_text())["cases"]
+SHIFT_TIMES = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
+local last = tonumber(redis.call('GET', KEYS[1])) or now
+local shift = (now - last) - tonumber(ARGV[1])
+for i = 2, #KEYS do
+  local kind = redis.call('TYPE', KEYS[i])['ok']
+  if kind == 'zset' then
+    local entries = redis.call('ZRANGEBYSCORE', KEYS[i], '(0', '+inf', 'WITHSCORES')
+    for j = 1, #entries, 2 do
+      redis.call('ZADD', KEYS[i], string.format('%.17g', tonumber(entries[j + 1]) + shift), entries[j])
+    end
+  elseif kind == 'string' then
+    local at = tonumber(redis.call('GET', KEYS[i]))
+    if at then
+      redis.call('SET', KEYS[i], string.format('%.17g', at + shift), 'KEEPTTL')
+    end
+  end
+end
+redis.call('SET', KEYS[1], string.format('%.17g', now))
+"""
+
+
+@pytest.mark.parametrize("case", WS_CASES, ids=[c["name"] for c in WS_CASES])
+def test_windows_and_slots_case_table(client, case):
+    tag = uuid.uuid4().hex
+    keys = [f"test:{{{tag}}}:{limit['name']}" for limit in case["limits"]]
+    requests = sorted({step["request"] for step in case["steps"]})
+    records = {r: f"test:{{{tag}}}:res:{r}" for r in requests}
+    clock = f"test:{{{tag}}}:clock"
+    for i, step in enumerate(case["steps"]):
+        what = f"{case['name']} / step {i}"
+        op = step.get("op", "charge")
+        assert len(step["amounts"]) == len(case["limits"]), what
+        argument = json.loads(script_args(op, case["limits"], step["amounts"], ttl_ms=60_000))
+        pipe = client.pipeline(transaction=True)
+        stored = [clock, *keys, *records.values()]
+        pipe.eval(SHIFT_TIMES, len(stored), *stored, step["advance_ms"])
+        call_keys = keys + [records[step["request"]]]
+        pipe.eval(SCRIPT, len(call_keys), *call_keys, json.dumps(argument))
+        reply = pipe.execute()[-1]
+        assert reply[0] == int(step["done"]), f"{what}: {reply}"
+        if op != "charge":
+            continue
+        assert len(reply) == 1 + len(case["limits"]) == 1 + len(step["outcomes"]), f"{what}: {reply}"
+        for got, want in zip(reply[1:], step["outcomes"]):
+            status, _cap, remaining, reset_after_ms, retry_after_ms, _charged = got
+            assert [STATUS[status], remaining] == want[:2], f"{what}: {got}"
+            assert abs(reset_after_ms - want[2]) <= 1, f"{what}: reset {reset_after_ms} vs {want[2]}"
+            assert abs(retry_after_ms - want[3]) <= 1, f"{what}: retry {retry_after_ms} vs {want[3]}"

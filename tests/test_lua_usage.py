@@ -43,6 +43,7 @@ def test_a_peek_after_each_step_of_the_case_table_sees_what_the_charge_left(clie
         step_reply, peek = replies[-2], replies[-1]
         check_step(case, i, step, step_reply, keys, written_at, clock)
         assert peek[0] == 1
+        assert len(peek) == len(step_reply) == 1 + len(case["limits"]), f"{case['name']}: {peek} after {step_reply}"
         for got, after_step in zip(peek[1:], step_reply[1:]):
             status, cap, remaining, reset_after_ms, retry_after_ms, charged = got
             assert (cap, remaining, charged) == (after_step[1], after_step[2], 0), case["name"]

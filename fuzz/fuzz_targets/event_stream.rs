@@ -18,7 +18,9 @@ fn framed(data: &[u8]) -> Vec<u8> {
         .flat_map(|piece| {
             let (kind, payload) = piece.split_first().map_or((0, &[][..]), |(k, p)| (usize::from(*k), p));
             let headers = match EVENTS.get(kind % 6) {
-                Some(event) => vec![(":event-type", *event), (":content-type", "application/json"), (":message-type", "event")],
+                Some(event) => {
+                    vec![(":event-type", *event), (":content-type", "application/json"), (":message-type", "event")]
+                }
                 None => vec![(":exception-type", "throttlingException"), (":message-type", "exception")],
             };
             encode(&headers, payload)

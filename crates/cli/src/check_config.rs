@@ -179,7 +179,15 @@ fn embedded_configs(text: &str, all_wasm: bool) -> Result<Vec<Embedded>, String>
         find_in_document(&document, "", all_wasm, &mut found);
         return Ok(found);
     }
-    let documents: Vec<Value> = serde_saphyr::from_multiple(text).map_err(yaml_error)?;
+    let documents: Vec<Value> = match serde_saphyr::from_multiple(text) {
+        Ok(documents) => documents,
+        // Broken JSON where a bare config was meant: the filter's own message, which says
+        // where (a YAML parser's would describe its own grammar).
+        Err(_) if text.trim_start().starts_with('{') => {
+            return Ok(vec![Embedded { place: "filter config".into(), config: text.as_bytes().to_vec(), istio: false }])
+        }
+        Err(e) => return Err(yaml_error(e)),
+    };
     let several = documents.len() > 1;
     let mut found = Vec::new();
     for (index, document) in documents.iter().enumerate() {
@@ -394,6 +402,21 @@ mod tests {
         let expected = Policy::from_json(bad.as_bytes()).unwrap_err().to_string();
         assert!(expected.contains("field `limits[0].window`"), "{expected}");
         assert_eq!(outcomes(&bad), [Err(expected)]);
+    }
+
+    /// Every bad-config fixture fails the check with the message beside it, the one the
+    /// filter logs: the field named, no credential echoed.
+    #[test]
+    fn every_bad_config_fixture_is_refused_with_its_message() {
+        let fixtures = llm_ratelimit_core::testing::bad_configs();
+        assert!(fixtures.len() >= 70, "{} fixtures", fixtures.len());
+        for fixture in fixtures {
+            let name = &fixture.name;
+            let expected = fixture.expected.unwrap_or_else(|| panic!("{name}.json has no {name}.expect beside it"));
+            assert!(expected.contains("field `") && !expected.contains("SECRET"), "{name}.expect: {expected}");
+            let text = String::from_utf8(fixture.config).unwrap();
+            assert_eq!(outcomes(&text), [Err(expected)], "{name}");
+        }
     }
 
     #[test]

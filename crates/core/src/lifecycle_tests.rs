@@ -980,3 +980,101 @@ fn one_tenant_holds_only_its_share_of_the_queue() {
         assert_eq!((count(&mut proxy, &key), count(&mut proxy, &keys::queued_key("llm"))), (0, 0), "{kind:?}");
     }
 }
+
+/// A request through `proxy` answered by `companion`: whether it went upstream, and the
+/// `retry-after` of its refusal. A forwarded request is left in flight (its slot held).
+fn admit(proxy: &mut Proxy, companion: &mut FakeCompanion, key: &str) -> (crate::testing::InFlight, Option<String>) {
+    let flight = proxy.send(Request::get(key, "/v1/models"), companion);
+    let retry = flight.replied().and_then(|r| r.headers.iter().find(|(n, _)| *n == "retry-after").map(|h| h.1.clone()));
+    assert!(flight.forwarded() || flight.replied().map(|r| r.status) == Some(429), "{:?}", flight.replied());
+    (flight, retry)
+}
+
+/// At most `requests` in any window, exactly: a full window refuses until its oldest
+/// entry leaves it, where a bucket of the same size would have refilled part way and
+/// admitted (README, `algorithm: sliding_window`; lua/limits.lua's sliding window).
+#[test]
+fn a_sliding_window_refuses_until_its_oldest_entry_leaves() {
+    for kind in HOSTS {
+        let world = World::new(kind);
+        let limits = json!([{"name": "rpw", "requests": 2, "window": "10s", "algorithm": "sliding_window"}]);
+        let mut proxy = Proxy::new(&world, &config(limits, json!({})));
+        let mut companion = FakeCompanion::default();
+        assert!(admit(&mut proxy, &mut companion, "sk-a").0.forwarded(), "{kind:?}: t=0");
+        advance(&world, 4_000);
+        assert!(admit(&mut proxy, &mut companion, "sk-a").0.forwarded(), "{kind:?}: t=4s");
+        // t=9s: both entries are inside the window (a bucket would hold 1.8 by now).
+        advance(&world, 5_000);
+        let (refused, retry) = admit(&mut proxy, &mut companion, "sk-a");
+        assert!(!refused.forwarded(), "{kind:?}: t=9s, two in the last 10 s");
+        assert_eq!(retry.as_deref(), Some("1"), "{kind:?}: the entry of t=0 leaves at t=10s");
+        // Just after t=10s the first entry has left: one fits, and then the window is full
+        // again until the entry of t=4s leaves at t=14s.
+        advance(&world, 1_001);
+        assert!(admit(&mut proxy, &mut companion, "sk-a").0.forwarded(), "{kind:?}: t=10.001s");
+        let (refused, retry) = admit(&mut proxy, &mut companion, "sk-a");
+        assert!(!refused.forwarded(), "{kind:?}");
+        assert_eq!(retry.as_deref(), Some("4"), "{kind:?}: 3,999 ms until t=14s, in whole seconds");
+    }
+}
+
+/// A concurrency slot is the request's until it is released (or its slot expires
+/// unrenewed): time alone frees nothing while the request is in flight and its proxy
+/// renews it, and its release frees it at once.
+#[test]
+fn a_slot_is_freed_by_its_release_not_by_time() {
+    for kind in HOSTS {
+        let world = World::new(kind);
+        let limits = json!([{"name": "inflight", "concurrency": 1}]);
+        let mut proxy = Proxy::new(&world, &config(limits, json!({"slots": {"ttl": "3s"}})));
+        let mut companion = FakeCompanion::default();
+        let (mut holder, _) = admit(&mut proxy, &mut companion, "sk-a");
+        assert!(holder.forwarded(), "{kind:?}");
+        // Six seconds, twice the slot's TTL, renewed meanwhile: every other request waits
+        // (a bucket refilling one slot per TTL would have admitted one at t=3s).
+        for second in 1..=6 {
+            for _ in 0..10 {
+                advance(&world, 100);
+                proxy.tick(Some(&mut companion));
+            }
+            let (other, retry) = admit(&mut proxy, &mut companion, "sk-a");
+            assert!(!other.forwarded(), "{kind:?}: t={second}s, the slot is held");
+            assert_eq!(retry.as_deref(), Some("1"), "{kind:?}: slots say at most 1 s");
+        }
+        proxy.reply(&mut holder, 200, "application/json", &["{}"]);
+        match kind {
+            // Released at once by a root callout; the companion answers it.
+            HostKind::Envoy => {
+                let release = holder.host.callouts.iter().find(|c| c.path == crate::protocol::RELEASE_PATH);
+                let release = release.expect("a release callout").clone();
+                let (status, body) = companion.answer(&release, proxy.now());
+                proxy.root_answer(release.token, status, body);
+            }
+            // No callout from a response phase: the settlement on the next tick releases it.
+            HostKind::Nginx => proxy.tick(Some(&mut companion)),
+        }
+        assert!(admit(&mut proxy, &mut companion, "sk-a").0.forwarded(), "{kind:?}: free once released");
+    }
+}
+
+/// A proxy that stops renewing its slots (it was killed) loses them at their expiry and
+/// not before: another proxy waits until then, told to retry within the second.
+#[test]
+fn a_slot_nobody_renews_is_freed_when_it_expires() {
+    for kind in HOSTS {
+        let world = World::new(kind);
+        let config = config(json!([{"name": "inflight", "concurrency": 1}]), json!({"slots": {"ttl": "3s"}}));
+        let (mut dead, mut live) = (Proxy::new(&world, &config), Proxy::new(&world, &config));
+        let mut companion = FakeCompanion::default();
+        assert!(admit(&mut dead, &mut companion, "sk-a").0.forwarded(), "{kind:?}");
+        advance(&world, 1_000);
+        let (refused, retry) = admit(&mut live, &mut companion, "sk-a");
+        assert!(!refused.forwarded(), "{kind:?}: t=1s");
+        // 2 s until the slot expires; slots say at most 1 s (a bucket would say 2).
+        assert_eq!(retry.as_deref(), Some("1"), "{kind:?}");
+        advance(&world, 1_999);
+        assert!(!admit(&mut live, &mut companion, "sk-a").0.forwarded(), "{kind:?}: t=2.999s, still held");
+        advance(&world, 1);
+        assert!(admit(&mut live, &mut companion, "sk-a").0.forwarded(), "{kind:?}: t=3s, expired");
+    }
+}

@@ -12,9 +12,9 @@ use crate::decision::LocalReply;
 use crate::host::{Action, Host, HostKind, LogLevel, Metric, Owner, SharedWriteError};
 use crate::lifecycle::RequestFilter;
 use crate::protocol::{
-    CalibrationExchange, CalibrationReply, ChargeRequest, LeaseRequest, LimitCharge, LimitKind, LimitsReply,
-    RuleFigures, RunningFigure, SettleOutcome, SettleReply, SettlementBatch, CALIBRATION_PATH, CHARGE_PATH, LEASE_PATH,
-    RELEASE_PATH, SETTLE_PATH, TOUCH_PATH,
+    CalibrationExchange, CalibrationReply, ChargeRequest, LeaseRequest, LimitCharge, LimitKind, LimitOutcome,
+    LimitStatus, LimitsReply, RuleFigures, RunningFigure, SettleOutcome, SettleReply, SettlementBatch,
+    CALIBRATION_PATH, CHARGE_PATH, LEASE_PATH, RELEASE_PATH, SETTLE_PATH, TOUCH_PATH,
 };
 use crate::worker::Worker;
 use serde_json::Value;
@@ -340,14 +340,17 @@ impl Host for FakeHost {
     }
 }
 
-/// The companion and Redis, as the Rust model of the scripts: token buckets per tenant
-/// and limit, reservation records, leases, the fleet's calibrations. Sliding windows are
-/// modelled as buckets and slots as a count per limit, which is all the lifecycle tests
-/// need.
+/// The companion and Redis, as the Rust model of the scripts: each tenant's limits with
+/// the semantics of their kind in `lua/limits.lua` (token buckets by `bucket.rs`, the
+/// model the case table pins; sliding windows as the log of what each call took; slots as
+/// request ids with their expiry; these two pinned with the script by
+/// tests/cases/windows_and_slots.json), reservation records, leases, the fleet's calibrations.
 #[derive(Debug, Default)]
 pub struct FakeCompanion {
-    buckets: HashMap<(String, String), Option<BucketState>>,
-    reservations: BTreeSet<String>,
+    counters: HashMap<(String, String), Counter>,
+    /// Open reservation records: the time of their charge (where a sliding window's
+    /// correction goes).
+    reservations: BTreeMap<String, f64>,
     /// Once ids of the stand-alone adjustments applied.
     applied_once: BTreeSet<String>,
     /// Settlements applied, as they arrived.
@@ -362,27 +365,185 @@ pub struct FakeCompanion {
     pub calibrations: BTreeMap<String, (Option<Running>, Option<Running>)>,
 }
 
+/// One limit of one tenant as Redis holds it, by kind (see `lua/limits.lua`'s drivers).
+#[derive(Debug, Clone)]
+enum Counter {
+    /// The bucket's level at its last write; `None` is a full bucket.
+    Bucket(Option<BucketState>),
+    /// What each call took, at its time (ms); a settlement adds a correction (minus its
+    /// credit) at the time of the charge it corrects, so both leave the window together.
+    Window(Vec<(f64, f64)>),
+    /// The requests holding a slot, with the time each slot expires unless touched (ms).
+    Slots(BTreeMap<String, f64>),
+}
+
+impl Counter {
+    fn new(kind: LimitKind) -> Counter {
+        match kind {
+            LimitKind::TokenBucket => Counter::Bucket(None),
+            LimitKind::SlidingWindow => Counter::Window(Vec::new()),
+            LimitKind::Slots => Counter::Slots(BTreeMap::new()),
+        }
+    }
+
+    /// What the limit has free at `now`, as the bucket model's state: a bucket as it is,
+    /// the other kinds as a bucket holding exactly what they have free now (so the bucket
+    /// model's all-or-nothing and elastic arithmetic decides for every kind alike).
+    fn as_bucket(&self, spec: &LimitCharge, now: f64) -> Option<BucketState> {
+        let in_use = match self {
+            Counter::Bucket(state) => return *state,
+            Counter::Window(entries) => entries.iter().filter(|(at, _)| in_window(*at, spec, now)).map(|e| e.1).sum(),
+            Counter::Slots(held) => held.values().filter(|&&expiry| expiry > now).count() as f64,
+        };
+        Some(BucketState { tokens: spec.capacity as f64 - in_use, updated_ms: now })
+    }
+
+    /// Drops what has left the window or expired (the housekeeping of a charge).
+    fn refresh(&mut self, spec: &LimitCharge, now: f64) {
+        match self {
+            Counter::Bucket(_) => {}
+            Counter::Window(entries) => entries.retain(|(at, _)| in_window(*at, spec, now)),
+            Counter::Slots(held) => held.retain(|_, expiry| *expiry > now),
+        }
+    }
+
+    /// Charges `amount` now; `member` is the request's id (a slot's name).
+    fn take(&mut self, charged: Option<BucketState>, amount: u64, member: Option<&str>, spec: &LimitCharge, now: f64) {
+        match self {
+            Counter::Bucket(state) => *state = charged,
+            Counter::Window(entries) => entries.push((now, amount as f64)),
+            Counter::Slots(held) => {
+                let member = member.expect("a slot limit needs the request's reservation id");
+                held.insert(member.to_string(), now + spec.window_ms as f64);
+            }
+        }
+    }
+
+    /// The outcome's times as this kind reports them (the bucket model's are a bucket's).
+    fn times(&self, outcome: &mut LimitOutcome, required: u64, spec: &LimitCharge, now: f64) {
+        let window = spec.window_ms as f64;
+        match self {
+            Counter::Bucket(_) => {}
+            Counter::Window(entries) => {
+                let live = || entries.iter().filter(|(at, _)| in_window(*at, spec, now));
+                outcome.reset_after_ms = live()
+                    .map(|(at, _)| at)
+                    .fold(None, |newest: Option<f64>, &at| Some(newest.map_or(at, |n| n.max(at))))
+                    .map_or(0, |newest| (newest + window - now).max(0.0).ceil() as u64);
+                if outcome.status == LimitStatus::Limited {
+                    // The oldest entries leave first: wait until enough of them have.
+                    let short = required as f64 - (spec.capacity as f64 - live().map(|e| e.1).sum::<f64>());
+                    let mut oldest_first: Vec<&(f64, f64)> = live().collect();
+                    oldest_first.sort_by(|a, b| a.0.total_cmp(&b.0));
+                    let mut freed = 0.0;
+                    outcome.retry_after_ms = window.ceil() as u64;
+                    for (at, amount) in oldest_first {
+                        freed += amount;
+                        if freed >= short {
+                            outcome.retry_after_ms = (at + window - now).ceil().max(1.0) as u64;
+                            break;
+                        }
+                    }
+                }
+            }
+            Counter::Slots(held) => {
+                outcome.reset_after_ms = 0;
+                if outcome.status == LimitStatus::Limited {
+                    let oldest = held.values().copied().filter(|&expiry| expiry > now).fold(f64::INFINITY, f64::min);
+                    outcome.retry_after_ms = (oldest - now).ceil().clamp(1.0, 1000.0) as u64;
+                }
+            }
+        }
+    }
+
+    /// A settlement's credit for a charge made at `charged_at`.
+    fn give_back(&mut self, credit: i64, charged_at: f64, spec: &LimitCharge, now: f64) {
+        match self {
+            Counter::Bucket(state) => {
+                let mut states = [*state];
+                bucket::settle(&mut states, std::slice::from_ref(spec), &[credit], now);
+                *state = states[0];
+            }
+            // A charge that already left the window needs no correction.
+            Counter::Window(entries) if in_window(charged_at, spec, now) => entries.push((charged_at, -credit as f64)),
+            Counter::Window(_) | Counter::Slots(_) => {}
+        }
+    }
+
+    /// Renews the request's slot if it is still live (an expired one is not revived).
+    fn touch(&mut self, member: &str, spec: &LimitCharge, now: f64) {
+        if let Counter::Slots(held) = self {
+            if let Some(expiry) = held.get_mut(member).filter(|expiry| **expiry > now) {
+                *expiry = now + spec.window_ms as f64;
+            }
+        }
+    }
+
+    fn release(&mut self, member: &str) {
+        if let Counter::Slots(held) = self {
+            held.remove(member);
+        }
+    }
+}
+
+/// Whether an entry made at `at` is still inside the window at `now` (the script drops
+/// entries scored `now - window` and older).
+fn in_window(at: f64, spec: &LimitCharge, now: f64) -> bool {
+    at > now - spec.window_ms as f64
+}
+
 impl FakeCompanion {
     /// A companion that answers every call with `status`.
     pub fn failing(status: u32) -> FakeCompanion {
         FakeCompanion { failing: Some(status), ..FakeCompanion::default() }
     }
 
-    /// The level of a tenant's bucket for a limit (its capacity when untouched).
+    /// What a tenant's limit has free at `now_ms` (its capacity when untouched): a
+    /// bucket's level, a window's capacity less what it holds, the slots not held.
     pub fn level(&self, tenant: &str, limit: &LimitCharge, now_ms: u64) -> f64 {
-        let mut state = [self.buckets.get(&(tenant.to_string(), limit.name.clone())).copied().flatten()];
+        let now = now_ms as f64;
+        let counter = self.counter(tenant, limit);
+        let mut state = [counter.as_bucket(limit, now)];
         let spec = LimitCharge { cost: 0, min_cost: None, ..limit.clone() };
-        bucket::settle(&mut state, std::slice::from_ref(&spec), &[0], now_ms as f64).limits[0].remaining as f64
+        bucket::settle(&mut state, std::slice::from_ref(&spec), &[0], now).limits[0].remaining as f64
     }
 
-    fn states(&self, tenant: &str, specs: &[LimitCharge]) -> Vec<Option<BucketState>> {
-        specs.iter().map(|s| self.buckets.get(&(tenant.to_string(), s.name.clone())).copied().flatten()).collect()
+    fn counter(&self, tenant: &str, spec: &LimitCharge) -> Counter {
+        self.counters.get(&(tenant.to_string(), spec.name.clone())).cloned().unwrap_or_else(|| Counter::new(spec.kind))
     }
 
-    fn store(&mut self, tenant: &str, specs: &[LimitCharge], states: Vec<Option<BucketState>>) {
-        for (spec, state) in specs.iter().zip(states) {
-            self.buckets.insert((tenant.to_string(), spec.name.clone()), state);
+    fn counter_mut(&mut self, tenant: &str, spec: &LimitCharge) -> &mut Counter {
+        self.counters.entry((tenant.to_string(), spec.name.clone())).or_insert_with(|| Counter::new(spec.kind))
+    }
+
+    /// Charges every limit or none, as the script's charge does.
+    fn charge(&mut self, request: &ChargeRequest, now: f64) -> LimitsReply {
+        let member = request.reservation.as_ref().map(|r| r.id.as_str());
+        let mut counters: Vec<Counter> =
+            request.limits.iter().map(|spec| self.counter(&request.tenant, spec)).collect();
+        for (counter, spec) in counters.iter_mut().zip(&request.limits) {
+            counter.refresh(spec, now);
         }
+        let mut states: Vec<Option<BucketState>> =
+            counters.iter().zip(&request.limits).map(|(counter, spec)| counter.as_bucket(spec, now)).collect();
+        let mut reply = bucket::check_and_charge(&mut states, &request.limits, now);
+        for ((counter, spec), (state, outcome)) in
+            counters.iter_mut().zip(&request.limits).zip(states.into_iter().zip(reply.limits.iter_mut()))
+        {
+            if reply.allowed && outcome.charged > 0 {
+                counter.take(state, outcome.charged, member, spec, now);
+            }
+            counter.times(outcome, spec.cost, spec, now);
+        }
+        if reply.allowed {
+            for (counter, spec) in counters.into_iter().zip(&request.limits) {
+                *self.counter_mut(&request.tenant, spec) = counter;
+            }
+            if let Some(id) = member {
+                self.reservations.insert(id.to_string(), now);
+            }
+        }
+        reply
     }
 
     /// Answers a callout the way the companion would; returns (status, body).
@@ -395,30 +556,26 @@ impl FakeCompanion {
         let body = match callout.path.as_str() {
             CHARGE_PATH => {
                 let request: ChargeRequest = serde_json::from_value(callout.body.clone()).expect("charge");
-                let mut states = self.states(&request.tenant, &request.limits);
-                let reply = bucket::check_and_charge(&mut states, &request.limits, now);
-                if reply.allowed {
-                    self.store(&request.tenant, &request.limits, states);
-                    if let Some(reservation) = &request.reservation {
-                        self.reservations.insert(reservation.id.clone());
-                    }
-                }
-                serde_json::to_vec(&reply)
+                serde_json::to_vec(&self.charge(&request, now))
             }
             LEASE_PATH => {
                 let request: LeaseRequest = serde_json::from_value(callout.body.clone()).expect("lease");
+                // Leases are token buckets only (the config refuses the other kinds with them).
                 let specs: Vec<LimitCharge> = request
                     .limits
                     .iter()
                     .map(|a| LimitCharge {
                         look_only: a.look_only,
-                        ..spec(&a.name, a.capacity, a.window_ms, a.wanted, a.needed)
+                        ..spec(&a.name, a.capacity, a.window_ms, a.wanted, a.needed, LimitKind::TokenBucket)
                     })
                     .collect();
-                let mut states = self.states(&request.tenant, &specs);
+                let mut states: Vec<Option<BucketState>> =
+                    specs.iter().map(|s| self.counter(&request.tenant, s).as_bucket(s, now)).collect();
                 let reply: LimitsReply = bucket::lease(&mut states, &specs, request.share, now);
                 if reply.allowed {
-                    self.store(&request.tenant, &specs, states);
+                    for (spec, state) in specs.iter().zip(states) {
+                        *self.counter_mut(&request.tenant, spec) = Counter::Bucket(state);
+                    }
                 }
                 serde_json::to_vec(&reply)
             }
@@ -426,27 +583,43 @@ impl FakeCompanion {
                 let batch: SettlementBatch = serde_json::from_value(callout.body.clone()).expect("settlements");
                 let mut results = Vec::new();
                 for settlement in batch.settlements {
+                    let specs: Vec<LimitCharge> = settlement
+                        .limits
+                        .iter()
+                        .map(|a| spec(&a.name, a.capacity, a.window_ms, 0, None, a.kind))
+                        .collect();
+                    let member = settlement.reservation.clone();
                     match callout.path.as_str() {
-                        TOUCH_PATH => self.touched += 1,
-                        RELEASE_PATH => self.released += 1,
+                        TOUCH_PATH => {
+                            self.touched += 1;
+                            for spec in &specs {
+                                member
+                                    .iter()
+                                    .for_each(|m| self.counter_mut(&settlement.tenant, spec).touch(m, spec, now));
+                            }
+                        }
+                        RELEASE_PATH => {
+                            self.released += 1;
+                            for spec in &specs {
+                                member.iter().for_each(|m| self.counter_mut(&settlement.tenant, spec).release(m));
+                            }
+                        }
                         _ => {
                             let applies = match (&settlement.reservation, &settlement.once) {
                                 (Some(id), _) => self.reservations.remove(id),
-                                (None, Some(once)) => self.applied_once.insert(once.clone()),
-                                (None, None) => true,
+                                (None, Some(once)) => self.applied_once.insert(once.clone()).then_some(now),
+                                (None, None) => Some(now),
                             };
-                            if applies {
-                                let specs: Vec<LimitCharge> = settlement
-                                    .limits
-                                    .iter()
-                                    .map(|a| spec(&a.name, a.capacity, a.window_ms, 0, None))
-                                    .collect();
-                                let credits: Vec<i64> = settlement.limits.iter().map(|a| a.credit).collect();
-                                let mut states = self.states(&settlement.tenant, &specs);
-                                bucket::settle(&mut states, &specs, &credits, now);
-                                self.store(&settlement.tenant, &specs, states);
+                            for (spec, adjustment) in specs.iter().zip(&settlement.limits) {
+                                let counter = self.counter_mut(&settlement.tenant, spec);
+                                if let Some(charged_at) = applies.filter(|_| adjustment.credit != 0) {
+                                    counter.give_back(adjustment.credit, charged_at, spec, now);
+                                }
+                                // A settlement frees the request's slots whether or not it applies.
+                                member.iter().for_each(|m| counter.release(m));
                             }
-                            results.push(if applies { SettleOutcome::Applied } else { SettleOutcome::AlreadySettled });
+                            let applied = applies.is_some();
+                            results.push(if applied { SettleOutcome::Applied } else { SettleOutcome::AlreadySettled });
                             self.settled.push(settlement);
                             continue;
                         }
@@ -483,18 +656,9 @@ impl FakeCompanion {
     }
 }
 
-/// A limit as the bucket model takes it (every kind modelled as a token bucket).
-fn spec(name: &str, capacity: u64, window_ms: u64, cost: u64, min_cost: Option<u64>) -> LimitCharge {
-    LimitCharge {
-        name: name.to_string(),
-        capacity,
-        window_ms,
-        cost,
-        min_cost,
-        kind: LimitKind::TokenBucket,
-        provisional: false,
-        look_only: false,
-    }
+/// A limit as the models take it.
+fn spec(name: &str, capacity: u64, window_ms: u64, cost: u64, min_cost: Option<u64>, kind: LimitKind) -> LimitCharge {
+    LimitCharge { name: name.to_string(), capacity, window_ms, cost, min_cost, kind, provisional: false, look_only: false }
 }
 
 /// A request as the tests send it.
@@ -676,5 +840,134 @@ impl Proxy {
         self.root.callout_answer = Some((status, body));
         self.worker.on_callout_response(&mut self.root, token, size);
         self.root.callout_answer = None;
+    }
+}
+
+/// One bad config of `tests/cases/bad_configs/`: `<name>.json` and, beside it,
+/// `<name>.expect` holding the one line the filter logs when it refuses it (and
+/// `llm-ratelimit check-config` prints), `None` when that file is missing.
+#[derive(Debug)]
+pub struct BadConfig {
+    pub name: String,
+    pub config: Vec<u8>,
+    pub expected: Option<String>,
+}
+
+/// The folder of bad-config fixtures, shared by the config tests and the CLI's checker.
+pub const BAD_CONFIGS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/cases/bad_configs");
+
+/// Every bad-config fixture, by name. Panics on an expectation without its config, so a
+/// renamed fixture cannot leave its expectation behind unread.
+pub fn bad_configs() -> Vec<BadConfig> {
+    let folder = std::path::Path::new(BAD_CONFIGS);
+    let mut names: Vec<(String, String)> = std::fs::read_dir(folder)
+        .unwrap_or_else(|e| panic!("{BAD_CONFIGS}: {e}"))
+        .map(|entry| entry.unwrap().file_name().to_string_lossy().into_owned())
+        .filter_map(|file| file.rsplit_once('.').map(|(name, ext)| (name.to_string(), ext.to_string())))
+        .collect();
+    names.sort();
+    for (name, ext) in &names {
+        assert!(ext == "json" || ext == "expect", "{name}.{ext}: a fixture is <name>.json beside <name>.expect");
+        assert!(names.contains(&(name.clone(), "json".into())), "{name}.expect has no {name}.json");
+    }
+    names
+        .into_iter()
+        .filter(|(_, ext)| ext == "json")
+        .map(|(name, _)| {
+            let config = std::fs::read(folder.join(format!("{name}.json"))).unwrap();
+            let expected = std::fs::read_to_string(folder.join(format!("{name}.expect")))
+                .ok()
+                .map(|text| text.trim_end_matches('\n').to_string());
+            BadConfig { name, config, expected }
+        })
+        .collect()
+}
+
+/// The fake companion's sliding windows and slots against the case table that
+/// tests/test_lua_limits.py runs against lua/limits.lua in a real Redis.
+#[cfg(test)]
+mod case_table {
+    use super::*;
+    use serde_json::json;
+
+    fn callout(path: &str, body: Value) -> Callout {
+        let (upstream, headers) = (String::new(), Vec::new());
+        Callout { token: 0, upstream, path: path.into(), headers, body, timeout: Duration::ZERO, owner: Owner::Root }
+    }
+
+    fn kind(limit: &Value) -> Value {
+        json!(match limit["kind"].as_str() {
+            Some("sw") => "sliding_window",
+            Some("slots") => "slots",
+            other => panic!("not a window or slot limit: {other:?}"),
+        })
+    }
+
+    #[test]
+    fn windows_and_slots_follow_the_shared_case_table() {
+        let table: Value =
+            serde_json::from_str(include_str!("../../../tests/cases/windows_and_slots.json")).expect("case table");
+        let cases = table["cases"].as_array().expect("cases");
+        assert!(cases.len() >= 3);
+        for case in cases {
+            let name = case["name"].as_str().unwrap();
+            let limits = case["limits"].as_array().unwrap();
+            let mut companion = FakeCompanion::default();
+            let mut now = 1_000_000u64;
+            for (i, step) in case["steps"].as_array().unwrap().iter().enumerate() {
+                let what = format!("{name} / step {i}");
+                now += step["advance_ms"].as_u64().unwrap();
+                let amounts = step["amounts"].as_array().unwrap();
+                assert_eq!(amounts.len(), limits.len(), "{what}");
+                let request = step["request"].as_str().unwrap();
+                let spec = |amount_field: &str| -> Vec<Value> {
+                    limits
+                        .iter()
+                        .zip(amounts)
+                        .map(|(l, amount)| {
+                            json!({"name": l["name"], "capacity": l["capacity"], "window_ms": l["window_ms"],
+                                   "kind": kind(l), amount_field: amount})
+                        })
+                        .collect()
+                };
+                let settlement = |limits| json!({"settlements": [{"domain": "d", "tenant": "t", "reservation": request, "limits": limits}]});
+                let op = step["op"].as_str().unwrap_or("charge");
+                let (path, body) = match op {
+                    "charge" => (
+                        CHARGE_PATH,
+                        json!({"domain": "d", "tenant": "t", "limits": spec("cost"),
+                                                     "reservation": {"id": request, "ttl_ms": 60_000}}),
+                    ),
+                    "settle" => (SETTLE_PATH, settlement(spec("credit"))),
+                    "touch" => (TOUCH_PATH, settlement(spec("credit"))),
+                    "release" => (RELEASE_PATH, settlement(spec("credit"))),
+                    other => panic!("{what}: op {other}"),
+                };
+                let (status, reply) = companion.answer(&callout(path, body), now);
+                assert_eq!(status, 200, "{what}");
+                let done = step["done"].as_bool().unwrap();
+                if op != "charge" {
+                    let reply: SettleReply = serde_json::from_slice(&reply).unwrap();
+                    assert_eq!(
+                        reply.results,
+                        [if done { SettleOutcome::Applied } else { SettleOutcome::AlreadySettled }]
+                    );
+                    continue;
+                }
+                let reply: LimitsReply = serde_json::from_slice(&reply).unwrap();
+                assert_eq!(reply.allowed, done, "{what}");
+                let outcomes = step["outcomes"].as_array().unwrap();
+                assert_eq!(reply.limits.len(), outcomes.len(), "{what}");
+                for (got, want) in reply.limits.iter().zip(outcomes) {
+                    let status = match got.status {
+                        LimitStatus::Allowed => "allowed",
+                        LimitStatus::Limited => "limited",
+                        LimitStatus::Never => "never",
+                    };
+                    let got = json!([status, got.remaining, got.reset_after_ms, got.retry_after_ms]);
+                    assert_eq!(&got, want, "{what}");
+                }
+            }
+        }
     }
 }
