@@ -6,7 +6,7 @@ use crate::host::{Action, HostKind, Metric, Owner};
 use crate::lease::TenantLeases;
 use crate::protocol::keys;
 use crate::protocol::{ChargeRequest, LimitsReply, CALIBRATION_PATH, SETTLE_PATH};
-use crate::testing::{advance, FakeCompanion, Proxy, Request, World};
+use crate::testing::{advance, usage_reply, FakeCompanion, Proxy, Request, World};
 use serde_json::{json, Value};
 
 const HOSTS: [HostKind; 2] = [HostKind::Envoy, HostKind::Nginx];
@@ -31,13 +31,6 @@ fn rpm_tpm(extra: Value) -> String {
         json!([{"name": "rpm", "requests": 100, "window": "1m"}, {"name": "tpm", "tokens": 10000, "window": "1m"}]),
         extra,
     )
-}
-
-fn usage_reply(prompt: u64, completion: u64) -> String {
-    json!({"id": "c1", "object": "chat.completion", "model": "gpt-4o",
-           "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}],
-           "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}})
-    .to_string()
 }
 
 fn tenant(key: &str) -> String {

@@ -3,7 +3,7 @@
 
 use crate::host::HostKind;
 use crate::protocol::{ChargeRequest, Settlement};
-use crate::testing::{FakeCompanion, InFlight, Proxy, Request, World};
+use crate::testing::{usage_reply, FakeCompanion, InFlight, Proxy, Request, World};
 use serde_json::{json, Value};
 
 const HOSTS: [HostKind; 2] = [HostKind::Envoy, HostKind::Nginx];
@@ -20,13 +20,6 @@ fn config(extra: Value) -> String {
 fn chat(model: &str, stream: bool) -> String {
     json!({"model": model, "messages": [{"role": "user", "content": "hello world"}], "max_tokens": 300, "stream": stream})
         .to_string()
-}
-
-fn usage_reply(prompt: u64, completion: u64) -> String {
-    json!({"id": "c1", "object": "chat.completion", "model": "gpt-4o",
-           "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}],
-           "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}})
-    .to_string()
 }
 
 /// What the request reserved against `tpm`, as its charge said.
