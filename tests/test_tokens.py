@@ -72,7 +72,9 @@ def test_the_reported_usage_is_charged_not_the_estimate(env, path, body, streame
 
 
 def test_a_stream_without_usage_is_charged_its_counted_text(env):
-    port = env.start([{"name": "tpm", "tokens": BIG, "window": LONG}])
+    # Without the usage chunk asked for (the default asks), a model that shows all it
+    # spends is charged what it streamed.
+    port = env.start([{"name": "tpm", "tokens": BIG, "window": LONG}], tokens={"request_stream_usage": False})
     status, headers, _ = send(port, "sk-nousage", chat(STORY, max_tokens=500, stream=True),
                               headers={"x-mock-completion-tokens": "30"})
     assert status == 200
@@ -104,7 +106,7 @@ def test_an_upstream_error_is_charged_the_prompt_only(env):
     wait_level(env, "sk-error", BIG - (reserved - 800))
 
 
-def test_a_client_that_disconnects_mid_stream_is_charged_what_was_streamed(env):
+def test_a_client_that_disconnects_mid_stream_is_charged_its_reservation(env):
     port = env.start([{"name": "tpm", "tokens": BIG, "window": LONG}])
     body = json.dumps(chat(STORY, max_tokens=1000, stream=True)).encode()
     sock = socket.create_connection(("127.0.0.1", port), timeout=10)
@@ -119,13 +121,9 @@ def test_a_client_that_disconnects_mid_stream_is_charged_what_was_streamed(env):
     head = received.split(b"\r\n\r\n", 1)[0].decode().lower()
     reserved = int(next(l.split(":", 1)[1] for l in head.split("\r\n") if l.startswith("x-llm-ratelimit-reserved-tokens")))
     sock.close()
-    prompt = reserved - 1000
-    # Charged the prompt and the tokens streamed before the disconnect: far below the
-    # reservation, at least what the client saw.
-    def settled():
-        level = bucket_level(env, "sk-leaver")
-        return level is not None and BIG - level < prompt + 200 and BIG - level >= prompt + 10
-    wait_until(settled, 10, f"settlement after disconnect (level {bucket_level(env, 'sk-leaver')})")
+    # The upstream goes on generating (and the provider bills it): the reservation stands,
+    # not the dozen tokens the client saw (tests/test_adversarial_replies.py).
+    wait_level(env, "sk-leaver", BIG - reserved)
 
 
 def test_a_token_limit_rejects_with_its_own_429(env):

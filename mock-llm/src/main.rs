@@ -30,6 +30,7 @@
 //! `x-mock-cached-tokens: N`, N of the prompt tokens (at most all) are reported as read
 //! from the prompt cache (OpenAI `prompt_tokens_details.cached_tokens`; Anthropic
 //! `cache_read_input_tokens`, which its `input_tokens` then leave out, as Anthropic does).
+//! Compressed, cut-off replies and hidden reasoning tokens: see reply_controls.rs.
 
 mod azure;
 mod gemini;
@@ -47,6 +48,7 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 mod bedrock;
+mod reply_controls;
 
 #[derive(Parser, Debug, Clone)]
 #[command(
@@ -258,16 +260,17 @@ async fn chat_reply(mock: &Mock, headers: &HeaderMap, request: &Value, body_len:
         return openai_error(status, "The mock was asked to fail this request.");
     }
     let plan = mock.plan(headers, request, body_len, max_tokens);
+    let reasoning = reply_controls::reasoning_tokens(headers);
     let id = format!("chatcmpl-mock{:08}", plan.id);
     let created = now_secs();
     let words = completion_text(plan.completion_tokens);
     let finish_reason = if plan.truncated { "length" } else { "stop" };
     let usage = json!({
         "prompt_tokens": plan.prompt_tokens,
-        "completion_tokens": plan.completion_tokens,
-        "total_tokens": plan.prompt_tokens + plan.completion_tokens,
+        "completion_tokens": plan.completion_tokens + reasoning,
+        "total_tokens": plan.prompt_tokens + plan.completion_tokens + reasoning,
         "prompt_tokens_details": {"cached_tokens": plan.cached_tokens, "audio_tokens": 0},
-        "completion_tokens_details": {"reasoning_tokens": 0, "audio_tokens": 0, "accepted_prediction_tokens": 0, "rejected_prediction_tokens": 0}
+        "completion_tokens_details": {"reasoning_tokens": reasoning, "audio_tokens": 0, "accepted_prediction_tokens": 0, "rejected_prediction_tokens": 0}
     });
     if !plan.stream {
         pause(plan.first_delay).await;
@@ -326,6 +329,7 @@ async fn messages(mock: axum::extract::State<Arc<Mock>>, headers: HeaderMap, bod
         return anthropic_error(status, "The mock was asked to fail this request.");
     }
     let plan = mock.plan(&headers, &request, body.len(), Some(max_tokens));
+    let reasoning = reply_controls::reasoning_tokens(&headers);
     let id = format!("msg_mock{:016}", plan.id);
     let words = completion_text(plan.completion_tokens);
     let stop_reason = if plan.truncated { "max_tokens" } else { "end_turn" };
@@ -338,7 +342,7 @@ async fn messages(mock: axum::extract::State<Arc<Mock>>, headers: HeaderMap, bod
                     "id": id, "type": "message", "role": "assistant", "model": plan.model,
                     "content": [{"type": "text", "text": words.concat()}],
                     "stop_reason": stop_reason, "stop_sequence": null,
-                    "usage": {"input_tokens": plan.prompt_tokens - plan.cached_tokens, "cache_creation_input_tokens": 0, "cache_read_input_tokens": plan.cached_tokens, "output_tokens": plan.completion_tokens, "service_tier": "standard"}
+                    "usage": {"input_tokens": plan.prompt_tokens - plan.cached_tokens, "cache_creation_input_tokens": 0, "cache_read_input_tokens": plan.cached_tokens, "output_tokens": plan.completion_tokens + reasoning, "service_tier": "standard"}
                 }),
             ),
             &plan,
@@ -367,7 +371,7 @@ async fn messages(mock: axum::extract::State<Arc<Mock>>, headers: HeaderMap, bod
         )
     }));
     events.push(event("content_block_stop", json!({"type": "content_block_stop", "index": 0})));
-    events.push(event("message_delta", json!({"type": "message_delta", "delta": {"stop_reason": stop_reason, "stop_sequence": null}, "usage": {"output_tokens": plan.completion_tokens}})));
+    events.push(event("message_delta", json!({"type": "message_delta", "delta": {"stop_reason": stop_reason, "stop_sequence": null}, "usage": {"output_tokens": plan.completion_tokens + reasoning}})));
     events.push(event("message_stop", json!({"type": "message_stop"})));
     with_usage(sse_response(events, plan.first_delay, plan.chunk_delay), &plan)
 }
@@ -390,6 +394,7 @@ async fn run(args: Args) -> Result<(), String> {
         .route("/openai/v1/chat/completions", post(chat_completions))
         .route("/healthz", get(|| async { "ok" }))
         .route("/mock/stats", get(stats))
+        .layer(axum::middleware::from_fn(reply_controls::apply))
         .with_state(mock);
     let listener = tokio::net::TcpListener::bind(&listen)
         .await

@@ -20,6 +20,7 @@ pub mod lease;
 pub mod lifecycle;
 pub mod prompt_cache;
 pub mod providers;
+pub mod reply_floor;
 pub mod request;
 pub mod reservation;
 pub mod series;

@@ -24,6 +24,7 @@ use crate::protocol::{
     CHARGE_PATH, LEASE_PATH, RELEASE_PATH,
 };
 use crate::providers::bedrock::{self, EventStreamUsage};
+use crate::reply_floor::{self, ReplySight};
 use crate::request::Api;
 use crate::reservation::{actual_usage, credit, Ending, OutputAverage, TokenEstimate};
 use crate::series::{self, Decision, TokenStage, TokenType};
@@ -153,6 +154,8 @@ pub struct RequestFilter {
     /// What the filter's own replies carry as `x-request-id` and `request-id`: the
     /// proxy's `x-request-id` (Envoy sets one), else one of the filter's own.
     request_id: String,
+    /// What the filter saw of the reply, for the least its settlement charges.
+    sight: ReplySight,
 }
 
 impl RequestFilter {
@@ -175,6 +178,7 @@ impl RequestFilter {
             path: String::new(),
             dialect: Dialect::default(),
             request_id: String::new(),
+            sight: ReplySight::default(),
         }
     }
 
@@ -210,6 +214,12 @@ impl RequestFilter {
         if config.bypass.tenant(&self.tenant) {
             host.add_metric(Metric::Bypassed, 1);
             return Action::Continue;
+        }
+        if config.counts_tokens() {
+            // A compressed reply hides its usage from the filter: ask for it plain (the
+            // reply then costs the client more bandwidth; one the upstream compresses
+            // all the same is charged at least its reservation, `reply_floor`).
+            host.set_request_header("accept-encoding", "identity");
         }
         if !config.reads_body() {
             return self.charge(host, worker, &config, None);
@@ -286,6 +296,9 @@ impl RequestFilter {
         if self.admission.is_some() && self.plan.as_ref().is_some_and(|p| p.estimate.is_some()) {
             let status: u32 = host.response_header(":status").and_then(|s| s.parse().ok()).unwrap_or(0);
             self.upstream_error = status >= 400;
+            self.sight.started = true;
+            self.sight.unreadable =
+                !reply_floor::readable_encoding(host.response_header("content-encoding").as_deref());
             let content_type = host.response_header("content-type").unwrap_or_default();
             let encoding = self.plan.as_ref().map_or(crate::tokens::Encoding::O200kBase, |p| p.encoding);
             // Gemini streams without `alt=sse` as one JSON array of responses.
@@ -949,14 +962,24 @@ impl RequestFilter {
         let price = plan.settlement_price(config, reply_model);
         let forwarded = self.phase == Phase::Forwarded;
         // A request that never went upstream cost nothing.
+        self.sight.stream_without_usage = streamed_output.is_some() && reported.output.is_none();
+        self.sight.hidden_output_model = reply_floor::hides_output(&config.tokens.hidden_output_models, &plan.model);
+        let floor = reply_floor::floor(ending, self.sight, config.tokens.on_client_abort).filter(|_| forwarded);
         let used = if forwarded {
-            actual_usage(estimate, ending, reported, streamed_output, config.tokens.on_upstream_error)
+            let used = actual_usage(estimate, ending, reported, streamed_output, config.tokens.on_upstream_error);
+            if floor.is_some() {
+                reply_floor::at_least_reserved(estimate, used)
+            } else {
+                used
+            }
         } else {
             TokenEstimate { prompt: 0, output: 0 }
         };
         host.add_metric(Metric::TokensCharged, used.total());
         count_tokens(host, config, plan.rule, TokenStage::Charged, used);
-        if ending == Ending::Completed && forwarded {
+        // A reply the filter could not read teaches nothing: its visible part would teach
+        // the next reservations that completions are short.
+        if ending == Ending::Completed && forwarded && floor.is_none() {
             let output = reported.output.or(streamed_output).filter(|_| plan.produces_output());
             if let Some(output) = output {
                 update_average(host, config, &self.tenant, &plan.model, |stored| {

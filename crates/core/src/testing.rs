@@ -661,6 +661,14 @@ fn spec(name: &str, capacity: u64, window_ms: u64, cost: u64, min_cost: Option<u
     LimitCharge { name: name.to_string(), capacity, window_ms, cost, min_cost, kind, provisional: false, look_only: false }
 }
 
+/// An OpenAI chat completion (model `gpt-4o`) reporting this usage, as the upstream sends it.
+pub fn usage_reply(prompt: u64, completion: u64) -> String {
+    serde_json::json!({"id": "c1", "object": "chat.completion", "model": "gpt-4o",
+           "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}],
+           "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}})
+    .to_string()
+}
+
 /// A request as the tests send it.
 pub struct Request {
     pub headers: Vec<(String, String)>,

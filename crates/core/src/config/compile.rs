@@ -218,6 +218,7 @@ fn tokens(written: &shape::Tokens) -> Result<TokenPolicy, ConfigError> {
         Duration::from_secs(1)..=Duration::from_secs(86_400),
         "1s..1d",
     )?;
+    let hidden_output_models = hidden_output_models(&written.hidden_output_models)?;
     let (rules, catch_all) = model_policies(configured, written.default_encoding, written.default_expected_output);
     Ok(TokenPolicy {
         default_encoding: written.default_encoding,
@@ -230,12 +231,34 @@ fn tokens(written: &shape::Tokens) -> Result<TokenPolicy, ConfigError> {
         reservation_ttl,
         on_upstream_error: written.on_upstream_error,
         request_stream_usage: written.request_stream_usage,
+        on_client_abort: written.on_client_abort,
+        hidden_output_models,
         clamp_max_tokens: written.clamp_max_tokens,
         min_output_tokens,
         warm_up: written.warm_up,
         calibrate: written.calibrate,
         share_calibration: written.calibrate && written.share_calibration,
     })
+}
+
+/// `tokens.hidden_output_models`: bounded, so matching a request stays cheap.
+fn hidden_output_models(patterns: &[String]) -> Result<Vec<String>, ConfigError> {
+    use crate::reply_floor::{MAX_HIDDEN_OUTPUT_MODELS, MAX_MODEL_PATTERN_LEN};
+    if patterns.len() > MAX_HIDDEN_OUTPUT_MODELS {
+        return Err(invalid(
+            "tokens.hidden_output_models",
+            format!("{} patterns; at most {MAX_HIDDEN_OUTPUT_MODELS}", patterns.len()),
+        ));
+    }
+    for (i, pattern) in patterns.iter().enumerate() {
+        if pattern.is_empty() || pattern.len() > MAX_MODEL_PATTERN_LEN {
+            return Err(invalid(
+                format!("tokens.hidden_output_models[{i}]"),
+                format!("a pattern of 1 to {MAX_MODEL_PATTERN_LEN} characters, not {} characters", pattern.len()),
+            ));
+        }
+    }
+    Ok(patterns.to_vec())
 }
 
 fn fallback(written: &shape::Fallback) -> Result<Fallback, ConfigError> {

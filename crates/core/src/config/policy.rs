@@ -363,6 +363,9 @@ pub struct TokenPolicy {
     pub reservation_ttl: Duration,
     pub on_upstream_error: UpstreamErrorCharge,
     pub request_stream_usage: bool,
+    pub on_client_abort: crate::reply_floor::ClientAbortCharge,
+    /// Models whose streams without usage are charged at least their reservation.
+    pub hidden_output_models: Vec<String>,
     pub clamp_max_tokens: bool,
     pub min_output_tokens: u64,
     pub warm_up: bool,

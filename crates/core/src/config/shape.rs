@@ -207,6 +207,11 @@ pub struct Tokens {
     /// Add `stream_options.include_usage` to streamed OpenAI chat requests that lack it
     /// (and remove the extra usage chunk from what the client receives).
     pub request_stream_usage: bool,
+    /// What a client that leaves before the reply starts is charged.
+    pub on_client_abort: crate::reply_floor::ClientAbortCharge,
+    /// Models that can spend output the client does not see (`*` wildcards): a stream of
+    /// theirs without usage is charged at least its reservation.
+    pub hidden_output_models: Vec<String>,
     /// Reserve each request's true upper bound (prompt + output cap), shrunk to what the
     /// tenant has left if need be, and set the request's output cap to match: the limit
     /// then holds exactly, whatever the completions turn out to be.
@@ -263,7 +268,9 @@ impl Default for Tokens {
             max_request_bytes: 1 << 20,
             reservation_ttl: ConfigDuration(Duration::from_secs(15 * 60)),
             on_upstream_error: UpstreamErrorCharge::default(),
-            request_stream_usage: false,
+            request_stream_usage: true,
+            on_client_abort: crate::reply_floor::ClientAbortCharge::default(),
+            hidden_output_models: crate::reply_floor::DEFAULT_HIDDEN_OUTPUT_MODELS.map(String::from).to_vec(),
             clamp_max_tokens: false,
             min_output_tokens: 64,
             warm_up: true,
