@@ -30,8 +30,11 @@
 //! `x-mock-cached-tokens: N`, N of the prompt tokens (at most all) are reported as read
 //! from the prompt cache (OpenAI `prompt_tokens_details.cached_tokens`; Anthropic
 //! `cache_read_input_tokens`, which its `input_tokens` then leave out, as Anthropic does).
+//! On every endpoint, `x-mock-set-<name>` adds a header to the reply and
+//! `x-mock-abort-after-bytes` breaks the connection mid-body (see controls.rs).
 
 mod azure;
+mod controls;
 mod gemini;
 
 use axum::body::{Body, Bytes};
@@ -390,6 +393,7 @@ async fn run(args: Args) -> Result<(), String> {
         .route("/openai/v1/chat/completions", post(chat_completions))
         .route("/healthz", get(|| async { "ok" }))
         .route("/mock/stats", get(stats))
+        .layer(axum::middleware::from_fn(controls::apply))
         .with_state(mock);
     let listener = tokio::net::TcpListener::bind(&listen)
         .await
