@@ -33,9 +33,10 @@ def bucket_level(env, key, limit="tpm"):
 
 
 def wait_level(env, key, expected, limit="tpm"):
-    """Settlement is asynchronous (the next tick): wait for the bucket to show it."""
+    """Settlement is asynchronous (the next tick): wait for the bucket to show it, longer
+    than a settlement's retries take (about 11 s, README "When Redis or the companion fails")."""
     return wait_until(lambda: bucket_level(env, key, limit) is not None and abs(bucket_level(env, key, limit) - expected) < 1.5,
-                      10, f"bucket {limit} at {expected} (now {bucket_level(env, key, limit)})")
+                      15, f"bucket {limit} at {expected} (now {bucket_level(env, key, limit)})")
 
 
 def sse_events(body):
@@ -183,14 +184,23 @@ def test_parallel_long_completions_never_overshoot_the_limit(env, clamp):
         status, headers, payload = send(port, "sk-burst", body,
                                         headers={"x-mock-completion-tokens": "1000", "x-mock-chunk-delay-ms": "1"})
         if status != 200:
-            return status, 0
+            return status, 0, None
         usage = json.loads(sse_events(payload)[-2][len("data: "):])["usage"]
-        return status, usage["total_tokens"]
+        # What the upstream saw as max_tokens: the mock completes min(1000, max_tokens).
+        return status, usage["total_tokens"], int(headers["x-mock-completion-tokens"])
 
     with concurrent.futures.ThreadPoolExecutor(40) as pool:
         results = list(pool.map(one, range(40)))
-    admitted = sum(tokens for status, tokens in results if status == 200)
-    statuses = [status for status, _ in results]
+    admitted = sum(tokens for status, tokens, _ in results if status == 200)
+    statuses = [status for status, _, _ in results]
+    caps = [cap for status, _, cap in results if status == 200]
+    if clamp:
+        # Clamping rewrote max_tokens of the admissions that did not fit whole: the
+        # upstream saw a cap below the 1,000 asked for, never below min_output_tokens.
+        assert any(cap < 1000 for cap in caps), caps
+        assert all(100 <= cap <= 1000 for cap in caps), caps
+    else:
+        assert caps == [1000] * len(caps), "without clamping the request goes upstream as sent"
     assert statuses.count(200) + statuses.count(429) == 40
     assert 0 < statuses.count(200) < 40
     overshoot = (admitted - limit) / limit
@@ -200,11 +210,14 @@ def test_parallel_long_completions_never_overshoot_the_limit(env, clamp):
     wait_level(env, "sk-burst", limit - admitted)
 
 
-def test_requests_without_a_body_and_bad_bodies_cost_the_fallback(env):
+@pytest.mark.parametrize("body", [None, b"not json at all", b"[1, 2]"], ids=["no-body", "not-json", "not-an-object"])
+def test_requests_without_a_body_and_bad_bodies_cost_the_fallback(env, body):
     port = env.start([{"name": "tpm", "tokens": BIG, "window": LONG}], tokens={"unparsed_request_cost": 123})
-    status, headers, _ = send(port, "sk-bad", "not json at all")
-    assert status == 400  # the mock's answer; the filter counted the fallback
+    status, headers, _ = send(port, "sk-bad", body)
+    assert status == 400  # the mock's answer
     assert headers["x-llm-ratelimit-reserved-tokens"] == "123"
+    # What the filter cannot read is charged the configured fallback, in Redis.
+    wait_level(env, "sk-bad", BIG - 123)
 
 
 def test_a_body_over_the_limit_is_refused_with_413(env):
