@@ -10,7 +10,9 @@ from types import SimpleNamespace
 import pytest
 import redis
 
+from conftest import openai_chat_prompt_tokens
 from stack import anthropic, bucket_key, chat, send, wait_until
+from test_companion_ops import metric, scrape
 
 # A budget so long-lived that refill during a test is below one token.
 BIG = 1_000_000
@@ -33,9 +35,10 @@ def bucket_level(env, key, limit="tpm"):
 
 
 def wait_level(env, key, expected, limit="tpm"):
-    """Settlement is asynchronous (the next tick): wait for the bucket to show it, longer
+    """Settlement is asynchronous (the next tick): wait for the bucket to show it (to the
+    token: a 366-day window refills 0.03 a second), longer
     than a settlement's retries take (about 11 s, README "When Redis or the companion fails")."""
-    return wait_until(lambda: bucket_level(env, key, limit) is not None and abs(bucket_level(env, key, limit) - expected) < 1.5,
+    return wait_until(lambda: bucket_level(env, key, limit) is not None and abs(bucket_level(env, key, limit) - expected) < 0.6,
                       15, f"bucket {limit} at {expected} (now {bucket_level(env, key, limit)})")
 
 
@@ -72,15 +75,18 @@ def test_the_reported_usage_is_charged_not_the_estimate(env, path, body, streame
     wait_level(env, key, BIG - actual)
 
 
-def test_a_stream_without_usage_is_charged_its_counted_text(env):
+def story_prompt(tiktoken_encodings):
+    """The prompt of `chat(STORY)` as OpenAI counts it (tiktoken, o200k_base)."""
+    return openai_chat_prompt_tokens(tiktoken_encodings["o200k_base"], [{"role": "user", "content": STORY}])
+
+
+def test_a_stream_without_usage_is_charged_its_counted_text(env, tiktoken_encodings):
     port = env.start([{"name": "tpm", "tokens": BIG, "window": LONG}])
     status, headers, _ = send(port, "sk-nousage", chat(STORY, max_tokens=500, stream=True),
                               headers={"x-mock-completion-tokens": "30"})
     assert status == 200
-    reserved = int(headers["x-llm-ratelimit-reserved-tokens"])
-    prompt_in_proxy = reserved - 500
-    # The mock streams one token per chunk; the proxy counted 30 and its own prompt count.
-    wait_level(env, "sk-nousage", BIG - (prompt_in_proxy + 30))
+    # The mock streams one token per chunk: 30, and the prompt as tiktoken counts it.
+    wait_level(env, "sk-nousage", BIG - (story_prompt(tiktoken_encodings) + 30))
 
 
 def test_the_filter_can_ask_for_stream_usage_and_hide_it_from_the_client(env):
@@ -97,15 +103,52 @@ def test_the_filter_can_ask_for_stream_usage_and_hide_it_from_the_client(env):
     wait_level(env, "sk-inject", BIG - actual)
 
 
-def test_an_upstream_error_is_charged_the_prompt_only(env):
+def test_an_upstream_error_is_charged_the_prompt_only(env, tiktoken_encodings):
     port = env.start([{"name": "tpm", "tokens": BIG, "window": LONG}])
     status, headers, _ = send(port, "sk-error", chat(STORY, max_tokens=800), headers={"x-mock-status": "500"})
     assert status == 500
-    reserved = int(headers["x-llm-ratelimit-reserved-tokens"])
-    wait_level(env, "sk-error", BIG - (reserved - 800))
+    wait_level(env, "sk-error", BIG - story_prompt(tiktoken_encodings))
 
 
-def test_a_client_that_disconnects_mid_stream_is_charged_what_was_streamed(env):
+def test_an_upstream_reset_mid_stream_is_settled_exactly_once(env, backend, tiktoken_encodings):
+    """The upstream breaks the connection in the middle of a stream (after 1,500 bytes of
+    it): the request is settled once, at the prompt (OpenAI's count, by tiktoken) and the
+    tokens streamed before the break (each streamed word of the mock is one token)."""
+    port = env.start([{"name": "tpm", "tokens": BIG, "window": LONG}])
+    messages = [{"role": "user", "content": STORY}]
+    body = json.dumps(chat(STORY, max_tokens=1000, stream=True)).encode()
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    sock.sendall(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-reset\r\n"
+        b"x-mock-completion-tokens: 1000\r\nx-mock-abort-after-bytes: 1500\r\ncontent-type: application/json\r\n"
+        + f"content-length: {len(body)}\r\n\r\n".encode() + body
+    )
+    received = b""
+    while chunk := sock.recv(65536):
+        received += chunk
+    sock.close()
+    head, _, stream = received.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200")
+    assert b"[DONE]" not in stream, "the stream was cut"
+    # The content deltas that arrived whole (the chunked framing aside: each event is one
+    # JSON line, and a cut one does not parse).
+    streamed = 0
+    for line in stream.split(b"\n"):
+        if line.startswith(b"data: {"):
+            try:
+                event = json.loads(line[len(b"data: "):])
+            except json.JSONDecodeError:
+                continue
+            streamed += 1 if event["choices"][0]["delta"].get("content") else 0
+    assert 0 < streamed < 1000
+    prompt = openai_chat_prompt_tokens(tiktoken_encodings["o200k_base"], messages)
+    wait_level(env, "sk-reset", BIG - prompt - streamed)
+    samples = scrape(backend.companion_port)
+    assert metric(samples, "settlements_total", outcome="applied") == 1
+    assert abs(bucket_level(env, "sk-reset") - (BIG - prompt - streamed)) < 0.01
+
+
+def test_a_client_that_disconnects_mid_stream_is_charged_what_was_streamed(env, tiktoken_encodings):
     port = env.start([{"name": "tpm", "tokens": BIG, "window": LONG}])
     body = json.dumps(chat(STORY, max_tokens=1000, stream=True)).encode()
     sock = socket.create_connection(("127.0.0.1", port), timeout=10)
@@ -117,10 +160,8 @@ def test_a_client_that_disconnects_mid_stream_is_charged_what_was_streamed(env):
     received = b""
     while received.count(b"data: ") < 12:
         received += sock.recv(65536)
-    head = received.split(b"\r\n\r\n", 1)[0].decode().lower()
-    reserved = int(next(l.split(":", 1)[1] for l in head.split("\r\n") if l.startswith("x-llm-ratelimit-reserved-tokens")))
     sock.close()
-    prompt = reserved - 1000
+    prompt = story_prompt(tiktoken_encodings)
     # Charged the prompt and the tokens streamed before the disconnect: far below the
     # reservation, at least what the client saw.
     def settled():
