@@ -1,13 +1,14 @@
 """Policy options end to end: shadow mode, header styles, and the bypass list."""
 
 import json
+import re
 import time
 
 import pytest
 
 import redis
 
-from stack import bucket_level, chat, send, tenant_of, wait_until
+from stack import bucket_level, chat, http_get, send, tenant_of, wait_until
 from test_companion_ops import metric, scrape
 
 
@@ -22,13 +23,27 @@ def start(backend):
 
 
 def test_shadow_mode_never_refuses_but_says_what_would_have_happened(start):
-    port = start(mode="shadow")
+    backend = start.backend
+    port, admin = backend.envoy_for([{"name": "rpm", "requests": 2, "window": "1h"}], mode="shadow")
     results = [send(port) for _ in range(4)]
     assert [r[0] for r in results] == [200] * 4
     assert [r[1].get("x-llm-ratelimit-shadow") for r in results] == [None, None, "429", "429"]
     assert results[3][1]["x-ratelimit-remaining-requests"] == "0"
     assert "retry-after" not in results[3][1]
     assert start.backend.upstream_received() == 4
+    # Redis really decided: two charges applied, two refused, and the bucket is spent
+    # (refill: 2 an hour); the proxy counted the two refusals it let through.
+    samples = scrape(backend.companion_port)
+    assert metric(samples, "decisions_total", op="charge", outcome="allowed") == 2
+    assert metric(samples, "decisions_total", op="charge", outcome="limited") == 2
+    assert bucket_level(redis.Redis(port=backend.redis_port), "sk-test", "rpm") < 0.01
+
+    def shadow_refusals():
+        text = http_get(f"http://127.0.0.1:{admin}/stats?filter=llm_ratelimit")[1].decode()
+        found = re.search(r"wasmcustom\.llm_ratelimit\.shadow_refusals: (\d+)", text)
+        return int(found.group(1)) if found else 0
+
+    wait_until(lambda: shadow_refusals() == 2, 10, f"shadow_refusals at 2 (now {shadow_refusals()})")
 
 
 @pytest.mark.parametrize(
