@@ -110,19 +110,24 @@ def test_an_upstream_error_is_charged_the_prompt_only(env, tiktoken_encodings):
     wait_level(env, "sk-error", BIG - story_prompt(tiktoken_encodings))
 
 
+def open_stream(port, key, mock_headers: bytes):
+    """A raw connection that has sent a streamed chat of STORY (max_tokens 1,000) with
+    these x-mock-* header lines, for a test that reads the reply as it comes."""
+    body = json.dumps(chat(STORY, max_tokens=1000, stream=True)).encode()
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + key.encode() + b"\r\n"
+                 + mock_headers + b"content-type: application/json\r\n"
+                 + f"content-length: {len(body)}\r\n\r\n".encode() + body)
+    return sock
+
+
 def test_an_upstream_reset_mid_stream_is_settled_exactly_once(env, backend, tiktoken_encodings):
     """The upstream breaks the connection in the middle of a stream (after 1,500 bytes of
     it): the request is settled once, at the prompt (OpenAI's count, by tiktoken) and the
     tokens streamed before the break (each streamed word of the mock is one token)."""
     port = env.start([{"name": "tpm", "tokens": BIG, "window": LONG}])
     messages = [{"role": "user", "content": STORY}]
-    body = json.dumps(chat(STORY, max_tokens=1000, stream=True)).encode()
-    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
-    sock.sendall(
-        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-reset\r\n"
-        b"x-mock-completion-tokens: 1000\r\nx-mock-abort-after-bytes: 1500\r\ncontent-type: application/json\r\n"
-        + f"content-length: {len(body)}\r\n\r\n".encode() + body
-    )
+    sock = open_stream(port, "sk-reset", b"x-mock-completion-tokens: 1000\r\nx-mock-abort-after-bytes: 1500\r\n")
     received = b""
     while chunk := sock.recv(65536):
         received += chunk
@@ -150,13 +155,7 @@ def test_an_upstream_reset_mid_stream_is_settled_exactly_once(env, backend, tikt
 
 def test_a_client_that_disconnects_mid_stream_is_charged_what_was_streamed(env, tiktoken_encodings):
     port = env.start([{"name": "tpm", "tokens": BIG, "window": LONG}])
-    body = json.dumps(chat(STORY, max_tokens=1000, stream=True)).encode()
-    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
-    sock.sendall(
-        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-leaver\r\n"
-        b"x-mock-completion-tokens: 1000\r\nx-mock-chunk-delay-ms: 20\r\ncontent-type: application/json\r\n"
-        + f"content-length: {len(body)}\r\n\r\n".encode() + body
-    )
+    sock = open_stream(port, "sk-leaver", b"x-mock-completion-tokens: 1000\r\nx-mock-chunk-delay-ms: 20\r\n")
     received = b""
     while received.count(b"data: ") < 12:
         received += sock.recv(65536)
