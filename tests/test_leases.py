@@ -191,7 +191,9 @@ class SlowLeaseForwarder:
         self.server.server_close()
 
 
-@pytest.mark.xfail(strict=True, reason=(
+# Not strict: the two workers' renewals meet in most runs (2 in flight in 4 of 5 here),
+# not in every one, so a pass is luck, not a fix.
+@pytest.mark.xfail(strict=False, reason=(
     "each worker VM keeps its own renewals in flight (Worker::renewing) and the shared "
     "renewal_asked_ms only spaces renewals 1 s apart: two workers of one proxy renew a "
     "tenant at once when the companion takes longer than that"))
