@@ -54,6 +54,8 @@ FIVE_SLIDING = {**REQUESTS_ONLY, "limits": [
     {**limit, "algorithm": "sliding_window"} for limit in FIVE_BUCKETS["limits"]]}
 LEASED = {**REQUESTS_ONLY, "lease": {"enabled": True}}
 LEASED_TOKENS = {**WITH_TOKENS, "lease": {"enabled": True}}
+# The queue on, capacity free: what README's "no added latency" is measured by.
+QUEUED = {**REQUESTS_ONLY, "queue": {"max_wait": "5s"}}
 
 WRK_SCRIPT = r"""
 wrk.method = "POST"
@@ -271,6 +273,7 @@ def main() -> None:
         variants = [("passthrough", None, None), ("empty wasm filter", None, EMPTY_WASM),
                     ("wasm ABI floor", None, FLOOR_WASM),
                     ("requests, direct", REQUESTS_ONLY, None), ("requests, lease", LEASED, None),
+                    ("requests, queue on", QUEUED, None),
                     ("+ tokens, direct", WITH_TOKENS, None), ("+ tokens, lease", LEASED_TOKENS, None),
                     ("5 buckets, direct", FIVE_BUCKETS, None), ("1 sliding, direct", SLIDING, None),
                     ("5 sliding, direct", FIVE_SLIDING, None)]

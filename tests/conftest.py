@@ -65,3 +65,28 @@ def provider_env(backend):
         return backend.envoy(backend.filter_config(limits, **options))[0]
 
     return SimpleNamespace(redis=redis.Redis(port=backend.redis_port), start=start, backend=backend)
+
+
+@pytest.fixture(scope="session")
+def tiktoken_encodings():
+    """OpenAI's own tokenizer (the `tiktoken` package), the outside reference for prompt
+    counts: {"o200k_base": Encoding, "cl100k_base": Encoding}. Its vocabularies are read
+    from the files tiktoken-rs ships (checked against tiktoken's own hashes), as
+    tests/cases/make_token_counts.py does: nothing is downloaded."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "cases"))
+    from make_token_counts import encodings
+
+    return encodings()
+
+
+def openai_chat_prompt_tokens(encoding, messages) -> int:
+    """A chat request's prompt as OpenAI bills it (OpenAI's cookbook formula, the one the
+    README cites): 3 tokens per message, each string field's tokens, 1 more per `name`,
+    and 3 to prime the reply."""
+    total = 3
+    for message in messages:
+        total += 3
+        for field, value in message.items():
+            total += len(encoding.encode_ordinary(value))
+            total += 1 if field == "name" else 0
+    return total

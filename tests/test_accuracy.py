@@ -13,8 +13,9 @@ import re
 import time
 
 import pytest
+import redis
 
-from stack import chat, http_get, send
+from stack import chat, http_get, send, wait_until
 
 BIG = 1_000_000
 LONG = "366d"
@@ -36,6 +37,7 @@ def start(backend):
     def start_envoy(limits, tokens=None):
         return backend.envoy_for(limits, tokens=tokens)
 
+    start_envoy.backend = backend
     return start_envoy
 
 
@@ -75,21 +77,33 @@ def test_a_proxy_started_later_reserves_at_what_the_fleet_learned(start):
     for i in range(4):
         assert send(first, f"sk-fleet-{i}", chat(ESSAY.format(i=i), max_tokens=100)).status == 200
         after_a_tick()
-    time.sleep(1.3)  # each worker hands in what it learned about once a second
+    # Each worker hands in what it learned about once a second: wait until the fleet's
+    # figures in Redis hold all four prompts' samples.
+    store = redis.Redis(port=start.backend.redis_port)
 
-    def first_reservation(port, key):
-        time.sleep(0.2)  # the new proxy's first tick asks the fleet
+    def samples_handed_in():
+        # Each field: "<prompt ratios>|<outputs>", each "mean deviation samples" or "-".
+        ratios = [v.split(b"|")[0].split() for v in store.hgetall(b"llmrl:{llm:models}:cal:rules").values()]
+        return max((int(r[2]) for r in ratios if len(r) == 3), default=0)
+
+    wait_until(lambda: samples_handed_in() >= 4, 10, f"four samples in Redis (now {samples_handed_in()})")
+
+    def first_reservation(port, key, admin=None):
+        if admin is not None:  # the new proxy's first tick asks the fleet
+            wait_until(lambda: (gauge(admin, "prompt_factor.gpt-4o") or 0) > 1500, 10, "the fleet's factor taken in")
         status, headers, _ = send(port, key, chat(ESSAY.format(i=99), max_tokens=100))
         assert status == 200
         return int(headers["x-llm-ratelimit-reserved-tokens"]) - 100, int(headers["x-mock-prompt-tokens"])
 
     # A second proxy's very first request reserves what the provider counts ...
     second, admin = start(limits)
-    reserved, provider = first_reservation(second, "sk-fleet-second")
+    reserved, provider = first_reservation(second, "sk-fleet-second", admin)
     assert provider <= reserved <= provider + 4, (reserved, provider)
     assert gauge(admin, "prompt_factor.gpt-4o") > 1500
     # ... and one that does not share reserves its own count, well short of it.
-    alone, _ = start(limits, tokens={"share_calibration": False})
+    alone, alone_admin = start(limits, tokens={"share_calibration": False})
+    # Its tick runs as the other's did (and its factor gauge says it learned nothing).
+    wait_until(lambda: gauge(alone_admin, "prompt_factor.gpt-4o") == 1000, 10, "its own factor published")
     reserved, provider = first_reservation(alone, "sk-fleet-alone")
     assert reserved * 1.5 < provider, (reserved, provider)
 
@@ -102,7 +116,7 @@ def test_a_new_tenant_reserves_the_models_learned_completion_length(start):
         assert status == 200
         assert int(headers["x-llm-ratelimit-reserved-tokens"]) > 1000, "no history anywhere yet: the cap"
         after_a_tick()
-    assert gauge(admin, "output_prior.gpt-4o") == 20
+    wait_until(lambda: gauge(admin, "output_prior.gpt-4o") == 20, 10, "the model's completion length learned")
     # A tenant never seen before reserves 1.5 x the model's 20, not its cap of 1,000.
     status, headers, _ = send(port, "sk-newcomer", chat("hi", max_tokens=1000), headers=short)
     assert status == 200

@@ -5,6 +5,9 @@ token limits that count one part of the tokens (input, output, cached input), re
 and settled apart against the usage the upstream reported."""
 
 import datetime
+import http.client
+import math
+import time
 import json
 
 import anthropic as anthropic_sdk
@@ -221,3 +224,52 @@ def test_input_output_and_cached_limits_are_charged_and_settled_apart(backend):
     assert refused.status == 429
     assert json.loads(refused.body)["error"]["type"] == "output_tokens"
     assert refused.headers["x-ratelimit-remaining-tokens"] == "200", "the tightest token limit"
+
+
+def test_anthropics_reset_is_when_the_bucket_is_full_again_rounded_up(backend):
+    """README: the reset is "the time the limit is full again (RFC 3339, UTC, by the
+    proxy's clock, rounded up to the second)". Ten requests per 10 s refill one a second:
+    three requests taken at once are back three seconds after they were taken."""
+    port, _ = backend.envoy(backend.filter_config([{"name": "rp10s", "requests": 10, "window": "10s"}]))
+    first = time.time()
+    replies = [send(port, None, anthropic("hi", max_tokens=16), path="/v1/messages", headers={"x-api-key": "sk-ant-reset"})
+               for _ in range(3)]
+    last = time.time()
+    assert [r.status for r in replies] == [200] * 3
+    reset = datetime.datetime.fromisoformat(replies[-1].headers["anthropic-ratelimit-requests-reset"])
+    assert reset.tzinfo == datetime.timezone.utc and reset.microsecond == 0
+    # Full again 3 s after the first was taken at the earliest, 3 s after the last at the
+    # latest; rounded up to the whole second.
+    assert math.ceil(first + 3) <= reset.timestamp() <= math.ceil(last + 3), (first, reset.timestamp(), last)
+
+
+@pytest.mark.parametrize("path, body, ours", [
+    ("/v1/chat/completions", chat(max_tokens=16), ["x-ratelimit-limit-requests", "x-ratelimit-remaining-requests",
+                                                    "x-ratelimit-reset-requests", "ratelimit-policy", "ratelimit"]),
+    ("/v1/messages", anthropic("hi", max_tokens=16), ["anthropic-ratelimit-requests-limit",
+                                                      "anthropic-ratelimit-requests-remaining",
+                                                      "anthropic-ratelimit-requests-reset", "ratelimit"]),
+], ids=["openai", "anthropic"])
+def test_our_headers_replace_the_upstreams_of_the_same_name(backend, path, body, ours):
+    """README: "The filter's headers replace any of the same name from the upstream". The
+    mock sends each of them itself (x-mock-set-<name>), with a value the filter never would;
+    the client sees the filter's, once; a header the filter does not set passes."""
+    port, _ = backend.envoy(backend.filter_config([{"name": "rpm", "requests": 20, "window": "1m"}]))
+    sent = {"authorization": "Bearer sk-hdr", "x-api-key": "sk-hdr", "content-type": "application/json",
+            "x-mock-set-x-upstream-own": "kept"}
+    sent.update({f"x-mock-set-{name}": "upstream-999" for name in ours})
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        conn.request("POST", path, body=json.dumps(body), headers=sent)
+        resp = conn.getresponse()
+        resp.read()
+        received = [(k.lower(), v) for k, v in resp.getheaders()]
+    finally:
+        conn.close()
+    assert resp.status == 200
+    assert ("x-upstream-own", "kept") in received, "the mock's switch works: an unrelated header passes"
+    for name in ours:
+        values = [v for k, v in received if k == name]
+        assert len(values) == 1 and "upstream-999" not in values[0], (name, values)
+    limit_header = "x-ratelimit-limit-requests" if path.endswith("completions") else "anthropic-ratelimit-requests-limit"
+    assert dict(received)[limit_header] == "20"

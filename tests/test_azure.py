@@ -5,11 +5,13 @@ at the reported usage (JSON and streamed, Azure's content-filter chunk first), a
 deployment's cost settled at the price of the model its reply names, and a 429 the SDK
 raises as its rate-limit error."""
 
+import concurrent.futures
 import json
 
 import openai
 import pytest
 
+from conftest import openai_chat_prompt_tokens
 from stack import bucket_level, wait_bucket, wait_until
 
 BIG = 1_000_000
@@ -63,23 +65,33 @@ def test_the_v1_paths_map_the_deployment_named_in_the_body(provider_env):
     wait_bucket(provider_env.redis, "ak-v1", "model-tpm", BIG - used)
 
 
-def test_an_unmapped_deployment_is_reserved_at_the_dearest_price_and_settled_at_its_replys(provider_env):
+def test_an_unmapped_deployment_is_reserved_at_the_dearest_price_and_settled_at_its_replys(provider_env, tiktoken_encodings):
     prices = [{"match": "gpt-4o-mini*", "input": 1, "output": 2}, {"match": "gpt-4o*", "input": 10, "output": 40}]
+    dearest_in, dearest_out = max(p["input"] for p in prices), max(p["output"] for p in prices)
     budget_micro = 10_000_000  # $10
     port = provider_env.start(limits_with_model("gpt-4o") + [{"name": "usd", "usd": 10, "window": LONG}], prices=prices)
     client = azure(port, "ak-unmapped")
-    raw = client.chat.completions.with_raw_response.create(
-        model="team-x", messages=STORY, max_tokens=300, extra_headers={"x-mock-model": "gpt-4o-mini-2024-07-18"})
+    # The upstream answers after 1.5 s: meanwhile Redis holds the reservation alone.
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(client.chat.completions.with_raw_response.create, model="team-x", messages=STORY,
+                              max_tokens=300, extra_headers={"x-mock-model": "gpt-4o-mini-2024-07-18",
+                                                             "x-mock-first-token-delay-ms": "1500"})
+        wait_until(lambda: bucket_level(provider_env.redis, "ak-unmapped", "usd") is not None, 10, "the budget charged")
+        reserved_micro = budget_micro - bucket_level(provider_env.redis, "ak-unmapped", "usd")
+        raw = pending.result()
     reserved = int(raw.headers["x-llm-ratelimit-reserved-tokens"])
     reply = raw.parse()
     assert reply.model == "gpt-4o-mini-2024-07-18"
-    # Reserved at the table's dearest prices ($10 in, $40 out per million): per token, micro-dollars.
-    prompt_estimate = reserved - 300
-    wait_until(lambda: bucket_level(provider_env.redis, "ak-unmapped", "usd") is not None, 10, "the budget charged")
+    # Reserved at the table's dearest prices ($10 in, $40 out per million: micro-dollars a
+    # token): the prompt as OpenAI counts it, and the completion allowance (what the
+    # reservation holds beyond the prompt, at most the cap).
+    prompt = openai_chat_prompt_tokens(tiktoken_encodings["o200k_base"], STORY)
+    allowance = reserved - prompt
+    assert 0 < allowance <= 300
+    assert reserved_micro == pytest.approx(prompt * dearest_in + allowance * dearest_out, abs=1)
     # Settled at gpt-4o-mini's price, the model the reply named.
     cost = reply.usage.prompt_tokens * 1 + reply.usage.completion_tokens * 2
     wait_bucket(provider_env.redis, "ak-unmapped", "usd", budget_micro - cost)
-    assert cost < prompt_estimate * 10 + 300 * 40
     # The per-model limit did not know the deployment: it was not charged.
     assert bucket_level(provider_env.redis, "ak-unmapped", "model-tpm") in (None, BIG)
 

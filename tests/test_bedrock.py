@@ -16,7 +16,8 @@ import pytest
 import redis
 from botocore.config import Config
 
-from stack import bucket_key, chat, http_get, send, wait_until
+from conftest import openai_chat_prompt_tokens
+from stack import bucket_key, http_get, wait_until
 
 BIG = 1_000_000
 LONG = "366d"
@@ -65,13 +66,11 @@ def wait_level(env, key, expected, limit="tpm"):
                10, f"bucket {limit} at {expected} (now {level(env, key, limit)})")
 
 
-def prompt_estimate(port):
+def prompt_estimate(tiktoken_encodings):
     """What the proxy counts for STORY as one user message in OpenAI's shape (3 to prime
     the reply, 3 for the message, its role and text in o200k_base): a Bedrock body with
-    the same message is estimated the same way."""
-    status, headers, _ = send(port, "sk-reference", chat(STORY, max_tokens=MAX_TOKENS))
-    assert status == 200
-    return int(headers["x-llm-ratelimit-reserved-tokens"]) - MAX_TOKENS
+    the same message is estimated the same way. Counted by OpenAI's tiktoken."""
+    return openai_chat_prompt_tokens(tiktoken_encodings["o200k_base"], [{"role": "user", "content": STORY}])
 
 
 def converse_args(model=NOVA):
@@ -124,7 +123,7 @@ OPERATIONS = {"converse": run_converse, "converse_stream": run_converse_stream,
 
 
 @pytest.mark.parametrize("operation", OPERATIONS)
-def test_the_prompt_is_estimated_reserved_and_the_reported_usage_settled(env, operation):
+def test_the_prompt_is_estimated_reserved_and_the_reported_usage_settled(env, operation, tiktoken_encodings):
     port, _ = env.start([{"name": "tpm", "tokens": BIG, "window": LONG}])
     key = f"AKIDUSAGE{operation.upper().replace('_', '')}"[:20]
     # Streamed events 5 ms apart, so the filter reads them across many body callbacks.
@@ -133,7 +132,7 @@ def test_the_prompt_is_estimated_reserved_and_the_reported_usage_settled(env, op
     assert reply["ResponseMetadata"]["HTTPStatusCode"] == 200
     # Reserved: the prompt as the proxy estimates it, plus the output cap.
     reserved = int(headers["x-llm-ratelimit-reserved-tokens"])
-    assert reserved == prompt_estimate(port) + MAX_TOKENS
+    assert reserved == prompt_estimate(tiktoken_encodings) + MAX_TOKENS
     # Bedrock publishes no rate-limit headers of its own: its callers get the IETF ones.
     assert f'"tpm";r={BIG - reserved};' in headers["ratelimit"], headers["ratelimit"]
     # What the SDK read from the reply is what the mock reported, and it is what settles.
@@ -209,7 +208,7 @@ def test_the_mock_refuses_a_bad_signature_through_envoy(env):
     assert refused.value.response["Error"]["Code"] == "InvalidSignatureException"
 
 
-def test_an_exception_inside_the_stream_settles_on_what_came_before(env):
+def test_an_exception_inside_the_stream_settles_on_what_came_before(env, tiktoken_encodings):
     port, _ = env.start([{"name": "tpm", "tokens": BIG, "window": LONG}])
     headers = {"x-mock-stream-exception": "throttlingException"}
     # Converse: no usage before the exception: the prompt as estimated and the one token
@@ -219,7 +218,7 @@ def test_an_exception_inside_the_stream_settles_on_what_came_before(env):
     with pytest.raises(botocore.exceptions.EventStreamError) as broken:
         list(reply["stream"])
     assert broken.value.response["Error"]["Code"] == "throttlingException"
-    wait_level(env, "AKIDEXCCONVERSE", BIG - (prompt_estimate(port) + 1))
+    wait_level(env, "AKIDEXCCONVERSE", BIG - (prompt_estimate(tiktoken_encodings) + 1))
     # Invoke: Anthropic's message_start came first, with the provider's prompt count and
     # one output token.
     client = bedrock(port, "AKIDEXCINVOKE", headers=headers)

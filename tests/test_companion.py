@@ -236,7 +236,9 @@ def test_a_charge_goes_before_a_backlog_of_settlements(single):
     store.execute_command("CLIENT", "PAUSE", 300, "WRITE")
     with ThreadPoolExecutor(2) as pool:
         settled = pool.submit(timed, "settlements", backlog, "/v1/settle")
-        time.sleep(0.1)  # the settlements are queued first
+        # The settlements are out first: their script call waits in the paused Redis.
+        wait_until(lambda: any(c["cmd"] in ("evalsha", "eval") and "b" in c["flags"] for c in store.client_list()), 5,
+                   "the settlements' script call blocked in Redis")
         charged = pool.submit(timed, "charge", bucket_request("eager"), "/v1/token_bucket")
         assert charged.result()[0] == 200 and charged.result()[1]["allowed"]
         assert settled.result() == (200, {"results": ["applied"] * 1000})

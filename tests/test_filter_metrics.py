@@ -11,13 +11,17 @@ from pathlib import Path
 import pytest
 import yaml
 
-from stack import Backend, chat, free_port, http_get, send
+import redis
+
+from conftest import openai_chat_prompt_tokens
+from stack import Backend, bucket_level, chat, free_port, http_get, send, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 DASHBOARD = ROOT / "deploy/grafana/llm-ratelimit.json"
 ALERTS = ROOT / "deploy/prometheus/llm-ratelimit-alerts.yaml"
 TOKEN = "metrics-test-token"
-LIMITS = [{"name": "rpm", "requests": 3, "window": "1m"}, {"name": "tpm", "tokens": 1_000_000, "window": "1m"}]
+BIG_TPM = 1_000_000
+LIMITS = [{"name": "rpm", "requests": 3, "window": "1m"}, {"name": "tpm", "tokens": BIG_TPM, "window": "366d"}]  # tpm: refills 0.03 a second, so Redis keeps what was charged
 
 # What Prometheus derives from a histogram's name.
 HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
@@ -97,7 +101,7 @@ def traffic(module_stack):
     companion_names = {m.group(1) for line in companion.splitlines() if (m := SAMPLE.match(line))}
     assert companion_names
     return {"replies": replies, "samples": samples, "degraded": degraded, "admin_port": admin_port,
-            "companion_names": companion_names}
+            "companion_names": companion_names, "backend": backend}
 
 
 def test_decisions_are_labelled_by_limit_and_decision(traffic):
@@ -122,13 +126,22 @@ def test_decisions_are_labelled_by_limit_and_decision(traffic):
     assert value(degraded, decisions, limit="rpm", decision="allowed") == 0
 
 
-def test_tokens_are_labelled_by_gen_ai_token_type_and_stage(traffic):
+def test_tokens_are_labelled_by_gen_ai_token_type_and_stage(traffic, tiktoken_encodings):
     samples, admitted = traffic["samples"], traffic["replies"][:3]
     tokens = lambda kind, stage: value(samples, "llm_ratelimit_tokens_total", model_rule="gpt-4o",  # noqa: E731
                                        gen_ai_token_type=kind, token_stage=stage)
     usages = [json.loads(r.body)["usage"] for r in admitted]
     assert tokens("input", "charged") == sum(u["prompt_tokens"] for u in usages)
     assert tokens("output", "charged") == sum(u["completion_tokens"] for u in usages)
+    # The prompts reserved are OpenAI's count of them (tiktoken; the mock reports fewer, so
+    # the factor learned stays at its floor of 1).
+    prompt = openai_chat_prompt_tokens(tiktoken_encodings["o200k_base"], [{"role": "user", "content": "count my tokens"}])
+    assert tokens("input", "reserved") == 3 * prompt
+    # What was charged is what Redis holds: the settled usage, and nothing else.
+    charged = tokens("input", "charged") + tokens("output", "charged")
+    store = redis.Redis(port=traffic["backend"].redis_port)
+    wait_until(lambda: abs(BIG_TPM - bucket_level(store, "sk-metrics", "tpm") - charged) < 1, 15,
+               f"Redis charged {charged}")
     reserved = sum(int(r.headers["x-llm-ratelimit-reserved-tokens"]) for r in admitted)
     assert tokens("input", "reserved") + tokens("output", "reserved") == reserved
     assert tokens("input", "reserved") > 0 and tokens("output", "reserved") > 0

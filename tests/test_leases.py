@@ -1,8 +1,13 @@
 """Leased budgets end to end: each Envoy process admits from a lease in shared data with
 no callout, workers never double-spend it, and what is unused goes back to Redis."""
 
+import collections
 import concurrent.futures
+import http.client
+import http.server
+import json
 import re
+import threading
 import time
 
 import pytest
@@ -33,28 +38,43 @@ def env(backend):
 
 
 def metric(admin, name):
-    time.sleep(0.2)  # counters reach Envoy on the filter's next tick (every 50 ms)
     text = http_get(f"http://127.0.0.1:{admin}/stats?filter=llm_ratelimit")[1].decode()
     match = re.search(rf"wasmcustom\.llm_ratelimit\.{name}: (\d+)", text)
     return int(match.group(1)) if match else 0
 
 
+def counted(admin, allowed):
+    """Waits until the filter's counters show `allowed` admissions: they reach Envoy on
+    each VM's next 50 ms tick, so every other counter of the same requests is then in."""
+    wait_until(lambda: metric(admin, "requests_allowed") == allowed, 10,
+               f"requests_allowed at {allowed} (now {metric(admin, 'requests_allowed')})")
+
+
 def test_workers_never_double_spend_a_lease(env):
-    """Two worker VMs, 16 parallel clients, one tenant: exactly the limit is admitted, and
-    almost every admission comes from the lease, with no callout."""
+    """Two worker VMs, 16 parallel clients, one tenant: exactly the limit is admitted, the
+    admissions past the first came from leases, and once Redis has refused, the refusal
+    is remembered: the requests over the limit cost no script call each. (How many round
+    trips a request costs is a rate: `make bench` measures it, "Redis trips/req".)"""
     limit = 300
     port, admin = env.start([{"name": "rph", "requests": limit, "window": "1h"}], lease={"initial_fraction": 0.05})
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        statuses = list(pool.map(lambda _: send(port, "sk-lease", BODY)[0], range(limit + 50)))
+    assert statuses.count(200) == limit and statuses.count(429) == 50
+    counted(admin, limit)
+    leased = metric(admin, "lease_admissions")
+    print(f"\n{limit} requests: {leased} admitted from the lease")
+    # Each request is admitted from a lease or by a callout of its own (the first, and
+    # any that found the lease empty): at least one admission came from a lease, and no
+    # more than were admitted.
+    assert 0 < leased < limit
     before = env.script_calls()
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
-        statuses = list(pool.map(lambda _: send(port, "sk-lease", BODY)[0], range(limit + 100)))
-    assert statuses.count(200) == limit and statuses.count(429) == 100
-    calls = env.script_calls() - before
-    leased = metric(admin, "lease_admissions")
-    print(f"\n{limit + 100} requests: {leased} admitted from the lease, {calls} Redis script calls")
-    assert leased > limit * 0.8
-    # Once the limit is spent, Redis's refusal is remembered until its retry time: the
-    # 100 requests over the limit are refused here, not one callout each.
-    assert calls < (limit + 100) * 0.1
+        over = list(pool.map(lambda _: send(port, "sk-lease", BODY)[0], range(100)))
+    assert over == [429] * 100
+    # Redis's refusal of a grant is remembered in shared data until its retry time (the
+    # hour's end): these 100 requests ask Redis at most once per client thread (those in
+    # flight as a refusal lands), not once each.
+    assert env.script_calls() - before <= 16
     assert metric(admin, "lease_bound.rph") == 30  # max_fraction 0.1 of 300
 
 
@@ -90,10 +110,115 @@ def test_an_expired_lease_goes_back_to_redis(env):
 
 def test_token_settlements_go_into_the_lease_and_then_to_redis(env):
     big = 1_000_000
-    port, _ = env.start([{"name": "tpm", "tokens": big, "window": "366d"}], lease={"ttl": "1s"})
-    status, headers, _ = send(port, "sk-tok", BODY, headers={"x-mock-completion-tokens": "15"})
-    assert status == 200
-    actual = int(headers["x-mock-prompt-tokens"]) + 15
-    # After expiry the lease, corrected by the settlement, returns all but what was used.
-    wait_until(lambda: abs((env.level("sk-tok", "tpm") or 0) - (big - actual)) < 1, 10,
-               f"Redis at {big - actual} (now {env.level('sk-tok', 'tpm')})")
+    port, admin = env.start([{"name": "tpm", "tokens": big, "window": "366d"}], lease={"ttl": "1s"})
+    used, started = 0, time.monotonic()
+    # A tenant's first request is charged directly; its second asks for a lease, which
+    # admits it; its third is admitted from that lease, with no callout.
+    for admitted, (completion, leased) in enumerate(((15, 0), (9, 0), (7, 1)), start=1):
+        status, headers, _ = send(port, "sk-tok", BODY, headers={"x-mock-completion-tokens": str(completion)})
+        assert status == 200
+        used += int(headers["x-mock-prompt-tokens"]) + int(headers["x-mock-completion-tokens"])
+        counted(admin, admitted)
+        assert metric(admin, "lease_admissions") == leased
+    assert metric(admin, "lease_callouts") >= 1
+    # After expiry the lease, corrected by both settlements, returns all but what was
+    # used: Redis holds the limit less the usage the upstream reported, to the token, plus
+    # what the bucket refilled since (1,000,000 tokens per 366 days: 0.03 a second).
+    def exact():
+        refilled = (time.monotonic() - started) * big / (366 * 86_400)
+        return big - used - 0.001 <= (env.level("sk-tok", "tpm") or 0) <= big - used + refilled + 0.001
+
+    wait_until(exact, 10, f"Redis at {big - used} (now {env.level('sk-tok', 'tpm')})")
+
+
+class SlowLeaseForwarder:
+    """Between Envoy and the companion: forwards every call, holds each lease renewal
+    (a lease call that needs nothing, `min_cost` 0 everywhere: asked in the background,
+    not for a waiting request) for `delay` seconds, and records the most renewals of one
+    tenant in flight at once."""
+
+    def __init__(self, companion_port, delay):
+        lock = threading.Lock()
+        self.in_flight, self.most, self.renewals = collections.Counter(), 0, 0
+        forwarder = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):
+                pass
+
+            def do_POST(self):
+                body = self.rfile.read(int(self.headers.get("content-length", 0)))
+                renewal = None
+                if self.path == "/v1/lease":
+                    ask = json.loads(body)
+                    if all(limit.get("min_cost", 0) == 0 for limit in ask["limits"]):
+                        renewal = ask["tenant"]
+                if renewal:
+                    with lock:
+                        forwarder.renewals += 1
+                        forwarder.in_flight[renewal] += 1
+                        forwarder.most = max(forwarder.most, forwarder.in_flight[renewal])
+                    time.sleep(delay)  # the slow companion this stands for
+                try:
+                    conn = http.client.HTTPConnection("127.0.0.1", companion_port, timeout=10)
+                    conn.request("POST", self.path, body=body, headers={
+                        k: v for k, v in self.headers.items() if k.lower() not in ("host", "connection")})
+                    reply = conn.getresponse()
+                    payload = reply.read()
+                    conn.close()
+                finally:
+                    if renewal:
+                        with lock:
+                            forwarder.in_flight[renewal] -= 1
+                self.send_response(reply.status)
+                for name, value in reply.getheaders():
+                    if name.lower() not in ("content-length", "connection", "transfer-encoding"):
+                        self.send_header(name, value)
+                self.send_header("content-length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.port = self.server.server_address[1]
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+# Not strict: the two workers' renewals meet in most runs (2 in flight in 4 of 5 here),
+# not in every one, so a pass is luck, not a fix.
+@pytest.mark.xfail(strict=False, reason=(
+    "each worker VM keeps its own renewals in flight (Worker::renewing) and the shared "
+    "renewal_asked_ms only spaces renewals 1 s apart: two workers of one proxy renew a "
+    "tenant at once when the companion takes longer than that"))
+def test_never_more_than_one_renewal_in_flight_per_tenant(backend):
+    """However slow the companion answers (here 1.5 s, within the callout timeout of 2 s),
+    a proxy has at most one background renewal of a tenant's lease out at a time."""
+    delay = 1.5
+    forwarder = SlowLeaseForwarder(backend.companion_port, delay)
+    try:
+        config = backend.filter_config([{"name": "rph", "requests": 1_000_000, "window": "1h"}],
+                                       lease={"enabled": True, "initial_fraction": 0.0002, "max_fraction": 0.0002})
+        port, _ = backend.envoy(config, companion_port=forwarder.port)
+        deadline = time.monotonic() + 6 * delay
+
+        def client(_):
+            statuses = []
+            while time.monotonic() < deadline:
+                statuses.append(send(port, "sk-renew", BODY)[0])
+            return statuses
+
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            statuses = [s for batch in pool.map(client, range(8)) for s in batch]
+        assert set(statuses) == {200}
+        print(f"\n{forwarder.renewals} renewals, at most {forwarder.most} of one tenant at once")
+        assert forwarder.renewals >= 1, "the leases ran low and were renewed in the background"
+        assert forwarder.most == 1, f"{forwarder.most} renewals of one tenant in flight at once"
+    finally:
+        forwarder.close()

@@ -1,11 +1,15 @@
 """Policy options end to end: shadow mode, header styles, and the bypass list."""
 
 import json
+import re
 import time
 
 import pytest
 
-from stack import chat, send, tenant_of
+import redis
+
+from stack import bucket_level, chat, http_get, send, tenant_of, wait_until
+from test_companion_ops import metric, scrape
 
 
 @pytest.fixture
@@ -19,13 +23,27 @@ def start(backend):
 
 
 def test_shadow_mode_never_refuses_but_says_what_would_have_happened(start):
-    port = start(mode="shadow")
+    backend = start.backend
+    port, admin = backend.envoy_for([{"name": "rpm", "requests": 2, "window": "1h"}], mode="shadow")
     results = [send(port) for _ in range(4)]
     assert [r[0] for r in results] == [200] * 4
     assert [r[1].get("x-llm-ratelimit-shadow") for r in results] == [None, None, "429", "429"]
     assert results[3][1]["x-ratelimit-remaining-requests"] == "0"
     assert "retry-after" not in results[3][1]
     assert start.backend.upstream_received() == 4
+    # Redis really decided: two charges applied, two refused, and the bucket is spent
+    # (refill: 2 an hour); the proxy counted the two refusals it let through.
+    samples = scrape(backend.companion_port)
+    assert metric(samples, "decisions_total", op="charge", outcome="allowed") == 2
+    assert metric(samples, "decisions_total", op="charge", outcome="limited") == 2
+    assert bucket_level(redis.Redis(port=backend.redis_port), "sk-test", "rpm") < 0.01
+
+    def shadow_refusals():
+        text = http_get(f"http://127.0.0.1:{admin}/stats?filter=llm_ratelimit")[1].decode()
+        found = re.search(r"wasmcustom\.llm_ratelimit\.shadow_refusals: (\d+)", text)
+        return int(found.group(1)) if found else 0
+
+    wait_until(lambda: shadow_refusals() == 2, 10, f"shadow_refusals at 2 (now {shadow_refusals()})")
 
 
 @pytest.mark.parametrize(
@@ -100,17 +118,22 @@ def test_sliding_windows_through_envoy(start):
 
     # Each reserves ~610 of 1000 tokens but uses ~20: only the settlement, a correction at
     # the time of the charge, makes room for the next.
+    def settled(count):
+        wait_until(lambda: metric(scrape(backend.companion_port), "settlements_total", outcome="applied") == count, 5,
+                   f"{count} settlements applied")
+
     first = send(port, "sk-sw", body_600)
     assert first[0] == 200 and int(first[1]["x-llm-ratelimit-reserved-tokens"]) > 600
-    time.sleep(0.3)  # the settlement goes out on the next tick
+    settled(1)
     assert send(port, "sk-sw", body_600)[0] == 200
     # Three requests per second, in any second.
-    time.sleep(0.3)
+    settled(2)
     status, headers, _ = send(port, "sk-sw", body_600)
     assert status == 200
     status, headers, _ = send(port, "sk-sw", body_600)
     assert status == 429 and headers["retry-after"] == "1"
-    time.sleep(1.05)
+    while time.monotonic() < first.done + 1.05:  # time, not state: the first leaves the window
+        time.sleep(0.05)
     assert send(port, "sk-sw", body_600)[0] == 200
 
 
@@ -125,17 +148,23 @@ def test_a_cost_budget_charges_real_usage_and_rejects_once_spent(start):
         return send(port, "sk-budget", chat(model=model, max_tokens=150), headers={"x-mock-completion-tokens": "50"})
 
     # The first request reserves 8 prompt and 150 output tokens (6,080 micro-dollars); later
-    # ones 1.5 x the running average of 50 (3,080). Each really costs ~2,020 (the mock's 2
-    # prompt tokens and 50 output). Without settlement 2 requests would fit in 10,000; with
-    # it, exactly 4 (8,080 spent, 1,920 left < 3,080).
+    # ones 1.5 x the running average of 50 (3,080). Each really costs what the upstream
+    # reports at the table's prices: 2 prompt tokens x 10 + 50 output x 40 = 2,020. Without
+    # settlement 2 requests would fit in 10,000; with it, exactly 4 (8,080 spent, 1,920
+    # left < 3,080).
+    store, spent = redis.Redis(port=backend.redis_port), 0
     statuses = []
     for _ in range(8):
         status, headers, body = spend()
         statuses.append(status)
         if status == 429:
             break
-        time.sleep(0.2)  # let the settlement land
+        spent += int(headers["x-mock-prompt-tokens"]) * 10 + int(headers["x-mock-completion-tokens"]) * 40
+        # Settled in Redis at that price, to the micro-dollar (refill: 0.12 a second).
+        wait_until(lambda: abs(bucket_level(store, "sk-budget", "daily") - (10_000 - spent)) < 1, 15,
+                   f"the budget at {10_000 - spent}")
     assert statuses == [200] * 4 + [429]
+    assert spent == 4 * 2_020
     error = json.loads(body)["error"]
     assert error["type"] == "cost" and "$0.01" in error["message"]
     # A model with no price is refused explicitly while a budget applies to it.

@@ -53,27 +53,59 @@ def outage(env, key, requests=80):
     return statuses.count(200)
 
 
-def recovery_seconds(env, key):
+# The README's promise: decisions are central again within this long after Redis or the
+# companion returns (`fallback.breaker_cooldown` 300 ms here, then one probe).
+RECOVERY_BOUND = 1.0
+
+
+def recovery(env, key):
+    """Sends until a decision is central again: (seconds it took, requests admitted)."""
+    started, admitted = time.monotonic(), []
+
+    def central():
+        reply = send(env.port, key)
+        admitted.append(reply.status == 200)
+        return "x-llm-ratelimit-degraded" not in reply.headers
+
+    wait_until(central, 10, "leaving degraded mode")
+    return time.monotonic() - started, sum(admitted)
+
+
+def reconciled_exactly(env, key, expected):
+    """Waits for Redis to hold `expected` left: every admission applied once, no more
+    (less would be a debit applied twice), up to what the bucket refilled meanwhile
+    (50 per hour: 0.014 a second)."""
     started = time.monotonic()
-    wait_until(lambda: "x-llm-ratelimit-degraded" not in send(env.port, key)[1], 10, "leaving degraded mode")
-    return time.monotonic() - started
+
+    def exact():
+        left = level(env, key)
+        return left is not None and expected - 0.01 <= left <= expected + 0.02 * (time.monotonic() - started + 5)
+
+    wait_until(exact, 15, f"Redis at {expected} left (now {level(env, key)})")
 
 
 @pytest.mark.parametrize("env", ["token_bucket", "sliding_window"], indirect=True)
 def test_redis_killed_under_load(env):
     assert [send(env.port, "sk-r")[0] for _ in range(10)] == [200] * 10
     env.redis_proc.kill()
-    admitted = outage(env, "sk-r")
-    # The local bucket starts full: during the outage this proxy admits at most the limit.
-    assert admitted == LIMIT
+    # Fewer than the limit, so that what Redis learns of them can be counted exactly.
+    admitted = outage(env, "sk-r", requests=30)
+    # The local bucket starts full: during the outage this proxy admits all 30.
+    assert admitted == 30
     env.stack.redis(env.redis_port, name="redis-again")  # empty: it lost everything
-    seconds = recovery_seconds(env, "sk-r")
+    seconds, probing = recovery(env, "sk-r")
     print(f"\nRedis back: decisions central again after {seconds:.2f}s")
-    assert seconds < 1.5
-    # What was admitted locally is reconciled: the fresh Redis learns of the 50 local
-    # admissions (and the probe's), so this tenant has nothing left.
-    wait_until(lambda: (level(env, "sk-r") or LIMIT) < 1, 10, "local admissions reconciled")
-    assert send(env.port, "sk-r")[0] == 429
+    assert seconds < RECOVERY_BOUND
+    # What was admitted locally is reconciled: the fresh Redis learns of the 30 local
+    # admissions and those while recovering, each exactly once.
+    reconciled_exactly(env, "sk-r", LIMIT - 30 - probing)
+
+
+@pytest.mark.parametrize("env", ["token_bucket"], indirect=True)
+def test_the_local_bound_holds_through_an_outage(env):
+    env.redis_proc.kill()
+    # The local bucket starts full: during the outage this proxy admits at most the limit.
+    assert outage(env, "sk-bound") == LIMIT
 
 
 def test_companion_killed_and_restarted(env):
@@ -83,11 +115,11 @@ def test_companion_killed_and_restarted(env):
     assert admitted == 30
     env.stack.companion(f"redis://127.0.0.1:{env.redis_port}", env.backend.token, port=env.companion_port,
                         name="companion-again", redis_timeout="40ms")
-    seconds = recovery_seconds(env, "sk-c")
+    seconds, probing = recovery(env, "sk-c")
     print(f"\ncompanion back: decisions central again after {seconds:.2f}s")
-    assert seconds < 1.5
-    # 1 before, 30 during, and the requests that probed: all in Redis once reconciled.
-    wait_until(lambda: (level(env, "sk-c") or LIMIT) <= LIMIT - 31, 10, "reconciled")
+    assert seconds < RECOVERY_BOUND
+    # 1 before, 30 during, and the requests that probed: each in Redis exactly once.
+    reconciled_exactly(env, "sk-c", LIMIT - 1 - 30 - probing)
 
 
 def test_a_paused_redis_takes_the_timeout_path_not_a_hang(env):
@@ -97,5 +129,8 @@ def test_a_paused_redis_takes_the_timeout_path_not_a_hang(env):
     assert all(r[0] == 200 for r in results)
     assert all(r[1].get("x-llm-ratelimit-degraded") == "local" for r in results)
     assert max(r.elapsed for r in results) < 1.0, "no request waited for Redis"
-    time.sleep(3)
-    assert recovery_seconds(env, "sk-p") < 1.5
+    # The pause ends (3 s after it began): Redis answers again.
+    wait_until(lambda: redis.Redis(port=env.redis_port, socket_timeout=0.1).ping(), 10, "Redis unpaused")
+    seconds, _ = recovery(env, "sk-p")
+    print(f"\nRedis unpaused: decisions central again after {seconds:.2f}s")
+    assert seconds < RECOVERY_BOUND

@@ -31,8 +31,11 @@
 //! from the prompt cache (OpenAI `prompt_tokens_details.cached_tokens`; Anthropic
 //! `cache_read_input_tokens`, which its `input_tokens` then leave out, as Anthropic does).
 //! Compressed, cut-off replies and hidden reasoning tokens: see reply_controls.rs.
+//! On every endpoint, `x-mock-set-<name>` adds a header to the reply and
+//! `x-mock-abort-after-bytes` breaks the connection mid-body (see controls.rs).
 
 mod azure;
+mod controls;
 mod gemini;
 
 use axum::body::{Body, Bytes};
@@ -395,6 +398,7 @@ async fn run(args: Args) -> Result<(), String> {
         .route("/healthz", get(|| async { "ok" }))
         .route("/mock/stats", get(stats))
         .layer(axum::middleware::from_fn(reply_controls::apply))
+        .layer(axum::middleware::from_fn(controls::apply))
         .with_state(mock);
     let listener = tokio::net::TcpListener::bind(&listen)
         .await
