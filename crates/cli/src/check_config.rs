@@ -316,7 +316,7 @@ fn json_bytes(value: &Value) -> Vec<u8> {
 mod tests {
     use super::*;
 
-    const GOOD: &str = r#"{"companion": {"upstream": "llm_ratelimit_companion", "token": "t"},
+    const GOOD: &str = r#"{"companion": {"upstream": "llm_ratelimit_companion", "token": "test-token-0123456789"},
         "limits": [{"name": "rpm", "requests": 20, "window": "1m"}]}"#;
 
     fn check_envoy(text: &str) -> Result<Vec<Report>, String> {
