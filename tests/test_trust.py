@@ -100,7 +100,7 @@ def test_an_unbacked_credit_is_refused_counted_and_logged(stack, companion):
         status, body = settle(companion, tenant, 10, once=once)
         assert status == 200, body
     assert not charge(companion, tenant, 1)[1]["allowed"], "still exhausted: nothing came back"
-    assert metric(companion, 'llm_ratelimit_companion_credits_refused_total{outcome="unbacked"}') == 2
+    assert metric(companion, "llm_ratelimit_companion_credits_refused_total{outcome=\"unbacked\"}") == 2, http_get(f"http://127.0.0.1:{companion}/metrics")[1].decode()[-1500:]
     assert "2 credit(s) refused" in "".join(p.log_path.read_text() for p in stack.processes) or \
         "credit(s) refused with nothing behind them" in "".join(p.log_path.read_text() for p in stack.processes)
 

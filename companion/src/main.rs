@@ -500,7 +500,13 @@ fn redis_access(args: &Args, target: &Target) -> Result<Access, String> {
 async fn connect(target: &Target, access: &Access, args: &Args) -> Result<Store, String> {
     let deadline = tokio::time::Instant::now() + args.startup_wait;
     loop {
-        match Store::connect(target, access, args.redis_timeout).await {
+        // A connection Redis takes without credentials may still refuse every command:
+        // a PING tells (NOAUTH), before anything else is sent.
+        let connected = match Store::connect(target, access, args.redis_timeout).await {
+            Ok(store) => store.ping().await.map(|()| store),
+            Err(err) => Err(err),
+        };
+        match connected {
             Ok(store) => return Ok(store),
             Err(err) if store::is_auth_failure(&err) => {
                 return Err(format!(
@@ -542,7 +548,7 @@ async fn serve(args: Args) -> Result<(), String> {
     let deadline = tokio::time::Instant::now() + args.startup_wait;
     for script in [&script, &calibration] {
         while let Err(err) = store.load(script).await {
-            if tokio::time::Instant::now() >= deadline {
+            if store::is_fatal(&err) || tokio::time::Instant::now() >= deadline {
                 return Err(format!("cannot load {}: {err}", script.name));
             }
             eprintln!("companion: retrying SCRIPT LOAD of {}: {err}", script.name);

@@ -34,7 +34,7 @@ pub fn is_fatal(err: &RedisError) -> bool {
 pub fn is_auth_failure(err: &RedisError) -> bool {
     let text = err.to_string();
     err.kind() == ErrorKind::AuthenticationFailed
-        || ["WRONGPASS", "NOAUTH", "NOPERM"].iter().any(|code| text.contains(code))
+        || ["WRONGPASS", "NOAUTH", "NOPERM", "unauthenticated"].iter().any(|code| text.contains(code))
 }
 
 fn is_tls_failure(err: &RedisError) -> bool {
