@@ -335,11 +335,14 @@ class Backend:
     """What every filter test runs against: Redis, the companion and the mock upstream,
     and Envoys started with a given filter config pointing at them."""
 
+    # The operators' credential (usage, reset), apart from the filters' `token`.
+    ADMIN_TOKEN = "integration-admin-credential"
+
     def __init__(self, stack: Stack, token: str, redis_timeout: str = "500ms", mock_args: list[str] | None = None):
-        self.stack, self.token = stack, token
+        self.stack, self.token, self.admin_token = stack, token, self.ADMIN_TOKEN
         self.redis_proc, self.redis_port = stack.redis()
         self.companion_proc, self.companion_port = stack.companion(
-            f"redis://127.0.0.1:{self.redis_port}", token, redis_timeout=redis_timeout)
+            f"redis://127.0.0.1:{self.redis_port}", token, redis_timeout=redis_timeout, admin_token=self.admin_token)
         self.mock_proc, self.mock_port = stack.mock(extra=mock_args)
 
     def filter_config(self, limits: list[dict], **options) -> dict:

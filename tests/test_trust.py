@@ -213,3 +213,32 @@ def test_the_companion_works_against_redis_with_tls_and_client_certificates(stac
                            extra=bad)
     assert result.returncode != 0 and "cannot connect to Redis" in result.stderr, result.stderr
     assert "waiting for Redis" not in result.stderr
+
+
+def test_the_demo_token_is_absent_from_envoys_config_dump(stack):
+    """The demo configuration as committed: the filter takes its credential from Envoy's
+    environment, the requests are charged with it, and /config_dump never shows it."""
+    from stack import envoy_config, send
+    _, redis_port = stack.redis()
+    secret = "demo-secret-" + "5f3a9c1e7b2d4086"
+    _, companion_port = stack.companion(f"redis://127.0.0.1:{redis_port}", secret)
+    _, mock_port = stack.mock()
+    listen, admin = free_port(), free_port()
+    config = envoy_config(listen_port=listen, admin_port=admin, upstream_port=mock_port,
+                          companion_port=companion_port, filter_config=None)
+    stack.envoy(config, env={"LLMRL_COMPANION_TOKEN": secret})
+    assert send(listen, key="sk-dump")[0] == 200, "charged through the companion with the environment's token"
+    status, dump = http_get(f"http://127.0.0.1:{admin}/config_dump?include_eds")
+    assert status == 200 and b"token_env" in dump
+    assert secret.encode() not in dump
+
+
+def test_the_filter_refuses_a_placeholder_from_the_environment(stack):
+    from stack import envoy_config
+    _, mock_port = stack.mock()
+    listen, admin = free_port(), free_port()
+    config = envoy_config(listen_port=listen, admin_port=admin, upstream_port=mock_port, companion_port=free_port(),
+                          filter_config=None)
+    proc, _ = stack.envoy(config, env={"LLMRL_COMPANION_TOKEN": "change-me"}, wait=False)
+    wait_until(lambda: b"companion.token_env" in proc.log_path.read_bytes(), 60, "the refusal", proc)
+    assert b"placeholder" in proc.log_path.read_bytes()
