@@ -135,7 +135,8 @@ local function nothing() end
 --   peek(l)                    what refresh returns, writing nothing
 --   retry_after(l, needed)     ms until `needed` fits (called when l.level < needed)
 --   take(l, amount)            charges `amount` (> 0) now
---   give_back(l, credit, at)   a settlement's credit, for a charge made at time `at`
+--   give_back(l, credit, at)   a settlement's credit, for a charge made at time `at`;
+--                              returns what it gave back if it cut the credit
 --   touch(l)                   renews this request's slot (not a slot limit: nothing)
 --   release(l)                 frees this request's slot (not a slot limit: nothing)
 --   reset_after(l)             ms until the limit is full again
@@ -252,11 +253,18 @@ function sw.take(l, amount)
 end
 
 -- A charge that already left the window needs no correction.
+-- The window's sum never goes below zero: a credit beyond what is in the window now is
+-- cut to it (below zero the window would admit more than its capacity).
 function sw.give_back(l, credit, charged_at)
   if charged_at > now_ms - l.window_ms then
-    sw_add(l, charged_at, -credit)
-    l.level = math.min(l.capacity, l.level + credit)
+    credit = math.min(credit, math.max(0, l.capacity - l.level))
+    if credit ~= 0 then
+      sw_add(l, charged_at, -credit)
+      l.level = l.level + credit
+    end
+    return credit
   end
+  return 0
 end
 
 sw.touch = nothing
@@ -367,6 +375,79 @@ local function admit(limits, grants, required, least)
   return done
 end
 
+--------------------------------------------------------------------------------------------
+-- No credit without a debit. A settlement gives back at most what stands behind it:
+-- - against a reservation record, at most what the charge took from that limit (the
+--   record keeps it, see reservation_record); a record from before the amounts were kept
+--   (a plain time) caps nothing, and lives at most its ttl after an upgrade;
+-- - stand-alone (a returned lease, a grant beyond its request), at most what leases
+--   granted the tenant on that limit and were not given back yet: each grant adds to the
+--   limit's "granted" counter (a key beside the limit's, in its hash slot), each such
+--   credit takes from it. With nothing behind it a credit is refused (0 given back).
+-- Debits (credit < 0) are never cut.
+--------------------------------------------------------------------------------------------
+
+-- How long the granted counter outlives the window of its last grant: a lease lives far
+-- less than a window, so a return never finds it gone.
+local GRANTED_GRACE_MS = 60000
+
+local function granted_key(l)
+  return l.key .. '|granted'
+end
+
+-- The record a charge leaves: its time (where a sliding window's correction goes) and
+-- what it took from each limit, by the limit's key.
+-- Numbers written with %.17g (cjson would round them to 14 digits).
+local function reservation_record(limits)
+  local took = {}
+  for i, l in ipairs(limits) do
+    took[i] = cjson.encode(l.key) .. ':' .. string.format('%.17g', l.charged)
+  end
+  return '{"at":' .. string.format('%.17g', now_ms) .. ',"took":{' .. table.concat(took, ',') .. '}}'
+end
+
+-- A record's time and amounts (nil amounts: a record written before they were kept).
+local function read_reservation_record(record)
+  if not record then
+    return now_ms, nil
+  end
+  local plain = tonumber(record)
+  if plain then
+    return plain, nil
+  end
+  local ok, decoded = pcall(cjson.decode, record)
+  if ok and type(decoded) == 'table' and type(decoded.at) == 'number' and type(decoded.took) == 'table' then
+    return decoded.at, decoded.took
+  end
+  -- Unreadable: nothing stands behind a credit.
+  return now_ms, {}
+end
+
+-- The part of l.credit that stands on a debit (see above).
+local function backed_credit(l, args, keys, took)
+  local credit = l.credit
+  if credit <= 0 or l.kind == 'slots' then
+    return credit
+  end
+  if keys.reservation and not args.once_ttl_ms then
+    if took == nil then
+      return credit
+    end
+    return math.min(credit, math.max(0, tonumber(took[l.key]) or 0))
+  end
+  local key = granted_key(l)
+  local granted = tonumber(redis.call('GET', key)) or 0
+  credit = math.min(credit, math.max(0, granted))
+  if credit > 0 then
+    if granted - credit <= 0 then
+      redis.call('DEL', key)
+    else
+      redis.call('INCRBYFLOAT', key, -credit)
+    end
+  end
+  return credit
+end
+
 local function between(value, low, high)
   return value >= low and value <= high
 end
@@ -409,7 +490,7 @@ ops.charge = {
     -- just the key's name. Its value is the time of the charge: where a sliding window's
     -- correction goes.
     if done == 1 and keys.reservation and (args.reservation_ttl_ms or 0) > 0 then
-      redis.call('SET', keys.reservation, string.format('%.17g', now_ms), 'PX', math.floor(args.reservation_ttl_ms))
+      redis.call('SET', keys.reservation, reservation_record(limits), 'PX', math.floor(args.reservation_ttl_ms))
     end
     return done
   end,
@@ -439,7 +520,16 @@ ops.lease = {
       grants[i] = math.min(l.wanted, math.max(l.needed, math.floor(math.max(l.level, 0) * args.share)))
       needed[i] = l.needed
     end
-    return admit(limits, grants, needed, needed)
+    local done = admit(limits, grants, needed, needed)
+    if done == 1 then
+      for _, l in ipairs(limits) do
+        if l.charged > 0 then
+          redis.call('INCRBYFLOAT', granted_key(l), l.charged)
+          redis.call('PEXPIRE', granted_key(l), math.ceil(l.window_ms) + GRANTED_GRACE_MS)
+        end
+      end
+    end
+    return done
   end,
 }
 
@@ -451,7 +541,7 @@ ops.settle = {
       redis.call('SET', keys.cancel_marker, '1', 'PX', 600000)
     end
     bring_to_now(limits)
-    local done, charged_at = 1, now_ms
+    local done, charged_at, took = 1, now_ms, nil
     if args.once_ttl_ms then
       -- A stand-alone adjustment: the key is its marker, set by the first application.
       if not keys.reservation or args.once_ttl_ms <= 0 then
@@ -461,14 +551,20 @@ ops.settle = {
         done = 0
       end
     elseif keys.reservation then
-      charged_at = tonumber(redis.call('GET', keys.reservation)) or now_ms
+      local record = redis.call('GET', keys.reservation)
+      charged_at, took = read_reservation_record(record)
       if redis.call('DEL', keys.reservation) == 0 then
         done = 0
       end
     end
     for _, l in ipairs(limits) do
       if done == 1 and l.credit ~= 0 then
-        l.driver.give_back(l, l.credit, charged_at)
+        local credit = backed_credit(l, args, keys, took)
+        if credit ~= 0 then
+          credit = l.driver.give_back(l, credit, charged_at) or credit
+        end
+        -- What was given back (or taken): the companion counts credits cut or refused.
+        l.charged = credit
       end
       l.driver.release(l)
     end

@@ -45,15 +45,19 @@ def up() -> None:
         print("The demo stack is already up (make down stops it).")
         return
     demo_config = yaml.safe_load(DEMO_ENVOY_CONFIG.read_text())
-    token = filter_config_of(demo_config)["companion"]["token"]
+    # The demo's credentials, fresh each time: the filter reads its own from Envoy's
+    # environment (vm_config.environment_variables), never from its config.
+    token, admin_token = secrets.token_hex(16), secrets.token_hex(16)
+    (RUN / "admin-token").write_text(admin_token + "\n")
     stack = Stack(RUN)
     try:
         _, redis_port = stack.redis(REDIS_PORT, name="redis")
         # Below the demo filter's companion.timeout (100ms), as the README asks.
-        stack.companion(f"redis://127.0.0.1:{redis_port}", token, port=COMPANION_PORT, redis_timeout="40ms")
+        stack.companion(f"redis://127.0.0.1:{redis_port}", token, port=COMPANION_PORT, admin_token=admin_token,
+                        redis_timeout="40ms")
         stack.mock(MOCK_PORT, extra=["--completion-tokens", "40", "--chunk-delay-ms", "5"])
         os.chdir(ROOT)  # the committed config names the .wasm relative to the repository root
-        stack.envoy(demo_config, name="envoy", concurrency=2)
+        stack.envoy(demo_config, name="envoy", concurrency=2, env={"LLMRL_COMPANION_TOKEN": token})
     except Exception:
         stack.stop_all()
         raise

@@ -282,13 +282,15 @@ class Stack:
 
     # Companion and mock -------------------------------------------------------------
     def companion(self, redis_url: str, token: str | None, port: int | None = None, extra: list[str] | None = None,
-                  name: str = "companion", redis_timeout: str = "500ms") -> tuple[Process, int]:
+                  name: str = "companion", redis_timeout: str = "500ms", admin_token: str | None = None,
+                  env: dict | None = None) -> tuple[Process, int]:
         port = port or free_port()
         proc = self.spawn(
             name,
             [str(COMPANION_BIN), "--listen", f"127.0.0.1:{port}", "--redis-url", redis_url, "--redis-timeout", redis_timeout,
              *(extra or [])],
-            env={"LLMRL_COMPANION_TOKEN": token} if token else None,
+            env={**({"LLMRL_COMPANION_TOKEN": token} if token else {}),
+                 **({"LLMRL_ADMIN_TOKEN": admin_token} if admin_token else {}), **(env or {})},
         )
         wait_until(lambda: http_get(f"http://127.0.0.1:{port}/healthz")[0] == 200, 30, "companion", proc)
         return proc, port
@@ -300,7 +302,8 @@ class Stack:
         return proc, port
 
     # Envoy ----------------------------------------------------------------------------
-    def envoy(self, config: dict, *, name: str = "envoy", concurrency: int = 2, wait: bool = True) -> tuple[Process, int]:
+    def envoy(self, config: dict, *, name: str = "envoy", concurrency: int = 2, wait: bool = True,
+              env: dict | None = None) -> tuple[Process, int]:
         path = self.workdir / f"{name}.json"
         path.write_text(json.dumps(config, indent=1))
         admin_port = config["admin"]["address"]["socket_address"]["port_value"]
@@ -310,6 +313,7 @@ class Stack:
             [envoy_bin(), "-c", str(path), "--concurrency", str(concurrency), "--disable-hot-restart",
              "--file-flush-interval-msec", "100",
              "--log-level", "info", "--component-log-level", "wasm:info"],
+            env,
         )
         if wait:
             wait_until(lambda: http_get(f"http://127.0.0.1:{admin_port}/ready")[0] == 200, 60, name, proc)
@@ -333,11 +337,14 @@ class Backend:
     """What every filter test runs against: Redis, the companion and the mock upstream,
     and Envoys started with a given filter config pointing at them."""
 
+    # The operators' credential (usage, reset), apart from the filters' `token`.
+    ADMIN_TOKEN = "integration-admin-credential"
+
     def __init__(self, stack: Stack, token: str, redis_timeout: str = "500ms", mock_args: list[str] | None = None):
-        self.stack, self.token = stack, token
+        self.stack, self.token, self.admin_token = stack, token, self.ADMIN_TOKEN
         self.redis_proc, self.redis_port = stack.redis()
         self.companion_proc, self.companion_port = stack.companion(
-            f"redis://127.0.0.1:{self.redis_port}", token, redis_timeout=redis_timeout)
+            f"redis://127.0.0.1:{self.redis_port}", token, redis_timeout=redis_timeout, admin_token=self.admin_token)
         self.mock_proc, self.mock_port = stack.mock(extra=mock_args)
 
     def filter_config(self, limits: list[dict], **options) -> dict:

@@ -132,13 +132,13 @@ def test_survives_a_redis_restart(single):
 def test_token_from_file_and_refusal_without_token(stack, tmp_path):
     _, redis_port = stack.redis()
     token_file = tmp_path / "token"
-    token_file.write_text("from-file\n")
+    token_file.write_text("from-file-0123456789\n")
     _, port = stack.companion(f"redis://127.0.0.1:{redis_port}", None, extra=["--token-file", str(token_file)])
-    assert call(port, bucket_request("a"), token="from-file")[0] == 200
+    assert call(port, bucket_request("a"), token="from-file-0123456789")[0] == 200
     from stack import COMPANION_BIN
     result = subprocess.run([str(COMPANION_BIN), "--redis-url", f"redis://127.0.0.1:{redis_port}"],
                             capture_output=True, text=True, timeout=10, env={"PATH": "/usr/bin:/bin"})
-    assert result.returncode != 0 and "shared token is required" in result.stderr
+    assert result.returncode != 0 and "data-plane credential is required" in result.stderr
 
 
 def test_runs_against_a_redis_cluster(stack):

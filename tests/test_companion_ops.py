@@ -3,6 +3,7 @@ metrics after traffic through Envoy (the series and their values), and the
 `llm-ratelimit` CLI's usage and reset against a real companion and Redis."""
 
 import json
+import os
 import re
 import subprocess
 import threading
@@ -10,7 +11,7 @@ import urllib.request
 
 import pytest
 
-from stack import ROOT, free_port, http_get, send, tenant_of, wait_until
+from stack import ROOT, Backend, free_port, http_get, send, tenant_of, wait_until
 
 TOKEN = "ops-companion-token"
 pytestmark = pytest.mark.backend(token=TOKEN)
@@ -95,7 +96,12 @@ def test_the_companion_counts_what_envoy_decided(backend):
     assert metric(samples, "decisions_total", op="charge", outcome="error") == 1
 
 
+ADMIN = Backend.ADMIN_TOKEN
+
+
 def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """The CLI with the backend's admin credential in its environment (as an operator runs it)."""
+    env = env if env is not None else {**os.environ, "LLMRL_ADMIN_TOKEN": ADMIN}
     return subprocess.run([str(CLI), *args], capture_output=True, text=True, timeout=60, env=env)
 
 
@@ -171,7 +177,7 @@ def test_usage_shows_the_level_after_requests_and_reset_starts_the_tenant_afresh
     assert usage("--key", key)["limits"][0]["remaining"] == 10
 
     # A wrong token is refused, named, and counted; the key appears nowhere.
-    refused = cli("usage", *common, "--key", key, "--token", "not-the-token")
+    refused = cli("usage", *common, "--key", key, "--admin-token", "not-the-token-0123")
     assert refused.returncode == 1 and "the companion answered 401" in refused.stderr
     samples = scrape(backend.companion_port)
     assert metric(samples, "auth_failures_total") == 1
@@ -179,7 +185,7 @@ def test_usage_shows_the_level_after_requests_and_reset_starts_the_tenant_afresh
     assert metric(samples, "decisions_total", op="usage", outcome="allowed") >= 6
     assert metric(samples, "redis_call_duration_seconds_count", op="reset") == 2
     for text in (log, table.stdout, done.stdout, refused.stderr):
-        assert key not in text and TOKEN not in text
+        assert key not in text and TOKEN not in text and ADMIN not in text
 
 
 def test_the_cli_refuses_what_it_cannot_name(backend, tmp_path):
@@ -196,7 +202,7 @@ def test_the_cli_refuses_what_it_cannot_name(backend, tmp_path):
     done = cli("usage", "--config", str(config_file))
     assert done.returncode == 2  # neither --key nor --tenant: a usage error
     # The key from the environment, not the command line.
-    env = {"LLMRL_API_KEY": "sk-from-env", "PATH": "/usr/bin:/bin"}
+    env = {"LLMRL_API_KEY": "sk-from-env", "LLMRL_ADMIN_TOKEN": ADMIN, "PATH": "/usr/bin:/bin"}
     done = cli("usage", "--config", str(config_file), "--companion", f"http://127.0.0.1:{backend.companion_port}",
                "--json", env=env)
     assert done.returncode == 0 and json.loads(done.stdout)["tenant"] == tenant_of("sk-from-env"), done.stderr
@@ -213,8 +219,10 @@ def test_metrics_on_a_listener_of_their_own(stack):
 
 
 def post_json(port: int, path: str, body: dict) -> dict:
+    """`body` to the companion, with the credential the path takes (admin for usage and reset)."""
+    token = ADMIN if path in ("/v1/usage", "/v1/admin/reset") else TOKEN
     request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps(body).encode(), method="POST",
-                                     headers={"x-llmrl-token": TOKEN, "content-type": "application/json"})
+                                     headers={"x-llmrl-token": token, "content-type": "application/json"})
     with urllib.request.urlopen(request, timeout=10) as reply:
         return json.loads(reply.read())
 
@@ -222,7 +230,8 @@ def post_json(port: int, path: str, body: dict) -> dict:
 def test_usage_and_reset_on_a_cluster_find_each_tenant_on_its_node(stack):
     """Reservation records are counted by SCAN on the node that holds the tenant's slot."""
     ports = stack.redis_cluster(3)
-    _, port = stack.companion("redis+cluster://" + ",".join(f"127.0.0.1:{p}" for p in ports), TOKEN)
+    _, port = stack.companion("redis+cluster://" + ",".join(f"127.0.0.1:{p}" for p in ports), TOKEN,
+                              admin_token=ADMIN)
     # A 366-day window: what refills while the charges go in (under load, tenths of a
     # second) stays far below a token, so `used` is exactly what was charged.
     limits = [{"name": "tpm", "capacity": 1000, "window_ms": 366 * 86_400_000}]

@@ -85,6 +85,16 @@ def age_keys(pipe, keys, written_at, clock):
             pipe.eval(SET_AGE, 1, key, clock - written_at[key])
 
 
+def back_credits(pipe, case, step, keys):
+    """The table is the buckets' arithmetic: a settle step's credits stand on grants made
+    before (what a stand-alone credit needs, see the script's "No credit without a
+    debit", tested on its own below), queued in `pipe` as a lease would leave them."""
+    if step.get("op") == "settle":
+        for key, credit in zip(keys, step["amounts"]):
+            if credit > 0:
+                pipe.incrbyfloat(f"{key}|granted", credit)
+
+
 def check_step(case, i, step, reply, keys, written_at, clock, tolerance_ms=1):
     what = f"{case['name']} / step {i}"
     # One outcome per limit, in the table and in the reply: zip alone would pass a reply
@@ -120,6 +130,7 @@ def run_case(client, case):
         clock += step["advance_ms"]
         pipe = client.pipeline(transaction=True)
         age_keys(pipe, keys, written_at, clock)
+        back_credits(pipe, case, step, keys)
         pipe.eval(SCRIPT, len(keys), *keys, step_args(case, step))
         check_step(case, i, step, pipe.execute()[-1], keys, written_at, clock)
     return keys
@@ -185,7 +196,9 @@ def test_a_stand_alone_adjustment_with_a_once_marker_applies_once(client):
     # applied, keeps a batch sent again after a lost answer from giving it back twice.
     tag = uuid.uuid4().hex
     key, marker = f"test:{{{tag}}}:tpm", f"test:{{{tag}}}:once:l1"
-    assert call(client, "charge", [key], RPM10, [8])[0] == 1
+    lease = json.dumps({"op": "lease", "share": 1,
+                        "limits": [{"kind": "tb", "capacity": 10, "window_ms": 60_000, "wanted": 8}]})
+    assert client.eval(SCRIPT, 1, key, lease)[1][5] == 8  # a lease granted 8
     once = json.dumps({"op": "settle", "once_ttl_ms": 600_000,
                        "limits": [{"kind": "tb", "capacity": 10, "window_ms": 60_000, "credit": 5}]})
     first = client.eval(SCRIPT, 2, key, marker, once)
@@ -196,6 +209,63 @@ def test_a_stand_alone_adjustment_with_a_once_marker_applies_once(client):
     # Without the marker key there is nothing to keep it at once: refused, not applied.
     with pytest.raises(redis.ResponseError, match="once_ttl_ms must be > 0 and needs the marker key"):
         client.eval(SCRIPT, 1, key, once)
+
+
+def test_a_credit_gives_back_at_most_what_its_reservation_took(client):
+    tag = uuid.uuid4().hex
+    key, reservation = f"test:{{{tag}}}:tpm", f"test:{{{tag}}}:res:r1"
+    assert call(client, "charge", [key], RPM10, [3], reservation)[0] == 1
+    assert call(client, "charge", [key], RPM10, [6])[0] == 1  # another request's: 1 left
+    # A settlement claiming 9 back for a charge of 3 gets 3: the other request's 6 stand.
+    reply = call(client, "settle", [key], RPM10, [9], reservation)
+    assert reply[0] == 1
+    assert (reply[1][2], reply[1][5]) == (4, 3), reply  # remaining 1 + 3; credit applied 3
+    # A debit is never cut.
+    assert call(client, "charge", [key], RPM10, [2], f"test:{{{tag}}}:res:r2")[0] == 1
+    reply = call(client, "settle", [key], RPM10, [-5], f"test:{{{tag}}}:res:r2")
+    assert (reply[1][2], reply[1][5]) == (0, -5), reply
+
+
+def test_a_credit_with_nothing_behind_it_is_refused(client):
+    # Exhausted, then a stand-alone credit no lease granted: nothing comes back, with a
+    # once marker (as the companion sends them) or without one.
+    tag = uuid.uuid4().hex
+    key = f"test:{{{tag}}}:tpm"
+    assert call(client, "charge", [key], RPM10, [10])[0] == 1
+    once = json.dumps({"op": "settle", "once_ttl_ms": 60_000,
+                       "limits": [{"kind": "tb", "capacity": 10, "window_ms": 60_000, "credit": 10}]})
+    reply = client.eval(SCRIPT, 2, key, f"test:{{{tag}}}:once:forged", once)
+    assert (reply[1][2], reply[1][5]) == (0, 0), reply
+    reply = call(client, "settle", [key], RPM10, [10])
+    assert (reply[1][2], reply[1][5]) == (0, 0), reply
+    assert call(client, "charge", [key], RPM10, [1])[0] == 0, "still exhausted"
+    # A grant backs returns up to what it granted, in total, whatever the once ids.
+    lease = json.dumps({"op": "lease", "share": 1,
+                        "limits": [{"kind": "tb", "capacity": 10, "window_ms": 60_000, "wanted": 0}]})
+    client.eval(SCRIPT, 1, key, lease)
+    client.incrbyfloat(f"{key}|granted", 0)  # (nothing granted: the counter stays 0)
+    reply = client.eval(SCRIPT, 2, key, f"test:{{{tag}}}:once:again", once)
+    assert reply[1][5] == 0, reply
+    # A reservation settled once is gone: its second settlement gives nothing back.
+    reservation = f"test:{{{tag}}}:res:r"
+    client.delete(key)
+    assert call(client, "charge", [key], RPM10, [4], reservation)[0] == 1
+    assert call(client, "settle", [key], RPM10, [4], reservation)[1][5] == 4
+    assert call(client, "settle", [key], RPM10, [4], reservation)[0] == 0
+
+
+def test_a_sliding_window_sum_never_goes_below_zero(client):
+    tag = uuid.uuid4().hex
+    key, reservation = f"test:{{{tag}}}:tpm", f"test:{{{tag}}}:res:r1"
+    window = [{"kind": "sw", "capacity": 10, "window_ms": 60_000}]
+    assert call(client, "charge", [key], window, [2], reservation)[0] == 1
+    # Backed by a grant larger than the window holds: the window gives back what it
+    # holds (2), never more, so the next window admits 10, not 10 + the excess.
+    client.incrbyfloat(f"{key}|granted", 50)
+    reply = call(client, "settle", [key], window, [50])
+    assert (reply[1][2], reply[1][5]) == (10, 2), reply
+    assert call(client, "charge", [key], window, [10])[0] == 1
+    assert call(client, "charge", [key], window, [1])[0] == 0
 
 
 def argv_of(*limits, op="charge", **extra):
@@ -375,6 +445,7 @@ def test_the_case_table_holds_for_calls_batched_together(client):
             step = run["case"]["steps"][i]
             run["clock"] += step["advance_ms"]
             age_keys(pipe, run["keys"], run["written_at"], run["clock"])
+            back_credits(pipe, run["case"], step, run["keys"])
             keys += run["keys"]
             calls.append((len(run["keys"]), step_args(run["case"], step)))
         pipe.eval(SCRIPT, len(keys), *keys, batch_args(calls))

@@ -11,7 +11,7 @@ import redis
 
 # The redis-server fixture too (the three-node cluster is conftest's).
 from test_lua_limits import (  # noqa: F401
-    CASES, SCRIPT, age_keys, case_keys, check_step, client, shift_window, step_args,
+    CASES, SCRIPT, age_keys, back_credits, case_keys, check_step, client, shift_window, step_args,
 )
 
 
@@ -37,6 +37,7 @@ def test_a_peek_after_each_step_of_the_case_table_sees_what_the_charge_left(clie
         clock += step["advance_ms"]
         pipe = client.pipeline(transaction=True)
         age_keys(pipe, keys, written_at, clock)
+        back_credits(pipe, case, step, keys)
         pipe.eval(SCRIPT, len(keys), *keys, step_args(case, step))
         pipe.eval(SCRIPT, len(keys), *keys, peek_args(case["limits"]))
         replies = pipe.execute()

@@ -8,12 +8,14 @@
 //! `POST /v1/release`, `POST /v1/calibration` (JSON in and out, see
 //! `llm_ratelimit_protocol`); for operators, `POST /v1/usage` (where a tenant stands,
 //! charging nothing) and `POST /v1/admin/reset`; `GET /healthz` and `GET /metrics`
-//! (Prometheus). Every endpoint but `/healthz` and `/metrics` requires the shared token in
-//! `x-llmrl-token`. Each runs `lua/limits.lua` (see `limits`) by EVALSHA, but the
+//! (Prometheus). Every endpoint but `/healthz` and `/metrics` requires a credential in
+//! `x-llmrl-token`: a data-plane one for the filter's endpoints, an admin one for usage
+//! and reset (see `credentials`). Each runs `lua/limits.lua` (see `limits`) by EVALSHA, but the
 //! calibration exchange, which runs `lua/calibration.lua`.
 
 mod batcher;
 mod calibration;
+mod credentials;
 mod limits;
 mod metrics;
 mod queue;
@@ -30,6 +32,7 @@ use axum::serve::ListenerExt;
 use axum::Router;
 use batcher::Batcher;
 use clap::Parser;
+use credentials::{Credentials, Right};
 use limits::Op;
 use llm_ratelimit_protocol::duration::parse_duration;
 use llm_ratelimit_protocol::{
@@ -41,7 +44,7 @@ use metrics::{MetricOp, Metrics, Outcome};
 use serde_json::json;
 use std::sync::Arc;
 use std::time::Duration;
-use store::{Script, Store, Target};
+use store::{Access, Script, Store, Target};
 
 #[derive(Parser, Debug)]
 #[command(version, about = "Runs llm-ratelimit's Lua scripts in Redis for the proxy-wasm filter")]
@@ -50,8 +53,28 @@ struct Args {
     #[arg(long, env = "LLMRL_LISTEN", default_value = "127.0.0.1:8081")]
     listen: String,
     /// redis://host:port/db, rediss://..., or redis+cluster://host:port,host:port for a cluster.
+    /// A password in the URL (redis://user:password@host) works, but prefer
+    /// LLMRL_REDIS_PASSWORD or --redis-password-file: there is no password flag, as a
+    /// command line is visible to every user of the machine.
     #[arg(long, env = "LLMRL_REDIS_URL", default_value = "redis://127.0.0.1:6379")]
     redis_url: String,
+    /// The Redis ACL user (default: the URL's, else Redis's `default`).
+    #[arg(long, env = "LLMRL_REDIS_USERNAME")]
+    redis_username: Option<String>,
+    /// File holding the Redis password (trailing whitespace ignored); or set
+    /// LLMRL_REDIS_PASSWORD.
+    #[arg(long, env = "LLMRL_REDIS_PASSWORD_FILE", value_name = "FILE")]
+    redis_password_file: Option<std::path::PathBuf>,
+    /// rediss://: the CA bundle (PEM) that signed the servers' certificates; default the
+    /// system's trust store.
+    #[arg(long, env = "LLMRL_REDIS_CA_FILE", value_name = "FILE")]
+    redis_ca_file: Option<std::path::PathBuf>,
+    /// rediss:// with client certificates: the companion's certificate (PEM).
+    #[arg(long, env = "LLMRL_REDIS_CLIENT_CERT", value_name = "FILE", requires = "redis_client_key")]
+    redis_client_cert: Option<std::path::PathBuf>,
+    /// rediss:// with client certificates: its private key (PEM).
+    #[arg(long, env = "LLMRL_REDIS_CLIENT_KEY", value_name = "FILE", requires = "redis_client_cert")]
+    redis_client_key: Option<std::path::PathBuf>,
     /// Prefix of every key this service writes.
     #[arg(long, env = "LLMRL_KEY_PREFIX", default_value = "llmrl:")]
     key_prefix: String,
@@ -67,12 +90,20 @@ struct Args {
     /// between threads; more use more cores.
     #[arg(long, env = "LLMRL_THREADS", default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=256))]
     threads: u16,
-    /// Shared secret the filter sends; prefer the environment variable or --token-file.
+    /// The data-plane credentials (what the filters send), comma-separated: several during
+    /// a rotation. Prefer the environment variable or --token-file.
     #[arg(long, env = "LLMRL_COMPANION_TOKEN", hide_env_values = true)]
     token: Option<String>,
-    /// File holding the shared secret (trailing whitespace ignored).
+    /// File holding the data-plane credentials, one per line.
     #[arg(long, env = "LLMRL_COMPANION_TOKEN_FILE")]
     token_file: Option<std::path::PathBuf>,
+    /// The admin credentials (usage, reset: what `llm-ratelimit` sends), comma-separated.
+    /// Unset: the admin endpoints refuse every call.
+    #[arg(long, env = "LLMRL_ADMIN_TOKEN", hide_env_values = true)]
+    admin_token: Option<String>,
+    /// File holding the admin credentials, one per line.
+    #[arg(long, env = "LLMRL_ADMIN_TOKEN_FILE")]
+    admin_token_file: Option<std::path::PathBuf>,
     /// Serve `GET /metrics` on this address only (not on --listen), e.g. a port that only
     /// the Prometheus scraper reaches. Unset: on --listen, like /healthz, without the token.
     #[arg(long, env = "LLMRL_METRICS_LISTEN")]
@@ -85,7 +116,7 @@ const METRICS_PATH: &str = "/metrics";
 struct App {
     /// Every script call goes through it (`lua/limits.lua`, see `batcher`).
     batcher: Arc<Batcher>,
-    token: String,
+    credentials: Credentials,
     key_prefix: String,
     metrics: Arc<Metrics>,
     /// `lua/calibration.lua`, run alone (see `calibration`).
@@ -99,13 +130,8 @@ fn error(status: StatusCode, message: impl Into<String>) -> Response {
     (status, [("content-type", "application/json")], json!({"error": message.into()}).to_string()).into_response()
 }
 
-/// Compares without an early exit, so timing does not reveal how much of a guess matched.
-fn same_secret(given: &[u8], expected: &[u8]) -> bool {
-    given.len() == expected.len() && given.iter().zip(expected).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0
-}
-
-fn authorised(app: &App, headers: &HeaderMap) -> bool {
-    let authorised = headers.get(TOKEN_HEADER).is_some_and(|v| same_secret(v.as_bytes(), app.token.as_bytes()));
+fn authorised(app: &App, headers: &HeaderMap, right: Right) -> bool {
+    let authorised = app.credentials.allow(right, headers.get(TOKEN_HEADER).map(|v| v.as_bytes()));
     if !authorised {
         app.metrics.auth_failures.inc();
         if let Some(line) = app.refusals.refused(headers.contains_key(TOKEN_HEADER), std::time::Instant::now()) {
@@ -197,7 +223,7 @@ fn failed(app: &App, op: MetricOp, status: StatusCode, message: String) -> Respo
 }
 
 async fn run_limits<R: LimitsCall>(State(app): State<Arc<App>>, headers: HeaderMap, body: Bytes) -> Response {
-    if !authorised(&app, &headers) {
+    if !authorised(&app, &headers, Right::DataPlane) {
         return unauthorised();
     }
     let request: R = match parse_body(&body, R::check) {
@@ -276,8 +302,18 @@ async fn run_reset(State(app): State<Arc<App>>, headers: HeaderMap, body: Bytes)
 /// An operator's request about one tenant, authorised and checked; or the answer saying
 /// why not.
 fn tenant_request(app: &App, headers: &HeaderMap, body: &[u8]) -> Result<TenantLimits, Box<Response>> {
-    if !authorised(app, headers) {
-        return Err(Box::new(unauthorised()));
+    if !app.credentials.has_admin() {
+        app.metrics.auth_failures.inc();
+        return Err(Box::new(error(
+            StatusCode::FORBIDDEN,
+            "the admin endpoints are closed: the companion was started without an admin credential (LLMRL_ADMIN_TOKEN)",
+        )));
+    }
+    if !authorised(app, headers, Right::Admin) {
+        return Err(Box::new(error(
+            StatusCode::UNAUTHORIZED,
+            format!("missing or wrong {TOKEN_HEADER}: this endpoint takes an admin credential"),
+        )));
     }
     parse_body(body, TenantLimits::validate).map_err(|message| Box::new(error(StatusCode::BAD_REQUEST, message)))
 }
@@ -300,7 +336,7 @@ async fn run_touch(state: State<Arc<App>>, headers: HeaderMap, body: Bytes) -> R
 /// Runs an adjustment per entry, each its own call in the script (a settlement applied at
 /// most once, by its reservation record) with its own outcome, batched (see `batcher`).
 async fn run_adjustments(State(app): State<Arc<App>>, headers: HeaderMap, body: Bytes, op: Op) -> Response {
-    if !authorised(&app, &headers) {
+    if !authorised(&app, &headers, Right::DataPlane) {
         return unauthorised();
     }
     let metric_op = MetricOp::of_script(op);
@@ -313,6 +349,7 @@ async fn run_adjustments(State(app): State<Arc<App>>, headers: HeaderMap, body: 
     // How many entries failed with each error: a batch that fails fails whole, so one
     // line per error rather than one per entry (scripts/faults.py counts these lines).
     let mut failures: Vec<(String, usize)> = Vec::new();
+    let (mut unbacked, mut capped) = (0usize, 0usize);
     let results = request
         .settlements
         .iter()
@@ -325,6 +362,7 @@ async fn run_adjustments(State(app): State<Arc<App>>, headers: HeaderMap, body: 
                 Ok(reply) if reply.allowed => {
                     if op == Op::Settle {
                         app.metrics.settlements_applied.inc();
+                        refused_credits(&app, settlement, &reply, &mut unbacked, &mut capped);
                     }
                     SettleOutcome::Applied
                 }
@@ -347,12 +385,43 @@ async fn run_adjustments(State(app): State<Arc<App>>, headers: HeaderMap, body: 
     for (err, count) in failures {
         eprintln!("companion: {} failed for {count} of {} entries: {err}", op.name(), request.settlements.len());
     }
+    if unbacked + capped > 0 {
+        eprintln!(
+            "companion: settle: {unbacked} credit(s) refused with nothing behind them, {capped} cut to what their \
+             reservation took (of {} entries)",
+            request.settlements.len()
+        );
+    }
     json_reply(SettleReply { results })
+}
+
+/// Counts the credits of an applied settlement the script gave back less of than asked
+/// (its `charged` is what it gave back): none at all is a credit with no debit behind it.
+fn refused_credits(
+    app: &App,
+    settlement: &llm_ratelimit_protocol::Settlement,
+    reply: &llm_ratelimit_protocol::LimitsReply,
+    unbacked: &mut usize,
+    capped: &mut usize,
+) {
+    for (asked, outcome) in settlement.limits.iter().zip(&reply.limits) {
+        if asked.kind == llm_ratelimit_protocol::LimitKind::Slots || asked.credit <= 0 {
+            continue;
+        }
+        let given = i64::try_from(outcome.charged).unwrap_or(i64::MAX);
+        if given == 0 {
+            app.metrics.credits_unbacked.inc();
+            *unbacked += 1;
+        } else if given < asked.credit {
+            app.metrics.credits_capped.inc();
+            *capped += 1;
+        }
+    }
 }
 
 /// Takes a proxy worker's new calibration samples and answers with the fleet's figures.
 async fn run_calibration(State(app): State<Arc<App>>, headers: HeaderMap, body: Bytes) -> Response {
-    if !authorised(&app, &headers) {
+    if !authorised(&app, &headers, Right::DataPlane) {
         return unauthorised();
     }
     let request = match parse_body(&body, CalibrationExchange::validate) {
@@ -368,10 +437,18 @@ async fn run_calibration(State(app): State<Arc<App>>, headers: HeaderMap, body: 
     }
 }
 
+/// Readiness: Redis answers. A refused credential (a password rotated in Redis but not
+/// here, an ACL change) is told apart from an unreachable Redis, and counted on its own.
 async fn healthz(State(app): State<Arc<App>>) -> Response {
     match app.batcher.store().ping().await {
         Ok(()) => {
             (StatusCode::OK, [("content-type", "application/json")], json!({"redis": "ok"}).to_string()).into_response()
+        }
+        Err(err) if store::is_auth_failure(&err) => {
+            app.metrics.redis_auth_failures.inc();
+            let body =
+                json!({"redis": "auth_failed", "error": format!("Redis refused the companion's credentials: {err}")});
+            (StatusCode::SERVICE_UNAVAILABLE, [("content-type", "application/json")], body.to_string()).into_response()
         }
         Err(err) => error(StatusCode::SERVICE_UNAVAILABLE, format!("redis unreachable: {err}")),
     }
@@ -382,28 +459,76 @@ async fn metrics_text(State(metrics): State<Arc<Metrics>>) -> Response {
     (StatusCode::OK, [("content-type", content_type)], metrics.render()).into_response()
 }
 
-fn read_token(args: &Args) -> Result<String, String> {
-    let token = match (&args.token, &args.token_file) {
-        (Some(token), None) => token.clone(),
-        (None, Some(path)) => std::fs::read_to_string(path)
-            .map_err(|e| format!("cannot read --token-file {}: {e}", path.display()))?
-            .trim_end()
-            .to_string(),
-        (Some(_), Some(_)) => return Err("give the token once: --token (LLMRL_COMPANION_TOKEN) or --token-file".into()),
-        (None, None) => return Err("a shared token is required: set LLMRL_COMPANION_TOKEN or --token-file".into()),
-    };
-    if token.is_empty() {
-        return Err("the shared token must not be empty".into());
-    }
-    Ok(token)
+fn read_file(flag: &str, path: &std::path::Path) -> Result<Vec<u8>, String> {
+    std::fs::read(path).map_err(|e| format!("cannot read {flag} {}: {e}", path.display()))
 }
 
-/// Redis may come up after us (a fresh stack, a restart): keep trying for a while.
-async fn connect(target: &Target, args: &Args) -> Result<Store, String> {
+/// How to authenticate to Redis and, for rediss://, what TLS to use.
+fn redis_access(args: &Args, target: &Target) -> Result<Access, String> {
+    let password = match (std::env::var("LLMRL_REDIS_PASSWORD").ok(), &args.redis_password_file) {
+        (Some(_), Some(_)) => return Err("give LLMRL_REDIS_PASSWORD or --redis-password-file, not both".into()),
+        (Some(password), None) => Some(password),
+        (None, Some(path)) => Some(
+            String::from_utf8(read_file("--redis-password-file", path)?)
+                .map_err(|_| "--redis-password-file: not UTF-8 text".to_string())?
+                .trim_end()
+                .to_string(),
+        ),
+        (None, None) => None,
+    };
+    if password.as_deref() == Some("") {
+        return Err("the Redis password is empty (LLMRL_REDIS_PASSWORD or --redis-password-file)".into());
+    }
+    let tls = match target {
+        Target::Single(url) => url.starts_with("rediss://"),
+        Target::Cluster(nodes) => nodes.iter().any(|n| n.starts_with("rediss://")),
+    };
+    let wants_tls = args.redis_ca_file.is_some() || args.redis_client_cert.is_some();
+    if wants_tls && !tls {
+        return Err("--redis-ca-file and --redis-client-cert need a rediss:// URL".into());
+    }
+    let certificates = if wants_tls {
+        let root_cert = args.redis_ca_file.as_deref().map(|p| read_file("--redis-ca-file", p)).transpose()?;
+        let client_tls = match (&args.redis_client_cert, &args.redis_client_key) {
+            (Some(cert), Some(key)) => Some(redis::ClientTlsConfig {
+                client_cert: read_file("--redis-client-cert", cert)?,
+                client_key: read_file("--redis-client-key", key)?,
+            }),
+            _ => None,
+        };
+        Some(redis::TlsCertificates { client_tls, root_cert })
+    } else {
+        None
+    };
+    Ok(Access { username: args.redis_username.clone(), password, certificates })
+}
+
+/// Redis may come up after us (a fresh stack, a restart): keep trying for a while. What
+/// waiting cannot mend (a wrong password, a TLS setup the server refuses) ends the start
+/// at once, saying so.
+async fn connect(target: &Target, access: &Access, args: &Args) -> Result<Store, String> {
     let deadline = tokio::time::Instant::now() + args.startup_wait;
     loop {
-        match Store::connect(target, args.redis_timeout).await {
+        // A connection Redis takes without credentials may still refuse every command:
+        // a PING tells (NOAUTH), before anything else is sent.
+        let connected = match Store::connect(target, access, args.redis_timeout).await {
+            Ok(store) => store.ping().await.map(|()| store),
+            Err(err) => Err(err),
+        };
+        match connected {
             Ok(store) => return Ok(store),
+            Err(err) if store::is_auth_failure(&err) => {
+                return Err(format!(
+                    "Redis refused the companion's credentials ({err}): check the user and password \
+                     (LLMRL_REDIS_USERNAME, LLMRL_REDIS_PASSWORD or --redis-password-file, the URL's user:password@)"
+                ))
+            }
+            Err(err) if store::is_fatal(&err) => {
+                return Err(format!(
+                    "cannot connect to Redis ({err}): check the URL's scheme (rediss:// for TLS), \
+                     --redis-ca-file and the client certificate"
+                ))
+            }
             Err(err) if tokio::time::Instant::now() < deadline => {
                 eprintln!("companion: waiting for Redis: {err}");
                 tokio::time::sleep(Duration::from_millis(250)).await;
@@ -414,19 +539,25 @@ async fn connect(target: &Target, args: &Args) -> Result<Store, String> {
 }
 
 async fn serve(args: Args) -> Result<(), String> {
-    let token = read_token(&args)?;
+    let credentials = Credentials::new(
+        args.token.as_deref(),
+        args.token_file.as_ref(),
+        args.admin_token.as_deref(),
+        args.admin_token_file.as_ref(),
+    )?;
     let target = Target::parse(&args.redis_url).map_err(|e| format!("--redis-url: {e}"))?;
+    let access = redis_access(&args, &target)?;
     if !args.key_prefix.chars().all(|c| c.is_ascii_graphic() && c != '{' && c != '}') {
         return Err("--key-prefix must be printable ASCII without '{' or '}'".into());
     }
-    let store = connect(&target, &args).await?;
+    let store = connect(&target, &access, &args).await?;
     let script = Script::new("limits", limits::SOURCE);
     let calibration = Script::new("calibration", calibration::SOURCE);
     // Both loaded now, so a NOSCRIPT reload later means Redis lost them (the metric's alert).
     let deadline = tokio::time::Instant::now() + args.startup_wait;
     for script in [&script, &calibration] {
         while let Err(err) = store.load(script).await {
-            if tokio::time::Instant::now() >= deadline {
+            if store::is_fatal(&err) || tokio::time::Instant::now() >= deadline {
                 return Err(format!("cannot load {}: {err}", script.name));
             }
             eprintln!("companion: retrying SCRIPT LOAD of {}: {err}", script.name);
@@ -441,9 +572,11 @@ async fn serve(args: Args) -> Result<(), String> {
     let metrics = Arc::new(Metrics::new());
     let store = store.counting_reloads_in(metrics.noscript_reloads.clone());
     let batcher = Batcher::new(store, script, args.redis_timeout, metrics.clone());
+    let (data_plane, admin) = credentials.counts();
+    eprintln!("companion: {data_plane} data-plane credential(s), {admin} admin credential(s)");
     let app = Arc::new(App {
         batcher,
-        token,
+        credentials,
         key_prefix: args.key_prefix.clone(),
         metrics: metrics.clone(),
         calibration,
@@ -498,6 +631,9 @@ async fn run_server(listener: tokio::net::TcpListener, router: Router) -> Result
 
 fn main() -> std::process::ExitCode {
     let args = Args::parse();
+    // rediss://: the one TLS crypto provider, for every connection (redis-rs builds its
+    // rustls configs on the process default).
+    let _ = rustls::crypto::ring::default_provider().install_default();
     // One thread by default: each request is a few microseconds of work between waits on
     // sockets, and handing it between threads (a futex wake, an eventfd write, another
     // thread scheduled) cost more than the work. Measured (the companion alone, wrk on the

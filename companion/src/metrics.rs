@@ -110,6 +110,12 @@ pub struct Metrics {
     pub settlements_dropped: Counter,
     pub auth_failures: Counter,
     pub admin_resets: Counter,
+    /// Readiness checks that found Redis refusing the companion's credentials.
+    pub redis_auth_failures: Counter,
+    /// Credits refused for having no reservation or grant behind them, and credits cut
+    /// to what their reservation took.
+    pub credits_unbacked: Counter,
+    pub credits_capped: Counter,
 }
 
 /// Redis calls take tens of microseconds to tens of milliseconds (the timeout's range):
@@ -149,6 +155,13 @@ impl Metrics {
             r,
             "settlements",
             "Settlements applied, or dropped because their reservation was gone (settled before, or expired)",
+            None,
+            Family::<OpLabel, Counter>::default(),
+        );
+        let credits = registered(
+            r,
+            "credits_refused",
+            "Settlement credits refused: unbacked (no reservation record behind them), or capped (above what their reservation took)",
             None,
             Family::<OpLabel, Counter>::default(),
         );
@@ -206,6 +219,15 @@ impl Metrics {
                 None,
                 Counter::default(),
             ),
+            redis_auth_failures: registered(
+                r,
+                "redis_auth_failures",
+                "Readiness checks on which Redis refused the companion's credentials (WRONGPASS, NOAUTH, NOPERM)",
+                None,
+                Counter::default(),
+            ),
+            credits_unbacked: credits.get_or_create_owned(&[("outcome", "unbacked")]),
+            credits_capped: credits.get_or_create_owned(&[("outcome", "capped")]),
             registry,
         }
     }

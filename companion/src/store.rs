@@ -7,8 +7,40 @@ use redis::aio::ConnectionManager;
 use redis::cluster_async::ClusterConnection;
 use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, Slot, SlotAddr};
 use redis::io::tcp::TcpSettings;
-use redis::{Cmd, ErrorKind, IntoConnectionInfo, RedisError, ServerErrorKind, Value};
+use redis::{Cmd, ErrorKind, IntoConnectionInfo, RedisError, ServerErrorKind, TlsCertificates, Value};
 use std::time::Duration;
+
+/// How the companion proves itself to Redis and checks Redis: ACL user and password (from
+/// the environment or a file, or the URL's `user:password@`), and for `rediss://` the CA
+/// bundle to trust and the client certificate to show. TLS is rustls (with ring): no
+/// system OpenSSL in the image, and one implementation on every platform the companion is
+/// built for.
+#[derive(Default, Clone)]
+pub struct Access {
+    pub username: Option<String>,
+    pub password: Option<String>,
+    /// `rediss://` only; `None`: the system's trust store, no client certificate.
+    pub certificates: Option<TlsCertificates>,
+}
+
+/// Whether a connection error is one that waiting cannot mend: a wrong password or user,
+/// a refused ACL, a TLS setup that does not match the server (certificate, CA, protocol).
+pub fn is_fatal(err: &RedisError) -> bool {
+    is_auth_failure(err) || err.kind() == ErrorKind::InvalidClientConfig || is_tls_failure(err)
+}
+
+/// Redis refused the credentials (WRONGPASS), wants some (NOAUTH), or the user may not run
+/// what the companion needs (NOPERM).
+pub fn is_auth_failure(err: &RedisError) -> bool {
+    let text = err.to_string();
+    err.kind() == ErrorKind::AuthenticationFailed
+        || ["WRONGPASS", "NOAUTH", "NOPERM", "unauthenticated"].iter().any(|code| text.contains(code))
+}
+
+fn is_tls_failure(err: &RedisError) -> bool {
+    let text = err.to_string().to_ascii_lowercase();
+    ["certificate", "tls", "handshake", "unknownissuer", "pem"].iter().any(|word| text.contains(word))
+}
 
 /// Which calls may go in one script call: `None` on one server, a hash slot on a cluster.
 pub type Lane = Option<Slot>;
@@ -83,21 +115,43 @@ pub fn is_no_script(err: &RedisError) -> bool {
 }
 
 impl Store {
-    pub async fn connect(target: &Target, timeout: Duration) -> Result<Store, RedisError> {
+    pub async fn connect(target: &Target, access: &Access, timeout: Duration) -> Result<Store, RedisError> {
         // Without TCP_NODELAY (redis-rs leaves it off), a call written while an earlier one
         // is unacknowledged (several in flight on the one multiplexed connection) waits for
         // that acknowledgement: up to a whole script's run, or a delayed ACK.
         let tcp = TcpSettings::default().set_nodelay(true);
         let connection = match target {
             Target::Single(url) => {
-                let client = redis::Client::open(url.as_str().into_connection_info()?.set_tcp_settings(tcp))?;
+                let mut info = url.as_str().into_connection_info()?.set_tcp_settings(tcp);
+                let mut settings = info.redis_settings().clone();
+                if let Some(username) = &access.username {
+                    settings = settings.set_username(username);
+                }
+                if let Some(password) = &access.password {
+                    settings = settings.set_password(password);
+                }
+                info = info.set_redis_settings(settings);
+                let client = match &access.certificates {
+                    Some(certificates) => redis::Client::build_with_tls(info, certificates.clone())?,
+                    None => redis::Client::open(info)?,
+                };
                 let config = redis::aio::ConnectionManagerConfig::new()
                     .set_connection_timeout(Some(timeout.max(Duration::from_secs(1))))
                     .set_response_timeout(Some(timeout));
                 Connection::Single(client.get_connection_manager_with_config(config).await?)
             }
             Target::Cluster(nodes) => {
-                let client = redis::cluster::ClusterClientBuilder::new(nodes.clone())
+                let mut builder = redis::cluster::ClusterClientBuilder::new(nodes.clone());
+                if let Some(username) = &access.username {
+                    builder = builder.username(username);
+                }
+                if let Some(password) = &access.password {
+                    builder = builder.password(password);
+                }
+                if let Some(certificates) = &access.certificates {
+                    builder = builder.certs(certificates.clone());
+                }
+                let client = builder
                     .tcp_settings(tcp)
                     .connection_timeout(timeout.max(Duration::from_secs(1)))
                     .response_timeout(timeout)

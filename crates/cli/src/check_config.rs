@@ -142,6 +142,18 @@ fn check(embedded: Embedded, host: HostKind) -> Report {
     });
     let mut warnings = Vec::new();
     let mut failures = Vec::new();
+    let literal_token = llm_ratelimit_core::config::shape::Document::parse(&embedded.config)
+        .is_ok_and(|written| written.companion.token.is_some());
+    if outcome.is_ok() && literal_token {
+        // Every host can pass it through the VM's environment; written here, it is in the
+        // proxy's config dump and in whatever stores the manifest.
+        warnings.push(
+            "companion.token is a literal credential: use companion.token_env, the VM's environment variable \
+             (Envoy: vm_config.environment_variables; Istio: vmConfig.env; Envoy Gateway: env.hostKeys; \
+             Nginx: an `env` directive), set from a Secret"
+                .to_string(),
+        );
+    }
     if let Ok(policy) = &outcome {
         failures = lint::failures(policy, &embedded.config, host, embedded.plugin);
         let written = serde_json::from_slice::<Value>(&embedded.config).unwrap_or(Value::Null);
@@ -184,7 +196,7 @@ fn embedded_configs(text: &str, all_wasm: bool) -> Result<Vec<Embedded>, String>
         // Broken JSON where a bare config was meant: the filter's own message, which says
         // where (a YAML parser's would describe its own grammar).
         Err(_) if text.trim_start().starts_with('{') => {
-            return Ok(vec![Embedded { place: "filter config".into(), config: text.as_bytes().to_vec(), istio: false }])
+            return Ok(vec![Embedded { place: "filter config".into(), config: text.as_bytes().to_vec(), istio: false, plugin: Plugin::Unknown }])
         }
         Err(e) => return Err(yaml_error(e)),
     };
@@ -384,7 +396,7 @@ fn json_bytes(value: &Value) -> Vec<u8> {
 mod tests {
     use super::*;
 
-    const GOOD: &str = r#"{"companion": {"upstream": "llm_ratelimit_companion", "token": "t"},
+    const GOOD: &str = r#"{"companion": {"upstream": "llm_ratelimit_companion", "token": "test-token-0123456789"},
         "limits": [{"name": "rpm", "requests": 20, "window": "1m"}]}"#;
 
     fn check_envoy(text: &str) -> Result<Vec<Report>, String> {
@@ -465,7 +477,7 @@ metadata: {name: llm-ratelimit, namespace: istio-system}
 spec:
   url: oci://registry.example/llm-ratelimit:1
   pluginConfig:
-    companion: {upstream: "outbound|8080||c.ns.svc.cluster.local", token: t}
+    companion: {upstream: "outbound|8080||c.ns.svc.cluster.local", token: test-token-0123456789}
     fallback: {instances: 3}
     limits: [{name: rpm, requests: 20, window: 1m}]
 ---
@@ -477,13 +489,18 @@ spec:
   - name: llm-ratelimit
     code: {type: Image, image: {url: registry.example/llm-ratelimit:1}}
     config:
-      companion: {upstream: llm_ratelimit_companion, token: t}
+      companion: {upstream: llm_ratelimit_companion, token: test-token-0123456789}
       limits: [{name: rpm, requests: 20, window: 1q}]
 "#;
         let reports = check_envoy(yaml).unwrap();
         assert_eq!(reports.len(), 2);
         assert_eq!(reports[0].place, "document 1, WasmPlugin istio-system/llm-ratelimit, spec.pluginConfig");
-        assert!(reports[0].outcome.is_ok() && reports[0].warnings.is_empty(), "{:?}", reports[0]);
+        assert!(reports[0].outcome.is_ok(), "{:?}", reports[0]);
+        assert_eq!(reports[0].warnings.len(), 1, "{:?}", reports[0]);
+        assert!(reports[0].warnings[0].contains("companion.token is a literal credential"), "{:?}", reports[0]);
+        assert!(!reports[0].warnings[0].contains("test-token-0123456789"), "the value is never printed");
+        let by_reference = yaml.replace("token: test-token-0123456789}", "token_env: LLMRL_COMPANION_TOKEN}");
+        assert!(check_envoy(&by_reference).unwrap()[0].warnings.is_empty(), "{by_reference}");
         assert_eq!(reports[1].place, "document 2, EnvoyExtensionPolicy llm-ratelimit, spec.wasm[0].config");
         assert!(reports[1].outcome.as_ref().unwrap_err().contains("field `limits[0].window`"));
 
@@ -493,12 +510,12 @@ spec:
         assert!(check_envoy(&float).unwrap()[0].outcome.is_ok(), "{:?}", check_envoy(&float));
 
         let not_istio = yaml.replace("outbound|8080||c.ns.svc.cluster.local", "llm_ratelimit_companion");
-        assert!(check_envoy(&not_istio).unwrap()[0].warnings[0].contains("not an Istio cluster name"));
+        assert!(check_envoy(&not_istio).unwrap()[0].warnings[1].contains("not an Istio cluster name"));
     }
 
     #[test]
     fn a_kubectl_list_is_searched_item_by_item() {
-        let list = "apiVersion: v1\nkind: List\nitems:\n- kind: EnvoyExtensionPolicy\n  metadata: {name: p, namespace: ns}\n  spec:\n    wasm:\n    - name: llm-ratelimit\n      config: {companion: {upstream: c, token: t}, limits: [{name: rpm, requests: 1, window: 1m}]}\n";
+        let list = "apiVersion: v1\nkind: List\nitems:\n- kind: EnvoyExtensionPolicy\n  metadata: {name: p, namespace: ns}\n  spec:\n    wasm:\n    - name: llm-ratelimit\n      config: {companion: {upstream: c, token: test-token-0123456789}, limits: [{name: rpm, requests: 1, window: 1m}]}\n";
         let reports = check_envoy(list).unwrap();
         assert_eq!(reports.len(), 1);
         assert_eq!(reports[0].place, "items[0], EnvoyExtensionPolicy ns/p, spec.wasm[0].config");

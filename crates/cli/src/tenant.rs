@@ -13,8 +13,7 @@ use std::time::Duration;
 #[command(group = clap::ArgGroup::new("who").required(true).args(["key", "tenant"]))]
 pub struct TenantArgs {
     /// The filter's config (the JSON the proxy loads, or an Envoy, Istio or Envoy Gateway
-    /// manifest holding one, as `check-config` reads them): its domain, limits and
-    /// companion token.
+    /// manifest holding one, as `check-config` reads them): its domain and limits.
     #[arg(long, value_name = "FILE")]
     pub config: PathBuf,
     /// The tenant's API key, hashed here as the filter hashes it (never sent). Prefer
@@ -30,9 +29,14 @@ pub struct TenantArgs {
     /// The companion's base URL.
     #[arg(long, env = "LLMRL_COMPANION_URL", default_value = "http://127.0.0.1:8081")]
     pub companion: String,
-    /// The companion's shared token; default the config's `companion.token`.
-    #[arg(long, env = "LLMRL_COMPANION_TOKEN", hide_env_values = true)]
-    pub token: Option<String>,
+    /// The companion's admin credential (one of its `--admin-token` list; the filter's
+    /// data-plane token is refused on admin endpoints). Prefer the environment or
+    /// --admin-token-file: a command line is visible to other users of the machine.
+    #[arg(long, env = "LLMRL_ADMIN_TOKEN", hide_env_values = true)]
+    pub admin_token: Option<String>,
+    /// File holding the admin credential (trailing whitespace ignored).
+    #[arg(long, env = "LLMRL_ADMIN_TOKEN_FILE", value_name = "FILE")]
+    pub admin_token_file: Option<PathBuf>,
     /// Longest wait for the companion's answer.
     #[arg(long, default_value = "5s", value_parser = llm_ratelimit_protocol::duration::parse_duration)]
     pub timeout: Duration,
@@ -73,7 +77,23 @@ impl TenantArgs {
             .filter(|l| self.limits.is_empty() || self.limits.contains(&l.name))
             .map(spec)
             .collect();
-        let token = self.token.clone().unwrap_or_else(|| policy.companion.token.expose().to_string());
+        let token = match (&self.admin_token, &self.admin_token_file) {
+            (Some(token), None) => token.clone(),
+            (None, Some(path)) => std::fs::read_to_string(path)
+                .map_err(|e| format!("cannot read --admin-token-file {}: {e}", path.display()))?
+                .trim_end()
+                .to_string(),
+            (Some(_), Some(_)) => {
+                return Err("give the admin credential once: --admin-token or --admin-token-file".into())
+            }
+            (None, None) => {
+                return Err(
+                    "the companion's admin credential is required: set LLMRL_ADMIN_TOKEN or --admin-token-file \
+                     (the filter's token cannot read or reset tenants)"
+                        .into(),
+                )
+            }
+        };
         let request = TenantLimits { domain: policy.domain.clone(), tenant, limits };
         Ok(Resolved { policy, request, token })
     }
@@ -135,17 +155,21 @@ mod tests {
         resolved
     }
 
-    const CONFIG: &str = r#"{"companion": {"upstream": "c", "token": "secret-token"}, "domain": "prod",
+    const CONFIG: &str = r#"{"companion": {"upstream": "c", "token": "secret-token-0123456789"}, "domain": "prod",
         "limits": [{"name": "rpm", "requests": 20, "window": "1m"}, {"name": "inflight", "concurrency": 3},
                    {"name": "tpm", "tokens": 1000, "window": "1h", "algorithm": "sliding_window"}]}"#;
 
     #[test]
     fn a_key_is_hashed_as_the_filter_hashes_it() {
         // tests/cases/keys.json pins sk-a to this tenant for the filter and the harness.
-        let resolved = resolve(CONFIG, &["--key", "sk-a"]).expect("resolves");
+        let resolved =
+            resolve(CONFIG, &["--key", "sk-a", "--admin-token", "admin-token-0123456789"]).expect("resolves");
         assert_eq!(resolved.request.tenant, "200b482a0a785564144b9f1b4f3f1104");
         assert_eq!(resolved.request.domain, "prod");
-        assert_eq!(resolved.token, "secret-token");
+        assert_eq!(resolved.token, "admin-token-0123456789");
+        // Never the config's (data-plane) token: without the admin credential, refused.
+        let err = resolve(CONFIG, &["--key", "sk-a"]).err().unwrap_or_default();
+        assert!(err.contains("admin credential is required") && !err.contains("secret-token-0123456789"), "{err}");
     }
 
     #[test]
@@ -155,15 +179,17 @@ mod tests {
             "apiVersion: extensions.istio.io/v1alpha1\nkind: WasmPlugin\nmetadata: {{name: llm-ratelimit}}\nspec:\n  pluginConfig: {}\n",
             CONFIG.replace('\n', " ")
         );
-        let resolved = resolve(&manifest, &["--key", "sk-a"]).expect("resolves");
+        let resolved = resolve(&manifest, &["--key", "sk-a", "--admin-token", "a"]).expect("resolves");
         assert_eq!(resolved.request.domain, "prod");
         let two = format!("{manifest}---\n{manifest}");
-        assert!(resolve(&two, &["--key", "sk-a"]).is_err_and(|e| e.contains("2 filter configs found")));
+        assert!(resolve(&two, &["--key", "sk-a", "--admin-token", "a"])
+            .is_err_and(|e| e.contains("2 filter configs found")));
     }
 
     #[test]
     fn the_limits_are_named_as_a_charge_names_them() {
-        let resolved = resolve(CONFIG, &["--tenant", "200b482a0a785564144b9f1b4f3f1104", "--token", "t2"]).expect("ok");
+        let resolved =
+            resolve(CONFIG, &["--tenant", "200b482a0a785564144b9f1b4f3f1104", "--admin-token", "t2"]).expect("ok");
         let limits: Vec<(&str, u64, u64, LimitKind)> =
             resolved.request.limits.iter().map(|l| (l.name.as_str(), l.capacity, l.window_ms, l.kind)).collect();
         assert_eq!(
@@ -175,7 +201,7 @@ mod tests {
             ]
         );
         assert_eq!(resolved.token, "t2");
-        let only = resolve(CONFIG, &["--tenant", "anonymous", "--limit", "tpm"]).expect("ok");
+        let only = resolve(CONFIG, &["--tenant", "anonymous", "--limit", "tpm", "--admin-token", "a"]).expect("ok");
         assert_eq!(only.request.limits.len(), 1);
     }
 

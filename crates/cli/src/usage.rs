@@ -127,7 +127,7 @@ mod tests {
     #[test]
     fn the_table_names_each_limit_in_its_own_unit() {
         let policy = Policy::from_json(
-            br#"{"companion": {"upstream": "c", "token": "t"},
+            br#"{"companion": {"upstream": "c", "token": "test-token-0123456789"},
                  "limits": [{"name": "rpm", "requests": 20, "window": "1m"},
                             {"name": "budget", "usd": 5, "window": "1d", "algorithm": "sliding_window"},
                             {"name": "inflight", "concurrency": 2}],

@@ -48,7 +48,7 @@ fn main() {
         other => panic!("mode lease or direct, not {other}"),
     };
     let config = json!({
-        "companion": {"upstream": "companion", "token": "t"}, "failure_mode": "deny", "lease": lease,
+        "companion": {"upstream": "companion", "token": "test-token-0123456789"}, "failure_mode": "deny", "lease": lease,
         "limits": [{"name": "rpm", "requests": 1_000_000_000u64, "window": "1m"},
                    {"name": "tpm", "tokens": 1_000_000_000_000u64, "window": "1m"}]
     })

@@ -263,7 +263,7 @@ mod tests {
 
     fn config(tokens: &str) -> Policy {
         let json = format!(
-            r#"{{"companion": {{"upstream": "c", "token": "t"}}, "tokens": {tokens},
+            r#"{{"companion": {{"upstream": "c", "token": "test-token-0123456789"}}, "tokens": {tokens},
                "limits": [{{"name": "rpm", "requests": 20, "window": "1m"}}, {{"name": "tpm", "tokens": 10000, "window": "1m"}}]}}"#
         );
         Policy::from_json(json.as_bytes()).expect("config")
@@ -338,7 +338,7 @@ mod tests {
 
     #[test]
     fn a_per_model_limit_charges_only_its_models() {
-        let json = r#"{"companion": {"upstream": "c", "token": "t"}, "limits": [
+        let json = r#"{"companion": {"upstream": "c", "token": "test-token-0123456789"}, "limits": [
             {"name": "rpm", "requests": 20, "window": "1m"},
             {"name": "gpt4o-rpm", "requests": 5, "window": "1m", "models": ["gpt-4o*"]}]}"#;
         let config = Policy::from_json(json.as_bytes()).expect("config");
@@ -356,7 +356,7 @@ mod tests {
 
     #[test]
     fn a_budget_is_charged_at_the_models_price_and_refuses_unpriced_models() {
-        let json = r#"{"companion": {"upstream": "c", "token": "t"}, "limits": [{"name": "day", "usd": 5, "window": "1d"}],
+        let json = r#"{"companion": {"upstream": "c", "token": "test-token-0123456789"}, "limits": [{"name": "day", "usd": 5, "window": "1d"}],
                        "prices": [{"match": "gpt-4o*", "input": 2.5, "output": 10}]}"#;
         let config = Policy::from_json(json.as_bytes()).expect("config");
         let plan = plan(&config, "/v1/chat/completions", "", Some(CHAT.as_bytes()), &mut Cold);
@@ -507,7 +507,7 @@ mod tests {
     #[cfg_attr(not(target_arch = "wasm32"), test)]
     #[cfg_attr(target_arch = "wasm32", wasm_bindgen_test::wasm_bindgen_test)]
     fn each_token_limit_reserves_the_part_it_counts() {
-        let written = r#"{"companion": {"upstream": "c", "token": "t"}, "tokens": {"models": [{"match": "gpt-4o*", "encoding": "o200k_base", "factor": 2.0}]},
+        let written = r#"{"companion": {"upstream": "c", "token": "test-token-0123456789"}, "tokens": {"models": [{"match": "gpt-4o*", "encoding": "o200k_base", "factor": 2.0}]},
             "limits": [{"name": "tpm", "tokens": 10000, "window": "1m"},
                        {"name": "itpm", "tokens": 10000, "window": "1m", "count": "input"},
                        {"name": "otpm", "tokens": 10000, "window": "1m", "count": "output"},

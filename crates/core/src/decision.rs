@@ -291,7 +291,7 @@ mod tests {
     use super::*;
 
     fn config() -> Policy {
-        let json = r#"{"companion": {"upstream": "c", "token": "t"}, "limits": [
+        let json = r#"{"companion": {"upstream": "c", "token": "test-token-0123456789"}, "limits": [
             {"name": "rpm", "requests": 20, "window": "1m"},
             {"name": "rph", "requests": 100, "window": "1h"},
             {"name": "rpd", "requests": 1000, "window": "1d"},
@@ -468,7 +468,7 @@ mod tests {
 
     #[test]
     fn a_budget_429_speaks_in_dollars() {
-        let json = r#"{"companion": {"upstream": "c", "token": "t"}, "limits": [{"name": "day", "usd": 5, "window": "1d"}],
+        let json = r#"{"companion": {"upstream": "c", "token": "test-token-0123456789"}, "limits": [{"name": "day", "usd": 5, "window": "1d"}],
                        "prices": [{"match": "*", "input": 1, "output": 1}]}"#;
         let config = Policy::from_json(json.as_bytes()).expect("config");
         let reply = LimitsReply {
@@ -571,7 +571,7 @@ mod tests {
     }
 
     fn dimensions_config() -> Policy {
-        let json = r#"{"companion": {"upstream": "c", "token": "t"}, "limits": [
+        let json = r#"{"companion": {"upstream": "c", "token": "test-token-0123456789"}, "limits": [
             {"name": "rpm", "requests": 50, "window": "1m"},
             {"name": "tpm", "tokens": 96000, "window": "1m"},
             {"name": "itpm", "tokens": 80000, "window": "1m", "count": "input"},

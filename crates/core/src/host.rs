@@ -207,6 +207,11 @@ pub trait Host {
     /// otherwise flood the log once per request).
     fn warn_once(&mut self, topic: &'static str, message: &str);
 
+    /// The VM's environment variables (WASI `environ_get`): on Envoy those listed in
+    /// `vm_config.environment_variables`, on ngx_wasm_module those the `env` directive
+    /// keeps in the worker's environment. Read once, at configure.
+    fn environment_variables(&mut self) -> Vec<(String, String)>;
+
     /// Milliseconds since the epoch.
     fn now_ms(&mut self) -> u64 {
         (self.now_nanos() / 1_000_000) as u64

@@ -18,8 +18,7 @@ const CHAT_RESERVES: i64 = 309;
 const CHAT_PROMPT_BOUND: u64 = 21;
 
 pub(super) fn config(limits: Value, extra: Value) -> String {
-    let mut config =
-        json!({"companion": {"upstream": "companion", "token": "t"}, "failure_mode": "deny", "limits": limits});
+    let mut config = json!({"companion": {"upstream": "companion", "token": "test-token-0123456789"}, "failure_mode": "deny", "limits": limits});
     if let (Some(config), Some(extra)) = (config.as_object_mut(), extra.as_object()) {
         config.extend(extra.clone());
     }
@@ -119,6 +118,30 @@ fn headers_are_held_only_where_the_host_delivers_the_body_meanwhile() {
     let err = worker.configure(&mut host, rpm_tpm(json!({"hold_request_headers": true})).as_bytes()).unwrap_err();
     assert!(err.contains("field `hold_request_headers`") && err.contains("nginx"), "{err}");
     assert!(worker.configure(&mut host, rpm_tpm(json!({"hold_request_headers": false})).as_bytes()).is_ok());
+}
+
+#[test]
+fn the_companion_credential_from_the_vm_environment_goes_on_every_callout() {
+    let secret = "0f1e2d3c4b5a69788796a5b4c3d2e1f0";
+    let config = rpm_tpm(json!({"companion": {"upstream": "companion", "token_env": "LLMRL_COMPANION_TOKEN"}}));
+    for kind in HOSTS {
+        let world = World::new(kind);
+        // Without the variable (Envoy: not in vm_config.environment_variables; Nginx: no
+        // `env` directive) the config is refused at load, naming the field.
+        let mut worker = crate::worker::Worker::new();
+        let err = worker.configure(&mut crate::testing::FakeHost::new(&world), config.as_bytes()).unwrap_err();
+        assert!(err.contains("companion.token_env"), "{kind:?}: {err}");
+        world.borrow_mut().environment = vec![("LLMRL_COMPANION_TOKEN".into(), "change-me".into())];
+        let err = worker.configure(&mut crate::testing::FakeHost::new(&world), config.as_bytes()).unwrap_err();
+        assert!(err.contains("companion.token_env") && err.contains("placeholder"), "{kind:?}: {err}");
+        world.borrow_mut().environment = vec![("LLMRL_COMPANION_TOKEN".into(), secret.into())];
+        let mut proxy = Proxy::new(&world, &config);
+        let flight = proxy.start(Request::chat("sk-a", CHAT));
+        let callout = flight.host.last_callout();
+        let sent = callout.headers.iter().find(|(name, _)| name == crate::protocol::TOKEN_HEADER);
+        assert_eq!(sent.map(|(_, value)| value.as_str()), Some(secret), "{kind:?}");
+        assert!(!proxy.root.logs.iter().any(|(_, line)| line.contains(secret)), "{kind:?}: never logged");
+    }
 }
 
 #[test]

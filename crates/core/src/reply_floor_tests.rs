@@ -9,7 +9,7 @@ use serde_json::{json, Value};
 const HOSTS: [HostKind; 2] = [HostKind::Envoy, HostKind::Nginx];
 
 fn config(extra: Value) -> String {
-    let mut config = json!({"companion": {"upstream": "companion", "token": "t"}, "failure_mode": "deny",
+    let mut config = json!({"companion": {"upstream": "companion", "token": "test-token-0123456789"}, "failure_mode": "deny",
         "limits": [{"name": "rpm", "requests": 100, "window": "1m"}, {"name": "tpm", "tokens": 100000, "window": "1m"}]});
     if let (Some(config), Some(extra)) = (config.as_object_mut(), extra.as_object()) {
         config.extend(extra.clone());

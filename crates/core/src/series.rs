@@ -145,7 +145,7 @@ mod tests {
     use super::*;
 
     fn policy() -> Policy {
-        let json = r#"{"companion": {"upstream": "c", "token": "t"},
+        let json = r#"{"companion": {"upstream": "c", "token": "test-token-0123456789"},
             "tokens": {"models": [{"match": "claude-*", "encoding": "cl100k_base"}]},
             "limits": [{"name": "rpm", "requests": 5, "window": "1m"}, {"name": "tpm", "tokens": 9, "window": "1m"}]}"#;
         Policy::from_json(json.as_bytes()).unwrap()
@@ -180,8 +180,11 @@ mod tests {
         let usage = r#"{"id":"c","object":"chat.completion","model":"gpt-4o","choices":[{"index":0,"message":{"role":"assistant","content":"hi"},"finish_reason":"stop"}],"usage":{"prompt_tokens":9,"completion_tokens":41,"total_tokens":50}}"#;
         let limits =
             r#"[{"name": "rpm", "requests": 1, "window": "1m"}, {"name": "tpm", "tokens": 10000, "window": "1m"}]"#;
-        let json =
-            |extra: &str| format!(r#"{{"companion": {{"upstream": "c", "token": "t"}}, "limits": {limits}{extra}}}"#);
+        let json = |extra: &str| {
+            format!(
+                r#"{{"companion": {{"upstream": "c", "token": "test-token-0123456789"}}, "limits": {limits}{extra}}}"#
+            )
+        };
         let world = World::new(crate::host::HostKind::Envoy);
         let mut proxy = Proxy::new(&world, &json(r#", "failure_mode": "deny""#));
         let config = proxy.worker.config().unwrap().clone();
@@ -226,7 +229,7 @@ mod tests {
     #[test]
     fn lease_decisions_count_under_their_limit() {
         use crate::testing::{FakeCompanion, Proxy, Request, World};
-        let json = r#"{"companion": {"upstream": "c", "token": "t"}, "lease": {"enabled": true},
+        let json = r#"{"companion": {"upstream": "c", "token": "test-token-0123456789"}, "lease": {"enabled": true},
             "limits": [{"name": "rpm", "requests": 2, "window": "1m"}]}"#;
         let world = World::new(crate::host::HostKind::Envoy);
         let mut proxy = Proxy::new(&world, json);
@@ -242,7 +245,7 @@ mod tests {
     #[test]
     fn gauges_are_set_under_both_names() {
         use crate::testing::{Proxy, World};
-        let json = r#"{"companion": {"upstream": "c", "token": "t"}, "lease": {"enabled": true},
+        let json = r#"{"companion": {"upstream": "c", "token": "test-token-0123456789"}, "lease": {"enabled": true},
             "tokens": {"models": [{"match": "claude-*", "encoding": "cl100k_base", "factor": 1.2}]},
             "limits": [{"name": "rph", "requests": 300, "window": "1h"}, {"name": "tpm", "tokens": 1000, "window": "1m"}]}"#;
         let world = World::new(crate::host::HostKind::Envoy);

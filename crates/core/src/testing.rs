@@ -36,6 +36,8 @@ pub struct World {
     /// Host calls made, by name: each is a crossing into the proxy, which costs far more
     /// in a real host than here.
     pub host_calls: BTreeMap<&'static str, u64>,
+    /// The VM's environment variables, as either host hands them over (WASI environ_get).
+    pub environment: Vec<(String, String)>,
 }
 
 impl World {
@@ -48,6 +50,7 @@ impl World {
             next_cas: 1,
             next_token: 1,
             host_calls: BTreeMap::new(),
+            environment: Vec::new(),
         }))
     }
 }
@@ -330,6 +333,11 @@ impl Host for FakeHost {
     fn log(&mut self, level: LogLevel, message: &str) {
         self.count_call("log");
         self.logs.push((level, message.to_string()));
+    }
+
+    fn environment_variables(&mut self) -> Vec<(String, String)> {
+        self.count_call("environment_variables");
+        self.world.borrow().environment.clone()
     }
 
     fn warn_once(&mut self, topic: &'static str, message: &str) {

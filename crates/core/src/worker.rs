@@ -122,7 +122,9 @@ impl Worker {
         // A seed no client can know (there is no randomness in the VM: the clock's
         // nanoseconds at start-up will do for keeping crafted texts off others' entries).
         self.prompt_cache = PromptCache::new(host.now_nanos() as u64);
-        let config = Policy::from_json(bytes).map_err(|e| e.to_string())?;
+        let environment = host.environment_variables();
+        let variable = |name: &str| environment.iter().find(|(key, _)| key == name).map(|(_, value)| value.clone());
+        let config = Policy::from_json_in(bytes, &variable).map_err(|e| e.to_string())?;
         if self.ids.vm == 0 {
             self.ids.vm = take_vm_number(host, &config.domain);
         }

@@ -79,7 +79,41 @@ extern "C" {
     fn proxy_set_effective_context(context_id: u32) -> u32;
 }
 
+// The VM's environment, through WASI as both hosts offer it to proxy-wasm modules (Envoy
+// fills it from `vm_config.environment_variables`; ngx_wasm_module from the worker's
+// environment, which nginx's `env` directive controls). Declared by hand: the target is
+// wasm32-unknown-unknown, which has no WASI library.
+#[link(wasm_import_module = "wasi_snapshot_preview1")]
+extern "C" {
+    fn environ_sizes_get(count: *mut u32, buffer_size: *mut u32) -> i32;
+    fn environ_get(pointers: *mut u32, buffer: *mut u8) -> i32;
+}
+
+/// Every `NAME=value` of the VM's environment (none if the host will not say).
+fn read_environment() -> Vec<(String, String)> {
+    let (mut count, mut size) = (0u32, 0u32);
+    // SAFETY: both pointers are to live u32s the host writes once.
+    if unsafe { environ_sizes_get(&mut count, &mut size) } != 0 || count == 0 {
+        return Vec::new();
+    }
+    let mut pointers = vec![0u32; count as usize];
+    let mut buffer = vec![0u8; size as usize];
+    // SAFETY: the host writes `count` pointers and `size` bytes, the sizes it just gave.
+    if unsafe { environ_get(pointers.as_mut_ptr(), buffer.as_mut_ptr()) } != 0 {
+        return Vec::new();
+    }
+    buffer
+        .split(|b| *b == 0)
+        .filter_map(|entry| std::str::from_utf8(entry).ok()?.split_once('='))
+        .map(|(name, value)| (name.to_string(), value.to_string()))
+        .collect()
+}
+
 impl Host for ProxyHost {
+    fn environment_variables(&mut self) -> Vec<(String, String)> {
+        read_environment()
+    }
+
     fn now_nanos(&mut self) -> u128 {
         hostcalls::get_current_time().ok().and_then(|t| t.duration_since(UNIX_EPOCH).ok()).map_or(0, |d| d.as_nanos())
     }

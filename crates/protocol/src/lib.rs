@@ -3,6 +3,7 @@
 
 use serde::{Deserialize, Serialize};
 
+pub mod credential;
 pub mod duration;
 pub mod keys;
 mod tenant_ops;

@@ -9,12 +9,14 @@
 //! bypass, prices, tier, queue, then what may not be combined.
 
 use super::error::{invalid, ConfigError};
+use super::policy::Secret;
 use super::policy::{
     model_policies, tiers_named, Bypass, Companion, Dimension, Fallback, Identity, LeaseConfig, Limit, Measure, Memory,
     Policy, PriceEntry, QueueConfig, Slots, TierConfig, TokenPolicy,
 };
 use super::shape::{self, Algorithm, ConfigDuration, Document};
 use crate::identity::{is_tenant_id, IdentitySource};
+use crate::protocol::credential::weakness;
 use crate::protocol::LimitKind;
 use std::collections::{BTreeMap, HashSet};
 use std::ops::Bound::{Excluded, Included};
@@ -22,8 +24,14 @@ use std::ops::RangeBounds;
 use std::time::Duration;
 
 /// Checks every section of `written` and builds the policy from it.
-pub(super) fn compile(written: &Document) -> Result<Policy, ConfigError> {
-    let companion = companion(&written.companion)?;
+/// `environment` reads the VM's environment variables; `in_vm` false (a check outside the
+/// proxy) accepts a `companion.token_env` without reading it.
+pub(super) fn compile(
+    written: &Document,
+    environment: &dyn Fn(&str) -> Option<String>,
+    in_vm: bool,
+) -> Result<Policy, ConfigError> {
+    let companion = companion(&written.companion, environment, in_vm)?;
     name("domain", &written.domain)?;
     let identity = identity(&written.identity)?;
     // A concurrency limit's window is the slot ttl. Limits are checked first, and a ttl
@@ -64,19 +72,59 @@ pub(super) fn compile(written: &Document) -> Result<Policy, ConfigError> {
     })
 }
 
-fn companion(written: &shape::Companion) -> Result<Companion, ConfigError> {
+fn companion(
+    written: &shape::Companion,
+    environment: &dyn Fn(&str) -> Option<String>,
+    in_vm: bool,
+) -> Result<Companion, ConfigError> {
     if written.upstream.trim().is_empty() {
         return Err(invalid("companion.upstream", "must name the companion's cluster (Envoy) or host:port"));
     }
-    not_empty("companion.token", written.token.expose())?;
+    let token = companion_token(written, environment, in_vm)?;
     let timeout =
         within("companion.timeout", written.timeout.0, Duration::from_millis(1)..=Duration::from_secs(60), "1ms..60s")?;
-    Ok(Companion {
-        upstream: written.upstream.clone(),
-        authority: written.authority.clone(),
-        token: written.token.clone(),
-        timeout,
-    })
+    Ok(Companion { upstream: written.upstream.clone(), authority: written.authority.clone(), token, timeout })
+}
+
+/// The companion credential, written in the config or read from the VM's environment; a
+/// short or placeholder one refused, naming the field (never quoting the value).
+fn companion_token(
+    written: &shape::Companion,
+    environment: &dyn Fn(&str) -> Option<String>,
+    in_vm: bool,
+) -> Result<Secret, ConfigError> {
+    let (field, value) = match (&written.token, &written.token_env) {
+        (Some(token), None) => ("companion.token", token.expose().to_string()),
+        (None, Some(name)) => {
+            if name.is_empty() || !name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_') {
+                return Err(invalid("companion.token_env", format!("must name an environment variable, got {name:?}")));
+            }
+            if !in_vm {
+                return Ok(Secret::new(String::new()));
+            }
+            let value = environment(name).ok_or_else(|| {
+                invalid(
+                    "companion.token_env",
+                    format!(
+                        "the VM's environment has no variable {name:?} (Envoy: list it in vm_config.environment_variables; \
+                         Nginx: an `env {name};` directive in the main context)"
+                    ),
+                )
+            })?;
+            ("companion.token_env", value)
+        }
+        (Some(_), Some(_)) => return Err(invalid("companion.token", "set `token` or `token_env`, not both")),
+        (None, None) => {
+            return Err(invalid(
+                "companion.token",
+                "required (or `token_env`, the VM's environment variable holding it)",
+            ))
+        }
+    };
+    match weakness(&value) {
+        Some(reason) => Err(invalid(field, reason)),
+        None => Ok(Secret::new(value)),
+    }
 }
 
 fn identity(written: &shape::Identity) -> Result<Identity, ConfigError> {
@@ -578,10 +626,14 @@ mod tests {
 
     #[test]
     fn a_concurrency_limit_lives_as_long_as_a_slot() {
-        let policy = compile(&document(
-            r#"{"companion": {"upstream": "c", "token": "t"}, "slots": {"ttl": "12s"},
+        let policy = compile(
+            &document(
+                r#"{"companion": {"upstream": "c", "token": "test-token-0123456789"}, "slots": {"ttl": "12s"},
                 "limits": [{"name": "c", "concurrency": 2}, {"name": "r", "requests": 2, "window": "1h"}]}"#,
-        ))
+            ),
+            &|_| None,
+            true,
+        )
         .unwrap_or_else(|e| panic!("{e}"));
         let windows: Vec<u64> = policy.limits.iter().map(Limit::window_ms).collect();
         assert_eq!(windows, [12_000, 3_600_000]);
@@ -591,11 +643,11 @@ mod tests {
     #[test]
     fn compiling_leaves_the_written_config_as_it_was() {
         let written = document(
-            r#"{"companion": {"upstream": "c", "token": "t"}, "identity": {"sources": [{"header": " X-Tenant "}]},
+            r#"{"companion": {"upstream": "c", "token": "test-token-0123456789"}, "identity": {"sources": [{"header": " X-Tenant "}]},
                 "tier": {"header": "X-Tier", "default": "gold"}, "queue": {"priority_header": "X-Priority"},
                 "limits": [{"name": "c", "concurrency": 2, "tiers": ["gold"]}]}"#,
         );
-        let policy = compile(&written).unwrap_or_else(|e| panic!("{e}"));
+        let policy = compile(&written, &|_| None, true).unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(policy.identity.sources[0].header, "x-tenant");
         assert_eq!(policy.tier.as_ref().map(|t| t.header.as_str()), Some("x-tier"));
         assert_eq!(policy.queue.priority_header.as_deref(), Some("x-priority"));
@@ -611,7 +663,12 @@ mod tests {
         let limits = [limit("limits[0]", &gold, true, Duration::from_secs(30)).unwrap_or_else(|e| panic!("{e}"))];
         let cases: Vec<(Result<(), ConfigError>, ConfigError)> = vec![
             (
-                companion(&written(r#"{"upstream": "c", "token": "t", "timeout": "0s"}"#)).map(drop),
+                companion(
+                    &written(r#"{"upstream": "c", "token": "test-token-0123456789", "timeout": "0s"}"#),
+                    &|_| None,
+                    true,
+                )
+                .map(drop),
                 error("companion.timeout", "0ns is outside 1ms..60s"),
             ),
             (

@@ -25,8 +25,16 @@ pub use crate::identity::{IdentitySource, MissingIdentity};
 pub use crate::reservation::UpstreamErrorCharge;
 
 impl Policy {
-    /// Parses the plugin configuration and compiles it.
+    /// Parses the plugin configuration and compiles it, outside a VM: a token named by
+    /// `companion.token_env` is not read (see `from_json_in`), and the policy's token is
+    /// empty.
     pub fn from_json(bytes: &[u8]) -> Result<Policy, ConfigError> {
-        compile::compile(&shape::Document::parse(bytes)?)
+        compile::compile(&shape::Document::parse(bytes)?, &|_| None, false)
+    }
+
+    /// Parses and compiles the configuration inside a VM, whose environment variables
+    /// `environment` reads: `companion.token_env` must name one that holds a credential.
+    pub fn from_json_in(bytes: &[u8], environment: &dyn Fn(&str) -> Option<String>) -> Result<Policy, ConfigError> {
+        compile::compile(&shape::Document::parse(bytes)?, environment, true)
     }
 }

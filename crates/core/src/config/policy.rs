@@ -586,6 +586,10 @@ impl QueueConfig {
 pub struct Secret(String);
 
 impl Secret {
+    pub fn new(value: String) -> Secret {
+        Secret(value)
+    }
+
     pub fn expose(&self) -> &str {
         &self.0
     }

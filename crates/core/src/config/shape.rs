@@ -96,8 +96,15 @@ pub struct Companion {
     /// `:authority` of the callout; defaults to `upstream`.
     #[serde(default)]
     pub authority: Option<String>,
-    /// Shared secret the companion requires in `x-llmrl-token`.
-    pub token: Secret,
+    /// Shared secret the companion requires in `x-llmrl-token`, written in the config.
+    /// Exactly one of `token` and `token_env`.
+    #[serde(default)]
+    pub token: Option<Secret>,
+    /// The name of the VM's environment variable holding the secret (on Envoy,
+    /// `vm_config.environment_variables`; on Nginx, the `env` directive), read at load:
+    /// the secret stays out of the proxy's config dump.
+    #[serde(default)]
+    pub token_env: Option<String>,
     #[serde(default = "default_companion_timeout")]
     pub timeout: ConfigDuration,
 }

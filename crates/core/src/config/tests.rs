@@ -7,7 +7,7 @@ use crate::tokens::Encoding;
 use std::time::Duration;
 
 const GOOD: &str = r#"{
-    "companion": {"upstream": "companion", "token": "s3cret", "timeout": "250ms"},
+    "companion": {"upstream": "companion", "token": "s3cret-0123456789ab", "timeout": "250ms"},
     "domain": "prod",
     "identity": {"sources": [{"header": "X-Tenant"}], "missing": "anonymous"},
     "failure_mode": "deny",
@@ -53,7 +53,7 @@ fn parses_a_full_config() {
 
 #[test]
 fn fills_defaults() {
-    let json = r#"{"companion": {"upstream": "c", "token": "t"},
+    let json = r#"{"companion": {"upstream": "c", "token": "test-token-0123456789"},
                    "limits": [{"name": "rpm", "requests": 1, "window": "1s"}]}"#;
     let config = Policy::from_json(json.as_bytes()).expect("minimal config");
     assert_eq!(config.domain, "llm");
@@ -77,7 +77,7 @@ fn fills_defaults() {
 
 #[test]
 fn model_rules_get_their_prior_and_a_metric_label_of_their_own() {
-    let json = r#"{"companion": {"upstream": "c", "token": "t"}, "limits": [{"name": "tpm", "tokens": 1, "window": "1s"}],
+    let json = r#"{"companion": {"upstream": "c", "token": "test-token-0123456789"}, "limits": [{"name": "tpm", "tokens": 1, "window": "1s"}],
                    "tokens": {"default_expected_output": 300, "models": [
                      {"match": "claude-*", "encoding": "cl100k_base", "expected_output": 800},
                      {"match": "gpt-4o*", "encoding": "o200k_base"}, {"match": "Other.v2*", "encoding": "o200k_base"}]}}"#;
@@ -98,7 +98,7 @@ fn model_rules_get_their_prior_and_a_metric_label_of_their_own() {
 
 #[test]
 fn bypass_matches_paths_and_tenant_ids() {
-    let json = r#"{"companion": {"upstream": "c", "token": "t"}, "limits": [{"name": "rpm", "requests": 1, "window": "1s"}],
+    let json = r#"{"companion": {"upstream": "c", "token": "test-token-0123456789"}, "limits": [{"name": "rpm", "requests": 1, "window": "1s"}],
                    "bypass": {"paths": ["/v1/models*", "/healthz"], "tenants": ["0123456789abcdef0123456789abcdef"]}}"#;
     let bypass = Policy::from_json(json.as_bytes()).expect("config").bypass;
     assert!(bypass.path("/v1/models") && bypass.path("/v1/models/gpt-4o?x=1") && bypass.path("/healthz"));
@@ -108,7 +108,7 @@ fn bypass_matches_paths_and_tenant_ids() {
 
 #[test]
 fn tiers_come_from_a_header_with_a_default() {
-    let json = r#"{"companion": {"upstream": "c", "token": "t"}, "tier": {"header": "x-tier", "default": "free"},
+    let json = r#"{"companion": {"upstream": "c", "token": "test-token-0123456789"}, "tier": {"header": "x-tier", "default": "free"},
         "limits": [{"name": "rpm-free", "requests": 2, "window": "1h", "tiers": ["free"]},
                    {"name": "rpm-gold", "requests": 5, "window": "1h", "tiers": ["gold"]},
                    {"name": "tpd", "tokens": 100000, "window": "1d"}]}"#;
@@ -161,4 +161,27 @@ fn rejects_bad_configs_naming_the_field() {
         let err = Policy::from_json(&fixture.config).expect_err(name);
         assert_eq!(err.to_string(), expected, "{name}");
     }
+}
+
+/// `companion.token_env` is read from the VM's environment at load, and what it holds
+/// meets the same rules as a written token; outside a VM it is not read.
+#[cfg_attr(not(target_arch = "wasm32"), test)]
+#[cfg_attr(target_arch = "wasm32", wasm_bindgen_test::wasm_bindgen_test)]
+fn the_token_comes_from_the_vm_environment() {
+    let json = r#"{"companion": {"upstream": "c", "token_env": "LLMRL_COMPANION_TOKEN"},
+        "limits": [{"name": "rpm", "requests": 5, "window": "1m"}]}"#;
+    let strong = "0123456789abcdef0123456789abcdef".to_string();
+    let with = |value: &'static str| move |name: &str| (name == "LLMRL_COMPANION_TOKEN").then(|| value.to_string());
+    let read =
+        Policy::from_json_in(json.as_bytes(), &|name: &str| (name == "LLMRL_COMPANION_TOKEN").then(|| strong.clone()))
+            .expect("the variable holds a credential");
+    assert_eq!(read.companion.token.expose(), strong);
+    let missing = Policy::from_json_in(json.as_bytes(), &|_: &str| None).unwrap_err();
+    assert_eq!(missing.field, "companion.token_env");
+    assert!(missing.to_string().contains("vm_config.environment_variables"), "{missing}");
+    let placeholder = Policy::from_json_in(json.as_bytes(), &with("change-me")).unwrap_err();
+    assert_eq!(placeholder.field, "companion.token_env");
+    assert_eq!(Policy::from_json_in(json.as_bytes(), &with("short")).unwrap_err().field, "companion.token_env");
+    // `check-config` and the CLI read the config outside any VM: the reference is enough.
+    assert!(Policy::from_json(json.as_bytes()).is_ok());
 }

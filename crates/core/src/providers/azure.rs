@@ -93,7 +93,7 @@ mod tests {
     fn bad_deployment_entries_are_refused_at_load_naming_the_entry() {
         let load = |deployments: &str| {
             let json = format!(
-                r#"{{"companion": {{"upstream": "c", "token": "t"}}, "limits": [{{"name": "rpm", "requests": 1, "window": "1m"}}], "deployments": {deployments}}}"#
+                r#"{{"companion": {{"upstream": "c", "token": "test-token-0123456789"}}, "limits": [{{"name": "rpm", "requests": 1, "window": "1m"}}], "deployments": {deployments}}}"#
             );
             crate::config::Policy::from_json(json.as_bytes()).map(|p| p.deployments).map_err(|e| e.to_string())
         };

@@ -442,7 +442,7 @@ mod tests {
     }
 
     fn lifecycle_config(tokens: serde_json::Value, tpm: u64) -> String {
-        serde_json::json!({"companion": {"upstream": "companion", "token": "t"}, "failure_mode": "deny", "tokens": tokens,
+        serde_json::json!({"companion": {"upstream": "companion", "token": "test-token-0123456789"}, "failure_mode": "deny", "tokens": tokens,
             "limits": [{"name": "rpm", "requests": 2, "window": "1m"}, {"name": "tpm", "tokens": tpm, "window": "1m"}]})
         .to_string()
     }

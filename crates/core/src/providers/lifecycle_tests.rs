@@ -30,7 +30,7 @@ fn post(key: &str, path: &str, body: &str) -> Request {
 }
 
 fn config(limits: Value, extra: Value) -> String {
-    let mut config = json!({"companion": {"upstream": "companion", "token": "t"}, "failure_mode": "deny", "limits": limits,
+    let mut config = json!({"companion": {"upstream": "companion", "token": "test-token-0123456789"}, "failure_mode": "deny", "limits": limits,
                             "identity": {"sources": [{"header": "x-goog-api-key"}, {"header": "api-key"}]}});
     if let (Some(config), Some(extra)) = (config.as_object_mut(), extra.as_object()) {
         config.extend(extra.clone());
