@@ -18,6 +18,7 @@ mod json;
 pub mod json_array_stream;
 pub mod lease;
 pub mod lifecycle;
+pub mod path;
 pub mod prompt_cache;
 pub mod providers;
 pub mod request;

@@ -5,7 +5,7 @@
 //! The worker ([`Worker`]) holds what outlives a request; each callback borrows it.
 
 use crate::answers::{self, Caller};
-use crate::breaker::Route;
+use crate::breaker::Dispatch;
 use crate::bucket::{check_and_charge, decode_states, encode_states};
 use crate::calibration::{Calibration, Lesson, LocalCalibrations};
 use crate::charge::{plan, ChargePlan, Learned};
@@ -23,6 +23,7 @@ use crate::protocol::{
     ChargeRequest, LeaseRequest, LimitCharge, LimitKind, LimitStatus, LimitsReply, Reservation, SettlementBatch, Wait,
     CHARGE_PATH, LEASE_PATH, RELEASE_PATH,
 };
+use crate::providers;
 use crate::providers::bedrock::{self, EventStreamUsage};
 use crate::request::Api;
 use crate::reservation::{actual_usage, credit, Ending, OutputAverage, TokenEstimate};
@@ -146,8 +147,9 @@ pub struct RequestFilter {
     queued: bool,
     /// Whether the headers are held while the body is read.
     holding_headers: bool,
-    /// The request's `:path`, as its headers said.
-    path: String,
+    /// What the request's `:path` says, read once when its headers arrive; `None` for a
+    /// path no API is recognised in.
+    route: Option<providers::Route>,
     /// Whose shape the filter's own answers to this request take.
     dialect: Dialect,
 }
@@ -169,7 +171,7 @@ impl RequestFilter {
             body_len: 0,
             queued: false,
             holding_headers: false,
-            path: String::new(),
+            route: None,
             dialect: Dialect::default(),
         }
     }
@@ -187,14 +189,15 @@ impl RequestFilter {
 
     pub fn on_request_headers(&mut self, host: &mut impl Host, worker: &mut Worker, end_of_stream: bool) -> Action {
         let Some(config) = self.config.clone() else { return Action::Continue };
-        self.path = host.request_header(":path").unwrap_or_default();
-        if !config.bypass.paths.is_empty() && config.bypass.path(&self.path) {
+        let path = host.request_header(":path").unwrap_or_default();
+        if !config.bypass.paths.is_empty() && config.bypass.path(&path) {
             host.add_metric(Metric::Bypassed, 1);
             return Action::Continue;
         }
+        self.route = providers::route(&path);
         // Known before any body, so every answer, even one that never reads it, is in the
         // caller's shape.
-        self.dialect = config.error_format.dialect(&self.path);
+        self.dialect = config.error_format.dialect(self.route.as_ref().map_or(Dialect::OpenAi, |route| route.dialect));
         match self.identify(host, &config) {
             Ok(tenant) => self.tenant = tenant,
             Err(verdict) => return self.apply(host, &config, verdict, false),
@@ -406,7 +409,6 @@ impl RequestFilter {
 
     /// Plans the charge and decides it. `body` is `None` when the body is not read.
     fn charge(&mut self, host: &mut impl Host, worker: &mut Worker, config: &Policy, body: Option<&[u8]>) -> Action {
-        let path = std::mem::take(&mut self.path);
         let tier_value = config.tier.as_ref().and_then(|t| host.request_header(&t.header));
         self.tier = config.tier_of(&self.tenant, tier_value.as_deref()).to_string();
         // The clock, read once for the decision.
@@ -419,7 +421,7 @@ impl RequestFilter {
             prompt_cache: &mut worker.prompt_cache,
             calibrations: &mut worker.calibrations,
         };
-        let plan = plan(config, &path, &self.tier, body, &mut learned);
+        let plan = plan(config, self.route.as_ref(), &self.tier, body, &mut learned);
         self.body_len = body.map_or(0, <[u8]>::len);
         let unpriced = plan.unpriced.then(|| plan.model.clone());
         self.plan = Some(plan);
@@ -433,7 +435,7 @@ impl RequestFilter {
                 FromLease::ChargeDirectly => self.ask = Ask::Charge,
             }
         }
-        if worker.route(host, config, now) == Route::Local {
+        if worker.dispatch(host, config, now) == Dispatch::Local {
             let verdict = self.fail_over(host, worker, config, "circuit breaker open");
             return self.apply(host, config, verdict, false);
         }

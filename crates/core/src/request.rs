@@ -35,10 +35,9 @@ pub enum Api {
 }
 
 impl Api {
-    /// Recognises the API by the path's last segments, ignoring the query string, so
+    /// Recognises the API by a normalised path's (`crate::path`) last segments, so
     /// prefixes (`/openai/deployments/x/...`, `/proxy/v1/...`) work too.
     pub fn from_path(path: &str) -> Option<Api> {
-        let path = path.split(['?', '#']).next().unwrap_or("").trim_end_matches('/');
         if path.ends_with("/chat/completions") {
             Some(Api::ChatCompletions)
         } else if path.ends_with("/completions") {
@@ -56,11 +55,6 @@ impl Api {
 
     pub fn produces_output(self) -> bool {
         !matches!(self, Api::Embeddings | Api::CountTokens)
-    }
-
-    /// Gemini's and Vertex AI's `generateContent` family.
-    pub fn is_gemini(self) -> bool {
-        matches!(self, Api::GenerateContent | Api::StreamGenerateContent | Api::CountTokens)
     }
 }
 
@@ -81,8 +75,7 @@ pub struct LlmRequest {
     pub max_output: Option<u64>,
     /// Where an output cap is written (see `rewritten`): a field, or a path of fields.
     cap_field: &'static [&'static str],
-    /// The body is covered by the client's signature (AWS SigV4 on Bedrock): it must
-    /// reach the upstream byte for byte, so it is never rewritten.
+    /// The body is covered by the client's signature (see `providers::Route`).
     pub body_is_signed: bool,
 }
 
@@ -110,20 +103,6 @@ impl std::fmt::Display for BodyError {
 
 fn as_count(value: &Json) -> Option<u64> {
     value.as_u64().or_else(|| value.as_f64().filter(|f| *f >= 0.0).map(|f| f as u64))
-}
-
-/// The request a path and body make: the API the path names (`route`, as
-/// `providers::route` read it) and the body parsed as it, with what a Bedrock path itself
-/// says (the model, streaming, a signed body). `None` for a path no API is recognised in.
-pub fn parse_request<'a>(
-    path: &str,
-    route: Option<&crate::providers::Route>,
-    body: &'a [u8],
-) -> Option<Result<ParsedBody<'a>, BodyError>> {
-    if let Some(bedrock) = crate::providers::bedrock::BedrockRoute::from_path(path) {
-        return Some(bedrock.parse(body));
-    }
-    route.map(|route| LlmRequest::parse(route.api, body))
 }
 
 impl LlmRequest {
@@ -379,7 +358,7 @@ mod tests {
             ("", None),
         ];
         for (path, api) in cases {
-            assert_eq!(Api::from_path(path), api, "{path}");
+            assert_eq!(Api::from_path(crate::path::normalised(path)), api, "{path}");
         }
     }
 

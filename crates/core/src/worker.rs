@@ -3,7 +3,7 @@
 //! settlement queue, the leases this VM renews and returns, the slots it keeps alive, and
 //! the callouts the root owns. No state lives anywhere else.
 
-use crate::breaker::{Breaker, Route};
+use crate::breaker::{Breaker, Dispatch};
 use crate::calibration::LocalCalibrations;
 use crate::config::Policy;
 use crate::host::{detect_kind, shared_read, shared_update, Host, HostKind, LogLevel, Metric, Owner};
@@ -302,16 +302,16 @@ impl Worker {
     }
 
     /// Where a decision goes now: to the companion, or local while the breaker is open.
-    pub(crate) fn route(&mut self, host: &mut impl Host, config: &Policy, now: u64) -> Route {
+    pub(crate) fn dispatch(&mut self, host: &mut impl Host, config: &Policy, now: u64) -> Dispatch {
         let cooldown = config.fallback.breaker_cooldown.as_millis() as u64;
-        let mut route = Route::Local;
+        let mut dispatch = Dispatch::Local;
         shared_update(host, &keys::breaker_key(&config.domain), |bytes| {
             let state = bytes.and_then(Breaker::from_bytes).unwrap_or_default();
-            let (chosen, probe) = state.route(now, cooldown);
-            route = chosen;
+            let (chosen, probe) = state.dispatch(now, cooldown);
+            dispatch = chosen;
             (probe.map(|p| p.to_bytes().to_vec()), ())
         });
-        route
+        dispatch
     }
 
     pub(crate) fn callout_succeeded(&mut self, host: &mut impl Host, config: &Policy) {

@@ -496,7 +496,7 @@ pub struct Bypass {
 
 impl Bypass {
     pub fn path(&self, path: &str) -> bool {
-        let path = path.split(['?', '#']).next().unwrap_or("");
+        let path = crate::path::without_query(path);
         self.paths.iter().any(|pattern| glob_match(pattern, path))
     }
 

@@ -17,9 +17,10 @@
 //! their output cap. They are reserved at the bound clamping would have started from
 //! instead (see `charge::plan`), all or nothing.
 
+use super::{PathModel, Provider, Route};
 use crate::eventstream::{EventStreamDecoder, Message, StreamError};
 use crate::json::Json;
-use crate::request::{Api, BodyError, LlmRequest, ParsedBody};
+use crate::request::Api;
 use crate::tokens::Encoding;
 use crate::usage::{ReportedUsage, StreamUsage};
 use base64::Engine;
@@ -72,7 +73,7 @@ impl BedrockRoute {
     /// may hold unencoded `/` (an ARN as some clients send it). `None` for other paths
     /// and for model ids past Bedrock's length bound.
     pub fn from_path(path: &str) -> Option<BedrockRoute> {
-        let path = path.split(['?', '#']).next().unwrap_or("").trim_end_matches('/');
+        let path = crate::path::normalised(path);
         let (rest, operation) = path.rsplit_once('/')?;
         let operation = Operation::BY_PATH.iter().find(|(name, _)| *name == operation)?.1;
         let encoded = rest.get(rest.find("/model/")? + "/model/".len()..)?;
@@ -85,16 +86,20 @@ impl BedrockRoute {
         let model = percent_encoding::percent_decode_str(encoded).decode_utf8_lossy().into_owned();
         (model.len() <= MAX_MODEL_ID_BYTES).then_some(BedrockRoute { operation, model })
     }
+}
 
-    /// The body parsed as the operation's API, with the path's model and streaming, and
-    /// marked signed so it is never rewritten.
-    pub fn parse<'a>(&self, body: &'a [u8]) -> Result<ParsedBody<'a>, BodyError> {
-        let mut parsed = LlmRequest::parse(self.operation.api(), body)?;
-        parsed.request.model = Some(self.model.clone());
-        parsed.request.stream = self.operation.streams();
-        parsed.request.body_is_signed = true;
-        Ok(parsed)
-    }
+/// The route of a Bedrock Runtime path: the operation's body shape, the path's model,
+/// the operation's streaming, and a signed body.
+pub(super) fn route(path: &str) -> Option<Route> {
+    let bedrock = BedrockRoute::from_path(path)?;
+    Some(Route {
+        provider: Provider::Bedrock,
+        api: Some(bedrock.operation.api()),
+        path_model: Some(PathModel::Model(bedrock.model)),
+        streams: Some(bedrock.operation.streams()),
+        body_is_signed: true,
+        dialect: Provider::Bedrock.dialect(),
+    })
 }
 
 /// Converse's `toolConfig.tools[].toolSpec`, each counted as its JSON text (name,
@@ -262,8 +267,8 @@ mod tests {
         assert_eq!(BedrockRoute::from_path(&too_long), None);
     }
 
-    fn parse<'a>(path: &str, body: &'a str) -> ParsedBody<'a> {
-        BedrockRoute::from_path(path).expect(path).parse(body.as_bytes()).expect(body)
+    fn parse<'a>(path: &str, body: &'a str) -> crate::request::ParsedBody<'a> {
+        super::super::route(path).expect(path).parse(body.as_bytes()).expect(path).expect(body)
     }
 
     #[cfg_attr(not(target_arch = "wasm32"), test)]
@@ -293,7 +298,7 @@ mod tests {
     fn invoke_reads_anthropics_body_with_the_paths_model() {
         let body = r#"{"anthropic_version":"bedrock-2023-05-31","max_tokens":300,"system":"hello world","messages":[{"role":"user","content":"hello world"}]}"#;
         let parsed = parse("/model/anthropic.claude-3-haiku-20240307-v1%3A0/invoke", body);
-        let direct = LlmRequest::parse(Api::Messages, body.as_bytes()).expect("messages");
+        let direct = crate::request::LlmRequest::parse(Api::Messages, body.as_bytes()).expect("messages");
         assert_eq!(parsed.prompt_tokens(O200K), direct.prompt_tokens(O200K));
         let request = &parsed.request;
         assert_eq!(request.model.as_deref(), Some("anthropic.claude-3-haiku-20240307-v1:0"));
@@ -472,7 +477,7 @@ mod tests {
             ),
         ];
         for (path, body, reply, used) in streams {
-            let prompt = BedrockRoute::from_path(path).unwrap().parse(body.as_bytes()).unwrap().prompt_tokens(O200K);
+            let prompt = parse(path, body).prompt_tokens(O200K);
             for at in (0..=reply.len()).step_by(7) {
                 let world = World::new(HostKind::Envoy);
                 let mut proxy = Proxy::new(&world, &lifecycle_config(serde_json::json!({}), 10_000));
@@ -529,7 +534,7 @@ mod tests {
             assert!(flight.forwarded());
             assert_eq!(flight.host.request_body, body.as_bytes(), "{path}: the body went unchanged");
             assert_eq!(world.borrow().host_calls.get("replace_request_body"), None);
-            let parsed = BedrockRoute::from_path(path).unwrap().parse(body.as_bytes()).unwrap();
+            let parsed = parse(path, body);
             let bound = crate::charge::prompt_bound(parsed.prompt_tokens(O200K), &parsed);
             assert_eq!(charge_costs(&flight)[1], (bound + 300, None), "{path}");
             assert_eq!(flight.host.metric(Metric::SignedNotClamped), 1);
