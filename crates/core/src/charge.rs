@@ -7,7 +7,7 @@ use crate::protocol::{LimitCharge, LimitsReply};
 use crate::providers;
 use crate::providers::Route;
 use crate::request::{LlmRequest, ParsedBody};
-use crate::reservation::{estimate_output, OutputAverage, TokenEstimate};
+use crate::reservation::{estimate_output, OutputAverage, TokenCounts};
 use crate::tokens::Encoding;
 
 #[derive(Debug, Clone, PartialEq)]
@@ -15,7 +15,7 @@ pub struct ChargePlan {
     /// One per configured limit, in config order, with this request's cost.
     pub buckets: Vec<LimitCharge>,
     /// The tokens reserved; `None` when no limit counts tokens.
-    pub estimate: Option<TokenEstimate>,
+    pub estimate: Option<TokenCounts>,
     /// How the reply's text is counted if it reports no usage.
     pub encoding: Encoding,
     /// The model, for the running average of completion lengths.
@@ -47,7 +47,7 @@ pub struct ChargePlan {
 impl ChargePlan {
     /// The tokens this request reserved (0 when no limit counts tokens).
     pub fn reserved_tokens(&self) -> u64 {
-        self.estimate.map_or(0, TokenEstimate::total)
+        self.estimate.map_or(0, TokenCounts::total)
     }
 
     /// After the charge: the output allowance granted (`charged` is what each bucket was
@@ -152,9 +152,7 @@ pub fn plan(
     // A signed body (Bedrock) cannot have its cap shrunk: it is reserved at the bound
     // clamping starts from, its whole cap, all or nothing.
     let clamped = bounded && !request.as_ref().is_some_and(|r| r.body_is_signed);
-    let price = config
-        .price_of(&model)
-        .or_else(|| named.unmapped_deployment.then(|| providers::azure::ceiling_price(&config.prices)).flatten());
+    let price = config.price_of(&model).or_else(|| named.unmapped_deployment.then(|| config.ceiling_price()).flatten());
     let mut min_output = None;
     let mut counted_prompt = 0;
     let estimate = match (&parsed, body) {
@@ -167,17 +165,17 @@ pub fn plan(
             let prompt = (counted_prompt as f64 * calibration.prompt_factor(rule.factor)).ceil() as u64;
             let cap = request.max_output.or(rule.max_output).unwrap_or(policy.default_max_output);
             Some(if !request.api.produces_output() {
-                TokenEstimate { prompt, output: 0 }
+                TokenCounts { prompt, output: 0 }
             } else if bounded {
                 // The true upper bound, elastic down to a useful minimum where it may be clamped.
                 min_output = clamped.then(|| policy.min_output_tokens.min(cap));
-                TokenEstimate { prompt: prompt_bound(prompt, parsed), output: cap }
+                TokenCounts { prompt: prompt_bound(prompt, parsed), output: cap }
             } else {
                 let history = learned.average(&model).or_else(|| prior(model_policy, &calibration));
-                TokenEstimate { prompt, output: estimate_output(cap, history, policy.output_estimate_factor) }
+                TokenCounts { prompt, output: estimate_output(cap, history, policy.output_estimate_factor) }
             })
         }
-        (None, Some(_)) => Some(TokenEstimate { prompt: policy.unparsed_request_cost, output: 0 }),
+        (None, Some(_)) => Some(TokenCounts { prompt: policy.unparsed_request_cost, output: 0 }),
     };
     let applicable: Vec<bool> = config.limits.iter().map(|limit| limit.applies_to(&model, tier)).collect();
     let buckets = config
@@ -310,7 +308,7 @@ mod tests {
         let config = config("{}");
         let plan =
             plan(&config, providers::route("/v1/chat/completions").as_ref(), "", Some(CHAT.as_bytes()), &mut Cold);
-        assert_eq!(plan.estimate, Some(TokenEstimate { prompt: 9, output: 300 }));
+        assert_eq!(plan.estimate, Some(TokenCounts { prompt: 9, output: 300 }));
         let costs: Vec<u64> = plan.buckets.iter().map(|b| b.cost).collect();
         assert_eq!(costs, [1, 309]);
         assert_eq!(plan.applicable, [true, true]);
@@ -340,7 +338,7 @@ mod tests {
         let plan =
             plan(&config, providers::route("/v1/chat/completions").as_ref(), "", Some(CHAT.as_bytes()), &mut known);
         assert_eq!(known.asked, ["gpt-4o"]);
-        assert_eq!(plan.estimate, Some(TokenEstimate { prompt: 9, output: 60 }));
+        assert_eq!(plan.estimate, Some(TokenCounts { prompt: 9, output: 60 }));
     }
 
     #[test]
@@ -389,7 +387,7 @@ mod tests {
         );
         let body = r#"{"model":"claude-sonnet-4-5","messages":[{"role":"user","content":"hello world"}]}"#;
         let plan = plan(&config, providers::route("/v1/messages").as_ref(), "", Some(body.as_bytes()), &mut Cold);
-        assert_eq!(plan.estimate, Some(TokenEstimate { prompt: 18, output: 64 }));
+        assert_eq!(plan.estimate, Some(TokenCounts { prompt: 18, output: 64 }));
         assert_eq!(plan.encoding, Encoding::Cl100kBase);
     }
 
@@ -398,7 +396,7 @@ mod tests {
         let config = config(r#"{"unparsed_request_cost": 250}"#);
         for (path, body) in [("/v1/models", ""), ("/v1/chat/completions", "{not json"), ("/v1/chat/completions", "")] {
             let plan = plan(&config, providers::route(path).as_ref(), "", Some(body.as_bytes()), &mut Cold);
-            assert_eq!(plan.estimate, Some(TokenEstimate { prompt: 250, output: 0 }), "{path} {body}");
+            assert_eq!(plan.estimate, Some(TokenCounts { prompt: 250, output: 0 }), "{path} {body}");
             assert!(plan.buckets.iter().all(|b| !b.provisional), "a flat cost is never settled");
         }
     }
@@ -408,7 +406,7 @@ mod tests {
         let config = config("{}");
         let body = r#"{"model":"text-embedding-3-small","input":"hello world"}"#;
         let plan = plan(&config, providers::route("/v1/embeddings").as_ref(), "", Some(body.as_bytes()), &mut Cold);
-        assert_eq!(plan.estimate, Some(TokenEstimate { prompt: 2, output: 0 }));
+        assert_eq!(plan.estimate, Some(TokenCounts { prompt: 2, output: 0 }));
         assert_eq!(plan.encoding, Encoding::Cl100kBase);
         let plan = super::plan(&config, providers::route("/v1/chat/completions").as_ref(), "", None, &mut Cold);
         assert_eq!((plan.estimate, plan.buckets[1].cost), (None, 0));
@@ -439,13 +437,13 @@ mod tests {
         // The average is ignored: the reservation is the true upper bound, the prompt at
         // its bound (its text in bytes), the output at the request's cap.
         let bound = 21;
-        assert_eq!(plan.estimate, Some(TokenEstimate { prompt: bound, output: 300 }));
+        assert_eq!(plan.estimate, Some(TokenCounts { prompt: bound, output: 300 }));
         let tpm = &plan.buckets[1];
         assert_eq!((tpm.cost, tpm.min_cost), (bound + 300, Some(bound + 50)));
         assert_eq!(plan.buckets[0].min_cost, None);
         // Charged the bound and 120: the request may generate 120 tokens, and is told so.
         assert_eq!(json(plan.apply_grant(&config, &[1, bound + 120]))["max_tokens"], 120);
-        assert_eq!(plan.estimate, Some(TokenEstimate { prompt: bound, output: 120 }));
+        assert_eq!(plan.estimate, Some(TokenCounts { prompt: bound, output: 120 }));
         // Granted in full: the body stays as it was.
         let mut plan = super::plan(
             &config,
@@ -575,13 +573,13 @@ mod tests {
         // The output limit had 120 left: every elastic limit gave up 180.
         let rewritten = json(plan.apply_grant(&config, &[21 + 120, 21, 120, 0, 1]));
         assert_eq!(rewritten["max_tokens"], 120);
-        assert_eq!(plan.estimate, Some(TokenEstimate { prompt: 21, output: 120 }));
+        assert_eq!(plan.estimate, Some(TokenCounts { prompt: 21, output: 120 }));
     }
 
     #[test]
     fn each_count_takes_its_part_of_what_was_used() {
         use crate::config::TokenCount::*;
-        let used = TokenEstimate { prompt: 700, output: 40 };
+        let used = TokenCounts { prompt: 700, output: 40 };
         let cases = [(Total, 740, 740), (Input, 700, 700), (Output, 40, 40), (CachedInput, 0, 500)];
         for (count, reserved, settled) in cases {
             assert_eq!((count.reserved(used), count.used(used, 500)), (reserved, settled), "{count:?}");

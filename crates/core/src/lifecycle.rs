@@ -26,7 +26,7 @@ use crate::protocol::{
 use crate::providers;
 use crate::providers::bedrock::{self, EventStreamUsage};
 use crate::request::Api;
-use crate::reservation::{actual_usage, credit, Ending, OutputAverage, TokenEstimate};
+use crate::reservation::{actual_usage, credit, Ending, OutputAverage, TokenCounts};
 use crate::series::{self, Decision, TokenStage, TokenType};
 use crate::sse::UsageChunkRemover;
 use crate::tables::{read_average, read_own, update_average, update_own, Busy, TenantTable};
@@ -326,7 +326,14 @@ impl RequestFilter {
             }
         }
         if end_of_stream {
-            let ending = if self.upstream_error { Ending::UpstreamError } else { Ending::Completed };
+            // A Bedrock stream that carried an exception (throttling mid-stream) ended
+            // before its reply did: it is settled as interrupted, and teaches nothing.
+            let cut = matches!(&self.reply, Some(ReplyReader::EventStream(reader)) if reader.exception.is_some());
+            let ending = match (self.upstream_error, cut) {
+                (true, _) => Ending::UpstreamError,
+                (false, true) => Ending::Interrupted,
+                (false, false) => Ending::Completed,
+            };
             self.settle(host, worker, &config, ending);
         }
         Action::Continue
@@ -941,7 +948,7 @@ impl RequestFilter {
         let used = if forwarded {
             actual_usage(estimate, ending, reported, streamed_output, config.tokens.on_upstream_error)
         } else {
-            TokenEstimate { prompt: 0, output: 0 }
+            TokenCounts { prompt: 0, output: 0 }
         };
         host.add_metric(Metric::TokensCharged, used.total());
         count_tokens(host, config, plan.rule, TokenStage::Charged, used);
@@ -1059,7 +1066,7 @@ fn release_now(host: &mut impl Host, worker: &Worker, config: &Policy, slots: cr
 }
 
 /// Tokens by `gen_ai.token.type`: the prompt is input, the completion output.
-fn count_tokens(host: &mut impl Host, config: &Policy, rule: usize, stage: TokenStage, tokens: TokenEstimate) {
+fn count_tokens(host: &mut impl Host, config: &Policy, rule: usize, stage: TokenStage, tokens: TokenCounts) {
     for (kind, amount) in [(TokenType::Input, tokens.prompt), (TokenType::Output, tokens.output)] {
         if amount > 0 {
             host.add_series(series::tokens(config, rule, kind, stage), amount);

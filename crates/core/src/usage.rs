@@ -19,19 +19,6 @@ use crate::providers::gemini;
 use crate::sse::{SseEvent, SseParser};
 use crate::tokens::Encoding;
 
-/// Tokens as billed. `input` includes cached and cache-creation tokens.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct Usage {
-    pub input: u64,
-    pub output: u64,
-}
-
-impl Usage {
-    pub fn total(self) -> u64 {
-        self.input.saturating_add(self.output)
-    }
-}
-
 /// What one message reported; later reports override earlier ones field by field.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct ReportedUsage {

@@ -5,7 +5,6 @@
 //! the body's `model`. The config's `deployments` maps a deployment to its model.
 
 use super::{PathModel, Provider, Route};
-use crate::config::{Price, PriceEntry};
 use crate::request::Api;
 
 /// Azure limits a deployment's name to 64 characters.
@@ -35,18 +34,6 @@ pub fn is_deployment_name(name: &str) -> bool {
     !name.is_empty()
         && name.len() <= MAX_DEPLOYMENT_NAME
         && name.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
-}
-
-/// What a request to a deployment `deployments` does not map is reserved at, under a
-/// cost limit: the highest input, cached-input and output prices of the table, so that
-/// whichever priced model the deployment serves, the reservation covers it. The reply's
-/// `model` then prices the settlement (`ChargePlan::settlement_price`).
-pub fn ceiling_price(prices: &[PriceEntry]) -> Option<Price> {
-    prices.iter().map(|entry| entry.price).reduce(|a, b| Price {
-        input: a.input.max(b.input),
-        output: a.output.max(b.output),
-        cached_input: Some(a.cached_input.unwrap_or(a.input).max(b.cached_input.unwrap_or(b.input))),
-    })
 }
 
 #[cfg(test)]

@@ -497,6 +497,35 @@ mod tests {
         }
     }
 
+    /// A stream cut by an exception (`throttlingException` mid-stream) is an interrupted
+    /// reply: charged the output that came before it, and nothing is learned from it (a
+    /// completed one teaches the tenant's average, which shrinks the next reservation).
+    #[test]
+    fn an_exception_mid_stream_settles_as_an_interrupted_reply() {
+        let path = "/model/amazon.nova-lite-v1%3A0/converse-stream";
+        let throttled = encode(
+            &[(":exception-type", "throttlingException"), (":message-type", "exception")],
+            br#"{"message":"Too many tokens, please wait before trying again."}"#,
+        );
+        let cut = [converse_stream(false), throttled].concat();
+        let prompt = parse(path, CONVERSE).prompt_tokens(O200K);
+        // (the stream, the output it is charged, whether it teaches the average)
+        for (reply, output, teaches) in [(cut, 10, false), (converse_stream(true), 10, true)] {
+            let world = World::new(HostKind::Envoy);
+            let mut proxy = Proxy::new(&world, &lifecycle_config(serde_json::json!({}), 10_000));
+            let mut companion = FakeCompanion::default();
+            let mut flight = proxy.send(signed_request("AKIDTENANT1", path, CONVERSE), &mut companion);
+            assert_eq!(charge_costs(&flight)[1].0, prompt + 300);
+            proxy.reply_bytes(&mut flight, 200, EVENT_STREAM_CONTENT_TYPE, &[&reply]);
+            proxy.tick(Some(&mut companion));
+            let settled = companion.settled.last().expect("settled");
+            let used = if teaches { 151 + output } else { prompt + output };
+            assert_eq!(settled.limits[0].credit, (prompt + 300) as i64 - used as i64, "teaches: {teaches}");
+            let next = proxy.send(signed_request("AKIDTENANT1", path, CONVERSE), &mut companion);
+            assert_eq!(charge_costs(&next)[1].0 < prompt + 300, teaches, "the next reservation, teaches: {teaches}");
+        }
+    }
+
     /// A corrupted stream reaches the client as it came, is settled on what came before
     /// the corruption, and is logged.
     #[test]
