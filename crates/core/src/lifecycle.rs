@@ -10,9 +10,7 @@ use crate::bucket::{check_and_charge, decode_states, encode_states};
 use crate::calibration::{Calibration, Lesson, LocalCalibrations};
 use crate::charge::{plan, ChargePlan, Learned};
 use crate::config::{FailureMode, Measure, MissingIdentity, Mode, Policy};
-use crate::decision::{
-    self, Header, LocalReply, DEGRADED_HEADER, QUEUED_HEADER, RESERVED_TOKENS_HEADER, SHADOW_HEADER,
-};
+use crate::decision::{self, DEGRADED_HEADER, QUEUED_HEADER, RESERVED_TOKENS_HEADER, SHADOW_HEADER};
 use crate::dialect::Dialect;
 use crate::host::{shared_update, Action, Host, LogLevel, Metric, Owner};
 use crate::identity::{find_credential, tenant_id, ANONYMOUS_TENANT};
@@ -25,6 +23,7 @@ use crate::protocol::{
 };
 use crate::providers;
 use crate::providers::bedrock::{self, EventStreamUsage};
+use crate::reply::{Header, LocalReply};
 use crate::request::Api;
 use crate::reservation::{actual_usage, credit, Ending, OutputAverage, TokenCounts};
 use crate::series::{self, Decision, TokenStage, TokenType};
@@ -174,6 +173,11 @@ impl RequestFilter {
             route: None,
             dialect: Dialect::default(),
         }
+    }
+
+    /// A request's state on `worker`; pass-through when it has no config.
+    pub fn on(worker: &Worker) -> RequestFilter {
+        RequestFilter::new(worker.config().cloned())
     }
 
     /// A request the filter lets through untouched (no config).

@@ -8,7 +8,6 @@ use crate::calibration::LocalCalibrations;
 use crate::config::Policy;
 use crate::host::{detect_kind, shared_read, shared_update, Host, HostKind, LogLevel, Metric, Owner};
 use crate::lease::{lease_asks, LeaseEntry, TenantLeases};
-use crate::lifecycle::RequestFilter;
 use crate::prompt_cache::PromptCache;
 use crate::protocol::keys;
 use crate::protocol::{
@@ -23,9 +22,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::rc::Rc;
 use std::time::Duration;
 
-/// How often each VM sends queued settlements, renews leases (and, once, warms the
-/// tokenizer).
-pub const TICK: Duration = Duration::from_millis(50);
+pub use crate::host::TICK;
 /// How often expired leases are looked for, in ticks.
 const EXPIRY_TICKS: u32 = 10;
 /// Most settlements in one callout: all a call may carry. The companion applies them in
@@ -163,11 +160,6 @@ impl Worker {
     /// only where the host can deliver the body meanwhile.
     pub fn holds_request_headers(&self, config: &Policy) -> bool {
         config.hold_request_headers.unwrap_or(true) && self.host_kind.reads_body_while_headers_wait()
-    }
-
-    /// A request's state; pass-through when there is no config.
-    pub fn new_request(&self) -> RequestFilter {
-        RequestFilter::new(self.config.clone())
     }
 
     /// The root's timer.
