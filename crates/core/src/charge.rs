@@ -6,7 +6,7 @@ use crate::config::{Dimension, Measure, ModelPolicy, Policy, Price, TokenCount};
 use crate::protocol::{LimitCharge, LimitsReply};
 use crate::providers;
 use crate::providers::Route;
-use crate::request::{LlmRequest, ParsedBody};
+use crate::request::{parse_on, LlmRequest, ParsedBody};
 use crate::reservation::{estimate_output, OutputAverage, TokenCounts};
 use crate::tokens::Encoding;
 
@@ -141,7 +141,7 @@ pub fn plan(
     learned: &mut impl Learned,
 ) -> ChargePlan {
     let policy = &config.tokens;
-    let parsed = body.and_then(|body| route?.parse(body)?.ok());
+    let parsed = body.and_then(|body| parse_on(route?, body)?.ok());
     let request = parsed.as_ref().map(|parsed| parsed.request.clone());
     // From the body, or the path (Gemini, Vertex AI, Bedrock), or a deployment (Azure).
     let named = providers::model_name(route, request.as_ref().and_then(|r| r.model.as_deref()), &config.deployments);

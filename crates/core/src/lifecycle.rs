@@ -22,7 +22,7 @@ use crate::protocol::{
     CHARGE_PATH, LEASE_PATH, RELEASE_PATH,
 };
 use crate::providers;
-use crate::providers::bedrock::{self, EventStreamUsage};
+use crate::providers::bedrock;
 use crate::reply::{Header, LocalReply};
 use crate::request::Api;
 use crate::reservation::{actual_usage, credit, Ending, OutputAverage, TokenCounts};
@@ -30,7 +30,7 @@ use crate::series::{self, Decision, TokenStage, TokenType};
 use crate::sse::UsageChunkRemover;
 use crate::tables::{read_average, read_own, update_average, update_own, Busy, TenantTable};
 use crate::tokens::Encoding;
-use crate::usage::{ReplyUsage, ReportedUsage, StreamUsage};
+use crate::usage::{EventStreamUsage, ReplyUsage, ReportedUsage, StreamUsage};
 use crate::worker::{adjustments, callout_reply, settlement, Worker};
 use std::rc::Rc;
 use std::time::Duration;

@@ -5,7 +5,7 @@
 //! the body's `model`. The config's `deployments` maps a deployment to its model.
 
 use super::{PathModel, Provider, Route};
-use crate::request::Api;
+use crate::api::Api;
 
 /// Azure limits a deployment's name to 64 characters.
 pub const MAX_DEPLOYMENT_NAME: usize = 64;

@@ -18,12 +18,8 @@
 //! instead (see `charge::plan`), all or nothing.
 
 use super::{PathModel, Provider, Route};
-use crate::eventstream::{EventStreamDecoder, Message, StreamError};
+use crate::api::{Api, ReportedUsage};
 use crate::json::Json;
-use crate::request::Api;
-use crate::tokens::Encoding;
-use crate::usage::{ReportedUsage, StreamUsage};
-use base64::Engine;
 
 /// Bedrock's own bound on a model id (an ARN included), in bytes.
 pub const MAX_MODEL_ID_BYTES: usize = 2048;
@@ -127,7 +123,7 @@ pub(crate) fn converse_usage(usage: &Json) -> Option<ReportedUsage> {
 /// What Bedrock adds to the last event of an invoke stream:
 /// `amazon-bedrock-invocationMetrics` with `inputTokenCount` and `outputTokenCount` (and,
 /// with prompt caching, `cacheReadInputTokenCount` and `cacheWriteInputTokenCount`).
-fn invocation_metrics(event: &Json) -> ReportedUsage {
+pub(crate) fn invocation_metrics(event: &Json) -> ReportedUsage {
     let metrics = event.at("amazon-bedrock-invocationMetrics");
     let field = |name: &str| metrics.at(name).as_u64();
     let cache_read = field("cacheReadInputTokenCount");
@@ -137,94 +133,16 @@ fn invocation_metrics(event: &Json) -> ReportedUsage {
     ReportedUsage { input, output: field("outputTokenCount"), cached_input: cache_read }
 }
 
-/// Follows a Bedrock event stream (`converse-stream` or `invoke-with-response-stream`):
-/// the usage it reports, and its text, counted if it reports none.
-#[derive(Debug)]
-pub struct EventStreamUsage {
-    decoder: EventStreamDecoder,
-    /// The usage and text found, kept as an SSE stream's are (its SSE parser unused).
-    events: StreamUsage,
-    /// The exception the stream carried (`:exception-type`, or an error's `:error-code`).
-    pub exception: Option<String>,
-}
-
-impl EventStreamUsage {
-    pub fn new(encoding: Encoding, max_message_bytes: usize) -> EventStreamUsage {
-        EventStreamUsage {
-            decoder: EventStreamDecoder::new(max_message_bytes),
-            events: StreamUsage::new(encoding, 0),
-            exception: None,
-        }
-    }
-
-    pub fn feed(&mut self, chunk: &[u8]) {
-        let mut messages = Vec::new();
-        self.decoder.feed(chunk, &mut |message| messages.push(message));
-        for message in messages {
-            self.on_message(&message);
-        }
-    }
-
-    fn on_message(&mut self, message: &Message) {
-        if message.header(":message-type").is_some_and(|kind| kind != "event") {
-            let kind = message.header(":exception-type").or(message.header(":error-code")).unwrap_or("error");
-            self.exception = Some(kind.chars().take(64).collect());
-            return;
-        }
-        let Ok(payload) = Json::parse(&message.payload) else { return };
-        match message.header(":event-type").unwrap_or("") {
-            "chunk" => {
-                let Some(encoded) = payload.at("bytes").as_str() else { return };
-                let Ok(bytes) = base64::engine::general_purpose::STANDARD.decode(encoded) else { return };
-                let Ok(event) = Json::parse(&bytes) else { return };
-                self.events.on_message(&event, "");
-                self.events.add_reported(invocation_metrics(&event));
-            }
-            "contentBlockDelta" => {
-                let delta = payload.at("delta");
-                for text in [delta.at("text"), delta.at("toolUse").at("input"), delta.at("reasoningContent").at("text")]
-                {
-                    if let Some(text) = text.as_str() {
-                        self.events.add_text(text);
-                    }
-                }
-            }
-            "metadata" => {
-                if let Some(usage) = converse_usage(payload.at("usage")) {
-                    self.events.add_reported(usage);
-                }
-                self.events.finished = true;
-            }
-            _ => {}
-        }
-    }
-
-    pub fn reported(&self) -> ReportedUsage {
-        self.events.reported()
-    }
-
-    /// Output tokens: as reported, or else counted from the streamed text.
-    pub fn output_tokens(&self) -> u64 {
-        self.events.output_tokens()
-    }
-
-    /// Whether the stream said it was complete (the `metadata` event, `message_stop`).
-    pub fn finished(&self) -> bool {
-        self.events.finished
-    }
-
-    /// Why the framing stopped being read (a bad CRC, an oversized message), if it did.
-    pub fn broken(&self) -> Option<StreamError> {
-        self.decoder.broken()
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::eventstream::encode;
+    use crate::eventstream::StreamError;
     use crate::host::{HostKind, Metric};
     use crate::testing::{FakeCompanion, InFlight, Proxy, Request, World};
+    use crate::tokens::Encoding;
+    use crate::usage::EventStreamUsage;
+    use base64::Engine;
     #[cfg(not(target_arch = "wasm32"))]
     use proptest::prelude::*;
 
@@ -268,7 +186,7 @@ mod tests {
     }
 
     fn parse<'a>(path: &str, body: &'a str) -> crate::request::ParsedBody<'a> {
-        super::super::route(path).expect(path).parse(body.as_bytes()).expect(path).expect(body)
+        crate::request::parse_on(&super::super::route(path).expect(path), body.as_bytes()).expect(path).expect(body)
     }
 
     #[cfg_attr(not(target_arch = "wasm32"), test)]

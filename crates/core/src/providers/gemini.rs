@@ -8,9 +8,8 @@
 //! (an estimate, corrected by calibration against the `promptTokenCount` replies report).
 
 use super::{Provider, Route, MAX_MODEL_NAME};
+use crate::api::{text_leaves, Api, ReportedUsage};
 use crate::json::Json;
-use crate::request::{text_leaves, Api};
-use crate::usage::ReportedUsage;
 
 /// What a Gemini image, video frame or file part costs: Google bills an image of up to
 /// 384x384 pixels as 258 tokens (larger ones are tiled at 258 a tile).

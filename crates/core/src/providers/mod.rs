@@ -12,8 +12,8 @@ pub mod azure;
 pub mod bedrock;
 pub mod gemini;
 
+use crate::api::Api;
 use crate::dialect::Dialect;
-use crate::request::{Api, BodyError, LlmRequest, ParsedBody};
 use std::collections::BTreeMap;
 
 /// A model name (from a path, a reply or the config) is at most this long; a longer one
@@ -73,25 +73,6 @@ impl Route {
     pub(crate) fn of_api(provider: Provider, api: Api) -> Route {
         let dialect = if api == Api::Messages { Dialect::Anthropic } else { provider.dialect() };
         Route { provider, api: Some(api), path_model: None, streams: None, body_is_signed: false, dialect }
-    }
-
-    /// The body parsed as the route's API, with what the path itself says (the model on
-    /// Bedrock, streaming, a signed body). `None` when the route names no API the filter
-    /// parses.
-    pub fn parse<'a>(&self, body: &'a [u8]) -> Option<Result<ParsedBody<'a>, BodyError>> {
-        let parsed = LlmRequest::parse(self.api?, body);
-        Some(parsed.map(|mut parsed| {
-            if let Some(streams) = self.streams {
-                parsed.request.stream = streams;
-            }
-            if self.body_is_signed {
-                parsed.request.body_is_signed = true;
-                if let Some(PathModel::Model(model)) = &self.path_model {
-                    parsed.request.model = Some(model.clone());
-                }
-            }
-            parsed
-        }))
     }
 }
 
