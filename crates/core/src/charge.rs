@@ -261,6 +261,11 @@ fn prior(model: &ModelPolicy, calibration: &Calibration) -> Option<OutputAverage
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The plan of the test's chat body on OpenAI's path, on a proxy that learned nothing.
+    fn cold_chat_plan(config: &Policy) -> ChargePlan {
+        plan(config, providers::route("/v1/chat/completions").as_ref(), "", Some(CHAT.as_bytes()), &mut Cold)
+    }
     use crate::request::Api;
 
     fn config(tokens: &str) -> Policy {
@@ -445,13 +450,7 @@ mod tests {
         assert_eq!(json(plan.apply_grant(&config, &[1, bound + 120]))["max_tokens"], 120);
         assert_eq!(plan.estimate, Some(TokenCounts { prompt: bound, output: 120 }));
         // Granted in full: the body stays as it was.
-        let mut plan = super::plan(
-            &config,
-            providers::route("/v1/chat/completions").as_ref(),
-            "",
-            Some(CHAT.as_bytes()),
-            &mut Cold,
-        );
+        let mut plan = cold_chat_plan(&config);
         assert_eq!(plan.apply_grant(&config, &[1, bound + 300]), None);
     }
 
@@ -561,13 +560,7 @@ mod tests {
         let clamped = written
             .replace(r#""factor": 2.0}]"#, r#""factor": 2.0}], "clamp_max_tokens": true, "min_output_tokens": 50"#);
         let config = Policy::from_json(clamped.as_bytes()).expect("config");
-        let mut plan = super::plan(
-            &config,
-            providers::route("/v1/chat/completions").as_ref(),
-            "",
-            Some(CHAT.as_bytes()),
-            &mut Cold,
-        );
+        let mut plan = cold_chat_plan(&config);
         let least: Vec<Option<u64>> = plan.buckets.iter().map(|b| b.min_cost).collect();
         assert_eq!(least, [Some(21 + 50), None, Some(50), None, None]);
         // The output limit had 120 left: every elastic limit gave up 180.
