@@ -110,8 +110,9 @@ fuzz: ## Run each cargo-fuzz target for FUZZ_SECONDS (default 60)
 	  (cd fuzz && RUSTC_BOOTSTRAP=1 cargo fuzz run $$target -- -max_total_time=$(FUZZ_SECONDS) -rss_limit_mb=4096) || exit 1; \
 	done
 
-lint: ## rustfmt and clippy (native)
+lint: ## rustfmt, clippy (native) and the core's layers (no import cycle)
 	cargo fmt --all -- --check
+	$(PY) scripts/check_layers.py
 	cargo clippy --workspace --all-targets -- -D warnings
 
 clean: down ## Remove build output and the demo's run directory

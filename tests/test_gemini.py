@@ -112,6 +112,28 @@ def test_a_429_is_googles_error_which_the_sdk_raises(provider_env):
     assert provider_env.backend.upstream_received() == 1, "the refused requests never reached the upstream"
 
 
+@pytest.mark.parametrize("path", [
+    "/v1beta/tunedModels/my-tune:generateContent",
+    f"/v1beta/models/{MODEL}%3AgenerateContent",
+    f"/v1beta/models/{MODEL}%3AcountTokens",
+], ids=["tuned-model", "encoded-colon-generate", "encoded-colon-count-tokens"])
+def test_every_path_charged_as_gemini_is_refused_in_googles_shape(provider_env, path):
+    """Google's API serves tuned models and accepts the method's colon percent-encoded;
+    the filter charges those paths as Gemini's, so its refusal must be Google's too (it
+    was OpenAI's: the answer's shape was read from the path by a second router)."""
+    port = provider_env.start([{"name": "rpm", "requests": 1, "window": "1m"}])
+    key = f"gk-shape-{path.rsplit('/', 1)[-1][-12:]}"
+    first = send(port, None, gemini_body(), path=path, headers={"x-goog-api-key": key})
+    assert first.status == 200, first.body
+    status, headers, body = send(port, None, gemini_body(), path=path, headers={"x-goog-api-key": key})
+    assert status == 429
+    error = json.loads(body)["error"]
+    assert (error["code"], error["status"]) == (429, "RESOURCE_EXHAUSTED"), error
+    assert set(error) == {"code", "message", "status", "details"}, "Google's error, not OpenAI's"
+    assert "x-ratelimit-remaining-requests" not in headers, "Google publishes no rate-limit headers"
+    assert provider_env.backend.upstream_received() == 1
+
+
 def test_count_tokens_costs_a_request_and_no_tokens(provider_env):
     port = provider_env.start([{"name": "rpm", "requests": 100, "window": LONG}, {"name": "tpm", "tokens": BIG, "window": LONG}])
     client = sdk(port, "gk-count")

@@ -20,7 +20,8 @@
 //!
 //! Also AWS Bedrock's `POST /model/{modelId}/converse`, `/converse-stream`, `/invoke` and
 //! `/invoke-with-response-stream`, with SigV4 signatures verified (see bedrock.rs); Google's
-//! Gemini API and Vertex AI (`…/models/{model}:generateContent`, `:streamGenerateContent`
+//! Gemini API and Vertex AI (`…/models/{model}:generateContent`, tuned models'
+//! `/v1beta/tunedModels/{model}:generateContent`, `:streamGenerateContent`
 //! as SSE with `alt=sse` or a JSON array without, `:countTokens`; see gemini.rs); and Azure
 //! OpenAI's deployment paths (see azure.rs).
 //!
@@ -392,6 +393,7 @@ async fn run(args: Args) -> Result<(), String> {
         .route("/model/{model_id}/{operation}", post(bedrock::handle))
         .route("/v1beta/models/{*rest}", post(gemini::models))
         .route("/v1/models/{*rest}", post(gemini::models))
+        .route("/v1beta/tunedModels/{*rest}", post(gemini::models))
         .route("/v1/projects/{project}/locations/{location}/publishers/google/models/{*rest}", post(gemini::vertex))
         .route("/openai/deployments/{deployment}/chat/completions", post(azure::deployment_chat))
         .route("/openai/v1/chat/completions", post(chat_completions))

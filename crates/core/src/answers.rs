@@ -12,9 +12,9 @@
 //!   it) and `{"message"}`.
 
 use crate::config::{Dimension, Policy, TokenCount};
-use crate::decision::{tightest, Header, LocalReply};
 use crate::dialect::Dialect;
 use crate::protocol::LimitsReply;
+use crate::reply::{tightest, Header, LocalReply};
 use serde_json::json;
 
 /// Bedrock's error code, where AWS's REST-JSON protocol carries it.

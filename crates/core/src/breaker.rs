@@ -14,9 +14,9 @@ pub struct Breaker {
     pub probe_started_ms: u64,
 }
 
-/// What a request should do.
+/// Where a request's decision is made.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Route {
+pub enum Dispatch {
     /// Ask the companion.
     Call,
     /// Ask the companion as the probe of a half-open breaker.
@@ -32,17 +32,17 @@ impl Breaker {
 
     /// Where a request goes now, and the state to store if it changed (a probe taken).
     /// A probe that never answers (the request vanished) is retried after `cooldown`.
-    pub fn route(self, now_ms: u64, cooldown_ms: u64) -> (Route, Option<Breaker>) {
+    pub fn dispatch(self, now_ms: u64, cooldown_ms: u64) -> (Dispatch, Option<Breaker>) {
         if self.is_closed() {
-            return (Route::Call, None);
+            return (Dispatch::Call, None);
         }
         if now_ms < self.open_until_ms {
-            return (Route::Local, None);
+            return (Dispatch::Local, None);
         }
         if self.probe_started_ms != 0 && now_ms < self.probe_started_ms + cooldown_ms {
-            return (Route::Local, None);
+            return (Dispatch::Local, None);
         }
-        (Route::Probe, Some(Breaker { probe_started_ms: now_ms, ..self }))
+        (Dispatch::Probe, Some(Breaker { probe_started_ms: now_ms, ..self }))
     }
 
     pub fn on_success(self) -> Breaker {
@@ -88,30 +88,30 @@ mod tests {
         let mut b = Breaker::default();
         b = b.on_failure(0, FAILURES, COOLDOWN);
         b = b.on_failure(1, FAILURES, COOLDOWN);
-        assert_eq!(b.route(2, COOLDOWN).0, Route::Call);
+        assert_eq!(b.dispatch(2, COOLDOWN).0, Dispatch::Call);
         b = b.on_success();
         b = b.on_failure(3, FAILURES, COOLDOWN).on_failure(4, FAILURES, COOLDOWN);
         assert!(b.is_closed(), "a success in between resets the count");
         b = b.on_failure(5, FAILURES, COOLDOWN);
-        assert_eq!(b.route(6, COOLDOWN).0, Route::Local);
-        assert_eq!(b.route(504, COOLDOWN).0, Route::Local);
+        assert_eq!(b.dispatch(6, COOLDOWN).0, Dispatch::Local);
+        assert_eq!(b.dispatch(504, COOLDOWN).0, Dispatch::Local);
     }
 
     #[test]
     fn probes_once_after_the_cooldown_and_recovers() {
         let open = Breaker::default().on_failure(0, 1, COOLDOWN);
-        let (route, taken) = open.route(500, COOLDOWN);
-        assert_eq!(route, Route::Probe);
+        let (route, taken) = open.dispatch(500, COOLDOWN);
+        assert_eq!(route, Dispatch::Probe);
         let probing = taken.expect("probe recorded");
         // Others stay local while the probe is out.
-        assert_eq!(probing.route(501, COOLDOWN).0, Route::Local);
+        assert_eq!(probing.dispatch(501, COOLDOWN).0, Dispatch::Local);
         // A vanished probe is retried after another cool-down.
-        assert_eq!(probing.route(1000, COOLDOWN).0, Route::Probe);
+        assert_eq!(probing.dispatch(1000, COOLDOWN).0, Dispatch::Probe);
         assert!(probing.on_success().is_closed());
         // A failed probe opens it again for a whole cool-down.
         let reopened = probing.on_failure(600, 1, COOLDOWN);
-        assert_eq!(reopened.route(1099, COOLDOWN).0, Route::Local);
-        assert_eq!(reopened.route(1100, COOLDOWN).0, Route::Probe);
+        assert_eq!(reopened.dispatch(1099, COOLDOWN).0, Dispatch::Local);
+        assert_eq!(reopened.dispatch(1100, COOLDOWN).0, Dispatch::Probe);
     }
 
     #[test]

@@ -264,7 +264,7 @@ impl LocalCalibrations {
         if !config.tokens.calibrate {
             return Calibration::default();
         }
-        let fresh_ms = crate::worker::TICK.as_millis() as u64;
+        let fresh_ms = crate::host::TICK.as_millis() as u64;
         match self.known.get(&rule) {
             Some(&(calibration, read_ms)) if now_ms.saturating_sub(read_ms) < fresh_ms => calibration,
             _ => {

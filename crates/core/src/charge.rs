@@ -5,8 +5,9 @@ use crate::calibration::Calibration;
 use crate::config::{Dimension, Measure, ModelPolicy, Policy, Price, TokenCount};
 use crate::protocol::{LimitCharge, LimitsReply};
 use crate::providers;
-use crate::request::{parse_request, LlmRequest, ParsedBody};
-use crate::reservation::{estimate_output, OutputAverage, TokenEstimate};
+use crate::providers::Route;
+use crate::request::{parse_on, LlmRequest, ParsedBody};
+use crate::reservation::{estimate_output, OutputAverage, TokenCounts};
 use crate::tokens::Encoding;
 
 #[derive(Debug, Clone, PartialEq)]
@@ -14,7 +15,7 @@ pub struct ChargePlan {
     /// One per configured limit, in config order, with this request's cost.
     pub buckets: Vec<LimitCharge>,
     /// The tokens reserved; `None` when no limit counts tokens.
-    pub estimate: Option<TokenEstimate>,
+    pub estimate: Option<TokenCounts>,
     /// How the reply's text is counted if it reports no usage.
     pub encoding: Encoding,
     /// The model, for the running average of completion lengths.
@@ -46,7 +47,7 @@ pub struct ChargePlan {
 impl ChargePlan {
     /// The tokens this request reserved (0 when no limit counts tokens).
     pub fn reserved_tokens(&self) -> u64 {
-        self.estimate.map_or(0, TokenEstimate::total)
+        self.estimate.map_or(0, TokenCounts::total)
     }
 
     /// After the charge: the output allowance granted (`charged` is what each bucket was
@@ -132,14 +133,18 @@ impl Learned for Cold {
 
 /// Plans the charge. `body` is `None` when token limits are not configured (the body is
 /// then never read) and empty for a request without one.
-pub fn plan(config: &Policy, path: &str, tier: &str, body: Option<&[u8]>, learned: &mut impl Learned) -> ChargePlan {
+pub fn plan(
+    config: &Policy,
+    route: Option<&Route>,
+    tier: &str,
+    body: Option<&[u8]>,
+    learned: &mut impl Learned,
+) -> ChargePlan {
     let policy = &config.tokens;
-    let route = providers::route(path);
-    let parsed = body.and_then(|body| parse_request(path, route.as_ref(), body)?.ok());
+    let parsed = body.and_then(|body| parse_on(route?, body)?.ok());
     let request = parsed.as_ref().map(|parsed| parsed.request.clone());
-    // From the body, or the path (Gemini, Vertex AI), or a deployment (Azure).
-    let named =
-        providers::model_name(route.as_ref(), request.as_ref().and_then(|r| r.model.as_deref()), &config.deployments);
+    // From the body, or the path (Gemini, Vertex AI, Bedrock), or a deployment (Azure).
+    let named = providers::model_name(route, request.as_ref().and_then(|r| r.model.as_deref()), &config.deployments);
     let model = named.name;
     let (rule_index, model_policy) = policy.rule_for(Some(model.as_str()).filter(|m| !m.is_empty()));
     let rule = &model_policy.rule;
@@ -147,9 +152,7 @@ pub fn plan(config: &Policy, path: &str, tier: &str, body: Option<&[u8]>, learne
     // A signed body (Bedrock) cannot have its cap shrunk: it is reserved at the bound
     // clamping starts from, its whole cap, all or nothing.
     let clamped = bounded && !request.as_ref().is_some_and(|r| r.body_is_signed);
-    let price = config
-        .price_of(&model)
-        .or_else(|| named.unmapped_deployment.then(|| providers::azure::ceiling_price(&config.prices)).flatten());
+    let price = config.price_of(&model).or_else(|| named.unmapped_deployment.then(|| config.ceiling_price()).flatten());
     let mut min_output = None;
     let mut counted_prompt = 0;
     let estimate = match (&parsed, body) {
@@ -162,17 +165,17 @@ pub fn plan(config: &Policy, path: &str, tier: &str, body: Option<&[u8]>, learne
             let prompt = (counted_prompt as f64 * calibration.prompt_factor(rule.factor)).ceil() as u64;
             let cap = request.max_output.or(rule.max_output).unwrap_or(policy.default_max_output);
             Some(if !request.api.produces_output() {
-                TokenEstimate { prompt, output: 0 }
+                TokenCounts { prompt, output: 0 }
             } else if bounded {
                 // The true upper bound, elastic down to a useful minimum where it may be clamped.
                 min_output = clamped.then(|| policy.min_output_tokens.min(cap));
-                TokenEstimate { prompt: prompt_bound(prompt, parsed), output: cap }
+                TokenCounts { prompt: prompt_bound(prompt, parsed), output: cap }
             } else {
                 let history = learned.average(&model).or_else(|| prior(model_policy, &calibration));
-                TokenEstimate { prompt, output: estimate_output(cap, history, policy.output_estimate_factor) }
+                TokenCounts { prompt, output: estimate_output(cap, history, policy.output_estimate_factor) }
             })
         }
-        (None, Some(_)) => Some(TokenEstimate { prompt: policy.unparsed_request_cost, output: 0 }),
+        (None, Some(_)) => Some(TokenCounts { prompt: policy.unparsed_request_cost, output: 0 }),
     };
     let applicable: Vec<bool> = config.limits.iter().map(|limit| limit.applies_to(&model, tier)).collect();
     let buckets = config
@@ -259,6 +262,11 @@ fn prior(model: &ModelPolicy, calibration: &Calibration) -> Option<OutputAverage
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The plan of the test's chat body on OpenAI's path, on a proxy that learned nothing.
+    fn cold_chat_plan(config: &Policy) -> ChargePlan {
+        plan(config, providers::route("/v1/chat/completions").as_ref(), "", Some(CHAT.as_bytes()), &mut Cold)
+    }
     use crate::request::Api;
 
     fn config(tokens: &str) -> Policy {
@@ -304,8 +312,9 @@ mod tests {
     #[cfg_attr(target_arch = "wasm32", wasm_bindgen_test::wasm_bindgen_test)]
     fn charges_one_request_and_the_token_estimate() {
         let config = config("{}");
-        let plan = plan(&config, "/v1/chat/completions", "", Some(CHAT.as_bytes()), &mut Cold);
-        assert_eq!(plan.estimate, Some(TokenEstimate { prompt: 9, output: 300 }));
+        let plan =
+            plan(&config, providers::route("/v1/chat/completions").as_ref(), "", Some(CHAT.as_bytes()), &mut Cold);
+        assert_eq!(plan.estimate, Some(TokenCounts { prompt: 9, output: 300 }));
         let costs: Vec<u64> = plan.buckets.iter().map(|b| b.cost).collect();
         assert_eq!(costs, [1, 309]);
         assert_eq!(plan.applicable, [true, true]);
@@ -322,7 +331,8 @@ mod tests {
         let config = config("{}");
         for cap in ["1e20", "1e308", "18446744073709551615"] {
             let body = CHAT.replace("\"max_tokens\":300", &format!("\"max_tokens\":{cap}"));
-            let plan = plan(&config, "/v1/chat/completions", "", Some(body.as_bytes()), &mut Cold);
+            let plan =
+                plan(&config, providers::route("/v1/chat/completions").as_ref(), "", Some(body.as_bytes()), &mut Cold);
             assert_eq!(plan.buckets[1].cost, u64::MAX, "{cap}");
         }
     }
@@ -331,9 +341,10 @@ mod tests {
     fn the_running_average_shortens_the_estimate() {
         let config = config("{}");
         let mut known = Known { average: Some(OutputAverage::first(40)), ..Known::default() };
-        let plan = plan(&config, "/v1/chat/completions", "", Some(CHAT.as_bytes()), &mut known);
+        let plan =
+            plan(&config, providers::route("/v1/chat/completions").as_ref(), "", Some(CHAT.as_bytes()), &mut known);
         assert_eq!(known.asked, ["gpt-4o"]);
-        assert_eq!(plan.estimate, Some(TokenEstimate { prompt: 9, output: 60 }));
+        assert_eq!(plan.estimate, Some(TokenCounts { prompt: 9, output: 60 }));
     }
 
     #[test]
@@ -345,7 +356,8 @@ mod tests {
         assert!(config.reads_body() && !config.counts_tokens());
         let costs = |model: &str| {
             let body = format!(r#"{{"model":"{model}","messages":[]}}"#);
-            let plan = plan(&config, "/v1/chat/completions", "", Some(body.as_bytes()), &mut Cold);
+            let plan =
+                plan(&config, providers::route("/v1/chat/completions").as_ref(), "", Some(body.as_bytes()), &mut Cold);
             assert_eq!(plan.estimate, None, "no token limit: nothing to estimate");
             plan.buckets.iter().map(|b| b.cost).collect::<Vec<_>>()
         };
@@ -359,11 +371,18 @@ mod tests {
         let json = r#"{"companion": {"upstream": "c", "token": "test-token-0123456789"}, "limits": [{"name": "day", "usd": 5, "window": "1d"}],
                        "prices": [{"match": "gpt-4o*", "input": 2.5, "output": 10}]}"#;
         let config = Policy::from_json(json.as_bytes()).expect("config");
-        let plan = plan(&config, "/v1/chat/completions", "", Some(CHAT.as_bytes()), &mut Cold);
+        let plan =
+            plan(&config, providers::route("/v1/chat/completions").as_ref(), "", Some(CHAT.as_bytes()), &mut Cold);
         // 9 prompt tokens at $2.50/M and 300 output at $10/M: 3,022.5 micro-dollars, rounded up.
         assert_eq!((plan.buckets[0].cost, plan.unpriced), (3_023, false));
         let other = r#"{"model":"mystery-1","messages":[]}"#;
-        let plan = super::plan(&config, "/v1/chat/completions", "", Some(other.as_bytes()), &mut Cold);
+        let plan = super::plan(
+            &config,
+            providers::route("/v1/chat/completions").as_ref(),
+            "",
+            Some(other.as_bytes()),
+            &mut Cold,
+        );
         assert!(plan.unpriced);
     }
 
@@ -373,8 +392,8 @@ mod tests {
             r#"{"models": [{"match": "claude-*", "encoding": "cl100k_base", "factor": 2.0, "max_output": 64}]}"#,
         );
         let body = r#"{"model":"claude-sonnet-4-5","messages":[{"role":"user","content":"hello world"}]}"#;
-        let plan = plan(&config, "/v1/messages", "", Some(body.as_bytes()), &mut Cold);
-        assert_eq!(plan.estimate, Some(TokenEstimate { prompt: 18, output: 64 }));
+        let plan = plan(&config, providers::route("/v1/messages").as_ref(), "", Some(body.as_bytes()), &mut Cold);
+        assert_eq!(plan.estimate, Some(TokenCounts { prompt: 18, output: 64 }));
         assert_eq!(plan.encoding, Encoding::Cl100kBase);
     }
 
@@ -382,8 +401,8 @@ mod tests {
     fn unknown_paths_and_bad_bodies_cost_the_configured_fallback() {
         let config = config(r#"{"unparsed_request_cost": 250}"#);
         for (path, body) in [("/v1/models", ""), ("/v1/chat/completions", "{not json"), ("/v1/chat/completions", "")] {
-            let plan = plan(&config, path, "", Some(body.as_bytes()), &mut Cold);
-            assert_eq!(plan.estimate, Some(TokenEstimate { prompt: 250, output: 0 }), "{path} {body}");
+            let plan = plan(&config, providers::route(path).as_ref(), "", Some(body.as_bytes()), &mut Cold);
+            assert_eq!(plan.estimate, Some(TokenCounts { prompt: 250, output: 0 }), "{path} {body}");
             assert!(plan.buckets.iter().all(|b| !b.provisional), "a flat cost is never settled");
         }
     }
@@ -392,10 +411,10 @@ mod tests {
     fn embeddings_reserve_no_output_and_request_limits_alone_read_nothing() {
         let config = config("{}");
         let body = r#"{"model":"text-embedding-3-small","input":"hello world"}"#;
-        let plan = plan(&config, "/v1/embeddings", "", Some(body.as_bytes()), &mut Cold);
-        assert_eq!(plan.estimate, Some(TokenEstimate { prompt: 2, output: 0 }));
+        let plan = plan(&config, providers::route("/v1/embeddings").as_ref(), "", Some(body.as_bytes()), &mut Cold);
+        assert_eq!(plan.estimate, Some(TokenCounts { prompt: 2, output: 0 }));
         assert_eq!(plan.encoding, Encoding::Cl100kBase);
-        let plan = super::plan(&config, "/v1/chat/completions", "", None, &mut Cold);
+        let plan = super::plan(&config, providers::route("/v1/chat/completions").as_ref(), "", None, &mut Cold);
         assert_eq!((plan.estimate, plan.buckets[1].cost), (None, 0));
     }
 
@@ -403,7 +422,8 @@ mod tests {
     fn asks_for_stream_usage_when_configured() {
         let config = config(r#"{"request_stream_usage": true}"#);
         let body = r#"{"model":"gpt-4o","stream":true,"messages":[]}"#;
-        let mut plan = plan(&config, "/v1/chat/completions", "", Some(body.as_bytes()), &mut Cold);
+        let mut plan =
+            plan(&config, providers::route("/v1/chat/completions").as_ref(), "", Some(body.as_bytes()), &mut Cold);
         let rewritten = json(plan.apply_grant(&config, &[1, 999]));
         assert_eq!(rewritten["stream_options"]["include_usage"], true);
         assert!(rewritten.get("max_completion_tokens").is_none(), "not clamping: {rewritten}");
@@ -415,7 +435,7 @@ mod tests {
         let config = config(r#"{"clamp_max_tokens": true, "min_output_tokens": 50}"#);
         let mut plan = plan(
             &config,
-            "/v1/chat/completions",
+            providers::route("/v1/chat/completions").as_ref(),
             "",
             Some(CHAT.as_bytes()),
             &mut Known::average(OutputAverage::first(10)),
@@ -423,15 +443,15 @@ mod tests {
         // The average is ignored: the reservation is the true upper bound, the prompt at
         // its bound (its text in bytes), the output at the request's cap.
         let bound = 21;
-        assert_eq!(plan.estimate, Some(TokenEstimate { prompt: bound, output: 300 }));
+        assert_eq!(plan.estimate, Some(TokenCounts { prompt: bound, output: 300 }));
         let tpm = &plan.buckets[1];
         assert_eq!((tpm.cost, tpm.min_cost), (bound + 300, Some(bound + 50)));
         assert_eq!(plan.buckets[0].min_cost, None);
         // Charged the bound and 120: the request may generate 120 tokens, and is told so.
         assert_eq!(json(plan.apply_grant(&config, &[1, bound + 120]))["max_tokens"], 120);
-        assert_eq!(plan.estimate, Some(TokenEstimate { prompt: bound, output: 120 }));
+        assert_eq!(plan.estimate, Some(TokenCounts { prompt: bound, output: 120 }));
         // Granted in full: the body stays as it was.
-        let mut plan = super::plan(&config, "/v1/chat/completions", "", Some(CHAT.as_bytes()), &mut Cold);
+        let mut plan = cold_chat_plan(&config);
         assert_eq!(plan.apply_grant(&config, &[1, bound + 300]), None);
     }
 
@@ -467,7 +487,8 @@ mod tests {
         let config = config(r#"{"models": [{"match": "claude-*", "encoding": "cl100k_base", "factor": 1.1}]}"#);
         let lesson = crate::calibration::Lesson { prompt: Some((9, 21)), output: None };
         let mut known = Known { calibration: Calibration::default().learn(lesson), ..Known::default() };
-        let plan = plan(&config, "/v1/chat/completions", "", Some(CHAT.as_bytes()), &mut known);
+        let plan =
+            plan(&config, providers::route("/v1/chat/completions").as_ref(), "", Some(CHAT.as_bytes()), &mut known);
         assert_eq!(plan.counted_prompt, 9);
         assert_eq!(plan.estimate.map(|e| e.prompt), Some(21), "9 counted at the learned 21/9");
         assert_eq!(config.tokens.rule(plan.rule).rule.pattern, "gpt-4o*", "the built-in family keys it");
@@ -475,7 +496,16 @@ mod tests {
         let rules: Vec<usize> = ["mystery-1", "mystery-2", ""]
             .iter()
             .map(|m| CHAT.replace("gpt-4o", m))
-            .map(|body| super::plan(&config, "/v1/chat/completions", "", Some(body.as_bytes()), &mut Cold).rule)
+            .map(|body| {
+                super::plan(
+                    &config,
+                    providers::route("/v1/chat/completions").as_ref(),
+                    "",
+                    Some(body.as_bytes()),
+                    &mut Cold,
+                )
+                .rule
+            })
             .collect();
         assert_eq!(rules, [config.tokens.rules.len(); 3]);
         assert_eq!(config.tokens.rule(rules[0]).label, "other");
@@ -486,7 +516,9 @@ mod tests {
         let mut config =
             config(r#"{"models": [{"match": "gpt-4o*", "encoding": "o200k_base", "expected_output": 100}]}"#);
         let reserve = |config: &Policy, known: &mut Known| {
-            plan(config, "/v1/chat/completions", "", Some(CHAT.as_bytes()), known).estimate.map(|e| e.output)
+            plan(config, providers::route("/v1/chat/completions").as_ref(), "", Some(CHAT.as_bytes()), known)
+                .estimate
+                .map(|e| e.output)
         };
         // The rule's prior, at the estimate factor (1.5), below the cap of 300.
         assert_eq!(reserve(&config, &mut Known::default()), Some(150));
@@ -515,31 +547,33 @@ mod tests {
                        {"name": "usd", "usd": 1, "window": "1d"}],
             "prices": [{"match": "*", "input": 2, "output": 10}]}"#;
         let config = Policy::from_json(written.as_bytes()).expect("config");
-        let plan = plan(&config, "/v1/chat/completions", "", Some(CHAT.as_bytes()), &mut Cold);
+        let plan =
+            plan(&config, providers::route("/v1/chat/completions").as_ref(), "", Some(CHAT.as_bytes()), &mut Cold);
         // 9 counted, at the rule's factor of 2: 18 input; 300 output allowed.
         let costs: Vec<u64> = plan.buckets.iter().map(|b| b.cost).collect();
         assert_eq!(costs, [318, 18, 300, 0, 18 * 2 + 300 * 10], "the budget prices each part");
         assert_eq!(plan.applicable, [true; 5], "a limit reserving nothing still applies (it is settled)");
         let body = r#"{"model":"text-embedding-3-small","input":"hello world"}"#;
-        let embedding = super::plan(&config, "/v1/embeddings", "", Some(body.as_bytes()), &mut Cold);
+        let embedding =
+            super::plan(&config, providers::route("/v1/embeddings").as_ref(), "", Some(body.as_bytes()), &mut Cold);
         assert_eq!(embedding.buckets.iter().map(|b| b.cost).collect::<Vec<_>>(), [2, 2, 0, 0, 4]);
         // Clamping: the limits that count output are elastic, down to the least output.
         let clamped = written
             .replace(r#""factor": 2.0}]"#, r#""factor": 2.0}], "clamp_max_tokens": true, "min_output_tokens": 50"#);
         let config = Policy::from_json(clamped.as_bytes()).expect("config");
-        let mut plan = super::plan(&config, "/v1/chat/completions", "", Some(CHAT.as_bytes()), &mut Cold);
+        let mut plan = cold_chat_plan(&config);
         let least: Vec<Option<u64>> = plan.buckets.iter().map(|b| b.min_cost).collect();
         assert_eq!(least, [Some(21 + 50), None, Some(50), None, None]);
         // The output limit had 120 left: every elastic limit gave up 180.
         let rewritten = json(plan.apply_grant(&config, &[21 + 120, 21, 120, 0, 1]));
         assert_eq!(rewritten["max_tokens"], 120);
-        assert_eq!(plan.estimate, Some(TokenEstimate { prompt: 21, output: 120 }));
+        assert_eq!(plan.estimate, Some(TokenCounts { prompt: 21, output: 120 }));
     }
 
     #[test]
     fn each_count_takes_its_part_of_what_was_used() {
         use crate::config::TokenCount::*;
-        let used = TokenEstimate { prompt: 700, output: 40 };
+        let used = TokenCounts { prompt: 700, output: 40 };
         let cases = [(Total, 740, 740), (Input, 700, 700), (Output, 40, 40), (CachedInput, 0, 500)];
         for (count, reserved, settled) in cases {
             assert_eq!((count.reserved(used), count.used(used, 500)), (reserved, settled), "{count:?}");

@@ -7,8 +7,7 @@ use crate::config::{Dimension, HeaderStyle, Policy};
 use crate::dialect::Dialect;
 use crate::duration::format_reset;
 use crate::protocol::{LimitCharge, LimitOutcome, LimitStatus, LimitsReply};
-
-pub type Header = (&'static str, String);
+use crate::reply::{tightest, Header, LocalReply};
 
 /// Set on responses that passed without a limiter decision (companion unavailable and
 /// `failure_mode: allow`), so operators and clients can tell.
@@ -21,32 +20,8 @@ pub const SHADOW_HEADER: &str = "x-llm-ratelimit-shadow";
 /// How long the request waited in the queue for capacity (ms).
 pub const QUEUED_HEADER: &str = "x-llm-ratelimit-queued-ms";
 
-/// A response the filter sends itself instead of forwarding the request.
-#[derive(Debug, Clone, PartialEq)]
-pub struct LocalReply {
-    pub status: u32,
-    pub headers: Vec<Header>,
-    pub body: String,
-}
-
-impl LocalReply {
-    /// The same reply with no body (for a host that cannot send one just then): the
-    /// status, `retry-after` and the rate-limit headers still say what happened.
-    pub fn without_body(mut self) -> LocalReply {
-        self.headers.retain(|(name, _)| *name != "content-type");
-        self.body.clear();
-        self
-    }
-}
-
 fn dimension_of(config: &Policy, outcome: &LimitOutcome) -> Dimension {
     config.limit(&outcome.name).map_or(Dimension::Requests, |l| l.dimension())
-}
-
-/// The most restrictive of the reply's limits whose name `of_kind` accepts: fewest left;
-/// on a tie, longest to reset.
-pub(crate) fn tightest(reply: &LimitsReply, of_kind: impl Fn(&str) -> bool) -> Option<&LimitOutcome> {
-    reply.limits.iter().filter(|o| of_kind(&o.name)).min_by_key(|o| (o.remaining, std::cmp::Reverse(o.reset_after_ms)))
 }
 
 /// The rate-limit headers `headers` configures: the caller's provider's own

@@ -5,8 +5,13 @@
 //! Every method reports failure as a value: a host call that fails must never panic, since
 //! a panic aborts the VM and takes the worker's traffic with it.
 
-use crate::decision::LocalReply;
+use crate::reply::LocalReply;
 use std::time::Duration;
+
+/// How often the host calls each VM's root timer, on which it sends queued settlements,
+/// renews leases (and, once, warms the tokenizer), and within which a shared-data read
+/// counts as fresh.
+pub const TICK: Duration = Duration::from_millis(50);
 
 /// What the host does with the stream after a callback.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

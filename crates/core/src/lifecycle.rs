@@ -5,14 +5,12 @@
 //! The worker ([`Worker`]) holds what outlives a request; each callback borrows it.
 
 use crate::answers::{self, Caller};
-use crate::breaker::Route;
+use crate::breaker::Dispatch;
 use crate::bucket::{check_and_charge, decode_states, encode_states};
 use crate::calibration::{Calibration, Lesson, LocalCalibrations};
 use crate::charge::{plan, ChargePlan, Learned};
 use crate::config::{FailureMode, Measure, MissingIdentity, Mode, Policy};
-use crate::decision::{
-    self, Header, LocalReply, DEGRADED_HEADER, QUEUED_HEADER, RESERVED_TOKENS_HEADER, SHADOW_HEADER,
-};
+use crate::decision::{self, DEGRADED_HEADER, QUEUED_HEADER, RESERVED_TOKENS_HEADER, SHADOW_HEADER};
 use crate::dialect::Dialect;
 use crate::host::{shared_update, Action, Host, LogLevel, Metric, Owner};
 use crate::identity::{find_credential, tenant_id, ANONYMOUS_TENANT};
@@ -23,15 +21,17 @@ use crate::protocol::{
     ChargeRequest, LeaseRequest, LimitCharge, LimitKind, LimitStatus, LimitsReply, Reservation, SettlementBatch, Wait,
     CHARGE_PATH, LEASE_PATH, RELEASE_PATH,
 };
-use crate::providers::bedrock::{self, EventStreamUsage};
+use crate::providers;
+use crate::providers::bedrock;
+use crate::reply::{Header, LocalReply};
 use crate::reply_floor::{self, ReplySight};
 use crate::request::Api;
-use crate::reservation::{actual_usage, credit, Ending, OutputAverage, TokenEstimate};
+use crate::reservation::{actual_usage, credit, Ending, OutputAverage, TokenCounts};
 use crate::series::{self, Decision, TokenStage, TokenType};
 use crate::sse::UsageChunkRemover;
 use crate::tables::{queued_slot, read_average, read_own, update_average, update_own, Busy, TenantTable};
 use crate::tokens::Encoding;
-use crate::usage::{ReplyUsage, ReportedUsage, StreamUsage};
+use crate::usage::{EventStreamUsage, ReplyUsage, ReportedUsage, StreamUsage};
 use crate::worker::{adjustments, callout_reply, settlement, Worker};
 use std::rc::Rc;
 use std::time::Duration;
@@ -147,8 +147,9 @@ pub struct RequestFilter {
     queued: bool,
     /// Whether the headers are held while the body is read.
     holding_headers: bool,
-    /// The request's `:path`, as its headers said.
-    path: String,
+    /// What the request's `:path` says, read once when its headers arrive; `None` for a
+    /// path no API is recognised in.
+    route: Option<providers::Route>,
     /// Whose shape the filter's own answers to this request take.
     dialect: Dialect,
     /// What the filter's own replies carry as `x-request-id` and `request-id`: the
@@ -175,11 +176,16 @@ impl RequestFilter {
             body_len: 0,
             queued: false,
             holding_headers: false,
-            path: String::new(),
+            route: None,
             dialect: Dialect::default(),
             request_id: String::new(),
             sight: ReplySight::default(),
         }
+    }
+
+    /// A request's state on `worker`; pass-through when it has no config.
+    pub fn on(worker: &Worker) -> RequestFilter {
+        RequestFilter::new(worker.config().cloned())
     }
 
     /// A request the filter lets through untouched (no config).
@@ -195,18 +201,19 @@ impl RequestFilter {
 
     pub fn on_request_headers(&mut self, host: &mut impl Host, worker: &mut Worker, end_of_stream: bool) -> Action {
         let Some(config) = self.config.clone() else { return Action::Continue };
-        self.path = host.request_header(":path").unwrap_or_default();
+        let path = host.request_header(":path").unwrap_or_default();
         self.request_id = match host.request_header("x-request-id") {
             Some(id) if is_request_id(&id) => id,
             _ => format!("llmrl-{}", worker.new_reservation_id(host)),
         };
-        if !config.bypass.paths.is_empty() && config.bypass.path(&self.path) {
+        if !config.bypass.paths.is_empty() && config.bypass.path(&path) {
             host.add_metric(Metric::Bypassed, 1);
             return Action::Continue;
         }
+        self.route = providers::route(&path);
         // Known before any body, so every answer, even one that never reads it, is in the
         // caller's shape.
-        self.dialect = config.error_format.dialect(&self.path);
+        self.dialect = config.error_format.dialect(self.route.as_ref().map_or(Dialect::OpenAi, |route| route.dialect));
         match self.identify(host, &config) {
             Ok(tenant) => self.tenant = tenant,
             Err(verdict) => return self.apply(host, &config, verdict, false),
@@ -344,7 +351,14 @@ impl RequestFilter {
             }
         }
         if end_of_stream {
-            let ending = if self.upstream_error { Ending::UpstreamError } else { Ending::Completed };
+            // A Bedrock stream that carried an exception (throttling mid-stream) ended
+            // before its reply did: it is settled as interrupted, and teaches nothing.
+            let cut = matches!(&self.reply, Some(ReplyReader::EventStream(reader)) if reader.exception.is_some());
+            let ending = match (self.upstream_error, cut) {
+                (true, _) => Ending::UpstreamError,
+                (false, true) => Ending::Interrupted,
+                (false, false) => Ending::Completed,
+            };
             self.settle(host, worker, &config, ending);
         }
         Action::Continue
@@ -427,7 +441,6 @@ impl RequestFilter {
 
     /// Plans the charge and decides it. `body` is `None` when the body is not read.
     fn charge(&mut self, host: &mut impl Host, worker: &mut Worker, config: &Policy, body: Option<&[u8]>) -> Action {
-        let path = std::mem::take(&mut self.path);
         let tier_value = config.tier.as_ref().and_then(|t| single_header(host, &t.header));
         self.tier = config.tier_of(&self.tenant, tier_value.as_deref()).to_string();
         // The clock, read once for the decision.
@@ -440,7 +453,7 @@ impl RequestFilter {
             prompt_cache: &mut worker.prompt_cache,
             calibrations: &mut worker.calibrations,
         };
-        let plan = plan(config, &path, &self.tier, body, &mut learned);
+        let plan = plan(config, self.route.as_ref(), &self.tier, body, &mut learned);
         self.body_len = body.map_or(0, <[u8]>::len);
         let unpriced = plan.unpriced.then(|| plan.model.clone());
         self.plan = Some(plan);
@@ -454,7 +467,7 @@ impl RequestFilter {
                 FromLease::ChargeDirectly => self.ask = Ask::Charge,
             }
         }
-        if worker.route(host, config, now) == Route::Local {
+        if worker.dispatch(host, config, now) == Dispatch::Local {
             let verdict = self.fail_over(host, worker, config, "circuit breaker open");
             return self.apply(host, config, verdict, false);
         }
@@ -973,7 +986,7 @@ impl RequestFilter {
                 used
             }
         } else {
-            TokenEstimate { prompt: 0, output: 0 }
+            TokenCounts { prompt: 0, output: 0 }
         };
         host.add_metric(Metric::TokensCharged, used.total());
         count_tokens(host, config, plan.rule, TokenStage::Charged, used);
@@ -1122,7 +1135,7 @@ fn release_now(host: &mut impl Host, worker: &Worker, config: &Policy, slots: cr
 }
 
 /// Tokens by `gen_ai.token.type`: the prompt is input, the completion output.
-fn count_tokens(host: &mut impl Host, config: &Policy, rule: usize, stage: TokenStage, tokens: TokenEstimate) {
+fn count_tokens(host: &mut impl Host, config: &Policy, rule: usize, stage: TokenStage, tokens: TokenCounts) {
     for (kind, amount) in [(TokenType::Input, tokens.prompt), (TokenType::Output, tokens.output)] {
         if amount > 0 {
             host.add_series(series::tokens(config, rule, kind, stage), amount);

@@ -4,6 +4,7 @@
 
 use crate::host::{Action, HostKind, Metric, Owner};
 use crate::lease::TenantLeases;
+use crate::lifecycle::RequestFilter;
 use crate::protocol::keys;
 use crate::protocol::{ChargeRequest, LimitsReply, CALIBRATION_PATH, SETTLE_PATH};
 use crate::testing::{advance, usage_reply, FakeCompanion, Proxy, Request, World};
@@ -105,7 +106,7 @@ fn headers_are_held_only_where_the_host_delivers_the_body_meanwhile() {
         let mut proxy = Proxy::new(&world, &rpm_tpm(json!({})));
         let mut host = crate::testing::FakeHost::new(&world);
         host.request_headers = Request::chat("sk-a", CHAT).headers;
-        let mut filter = proxy.worker.new_request();
+        let mut filter = RequestFilter::on(&proxy.worker);
         assert_eq!(filter.on_request_headers(&mut host, &mut proxy.worker, false), held, "{kind:?}");
         host.request_body = CHAT.as_bytes().to_vec();
         assert_eq!(filter.on_request_body(&mut host, &mut proxy.worker, CHAT.len(), true), Action::Pause);

@@ -6,7 +6,7 @@
 //! whether the reservation is the floor, and whether the reply may teach the running
 //! averages (a reply the filter could not read teaches nothing).
 
-use crate::reservation::{Ending, TokenEstimate};
+use crate::reservation::{Ending, TokenCounts};
 use crate::tokens::glob_match;
 use serde::Deserialize;
 
@@ -94,8 +94,8 @@ pub fn floor(ending: Ending, sight: ReplySight, on_client_abort: ClientAbortChar
 
 /// `used`, raised part by part to what was reserved: a limit that counts only the input
 /// or only the output is held to its own reservation too.
-pub fn at_least_reserved(estimate: TokenEstimate, used: TokenEstimate) -> TokenEstimate {
-    TokenEstimate { prompt: used.prompt.max(estimate.prompt), output: used.output.max(estimate.output) }
+pub fn at_least_reserved(estimate: TokenCounts, used: TokenCounts) -> TokenCounts {
+    TokenCounts { prompt: used.prompt.max(estimate.prompt), output: used.output.max(estimate.output) }
 }
 
 /// Whether `model` can spend tokens the client does not see, by the configured patterns.
@@ -107,7 +107,7 @@ pub fn hides_output(patterns: &[String], model: &str) -> bool {
 mod tests {
     use super::*;
 
-    const EST: TokenEstimate = TokenEstimate { prompt: 100, output: 500 };
+    const EST: TokenCounts = TokenCounts { prompt: 100, output: 500 };
 
     #[test]
     fn each_blind_ending_has_the_reservation_for_floor() {
@@ -137,10 +137,10 @@ mod tests {
 
     #[test]
     fn the_floor_holds_each_part_and_keeps_what_is_more() {
-        let counted = TokenEstimate { prompt: 90, output: 7 };
+        let counted = TokenCounts { prompt: 90, output: 7 };
         assert_eq!(at_least_reserved(EST, counted), EST);
-        let long = TokenEstimate { prompt: 90, output: 6_000_000 };
-        assert_eq!(at_least_reserved(EST, long), TokenEstimate { prompt: 100, output: 6_000_000 });
+        let long = TokenCounts { prompt: 90, output: 6_000_000 };
+        assert_eq!(at_least_reserved(EST, long), TokenCounts { prompt: 100, output: 6_000_000 });
     }
 
     #[test]

@@ -12,57 +12,9 @@ use crate::json::Json;
 use crate::tokens::Encoding;
 use serde_json::Value;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Api {
-    /// OpenAI `/v1/chat/completions` (and Azure's deployments path).
-    ChatCompletions,
-    /// OpenAI legacy `/v1/completions`.
-    Completions,
-    /// OpenAI `/v1/responses`.
-    Responses,
-    /// OpenAI `/v1/embeddings`.
-    Embeddings,
-    /// Anthropic `/v1/messages`.
-    Messages,
-    /// AWS Bedrock Converse (`/model/{modelId}/converse[-stream]`, see `providers::bedrock`).
-    Converse,
-    /// Gemini and Vertex AI `…/models/{model}:generateContent` (see `providers::gemini`).
-    GenerateContent,
-    /// Gemini and Vertex AI `:streamGenerateContent`: SSE with `alt=sse`, else a JSON array.
-    StreamGenerateContent,
-    /// Gemini and Vertex AI `:countTokens`: generates nothing, charged no tokens.
-    CountTokens,
-}
-
-impl Api {
-    /// Recognises the API by the path's last segments, ignoring the query string, so
-    /// prefixes (`/openai/deployments/x/...`, `/proxy/v1/...`) work too.
-    pub fn from_path(path: &str) -> Option<Api> {
-        let path = path.split(['?', '#']).next().unwrap_or("").trim_end_matches('/');
-        if path.ends_with("/chat/completions") {
-            Some(Api::ChatCompletions)
-        } else if path.ends_with("/completions") {
-            Some(Api::Completions)
-        } else if path.ends_with("/responses") {
-            Some(Api::Responses)
-        } else if path.ends_with("/embeddings") {
-            Some(Api::Embeddings)
-        } else if path.ends_with("/messages") && !path.ends_with("/threads/messages") {
-            Some(Api::Messages)
-        } else {
-            None
-        }
-    }
-
-    pub fn produces_output(self) -> bool {
-        !matches!(self, Api::Embeddings | Api::CountTokens)
-    }
-
-    /// Gemini's and Vertex AI's `generateContent` family.
-    pub fn is_gemini(self) -> bool {
-        matches!(self, Api::GenerateContent | Api::StreamGenerateContent | Api::CountTokens)
-    }
-}
+use crate::api::text_leaves;
+pub use crate::api::Api;
+use crate::providers::{PathModel, Route};
 
 /// Tokens charged for one image part: a 1024x1024 image at high detail for GPT-4o.
 pub const IMAGE_TOKENS: u64 = 765;
@@ -81,8 +33,7 @@ pub struct LlmRequest {
     pub max_output: Option<u64>,
     /// Where an output cap is written (see `rewritten`): a field, or a path of fields.
     cap_field: &'static [&'static str],
-    /// The body is covered by the client's signature (AWS SigV4 on Bedrock): it must
-    /// reach the upstream byte for byte, so it is never rewritten.
+    /// The body is covered by the client's signature (see `providers::Route`).
     pub body_is_signed: bool,
 }
 
@@ -112,18 +63,23 @@ fn as_count(value: &Json) -> Option<u64> {
     value.as_u64().or_else(|| value.as_f64().filter(|f| *f >= 0.0).map(|f| f as u64))
 }
 
-/// The request a path and body make: the API the path names (`route`, as
-/// `providers::route` read it) and the body parsed as it, with what a Bedrock path itself
-/// says (the model, streaming, a signed body). `None` for a path no API is recognised in.
-pub fn parse_request<'a>(
-    path: &str,
-    route: Option<&crate::providers::Route>,
-    body: &'a [u8],
-) -> Option<Result<ParsedBody<'a>, BodyError>> {
-    if let Some(bedrock) = crate::providers::bedrock::BedrockRoute::from_path(path) {
-        return Some(bedrock.parse(body));
-    }
-    route.map(|route| LlmRequest::parse(route.api, body))
+/// The body parsed as `route`'s API, with what the path itself says (the model on
+/// Bedrock, streaming, a signed body). `None` when the route names no API the filter
+/// parses.
+pub fn parse_on<'a>(route: &Route, body: &'a [u8]) -> Option<Result<ParsedBody<'a>, BodyError>> {
+    let parsed = LlmRequest::parse(route.api?, body);
+    Some(parsed.map(|mut parsed| {
+        if let Some(streams) = route.streams {
+            parsed.request.stream = streams;
+        }
+        if route.body_is_signed {
+            parsed.request.body_is_signed = true;
+            if let Some(PathModel::Model(model)) = &route.path_model {
+                parsed.request.model = Some(model.clone());
+            }
+        }
+        parsed
+    }))
 }
 
 impl LlmRequest {
@@ -311,32 +267,6 @@ fn content_part(part: &Json, count: &mut impl FnMut(&str) -> u64) -> u64 {
     }
 }
 
-/// Every string in a JSON value except identifiers and data blobs, plus the key names of
-/// objects that carry free-form JSON (tool arguments, schemas).
-pub(crate) fn text_leaves(value: &Json, count: &mut impl FnMut(&str) -> u64) -> u64 {
-    const SKIPPED: [&str; 9] =
-        ["type", "id", "call_id", "tool_use_id", "tool_call_id", "cache_control", "source", "detail", "status"];
-    match value {
-        Json::String(text) => count(text),
-        Json::Array(items) => items.iter().map(|v| text_leaves(v, count)).sum(),
-        Json::Object(fields) => fields
-            .iter()
-            .filter(|(key, _)| !SKIPPED.contains(&key.as_ref()))
-            .map(|(key, v)| match v {
-                Json::Object(_) | Json::Array(_)
-                    if key == "input" || key == "parameters" || key == "input_schema" || key == "properties" =>
-                {
-                    // Schemas and tool inputs reach the model as JSON text.
-                    count(&v.to_json_string())
-                }
-                _ => text_leaves(v, count),
-            })
-            .sum(),
-        Json::Number(n) => count(&n.to_string()),
-        _ => 0,
-    }
-}
-
 fn tools(value: &Json, count: &mut impl FnMut(&str) -> u64) -> u64 {
     value.as_array().map_or(0, |tools| tools.iter().map(|t| text_leaves(t, count)).sum())
 }
@@ -379,7 +309,7 @@ mod tests {
             ("", None),
         ];
         for (path, api) in cases {
-            assert_eq!(Api::from_path(path), api, "{path}");
+            assert_eq!(Api::from_path(crate::path::normalised(path)), api, "{path}");
         }
     }
 

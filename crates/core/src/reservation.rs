@@ -9,14 +9,15 @@
 
 use crate::usage::ReportedUsage;
 
-/// The tokens a request reserved.
+/// Prompt and output tokens: what a request reserves (its estimate), or what it used
+/// (`actual_usage`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct TokenEstimate {
+pub struct TokenCounts {
     pub prompt: u64,
     pub output: u64,
 }
 
-impl TokenEstimate {
+impl TokenCounts {
     /// Saturating: `max_tokens: 1e20` is a client's to send, and must read as too large
     /// for any limit, not wrap round to a small reservation.
     pub fn total(self) -> u64 {
@@ -58,12 +59,12 @@ pub enum Ending {
 /// What the request really cost. Provider-reported figures win; then what the proxy
 /// counted (the prompt, the streamed text); then the estimate.
 pub fn actual_usage(
-    estimate: TokenEstimate,
+    estimate: TokenCounts,
     ending: Ending,
     reported: ReportedUsage,
     streamed_output: Option<u64>,
     on_error: UpstreamErrorCharge,
-) -> TokenEstimate {
+) -> TokenCounts {
     let prompt = reported.input.unwrap_or(estimate.prompt);
     let output = match ending {
         Ending::Completed => reported.output.or(streamed_output).unwrap_or(estimate.output),
@@ -74,7 +75,7 @@ pub fn actual_usage(
         // What was generated before the end; a non-streamed reply never arrived.
         Ending::Interrupted => reported.output.or(streamed_output).unwrap_or(0),
     };
-    TokenEstimate { prompt, output }
+    TokenCounts { prompt, output }
 }
 
 /// What to give back (positive) or to take as well (negative) of what was `reserved`,
@@ -127,7 +128,7 @@ impl OutputAverage {
 mod tests {
     use super::*;
 
-    const EST: TokenEstimate = TokenEstimate { prompt: 100, output: 500 };
+    const EST: TokenCounts = TokenCounts { prompt: 100, output: 500 };
 
     fn reported(input: Option<u64>, output: Option<u64>) -> ReportedUsage {
         ReportedUsage { input, output, cached_input: None }
@@ -168,7 +169,7 @@ mod tests {
     fn an_upstream_error_charges_the_prompt_alone() {
         let usage =
             actual_usage(EST, Ending::UpstreamError, reported(None, None), None, UpstreamErrorCharge::PromptOnly);
-        assert_eq!(usage, TokenEstimate { prompt: 100, output: 0 });
+        assert_eq!(usage, TokenCounts { prompt: 100, output: 0 });
     }
 
     #[test]

@@ -8,7 +8,6 @@
 
 use crate::bucket::{self, BucketState};
 use crate::calibration::Running;
-use crate::decision::LocalReply;
 use crate::host::{Action, Host, HostKind, LogLevel, Metric, Owner, SharedWriteError};
 use crate::lifecycle::RequestFilter;
 use crate::protocol::{
@@ -16,6 +15,7 @@ use crate::protocol::{
     LimitStatus, LimitsReply, RuleFigures, RunningFigure, SettleOutcome, SettleReply, SettlementBatch,
     CALIBRATION_PATH, CHARGE_PATH, LEASE_PATH, RELEASE_PATH, SETTLE_PATH, TOUCH_PATH,
 };
+use crate::reply::LocalReply;
 use crate::worker::Worker;
 use serde_json::Value;
 use std::cell::RefCell;
@@ -761,7 +761,7 @@ impl Proxy {
         let mut host = FakeHost::new(&self.world);
         host.request_headers = request.headers;
         host.request_body = request.body;
-        let mut filter = self.worker.new_request();
+        let mut filter = RequestFilter::on(&self.worker);
         let kind = host.kind();
         let has_body = !host.request_body.is_empty();
         // Envoy reports end of stream on headers for a request without a body;

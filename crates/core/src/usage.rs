@@ -13,46 +13,15 @@
 //! A stream without usage is settled on its text: the streamed deltas are counted with
 //! the tokenizer.
 
+use crate::eventstream::{EventStreamDecoder, Message, StreamError};
 use crate::json::{closes_string, Json};
 use crate::json_array_stream::JsonArrayStream;
-use crate::providers::gemini;
+use crate::providers::{bedrock, gemini};
 use crate::sse::{SseEvent, SseParser};
 use crate::tokens::Encoding;
+use base64::Engine;
 
-/// Tokens as billed. `input` includes cached and cache-creation tokens.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct Usage {
-    pub input: u64,
-    pub output: u64,
-}
-
-impl Usage {
-    pub fn total(self) -> u64 {
-        self.input.saturating_add(self.output)
-    }
-}
-
-/// What one message reported; later reports override earlier ones field by field.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct ReportedUsage {
-    pub input: Option<u64>,
-    pub output: Option<u64>,
-    /// Of the input, tokens read from the provider's prompt cache (billed at a lower
-    /// price by most providers).
-    pub cached_input: Option<u64>,
-}
-
-impl ReportedUsage {
-    fn merge(&mut self, later: ReportedUsage) {
-        self.input = later.input.or(self.input);
-        self.output = later.output.or(self.output);
-        self.cached_input = later.cached_input.or(self.cached_input);
-    }
-
-    pub fn is_empty(self) -> bool {
-        self.input.is_none() && self.output.is_none()
-    }
-}
+pub use crate::api::ReportedUsage;
 
 /// Usage from a usage object, or from a message holding one at `usage`, `message.usage`,
 /// `response.usage`, `usageMetadata` (Gemini) or `x_groq.usage` (Groq's streams).
@@ -551,6 +520,88 @@ impl StreamUsage {
     /// Output tokens: as reported, or else counted from the streamed text.
     pub fn output_tokens(&self) -> u64 {
         self.reported.output.unwrap_or_else(|| self.counted_output + self.encoding.count(&self.text))
+    }
+}
+
+/// Follows a Bedrock event stream (its events' shapes are `providers::bedrock`'s) (`converse-stream` or `invoke-with-response-stream`):
+/// the usage it reports, and its text, counted if it reports none.
+#[derive(Debug)]
+pub struct EventStreamUsage {
+    decoder: EventStreamDecoder,
+    /// The usage and text found, kept as an SSE stream's are (its SSE parser unused).
+    events: StreamUsage,
+    /// The exception the stream carried (`:exception-type`, or an error's `:error-code`).
+    pub exception: Option<String>,
+}
+
+impl EventStreamUsage {
+    pub fn new(encoding: Encoding, max_message_bytes: usize) -> EventStreamUsage {
+        EventStreamUsage {
+            decoder: EventStreamDecoder::new(max_message_bytes),
+            events: StreamUsage::new(encoding, 0),
+            exception: None,
+        }
+    }
+
+    pub fn feed(&mut self, chunk: &[u8]) {
+        let mut messages = Vec::new();
+        self.decoder.feed(chunk, &mut |message| messages.push(message));
+        for message in messages {
+            self.on_message(&message);
+        }
+    }
+
+    fn on_message(&mut self, message: &Message) {
+        if message.header(":message-type").is_some_and(|kind| kind != "event") {
+            let kind = message.header(":exception-type").or(message.header(":error-code")).unwrap_or("error");
+            self.exception = Some(kind.chars().take(64).collect());
+            return;
+        }
+        let Ok(payload) = Json::parse(&message.payload) else { return };
+        match message.header(":event-type").unwrap_or("") {
+            "chunk" => {
+                let Some(encoded) = payload.at("bytes").as_str() else { return };
+                let Ok(bytes) = base64::engine::general_purpose::STANDARD.decode(encoded) else { return };
+                let Ok(event) = Json::parse(&bytes) else { return };
+                self.events.on_message(&event, "");
+                self.events.add_reported(bedrock::invocation_metrics(&event));
+            }
+            "contentBlockDelta" => {
+                let delta = payload.at("delta");
+                for text in [delta.at("text"), delta.at("toolUse").at("input"), delta.at("reasoningContent").at("text")]
+                {
+                    if let Some(text) = text.as_str() {
+                        self.events.add_text(text);
+                    }
+                }
+            }
+            "metadata" => {
+                if let Some(usage) = bedrock::converse_usage(payload.at("usage")) {
+                    self.events.add_reported(usage);
+                }
+                self.events.finished = true;
+            }
+            _ => {}
+        }
+    }
+
+    pub fn reported(&self) -> ReportedUsage {
+        self.events.reported()
+    }
+
+    /// Output tokens: as reported, or else counted from the streamed text.
+    pub fn output_tokens(&self) -> u64 {
+        self.events.output_tokens()
+    }
+
+    /// Whether the stream said it was complete (the `metadata` event, `message_stop`).
+    pub fn finished(&self) -> bool {
+        self.events.finished
+    }
+
+    /// Why the framing stopped being read (a bad CRC, an oversized message), if it did.
+    pub fn broken(&self) -> Option<StreamError> {
+        self.decoder.broken()
     }
 }
 

@@ -3,12 +3,11 @@
 //! settlement queue, the leases this VM renews and returns, the slots it keeps alive, and
 //! the callouts the root owns. No state lives anywhere else.
 
-use crate::breaker::{Breaker, Route};
+use crate::breaker::{Breaker, Dispatch};
 use crate::calibration::LocalCalibrations;
 use crate::config::Policy;
 use crate::host::{detect_kind, shared_read, shared_update, Host, HostKind, LogLevel, Metric, Owner};
 use crate::lease::{lease_asks, LeaseEntry, TenantLeases};
-use crate::lifecycle::RequestFilter;
 use crate::prompt_cache::PromptCache;
 use crate::protocol::keys;
 use crate::protocol::{
@@ -23,9 +22,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::rc::Rc;
 use std::time::Duration;
 
-/// How often each VM sends queued settlements, renews leases (and, once, warms the
-/// tokenizer).
-pub const TICK: Duration = Duration::from_millis(50);
+pub use crate::host::TICK;
 /// How often expired leases are looked for, in ticks.
 const EXPIRY_TICKS: u32 = 10;
 /// Most settlements in one callout: all a call may carry. The companion applies them in
@@ -167,11 +164,6 @@ impl Worker {
         config.hold_request_headers.unwrap_or(true) && self.host_kind.reads_body_while_headers_wait()
     }
 
-    /// A request's state; pass-through when there is no config.
-    pub fn new_request(&self) -> RequestFilter {
-        RequestFilter::new(self.config.clone())
-    }
-
     /// The root's timer.
     pub fn on_tick(&mut self, host: &mut impl Host) {
         let Some(config) = self.config.clone() else { return };
@@ -304,16 +296,16 @@ impl Worker {
     }
 
     /// Where a decision goes now: to the companion, or local while the breaker is open.
-    pub(crate) fn route(&mut self, host: &mut impl Host, config: &Policy, now: u64) -> Route {
+    pub(crate) fn dispatch(&mut self, host: &mut impl Host, config: &Policy, now: u64) -> Dispatch {
         let cooldown = config.fallback.breaker_cooldown.as_millis() as u64;
-        let mut route = Route::Local;
+        let mut dispatch = Dispatch::Local;
         shared_update(host, &keys::breaker_key(&config.domain), |bytes| {
             let state = bytes.and_then(Breaker::from_bytes).unwrap_or_default();
-            let (chosen, probe) = state.route(now, cooldown);
-            route = chosen;
+            let (chosen, probe) = state.dispatch(now, cooldown);
+            dispatch = chosen;
             (probe.map(|p| p.to_bytes().to_vec()), ())
         });
-        route
+        dispatch
     }
 
     pub(crate) fn callout_succeeded(&mut self, host: &mut impl Host, config: &Policy) {

@@ -2,8 +2,8 @@
 //! logged or surface as values, never as a panic (the SDK's trait helpers unwrap).
 
 use llm_ratelimit_core::config::Policy;
-use llm_ratelimit_core::decision::LocalReply;
 use llm_ratelimit_core::host::{Host, LogLevel, Metric, Owner, SharedWriteError};
+use llm_ratelimit_core::reply::LocalReply;
 use llm_ratelimit_core::series;
 use proxy_wasm::hostcalls;
 use proxy_wasm::types::{BufferType, MapType, MetricType, Status};

@@ -88,7 +88,7 @@ impl RootContext for Root {
 
     fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {
         // The SDK panics on None; a VM whose config was refused gets pass-through contexts.
-        let filter = self.worker.try_borrow().map_or_else(|_| RequestFilter::pass_through(), |w| w.new_request());
+        let filter = self.worker.try_borrow().map_or_else(|_| RequestFilter::pass_through(), |w| RequestFilter::on(&w));
         let host = ProxyHost { context_id, root_id: self.context_id, state: self.state.clone() };
         Some(Box::new(Http { filter, host, worker: self.worker.clone() }))
     }

@@ -7,7 +7,7 @@ use crate::dialect::ErrorFormat;
 use crate::identity::{IdentitySource, MissingIdentity};
 use crate::lease::LeasePolicy;
 use crate::protocol::LimitKind;
-use crate::reservation::{TokenEstimate, UpstreamErrorCharge};
+use crate::reservation::{TokenCounts, UpstreamErrorCharge};
 use crate::tokens::{builtin_rules, glob_match, Encoding, ModelRule};
 use serde::Deserialize;
 use std::collections::BTreeMap;
@@ -62,6 +62,19 @@ impl Policy {
     /// The price of `model`: the first matching entry of `prices`.
     pub fn price_of(&self, model: &str) -> Option<Price> {
         self.prices.iter().find(|p| glob_match(&p.pattern, model)).map(|p| p.price)
+    }
+
+    /// What a model the filter cannot name yet (an Azure deployment `deployments` does
+    /// not map) is reserved at, under a cost limit: the highest input, cached-input and
+    /// output prices of the table, so that whichever priced model it turns out to be, the
+    /// reservation covers it. The reply's `model` then prices the settlement
+    /// (`ChargePlan::settlement_price`).
+    pub fn ceiling_price(&self) -> Option<Price> {
+        self.prices.iter().map(|entry| entry.price).reduce(|a, b| Price {
+            input: a.input.max(b.input),
+            output: a.output.max(b.output),
+            cached_input: Some(a.cached_input.unwrap_or(a.input).max(b.cached_input.unwrap_or(b.input))),
+        })
     }
 
     /// Every tier some limit names.
@@ -237,7 +250,7 @@ impl TokenCount {
     /// requests that never touch the cache, so it reserves nothing: such a limit refuses
     /// while its budget is overdrawn by earlier settlements, and concurrent requests may
     /// overdraw it by what they read from the cache.
-    pub fn reserved(self, estimate: TokenEstimate) -> u64 {
+    pub fn reserved(self, estimate: TokenCounts) -> u64 {
         match self {
             TokenCount::Total => estimate.total(),
             TokenCount::Input => estimate.prompt,
@@ -248,7 +261,7 @@ impl TokenCount {
 
     /// What a request used of this count: `used` as settled, `cached` of its input read
     /// from the provider's prompt cache.
-    pub fn used(self, used: TokenEstimate, cached: u64) -> u64 {
+    pub fn used(self, used: TokenCounts, cached: u64) -> u64 {
         match self {
             TokenCount::CachedInput => cached.min(used.prompt),
             other => other.reserved(used),
@@ -501,7 +514,7 @@ pub struct Bypass {
 
 impl Bypass {
     pub fn path(&self, path: &str) -> bool {
-        let path = path.split(['?', '#']).next().unwrap_or("");
+        let path = crate::path::without_query(path);
         self.paths.iter().any(|pattern| glob_match(pattern, path))
     }
 
@@ -531,12 +544,12 @@ pub struct Price {
 
 impl Price {
     /// What `usage` costs, in micro-dollars, rounded up.
-    pub fn micro_usd(&self, usage: TokenEstimate) -> u64 {
+    pub fn micro_usd(&self, usage: TokenCounts) -> u64 {
         self.micro_usd_cached(usage, 0)
     }
 
     /// What `usage` costs when `cached` of its input came from the prompt cache.
-    pub fn micro_usd_cached(&self, usage: TokenEstimate, cached: u64) -> u64 {
+    pub fn micro_usd_cached(&self, usage: TokenCounts, cached: u64) -> u64 {
         let cached = cached.min(usage.prompt);
         let fresh = (usage.prompt - cached) as f64 * self.input;
         let from_cache = cached as f64 * self.cached_input.unwrap_or(self.input);
@@ -615,15 +628,11 @@ mod tests {
     fn prices_turn_usage_into_micro_dollars() {
         // gpt-4o-like: $2.50 in, $10 out per million tokens.
         let price = Price { input: 2.5, output: 10.0, cached_input: Some(1.25) };
-        assert_eq!(price.micro_usd(TokenEstimate { prompt: 1000, output: 500 }), 7_500);
+        assert_eq!(price.micro_usd(TokenCounts { prompt: 1000, output: 500 }), 7_500);
         // 400 of the 1,000 prompt tokens came from the cache, at half price.
-        assert_eq!(price.micro_usd_cached(TokenEstimate { prompt: 1000, output: 500 }, 400), 7_000);
-        assert_eq!(
-            price.micro_usd_cached(TokenEstimate { prompt: 10, output: 0 }, 99),
-            13,
-            "cached never exceeds input"
-        );
-        assert_eq!(price.micro_usd(TokenEstimate { prompt: 1, output: 0 }), 3, "rounded up");
+        assert_eq!(price.micro_usd_cached(TokenCounts { prompt: 1000, output: 500 }, 400), 7_000);
+        assert_eq!(price.micro_usd_cached(TokenCounts { prompt: 10, output: 0 }, 99), 13, "cached never exceeds input");
+        assert_eq!(price.micro_usd(TokenCounts { prompt: 1, output: 0 }), 3, "rounded up");
     }
 
     #[test]

@@ -4,9 +4,8 @@
 //! (`/openai/v1/chat/completions`, `/openai/responses`), with the deployment's name in
 //! the body's `model`. The config's `deployments` maps a deployment to its model.
 
-use super::{PathModel, Route};
-use crate::config::{Price, PriceEntry};
-use crate::request::Api;
+use super::{PathModel, Provider, Route};
+use crate::api::Api;
 
 /// Azure limits a deployment's name to 64 characters.
 pub const MAX_DEPLOYMENT_NAME: usize = 64;
@@ -21,11 +20,11 @@ pub(super) fn route(path: &str) -> Option<Route> {
         let api = Api::from_path(operation)?;
         let name = percent_encoding::percent_decode_str(name).decode_utf8().ok();
         let name = name.filter(|n| is_deployment_name(n)).map(|n| PathModel::Deployment(n.into_owned()));
-        return Some(Route { api, path_model: name });
+        return Some(Route { path_model: name, ..Route::of_api(Provider::Azure, api) });
     }
     if after.starts_with("v1/") || after == "responses" {
         let api = Api::from_path(path)?;
-        return Some(Route { api, path_model: Some(PathModel::DeploymentInBody) });
+        return Some(Route { path_model: Some(PathModel::DeploymentInBody), ..Route::of_api(Provider::Azure, api) });
     }
     None
 }
@@ -35,18 +34,6 @@ pub fn is_deployment_name(name: &str) -> bool {
     !name.is_empty()
         && name.len() <= MAX_DEPLOYMENT_NAME
         && name.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
-}
-
-/// What a request to a deployment `deployments` does not map is reserved at, under a
-/// cost limit: the highest input, cached-input and output prices of the table, so that
-/// whichever priced model the deployment serves, the reservation covers it. The reply's
-/// `model` then prices the settlement (`ChargePlan::settlement_price`).
-pub fn ceiling_price(prices: &[PriceEntry]) -> Option<Price> {
-    prices.iter().map(|entry| entry.price).reduce(|a, b| Price {
-        input: a.input.max(b.input),
-        output: a.output.max(b.output),
-        cached_input: Some(a.cached_input.unwrap_or(a.input).max(b.cached_input.unwrap_or(b.input))),
-    })
 }
 
 #[cfg(test)]
@@ -78,7 +65,11 @@ mod tests {
             ("/openai/responses?api-version=2025-04-01-preview", Api::Responses, Some(PathModel::DeploymentInBody)),
         ];
         for (path, api, path_model) in cases {
-            assert_eq!(route(path), Some(Route { api, path_model }), "{path}");
+            assert_eq!(
+                route(path).map(|r| (r.provider, r.api, r.path_model)),
+                Some((Provider::Azure, Some(api), path_model)),
+                "{path}"
+            );
         }
         for unknown in ["/openai/deployments/x/images/generations", "/openai/deployments/x", "/openai/v1/models"] {
             assert_eq!(route(unknown), None, "{unknown}");
@@ -86,7 +77,10 @@ mod tests {
         let long = format!("/openai/deployments/{}/chat/completions", "d".repeat(MAX_DEPLOYMENT_NAME + 1));
         assert_eq!(route(&long).map(|r| r.path_model), Some(None));
         // A plain OpenAI path names no deployment.
-        assert_eq!(route("/v1/chat/completions"), Some(Route { api: Api::ChatCompletions, path_model: None }));
+        assert_eq!(
+            super::super::route("/v1/chat/completions").map(|r| (r.provider, r.api, r.path_model)),
+            Some((Provider::OpenAi, Some(Api::ChatCompletions), None))
+        );
     }
 
     #[test]

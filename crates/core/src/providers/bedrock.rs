@@ -17,12 +17,9 @@
 //! their output cap. They are reserved at the bound clamping would have started from
 //! instead (see `charge::plan`), all or nothing.
 
-use crate::eventstream::{EventStreamDecoder, Message, StreamError};
+use super::{PathModel, Provider, Route};
+use crate::api::{Api, ReportedUsage};
 use crate::json::Json;
-use crate::request::{Api, BodyError, LlmRequest, ParsedBody};
-use crate::tokens::Encoding;
-use crate::usage::{ReportedUsage, StreamUsage};
-use base64::Engine;
 
 /// Bedrock's own bound on a model id (an ARN included), in bytes.
 pub const MAX_MODEL_ID_BYTES: usize = 2048;
@@ -72,7 +69,7 @@ impl BedrockRoute {
     /// may hold unencoded `/` (an ARN as some clients send it). `None` for other paths
     /// and for model ids past Bedrock's length bound.
     pub fn from_path(path: &str) -> Option<BedrockRoute> {
-        let path = path.split(['?', '#']).next().unwrap_or("").trim_end_matches('/');
+        let path = crate::path::normalised(path);
         let (rest, operation) = path.rsplit_once('/')?;
         let operation = Operation::BY_PATH.iter().find(|(name, _)| *name == operation)?.1;
         let encoded = rest.get(rest.find("/model/")? + "/model/".len()..)?;
@@ -85,16 +82,20 @@ impl BedrockRoute {
         let model = percent_encoding::percent_decode_str(encoded).decode_utf8_lossy().into_owned();
         (model.len() <= MAX_MODEL_ID_BYTES).then_some(BedrockRoute { operation, model })
     }
+}
 
-    /// The body parsed as the operation's API, with the path's model and streaming, and
-    /// marked signed so it is never rewritten.
-    pub fn parse<'a>(&self, body: &'a [u8]) -> Result<ParsedBody<'a>, BodyError> {
-        let mut parsed = LlmRequest::parse(self.operation.api(), body)?;
-        parsed.request.model = Some(self.model.clone());
-        parsed.request.stream = self.operation.streams();
-        parsed.request.body_is_signed = true;
-        Ok(parsed)
-    }
+/// The route of a Bedrock Runtime path: the operation's body shape, the path's model,
+/// the operation's streaming, and a signed body.
+pub(super) fn route(path: &str) -> Option<Route> {
+    let bedrock = BedrockRoute::from_path(path)?;
+    Some(Route {
+        provider: Provider::Bedrock,
+        api: Some(bedrock.operation.api()),
+        path_model: Some(PathModel::Model(bedrock.model)),
+        streams: Some(bedrock.operation.streams()),
+        body_is_signed: true,
+        dialect: Provider::Bedrock.dialect(),
+    })
 }
 
 /// Converse's `toolConfig.tools[].toolSpec`, each counted as its JSON text (name,
@@ -122,7 +123,7 @@ pub(crate) fn converse_usage(usage: &Json) -> Option<ReportedUsage> {
 /// What Bedrock adds to the last event of an invoke stream:
 /// `amazon-bedrock-invocationMetrics` with `inputTokenCount` and `outputTokenCount` (and,
 /// with prompt caching, `cacheReadInputTokenCount` and `cacheWriteInputTokenCount`).
-fn invocation_metrics(event: &Json) -> ReportedUsage {
+pub(crate) fn invocation_metrics(event: &Json) -> ReportedUsage {
     let metrics = event.at("amazon-bedrock-invocationMetrics");
     let field = |name: &str| metrics.at(name).as_u64();
     let cache_read = field("cacheReadInputTokenCount");
@@ -132,94 +133,16 @@ fn invocation_metrics(event: &Json) -> ReportedUsage {
     ReportedUsage { input, output: field("outputTokenCount"), cached_input: cache_read }
 }
 
-/// Follows a Bedrock event stream (`converse-stream` or `invoke-with-response-stream`):
-/// the usage it reports, and its text, counted if it reports none.
-#[derive(Debug)]
-pub struct EventStreamUsage {
-    decoder: EventStreamDecoder,
-    /// The usage and text found, kept as an SSE stream's are (its SSE parser unused).
-    events: StreamUsage,
-    /// The exception the stream carried (`:exception-type`, or an error's `:error-code`).
-    pub exception: Option<String>,
-}
-
-impl EventStreamUsage {
-    pub fn new(encoding: Encoding, max_message_bytes: usize) -> EventStreamUsage {
-        EventStreamUsage {
-            decoder: EventStreamDecoder::new(max_message_bytes),
-            events: StreamUsage::new(encoding, 0),
-            exception: None,
-        }
-    }
-
-    pub fn feed(&mut self, chunk: &[u8]) {
-        let mut messages = Vec::new();
-        self.decoder.feed(chunk, &mut |message| messages.push(message));
-        for message in messages {
-            self.on_message(&message);
-        }
-    }
-
-    fn on_message(&mut self, message: &Message) {
-        if message.header(":message-type").is_some_and(|kind| kind != "event") {
-            let kind = message.header(":exception-type").or(message.header(":error-code")).unwrap_or("error");
-            self.exception = Some(kind.chars().take(64).collect());
-            return;
-        }
-        let Ok(payload) = Json::parse(&message.payload) else { return };
-        match message.header(":event-type").unwrap_or("") {
-            "chunk" => {
-                let Some(encoded) = payload.at("bytes").as_str() else { return };
-                let Ok(bytes) = base64::engine::general_purpose::STANDARD.decode(encoded) else { return };
-                let Ok(event) = Json::parse(&bytes) else { return };
-                self.events.on_message(&event, "");
-                self.events.add_reported(invocation_metrics(&event));
-            }
-            "contentBlockDelta" => {
-                let delta = payload.at("delta");
-                for text in [delta.at("text"), delta.at("toolUse").at("input"), delta.at("reasoningContent").at("text")]
-                {
-                    if let Some(text) = text.as_str() {
-                        self.events.add_text(text);
-                    }
-                }
-            }
-            "metadata" => {
-                if let Some(usage) = converse_usage(payload.at("usage")) {
-                    self.events.add_reported(usage);
-                }
-                self.events.finished = true;
-            }
-            _ => {}
-        }
-    }
-
-    pub fn reported(&self) -> ReportedUsage {
-        self.events.reported()
-    }
-
-    /// Output tokens: as reported, or else counted from the streamed text.
-    pub fn output_tokens(&self) -> u64 {
-        self.events.output_tokens()
-    }
-
-    /// Whether the stream said it was complete (the `metadata` event, `message_stop`).
-    pub fn finished(&self) -> bool {
-        self.events.finished
-    }
-
-    /// Why the framing stopped being read (a bad CRC, an oversized message), if it did.
-    pub fn broken(&self) -> Option<StreamError> {
-        self.decoder.broken()
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::eventstream::encode;
+    use crate::eventstream::StreamError;
     use crate::host::{HostKind, Metric};
     use crate::testing::{FakeCompanion, InFlight, Proxy, Request, World};
+    use crate::tokens::Encoding;
+    use crate::usage::EventStreamUsage;
+    use base64::Engine;
     #[cfg(not(target_arch = "wasm32"))]
     use proptest::prelude::*;
 
@@ -262,8 +185,8 @@ mod tests {
         assert_eq!(BedrockRoute::from_path(&too_long), None);
     }
 
-    fn parse<'a>(path: &str, body: &'a str) -> ParsedBody<'a> {
-        BedrockRoute::from_path(path).expect(path).parse(body.as_bytes()).expect(body)
+    fn parse<'a>(path: &str, body: &'a str) -> crate::request::ParsedBody<'a> {
+        crate::request::parse_on(&super::super::route(path).expect(path), body.as_bytes()).expect(path).expect(body)
     }
 
     #[cfg_attr(not(target_arch = "wasm32"), test)]
@@ -293,7 +216,7 @@ mod tests {
     fn invoke_reads_anthropics_body_with_the_paths_model() {
         let body = r#"{"anthropic_version":"bedrock-2023-05-31","max_tokens":300,"system":"hello world","messages":[{"role":"user","content":"hello world"}]}"#;
         let parsed = parse("/model/anthropic.claude-3-haiku-20240307-v1%3A0/invoke", body);
-        let direct = LlmRequest::parse(Api::Messages, body.as_bytes()).expect("messages");
+        let direct = crate::request::LlmRequest::parse(Api::Messages, body.as_bytes()).expect("messages");
         assert_eq!(parsed.prompt_tokens(O200K), direct.prompt_tokens(O200K));
         let request = &parsed.request;
         assert_eq!(request.model.as_deref(), Some("anthropic.claude-3-haiku-20240307-v1:0"));
@@ -472,7 +395,7 @@ mod tests {
             ),
         ];
         for (path, body, reply, used) in streams {
-            let prompt = BedrockRoute::from_path(path).unwrap().parse(body.as_bytes()).unwrap().prompt_tokens(O200K);
+            let prompt = parse(path, body).prompt_tokens(O200K);
             for at in (0..=reply.len()).step_by(7) {
                 let world = World::new(HostKind::Envoy);
                 let mut proxy = Proxy::new(&world, &lifecycle_config(serde_json::json!({}), 10_000));
@@ -489,6 +412,37 @@ mod tests {
                 let settled = companion.settled.last().expect("settled");
                 assert_eq!(settled.limits[0].credit, (prompt + 300) as i64 - used as i64, "{path} split at {at}");
             }
+        }
+    }
+
+    /// A stream cut by an exception (`throttlingException` mid-stream) is an interrupted
+    /// reply: charged the output that came before it, and nothing is learned from it (a
+    /// completed one teaches the tenant's average, which shrinks the next reservation).
+    #[test]
+    fn an_exception_mid_stream_settles_as_an_interrupted_reply() {
+        let path = "/model/amazon.nova-lite-v1%3A0/converse-stream";
+        let throttled = encode(
+            &[(":exception-type", "throttlingException"), (":message-type", "exception")],
+            br#"{"message":"Too many tokens, please wait before trying again."}"#,
+        );
+        let cut = [converse_stream(false), throttled].concat();
+        let prompt = parse(path, CONVERSE).prompt_tokens(O200K);
+        // (the stream, what it is charged, whether it teaches the average): a stream cut by
+        // an exception after its headers is charged at least its reservation (the provider
+        // may have generated more than it sent, `reply_floor`), a completed one its usage.
+        for (reply, used, teaches) in [(cut, prompt + 300, false), (converse_stream(true), 151 + 10, true)] {
+            let world = World::new(HostKind::Envoy);
+            let mut proxy = Proxy::new(&world, &lifecycle_config(serde_json::json!({}), 10_000));
+            let mut companion = FakeCompanion::default();
+            let mut flight = proxy.send(signed_request("AKIDTENANT1", path, CONVERSE), &mut companion);
+            assert_eq!(charge_costs(&flight)[1].0, prompt + 300);
+            proxy.reply_bytes(&mut flight, 200, EVENT_STREAM_CONTENT_TYPE, &[&reply]);
+            proxy.tick(Some(&mut companion));
+            // Nothing to give back is sent as no settlement at all.
+            let credit = companion.settled.last().map_or(0, |settled| settled.limits[0].credit);
+            assert_eq!(credit, (prompt + 300) as i64 - used as i64, "teaches: {teaches}");
+            let next = proxy.send(signed_request("AKIDTENANT1", path, CONVERSE), &mut companion);
+            assert_eq!(charge_costs(&next)[1].0 < prompt + 300, teaches, "the next reservation, teaches: {teaches}");
         }
     }
 
@@ -529,7 +483,7 @@ mod tests {
             assert!(flight.forwarded());
             assert_eq!(flight.host.request_body, body.as_bytes(), "{path}: the body went unchanged");
             assert_eq!(world.borrow().host_calls.get("replace_request_body"), None);
-            let parsed = BedrockRoute::from_path(path).unwrap().parse(body.as_bytes()).unwrap();
+            let parsed = parse(path, body);
             let bound = crate::charge::prompt_bound(parsed.prompt_tokens(O200K), &parsed);
             assert_eq!(charge_costs(&flight)[1], (bound + 300, None), "{path}");
             assert_eq!(flight.host.metric(Metric::SignedNotClamped), 1);

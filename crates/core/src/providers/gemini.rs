@@ -7,17 +7,17 @@
 //! Gemini's tokenizer is not public: the prompt is counted with the configured encoding
 //! (an estimate, corrected by calibration against the `promptTokenCount` replies report).
 
-use super::{Route, MAX_MODEL_NAME};
+use super::{Provider, Route, MAX_MODEL_NAME};
+use crate::api::{text_leaves, Api, ReportedUsage};
 use crate::json::Json;
-use crate::request::{text_leaves, Api};
-use crate::usage::ReportedUsage;
 
 /// What a Gemini image, video frame or file part costs: Google bills an image of up to
 /// 384x384 pixels as 258 tokens (larger ones are tiled at 258 a tile).
 pub const MEDIA_PART_TOKENS: u64 = 258;
 
-/// The method in the path's last segment (`{model}:{method}`), the colon possibly
-/// percent-encoded.
+/// The method in the path's last segment (`{model}:{method}`, on `models` or
+/// `tunedModels`), the colon possibly percent-encoded. A method the filter does not parse
+/// (`:embedContent`) is still Google's: it routes with no API.
 pub(super) fn route(path: &str) -> Option<Route> {
     let (parent, last) = path.rsplit_once('/')?;
     let collection = parent.rsplit('/').next()?;
@@ -26,14 +26,25 @@ pub(super) fn route(path: &str) -> Option<Route> {
     }
     let last = percent_encoding::percent_decode_str(last).decode_utf8().ok()?;
     let (model, method) = last.rsplit_once(':')?;
+    if method.is_empty() {
+        return None;
+    }
     let api = match method {
-        "generateContent" => Api::GenerateContent,
-        "streamGenerateContent" => Api::StreamGenerateContent,
-        "countTokens" => Api::CountTokens,
-        _ => return None,
+        "generateContent" => Some(Api::GenerateContent),
+        "streamGenerateContent" => Some(Api::StreamGenerateContent),
+        "countTokens" => Some(Api::CountTokens),
+        _ => None,
     };
-    let valid = !model.is_empty() && model.len() <= MAX_MODEL_NAME && !model.chars().any(char::is_control);
-    Some(Route { api, path_model: valid.then(|| super::PathModel::Model(model.to_string())) })
+    let valid =
+        api.is_some() && !model.is_empty() && model.len() <= MAX_MODEL_NAME && !model.chars().any(char::is_control);
+    Some(Route {
+        provider: Provider::Gemini,
+        api,
+        path_model: valid.then(|| super::PathModel::Model(model.to_string())),
+        streams: (api == Some(Api::StreamGenerateContent)).then_some(true),
+        body_is_signed: false,
+        dialect: Provider::Gemini.dialect(),
+    })
 }
 
 /// Prompt tokens of a `generateContent` body: the text of every part of `contents` and
@@ -126,24 +137,26 @@ mod tests {
         let cases = [
             (
                 "/v1beta/models/gemini-2.5-flash:generateContent",
-                Some((Api::GenerateContent, model("gemini-2.5-flash"))),
+                Some((Some(Api::GenerateContent), model("gemini-2.5-flash"))),
             ),
             (
                 "/v1beta/models/gemini-2.5-pro:streamGenerateContent?alt=sse",
-                Some((Api::StreamGenerateContent, model("gemini-2.5-pro"))),
+                Some((Some(Api::StreamGenerateContent), model("gemini-2.5-pro"))),
             ),
-            ("/v1/models/gemini-2.0-flash%3AcountTokens", Some((Api::CountTokens, model("gemini-2.0-flash")))),
+            ("/v1/models/gemini-2.0-flash%3AcountTokens", Some((Some(Api::CountTokens), model("gemini-2.0-flash")))),
             (
                 "/v1/projects/p-1/locations/us-central1/publishers/google/models/gemini-2.5-flash:generateContent",
-                Some((Api::GenerateContent, model("gemini-2.5-flash"))),
+                Some((Some(Api::GenerateContent), model("gemini-2.5-flash"))),
             ),
             (
                 "/v1beta1/projects/p/locations/global/publishers/google/models/gemini%2D2.5:streamGenerateContent",
-                Some((Api::StreamGenerateContent, model("gemini-2.5"))),
+                Some((Some(Api::StreamGenerateContent), model("gemini-2.5"))),
             ),
-            ("/v1beta/tunedModels/my-tune:generateContent", Some((Api::GenerateContent, model("my-tune")))),
-            ("/v1beta/models/:generateContent", Some((Api::GenerateContent, None))),
-            ("/v1beta/models/gemini:embedContent", None),
+            ("/v1beta/tunedModels/my-tune:generateContent", Some((Some(Api::GenerateContent), model("my-tune")))),
+            ("/v1beta/models/:generateContent", Some((Some(Api::GenerateContent), None))),
+            // Google's, though not a call the filter parses: answered in Google's shape.
+            ("/v1beta/models/gemini:embedContent", Some((None, None))),
+            ("/v1beta/models/gemini:", None),
             ("/v1beta/files/x:generateContent", None),
             ("/v1beta/models/gemini-2.5-flash", None),
             ("/v1beta/models/%FF%FE:generateContent", None),
