@@ -15,7 +15,7 @@ use crate::decision::{
 };
 use crate::dialect::Dialect;
 use crate::host::{shared_update, Action, Host, LogLevel, Metric, Owner};
-use crate::identity::{find_credential, tenant_id, ANONYMOUS_TENANT};
+use crate::identity::{read_credential, tenant_id, Credential, IdentitySource, ANONYMOUS_TENANT};
 use crate::lease::{lease_asks, LeaseEntry, TenantLeases};
 use crate::prompt_cache::PromptCache;
 use crate::protocol::keys;
@@ -198,7 +198,7 @@ impl RequestFilter {
         // Known before any body, so every answer, even one that never reads it, is in the
         // caller's shape.
         self.dialect = config.error_format.dialect(self.route.as_ref().map_or(Dialect::OpenAi, |route| route.dialect));
-        match self.identify(host, &config) {
+        match self.identify(host, &config, &path) {
             Ok(tenant) => self.tenant = tenant,
             Err(verdict) => return self.apply(host, &config, verdict, false),
         }
@@ -354,11 +354,25 @@ impl RequestFilter {
 
     // ---- deciding ----
 
-    fn identify(&self, host: &mut impl Host, config: &Policy) -> Result<String, Verdict> {
-        match (find_credential(&config.identity.sources, |name| host.request_header(name)), config.identity.missing) {
-            (Some(credential), _) => Ok(tenant_id(&credential)),
-            (None, MissingIdentity::Anonymous) => Ok(ANONYMOUS_TENANT.to_string()),
-            (None, MissingIdentity::Reject) => {
+    /// The tenant, from the places the request's upstream authenticates (or the
+    /// operator's own headers): all of them, so that two credentials are refused rather
+    /// than one chosen.
+    fn identify(&self, host: &mut impl Host, config: &Policy, path: &str) -> Result<String, Verdict> {
+        let query = path.split_once('?').map_or("", |(_, query)| query.split('#').next().unwrap_or(""));
+        let values = |name: &str| host.request_header_values(name);
+        let credential = match (&config.identity.sources, &self.route) {
+            (Some(sources), _) => read_credential(sources.iter().map(IdentitySource::place), values, ""),
+            (None, Some(route)) => read_credential(route.provider.credentials().iter().copied(), values, query),
+            (None, None) => read_credential(providers::EVERY_CREDENTIAL_PLACE, values, query),
+        };
+        match (credential, config.identity.missing) {
+            (Credential::Conflicting, _) => {
+                host.add_metric(Metric::Unidentified, 1);
+                Err(Verdict::Reply(decision::conflicting_credentials(self.dialect)))
+            }
+            (Credential::Found(credential), _) => Ok(tenant_id(&credential)),
+            (Credential::Missing, MissingIdentity::Anonymous) => Ok(ANONYMOUS_TENANT.to_string()),
+            (Credential::Missing, MissingIdentity::Reject) => {
                 host.add_metric(Metric::Unidentified, 1);
                 Err(Verdict::Reply(decision::missing_identity(self.dialect)))
             }

@@ -174,6 +174,18 @@ impl Host for FakeHost {
         self.request_headers.iter().find(|(n, _)| n == name).map(|(_, v)| v.clone())
     }
 
+    fn request_header_values(&mut self, name: &str) -> Vec<String> {
+        self.count_call("request_header_values");
+        let values: Vec<String> =
+            self.request_headers.iter().filter(|(n, _)| n == name).map(|(_, v)| v.clone()).collect();
+        // Envoy keeps `authorization` as one inline header and appends a repeat to it
+        // with ','; ngx_wasm_module lists each line.
+        if self.kind() == HostKind::Envoy && name == "authorization" && values.len() > 1 {
+            return vec![values.join(",")];
+        }
+        values
+    }
+
     fn set_request_header(&mut self, name: &str, value: &str) -> bool {
         self.count_call("set_request_header");
         self.request_headers.retain(|(n, _)| n != name);

@@ -88,6 +88,11 @@ impl Host for ProxyHost {
         hostcalls::get_map_value(MapType::HttpRequestHeaders, name).ok().flatten()
     }
 
+    fn request_header_values(&mut self, name: &str) -> Vec<String> {
+        let headers = hostcalls::get_map(MapType::HttpRequestHeaders).unwrap_or_default();
+        headers.into_iter().filter(|(n, _)| n.eq_ignore_ascii_case(name)).map(|(_, v)| v).collect()
+    }
+
     fn set_request_header(&mut self, name: &str, value: &str) -> bool {
         hostcalls::set_map_value(MapType::HttpRequestHeaders, name, Some(value)).is_ok()
     }

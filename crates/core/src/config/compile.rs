@@ -80,11 +80,13 @@ fn companion(written: &shape::Companion) -> Result<Companion, ConfigError> {
 }
 
 fn identity(written: &shape::Identity) -> Result<Identity, ConfigError> {
-    if written.sources.is_empty() {
+    let Some(written_sources) = &written.sources else {
+        return Ok(Identity { sources: None, missing: written.missing });
+    };
+    if written_sources.is_empty() {
         return Err(invalid("identity.sources", "must list at least one header"));
     }
-    let sources = written
-        .sources
+    let sources = written_sources
         .iter()
         .enumerate()
         .map(|(i, source)| {
@@ -92,7 +94,7 @@ fn identity(written: &shape::Identity) -> Result<Identity, ConfigError> {
             Ok(IdentitySource { header, prefix: source.prefix.clone() })
         })
         .collect::<Result<_, ConfigError>>()?;
-    Ok(Identity { sources, missing: written.missing })
+    Ok(Identity { sources: Some(sources), missing: written.missing })
 }
 
 /// The list: at least one limit, each named once.
@@ -567,10 +569,10 @@ mod tests {
                 "limits": [{"name": "c", "concurrency": 2, "tiers": ["gold"]}]}"#,
         );
         let policy = compile(&written).unwrap_or_else(|e| panic!("{e}"));
-        assert_eq!(policy.identity.sources[0].header, "x-tenant");
+        assert_eq!(policy.identity.sources.as_ref().map(|s| s[0].header.as_str()), Some("x-tenant"));
         assert_eq!(policy.tier.as_ref().map(|t| t.header.as_str()), Some("x-tier"));
         assert_eq!(policy.queue.priority_header.as_deref(), Some("x-priority"));
-        assert_eq!(written.identity.sources[0].header, " X-Tenant ");
+        assert_eq!(written.identity.sources.as_ref().map(|s| s[0].header.as_str()), Some(" X-Tenant "));
         assert_eq!(written.tier.as_ref().map(|t| t.header.as_str()), Some("X-Tier"));
         assert_eq!(written.limits[0].window, None, "the slot ttl is the policy's, not written back");
     }

@@ -130,8 +130,9 @@ impl Companion {
 
 #[derive(Debug, Clone)]
 pub struct Identity {
-    /// Tried in order; header names in lower case.
-    pub sources: Vec<IdentitySource>,
+    /// The operator's own credential headers (names in lower case), all read; `None`:
+    /// each API's own places.
+    pub sources: Option<Vec<IdentitySource>>,
     pub missing: MissingIdentity,
 }
 

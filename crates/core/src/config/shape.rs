@@ -105,17 +105,18 @@ pub struct Companion {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Identity {
-    /// Headers tried in order; the first present one identifies the tenant. Header names
+    /// The operator's own credential headers, all read (two that disagree refuse the
+    /// request); when absent, each API's own (see `Provider::credentials`). Header names
     /// are matched case-insensitively.
-    #[serde(default = "default_identity_sources")]
-    pub sources: Vec<IdentitySource>,
+    #[serde(default)]
+    pub sources: Option<Vec<IdentitySource>>,
     #[serde(default)]
     pub missing: MissingIdentity,
 }
 
 impl Default for Identity {
     fn default() -> Self {
-        Identity { sources: default_identity_sources(), missing: MissingIdentity::default() }
+        Identity { sources: None, missing: MissingIdentity::default() }
     }
 }
 
@@ -430,20 +431,6 @@ fn default_domain() -> String {
 
 fn default_companion_timeout() -> ConfigDuration {
     ConfigDuration(Duration::from_millis(50))
-}
-
-/// OpenAI's convention (`Authorization: Bearer <key>`, also Vertex AI's), then
-/// Anthropic's (`x-api-key`), Gemini's (`x-goog-api-key`), Azure OpenAI's (`api-key`),
-/// then AWS's SigV4 (Bedrock: the access key id of `Authorization: AWS4-HMAC-SHA256
-/// Credential=…`).
-pub fn default_identity_sources() -> Vec<IdentitySource> {
-    vec![
-        IdentitySource { header: "authorization".into(), prefix: Some("Bearer ".into()) },
-        IdentitySource { header: "x-api-key".into(), prefix: None },
-        IdentitySource { header: "x-goog-api-key".into(), prefix: None },
-        IdentitySource { header: "api-key".into(), prefix: None },
-        IdentitySource { header: "authorization".into(), prefix: Some(format!("{} ", crate::identity::SIGV4_SCHEME)) },
-    ]
 }
 
 fn default_header_styles() -> Vec<HeaderStyle> {

@@ -1,6 +1,5 @@
 //! The config end to end: JSON in, a policy or an error naming the field out.
 
-use super::shape::default_identity_sources;
 use super::*;
 use crate::protocol::LimitKind;
 use crate::tokens::Encoding;
@@ -33,7 +32,7 @@ fn parses_a_full_config() {
     assert_eq!(config.companion.authority(), "companion");
     assert_eq!(config.companion.timeout, Duration::from_millis(250));
     assert_eq!(config.domain, "prod");
-    assert_eq!(config.identity.sources, vec![IdentitySource { header: "x-tenant".into(), prefix: None }]);
+    assert_eq!(config.identity.sources, Some(vec![IdentitySource { header: "x-tenant".into(), prefix: None }]));
     assert_eq!(config.identity.missing, MissingIdentity::Anonymous);
     assert_eq!(config.failure_mode, FailureMode::Deny);
     assert_eq!(config.limits.len(), 4);
@@ -58,7 +57,7 @@ fn fills_defaults() {
     let config = Policy::from_json(json.as_bytes()).expect("minimal config");
     assert_eq!(config.domain, "llm");
     assert_eq!(config.companion.timeout, Duration::from_millis(50));
-    assert_eq!(config.identity.sources, default_identity_sources());
+    assert_eq!(config.identity.sources, None);
     assert_eq!(config.identity.missing, MissingIdentity::Reject);
     assert_eq!(config.failure_mode, FailureMode::Local);
     assert_eq!(config.mode, Mode::Enforce);

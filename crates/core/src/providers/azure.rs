@@ -5,7 +5,12 @@
 //! the body's `model`. The config's `deployments` maps a deployment to its model.
 
 use super::{PathModel, Provider, Route};
+use crate::identity::{CredentialPlace, BEARER};
 use crate::request::Api;
+
+/// Where Azure OpenAI reads the caller's credential: the resource key or an Entra ID token.
+pub const CREDENTIALS: [CredentialPlace<'static>; 2] =
+    [CredentialPlace::Header { name: "api-key", prefix: None }, BEARER];
 
 /// Azure limits a deployment's name to 64 characters.
 pub const MAX_DEPLOYMENT_NAME: usize = 64;

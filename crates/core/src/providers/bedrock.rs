@@ -19,11 +19,15 @@
 
 use super::{PathModel, Provider, Route};
 use crate::eventstream::{EventStreamDecoder, Message, StreamError};
+use crate::identity::{CredentialPlace, BEARER, SIGV4};
 use crate::json::Json;
 use crate::request::Api;
 use crate::tokens::Encoding;
 use crate::usage::{ReportedUsage, StreamUsage};
 use base64::Engine;
+
+/// Where Bedrock reads the caller's credential: a SigV4 signature (its access key id) or a Bedrock API key.
+pub const CREDENTIALS: [CredentialPlace<'static>; 2] = [SIGV4, BEARER];
 
 /// Bedrock's own bound on a model id (an ARN included), in bytes.
 pub const MAX_MODEL_ID_BYTES: usize = 2048;

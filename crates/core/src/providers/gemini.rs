@@ -8,9 +8,14 @@
 //! (an estimate, corrected by calibration against the `promptTokenCount` replies report).
 
 use super::{Provider, Route, MAX_MODEL_NAME};
+use crate::identity::{CredentialPlace, BEARER};
 use crate::json::Json;
 use crate::request::{text_leaves, Api};
 use crate::usage::ReportedUsage;
+
+/// Where Gemini and Vertex AI read the caller's credential: the API key (header or `?key=`) or an OAuth access token.
+pub const CREDENTIALS: [CredentialPlace<'static>; 3] =
+    [CredentialPlace::Header { name: "x-goog-api-key", prefix: None }, CredentialPlace::Query("key"), BEARER];
 
 /// What a Gemini image, video frame or file part costs: Google bills an image of up to
 /// 384x384 pixels as 258 tokens (larger ones are tiled at 258 a tile).

@@ -13,6 +13,7 @@ pub mod bedrock;
 pub mod gemini;
 
 use crate::dialect::Dialect;
+use crate::identity::{CredentialPlace, BEARER, SIGV4};
 use crate::request::{Api, BodyError, LlmRequest, ParsedBody};
 use std::collections::BTreeMap;
 
@@ -33,7 +34,35 @@ pub enum Provider {
     Bedrock,
 }
 
+/// Anthropic reads its API key, or an OAuth token as Bearer.
+const ANTHROPIC_CREDENTIALS: [CredentialPlace<'static>; 2] =
+    [CredentialPlace::Header { name: "x-api-key", prefix: None }, BEARER];
+
+/// Every place a family reads: on a path no family is recognised in, the upstream may be
+/// any of them, so all must agree.
+pub const EVERY_CREDENTIAL_PLACE: [CredentialPlace<'static>; 6] = [
+    BEARER,
+    CredentialPlace::Header { name: "x-api-key", prefix: None },
+    CredentialPlace::Header { name: "x-goog-api-key", prefix: None },
+    CredentialPlace::Header { name: "api-key", prefix: None },
+    SIGV4,
+    CredentialPlace::Query("key"),
+];
+
 impl Provider {
+    /// Where this provider's upstream reads the caller's credential: the only places the
+    /// tenant is read from, so a client cannot name itself by adding a header the
+    /// upstream ignores.
+    pub fn credentials(self) -> &'static [CredentialPlace<'static>] {
+        match self {
+            Provider::OpenAi => &[BEARER],
+            Provider::Anthropic => &ANTHROPIC_CREDENTIALS,
+            Provider::Gemini => &gemini::CREDENTIALS,
+            Provider::Azure => &azure::CREDENTIALS,
+            Provider::Bedrock => &bedrock::CREDENTIALS,
+        }
+    }
+
     /// The shape of the filter's own answers to this provider's callers.
     pub const fn dialect(self) -> Dialect {
         match self {
