@@ -152,6 +152,9 @@ pub struct RequestFilter {
     route: Option<providers::Route>,
     /// Whose shape the filter's own answers to this request take.
     dialect: Dialect,
+    /// The upstream refused the request's credential (401 or 403): it did no work, and a
+    /// forged request must not use up the tenant it names.
+    credential_refused: bool,
 }
 
 impl RequestFilter {
@@ -173,6 +176,7 @@ impl RequestFilter {
             holding_headers: false,
             route: None,
             dialect: Dialect::default(),
+            credential_refused: false,
         }
     }
 
@@ -277,6 +281,10 @@ impl RequestFilter {
     pub fn on_response_headers(&mut self, host: &mut impl Host) -> Action {
         for (name, value) in self.response_headers.drain(..) {
             host.set_response_header(name, &value);
+        }
+        if self.admission.is_some() {
+            let status: u32 = host.response_header(":status").and_then(|s| s.parse().ok()).unwrap_or(0);
+            self.credential_refused = matches!(status, 401 | 403);
         }
         if self.admission.is_some() && self.plan.as_ref().is_some_and(|p| p.estimate.is_some()) {
             let status: u32 = host.response_header(":status").and_then(|s| s.parse().ok()).unwrap_or(0);
@@ -860,7 +868,11 @@ impl RequestFilter {
     /// from, and its slots are released.
     fn settle(&mut self, host: &mut impl Host, worker: &mut Worker, config: &Policy, ending: Ending) {
         let Some(admission) = self.admission.take() else { return };
-        let credits = self.credits(host, worker, config, ending);
+        let credits = if self.credential_refused && self.phase == Phase::Forwarded {
+            self.refund_everything(config)
+        } else {
+            self.credits(host, worker, config, ending)
+        };
         let applies = |i: usize| self.plan.as_ref().is_some_and(|p| p.applies(i));
         let slot_limits: Vec<usize> = config
             .limits
@@ -912,6 +924,17 @@ impl RequestFilter {
         let with_slots = reservation.is_some();
         let releases = slot_limits.into_iter().filter(|_| with_slots).map(|i| (i, 0));
         worker.settle_credits(host, config, &self.tenant, reservation, false, credits.into_iter().chain(releases));
+    }
+
+    /// What gives back all this request took from each limit but slots (released on
+    /// their own): requests, tokens and dollars alike.
+    fn refund_everything(&self, config: &Policy) -> Vec<(usize, i64)> {
+        let Some(plan) = self.plan.as_ref() else { return Vec::new() };
+        let limits = config.limits.iter().zip(&plan.buckets).enumerate().filter(|(i, _)| plan.applies(*i));
+        limits
+            .filter(|(_, (limit, _))| limit.kind != LimitKind::Slots)
+            .map(|(i, (_, bucket))| (i, i64::try_from(bucket.cost).unwrap_or(i64::MAX)))
+            .collect()
     }
 
     /// The client gave up while the charge waited in the queue: stop the charge if it has
@@ -1091,6 +1114,9 @@ fn count_tokens(host: &mut impl Host, config: &Policy, rule: usize, stage: Token
 #[cfg(test)]
 #[path = "lifecycle_answers_tests.rs"]
 mod answers_tests;
+#[cfg(test)]
+#[path = "lifecycle_request_tests.rs"]
+mod request_tests;
 #[cfg(test)]
 #[path = "lifecycle_tests.rs"]
 mod tests;

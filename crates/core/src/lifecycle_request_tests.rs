@@ -1,0 +1,135 @@
+//! The lifecycle on the fake host for what issue 26 closed on the request side: the
+//! tenant read only where the request's upstream authenticates, conflicting credentials
+//! refused (as each host presents a repeated header), and what an upstream refused for
+//! its credential given back.
+
+use super::tests::{config, settle};
+use crate::host::HostKind;
+use crate::protocol::ChargeRequest;
+use crate::testing::{FakeCompanion, InFlight, Proxy, Request, World};
+use serde_json::{json, Value};
+
+const HOSTS: [HostKind; 2] = [HostKind::Envoy, HostKind::Nginx];
+const CHAT: &str = r#"{"model":"gpt-4o","messages":[{"role":"user","content":"hello world"}],"max_tokens":300}"#;
+
+fn headers(path: &str, credentials: &[(&str, &str)]) -> Request {
+    let mut headers: Vec<(String, String)> = vec![
+        (":method".into(), "POST".into()),
+        (":path".into(), path.into()),
+        ("content-type".into(), "application/json".into()),
+    ];
+    headers.extend(credentials.iter().map(|(n, v)| (n.to_string(), v.to_string())));
+    Request { headers, body: CHAT.as_bytes().to_vec() }
+}
+
+fn tenant_of(flight: &InFlight) -> String {
+    let charge: ChargeRequest = serde_json::from_value(flight.host.last_callout().body.clone()).expect("a charge");
+    charge.tenant
+}
+
+fn refused_body(flight: &InFlight) -> Value {
+    let reply = flight.replied().expect("a local reply");
+    assert_eq!(reply.status, 400);
+    serde_json::from_str(&reply.body).expect("JSON")
+}
+
+fn rpm(requests: u64) -> String {
+    config(json!([{"name": "rpm", "requests": requests, "window": "1m"}]), json!({}))
+}
+
+#[test]
+fn the_tenant_is_read_where_the_upstream_authenticates() {
+    let azure = "/openai/deployments/gpt4/chat/completions?api-version=2024-10-21";
+    let gemini = "/v1beta/models/gemini-2.0-flash:generateContent";
+    for kind in HOSTS {
+        let world = World::new(kind);
+        let mut proxy = Proxy::new(&world, &rpm(100));
+        let mut companion = FakeCompanion::default();
+        // A header the upstream ignores does not name the tenant.
+        let flight = proxy.send(headers(azure, &[("api-key", "az-1"), ("x-api-key", "random-1")]), &mut companion);
+        assert_eq!(tenant_of(&flight), crate::identity::tenant_id("az-1"), "{kind:?}");
+        let flight = proxy.send(headers(&format!("{gemini}?key=g-1"), &[("x-api-key", "random-2")]), &mut companion);
+        assert_eq!(tenant_of(&flight), crate::identity::tenant_id("g-1"), "{kind:?}");
+        // The same key in two places the upstream reads is one tenant.
+        let flight =
+            proxy.send(headers(azure, &[("api-key", "az-1"), ("authorization", "Bearer az-1")]), &mut companion);
+        assert_eq!(tenant_of(&flight), crate::identity::tenant_id("az-1"), "{kind:?}");
+    }
+}
+
+#[test]
+fn conflicting_credentials_are_refused_in_the_apis_shape_on_every_host() {
+    let cases: [(&str, &[(&str, &str)], &str); 5] = [
+        ("/openai/deployments/gpt4/chat/completions", &[("api-key", "a"), ("authorization", "Bearer b")], "openai"),
+        ("/v1/chat/completions", &[("authorization", "Bearer a"), ("authorization", "Bearer b")], "openai"),
+        ("/v1/messages", &[("x-api-key", "a"), ("x-api-key", "a")], "anthropic"),
+        ("/v1beta/models/gemini-2.0-flash:generateContent?key=a", &[("x-goog-api-key", "b")], "google"),
+        // No family recognised: every place is read, and they must agree.
+        ("/v2/unknown", &[("authorization", "Bearer a"), ("x-api-key", "b")], "openai"),
+    ];
+    for kind in HOSTS {
+        let world = World::new(kind);
+        let config = config(
+            json!([{"name": "rpm", "requests": 100, "window": "1m"}]),
+            json!({"identity": {"missing": "anonymous"}}),
+        );
+        let mut proxy = Proxy::new(&world, &config);
+        let mut companion = FakeCompanion::default();
+        for (path, credentials, shape) in cases {
+            let flight = proxy.send(headers(path, credentials), &mut companion);
+            let body = refused_body(&flight);
+            match shape {
+                "openai" => assert_eq!(body["error"]["code"], "conflicting_credentials", "{kind:?} {path}"),
+                "anthropic" => assert_eq!(body["error"]["type"], "invalid_request_error", "{kind:?} {path}"),
+                _ => assert_eq!(body["error"]["status"], "INVALID_ARGUMENT", "{kind:?} {path}"),
+            }
+            assert!(!flight.forwarded(), "{kind:?} {path}");
+        }
+        assert_eq!(companion.calls.get(crate::protocol::CHARGE_PATH), None, "{kind:?}: nothing was charged");
+    }
+}
+
+#[test]
+fn the_operators_own_header_given_twice_is_refused() {
+    for kind in HOSTS {
+        let world = World::new(kind);
+        let config = config(
+            json!([{"name": "rpm", "requests": 100, "window": "1m"}]),
+            json!({"identity": {"sources": [{"header": "x-tenant"}]}}),
+        );
+        let mut proxy = Proxy::new(&world, &config);
+        let mut companion = FakeCompanion::default();
+        let flight =
+            proxy.send(headers("/v1/chat/completions", &[("x-tenant", "t1"), ("x-tenant", "t2")]), &mut companion);
+        assert_eq!(refused_body(&flight)["error"]["code"], "conflicting_credentials", "{kind:?}");
+        let flight = proxy.send(headers("/v1/chat/completions", &[("x-tenant", "t1")]), &mut companion);
+        assert_eq!(tenant_of(&flight), crate::identity::tenant_id("t1"), "{kind:?}");
+    }
+}
+
+#[test]
+fn a_request_the_upstream_refuses_for_its_credential_costs_nothing() {
+    for kind in HOSTS {
+        for status in [401, 403] {
+            let world = World::new(kind);
+            let config = config(
+                json!([{"name": "rpm", "requests": 3, "window": "1m"}, {"name": "tpm", "tokens": 100000, "window": "1m"}]),
+                json!({}),
+            );
+            let mut proxy = Proxy::new(&world, &config);
+            let mut companion = FakeCompanion::default();
+            // Ten forged requests naming the victim, each refused by the upstream.
+            for _ in 0..10 {
+                let mut forged = proxy.send(Request::chat("victim", CHAT), &mut companion);
+                assert!(forged.forwarded(), "{kind:?} {status}: the forged request found room");
+                let refusal = r#"{"error":{"message":"Incorrect API key provided","type":"invalid_request_error"}}"#;
+                proxy.reply(&mut forged, status, "application/json", &[refusal]);
+                let settled = settle(&mut proxy, &mut companion);
+                let credits: Vec<i64> = settled.iter().flat_map(|s| s.limits.iter().map(|l| l.credit)).collect();
+                assert_eq!(credits, [1, 309], "{kind:?} {status}: the request and its tokens came back");
+            }
+            let own = proxy.send(Request::chat("victim", CHAT), &mut companion);
+            assert!(own.forwarded(), "{kind:?} {status}: the victim's own request is admitted");
+        }
+    }
+}
