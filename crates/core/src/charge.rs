@@ -62,10 +62,14 @@ impl ChargePlan {
             .zip(charged)
             .find(|(bucket, _)| bucket.min_cost.is_some())
             .map_or(0, |(bucket, &charged)| bucket.cost.saturating_sub(charged));
+        // Several choices share the grant: each gets an equal part, and the settlement is
+        // against what they may spend together.
+        let choices = self.request.as_ref().map_or(1, |r| r.choices);
         let granted = match (self.clamped, &mut self.estimate) {
             (true, Some(estimate)) => {
-                estimate.output = estimate.output.saturating_sub(reduction);
-                Some(estimate.output)
+                let per_choice = estimate.output.saturating_sub(reduction) / choices;
+                estimate.output = per_choice.saturating_mul(choices);
+                Some(per_choice)
             }
             _ => None,
         };
@@ -163,16 +167,19 @@ pub fn plan(
             counted_prompt = parsed.prompt_tokens_with(&mut |text| learned.count(rule.encoding, text));
             let calibration = learned.calibration(rule_index);
             let prompt = (counted_prompt as f64 * calibration.prompt_factor(rule.factor)).ceil() as u64;
-            let cap = request.max_output.or(rule.max_output).unwrap_or(policy.default_max_output);
+            // Each of `choices` completions may run to the cap.
+            let per_choice = request.max_output.or(rule.max_output).unwrap_or(policy.default_max_output);
+            let cap = per_choice.saturating_mul(request.choices);
             Some(if !request.api.produces_output() {
                 TokenCounts { prompt, output: 0 }
             } else if bounded {
                 // The true upper bound, elastic down to a useful minimum where it may be clamped.
-                min_output = clamped.then(|| policy.min_output_tokens.min(cap));
+                min_output = clamped.then(|| policy.min_output_tokens.min(per_choice).saturating_mul(request.choices));
                 TokenCounts { prompt: prompt_bound(prompt, parsed), output: cap }
             } else {
                 let history = learned.average(&model).or_else(|| prior(model_policy, &calibration));
-                TokenCounts { prompt, output: estimate_output(cap, history, policy.output_estimate_factor) }
+                let output = estimate_output(per_choice, history, policy.output_estimate_factor);
+                TokenCounts { prompt, output: output.saturating_mul(request.choices) }
             })
         }
         (None, Some(_)) => Some(TokenCounts { prompt: policy.unparsed_request_cost, output: 0 }),

@@ -19,7 +19,15 @@ fn headers(path: &str, credentials: &[(&str, &str)]) -> Request {
         ("content-type".into(), "application/json".into()),
     ];
     headers.extend(credentials.iter().map(|(n, v)| (n.to_string(), v.to_string())));
-    Request { headers, body: CHAT.as_bytes().to_vec() }
+    with_body(Request { headers, body: Vec::new() }, CHAT)
+}
+
+/// `request` carrying `body`, with its length (without one ngx_wasm_module sees no body).
+fn with_body(mut request: Request, body: &str) -> Request {
+    request.headers.retain(|(name, _)| name != "content-length");
+    request.headers.push(("content-length".into(), body.len().to_string()));
+    request.body = body.as_bytes().to_vec();
+    request
 }
 
 fn tenant_of(flight: &InFlight) -> String {
@@ -131,5 +139,78 @@ fn a_request_the_upstream_refuses_for_its_credential_costs_nothing() {
             let own = proxy.send(Request::chat("victim", CHAT), &mut companion);
             assert!(own.forwarded(), "{kind:?} {status}: the victim's own request is admitted");
         }
+    }
+}
+
+#[test]
+fn each_choice_is_reserved_its_output_allowance() {
+    // `n`, `best_of`, `candidateCount`: the provider bills every completion it generates.
+    let cases = [
+        (
+            "/v1/chat/completions",
+            r#"{"model":"gpt-4o","messages":[{"role":"user","content":"hello world"}],"max_tokens":300,"n":64}"#,
+            9 + 300 * 64,
+        ),
+        (
+            "/v1/completions",
+            r#"{"model":"gpt-3.5-turbo-instruct","prompt":"hello world","max_tokens":300,"n":2,"best_of":5}"#,
+            0,
+        ),
+        (
+            "/v1beta/models/gemini-2.0-flash:generateContent",
+            r#"{"contents":[{"parts":[{"text":"hello world"}]}],"generationConfig":{"maxOutputTokens":300,"candidateCount":8}}"#,
+            0,
+        ),
+    ];
+    for kind in HOSTS {
+        let world = World::new(kind);
+        let config = config(json!([{"name": "tpm", "tokens": 1_000_000, "window": "1m"}]), json!({}));
+        let mut proxy = Proxy::new(&world, &config);
+        let mut companion = FakeCompanion::default();
+        let mut one = Vec::new();
+        for (path, body, expected) in cases {
+            let request = with_body(headers(path, &[("authorization", "Bearer k"), ("x-goog-api-key", "k")]), body);
+            let flight = proxy.send(request, &mut companion);
+            let charge: ChargeRequest =
+                serde_json::from_value(flight.host.last_callout().body.clone()).expect("charge");
+            let single = body
+                .replace(r#","n":64"#, "")
+                .replace(r#","n":2,"best_of":5"#, "")
+                .replace(r#","candidateCount":8"#, "");
+            let request = with_body(headers(path, &[("authorization", "Bearer k"), ("x-goog-api-key", "k")]), &single);
+            let flight = proxy.send(request, &mut companion);
+            let base: ChargeRequest = serde_json::from_value(flight.host.last_callout().body.clone()).expect("charge");
+            one.push((charge.limits[0].cost, base.limits[0].cost, expected));
+        }
+        // The prompt is the same; the output allowance is 300 per choice.
+        let [(chat, chat1, expected), (completions, completions1, _), (gemini, gemini1, _)] = one[..] else { panic!() };
+        assert_eq!(chat, expected, "{kind:?}");
+        assert_eq!(chat - chat1, 300 * 63, "{kind:?}");
+        assert_eq!(completions - completions1, 300 * 4, "{kind:?}: best_of 5 candidates are generated");
+        assert_eq!(gemini - gemini1, 300 * 7, "{kind:?}");
+    }
+}
+
+#[test]
+fn a_clamped_grant_is_shared_by_the_choices() {
+    // Where the host lets the body be rewritten after the decision (see
+    // `clamping_rewrites_the_output_cap_to_the_grant`).
+    for kind in [HostKind::Envoy] {
+        let world = World::new(kind);
+        // 9 prompt tokens + 4 choices: 1,000 tokens left gives each choice (1000-21)/4.
+        let config = config(
+            json!([{"name": "tpm", "tokens": 1000, "window": "1m"}]),
+            json!({"tokens": {"clamp_max_tokens": true, "min_output_tokens": 10}}),
+        );
+        let mut proxy = Proxy::new(&world, &config);
+        let mut companion = FakeCompanion::default();
+        let body = r#"{"model":"gpt-4o","messages":[{"role":"user","content":"hello world"}],"max_tokens":4000,"n":4}"#;
+        let request = with_body(headers("/v1/chat/completions", &[("authorization", "Bearer k")]), body);
+        let flight = proxy.send(request, &mut companion);
+        assert!(flight.forwarded(), "{kind:?}");
+        let sent: Value = serde_json::from_slice(&flight.host.request_body).expect("rewritten body");
+        let per_choice = sent["max_tokens"].as_u64().expect("a cap");
+        // 1,000 left less the prompt's bound (21 tokens), in four equal parts.
+        assert_eq!(per_choice, (1000 - 21) / 4, "{kind:?}");
     }
 }
