@@ -2,7 +2,7 @@
 //! estimate against every token limit, decided from the path and body alone.
 
 use crate::calibration::Calibration;
-use crate::config::{Dimension, Measure, ModelPolicy, Policy, Price, TokenCount};
+use crate::config::{Dimension, Measure, ModelPolicy, Policy, Price, TokenCount, UnreadableBody};
 use crate::protocol::{LimitCharge, LimitsReply};
 use crate::providers;
 use crate::providers::Route;
@@ -42,6 +42,9 @@ pub struct ChargePlan {
     pub price: Option<Price>,
     /// A cost limit applies but the model has no price: the request cannot be charged.
     pub unpriced: bool,
+    /// Why the body cannot be read as its API's JSON, when it is to be refused for it
+    /// (`tokens.unreadable_body: refuse`).
+    pub unreadable: Option<String>,
 }
 
 impl ChargePlan {
@@ -145,7 +148,15 @@ pub fn plan(
     learned: &mut impl Learned,
 ) -> ChargePlan {
     let policy = &config.tokens;
-    let parsed = body.and_then(|body| route?.parse(body)?.ok());
+    let parse = body.and_then(|body| route?.parse(body));
+    // A body on an LLM path that is not its API's JSON (an empty one is no body: a GET).
+    let unreadable = match (&parse, body) {
+        (Some(Err(why)), Some(body)) if !body.is_empty() => Some(why.to_string()),
+        _ => None,
+    };
+    // Charged at the most it can cost (`unreadable_body: charge_most`), whatever it names.
+    let most = unreadable.is_some() && policy.unreadable_body == UnreadableBody::ChargeMost;
+    let parsed = parse.and_then(Result::ok);
     let request = parsed.as_ref().map(|parsed| parsed.request.clone());
     // From the body, or the path (Gemini, Vertex AI, Bedrock), or a deployment (Azure).
     let named = providers::model_name(route, request.as_ref().and_then(|r| r.model.as_deref()), &config.deployments);
@@ -156,7 +167,11 @@ pub fn plan(
     // A signed body (Bedrock) cannot have its cap shrunk: it is reserved at the bound
     // clamping starts from, its whole cap, all or nothing.
     let clamped = bounded && !request.as_ref().is_some_and(|r| r.body_is_signed);
-    let price = config.price_of(&model).or_else(|| named.unmapped_deployment.then(|| config.ceiling_price()).flatten());
+    let price = if most {
+        config.ceiling_price()
+    } else {
+        config.price_of(&model).or_else(|| named.unmapped_deployment.then(|| config.ceiling_price()).flatten())
+    };
     let mut min_output = None;
     let mut counted_prompt = 0;
     let estimate = match (&parsed, body) {
@@ -182,9 +197,20 @@ pub fn plan(
                 TokenCounts { prompt, output: output.saturating_mul(request.choices) }
             })
         }
+        // Every byte a token, and the longest completion the config allows for.
+        (None, Some(body)) if most => {
+            Some(TokenCounts { prompt: body.len() as u64, output: policy.default_max_output })
+        }
         (None, Some(_)) => Some(TokenCounts { prompt: policy.unparsed_request_cost, output: 0 }),
     };
-    let applicable: Vec<bool> = config.limits.iter().map(|limit| limit.applies_to(&model, tier)).collect();
+    let applies = |limit: &crate::config::Limit| {
+        if most {
+            limit.applies_to_tier(tier)
+        } else {
+            limit.applies_to(&model, tier)
+        }
+    };
+    let applicable: Vec<bool> = config.limits.iter().map(applies).collect();
     let buckets = config
         .limits
         .iter()
@@ -216,12 +242,11 @@ pub fn plan(
             kind: limit.kind,
             // An unparsed request's flat cost is never settled: nothing comes back.
             provisional: request.is_some()
-                && limit.applies_to(&model, tier)
+                && applies
                 && matches!(limit.dimension(), Dimension::Tokens | Dimension::Cost),
         })
         .collect();
-    let unpriced =
-        price.is_none() && config.limits.iter().any(|l| l.dimension() == Dimension::Cost && l.applies_to(&model, tier));
+    let unpriced = price.is_none() && config.limits.iter().any(|l| l.dimension() == Dimension::Cost && applies(l));
     // Only a body that may change is kept past the decision (see `apply_grant`).
     let rewritable =
         request.as_ref().is_some_and(|r| clamped || (policy.request_stream_usage && r.wants_usage_added()));
@@ -240,6 +265,7 @@ pub fn plan(
         clamped,
         price,
         unpriced,
+        unreadable: unreadable.filter(|_| !most),
     }
 }
 

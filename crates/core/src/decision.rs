@@ -243,6 +243,8 @@ pub fn conflicting_credentials(dialect: Dialect) -> LocalReply {
 /// 400 for a body on an LLM path that cannot be read as its API's JSON, or that gives a
 /// field the filter reads twice (`why` says which).
 pub fn unreadable_body(why: &str, dialect: Dialect) -> LocalReply {
+    // Bounded: the reason may quote the client's own key names.
+    let why: String = why.chars().take(200).collect();
     let message = format!("The request body cannot be read as this API's JSON: {why}.");
     error_reply(dialect, Refusal::Unreadable("invalid_body"), &message, None)
 }

@@ -9,7 +9,7 @@ use crate::breaker::Dispatch;
 use crate::bucket::{check_and_charge, decode_states, encode_states};
 use crate::calibration::{Calibration, Lesson, LocalCalibrations};
 use crate::charge::{plan, ChargePlan, Learned};
-use crate::config::{FailureMode, Measure, MissingIdentity, Mode, Policy};
+use crate::config::{FailureMode, Measure, MissingIdentity, Mode, Policy, UnknownPaths, UnreadableBody};
 use crate::decision::{
     self, Header, LocalReply, DEGRADED_HEADER, QUEUED_HEADER, RESERVED_TOKENS_HEADER, SHADOW_HEADER,
 };
@@ -193,7 +193,9 @@ impl RequestFilter {
 
     pub fn on_request_headers(&mut self, host: &mut impl Host, worker: &mut Worker, end_of_stream: bool) -> Action {
         let Some(config) = self.config.clone() else { return Action::Continue };
-        let path = host.request_header(":path").unwrap_or_default();
+        let raw_path = host.request_header(":path").unwrap_or_default();
+        // The one reading of the path: bypass and routing both see it.
+        let path = crate::path::normalised(&raw_path);
         if !config.bypass.paths.is_empty() && config.bypass.path(&path) {
             host.add_metric(Metric::Bypassed, 1);
             return Action::Continue;
@@ -202,7 +204,11 @@ impl RequestFilter {
         // Known before any body, so every answer, even one that never reads it, is in the
         // caller's shape.
         self.dialect = config.error_format.dialect(self.route.as_ref().map_or(Dialect::OpenAi, |route| route.dialect));
-        match self.identify(host, &config, &path) {
+        let unknown = self.route.is_none() && config.unknown_paths == UnknownPaths::Refuse;
+        if unknown || crate::path::is_batch_or_realtime(&path) {
+            return self.apply(host, &config, Verdict::Reply(decision::path_refused(self.dialect)), false);
+        }
+        match self.identify(host, &config, &raw_path) {
             Ok(tenant) => self.tenant = tenant,
             Err(verdict) => return self.apply(host, &config, verdict, false),
         }
@@ -453,7 +459,11 @@ impl RequestFilter {
         let plan = plan(config, self.route.as_ref(), &self.tier, body, &mut learned);
         self.body_len = body.map_or(0, <[u8]>::len);
         let unpriced = plan.unpriced.then(|| plan.model.clone());
+        let unreadable = plan.unreadable.clone().filter(|_| config.tokens.unreadable_body == UnreadableBody::Refuse);
         self.plan = Some(plan);
+        if let Some(why) = unreadable {
+            return self.apply(host, config, Verdict::Reply(decision::unreadable_body(&why, self.dialect)), false);
+        }
         if let Some(model) = unpriced {
             return self.apply(host, config, Verdict::Reply(decision::model_not_priced(&model, self.dialect)), false);
         }

@@ -214,3 +214,109 @@ fn a_clamped_grant_is_shared_by_the_choices() {
         assert_eq!(per_choice, (1000 - 21) / 4, "{kind:?}");
     }
 }
+
+fn tpm(extra: Value) -> String {
+    config(
+        json!([{"name": "rpm", "requests": 100, "window": "1m"},
+               {"name": "tpm", "tokens": 1_000_000, "window": "1m"},
+               {"name": "gpt4o-tpm", "tokens": 1_000_000, "window": "1m", "models": ["gpt-4o*"]}]),
+        extra,
+    )
+}
+
+/// Bodies Python's `json` or Go's `encoding/json` read one way and serde_json another,
+/// or that upstreams disagree on: never charged less than they cost.
+const UNREADABLE: [&str; 6] = [
+    r#"{"model":"gpt-4o","max_tokens":1e400,"messages":[]}"#,
+    r#"{"model":"gpt-4o","messages":[{"role":"user","content":"\ud800"}]}"#,
+    r#"{"model":"gpt-4o","max_tokens":10,"max_tokens":100000,"messages":[]}"#,
+    r#"{"model":"gpt-4o-mini","model":"gpt-4o","messages":[]}"#,
+    r#"{"model":"gpt-4o","messages":[{"role":"user","content":"hi","content":"ho"}]}"#,
+    "not json at all",
+];
+
+fn deep() -> String {
+    format!(r#"{{"model":"gpt-4o","messages":[],"x":{}1{}}}"#, "[".repeat(200), "]".repeat(200))
+}
+
+#[test]
+fn a_body_the_filter_cannot_read_is_refused_in_the_apis_shape() {
+    for kind in HOSTS {
+        let world = World::new(kind);
+        let mut proxy = Proxy::new(&world, &tpm(json!({})));
+        let mut companion = FakeCompanion::default();
+        for body in UNREADABLE.iter().map(|b| b.to_string()).chain([deep()]) {
+            let flight = proxy.send(with_body(Request::chat("k", ""), &body), &mut companion);
+            assert_eq!(refused_body(&flight)["error"]["code"], "invalid_body", "{kind:?} {body}");
+            assert!(!flight.forwarded());
+        }
+        let messages = with_body(
+            headers("/v1/messages", &[("x-api-key", "k")]),
+            r#"{"model":"claude","max_tokens":10,"max_tokens":20,"messages":[]}"#,
+        );
+        let flight = proxy.send(messages, &mut companion);
+        assert_eq!(refused_body(&flight)["error"]["type"], "invalid_request_error", "{kind:?}");
+        assert_eq!(companion.calls.get(crate::protocol::CHARGE_PATH), None, "{kind:?}");
+        // A UTF-8 byte order mark is read past, as Python's json.loads reads bytes.
+        let bom = format!("\u{feff}{CHAT}");
+        let flight = proxy.send(with_body(Request::chat("k", ""), &bom), &mut companion);
+        let charge: ChargeRequest = serde_json::from_value(flight.host.last_callout().body.clone()).expect("charge");
+        assert_eq!(charge.limits.iter().map(|l| l.cost).collect::<Vec<_>>(), [1, 309, 309], "{kind:?}");
+    }
+}
+
+#[test]
+fn charge_most_charges_an_unreadable_body_its_bytes_and_the_cap_under_every_limit() {
+    for kind in HOSTS {
+        let world = World::new(kind);
+        let extra = json!({"tokens": {"unreadable_body": "charge_most", "default_max_output": 4096}});
+        let mut proxy = Proxy::new(&world, &tpm(extra));
+        let mut companion = FakeCompanion::default();
+        let body = UNREADABLE[0];
+        let flight = proxy.send(with_body(Request::chat("k", ""), body), &mut companion);
+        assert!(flight.forwarded(), "{kind:?}");
+        let charge: ChargeRequest = serde_json::from_value(flight.host.last_callout().body.clone()).expect("charge");
+        let most = body.len() as u64 + 4096;
+        assert_eq!(charge.limits.iter().map(|l| l.cost).collect::<Vec<_>>(), [1, most, most], "{kind:?}");
+    }
+}
+
+#[test]
+fn the_path_is_read_once_for_routing_and_bypass() {
+    for kind in HOSTS {
+        let world = World::new(kind);
+        let mut proxy = Proxy::new(&world, &tpm(json!({"bypass": {"paths": ["/v1/models*"]}})));
+        let mut companion = FakeCompanion::default();
+        for path in ["/v1/models/../chat/completions", "/v1/models/%2E%2E/chat/completions", "//v1/chat//completions/"]
+        {
+            let flight = proxy.send(with_body(headers(path, &[("authorization", "Bearer k")]), CHAT), &mut companion);
+            let charge: ChargeRequest =
+                serde_json::from_value(flight.host.last_callout().body.clone()).expect("charge");
+            assert_eq!(charge.limits.iter().map(|l| l.cost).collect::<Vec<_>>(), [1, 309, 309], "{kind:?} {path}");
+        }
+        let before = companion.calls.get(crate::protocol::CHARGE_PATH).copied();
+        let listing = proxy.send(Request::get("k", "/v1/models/gpt-4o"), &mut companion);
+        assert!(listing.replied().is_none(), "{kind:?}");
+        assert_eq!(companion.calls.get(crate::protocol::CHARGE_PATH).copied(), before, "{kind:?}: bypassed");
+    }
+}
+
+#[test]
+fn batch_realtime_and_if_asked_unknown_paths_are_refused() {
+    for kind in HOSTS {
+        for (unknown_paths, unknown_refused) in [("charge", false), ("refuse", true)] {
+            let world = World::new(kind);
+            let mut proxy = Proxy::new(&world, &tpm(json!({"unknown_paths": unknown_paths})));
+            let mut companion = FakeCompanion::default();
+            for path in ["/v1/batches", "/v1/realtime?model=gpt-4o-realtime-preview", "/v1/messages/batches"] {
+                let flight =
+                    proxy.send(with_body(headers(path, &[("authorization", "Bearer k")]), "{}"), &mut companion);
+                assert_eq!(flight.replied().map(|r| r.status), Some(400), "{kind:?} {path}");
+            }
+            let flight = proxy
+                .send(with_body(headers("/v1/assistants", &[("authorization", "Bearer k")]), "{}"), &mut companion);
+            assert_eq!(flight.replied().is_some(), unknown_refused, "{kind:?} {unknown_paths}");
+            assert_eq!(flight.forwarded(), !unknown_refused, "{kind:?} {unknown_paths}");
+        }
+    }
+}

@@ -112,7 +112,7 @@ fn as_count(value: &Json) -> Option<u64> {
 
 impl LlmRequest {
     pub fn parse(api: Api, body: &[u8]) -> Result<ParsedBody<'_>, BodyError> {
-        let body = Json::parse(body).map_err(BodyError::NotJson)?;
+        let body = Json::parse_request(body).map_err(BodyError::NotJson)?;
         if !body.is_object() {
             return Err(BodyError::NotAnObject);
         }
@@ -372,7 +372,7 @@ mod tests {
             ("", None),
         ];
         for (path, api) in cases {
-            assert_eq!(Api::from_path(crate::path::normalised(path)), api, "{path}");
+            assert_eq!(Api::from_path(&crate::path::normalised(path)), api, "{path}");
         }
     }
 

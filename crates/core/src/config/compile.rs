@@ -60,6 +60,7 @@ pub(super) fn compile(written: &Document) -> Result<Policy, ConfigError> {
         lease,
         memory,
         hold_request_headers: written.hold_request_headers,
+        unknown_paths: written.unknown_paths,
         deployments: written.deployments.clone(),
     })
 }
@@ -228,6 +229,7 @@ fn tokens(written: &shape::Tokens) -> Result<TokenPolicy, ConfigError> {
         default_max_output,
         output_estimate_factor,
         unparsed_request_cost: written.unparsed_request_cost,
+        unreadable_body: written.unreadable_body,
         max_request_bytes,
         reservation_ttl,
         on_upstream_error: written.on_upstream_error,

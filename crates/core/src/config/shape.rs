@@ -7,7 +7,7 @@
 //! identity sources) are the policy's own types, deserialized in place.
 
 use super::error::{invalid, ConfigError};
-use super::policy::{FailureMode, HeaderStyle, Mode, Price, Secret, TokenCount};
+use super::policy::{FailureMode, HeaderStyle, Mode, Price, Secret, TokenCount, UnknownPaths, UnreadableBody};
 use crate::dialect::ErrorFormat;
 use crate::duration::parse_duration;
 use crate::identity::{IdentitySource, MissingIdentity};
@@ -54,6 +54,9 @@ pub struct Document {
     pub error_format: ErrorFormat,
     #[serde(default)]
     pub bypass: Bypass,
+    /// What a request on a path no API is recognised in gets.
+    #[serde(default)]
+    pub unknown_paths: UnknownPaths,
     #[serde(default)]
     pub queue: Queue,
     #[serde(default)]
@@ -199,6 +202,8 @@ pub struct Tokens {
     pub output_estimate_factor: f64,
     /// Tokens charged for a request whose body cannot be read (unknown path, not JSON).
     pub unparsed_request_cost: u64,
+    /// What a body on an LLM path that is not its API's JSON gets.
+    pub unreadable_body: UnreadableBody,
     /// Largest request body read for counting; a larger one is answered 413.
     pub max_request_bytes: u64,
     /// How long a reservation waits for its settlement before the estimate stands.
@@ -261,6 +266,7 @@ impl Default for Tokens {
             default_max_output: 4096,
             output_estimate_factor: 1.5,
             unparsed_request_cost: 1000,
+            unreadable_body: UnreadableBody::default(),
             max_request_bytes: 1 << 20,
             reservation_ttl: ConfigDuration(Duration::from_secs(15 * 60)),
             on_upstream_error: UpstreamErrorCharge::default(),

@@ -137,7 +137,8 @@ pub enum PathModel {
 /// Recognises the provider and API by the path (normalised by `crate::path`); `None` for
 /// a path no provider's API is recognised in.
 pub fn route(path: &str) -> Option<Route> {
-    let path = crate::path::normalised(path);
+    let normalised = crate::path::normalised(path);
+    let path = normalised.as_str();
     bedrock::route(path).or_else(|| gemini::route(path)).or_else(|| azure::route(path)).or_else(|| {
         Api::from_path(path).map(|api| {
             let provider = if api == Api::Messages { Provider::Anthropic } else { Provider::OpenAi };
