@@ -186,6 +186,12 @@ fn rejects_bad_configs_naming_the_field() {
         ),
         (format!(r#"{{{companion}, {limits}, "failure_mode": "maybe"}}"#), "failure_mode", "unknown variant `maybe`"),
         (format!(r#"{{{companion}, {limits}, "domain": "Prod!"}}"#), "domain", "\"Prod!\" is not a valid name"),
+        (format!(r#"{{{companion}, {limits}, "unknown_paths": "allow"}}"#), "unknown_paths", "unknown variant `allow`"),
+        (
+            format!(r#"{{{companion}, {limits}, "tokens": {{"unreadable_body": "guess"}}}}"#),
+            "tokens.unreadable_body",
+            "unknown variant `guess`",
+        ),
         (
             format!(r#"{{{companion}, {limits}, "identity": {{"missing": "ignore"}}}}"#),
             "identity.missing",
