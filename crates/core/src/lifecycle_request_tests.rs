@@ -67,7 +67,8 @@ fn the_tenant_is_read_where_the_upstream_authenticates() {
 
 #[test]
 fn conflicting_credentials_are_refused_in_the_apis_shape_on_every_host() {
-    let cases: [(&str, &[(&str, &str)], &str); 5] = [
+    type Case<'a> = (&'a str, &'a [(&'a str, &'a str)], &'a str);
+    let cases: [Case; 5] = [
         ("/openai/deployments/gpt4/chat/completions", &[("api-key", "a"), ("authorization", "Bearer b")], "openai"),
         ("/v1/chat/completions", &[("authorization", "Bearer a"), ("authorization", "Bearer b")], "openai"),
         ("/v1/messages", &[("x-api-key", "a"), ("x-api-key", "a")], "anthropic"),
@@ -195,7 +196,8 @@ fn each_choice_is_reserved_its_output_allowance() {
 fn a_clamped_grant_is_shared_by_the_choices() {
     // Where the host lets the body be rewritten after the decision (see
     // `clamping_rewrites_the_output_cap_to_the_grant`).
-    for kind in [HostKind::Envoy] {
+    {
+        let kind = HostKind::Envoy;
         let world = World::new(kind);
         // 9 prompt tokens + 4 choices: 1,000 tokens left gives each choice (1000-21)/4.
         let config = config(

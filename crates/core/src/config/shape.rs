@@ -105,7 +105,7 @@ pub struct Companion {
     pub timeout: ConfigDuration,
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Identity {
     /// The operator's own credential headers, all read (two that disagree refuse the
@@ -115,12 +115,6 @@ pub struct Identity {
     pub sources: Option<Vec<IdentitySource>>,
     #[serde(default)]
     pub missing: MissingIdentity,
-}
-
-impl Default for Identity {
-    fn default() -> Self {
-        Identity { sources: None, missing: MissingIdentity::default() }
-    }
 }
 
 /// A limit as written: one of `requests`, `tokens`, `concurrency` and `usd` says what it
