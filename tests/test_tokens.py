@@ -200,11 +200,16 @@ def test_parallel_long_completions_never_overshoot_the_limit(env, clamp):
     wait_level(env, "sk-burst", limit - admitted)
 
 
-def test_requests_without_a_body_and_bad_bodies_cost_the_fallback(env):
+def test_bad_bodies_are_refused_or_charged_the_most(env):
+    # tokens.unreadable_body: refused by the filter (default), or its bytes plus the cap.
     port = env.start([{"name": "tpm", "tokens": BIG, "window": LONG}], tokens={"unparsed_request_cost": 123})
+    status, headers, payload = send(port, "sk-bad", "not json at all")
+    assert status == 400 and json.loads(payload)["error"]["code"] == "invalid_body"
+    port = env.start([{"name": "tpm", "tokens": BIG, "window": LONG}],
+                     tokens={"unreadable_body": "charge_most", "default_max_output": 4096})
     status, headers, _ = send(port, "sk-bad", "not json at all")
-    assert status == 400  # the mock's answer; the filter counted the fallback
-    assert headers["x-llm-ratelimit-reserved-tokens"] == "123"
+    assert status == 400  # the mock's answer; the filter charged the most
+    assert headers["x-llm-ratelimit-reserved-tokens"] == str(len("not json at all") + 4096)
 
 
 def test_a_body_over_the_limit_is_refused_with_413(env):
