@@ -250,14 +250,33 @@ def test_parallel_long_completions_never_overshoot_the_limit(env, clamp):
     wait_level(env, "sk-burst", limit - admitted)
 
 
-@pytest.mark.parametrize("body", [None, b"not json at all", b"[1, 2]"], ids=["no-body", "not-json", "not-an-object"])
-def test_requests_without_a_body_and_bad_bodies_cost_the_fallback(env, body):
+def test_a_request_without_a_body_costs_the_fallback(env):
     port = env.start([{"name": "tpm", "tokens": BIG, "window": LONG}], tokens={"unparsed_request_cost": 123})
-    status, headers, _ = send(port, "sk-bad", body)
+    status, headers, _ = send(port, "sk-nobody", None)
     assert status == 400  # the mock's answer
     assert headers["x-llm-ratelimit-reserved-tokens"] == "123"
     # What the filter cannot read is charged the configured fallback, in Redis.
-    wait_level(env, "sk-bad", BIG - 123)
+    wait_level(env, "sk-nobody", BIG - 123)
+
+
+@pytest.mark.parametrize("body", [b"not json at all", b"[1, 2]"], ids=["not-json", "not-an-object"])
+def test_bad_bodies_are_refused_by_default(env, body):
+    port = env.start([{"name": "tpm", "tokens": BIG, "window": LONG}], tokens={"unparsed_request_cost": 123})
+    status, _, payload = send(port, "sk-bad", body)
+    assert status == 400 and json.loads(payload)["error"]["code"] == "invalid_body"
+    # Refused by the filter: nothing reached the upstream, nothing was charged.
+    assert bucket_level(env, "sk-bad") in (None, BIG)
+
+
+def test_bad_bodies_are_charged_the_most_when_configured(env):
+    # tokens.unreadable_body: charge_most: its bytes as tokens plus the output cap.
+    port = env.start([{"name": "tpm", "tokens": BIG, "window": LONG}],
+                     tokens={"unreadable_body": "charge_most", "default_max_output": 4096})
+    status, headers, _ = send(port, "sk-most", b"not json at all")
+    assert status == 400  # the mock's answer; the filter charged the most
+    most = len(b"not json at all") + 4096
+    assert headers["x-llm-ratelimit-reserved-tokens"] == str(most)
+    wait_level(env, "sk-most", BIG - most)
 
 
 def test_a_body_over_the_limit_is_refused_with_413(env):

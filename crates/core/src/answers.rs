@@ -48,6 +48,10 @@ pub enum Refusal {
     Unidentified,
     /// A budget applies but the model has no price (403).
     NotPriced,
+    /// A request the filter will not read one way while the upstream may read it another
+    /// (400): conflicting credentials, a body it cannot parse, a field given twice, a path
+    /// it refuses. OpenAI's `error.code` for it.
+    Unreadable(&'static str),
 }
 
 impl Refusal {
@@ -58,6 +62,7 @@ impl Refusal {
             Refusal::Unavailable => 503,
             Refusal::Unidentified => 401,
             Refusal::NotPriced => 403,
+            Refusal::Unreadable(_) => 400,
         }
     }
 
@@ -69,6 +74,7 @@ impl Refusal {
             Refusal::Unavailable => ("server_error", "rate_limiter_unavailable"),
             Refusal::Unidentified => ("invalid_request_error", "missing_api_key"),
             Refusal::NotPriced => ("invalid_request_error", "model_not_priced"),
+            Refusal::Unreadable(code) => ("invalid_request_error", code),
         }
     }
 
@@ -81,6 +87,7 @@ impl Refusal {
             Refusal::Unavailable => "overloaded_error",
             Refusal::Unidentified => "authentication_error",
             Refusal::NotPriced => "permission_error",
+            Refusal::Unreadable(_) => "invalid_request_error",
         }
     }
 
@@ -92,6 +99,7 @@ impl Refusal {
             Refusal::Unavailable => "UNAVAILABLE",
             Refusal::Unidentified => "UNAUTHENTICATED",
             Refusal::NotPriced => "PERMISSION_DENIED",
+            Refusal::Unreadable(_) => "INVALID_ARGUMENT",
         }
     }
 
@@ -102,6 +110,7 @@ impl Refusal {
             Refusal::TooLarge => "ValidationException",
             Refusal::Unavailable => "ServiceUnavailableException",
             Refusal::Unidentified | Refusal::NotPriced => "AccessDeniedException",
+            Refusal::Unreadable(_) => "ValidationException",
         }
     }
 }

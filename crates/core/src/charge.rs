@@ -2,7 +2,7 @@
 //! estimate against every token limit, decided from the path and body alone.
 
 use crate::calibration::Calibration;
-use crate::config::{Dimension, Measure, ModelPolicy, Policy, Price, TokenCount};
+use crate::config::{Dimension, Measure, ModelPolicy, Policy, Price, TokenCount, UnreadableBody};
 use crate::protocol::{LimitCharge, LimitsReply};
 use crate::providers;
 use crate::providers::Route;
@@ -42,6 +42,9 @@ pub struct ChargePlan {
     pub price: Option<Price>,
     /// A cost limit applies but the model has no price: the request cannot be charged.
     pub unpriced: bool,
+    /// Why the body cannot be read as its API's JSON, when it is to be refused for it
+    /// (`tokens.unreadable_body: refuse`).
+    pub unreadable: Option<String>,
 }
 
 impl ChargePlan {
@@ -62,10 +65,14 @@ impl ChargePlan {
             .zip(charged)
             .find(|(bucket, _)| bucket.min_cost.is_some())
             .map_or(0, |(bucket, &charged)| bucket.cost.saturating_sub(charged));
+        // Several choices share the grant: each gets an equal part, and the settlement is
+        // against what they may spend together.
+        let choices = self.request.as_ref().map_or(1, |r| r.choices);
         let granted = match (self.clamped, &mut self.estimate) {
             (true, Some(estimate)) => {
-                estimate.output = estimate.output.saturating_sub(reduction);
-                Some(estimate.output)
+                let per_choice = estimate.output.saturating_sub(reduction) / choices;
+                estimate.output = per_choice.saturating_mul(choices);
+                Some(per_choice)
             }
             _ => None,
         };
@@ -141,7 +148,15 @@ pub fn plan(
     learned: &mut impl Learned,
 ) -> ChargePlan {
     let policy = &config.tokens;
-    let parsed = body.and_then(|body| parse_on(route?, body)?.ok());
+    let parse = body.and_then(|body| parse_on(route?, body));
+    // A body on an LLM path that is not its API's JSON (an empty one is no body: a GET).
+    let unreadable = match (&parse, body) {
+        (Some(Err(why)), Some(body)) if !body.is_empty() => Some(why.to_string()),
+        _ => None,
+    };
+    // Charged at the most it can cost (`unreadable_body: charge_most`), whatever it names.
+    let most = unreadable.is_some() && policy.unreadable_body == UnreadableBody::ChargeMost;
+    let parsed = parse.and_then(Result::ok);
     let request = parsed.as_ref().map(|parsed| parsed.request.clone());
     // From the body, or the path (Gemini, Vertex AI, Bedrock), or a deployment (Azure).
     let named = providers::model_name(route, request.as_ref().and_then(|r| r.model.as_deref()), &config.deployments);
@@ -152,7 +167,11 @@ pub fn plan(
     // A signed body (Bedrock) cannot have its cap shrunk: it is reserved at the bound
     // clamping starts from, its whole cap, all or nothing.
     let clamped = bounded && !request.as_ref().is_some_and(|r| r.body_is_signed);
-    let price = config.price_of(&model).or_else(|| named.unmapped_deployment.then(|| config.ceiling_price()).flatten());
+    let price = if most {
+        config.ceiling_price()
+    } else {
+        config.price_of(&model).or_else(|| named.unmapped_deployment.then(|| config.ceiling_price()).flatten())
+    };
     let mut min_output = None;
     let mut counted_prompt = 0;
     let estimate = match (&parsed, body) {
@@ -163,21 +182,35 @@ pub fn plan(
             counted_prompt = parsed.prompt_tokens_with(&mut |text| learned.count(rule.encoding, text));
             let calibration = learned.calibration(rule_index);
             let prompt = (counted_prompt as f64 * calibration.prompt_factor(rule.factor)).ceil() as u64;
-            let cap = request.max_output.or(rule.max_output).unwrap_or(policy.default_max_output);
+            // Each of `choices` completions may run to the cap.
+            let per_choice = request.max_output.or(rule.max_output).unwrap_or(policy.default_max_output);
+            let cap = per_choice.saturating_mul(request.choices);
             Some(if !request.api.produces_output() {
                 TokenCounts { prompt, output: 0 }
             } else if bounded {
                 // The true upper bound, elastic down to a useful minimum where it may be clamped.
-                min_output = clamped.then(|| policy.min_output_tokens.min(cap));
+                min_output = clamped.then(|| policy.min_output_tokens.min(per_choice).saturating_mul(request.choices));
                 TokenCounts { prompt: prompt_bound(prompt, parsed), output: cap }
             } else {
                 let history = learned.average(&model).or_else(|| prior(model_policy, &calibration));
-                TokenCounts { prompt, output: estimate_output(cap, history, policy.output_estimate_factor) }
+                let output = estimate_output(per_choice, history, policy.output_estimate_factor);
+                TokenCounts { prompt, output: output.saturating_mul(request.choices) }
             })
+        }
+        // Every byte a token, and the longest completion the config allows for.
+        (None, Some(body)) if most => {
+            Some(TokenCounts { prompt: body.len() as u64, output: policy.default_max_output })
         }
         (None, Some(_)) => Some(TokenCounts { prompt: policy.unparsed_request_cost, output: 0 }),
     };
-    let applicable: Vec<bool> = config.limits.iter().map(|limit| limit.applies_to(&model, tier)).collect();
+    let applies = |limit: &crate::config::Limit| {
+        if most {
+            limit.applies_to_tier(tier)
+        } else {
+            limit.applies_to(&model, tier)
+        }
+    };
+    let applicable: Vec<bool> = config.limits.iter().map(applies).collect();
     let buckets = config
         .limits
         .iter()
@@ -209,13 +242,12 @@ pub fn plan(
             kind: limit.kind,
             // An unparsed request's flat cost is never settled: nothing comes back.
             provisional: request.is_some()
-                && limit.applies_to(&model, tier)
+                && applies
                 && matches!(limit.dimension(), Dimension::Tokens | Dimension::Cost),
             look_only: !applies,
         })
         .collect();
-    let unpriced =
-        price.is_none() && config.limits.iter().any(|l| l.dimension() == Dimension::Cost && l.applies_to(&model, tier));
+    let unpriced = price.is_none() && config.limits.iter().any(|l| l.dimension() == Dimension::Cost && applies(l));
     // Only a body that may change is kept past the decision (see `apply_grant`).
     let rewritable =
         request.as_ref().is_some_and(|r| clamped || (policy.request_stream_usage && r.wants_usage_added()));
@@ -234,6 +266,7 @@ pub fn plan(
         clamped,
         price,
         unpriced,
+        unreadable: unreadable.filter(|_| !most),
     }
 }
 

@@ -242,6 +242,28 @@ pub fn missing_identity(dialect: Dialect) -> LocalReply {
     error_reply(dialect, Refusal::Unidentified, message, None)
 }
 
+/// 400 for a request whose credentials disagree: the filter keys on none of them.
+pub fn conflicting_credentials(dialect: Dialect) -> LocalReply {
+    let message = "The request carries more than one credential (two credential headers that differ, or one header given twice). Send exactly one.";
+    error_reply(dialect, Refusal::Unreadable("conflicting_credentials"), message, None)
+}
+
+/// 400 for a body on an LLM path that cannot be read as its API's JSON, or that gives a
+/// field the filter reads twice (`why` says which).
+pub fn unreadable_body(why: &str, dialect: Dialect) -> LocalReply {
+    // Bounded: the reason may quote the client's own key names.
+    let why: String = why.chars().take(200).collect();
+    let message = format!("The request body cannot be read as this API's JSON: {why}.");
+    error_reply(dialect, Refusal::Unreadable("invalid_body"), &message, None)
+}
+
+/// 400 for a path this gateway does not limit (`unknown_paths: refuse`, or the Batch and
+/// Realtime APIs).
+pub fn path_refused(dialect: Dialect) -> LocalReply {
+    let message = "This gateway does not forward requests on this path.";
+    error_reply(dialect, Refusal::Unreadable("unsupported_path"), message, None)
+}
+
 /// 413 for a body too large to count.
 pub fn body_too_large(limit: u64, dialect: Dialect) -> LocalReply {
     let message = format!("The request body is larger than the {limit} bytes this gateway reads to count tokens.");

@@ -170,8 +170,9 @@ pub trait Host {
     fn now_nanos(&mut self) -> u128;
 
     fn request_header(&mut self, name: &str) -> Option<String>;
-    /// Every value of a request header, in the order received: a header sent twice has
-    /// two (`request_header` gives only the first).
+    /// Every value of a request header, as the host lists them (a header given twice is
+    /// two entries, unless the host joined them: Envoy joins a repeated `authorization`
+    /// with `,`). `request_header` gives only the first.
     fn request_header_values(&mut self, name: &str) -> Vec<String>;
     fn set_request_header(&mut self, name: &str, value: &str) -> bool;
     fn response_header(&mut self, name: &str) -> Option<String>;

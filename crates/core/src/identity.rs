@@ -33,22 +33,116 @@ pub enum MissingIdentity {
 /// The authorization scheme of AWS Signature Version 4 (Bedrock's SDKs sign with it).
 pub const SIGV4_SCHEME: &str = "AWS4-HMAC-SHA256";
 
-/// Returns the credential of the first source that is present and non-empty.
-/// `header` looks a request header up by its lower-case name. A source whose prefix is
-/// the SigV4 scheme yields the access key id of `Credential=`: the rest of a signed
-/// `Authorization` (date, signature) changes with every request.
-pub fn find_credential(sources: &[IdentitySource], mut header: impl FnMut(&str) -> Option<String>) -> Option<String> {
-    sources.iter().find_map(|source| {
-        let raw = header(&source.header)?;
-        let value = raw.trim();
-        let value = match &source.prefix {
-            Some(prefix) if prefix.trim().eq_ignore_ascii_case(SIGV4_SCHEME) => {
-                sigv4_access_key(strip_prefix_ignore_case(value, prefix.trim())?)?
+/// Where an upstream reads its caller's credential: a header (with the scheme its value
+/// opens with, stripped), or a query parameter (Gemini's `?key=`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CredentialPlace<'a> {
+    Header { name: &'a str, prefix: Option<&'a str> },
+    Query(&'a str),
+}
+
+/// `Authorization: Bearer …`: OpenAI's, and accepted by every other family (OAuth tokens,
+/// Bedrock API keys, Google access tokens).
+pub const BEARER: CredentialPlace<'static> = CredentialPlace::Header { name: "authorization", prefix: Some("Bearer ") };
+
+/// `Authorization: AWS4-HMAC-SHA256 Credential=AKID/…`: AWS Signature Version 4.
+pub const SIGV4: CredentialPlace<'static> =
+    CredentialPlace::Header { name: "authorization", prefix: Some("AWS4-HMAC-SHA256 ") };
+
+impl IdentitySource {
+    pub fn place(&self) -> CredentialPlace<'_> {
+        CredentialPlace::Header { name: &self.header, prefix: self.prefix.as_deref() }
+    }
+}
+
+/// What a request's credential places hold.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Credential {
+    Missing,
+    Found(String),
+    /// Two places (or one header given twice) hold different credentials: an upstream may
+    /// authenticate either, so the request is keyed on neither.
+    Conflicting,
+}
+
+/// Reads every place of `places`: `header_values` gives every value of a request header
+/// by its lower-case name, `query` is the raw query string. A header given more than
+/// once, or two places with different values, conflict; so does a value that is itself
+/// two values joined by the host (Envoy joins a repeated `Authorization` with `,`, which no
+/// token or key contains).
+pub fn read_credential<'a>(
+    places: impl IntoIterator<Item = CredentialPlace<'a>>,
+    mut header_values: impl FnMut(&str) -> Vec<String>,
+    query: &str,
+) -> Credential {
+    let mut found: Option<String> = None;
+    for place in places {
+        let value = match place {
+            CredentialPlace::Header { name, prefix } => {
+                let values = header_values(name);
+                if values.len() > 1 {
+                    return Credential::Conflicting;
+                }
+                let Some(raw) = values.first() else { continue };
+                match credential_in(raw.trim(), prefix) {
+                    Ok(Some(value)) => value,
+                    Ok(None) => continue,
+                    Err(Joined) => return Credential::Conflicting,
+                }
             }
-            Some(prefix) => strip_prefix_ignore_case(value, prefix)?.trim(),
-            None => value,
+            CredentialPlace::Query(parameter) => {
+                let mut values = query_values(query, parameter);
+                let Some(value) = values.next() else { continue };
+                if values.next().is_some() {
+                    return Credential::Conflicting;
+                }
+                let value = value.trim().to_string();
+                if value.is_empty() {
+                    continue;
+                }
+                value
+            }
         };
-        (!value.is_empty()).then(|| value.to_string())
+        match &found {
+            Some(earlier) if *earlier != value => return Credential::Conflicting,
+            _ => found = Some(value),
+        }
+    }
+    found.map_or(Credential::Missing, Credential::Found)
+}
+
+/// A header value holding two credentials joined into one.
+struct Joined;
+
+fn credential_in(value: &str, prefix: Option<&str>) -> Result<Option<String>, Joined> {
+    let value = match prefix {
+        Some(prefix) if prefix.trim().eq_ignore_ascii_case(SIGV4_SCHEME) => {
+            let Some(parameters) = strip_prefix_ignore_case(value, prefix.trim()) else { return Ok(None) };
+            let schemes = value.to_ascii_uppercase().matches(SIGV4_SCHEME).count();
+            if schemes > 1 || parameters.matches("Credential=").count() > 1 {
+                return Err(Joined);
+            }
+            let Some(key) = sigv4_access_key(parameters) else { return Ok(None) };
+            key
+        }
+        Some(prefix) => match strip_prefix_ignore_case(value, prefix) {
+            Some(rest) => rest.trim(),
+            None => return Ok(None),
+        },
+        None => value,
+    };
+    if value.contains(',') {
+        return Err(Joined);
+    }
+    Ok((!value.is_empty()).then(|| value.to_string()))
+}
+
+/// The percent-decoded values of `parameter` in a query string.
+fn query_values<'q>(query: &'q str, parameter: &'q str) -> impl Iterator<Item = String> + 'q {
+    let decode = |s: &str| percent_encoding::percent_decode_str(&s.replace('+', " ")).decode_utf8_lossy().into_owned();
+    query.split('&').filter_map(move |pair| {
+        let (name, value) = pair.split_once('=').unwrap_or((pair, ""));
+        (decode(name) == parameter).then(|| decode(value))
     })
 }
 
@@ -89,55 +183,88 @@ pub fn is_tenant_id(value: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::collections::HashMap;
 
-    /// The sources a config gets when it names none.
-    fn default_sources() -> Vec<IdentitySource> {
-        vec![
-            IdentitySource { header: "authorization".into(), prefix: Some("Bearer ".into()) },
-            IdentitySource { header: "x-api-key".into(), prefix: None },
-            IdentitySource { header: "authorization".into(), prefix: Some("AWS4-HMAC-SHA256 ".into()) },
-        ]
+    /// Every place the built-in families read (the places of a path no family is
+    /// recognised in).
+    const PLACES: [CredentialPlace<'static>; 6] = [
+        BEARER,
+        CredentialPlace::Header { name: "x-api-key", prefix: None },
+        CredentialPlace::Header { name: "x-goog-api-key", prefix: None },
+        CredentialPlace::Header { name: "api-key", prefix: None },
+        SIGV4,
+        CredentialPlace::Query("key"),
+    ];
+
+    fn read(headers: &[(&str, &str)], query: &str) -> Credential {
+        let values = |name: &str| headers.iter().filter(|(n, _)| *n == name).map(|(_, v)| v.to_string()).collect();
+        read_credential(PLACES, values, query)
     }
 
-    fn lookup<'a>(headers: &'a HashMap<&str, &str>) -> impl Fn(&str) -> Option<String> + 'a {
-        move |name| headers.get(name).map(|v| v.to_string())
+    fn found(value: &str) -> Credential {
+        Credential::Found(value.to_string())
     }
 
     #[test]
-    fn finds_the_first_matching_source() {
+    fn reads_every_place_and_refuses_disagreement() {
+        use Credential::{Conflicting, Missing};
         type Headers<'a> = &'a [(&'a str, &'a str)];
-        let cases: &[(Headers, Option<&str>)] = &[
-            (&[("authorization", "Bearer sk-abc")], Some("sk-abc")),
-            (&[("authorization", "bearer   sk-abc  ")], Some("sk-abc")),
-            (&[("x-api-key", "ak-1")], Some("ak-1")),
-            (&[("authorization", "Bearer sk-abc"), ("x-api-key", "ak-1")], Some("sk-abc")),
-            // Basic auth is not an API key: fall through to the next source.
-            (&[("authorization", "Basic dXNlcg=="), ("x-api-key", "ak-1")], Some("ak-1")),
-            (&[("authorization", "Basic dXNlcg==")], None),
-            (&[("authorization", "Bearer ")], None),
-            (&[("authorization", "Bear")], None),
-            (&[("x-api-key", "  ")], None),
-            (&[], None),
+        let sigv4 = "AWS4-HMAC-SHA256 Credential=AKIDEXAMPLE/20261201/us-east-1/bedrock/aws4_request, SignedHeaders=content-type;host;x-amz-date, Signature=5d672d79c15b13162d9279b0855cfba6789a8edb4c82c400e06b5924a6f2b5d7";
+        let cases: &[(Headers, &str, Credential)] = &[
+            (&[("authorization", "Bearer sk-abc")], "", found("sk-abc")),
+            (&[("authorization", "bearer   sk-abc  ")], "", found("sk-abc")),
+            (&[("x-api-key", "ak-1")], "", found("ak-1")),
+            (&[], "key=gk-1&alt=sse", found("gk-1")),
+            (&[], "alt=sse&key=gk%2D1", found("gk-1")),
+            // The same credential in two places is one credential.
+            (&[("authorization", "Bearer k"), ("api-key", "k")], "key=k", found("k")),
+            // Two credentials: refused, whichever the upstream reads.
+            (&[("authorization", "Bearer sk-abc"), ("x-api-key", "ak-1")], "", Conflicting),
+            (&[("api-key", "az-1"), ("x-api-key", "random")], "", Conflicting),
+            (&[("x-goog-api-key", "g")], "key=other", Conflicting),
+            (&[], "key=a&key=b", Conflicting),
+            (&[], "key=a&key=a", Conflicting),
+            // One header twice, as the host lists it or as Envoy joins it.
+            (&[("x-api-key", "a"), ("x-api-key", "a")], "", Conflicting),
+            (&[("authorization", "Bearer a"), ("authorization", "Bearer b")], "", Conflicting),
+            (&[("authorization", "Bearer a,Bearer b")], "", Conflicting),
+            (&[("authorization", "Basic dXNlcg=="), ("authorization", "Bearer a")], "", Conflicting),
+            (&[("authorization", &format!("{sigv4},{sigv4}"))], "", Conflicting),
+            // Basic auth is not an API key.
+            (&[("authorization", "Basic dXNlcg=="), ("x-api-key", "ak-1")], "", found("ak-1")),
+            (&[("authorization", "Basic dXNlcg==")], "", Missing),
+            (&[("authorization", "Bearer ")], "", Missing),
+            (&[("authorization", "Bear")], "", Missing),
+            (&[("x-api-key", "  ")], "key=", Missing),
+            (&[], "", Missing),
+            (&[], "keys=x&akey=y", Missing),
             // SigV4: the access key id, whatever the date and signature.
+            (&[("authorization", sigv4)], "", found("AKIDEXAMPLE")),
             (
-                &[("authorization", "AWS4-HMAC-SHA256 Credential=AKIDEXAMPLE/20261201/us-east-1/bedrock/aws4_request, SignedHeaders=content-type;host;x-amz-date, Signature=5d672d79c15b13162d9279b0855cfba6789a8edb4c82c400e06b5924a6f2b5d7")],
-                Some("AKIDEXAMPLE"),
+                &[("authorization", "aws4-hmac-sha256 SignedHeaders=host, Credential=AKID2/x, Signature=00")],
+                "",
+                found("AKID2"),
             ),
-            (&[("authorization", "aws4-hmac-sha256 SignedHeaders=host, Credential=AKID2/x, Signature=00")], Some("AKID2")),
-            (&[("authorization", "AWS4-HMAC-SHA256 Signature=00")], None),
-            (&[("authorization", "AWS4-HMAC-SHA256 Credential=/20261201/us-east-1/bedrock/aws4_request")], None),
+            (&[("authorization", "AWS4-HMAC-SHA256 Signature=00")], "", Missing),
+            (&[("authorization", "AWS4-HMAC-SHA256 Credential=/20261201/us-east-1/bedrock/aws4_request")], "", Missing),
+            (&[("authorization", sigv4), ("x-api-key", "random")], "", Conflicting),
         ];
-        for (headers, expected) in cases {
-            let map: HashMap<&str, &str> = headers.iter().copied().collect();
-            assert_eq!(find_credential(&default_sources(), lookup(&map)).as_deref(), *expected, "{headers:?}");
+        for (headers, query, expected) in cases {
+            assert_eq!(&read(headers, query), expected, "{headers:?} {query}");
         }
     }
 
     #[test]
+    fn only_the_places_given_are_read() {
+        // Azure reads `api-key` and Bearer: a random `x-api-key` beside it changes nothing.
+        let azure = [CredentialPlace::Header { name: "api-key", prefix: None }, BEARER];
+        let headers = [("api-key", "az-1"), ("x-api-key", "random")];
+        let values = |name: &str| headers.iter().filter(|(n, _)| *n == name).map(|(_, v)| v.to_string()).collect();
+        assert_eq!(read_credential(azure, values, "key=random"), found("az-1"));
+    }
+
+    #[test]
     fn prefix_match_survives_multibyte_values() {
-        let map: HashMap<&str, &str> = [("authorization", "Bé")].into_iter().collect();
-        assert_eq!(find_credential(&default_sources(), lookup(&map)), None);
+        assert_eq!(read(&[("authorization", "Bé")], ""), Credential::Missing);
     }
 
     #[test]

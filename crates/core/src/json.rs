@@ -46,6 +46,17 @@ impl<'a> Json<'a> {
         serde_json::from_str(text).map_err(|err| err.to_string())
     }
 
+    /// Parses a request body as the upstreams it goes to can read it, or not at all: a
+    /// leading UTF-8 byte order mark is skipped (Python's `json.loads` of bytes skips it),
+    /// and a key given twice in any object is refused, since upstreams disagree on which
+    /// of the two wins. What serde_json refuses (a number out of range like `1e400`, a lone
+    /// surrogate escape, nesting past 128) is refused too: never read as something smaller.
+    pub fn parse_request(text: &'a [u8]) -> Result<Json<'a>, String> {
+        let text = std::str::from_utf8(text).map_err(|err| format!("not UTF-8: {err}"))?;
+        let text = text.strip_prefix('\u{feff}').unwrap_or(text);
+        serde_json::from_str::<Tree<'a, true>>(text).map(|tree| tree.0).map_err(|err| err.to_string())
+    }
+
     /// The field `key`, or `null` when it is missing or `self` is not an object.
     pub fn at(&self, key: &str) -> &Json<'a> {
         self.get(key).unwrap_or(&JSON_NULL)
@@ -111,13 +122,22 @@ impl<'a> Json<'a> {
 
 impl<'de: 'a, 'a> Deserialize<'de> for Json<'a> {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Json<'a>, D::Error> {
-        deserializer.deserialize_any(JsonVisitor)
+        Tree::<false>::deserialize(deserializer).map(|tree| tree.0)
     }
 }
 
-struct JsonVisitor;
+/// A tree whose objects may repeat a key (the last kept) or, `UNIQUE`, may not.
+struct Tree<'a, const UNIQUE: bool>(Json<'a>);
 
-impl<'de> Visitor<'de> for JsonVisitor {
+impl<'de: 'a, 'a, const UNIQUE: bool> Deserialize<'de> for Tree<'a, UNIQUE> {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Tree<'a, UNIQUE>, D::Error> {
+        deserializer.deserialize_any(JsonVisitor::<UNIQUE>).map(Tree)
+    }
+}
+
+struct JsonVisitor<const UNIQUE: bool>;
+
+impl<'de, const UNIQUE: bool> Visitor<'de> for JsonVisitor<UNIQUE> {
     type Value = Json<'de>;
 
     fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
@@ -162,7 +182,7 @@ impl<'de> Visitor<'de> for JsonVisitor {
 
     fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Json<'de>, A::Error> {
         let mut items = Vec::with_capacity(seq.size_hint().unwrap_or(0).min(64));
-        while let Some(item) = seq.next_element()? {
+        while let Some(Tree(item)) = seq.next_element::<Tree<UNIQUE>>()? {
             items.push(item);
         }
         Ok(Json::Array(items))
@@ -171,7 +191,8 @@ impl<'de> Visitor<'de> for JsonVisitor {
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Json<'de>, A::Error> {
         let mut fields: Vec<(Cow<'de, str>, Json<'de>)> = Vec::with_capacity(map.size_hint().unwrap_or(0).min(64));
         while let Some(Key(key)) = map.next_key()? {
-            fields.push((key, map.next_value()?));
+            let Tree(value) = map.next_value::<Tree<UNIQUE>>()?;
+            fields.push((key, value));
         }
         // Sorted, the last of a repeated key kept: what a BTreeMap built in order holds.
         if !fields.is_sorted_by(|a, b| a.0 < b.0) {
@@ -179,6 +200,9 @@ impl<'de> Visitor<'de> for JsonVisitor {
             let mut kept: Vec<(Cow<'de, str>, Json<'de>)> = Vec::with_capacity(fields.len());
             for field in fields {
                 match kept.last_mut() {
+                    Some(last) if last.0 == field.0 && UNIQUE => {
+                        return Err(serde::de::Error::custom(format!("the key {:?} is given twice", field.0)));
+                    }
                     Some(last) if last.0 == field.0 => *last = field,
                     _ => kept.push(field),
                 }

@@ -9,11 +9,11 @@ use crate::breaker::Dispatch;
 use crate::bucket::{check_and_charge, decode_states, encode_states};
 use crate::calibration::{Calibration, Lesson, LocalCalibrations};
 use crate::charge::{plan, ChargePlan, Learned};
-use crate::config::{FailureMode, Measure, MissingIdentity, Mode, Policy};
+use crate::config::{FailureMode, Measure, MissingIdentity, Mode, Policy, UnknownPaths, UnreadableBody};
 use crate::decision::{self, DEGRADED_HEADER, QUEUED_HEADER, RESERVED_TOKENS_HEADER, SHADOW_HEADER};
 use crate::dialect::Dialect;
 use crate::host::{shared_update, Action, Host, LogLevel, Metric, Owner};
-use crate::identity::{find_credential, tenant_id, ANONYMOUS_TENANT};
+use crate::identity::{read_credential, tenant_id, Credential, IdentitySource, ANONYMOUS_TENANT};
 use crate::lease::{lease_asks, LeaseEntry, TenantLeases};
 use crate::prompt_cache::PromptCache;
 use crate::protocol::keys;
@@ -157,6 +157,9 @@ pub struct RequestFilter {
     request_id: String,
     /// What the filter saw of the reply, for the least its settlement charges.
     sight: ReplySight,
+    /// The upstream refused the request's credential (401 or 403): it did no work, and a
+    /// forged request must not use up the tenant it names.
+    credential_refused: bool,
 }
 
 impl RequestFilter {
@@ -180,6 +183,7 @@ impl RequestFilter {
             dialect: Dialect::default(),
             request_id: String::new(),
             sight: ReplySight::default(),
+            credential_refused: false,
         }
     }
 
@@ -201,7 +205,9 @@ impl RequestFilter {
 
     pub fn on_request_headers(&mut self, host: &mut impl Host, worker: &mut Worker, end_of_stream: bool) -> Action {
         let Some(config) = self.config.clone() else { return Action::Continue };
-        let path = host.request_header(":path").unwrap_or_default();
+        let raw_path = host.request_header(":path").unwrap_or_default();
+        // The one reading of the path: bypass and routing both see it.
+        let path = crate::path::normalised(&raw_path);
         self.request_id = match host.request_header("x-request-id") {
             Some(id) if is_request_id(&id) => id,
             _ => format!("llmrl-{}", worker.new_reservation_id(host)),
@@ -214,7 +220,11 @@ impl RequestFilter {
         // Known before any body, so every answer, even one that never reads it, is in the
         // caller's shape.
         self.dialect = config.error_format.dialect(self.route.as_ref().map_or(Dialect::OpenAi, |route| route.dialect));
-        match self.identify(host, &config) {
+        let unknown = self.route.is_none() && config.unknown_paths == UnknownPaths::Refuse;
+        if unknown || crate::path::is_batch_or_realtime(&path) {
+            return self.apply(host, &config, Verdict::Reply(decision::path_refused(self.dialect)), false);
+        }
+        match self.identify(host, &config, &raw_path) {
             Ok(tenant) => self.tenant = tenant,
             Err(verdict) => return self.apply(host, &config, verdict, false),
         }
@@ -300,6 +310,10 @@ impl RequestFilter {
         for (name, value) in self.response_headers.drain(..) {
             host.set_response_header(name, &value);
         }
+        if self.admission.is_some() {
+            let status: u32 = host.response_header(":status").and_then(|s| s.parse().ok()).unwrap_or(0);
+            self.credential_refused = matches!(status, 401 | 403);
+        }
         if self.admission.is_some() && self.plan.as_ref().is_some_and(|p| p.estimate.is_some()) {
             let status: u32 = host.response_header(":status").and_then(|s| s.parse().ok()).unwrap_or(0);
             self.upstream_error = status >= 400;
@@ -379,11 +393,25 @@ impl RequestFilter {
 
     // ---- deciding ----
 
-    fn identify(&self, host: &mut impl Host, config: &Policy) -> Result<String, Verdict> {
-        match (find_credential(&config.identity.sources, |name| host.request_header(name)), config.identity.missing) {
-            (Some(credential), _) => Ok(tenant_id(&credential)),
-            (None, MissingIdentity::Anonymous) => Ok(ANONYMOUS_TENANT.to_string()),
-            (None, MissingIdentity::Reject) => {
+    /// The tenant, from the places the request's upstream authenticates (or the
+    /// operator's own headers): all of them, so that two credentials are refused rather
+    /// than one chosen.
+    fn identify(&self, host: &mut impl Host, config: &Policy, path: &str) -> Result<String, Verdict> {
+        let query = path.split_once('?').map_or("", |(_, query)| query.split('#').next().unwrap_or(""));
+        let values = |name: &str| host.request_header_values(name);
+        let credential = match (&config.identity.sources, &self.route) {
+            (Some(sources), _) => read_credential(sources.iter().map(IdentitySource::place), values, ""),
+            (None, Some(route)) => read_credential(route.provider.credentials().iter().copied(), values, query),
+            (None, None) => read_credential(providers::EVERY_CREDENTIAL_PLACE, values, query),
+        };
+        match (credential, config.identity.missing) {
+            (Credential::Conflicting, _) => {
+                host.add_metric(Metric::Unidentified, 1);
+                Err(Verdict::Reply(decision::conflicting_credentials(self.dialect)))
+            }
+            (Credential::Found(credential), _) => Ok(tenant_id(&credential)),
+            (Credential::Missing, MissingIdentity::Anonymous) => Ok(ANONYMOUS_TENANT.to_string()),
+            (Credential::Missing, MissingIdentity::Reject) => {
                 host.add_metric(Metric::Unidentified, 1);
                 Err(Verdict::Reply(decision::missing_identity(self.dialect)))
             }
@@ -456,7 +484,11 @@ impl RequestFilter {
         let plan = plan(config, self.route.as_ref(), &self.tier, body, &mut learned);
         self.body_len = body.map_or(0, <[u8]>::len);
         let unpriced = plan.unpriced.then(|| plan.model.clone());
+        let unreadable = plan.unreadable.clone().filter(|_| config.tokens.unreadable_body == UnreadableBody::Refuse);
         self.plan = Some(plan);
+        if let Some(why) = unreadable {
+            return self.apply(host, config, Verdict::Reply(decision::unreadable_body(&why, self.dialect)), false);
+        }
         if let Some(model) = unpriced {
             return self.apply(host, config, Verdict::Reply(decision::model_not_priced(&model, self.dialect)), false);
         }
@@ -876,7 +908,11 @@ impl RequestFilter {
     /// from, and its slots are released.
     fn settle(&mut self, host: &mut impl Host, worker: &mut Worker, config: &Policy, ending: Ending) {
         let Some(admission) = self.admission.take() else { return };
-        let credits = self.credits(host, worker, config, ending);
+        let credits = if self.credential_refused && self.phase == Phase::Forwarded {
+            self.refund_everything(config)
+        } else {
+            self.credits(host, worker, config, ending)
+        };
         let applies = |i: usize| self.plan.as_ref().is_some_and(|p| p.applies(i));
         let slot_limits: Vec<usize> = config
             .limits
@@ -928,6 +964,17 @@ impl RequestFilter {
         let with_slots = reservation.is_some();
         let releases = slot_limits.into_iter().filter(|_| with_slots).map(|i| (i, 0));
         worker.settle_credits(host, config, &self.tenant, reservation, false, credits.into_iter().chain(releases));
+    }
+
+    /// What gives back all this request took from each limit but slots (released on
+    /// their own): requests, tokens and dollars alike.
+    fn refund_everything(&self, config: &Policy) -> Vec<(usize, i64)> {
+        let Some(plan) = self.plan.as_ref() else { return Vec::new() };
+        let limits = config.limits.iter().zip(&plan.buckets).enumerate().filter(|(i, _)| plan.applies(*i));
+        limits
+            .filter(|(_, (limit, _))| limit.kind != LimitKind::Slots)
+            .map(|(i, (_, bucket))| (i, i64::try_from(bucket.cost).unwrap_or(i64::MAX)))
+            .collect()
     }
 
     /// The client gave up while the charge waited in the queue: stop the charge if it has
@@ -1146,6 +1193,9 @@ fn count_tokens(host: &mut impl Host, config: &Policy, rule: usize, stage: Token
 #[cfg(test)]
 #[path = "lifecycle_answers_tests.rs"]
 mod answers_tests;
+#[cfg(test)]
+#[path = "lifecycle_request_tests.rs"]
+mod request_tests;
 #[cfg(test)]
 #[path = "lifecycle_tests.rs"]
 mod tests;

@@ -31,6 +31,11 @@ pub struct LlmRequest {
     pub include_usage: bool,
     /// `max_completion_tokens`, `max_tokens` or `max_output_tokens`, whichever applies.
     pub max_output: Option<u64>,
+    /// How many completions one request generates, each up to `max_output`: OpenAI's `n`
+    /// (and the legacy completions' `best_of`, the candidates generated server-side),
+    /// Gemini's `generationConfig.candidateCount`; 1 elsewhere (Anthropic, Responses and
+    /// Bedrock have none). At least 1.
+    pub choices: u64,
     /// Where an output cap is written (see `rewritten`): a field, or a path of fields.
     cap_field: &'static [&'static str],
     /// The body is covered by the client's signature (see `providers::Route`).
@@ -84,7 +89,7 @@ pub fn parse_on<'a>(route: &Route, body: &'a [u8]) -> Option<Result<ParsedBody<'
 
 impl LlmRequest {
     pub fn parse(api: Api, body: &[u8]) -> Result<ParsedBody<'_>, BodyError> {
-        let body = Json::parse(body).map_err(BodyError::NotJson)?;
+        let body = Json::parse_request(body).map_err(BodyError::NotJson)?;
         if !body.is_object() {
             return Err(BodyError::NotAnObject);
         }
@@ -115,8 +120,17 @@ impl LlmRequest {
             // Never written: Converse bodies are signed.
             Api::Converse => &[],
         };
+        let choices = match api {
+            Api::ChatCompletions => as_count(body.at("n")),
+            Api::Completions => as_count(body.at("n")).max(as_count(body.at("best_of"))),
+            Api::GenerateContent | Api::StreamGenerateContent => {
+                as_count(body.at("generationConfig").at("candidateCount"))
+            }
+            _ => None,
+        };
         let request = LlmRequest {
             api,
+            choices: choices.unwrap_or(1).max(1),
             model: body.at("model").as_str().map(str::to_string),
             stream: api == Api::StreamGenerateContent || body.at("stream").as_bool().unwrap_or(false),
             include_usage: body.at("stream_options").at("include_usage").as_bool().unwrap_or(false),
@@ -309,7 +323,7 @@ mod tests {
             ("", None),
         ];
         for (path, api) in cases {
-            assert_eq!(Api::from_path(crate::path::normalised(path)), api, "{path}");
+            assert_eq!(Api::from_path(&crate::path::normalised(path)), api, "{path}");
         }
     }
 

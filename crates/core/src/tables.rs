@@ -209,22 +209,6 @@ pub fn queued_slot(config: &Policy, tenant: &str) -> u32 {
     (keyed_hash(config.memory.slot_key, &[tenant, "queued"]) % QUEUED_SLOTS) as u32
 }
 
-/// The key of the tables' slot hash: from the companion token (a secret between the
-/// proxies and the companion) and the domain, so every worker of a proxy agrees on it
-/// without shared state (there is no OS randomness on the filter's target, and a seed
-/// written to shared data races at its creation on Envoy), and no client can compute it.
-pub fn slot_key(token: &str, domain: &str) -> [u64; 2] {
-    use sha2::{Digest, Sha256};
-    let digest = Sha256::new()
-        .chain_update(b"llm-ratelimit/slots/v1\0")
-        .chain_update(token.as_bytes())
-        .chain_update(b"\0")
-        .chain_update(domain.as_bytes())
-        .finalize();
-    let word = |at: usize| digest.get(at..at + 8).and_then(|b| b.try_into().ok()).map_or(0, u64::from_le_bytes);
-    [word(0), word(8)]
-}
-
 /// SipHash-2-4 of the parts (each followed by a 0 byte) under `key`: a keyed PRF, so
 /// which inputs share a slot cannot be told without the key. std's `SipHasher` is that
 /// function exactly; it is deprecated only in favour of `DefaultHasher`, which takes no
@@ -251,6 +235,7 @@ pub(crate) fn fnv1a(parts: &[&str]) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::slot_key;
 
     #[test]
     fn an_entry_says_whose_it_is() {

@@ -179,7 +179,14 @@ impl Host for FakeHost {
 
     fn request_header_values(&mut self, name: &str) -> Vec<String> {
         self.count_call("request_header_values");
-        self.request_headers.iter().filter(|(n, _)| n == name).map(|(_, v)| v.clone()).collect()
+        let values: Vec<String> =
+            self.request_headers.iter().filter(|(n, _)| n == name).map(|(_, v)| v.clone()).collect();
+        // Envoy keeps `authorization` as one inline header and appends a repeat to it
+        // with ','; ngx_wasm_module lists each line.
+        if self.kind() == HostKind::Envoy && name == "authorization" && values.len() > 1 {
+            return vec![values.join(",")];
+        }
+        values
     }
 
     fn set_request_header(&mut self, name: &str, value: &str) -> bool {

@@ -68,6 +68,7 @@ pub(super) fn compile(
         lease,
         memory,
         hold_request_headers: written.hold_request_headers,
+        unknown_paths: written.unknown_paths,
         deployments: written.deployments.clone(),
     })
 }
@@ -128,11 +129,13 @@ fn companion_token(
 }
 
 fn identity(written: &shape::Identity) -> Result<Identity, ConfigError> {
-    if written.sources.is_empty() {
+    let Some(written_sources) = &written.sources else {
+        return Ok(Identity { sources: None, missing: written.missing });
+    };
+    if written_sources.is_empty() {
         return Err(invalid("identity.sources", "must list at least one header"));
     }
-    let sources = written
-        .sources
+    let sources = written_sources
         .iter()
         .enumerate()
         .map(|(i, source)| {
@@ -140,7 +143,7 @@ fn identity(written: &shape::Identity) -> Result<Identity, ConfigError> {
             Ok(IdentitySource { header, prefix: source.prefix.clone() })
         })
         .collect::<Result<_, ConfigError>>()?;
-    Ok(Identity { sources, missing: written.missing })
+    Ok(Identity { sources: Some(sources), missing: written.missing })
 }
 
 /// The list: at least one limit, each named once.
@@ -275,6 +278,7 @@ fn tokens(written: &shape::Tokens) -> Result<TokenPolicy, ConfigError> {
         default_max_output,
         output_estimate_factor,
         unparsed_request_cost: written.unparsed_request_cost,
+        unreadable_body: written.unreadable_body,
         max_request_bytes,
         reservation_ttl,
         on_upstream_error: written.on_upstream_error,
@@ -326,7 +330,7 @@ fn memory(written: &shape::Memory, token: &str, domain: &str) -> Result<Memory, 
     Ok(Memory {
         tenant_slots: within("memory.tenant_slots", written.tenant_slots, RANGE, "16..1048576")?,
         average_slots: within("memory.average_slots", written.average_slots, RANGE, "16..1048576")?,
-        slot_key: crate::tables::slot_key(token, domain),
+        slot_key: slot_key(token, domain),
     })
 }
 
@@ -563,6 +567,22 @@ macro_rules! quoted_as_displayed {
 
 quoted_as_displayed!(u8, u32, u64, f64);
 
+/// The key of the tables' slot hash: from the companion token (a secret between the
+/// proxies and the companion) and the domain, so every worker of a proxy agrees on it
+/// without shared state (there is no OS randomness on the filter's target, and a seed
+/// written to shared data races at its creation on Envoy), and no client can compute it.
+pub(crate) fn slot_key(token: &str, domain: &str) -> [u64; 2] {
+    use sha2::{Digest, Sha256};
+    let digest = Sha256::new()
+        .chain_update(b"llm-ratelimit/slots/v1\0")
+        .chain_update(token.as_bytes())
+        .chain_update(b"\0")
+        .chain_update(domain.as_bytes())
+        .finalize();
+    let word = |at: usize| digest.get(at..at + 8).and_then(|b| b.try_into().ok()).map_or(0, u64::from_le_bytes);
+    [word(0), word(8)]
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -648,10 +668,10 @@ mod tests {
                 "limits": [{"name": "c", "concurrency": 2, "tiers": ["gold"]}]}"#,
         );
         let policy = compile(&written, &|_| None, true).unwrap_or_else(|e| panic!("{e}"));
-        assert_eq!(policy.identity.sources[0].header, "x-tenant");
+        assert_eq!(policy.identity.sources.as_ref().map(|s| s[0].header.as_str()), Some("x-tenant"));
         assert_eq!(policy.tier.as_ref().map(|t| t.header.as_str()), Some("x-tier"));
         assert_eq!(policy.queue.priority_header.as_deref(), Some("x-priority"));
-        assert_eq!(written.identity.sources[0].header, " X-Tenant ");
+        assert_eq!(written.identity.sources.as_ref().map(|s| s[0].header.as_str()), Some(" X-Tenant "));
         assert_eq!(written.tier.as_ref().map(|t| t.header.as_str()), Some("X-Tier"));
         assert_eq!(written.limits[0].window, None, "the slot ttl is the policy's, not written back");
     }

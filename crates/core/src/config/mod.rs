@@ -8,6 +8,8 @@
 //! - `policy`: the checked result, in types that cannot hold what compile refuses.
 
 mod compile;
+#[cfg(test)]
+pub(crate) use compile::slot_key;
 mod error;
 mod policy;
 pub mod shape;
@@ -18,6 +20,7 @@ pub use error::ConfigError;
 pub use policy::{
     Bypass, Companion, Dimension, FailureMode, Fallback, HeaderStyle, Identity, LeaseConfig, Limit, Measure, Memory,
     Mode, ModelPolicy, Policy, Price, PriceEntry, QueueConfig, Secret, Slots, TierConfig, TokenCount, TokenPolicy,
+    UnknownPaths, UnreadableBody,
 };
 // Types of the policy's fields that belong to the modules that act on them.
 pub use crate::dialect::ErrorFormat;

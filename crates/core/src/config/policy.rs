@@ -33,6 +33,7 @@ pub struct Policy {
     /// Whose shape local replies and the `provider` headers take.
     pub error_format: ErrorFormat,
     pub bypass: Bypass,
+    pub unknown_paths: UnknownPaths,
     pub queue: QueueConfig,
     pub fallback: Fallback,
     pub lease: LeaseConfig,
@@ -48,7 +49,7 @@ pub struct Policy {
 pub struct Memory {
     pub tenant_slots: u32,
     pub average_slots: u32,
-    /// The secret key of the tables' slot hash (`crate::tables::slot_key`).
+    /// The secret key of the tables' slot hash (derived at compile: `config::compile`).
     pub slot_key: [u64; 2],
 }
 
@@ -132,8 +133,9 @@ impl Companion {
 
 #[derive(Debug, Clone)]
 pub struct Identity {
-    /// Tried in order; header names in lower case.
-    pub sources: Vec<IdentitySource>,
+    /// The operator's own credential headers (names in lower case), all read; `None`:
+    /// each API's own places.
+    pub sources: Option<Vec<IdentitySource>>,
     pub missing: MissingIdentity,
 }
 
@@ -148,6 +150,32 @@ pub enum FailureMode {
     Allow,
     /// Answer 503 with `Retry-After`.
     Deny,
+}
+
+/// What a body on an LLM path that cannot be read as its API's JSON gets: it cannot be
+/// counted, and the upstream may read it anyway.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum UnreadableBody {
+    /// Answer 400 in the API's shape.
+    #[default]
+    Refuse,
+    /// Charge the most it can cost: its bytes as prompt tokens plus
+    /// `tokens.default_max_output`, at the highest price of `prices`, under every limit
+    /// whatever models it names.
+    ChargeMost,
+}
+
+/// What a request on a path no API is recognised in gets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum UnknownPaths {
+    /// One request and `tokens.unparsed_request_cost` tokens (the Batch and Realtime
+    /// APIs are refused all the same).
+    #[default]
+    Charge,
+    /// Answer 400 in the shape of the path's provider (OpenAI's when none).
+    Refuse,
 }
 
 /// Whether decisions are carried out.
@@ -348,7 +376,13 @@ impl Limit {
     /// against this limit.
     pub fn applies_to(&self, model: &str, tier: &str) -> bool {
         (self.models.is_empty() || self.models.iter().any(|pattern| glob_match(pattern, model)))
-            && (self.tiers.is_empty() || self.tiers.iter().any(|t| t == tier))
+            && self.applies_to_tier(tier)
+    }
+
+    /// Whether the limit applies to `tier`, whatever the model: for a request whose
+    /// model cannot be known, charged under every model's limits.
+    pub fn applies_to_tier(&self, tier: &str) -> bool {
+        self.tiers.is_empty() || self.tiers.iter().any(|t| t == tier)
     }
 }
 
@@ -372,6 +406,7 @@ pub struct TokenPolicy {
     pub default_max_output: u64,
     pub output_estimate_factor: f64,
     pub unparsed_request_cost: u64,
+    pub unreadable_body: UnreadableBody,
     pub max_request_bytes: u64,
     pub reservation_ttl: Duration,
     pub on_upstream_error: UpstreamErrorCharge,
@@ -513,8 +548,9 @@ pub struct Bypass {
 }
 
 impl Bypass {
+    /// Whether `path`, normalised (`crate::path::normalised`), is bypassed: the path the
+    /// request is routed on, so `/v1/models*` cannot match `/v1/models/../chat/completions`.
     pub fn path(&self, path: &str) -> bool {
-        let path = crate::path::without_query(path);
         self.paths.iter().any(|pattern| glob_match(pattern, path))
     }
 

@@ -7,7 +7,7 @@
 //! identity sources) are the policy's own types, deserialized in place.
 
 use super::error::{invalid, ConfigError};
-use super::policy::{FailureMode, HeaderStyle, Mode, Price, Secret, TokenCount};
+use super::policy::{FailureMode, HeaderStyle, Mode, Price, Secret, TokenCount, UnknownPaths, UnreadableBody};
 use crate::dialect::ErrorFormat;
 use crate::duration::parse_duration;
 use crate::identity::{IdentitySource, MissingIdentity};
@@ -54,6 +54,9 @@ pub struct Document {
     pub error_format: ErrorFormat,
     #[serde(default)]
     pub bypass: Bypass,
+    /// What a request on a path no API is recognised in gets.
+    #[serde(default)]
+    pub unknown_paths: UnknownPaths,
     #[serde(default)]
     pub queue: Queue,
     #[serde(default)]
@@ -109,21 +112,16 @@ pub struct Companion {
     pub timeout: ConfigDuration,
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Identity {
-    /// Headers tried in order; the first present one identifies the tenant. Header names
+    /// The operator's own credential headers, all read (two that disagree refuse the
+    /// request); when absent, each API's own (see `Provider::credentials`). Header names
     /// are matched case-insensitively.
-    #[serde(default = "default_identity_sources")]
-    pub sources: Vec<IdentitySource>,
+    #[serde(default)]
+    pub sources: Option<Vec<IdentitySource>>,
     #[serde(default)]
     pub missing: MissingIdentity,
-}
-
-impl Default for Identity {
-    fn default() -> Self {
-        Identity { sources: default_identity_sources(), missing: MissingIdentity::default() }
-    }
 }
 
 /// A limit as written: one of `requests`, `tokens`, `concurrency` and `usd` says what it
@@ -205,6 +203,8 @@ pub struct Tokens {
     pub output_estimate_factor: f64,
     /// Tokens charged for a request whose body cannot be read (unknown path, not JSON).
     pub unparsed_request_cost: u64,
+    /// What a body on an LLM path that is not its API's JSON gets.
+    pub unreadable_body: UnreadableBody,
     /// Largest request body read for counting; a larger one is answered 413.
     pub max_request_bytes: u64,
     /// How long a reservation waits for its settlement before the estimate stands.
@@ -272,6 +272,7 @@ impl Default for Tokens {
             default_max_output: 4096,
             output_estimate_factor: 1.5,
             unparsed_request_cost: 1000,
+            unreadable_body: UnreadableBody::default(),
             max_request_bytes: 1 << 20,
             reservation_ttl: ConfigDuration(Duration::from_secs(15 * 60)),
             on_upstream_error: UpstreamErrorCharge::default(),
@@ -447,20 +448,6 @@ fn default_domain() -> String {
 
 fn default_companion_timeout() -> ConfigDuration {
     ConfigDuration(Duration::from_millis(50))
-}
-
-/// OpenAI's convention (`Authorization: Bearer <key>`, also Vertex AI's), then
-/// Anthropic's (`x-api-key`), Gemini's (`x-goog-api-key`), Azure OpenAI's (`api-key`),
-/// then AWS's SigV4 (Bedrock: the access key id of `Authorization: AWS4-HMAC-SHA256
-/// Credential=…`).
-pub fn default_identity_sources() -> Vec<IdentitySource> {
-    vec![
-        IdentitySource { header: "authorization".into(), prefix: Some("Bearer ".into()) },
-        IdentitySource { header: "x-api-key".into(), prefix: None },
-        IdentitySource { header: "x-goog-api-key".into(), prefix: None },
-        IdentitySource { header: "api-key".into(), prefix: None },
-        IdentitySource { header: "authorization".into(), prefix: Some(format!("{} ", crate::identity::SIGV4_SCHEME)) },
-    ]
 }
 
 fn default_header_styles() -> Vec<HeaderStyle> {

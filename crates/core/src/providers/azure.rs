@@ -6,6 +6,11 @@
 
 use super::{PathModel, Provider, Route};
 use crate::api::Api;
+use crate::identity::{CredentialPlace, BEARER};
+
+/// Where Azure OpenAI reads the caller's credential: the resource key or an Entra ID token.
+pub const CREDENTIALS: [CredentialPlace<'static>; 2] =
+    [CredentialPlace::Header { name: "api-key", prefix: None }, BEARER];
 
 /// Azure limits a deployment's name to 64 characters.
 pub const MAX_DEPLOYMENT_NAME: usize = 64;

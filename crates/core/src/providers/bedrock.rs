@@ -19,7 +19,11 @@
 
 use super::{PathModel, Provider, Route};
 use crate::api::{Api, ReportedUsage};
+use crate::identity::{CredentialPlace, BEARER, SIGV4};
 use crate::json::Json;
+
+/// Where Bedrock reads the caller's credential: a SigV4 signature (its access key id) or a Bedrock API key.
+pub const CREDENTIALS: [CredentialPlace<'static>; 2] = [SIGV4, BEARER];
 
 /// Bedrock's own bound on a model id (an ARN included), in bytes.
 pub const MAX_MODEL_ID_BYTES: usize = 2048;

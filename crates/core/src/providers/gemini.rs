@@ -9,7 +9,12 @@
 
 use super::{Provider, Route, MAX_MODEL_NAME};
 use crate::api::{text_leaves, Api, ReportedUsage};
+use crate::identity::{CredentialPlace, BEARER};
 use crate::json::Json;
+
+/// Where Gemini and Vertex AI read the caller's credential: the API key (header or `?key=`) or an OAuth access token.
+pub const CREDENTIALS: [CredentialPlace<'static>; 3] =
+    [CredentialPlace::Header { name: "x-goog-api-key", prefix: None }, CredentialPlace::Query("key"), BEARER];
 
 /// What a Gemini image, video frame or file part costs: Google bills an image of up to
 /// 384x384 pixels as 258 tokens (larger ones are tiled at 258 a tile).

@@ -14,6 +14,7 @@ pub mod gemini;
 
 use crate::api::Api;
 use crate::dialect::Dialect;
+use crate::identity::{CredentialPlace, BEARER, SIGV4};
 use std::collections::BTreeMap;
 
 /// A model name (from a path, a reply or the config) is at most this long; a longer one
@@ -33,7 +34,35 @@ pub enum Provider {
     Bedrock,
 }
 
+/// Anthropic reads its API key, or an OAuth token as Bearer.
+const ANTHROPIC_CREDENTIALS: [CredentialPlace<'static>; 2] =
+    [CredentialPlace::Header { name: "x-api-key", prefix: None }, BEARER];
+
+/// Every place a family reads: on a path no family is recognised in, the upstream may be
+/// any of them, so all must agree.
+pub const EVERY_CREDENTIAL_PLACE: [CredentialPlace<'static>; 6] = [
+    BEARER,
+    CredentialPlace::Header { name: "x-api-key", prefix: None },
+    CredentialPlace::Header { name: "x-goog-api-key", prefix: None },
+    CredentialPlace::Header { name: "api-key", prefix: None },
+    SIGV4,
+    CredentialPlace::Query("key"),
+];
+
 impl Provider {
+    /// Where this provider's upstream reads the caller's credential: the only places the
+    /// tenant is read from, so a client cannot name itself by adding a header the
+    /// upstream ignores.
+    pub fn credentials(self) -> &'static [CredentialPlace<'static>] {
+        match self {
+            Provider::OpenAi => &[BEARER],
+            Provider::Anthropic => &ANTHROPIC_CREDENTIALS,
+            Provider::Gemini => &gemini::CREDENTIALS,
+            Provider::Azure => &azure::CREDENTIALS,
+            Provider::Bedrock => &bedrock::CREDENTIALS,
+        }
+    }
+
     /// The shape of the filter's own answers to this provider's callers.
     pub const fn dialect(self) -> Dialect {
         match self {
@@ -89,7 +118,8 @@ pub enum PathModel {
 /// Recognises the provider and API by the path (normalised by `crate::path`); `None` for
 /// a path no provider's API is recognised in.
 pub fn route(path: &str) -> Option<Route> {
-    let path = crate::path::normalised(path);
+    let normalised = crate::path::normalised(path);
+    let path = normalised.as_str();
     bedrock::route(path).or_else(|| gemini::route(path)).or_else(|| azure::route(path)).or_else(|| {
         Api::from_path(path).map(|api| {
             let provider = if api == Api::Messages { Provider::Anthropic } else { Provider::OpenAi };
