@@ -63,6 +63,15 @@ impl HostKind {
         self == HostKind::Envoy
     }
 
+    /// Whether a request with a body may be decided, and resumed, before its body has been
+    /// read. ngx_wasm_module starts reading the body when the headers are paused; a resume
+    /// that comes first runs the content handler anyway, and the upstream gets the headers
+    /// (with their content-length) but no body: the request hangs. There, a request with a
+    /// body is decided at the end of its body even when the decision needs nothing from it.
+    pub fn decides_before_the_body_is_read(self) -> bool {
+        self == HostKind::Envoy
+    }
+
     /// Whether `end_of_stream` on request headers can be trusted to say "no body".
     pub fn reports_end_of_stream_on_headers(self) -> bool {
         self == HostKind::Envoy

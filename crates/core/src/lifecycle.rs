@@ -238,10 +238,11 @@ impl RequestFilter {
             // all the same is charged at least its reservation, `reply_floor`).
             host.set_request_header("accept-encoding", "identity");
         }
-        if !config.reads_body() {
+        let no_body = end_of_stream || has_no_body(host, worker);
+        if !config.reads_body() && (no_body || worker.host_kind().decides_before_the_body_is_read()) {
             return self.charge(host, worker, &config, None);
         }
-        if end_of_stream || has_no_body(host, worker) {
+        if no_body {
             return self.charge(host, worker, &config, Some(&[]));
         }
         self.phase = Phase::ReadingBody;
@@ -264,6 +265,13 @@ impl RequestFilter {
     ) -> Action {
         let Some(config) = self.config.clone() else { return Action::Continue };
         match self.phase {
+            // Waiting only for the body's end (see `decides_before_the_body_is_read`).
+            Phase::ReadingBody if !config.reads_body() => {
+                if !end_of_stream {
+                    return Action::Pause;
+                }
+                self.charge(host, worker, &config, None)
+            }
             Phase::ReadingBody => {
                 if body_size as u64 > config.tokens.max_request_bytes {
                     let reply = Verdict::Reply(decision::body_too_large(config.tokens.max_request_bytes, self.dialect));

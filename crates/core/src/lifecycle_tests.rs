@@ -99,6 +99,39 @@ fn a_request_without_a_body_is_charged_on_every_host() {
     }
 }
 
+#[cfg_attr(not(target_arch = "wasm32"), test)]
+#[cfg_attr(target_arch = "wasm32", wasm_bindgen_test::wasm_bindgen_test)]
+fn a_request_decided_from_its_headers_is_resumed_only_once_its_body_is_read() {
+    // A request limit needs nothing from the body. Envoy decides from the headers and
+    // streams the body after the resume; ngx_wasm_module would run the content handler on
+    // that resume with the body still unread (the fake host refuses such a resume), so
+    // there the decision waits for the body, whichever arrives first.
+    let requests_only = config(json!([{"name": "rpm", "requests": 100, "window": "1m"}]), json!({}));
+    for kind in HOSTS {
+        let world = World::new(kind);
+        let mut proxy = Proxy::new(&world, &requests_only);
+        let mut companion = FakeCompanion::default();
+        let late = proxy.send_with_late_body(Request::chat("sk-a", CHAT), &mut companion);
+        assert!(late.forwarded(), "{kind:?}");
+        assert_eq!(late.host.callouts.len(), 1, "{kind:?}: charged once");
+        assert_eq!(charge_of(&late).limits.iter().map(|l| l.cost).collect::<Vec<_>>(), [1], "{kind:?}");
+        assert_eq!(world.borrow().host_calls.get("request_body"), None, "{kind:?}: the filter reads no body");
+        // Envoy's callout goes out from the headers, before the body has arrived.
+        let mut host = crate::testing::FakeHost::new(&world);
+        host.request_headers = Request::chat("sk-b", CHAT).headers;
+        let mut filter = RequestFilter::on(&proxy.worker);
+        let (sent_from_headers, action) = match kind {
+            HostKind::Envoy => (1, Action::Pause),
+            HostKind::Nginx => (0, Action::Continue),
+        };
+        assert_eq!(filter.on_request_headers(&mut host, &mut proxy.worker, false), action, "{kind:?}");
+        assert_eq!(host.callouts.len(), sent_from_headers, "{kind:?}");
+        // A request without a body is still decided from its headers on both.
+        let get = proxy.send(Request::get("sk-a", "/v1/models"), &mut companion);
+        assert!(get.forwarded() && get.host.callouts.len() == 1, "{kind:?}");
+    }
+}
+
 #[test]
 fn headers_are_held_only_where_the_host_delivers_the_body_meanwhile() {
     for (kind, held) in [(HostKind::Envoy, Action::Pause), (HostKind::Nginx, Action::Continue)] {

@@ -2,7 +2,8 @@
 //! plays the semantics that differ between hosts (see [`HostKind`]): on `Nginx` a
 //! shared-data write without the key's CAS fails once the key exists, and the lifecycle
 //! is driven as ngx_wasm_module drives it (end of stream never set on request headers, no
-//! body callback for a request without a body). A [`FakeCompanion`] answers callouts with
+//! body callback for a request without a body, the body read only in the content phase and
+//! a resume before it is read sending the upstream none). A [`FakeCompanion`] answers callouts with
 //! the Rust model of the Lua script, so tests run whole decisions natively.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
 
@@ -112,6 +113,8 @@ pub struct FakeHost {
     pub in_response_phases: bool,
     /// A callout's answer is being delivered, for a callout that carried a body.
     answering_a_callout_with_a_body: bool,
+    /// The request body has been read by the host and delivered to the filter.
+    pub body_read: bool,
 }
 
 impl FakeHost {
@@ -133,6 +136,7 @@ impl FakeHost {
             warned: BTreeSet::new(),
             in_response_phases: false,
             answering_a_callout_with_a_body: false,
+            body_read: false,
         }
     }
 
@@ -303,6 +307,13 @@ impl Host for FakeHost {
 
     fn resume_request(&mut self) {
         self.count_call("resume_request");
+        // ngx_wasm_module runs the content handler on a resume even while the body is
+        // still being read: the upstream gets the headers, with their content-length, and
+        // no body, and the client waits for an answer that never comes.
+        assert!(
+            !(self.kind() == HostKind::Nginx && !self.request_body.is_empty() && !self.body_read),
+            "nginx: a resume before the request body was read sends the upstream no body"
+        );
         self.resumed += 1;
     }
 
@@ -779,9 +790,37 @@ impl Proxy {
         // ngx_wasm_module calls no body callback for a request without a body.
         if waiting_for_body && (has_body || kind == HostKind::Envoy) {
             let size = host.request_body.len();
+            host.body_read = true;
             action = filter.on_request_body(&mut host, &mut self.worker, size, true);
         }
         InFlight { filter, host, action }
+    }
+
+    /// Starts a request whose body arrives after its headers, in a separate write, and
+    /// after the answer to a callout sent from the headers (if any): the order in which a
+    /// decision from headers alone resumes a request whose body is still unread.
+    pub fn send_with_late_body(&mut self, request: Request, companion: &mut FakeCompanion) -> InFlight {
+        let mut host = FakeHost::new(&self.world);
+        host.request_headers = request.headers;
+        host.request_body = request.body;
+        let mut filter = RequestFilter::on(&self.worker);
+        let has_body = !host.request_body.is_empty();
+        let end_on_headers = host.kind() == HostKind::Envoy && !has_body;
+        let action = filter.on_request_headers(&mut host, &mut self.worker, end_on_headers);
+        let mut flight = InFlight { filter, host, action };
+        if flight.filter.phase() == crate::lifecycle::Phase::Deciding {
+            self.answer(&mut flight, companion);
+        }
+        // Both hosts deliver the body once it arrives, unless the filter already replied.
+        if has_body && flight.filter.phase() != crate::lifecycle::Phase::Replied {
+            let size = flight.host.request_body.len();
+            flight.host.body_read = true;
+            flight.action = flight.filter.on_request_body(&mut flight.host, &mut self.worker, size, true);
+        }
+        if flight.filter.phase() == crate::lifecycle::Phase::Deciding {
+            self.answer(&mut flight, companion);
+        }
+        flight
     }
 
     /// Answers the request's outstanding callout from `companion`.
