@@ -157,7 +157,7 @@ fn check(embedded: Embedded, host: HostKind) -> Report {
     if let Ok(policy) = &outcome {
         failures = lint::failures(policy, &embedded.config, host, embedded.plugin);
         let written = serde_json::from_slice::<Value>(&embedded.config).unwrap_or(Value::Null);
-        warnings = lint::warnings(policy, &written);
+        warnings.extend(lint::warnings(policy, &written));
         if embedded.istio && !policy.companion.upstream.starts_with("outbound|") {
             warnings.push(format!(
                 "companion.upstream {:?} is not an Istio cluster name; Istio names a Service's cluster \

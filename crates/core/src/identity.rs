@@ -186,14 +186,7 @@ mod tests {
 
     /// Every place the built-in families read (the places of a path no family is
     /// recognised in).
-    const PLACES: [CredentialPlace<'static>; 6] = [
-        BEARER,
-        CredentialPlace::Header { name: "x-api-key", prefix: None },
-        CredentialPlace::Header { name: "x-goog-api-key", prefix: None },
-        CredentialPlace::Header { name: "api-key", prefix: None },
-        SIGV4,
-        CredentialPlace::Query("key"),
-    ];
+    const PLACES: [CredentialPlace<'static>; 6] = crate::providers::EVERY_CREDENTIAL_PLACE;
 
     fn read(headers: &[(&str, &str)], query: &str) -> Credential {
         let values = |name: &str| headers.iter().filter(|(n, _)| *n == name).map(|(_, v)| v.to_string()).collect();
