@@ -47,7 +47,15 @@ pub fn failures(policy: &Policy, config: &[u8], host: HostKind, plugin: Plugin) 
             format!("{} never holds the request headers while the body is read", host.name())
         };
         for (field, on) in [
-            ("tokens.request_stream_usage", policy.tokens.request_stream_usage),
+            // On by default, and harmless where it cannot apply (a stream without usage is
+            // then charged by `tokens.hidden_output_models`): flagged only when written.
+            (
+                "tokens.request_stream_usage",
+                serde_json::from_slice::<serde_json::Value>(config)
+                    .ok()
+                    .and_then(|c| c.pointer("/tokens/request_stream_usage").and_then(serde_json::Value::as_bool))
+                    .unwrap_or(false),
+            ),
             ("tokens.clamp_max_tokens", policy.tokens.clamp_max_tokens),
         ] {
             if on {

@@ -31,7 +31,7 @@ const CASES: &[(&str, &[&str], i32, &[&str])] = &[
     ("envoy-missing-stop-iteration-requests-only.yaml", &[], 0, &[": ok: 1 limit(s): rpm"]),
     ("trailing-comma.json", &[], 1, &["not valid JSON: trailing comma at line 2"]),
     ("duplicate-key.yaml", &[], 1, &["line 11 column 3", "`pluginConfig` appears twice"]),
-    ("nginx-too-long.json", &["--host", "nginx"], 1, &["error:", "4283 bytes", "too long parameter"]),
+    ("nginx-too-long.json", &["--host", "nginx"], 1, &["error:", "4278 bytes", "too long parameter"]),
     ("nginx-too-long.json", &[], 0, &[": ok: 75 limit(s)"]),
     (
         "request-stream-usage.json",
