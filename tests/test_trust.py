@@ -9,7 +9,7 @@ import urllib.request
 
 import pytest
 
-from stack import COMPANION_BIN, free_port, http_get, wait_until
+from stack import COMPANION_BIN, free_cluster_port, free_port, http_get, wait_until
 
 DATA = "trust-data-plane-0123456789"
 ADMIN = "trust-admin-credential-0123"
@@ -240,5 +240,75 @@ def test_the_filter_refuses_a_placeholder_from_the_environment(stack):
     config = envoy_config(listen_port=listen, admin_port=admin, upstream_port=mock_port, companion_port=free_port(),
                           filter_config=None)
     proc, _ = stack.envoy(config, env={"LLMRL_COMPANION_TOKEN": "change-me"}, wait=False)
-    wait_until(lambda: b"companion.token_env" in proc.log_path.read_bytes(), 60, "the refusal", proc)
-    assert b"placeholder" in proc.log_path.read_bytes()
+    # Envoy may log the refusal and exit (the plugin fails closed) before a poll of the log:
+    # either ends the wait, and the log must hold the refusal naming the field.
+    wait_until(lambda: proc.popen.poll() is not None or b"companion.token_env" in proc.log_path.read_bytes(), 60,
+               "the refusal")
+    log = proc.log_path.read_bytes()
+    assert b"field `companion.token_env`: is a placeholder" in log, proc.log_tail()
+
+
+def tls_cluster(stack, certs, password, nodes=3):
+    """A Redis Cluster speaking only TLS (clients, the bus, `redis-cli --cluster create`),
+    with client certificates and a password."""
+    tls = ["--tls-cert-file", str(certs / "server.pem"), "--tls-key-file", str(certs / "server.key"),
+           "--tls-ca-cert-file", str(certs / "ca.pem")]
+    ports = []
+    for _ in range(nodes):
+        port = free_cluster_port()
+        data = stack.workdir / f"redis-tls-cluster-{port}"
+        data.mkdir()
+        proc = stack.spawn(f"redis-tls-cluster-{port}", [
+            "redis-server", "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(data),
+            "--port", "0", "--tls-port", str(port), *tls, "--tls-cluster", "yes", "--tls-auth-clients", "yes",
+            "--cluster-enabled", "yes", "--cluster-config-file", str(data / "nodes.conf"),
+            "--requirepass", password, "--masterauth", password])
+        wait_until(lambda: socket.create_connection(("127.0.0.1", port), 1).close() is None, 10, "redis tls", proc)
+        ports.append(port)
+    cli = ["redis-cli", "--tls", "--cacert", str(certs / "ca.pem"), "--cert", str(certs / "client.pem"),
+           "--key", str(certs / "client.key"), "--no-auth-warning", "-a", password]
+    subprocess.run([*cli, "--cluster", "create", *[f"127.0.0.1:{p}" for p in ports], "--cluster-replicas", "0",
+                    "--cluster-yes"], check=True, capture_output=True, timeout=60)
+    wait_until(lambda: all("cluster_state:ok" in subprocess.run([*cli, "-p", str(p), "cluster", "info"],
+                                                                capture_output=True, text=True).stdout
+                           for p in ports), 30, "redis tls cluster")
+    return ports, cli
+
+
+def test_the_companion_works_against_a_tls_redis_cluster_with_auth(stack, tmp_path):
+    certs = make_certificates(tmp_path)
+    password = "cluster-password-0123"
+    ports, cli = tls_cluster(stack, certs, password)
+    tls = ["--redis-ca-file", str(certs / "ca.pem"), "--redis-client-cert", str(certs / "client.pem"),
+           "--redis-client-key", str(certs / "client.key")]
+    seeds = ",".join(f"127.0.0.1:{p}" for p in ports)
+    _, companion = stack.companion(f"rediss+cluster://{seeds}", DATA, extra=tls, env={"LLMRL_REDIS_PASSWORD": password})
+    # Tenants whose keys fall in different hash slots, so on different nodes: each is
+    # charged its whole budget, then refused, then given back exactly what its
+    # reservation took (a larger credit capped), all through TLS.
+    tenants = [f"{i:x}" * 32 for i in range(1, 9)]
+    for tenant in tenants:
+        status, body = charge(companion, tenant, 10, reservation=f"res-{tenant[:4]}")
+        assert status == 200 and body["allowed"], body
+        assert not charge(companion, tenant, 1)[1]["allowed"], "exhausted: the state is in the cluster"
+        status, body = settle(companion, tenant, 25, reservation=f"res-{tenant[:4]}")
+        assert status == 200, body
+        assert charge(companion, tenant, 10)[1]["allowed"], "the reservation's 10 came back"
+        assert not charge(companion, tenant, 1)[1]["allowed"], "and no more than 10 (25 was capped)"
+    holding = [p for p in ports
+               if subprocess.run([*cli, "-p", str(p), "--scan", "--pattern", "llmrl:*"], capture_output=True,
+                                 text=True, check=True).stdout.strip()]
+    assert len(holding) >= 2, "the tenants' keys spread over the cluster's nodes"
+    # A wrong password ends the start with a clear message, as on a single node.
+    result = run_companion(f"rediss+cluster://{seeds}", env={"LLMRL_REDIS_PASSWORD": "wrong-password-0123"},
+                           extra=tls)
+    assert result.returncode != 0, result.stderr
+    assert "Redis refused the companion's credentials" in result.stderr, result.stderr
+    assert "waiting for Redis" not in result.stderr and "wrong-password-0123" not in result.stderr
+    # And so does a CA that did not sign the nodes' certificates.
+    (tmp_path / "other").mkdir()
+    other = make_certificates((tmp_path / "other").resolve())
+    result = run_companion(f"rediss+cluster://{seeds}", env={"LLMRL_REDIS_PASSWORD": password},
+                           extra=["--redis-ca-file", str(other / "ca.pem"), *tls[2:]])
+    assert result.returncode != 0 and "cannot connect to Redis" in result.stderr, result.stderr
+    assert "waiting for Redis" not in result.stderr

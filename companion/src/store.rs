@@ -30,11 +30,15 @@ pub fn is_fatal(err: &RedisError) -> bool {
 }
 
 /// Redis refused the credentials (WRONGPASS), wants some (NOAUTH), or the user may not run
-/// what the companion needs (NOPERM).
+/// what the companion needs (NOPERM). A cluster client folds its nodes' errors into one of
+/// another kind ("Failed to create initial connections - Io: Password authentication
+/// failed - AuthenticationFailed"): only the text still says so.
 pub fn is_auth_failure(err: &RedisError) -> bool {
     let text = err.to_string();
     err.kind() == ErrorKind::AuthenticationFailed
-        || ["WRONGPASS", "NOAUTH", "NOPERM", "unauthenticated"].iter().any(|code| text.contains(code))
+        || ["WRONGPASS", "NOAUTH", "NOPERM", "unauthenticated", "AuthenticationFailed"]
+            .iter()
+            .any(|code| text.contains(code))
 }
 
 fn is_tls_failure(err: &RedisError) -> bool {
