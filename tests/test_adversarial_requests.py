@@ -213,8 +213,12 @@ def test_a_dot_segment_path_is_charged_not_bypassed(backend, path):
     port, _ = backend.envoy_for([{"name": "rpm", "requests": 2, "window": LONG}], bypass={"paths": ["/v1/models*"]})
     body = json.dumps(chat()).encode()
     head = f"POST {path} HTTP/1.1\r\ncontent-type: application/json\r\nAuthorization: Bearer sk-dots\r\n"
+    before = backend.upstream_received()
     statuses = [raw(port, head, body)[0] for _ in range(3)]
-    assert statuses[2] == 429, statuses
+    # Envoy (no `normalize_path` here) forwards the raw path; the mock, which resolves no
+    # dot segments, answers 404 (an upstream that resolves them would serve the chat).
+    assert statuses == [404, 404, 429], statuses
+    assert backend.upstream_received() == before + 2
     assert bucket_level(redis.Redis(port=backend.redis_port), "sk-dots", "rpm") is not None
 
 
