@@ -245,9 +245,15 @@ fn anthropic_error(status: StatusCode, message: &str) -> Response {
     json_response(status, &json!({"type": "error", "error": {"type": "invalid_request_error", "message": message}}))
 }
 
+/// A request body read as OpenAI's Python server reads bytes (`json.loads`): a leading
+/// UTF-8 byte order mark is skipped, which serde_json alone refuses.
+fn read_json(body: &[u8]) -> serde_json::Result<Value> {
+    serde_json::from_slice(body.strip_prefix(b"\xef\xbb\xbf".as_slice()).unwrap_or(body))
+}
+
 async fn chat_completions(mock: axum::extract::State<Arc<Mock>>, headers: HeaderMap, body: Bytes) -> Response {
     mock.received.fetch_add(1, Ordering::Relaxed);
-    let request: Value = match serde_json::from_slice(&body) {
+    let request: Value = match read_json(&body) {
         Ok(value @ Value::Object(_)) => value,
         _ => return openai_error(StatusCode::BAD_REQUEST, "We could not parse the JSON body of your request."),
     };

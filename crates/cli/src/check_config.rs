@@ -196,7 +196,12 @@ fn embedded_configs(text: &str, all_wasm: bool) -> Result<Vec<Embedded>, String>
         // Broken JSON where a bare config was meant: the filter's own message, which says
         // where (a YAML parser's would describe its own grammar).
         Err(_) if text.trim_start().starts_with('{') => {
-            return Ok(vec![Embedded { place: "filter config".into(), config: text.as_bytes().to_vec(), istio: false, plugin: Plugin::Unknown }])
+            return Ok(vec![Embedded {
+                place: "filter config".into(),
+                config: text.as_bytes().to_vec(),
+                istio: false,
+                plugin: Plugin::Unknown,
+            }])
         }
         Err(e) => return Err(yaml_error(e)),
     };

@@ -80,7 +80,8 @@ enum Admission {
     /// Decided locally while the companion was away; reconciled with Redis later.
     Local,
     /// Charged in Redis without a reservation record (a lease grant that could not be
-    /// kept): the settlement's credits go to Redis as they are.
+    /// kept, or a charge with nothing to settle but a refund): the settlement's credits go
+    /// to Redis as they are.
     Charged,
 }
 
@@ -754,6 +755,11 @@ impl RequestFilter {
             }
             Ask::Charge => {
                 self.count_admission(host, config, Decision::Allowed);
+                // Without a reservation (requests limits only) the charge has nothing to
+                // settle, but an upstream 401/403 still gives it back: it must be known.
+                if self.admission.is_none() {
+                    self.admission = Some(Admission::Charged);
+                }
                 self.rewrite_body(host, config, &reply);
                 if let (true, Some(Admission::Reserved(id))) = (config.has_concurrency(), &self.admission) {
                     let costs = self.costs();

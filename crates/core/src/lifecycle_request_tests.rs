@@ -144,6 +144,29 @@ fn a_request_the_upstream_refuses_for_its_credential_costs_nothing() {
 }
 
 #[test]
+fn a_request_refused_for_its_credential_is_refunded_under_requests_limits_alone() {
+    // No token limit: nothing is reserved, so nothing but the refund is ever settled.
+    for kind in HOSTS {
+        let world = World::new(kind);
+        let mut proxy = Proxy::new(&world, &rpm(3));
+        let mut companion = FakeCompanion::default();
+        for _ in 0..10 {
+            let mut forged = proxy.send(Request::chat("victim", CHAT), &mut companion);
+            assert!(forged.forwarded(), "{kind:?}: the forged request found room");
+            proxy.reply(&mut forged, 403, "application/json", &[r#"{"message":"bad signature"}"#]);
+            let settled = settle(&mut proxy, &mut companion);
+            let credits: Vec<i64> = settled.iter().flat_map(|s| s.limits.iter().map(|l| l.credit)).collect();
+            assert_eq!(credits, [1], "{kind:?}: the request came back");
+        }
+        // An admitted request's charge simply stands.
+        let mut own = proxy.send(Request::chat("victim", CHAT), &mut companion);
+        assert!(own.forwarded(), "{kind:?}: the victim's own request is admitted");
+        proxy.reply(&mut own, 200, "application/json", &[r#"{"choices":[]}"#]);
+        assert!(settle(&mut proxy, &mut companion).is_empty(), "{kind:?}: nothing to settle");
+    }
+}
+
+#[test]
 fn each_choice_is_reserved_its_output_allowance() {
     // `n`, `best_of`, `candidateCount`: the provider bills every completion it generates.
     let cases = [

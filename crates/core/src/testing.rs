@@ -684,7 +684,16 @@ impl FakeCompanion {
 
 /// A limit as the models take it.
 fn spec(name: &str, capacity: u64, window_ms: u64, cost: u64, min_cost: Option<u64>, kind: LimitKind) -> LimitCharge {
-    LimitCharge { name: name.to_string(), capacity, window_ms, cost, min_cost, kind, provisional: false, look_only: false }
+    LimitCharge {
+        name: name.to_string(),
+        capacity,
+        window_ms,
+        cost,
+        min_cost,
+        kind,
+        provisional: false,
+        look_only: false,
+    }
 }
 
 /// An OpenAI chat completion (model `gpt-4o`) reporting this usage, as the upstream sends it.
