@@ -150,8 +150,8 @@ def test_an_upstream_reset_mid_stream_is_settled_exactly_once(env, backend, tikt
     assert 0 < streamed < 1000
     prompt = openai_chat_prompt_tokens(tiktoken_encodings["o200k_base"], messages)
     wait_level(env, "sk-reset", BIG - (prompt + 1000))
-    samples = scrape(backend.companion_port)
-    assert metric(samples, "settlements_total", outcome="applied") == 1
+    # Settled at the reservation, so there is nothing to give back (no settlement is sent);
+    # applied twice or with the streamed count the level would differ.
     assert abs(bucket_level(env, "sk-reset") - (BIG - (prompt + 1000))) < 0.01
 
 
