@@ -7,7 +7,7 @@
 #![no_main]
 use libfuzzer_sys::fuzz_target;
 use llm_ratelimit_core::eventstream::{encode, EventStreamDecoder, Message};
-use llm_ratelimit_core::providers::bedrock::EventStreamUsage;
+use llm_ratelimit_core::usage::EventStreamUsage;
 use llm_ratelimit_core::tokens::Encoding;
 use llm_ratelimit_core::usage::ReportedUsage;
 
