@@ -16,6 +16,7 @@
 //! charge, reservation, bucket,    pure accounting: plan, estimate, settle, buckets,
 //!   lease, breaker, settle_queue    leases, the breaker
 //! config, identity                the config compiled to policy; who a tenant is
+//! calendar                        calendar periods of a time zone (a budget's window)
 //! request, usage                  readers: a request body, a reply's usage (JSON, SSE,
 //!                                   JSON array, AWS event stream)
 //! providers::{gemini, azure,      each provider's paths, body and usage shapes; the one
@@ -33,6 +34,7 @@ pub mod answers;
 pub mod api;
 pub mod breaker;
 pub mod bucket;
+pub mod calendar;
 pub mod calibration;
 pub mod charge;
 pub mod config;
