@@ -1,5 +1,5 @@
 """lua/limits.lua against a real redis-server, with the case tables that the Rust
-models are tested with (token buckets: crates/core/src/bucket.rs; sliding windows and
+models are tested with (token buckets: crates/core/src/accounting/bucket.rs; sliding windows and
 slots: the fake companion of crates/core/src/testing.rs); and on a three-node Redis Cluster."""
 
 import json
