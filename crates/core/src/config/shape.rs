@@ -8,10 +8,10 @@
 
 use super::error::{invalid, ConfigError};
 use super::policy::{FailureMode, HeaderStyle, Mode, Price, Secret, TokenCount, UnknownPaths, UnreadableBody};
-use crate::dialect::ErrorFormat;
+use crate::accounting::reservation::UpstreamErrorCharge;
+use crate::api::dialect::ErrorFormat;
+use crate::api::identity::{IdentitySource, MissingIdentity};
 use crate::duration::parse_duration;
-use crate::identity::{IdentitySource, MissingIdentity};
-use crate::reservation::UpstreamErrorCharge;
 use crate::tokens::{self, Encoding};
 use serde::{Deserialize, Deserializer};
 use std::collections::BTreeMap;
@@ -187,7 +187,7 @@ pub enum Window {
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct CalendarWindow {
-    pub calendar: crate::calendar::Period,
+    pub calendar: crate::accounting::calendar::Period,
     #[serde(default)]
     pub time_zone: Option<String>,
 }
@@ -197,7 +197,7 @@ impl<'de> Deserialize<'de> for Window {
         use serde::de::Error;
         let value = serde_json::Value::deserialize(deserializer)?;
         if let serde_json::Value::String(text) = &value {
-            if let Ok(calendar) = crate::calendar::Period::deserialize(&value) {
+            if let Ok(calendar) = crate::accounting::calendar::Period::deserialize(&value) {
                 return Ok(Window::Calendar(CalendarWindow { calendar, time_zone: None }));
             }
             return parse_duration(text).map(|d| Window::Duration(ConfigDuration(d))).map_err(|e| {
@@ -254,7 +254,7 @@ pub struct Tokens {
     /// (and remove the extra usage chunk from what the client receives).
     pub request_stream_usage: bool,
     /// What a client that leaves before the reply starts is charged.
-    pub on_client_abort: crate::reply_floor::ClientAbortCharge,
+    pub on_client_abort: crate::accounting::reply_floor::ClientAbortCharge,
     /// Models that can spend output the client does not see (`*` wildcards): a stream of
     /// theirs without usage is charged at least its reservation.
     pub hidden_output_models: Vec<String>,
@@ -316,8 +316,10 @@ impl Default for Tokens {
             reservation_ttl: ConfigDuration(Duration::from_secs(15 * 60)),
             on_upstream_error: UpstreamErrorCharge::default(),
             request_stream_usage: true,
-            on_client_abort: crate::reply_floor::ClientAbortCharge::default(),
-            hidden_output_models: crate::reply_floor::DEFAULT_HIDDEN_OUTPUT_MODELS.map(String::from).to_vec(),
+            on_client_abort: crate::accounting::reply_floor::ClientAbortCharge::default(),
+            hidden_output_models: crate::accounting::reply_floor::DEFAULT_HIDDEN_OUTPUT_MODELS
+                .map(String::from)
+                .to_vec(),
             clamp_max_tokens: false,
             min_output_tokens: 64,
             warm_up: true,
