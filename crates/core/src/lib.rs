@@ -9,12 +9,14 @@
 //! ```text
 //! worker                          per-VM state, background work (never a RequestFilter)
 //! lifecycle                       a request's life over the Host: admit, forward, settle
-//! calibration, tables, series     effects over the Host (shared data, metrics)
+//! calibration, tables, series,    effects over the Host (shared data, metrics)
+//!   local_store                     (the local store: every limit in shared data)
 //! host                            the Host trait, the timer period
 //! decision -> answers             what the client is told, in its API's shape
 //! reply                           a local reply and its headers
 //! charge, reservation, bucket,    pure accounting: plan, estimate, settle, buckets,
-//!   lease, breaker, settle_queue    leases, the breaker
+//!   counters, lease, breaker,       the script's limit kinds, leases, the breaker
+//!   settle_queue
 //! config, identity                the config compiled to policy; who a tenant is
 //! request, usage                  readers: a request body, a reply's usage (JSON, SSE,
 //!                                   JSON array, AWS event stream)
@@ -36,6 +38,7 @@ pub mod bucket;
 pub mod calibration;
 pub mod charge;
 pub mod config;
+pub mod counters;
 pub mod decision;
 pub mod dialect;
 pub mod eventstream;
@@ -45,6 +48,7 @@ mod json;
 pub mod json_array_stream;
 pub mod lease;
 pub mod lifecycle;
+pub mod local_store;
 pub mod path;
 pub mod prompt_cache;
 pub mod providers;

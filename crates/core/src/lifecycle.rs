@@ -9,7 +9,7 @@ use crate::breaker::Dispatch;
 use crate::bucket::{check_and_charge, decode_states, encode_states};
 use crate::calibration::{Calibration, Lesson, LocalCalibrations};
 use crate::charge::{plan, ChargePlan, Learned};
-use crate::config::{FailureMode, Measure, MissingIdentity, Mode, Policy, UnknownPaths, UnreadableBody};
+use crate::config::{FailureMode, Measure, MissingIdentity, Mode, Policy, Store, UnknownPaths, UnreadableBody};
 use crate::decision::{self, DEGRADED_HEADER, QUEUED_HEADER, RESERVED_TOKENS_HEADER, SHADOW_HEADER};
 use crate::dialect::Dialect;
 use crate::host::{shared_update, Action, Host, LogLevel, Metric, Owner};
@@ -79,6 +79,9 @@ enum Admission {
     Leased,
     /// Decided locally while the companion was away; reconciled with Redis later.
     Local,
+    /// Charged in this proxy's local store (`"store": "local"`) at this time (ms), under
+    /// this reservation id (its slots' holder).
+    Stored { id: String, charged_at_ms: u64 },
     /// Charged in Redis without a reservation record (a lease grant that could not be
     /// kept, or a charge with nothing to settle but a refund): the settlement's credits go
     /// to Redis as they are.
@@ -500,6 +503,10 @@ impl RequestFilter {
         }
         if let Some(model) = unpriced {
             return self.apply(host, config, Verdict::Reply(decision::model_not_priced(&model, self.dialect)), false);
+        }
+        if config.store == Store::Local {
+            let verdict = self.decide_in_store(host, worker, config, now);
+            return self.apply(host, config, verdict, false);
         }
         if config.lease.enabled {
             match self.admit_from_lease(host, worker, config, now) {
@@ -974,6 +981,10 @@ impl RequestFilter {
                 None // the lease expired (or was evicted) meanwhile: the credits belong to Redis
             }
             Admission::Charged => None,
+            Admission::Stored { id, charged_at_ms } => {
+                self.settle_in_store(host, worker, config, &id, charged_at_ms, &credits);
+                return;
+            }
         };
         let with_slots = reservation.is_some();
         let releases = slot_limits.into_iter().filter(|_| with_slots).map(|i| (i, 0));
@@ -1207,6 +1218,11 @@ fn count_tokens(host: &mut impl Host, config: &Policy, rule: usize, stage: Token
 #[cfg(test)]
 #[path = "lifecycle_answers_tests.rs"]
 mod answers_tests;
+#[path = "lifecycle_local.rs"]
+mod local;
+#[cfg(test)]
+#[path = "lifecycle_local_tests.rs"]
+mod local_tests;
 #[cfg(test)]
 #[path = "lifecycle_request_tests.rs"]
 mod request_tests;
