@@ -13,9 +13,9 @@ use crate::counters::{self, Counter};
 use crate::host::{Action, Host, HostKind, LogLevel, Metric, Owner, SharedWriteError};
 use crate::lifecycle::RequestFilter;
 use crate::protocol::{
-    CalibrationExchange, CalibrationReply, ChargeRequest, LeaseRequest, LimitCharge, LimitKind, LimitStatus,
-    LimitsReply, RuleFigures, RunningFigure, SettleOutcome, SettleReply, SettlementBatch, CALIBRATION_PATH,
-    CHARGE_PATH, LEASE_PATH, RELEASE_PATH, SETTLE_PATH, TOUCH_PATH,
+    CalibrationExchange, CalibrationReply, ChargeRequest, LeaseRequest, LimitCharge, LimitKind, LimitsReply,
+    RuleFigures, RunningFigure, SettleOutcome, SettleReply, SettlementBatch, CALIBRATION_PATH, CHARGE_PATH, LEASE_PATH,
+    RELEASE_PATH, SETTLE_PATH, TOUCH_PATH,
 };
 use crate::reply::LocalReply;
 use crate::worker::Worker;
@@ -816,6 +816,7 @@ pub fn bad_configs() -> Vec<BadConfig> {
 #[cfg(test)]
 mod case_table {
     use super::*;
+    use crate::protocol::LimitStatus;
     use serde_json::json;
 
     fn callout(path: &str, body: Value) -> Callout {
