@@ -6,7 +6,8 @@ all measured in one run on this machine so the ratios mean something on a noisy 
    (o200k + cl100k linked).
 2. Requests/s at 16 connections, Envoy's CPU time per request, p50/p99 at 1 connection
    and Redis round trips per request, for request limits and request + token limits, each
-   decided by a callout per request (direct) or from a leased budget (lease); and the
+   decided by a callout per request (direct), from a leased budget (lease) or in the
+   proxy's own shared data (local store: no callout, no renewal); and the
    cost of five limits against one, as token buckets and as sliding windows. Three
    bodies: a tiny chat; a realistic one (a system prompt and three exchanges, 2.4 kB);
    and a conversation of 1 to 20 turns, each request resending the turns before it, as a
@@ -54,6 +55,9 @@ FIVE_SLIDING = {**REQUESTS_ONLY, "limits": [
     {**limit, "algorithm": "sliding_window"} for limit in FIVE_BUCKETS["limits"]]}
 LEASED = {**REQUESTS_ONLY, "lease": {"enabled": True}}
 LEASED_TOKENS = {**WITH_TOKENS, "lease": {"enabled": True}}
+# The local store (`"store": "local"`): every limit in the proxy's shared data, no callout.
+LOCAL_STORE = {"store": "local", "limits": REQUESTS_ONLY["limits"]}
+LOCAL_STORE_TOKENS = {"store": "local", "limits": WITH_TOKENS["limits"]}
 # The queue on, capacity free: what README's "no added latency" is measured by.
 QUEUED = {**REQUESTS_ONLY, "queue": {"max_wait": "5s"}}
 
@@ -275,6 +279,7 @@ def main() -> None:
                     ("requests, direct", REQUESTS_ONLY, None), ("requests, lease", LEASED, None),
                     ("requests, queue on", QUEUED, None),
                     ("+ tokens, direct", WITH_TOKENS, None), ("+ tokens, lease", LEASED_TOKENS, None),
+                    ("requests, local store", LOCAL_STORE, None), ("+ tokens, local store", LOCAL_STORE_TOKENS, None),
                     ("5 buckets, direct", FIVE_BUCKETS, None), ("1 sliding, direct", SLIDING, None),
                     ("5 sliding, direct", FIVE_SLIDING, None)]
         if args.only:
@@ -285,7 +290,8 @@ def main() -> None:
         if args.bodies:
             bodies = {name: script for name, script in bodies.items() if name in args.bodies}
         # The bodies that matter for a token policy: the filter parses and counts them.
-        body_variants = ("passthrough", "empty wasm filter", "wasm ABI floor", "+ tokens, direct", "+ tokens, lease")
+        body_variants = ("passthrough", "empty wasm filter", "wasm ABI floor", "+ tokens, direct", "+ tokens, lease",
+                         "+ tokens, local store")
         results, loads = {}, []
         urls, procs = {}, {}
         for name, config, wasm in variants if {"2", "3"} & set(args.parts) else []:

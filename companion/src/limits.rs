@@ -403,7 +403,14 @@ mod tests {
             reservation: reservation.map(Into::into),
             once: None,
             cancel: false,
-            limits: vec![Adjustment { name: "tpm".into(), capacity: 10_000, window_ms: 60_000, credit, kind, period_bounds_ms: Vec::new() }],
+            limits: vec![Adjustment {
+                name: "tpm".into(),
+                capacity: 10_000,
+                window_ms: 60_000,
+                credit,
+                kind,
+                period_bounds_ms: Vec::new(),
+            }],
         }
     }
 

@@ -7,7 +7,7 @@
 //! fail too, and likely mistakes are warned about (failures with `--strict`).
 
 use crate::lint::{self, Plugin};
-use llm_ratelimit_core::config::Policy;
+use llm_ratelimit_core::config::{Policy, Store};
 use llm_ratelimit_core::effects::host::HostKind;
 use llm_ratelimit_core::worker::check_for_host;
 use serde_json::Value;
@@ -143,7 +143,7 @@ fn check(embedded: Embedded, host: HostKind) -> Report {
     let mut warnings = Vec::new();
     let mut failures = Vec::new();
     let literal_token = llm_ratelimit_core::config::shape::Document::parse(&embedded.config)
-        .is_ok_and(|written| written.companion.token.is_some());
+        .is_ok_and(|written| written.companion.is_some_and(|companion| companion.token.is_some()));
     if outcome.is_ok() && literal_token {
         // Every host can pass it through the VM's environment; written here, it is in the
         // proxy's config dump and in whatever stores the manifest.
@@ -158,7 +158,7 @@ fn check(embedded: Embedded, host: HostKind) -> Report {
         failures = lint::failures(policy, &embedded.config, host, embedded.plugin);
         let written = serde_json::from_slice::<Value>(&embedded.config).unwrap_or(Value::Null);
         warnings.extend(lint::warnings(policy, &written));
-        if embedded.istio && !policy.companion.upstream.starts_with("outbound|") {
+        if embedded.istio && policy.store == Store::Redis && !policy.companion.upstream.starts_with("outbound|") {
             warnings.push(format!(
                 "companion.upstream {:?} is not an Istio cluster name; Istio names a Service's cluster \
                  `outbound|<port>||<service>.<namespace>.svc.cluster.local`",
@@ -168,7 +168,11 @@ fn check(embedded: Embedded, host: HostKind) -> Report {
     }
     let outcome = outcome.map(|policy| {
         let names: Vec<&str> = policy.limits.iter().map(|l| l.name.as_str()).collect();
-        format!("{} limit(s): {}; companion {:?}", names.len(), names.join(", "), policy.companion.upstream)
+        let store = match policy.store {
+            Store::Redis => format!("companion {:?}", policy.companion.upstream),
+            Store::Local => "local store (no companion)".to_string(),
+        };
+        format!("{} limit(s): {}; {store}", names.len(), names.join(", "))
     });
     Report { place: embedded.place, outcome, failures, warnings }
 }

@@ -3,7 +3,7 @@
 //! configs that load and work but are probably not what was meant (warnings, failures
 //! with `--strict`). Each finding names the fields concerned and what to do.
 
-use llm_ratelimit_core::config::{FailureMode, Measure, Policy, TokenCount};
+use llm_ratelimit_core::config::{FailureMode, Measure, Policy, Store, TokenCount};
 use llm_ratelimit_core::effects::host::HostKind;
 use serde_json::Value;
 use std::time::Duration;
@@ -97,6 +97,9 @@ pub fn warnings(policy: &Policy, written: &Value) -> Vec<String> {
         }
     }
     let instances_written = written.pointer("/fallback/instances").is_some();
+    if policy.store == Store::Local {
+        return found; // no companion: no failure mode, no callout to time
+    }
     if policy.failure_mode == FailureMode::Local && policy.fallback.instances == 1 && !instances_written {
         found.push(
             "`failure_mode` is local and `fallback.instances` is left at 1: when the companion or Redis \

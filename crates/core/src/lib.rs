@@ -12,13 +12,14 @@
 //! worker        per-VM state and background work: leases, settlements, calibration
 //!                 exchange, the breaker (never a RequestFilter)
 //! effects       the Host trait (host); bounded tenant tables in shared data (tables);
-//!                 where calibrations are kept (calibration_store); the settle queue
+//!                 where calibrations are kept (calibration_store); the settle queue;
+//!                 the local store: every limit in shared data (local_store)
 //! replies       what the client is told, in its API's shape: reply, answers, decision
 //! plan          what the policy makes of a request: the charge plan (charge), the
 //!                 metric series (series)
 //! config        the config, checked and compiled to policy
-//! accounting    pure limiter math: bucket, calendar, lease, breaker, reservation, reply_floor,
-//!                 calibration (the figures)
+//! accounting    pure limiter math: bucket, calendar, counters (the script's limit kinds),
+//!                 lease, breaker, reservation, reply_floor, calibration (the figures)
 //! readers       a request body (request); a reply's usage (usage: JSON, SSE, JSON
 //!                 array, AWS event stream)
 //! providers     each provider's paths, body and usage shapes; the one Route a path is

@@ -9,12 +9,13 @@
 
 use crate::accounting::bucket::{self, BucketState};
 use crate::accounting::calibration::Running;
+use crate::accounting::counters::{self, Counter};
 use crate::effects::host::{Action, Host, HostKind, LogLevel, Metric, Owner, SharedWriteError};
 use crate::lifecycle::RequestFilter;
 use crate::protocol::{
-    CalibrationExchange, CalibrationReply, ChargeRequest, LeaseRequest, LimitCharge, LimitKind, LimitOutcome,
-    LimitStatus, LimitsReply, RuleFigures, RunningFigure, SettleOutcome, SettleReply, SettlementBatch,
-    CALIBRATION_PATH, CHARGE_PATH, LEASE_PATH, RELEASE_PATH, SETTLE_PATH, TOUCH_PATH,
+    CalibrationExchange, CalibrationReply, ChargeRequest, LeaseRequest, LimitCharge, LimitKind, LimitsReply,
+    RuleFigures, RunningFigure, SettleOutcome, SettleReply, SettlementBatch, CALIBRATION_PATH, CHARGE_PATH, LEASE_PATH,
+    RELEASE_PATH, SETTLE_PATH, TOUCH_PATH,
 };
 use crate::replies::reply::LocalReply;
 use crate::worker::Worker;
@@ -391,134 +392,6 @@ pub struct FakeCompanion {
     pub calibrations: BTreeMap<String, (Option<Running>, Option<Running>)>,
 }
 
-/// One limit of one tenant as Redis holds it, by kind (see `lua/limits.lua`'s drivers).
-#[derive(Debug, Clone)]
-enum Counter {
-    /// The bucket's level at its last write; `None` is a full bucket.
-    Bucket(Option<BucketState>),
-    /// What each call took, at its time (ms); a settlement adds a correction (minus its
-    /// credit) at the time of the charge it corrects, so both leave the window together.
-    Window(Vec<(f64, f64)>),
-    /// The requests holding a slot, with the time each slot expires unless touched (ms).
-    Slots(BTreeMap<String, f64>),
-}
-
-impl Counter {
-    fn new(kind: LimitKind) -> Counter {
-        match kind {
-            // A calendar budget is a bucket that never refills (see `bucket`).
-            LimitKind::TokenBucket | LimitKind::Calendar => Counter::Bucket(None),
-            LimitKind::SlidingWindow => Counter::Window(Vec::new()),
-            LimitKind::Slots => Counter::Slots(BTreeMap::new()),
-        }
-    }
-
-    /// What the limit has free at `now`, as the bucket model's state: a bucket as it is,
-    /// the other kinds as a bucket holding exactly what they have free now (so the bucket
-    /// model's all-or-nothing and elastic arithmetic decides for every kind alike).
-    fn as_bucket(&self, spec: &LimitCharge, now: f64) -> Option<BucketState> {
-        let in_use = match self {
-            Counter::Bucket(state) => return *state,
-            Counter::Window(entries) => entries.iter().filter(|(at, _)| in_window(*at, spec, now)).map(|e| e.1).sum(),
-            Counter::Slots(held) => held.values().filter(|&&expiry| expiry > now).count() as f64,
-        };
-        Some(BucketState { tokens: spec.capacity as f64 - in_use, updated_ms: now })
-    }
-
-    /// Drops what has left the window or expired (the housekeeping of a charge).
-    fn refresh(&mut self, spec: &LimitCharge, now: f64) {
-        match self {
-            Counter::Bucket(_) => {}
-            Counter::Window(entries) => entries.retain(|(at, _)| in_window(*at, spec, now)),
-            Counter::Slots(held) => held.retain(|_, expiry| *expiry > now),
-        }
-    }
-
-    /// Charges `amount` now; `member` is the request's id (a slot's name).
-    fn take(&mut self, charged: Option<BucketState>, amount: u64, member: Option<&str>, spec: &LimitCharge, now: f64) {
-        match self {
-            Counter::Bucket(state) => *state = charged,
-            Counter::Window(entries) => entries.push((now, amount as f64)),
-            Counter::Slots(held) => {
-                let member = member.expect("a slot limit needs the request's reservation id");
-                held.insert(member.to_string(), now + spec.window_ms as f64);
-            }
-        }
-    }
-
-    /// The outcome's times as this kind reports them (the bucket model's are a bucket's).
-    fn times(&self, outcome: &mut LimitOutcome, required: u64, spec: &LimitCharge, now: f64) {
-        let window = spec.window_ms as f64;
-        match self {
-            Counter::Bucket(_) => {}
-            Counter::Window(entries) => {
-                let live = || entries.iter().filter(|(at, _)| in_window(*at, spec, now));
-                outcome.reset_after_ms = live()
-                    .map(|(at, _)| at)
-                    .fold(None, |newest: Option<f64>, &at| Some(newest.map_or(at, |n| n.max(at))))
-                    .map_or(0, |newest| (newest + window - now).max(0.0).ceil() as u64);
-                if outcome.status == LimitStatus::Limited {
-                    // The oldest entries leave first: wait until enough of them have.
-                    let short = required as f64 - (spec.capacity as f64 - live().map(|e| e.1).sum::<f64>());
-                    let mut oldest_first: Vec<&(f64, f64)> = live().collect();
-                    oldest_first.sort_by(|a, b| a.0.total_cmp(&b.0));
-                    let mut freed = 0.0;
-                    outcome.retry_after_ms = window.ceil() as u64;
-                    for (at, amount) in oldest_first {
-                        freed += amount;
-                        if freed >= short {
-                            outcome.retry_after_ms = (at + window - now).ceil().max(1.0) as u64;
-                            break;
-                        }
-                    }
-                }
-            }
-            Counter::Slots(held) => {
-                outcome.reset_after_ms = 0;
-                if outcome.status == LimitStatus::Limited {
-                    let oldest = held.values().copied().filter(|&expiry| expiry > now).fold(f64::INFINITY, f64::min);
-                    outcome.retry_after_ms = (oldest - now).ceil().clamp(1.0, 1000.0) as u64;
-                }
-            }
-        }
-    }
-
-    /// A settlement's credit for a charge made at `charged_at`.
-    fn give_back(&mut self, credit: i64, charged_at: f64, spec: &LimitCharge, now: f64) {
-        match self {
-            Counter::Bucket(state) => {
-                let mut states = [*state];
-                bucket::settle_charge_made_at(&mut states, std::slice::from_ref(spec), &[credit], charged_at, now);
-                *state = states[0];
-            }
-            // A charge that already left the window needs no correction.
-            Counter::Window(entries) if in_window(charged_at, spec, now) => entries.push((charged_at, -credit as f64)),
-            Counter::Window(_) | Counter::Slots(_) => {}
-        }
-    }
-
-    /// Renews the request's slot if it is still live (an expired one is not revived).
-    fn touch(&mut self, member: &str, spec: &LimitCharge, now: f64) {
-        if let Counter::Slots(held) = self {
-            if let Some(expiry) = held.get_mut(member).filter(|expiry| **expiry > now) {
-                *expiry = now + spec.window_ms as f64;
-            }
-        }
-    }
-
-    fn release(&mut self, member: &str) {
-        if let Counter::Slots(held) = self {
-            held.remove(member);
-        }
-    }
-}
-
-/// Whether an entry made at `at` is still inside the window at `now` (the script drops
-/// entries scored `now - window` and older).
-fn in_window(at: f64, spec: &LimitCharge, now: f64) -> bool {
-    at > now - spec.window_ms as f64
-}
-
 impl FakeCompanion {
     /// A companion that answers every call with `status`.
     pub fn failing(status: u32) -> FakeCompanion {
@@ -528,11 +401,7 @@ impl FakeCompanion {
     /// What a tenant's limit has free at `now_ms` (its capacity when untouched): a
     /// bucket's level, a window's capacity less what it holds, the slots not held.
     pub fn level(&self, tenant: &str, limit: &LimitCharge, now_ms: u64) -> f64 {
-        let now = now_ms as f64;
-        let counter = self.counter(tenant, limit);
-        let mut state = [counter.as_bucket(limit, now)];
-        let spec = LimitCharge { cost: 0, min_cost: None, ..limit.clone() };
-        bucket::settle(&mut state, std::slice::from_ref(&spec), &[0], now).limits[0].remaining as f64
+        self.counter(tenant, limit).remaining(limit, now_ms as f64) as f64
     }
 
     fn counter(&self, tenant: &str, spec: &LimitCharge) -> Counter {
@@ -548,20 +417,7 @@ impl FakeCompanion {
         let member = request.reservation.as_ref().map(|r| r.id.as_str());
         let mut counters: Vec<Counter> =
             request.limits.iter().map(|spec| self.counter(&request.tenant, spec)).collect();
-        for (counter, spec) in counters.iter_mut().zip(&request.limits) {
-            counter.refresh(spec, now);
-        }
-        let mut states: Vec<Option<BucketState>> =
-            counters.iter().zip(&request.limits).map(|(counter, spec)| counter.as_bucket(spec, now)).collect();
-        let mut reply = bucket::check_and_charge(&mut states, &request.limits, now);
-        for ((counter, spec), (state, outcome)) in
-            counters.iter_mut().zip(&request.limits).zip(states.into_iter().zip(reply.limits.iter_mut()))
-        {
-            if reply.allowed && outcome.charged > 0 {
-                counter.take(state, outcome.charged, member, spec, now);
-            }
-            counter.times(outcome, spec.cost, spec, now);
-        }
+        let reply = counters::charge(&mut counters, &request.limits, member, now);
         if reply.allowed {
             for (counter, spec) in counters.into_iter().zip(&request.limits) {
                 *self.counter_mut(&request.tenant, spec) = counter;
@@ -964,6 +820,7 @@ pub fn bad_configs() -> Vec<BadConfig> {
 #[cfg(test)]
 mod case_table {
     use super::*;
+    use crate::protocol::LimitStatus;
     use serde_json::json;
 
     fn callout(path: &str, body: Value) -> Callout {

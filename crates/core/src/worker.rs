@@ -5,7 +5,7 @@
 
 use crate::accounting::breaker::{Breaker, Dispatch};
 use crate::accounting::lease::{lease_asks, LeaseEntry, TenantLeases};
-use crate::config::Policy;
+use crate::config::{Policy, Store};
 use crate::effects::calibration_store::LocalCalibrations;
 use crate::effects::host::{detect_kind, shared_read, shared_update, Host, HostKind, LogLevel, Metric, Owner};
 use crate::effects::settle_queue::{Queued, SettleQueue};
@@ -121,7 +121,10 @@ impl Worker {
         self.prompt_cache = PromptCache::new(host.now_nanos() as u64);
         let environment = host.environment_variables();
         let variable = |name: &str| environment.iter().find(|(key, _)| key == name).map(|(_, value)| value.clone());
-        let config = Policy::from_json_in(bytes, &variable).map_err(|e| e.to_string())?;
+        let mut config = Policy::from_json_in(bytes, &variable).map_err(|e| e.to_string())?;
+        if config.store == Store::Local {
+            config.memory.slot_key = crate::effects::local_store::slot_key(host, &config.domain);
+        }
         if self.ids.vm == 0 {
             self.ids.vm = take_vm_number(host, &config.domain);
         }
@@ -129,10 +132,13 @@ impl Worker {
         host.log(
             LogLevel::Info,
             &format!(
-                "llm-ratelimit: configured {} limit(s) in domain {:?}, companion {:?}, host {}{}",
+                "llm-ratelimit: configured {} limit(s) in domain {:?}, {}, host {}{}",
                 config.limits.len(),
                 config.domain,
-                config.companion.upstream,
+                match config.store {
+                    Store::Redis => format!("companion {:?}", config.companion.upstream),
+                    Store::Local => "local store (no companion)".to_string(),
+                },
                 self.host_kind.name(),
                 if config.lease.enabled { ", leases on" } else { "" }
             ),
@@ -183,8 +189,10 @@ impl Worker {
             }
         }
         self.calibrations.flush(host, &config, now);
-        self.exchange_calibrations(host, &config, now);
-        self.send_settlements(host, &config);
+        if config.store == Store::Redis {
+            self.exchange_calibrations(host, &config, now);
+            self.send_settlements(host, &config);
+        }
         if config.has_concurrency() {
             let every = (config.slots.ttl.as_millis() / 3 / TICK.as_millis()).max(1) as u32;
             if self.ticks % every == 0 {
@@ -449,6 +457,14 @@ impl Worker {
     /// Renews the slots of this VM's requests in flight, so a long stream keeps its slot
     /// while a crashed proxy's slots expire.
     fn touch_slots(&mut self, host: &mut impl Host, config: &Policy) {
+        if config.store == Store::Local {
+            let specs: Vec<LimitCharge> = config.limits.iter().map(|limit| limit_charge(limit, 0)).collect();
+            for held in self.slots.values() {
+                let holder = held.reservation.as_deref().unwrap_or_default();
+                crate::effects::local_store::touch(host, config, &held.tenant, &specs, holder);
+            }
+            return;
+        }
         let settlements: Vec<Settlement> = self.slots.values().cloned().collect();
         for chunk in settlements.chunks(SETTLE_BATCH) {
             let request = SettlementBatch { settlements: chunk.to_vec() };
@@ -551,7 +567,11 @@ pub(crate) fn settlement(
 /// Adjustments of configured limits (by index): buckets and windows with a non-zero
 /// credit, and slot limits (released or renewed, whatever the credit); calendar budgets
 /// dated at `now_ms`.
-pub(crate) fn adjustments(config: &Policy, credits: impl Iterator<Item = (usize, i64)>, now_ms: u64) -> Vec<Adjustment> {
+pub(crate) fn adjustments(
+    config: &Policy,
+    credits: impl Iterator<Item = (usize, i64)>,
+    now_ms: u64,
+) -> Vec<Adjustment> {
     credits
         .filter_map(|(i, credit)| {
             let limit = config.limits.get(i)?;

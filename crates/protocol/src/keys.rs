@@ -47,6 +47,12 @@ pub fn queued_tenant_key(domain: &str, slot: u32) -> String {
     format!("llmrl.queued.{domain}.{slot}")
 }
 
+/// Shared data: the local store's secret for the tables' slot hash (see the filter's
+/// `local_store::slot_key`).
+pub fn local_secret_key(domain: &str) -> String {
+    format!("llmrl.local-secret.{domain}")
+}
+
 /// Shared data: the circuit breaker in front of the companion.
 pub fn breaker_key(domain: &str) -> String {
     format!("llmrl.breaker.{domain}")

@@ -171,7 +171,8 @@ pub fn settle_charge_made_at(
         .map(|((spec, state), &credit)| {
             let mut tokens = level_at(spec, *state, now_ms);
             let earlier_period = spec.kind == LimitKind::Calendar
-                && Calendar::period_at(&spec.period_bounds_ms, now_ms).is_none_or(|(start, _)| charged_at_ms < start as f64);
+                && Calendar::period_at(&spec.period_bounds_ms, now_ms)
+                    .is_none_or(|(start, _)| charged_at_ms < start as f64);
             if credit != 0 && !earlier_period {
                 tokens = (tokens + credit as f64).min(spec.capacity as f64);
                 *state = Some(BucketState { tokens, updated_ms: now_ms });
@@ -381,7 +382,9 @@ mod tests {
                     Op::Settle => {
                         let record = step.reservation.as_ref().and_then(|id| reservations.remove(id));
                         match record {
-                            Some(charged_at) => settle_charge_made_at(&mut states, specs, &[step.amount], charged_at, now),
+                            Some(charged_at) => {
+                                settle_charge_made_at(&mut states, specs, &[step.amount], charged_at, now)
+                            }
                             None => LimitsReply { allowed: false, ..settle(&mut states, specs, &[0], now) },
                         }
                     }

@@ -90,7 +90,9 @@ impl Calendar {
             None => ("UTC".to_string(), TimeZone::UTC),
             Some(name) => match TimeZoneDatabase::bundled().get(name) {
                 Ok(zone) => (name.to_string(), zone),
-                Err(_) => return Err(format!("{name:?} is not a time zone of the IANA database (e.g. \"Europe/Amsterdam\")")),
+                Err(_) => {
+                    return Err(format!("{name:?} is not a time zone of the IANA database (e.g. \"Europe/Amsterdam\")"))
+                }
             },
         };
         Ok(Calendar { period, zone_name, zone })

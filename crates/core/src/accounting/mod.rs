@@ -7,6 +7,7 @@ pub mod breaker;
 pub mod bucket;
 pub mod calendar;
 pub mod calibration;
+pub mod counters;
 pub mod lease;
 pub mod reply_floor;
 pub mod reservation;

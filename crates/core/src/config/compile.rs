@@ -12,11 +12,11 @@ use super::error::{invalid, ConfigError};
 use super::policy::Secret;
 use super::policy::{
     model_policies, tiers_named, Bypass, Companion, Dimension, Fallback, Identity, LeaseConfig, Limit, Measure, Memory,
-    Policy, PriceEntry, QueueConfig, Slots, TierConfig, TokenPolicy,
+    Policy, PriceEntry, QueueConfig, Slots, Store, TierConfig, TokenPolicy,
 };
 use super::shape::{self, Algorithm, ConfigDuration, Document};
-use crate::api::identity::{is_tenant_id, IdentitySource};
 use crate::accounting::calendar::Calendar;
+use crate::api::identity::{is_tenant_id, IdentitySource};
 use crate::protocol::credential::weakness;
 use crate::protocol::LimitKind;
 use std::collections::{BTreeMap, HashSet};
@@ -32,15 +32,32 @@ pub(super) fn compile(
     environment: &dyn Fn(&str) -> Option<String>,
     in_vm: bool,
 ) -> Result<Policy, ConfigError> {
-    let companion = companion(&written.companion, environment, in_vm)?;
+    let companion = match (written.store, &written.companion) {
+        (Store::Redis, Some(written)) => companion(written, environment, in_vm)?,
+        (Store::Redis, None) => {
+            return Err(invalid(
+                "companion",
+                "required with the default store (`redis`); or set `\"store\": \"local\"` to keep every \
+                 limit in this proxy, without a companion",
+            ))
+        }
+        (Store::Local, Some(_)) => {
+            return Err(invalid(
+                "companion",
+                "`\"store\": \"local\"` keeps every limit in this proxy's shared data and calls no \
+                 companion: remove `companion`, or drop `store` to keep the limits in Redis",
+            ))
+        }
+        (Store::Local, None) => Companion::none(),
+    };
     name("domain", &written.domain)?;
     let identity = identity(&written.identity)?;
     // A concurrency limit's window is the slot ttl. Limits are checked first, and a ttl
     // out of range is refused right after, so no limit built with one is ever used.
     let limits = limits(&written.limits, written.tier.is_some(), written.slots.ttl.0)?;
     let slots = slots(&written.slots)?;
-    let tokens = tokens(&written.tokens)?;
-    let fallback = fallback(&written.fallback)?;
+    let tokens = tokens(&written.tokens, written.store)?;
+    let fallback = fallback(&written.fallback.clone().unwrap_or_default())?;
     let lease = lease(&written.lease)?;
     let memory = memory(&written.memory, companion.token.expose(), &written.domain)?;
     let bypass = bypass(&written.bypass)?;
@@ -49,12 +66,16 @@ pub(super) fn compile(
     let tier = written.tier.as_ref().map(|t| tier(t, &limits)).transpose()?;
     let queue = queue(&written.queue, &limits)?;
     lease_combines(&lease, &queue, &limits, &tokens)?;
+    if written.store == Store::Local {
+        local_store_combines(written, &lease, &queue, &limits, &memory)?;
+    }
     deployments(&written.deployments)?;
     Ok(Policy {
+        store: written.store,
         companion,
         domain: written.domain.clone(),
         identity,
-        failure_mode: written.failure_mode,
+        failure_mode: written.failure_mode.unwrap_or_default(),
         limits,
         tokens,
         slots,
@@ -250,7 +271,7 @@ fn slots(written: &shape::Slots) -> Result<Slots, ConfigError> {
     Ok(Slots { ttl })
 }
 
-fn tokens(written: &shape::Tokens) -> Result<TokenPolicy, ConfigError> {
+fn tokens(written: &shape::Tokens, store: Store) -> Result<TokenPolicy, ConfigError> {
     let encodings = std::iter::once(("tokens.default_encoding".to_string(), written.default_encoding)).chain(
         written.models.iter().enumerate().map(|(i, m)| (format!("tokens.models[{i}].encoding"), m.rule.encoding)),
     );
@@ -306,7 +327,7 @@ fn tokens(written: &shape::Tokens) -> Result<TokenPolicy, ConfigError> {
         min_output_tokens,
         warm_up: written.warm_up,
         calibrate: written.calibrate,
-        share_calibration: written.calibrate && written.share_calibration,
+        share_calibration: written.calibrate && written.share_calibration.unwrap_or(store == Store::Redis),
     })
 }
 
@@ -347,6 +368,7 @@ fn memory(written: &shape::Memory, token: &str, domain: &str) -> Result<Memory, 
     Ok(Memory {
         tenant_slots: within("memory.tenant_slots", written.tenant_slots, RANGE, "16..1048576")?,
         average_slots: within("memory.average_slots", written.average_slots, RANGE, "16..1048576")?,
+        local_entries: within("memory.local_entries", written.local_entries, 1..=4096, "1..4096")?,
         slot_key: slot_key(token, domain),
     })
 }
@@ -487,6 +509,61 @@ fn lease_combines(
         None
     };
     clash.map_or(Ok(()), |message| Err(invalid("lease.enabled", message)))
+}
+
+/// What only Redis can hold, refused with the local store, each in the words of why: a
+/// proxy's shared data is its own, so nothing in it is seen by another proxy.
+fn local_store_combines(
+    written: &Document,
+    lease: &LeaseConfig,
+    queue: &QueueConfig,
+    limits: &[Limit],
+    memory: &Memory,
+) -> Result<(), ConfigError> {
+    const LOCAL: &str = "with `\"store\": \"local\"`";
+    if queue.enabled() {
+        return Err(invalid(
+            "queue.max_wait",
+            format!("the queue is one line across every proxy, kept in Redis: {LOCAL} there is none; remove `queue`"),
+        ));
+    }
+    if lease.enabled {
+        return Err(invalid(
+            "lease.enabled",
+            format!("a lease is a block of a budget kept in Redis: {LOCAL} every decision is made in the proxy already; remove `lease`"),
+        ));
+    }
+    if written.tokens.share_calibration == Some(true) {
+        return Err(invalid(
+            "tokens.share_calibration",
+            format!("calibrations are shared with the other proxies through the companion: {LOCAL} each proxy learns its own; leave it unset"),
+        ));
+    }
+    if written.failure_mode.is_some() {
+        return Err(invalid(
+            "failure_mode",
+            format!("says what to do when the companion fails: {LOCAL} there is no companion to fail; remove it"),
+        ));
+    }
+    if written.fallback.is_some() {
+        return Err(invalid(
+            "fallback",
+            format!("the degraded mode stands in for an absent companion: {LOCAL} there is none; remove it"),
+        ));
+    }
+    for (i, limit) in limits.iter().enumerate() {
+        if limit.kind == LimitKind::Slots && limit.capacity() > u64::from(memory.local_entries) {
+            return Err(invalid(
+                format!("limits[{i}].concurrency"),
+                format!(
+                    "{} slots: {LOCAL} a tenant's slots are kept in its entry, at most `memory.local_entries` ({}); raise that",
+                    limit.capacity(),
+                    memory.local_entries
+                ),
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// Names that end up in Redis keys and headers: short, and free of the characters that
@@ -733,7 +810,11 @@ mod tests {
             ),
             (slots(&written(r#"{"ttl": "2h"}"#)).map(drop), error("slots.ttl", "7200s is outside 1s..1h")),
             (
-                tokens(&written(r#"{"models": [{"match": "m", "encoding": "o200k_base", "factor": 0.0}]}"#)).map(drop),
+                tokens(
+                    &written(r#"{"models": [{"match": "m", "encoding": "o200k_base", "factor": 0.0}]}"#),
+                    Store::Redis,
+                )
+                .map(drop),
                 error("tokens.models[0].factor", "0 is outside (0, 10]"),
             ),
             (
@@ -779,7 +860,7 @@ mod tests {
     fn a_lease_refuses_what_must_be_decided_in_redis() {
         let written_lease: shape::Lease = written(r#"{"enabled": true}"#);
         let lease = lease(&written_lease).unwrap_or_else(|e| panic!("{e}"));
-        let tokens = tokens(&written("{}")).unwrap_or_else(|e| panic!("{e}"));
+        let tokens = tokens(&written("{}"), Store::Redis).unwrap_or_else(|e| panic!("{e}"));
         let idle = queue(&written("{}"), &[]).unwrap_or_else(|e| panic!("{e}"));
         let waiting = queue(&written(r#"{"max_wait": "1s"}"#), &[]).unwrap_or_else(|e| panic!("{e}"));
         let bucket = [limit_of(r#"{"name": "r", "requests": 1, "window": "1m"}"#).unwrap_or_else(|e| panic!("{e}"))];

@@ -17,6 +17,8 @@ use std::time::Duration;
 
 #[derive(Debug, Clone)]
 pub struct Policy {
+    /// Where the counters live (`Store::Local`: `companion` is never called).
+    pub store: Store,
     pub companion: Companion,
     /// Namespace of this policy's counters in Redis.
     pub domain: String,
@@ -45,11 +47,25 @@ pub struct Policy {
     pub deployments: BTreeMap<String, String>,
 }
 
+/// Where the limits' counters live.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Store {
+    /// In Redis, through the companion: one budget for every proxy of the domain.
+    #[default]
+    Redis,
+    /// In this proxy's shared data, across its workers (`effects/local_store.rs`): no companion, no
+    /// Redis; each proxy counts only what passes through it.
+    Local,
+}
+
 /// Sizes of the shared-data tables (see `crate::effects::tables`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Memory {
     pub tenant_slots: u32,
     pub average_slots: u32,
+    /// The local store's bound on a window's entries and a concurrency limit's slots.
+    pub local_entries: u32,
     /// The secret key of the tables' slot hash (derived at compile: `config::compile`).
     pub slot_key: [u64; 2],
 }
@@ -127,6 +143,16 @@ pub struct Companion {
 }
 
 impl Companion {
+    /// What the local store has in its place: nothing to call (never called, see `Store`).
+    pub(crate) fn none() -> Companion {
+        Companion {
+            upstream: String::new(),
+            authority: None,
+            token: Secret::new(String::new()),
+            timeout: Duration::ZERO,
+        }
+    }
+
     pub fn authority(&self) -> &str {
         self.authority.as_deref().unwrap_or(&self.upstream)
     }

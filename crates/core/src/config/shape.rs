@@ -7,7 +7,7 @@
 //! identity sources) are the policy's own types, deserialized in place.
 
 use super::error::{invalid, ConfigError};
-use super::policy::{FailureMode, HeaderStyle, Mode, Price, Secret, TokenCount, UnknownPaths, UnreadableBody};
+use super::policy::{FailureMode, HeaderStyle, Mode, Price, Secret, Store, TokenCount, UnknownPaths, UnreadableBody};
 use crate::accounting::reservation::UpstreamErrorCharge;
 use crate::api::dialect::ErrorFormat;
 use crate::api::identity::{IdentitySource, MissingIdentity};
@@ -21,17 +21,25 @@ use std::time::Duration;
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Document {
-    /// Where the companion (the service that runs the Lua scripts in Redis) is reached.
-    pub companion: Companion,
+    /// Where the limits' counters live: `redis` (the default: through the companion, one
+    /// budget for every proxy of the domain) or `local` (this proxy's shared data, across
+    /// its workers: no companion, no Redis).
+    #[serde(default)]
+    pub store: Store,
+    /// Where the companion (the service that runs the Lua scripts in Redis) is reached;
+    /// required with the `redis` store, refused with `local`.
+    #[serde(default)]
+    pub companion: Option<Companion>,
     /// Namespace of this config's counters in Redis: configs with the same domain and limit
     /// names share budgets (that is how several proxies hold one global limit).
     #[serde(default = "default_domain")]
     pub domain: String,
     #[serde(default)]
     pub identity: Identity,
-    /// What to do with a request when the companion fails or does not answer in time.
+    /// What to do with a request when the companion fails or does not answer in time
+    /// (unset: `local`; refused with the `local` store, which has no companion to fail).
     #[serde(default)]
-    pub failure_mode: FailureMode,
+    pub failure_mode: Option<FailureMode>,
     /// Every request is charged against each of these, all or nothing.
     pub limits: Vec<Limit>,
     #[serde(default)]
@@ -59,8 +67,9 @@ pub struct Document {
     pub unknown_paths: UnknownPaths,
     #[serde(default)]
     pub queue: Queue,
+    /// Unset: the defaults; refused with the `local` store.
     #[serde(default)]
-    pub fallback: Fallback,
+    pub fallback: Option<Fallback>,
     #[serde(default)]
     pub lease: Lease,
     #[serde(default)]
@@ -200,9 +209,9 @@ impl<'de> Deserialize<'de> for Window {
             if let Ok(calendar) = crate::accounting::calendar::Period::deserialize(&value) {
                 return Ok(Window::Calendar(CalendarWindow { calendar, time_zone: None }));
             }
-            return parse_duration(text).map(|d| Window::Duration(ConfigDuration(d))).map_err(|e| {
-                D::Error::custom(format!("{e}; or a calendar period: \"day\", \"week\", \"month\""))
-            });
+            return parse_duration(text)
+                .map(|d| Window::Duration(ConfigDuration(d)))
+                .map_err(|e| D::Error::custom(format!("{e}; or a calendar period: \"day\", \"week\", \"month\"")));
         }
         CalendarWindow::deserialize(value).map(Window::Calendar).map_err(|e| {
             D::Error::custom(format!(
@@ -273,8 +282,9 @@ pub struct Tokens {
     /// Learn from settled replies, per model rule, how the provider's prompt count relates
     /// to the proxy's and how long the model's completions run, and reserve by that.
     pub calibrate: bool,
-    /// Share what is learned with every proxy of the domain, through the companion.
-    pub share_calibration: bool,
+    /// Share what is learned with every proxy of the domain, through the companion (unset:
+    /// on with the `redis` store; the `local` store learns per proxy and refuses it).
+    pub share_calibration: Option<bool>,
 }
 
 /// A model rule as written in `tokens.models`: the counting rule's own fields (`match`,
@@ -325,7 +335,7 @@ impl Default for Tokens {
             warm_up: true,
             default_expected_output: None,
             calibrate: true,
-            share_calibration: true,
+            share_calibration: None,
         }
     }
 }
@@ -352,11 +362,15 @@ pub struct Memory {
     pub tenant_slots: u32,
     /// Entries of the table of running completion averages, by tenant and model.
     pub average_slots: u32,
+    /// With the `local` store: the most entries a tenant's sliding window keeps (older
+    /// ones are folded into the next, which only ever holds an amount longer) and the
+    /// most slots a concurrency limit may have.
+    pub local_entries: u32,
 }
 
 impl Default for Memory {
     fn default() -> Self {
-        Memory { tenant_slots: 16_384, average_slots: 16_384 }
+        Memory { tenant_slots: 16_384, average_slots: 16_384, local_entries: 64 }
     }
 }
 

@@ -255,7 +255,7 @@ pub fn detect_kind(host: &mut impl Host) -> HostKind {
 /// by their CRC32 alone, so two keys with the same checksum share one value (about a 1%
 /// chance among 10,000 keys). A value whose fingerprint is not its key's reads as absent;
 /// the next write replaces it.
-const FINGERPRINT_BYTES: usize = 8;
+pub const FINGERPRINT_BYTES: usize = 8;
 
 fn fingerprint(key: &str) -> [u8; FINGERPRINT_BYTES] {
     // FNV-1a, 64 bits: independent of CRC32, so keys that collide there do not here.

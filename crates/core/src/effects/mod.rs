@@ -3,5 +3,6 @@
 
 pub mod calibration_store;
 pub mod host;
+pub mod local_store;
 pub mod settle_queue;
 pub mod tables;

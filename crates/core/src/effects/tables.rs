@@ -21,7 +21,7 @@ use crate::effects::host::{shared_get_read, shared_read, shared_update, shared_u
 use crate::protocol::keys;
 
 /// Tenant ids are 32 hex digits, or `anonymous`; stored padded to this many bytes.
-const TENANT_BYTES: usize = 32;
+pub const TENANT_BYTES: usize = 32;
 /// The owner of an average: a hash of (tenant, model), so model names are never stored.
 const OWNER_HASH_BYTES: usize = 8;
 
@@ -30,7 +30,7 @@ const OWNER_HASH_BYTES: usize = 8;
 pub enum TenantTable {
     /// Leased budgets (lease mode).
     Leases,
-    /// Local buckets (the degraded mode).
+    /// Local counters: the degraded mode's buckets, or the local store's limits.
     Local,
 }
 

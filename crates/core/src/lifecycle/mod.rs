@@ -12,7 +12,7 @@ use crate::accounting::reply_floor::{self, ReplySight};
 use crate::accounting::reservation::{actual_usage, credit, Ending, OutputAverage, TokenCounts};
 use crate::api::dialect::Dialect;
 use crate::api::identity::{read_credential, tenant_id, Credential, IdentitySource, ANONYMOUS_TENANT};
-use crate::config::{FailureMode, Measure, MissingIdentity, Mode, Policy, UnknownPaths, UnreadableBody};
+use crate::config::{FailureMode, Measure, MissingIdentity, Mode, Policy, Store, UnknownPaths, UnreadableBody};
 use crate::effects::calibration_store::LocalCalibrations;
 use crate::effects::host::{shared_update, Action, Host, LogLevel, Metric, Owner};
 use crate::effects::tables::{queued_slot, read_average, read_own, update_average, update_own, Busy, TenantTable};
@@ -86,6 +86,9 @@ enum Admission {
     Leased,
     /// Decided locally while the companion was away; reconciled with Redis later.
     Local,
+    /// Charged in this proxy's local store (`"store": "local"`) at this time (ms), under
+    /// this reservation id (its slots' holder).
+    Stored { id: String, charged_at_ms: u64 },
     /// Charged in Redis by a lease grant that could not be kept as a lease: the
     /// settlement's credits go to Redis on their own, backed by what the grant took.
     Charged,
@@ -507,6 +510,10 @@ impl RequestFilter {
         }
         if let Some(model) = unpriced {
             return self.apply(host, config, Verdict::Reply(decision::model_not_priced(&model, self.dialect)), false);
+        }
+        if config.store == Store::Local {
+            let verdict = self.decide_in_store(host, worker, config, now);
+            return self.apply(host, config, verdict, false);
         }
         if config.lease.enabled {
             match self.admit_from_lease(host, worker, config, now) {
@@ -975,6 +982,10 @@ impl RequestFilter {
                 None // the lease expired (or was evicted) meanwhile: the credits belong to Redis
             }
             Admission::Charged => None,
+            Admission::Stored { id, charged_at_ms } => {
+                self.settle_in_store(host, worker, config, &id, charged_at_ms, &credits);
+                return;
+            }
         };
         let with_slots = reservation.is_some();
         let releases = slot_limits.into_iter().filter(|_| with_slots).map(|i| (i, 0));
@@ -1209,6 +1220,9 @@ fn count_tokens(host: &mut impl Host, config: &Policy, rule: usize, stage: Token
 mod answers_tests;
 #[cfg(test)]
 mod calendar_tests;
+mod local;
+#[cfg(test)]
+mod local_tests;
 #[cfg(test)]
 mod request_tests;
 #[cfg(test)]

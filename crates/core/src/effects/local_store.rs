@@ -1,0 +1,251 @@
+//! `"store": "local"`: every limit kept in this proxy's shared data, across its workers,
+//! with no companion and no Redis. A tenant's limits are one entry of the bounded tenant
+//! table (`tables.rs`, the table the degraded mode keeps its local buckets in), so a
+//! decision over all of them is one compare-and-swap, and memory is the table's size
+//! whatever the clients invent. The math is the script's, as `counters.rs` models it.
+//!
+//! A tenant's entry, after the table's 32-byte tenant id and the shared value's 8-byte
+//! fingerprint: a format byte, then per limit its kind (1 byte), how many entries follow
+//! (2 bytes) and 16 bytes per entry: a bucket's level and time (at most 1 entry), a
+//! window's (time, amount) pairs (at most `memory.local_entries`), a slot's holder and
+//! expiry (at most the limit's capacity, itself at most `memory.local_entries`).
+//!
+//! What the companion keeps in a reservation record the request keeps itself here: the
+//! time of its charge (where a window's correction goes) and its slots' holder.
+
+use crate::accounting::counters::{self, Counter};
+use crate::config::Policy;
+use crate::effects::host::{shared_update, Host};
+use crate::effects::tables::{fnv1a, update_own, Busy, TenantTable};
+use crate::protocol::{LimitCharge, LimitKind, LimitsReply};
+use std::collections::BTreeMap;
+
+/// The first byte of an entry: an entry of another format (the degraded mode's buckets,
+/// after a config change) reads as fresh counters.
+const FORMAT: u8 = 0x4c;
+const KIND_BUCKET: u8 = 1;
+const KIND_WINDOW: u8 = 2;
+const KIND_SLOTS: u8 = 3;
+/// Bytes of one entry of a counter.
+pub const ENTRY_BYTES: usize = 16;
+/// Bytes of a counter before its entries.
+pub const COUNTER_HEADER_BYTES: usize = 3;
+
+/// The holder of a request's slots, as its entry names it: a hash of its reservation id.
+pub fn holder(reservation: &str) -> String {
+    format!("{:016x}", fnv1a(&[reservation]))
+}
+
+fn encode(counters: &[Counter]) -> Vec<u8> {
+    let mut out = vec![FORMAT];
+    for counter in counters {
+        let pairs: Vec<(u64, f64)> = match counter {
+            Counter::Bucket(None) => Vec::new(),
+            Counter::Bucket(Some(state)) => vec![(state.tokens.to_bits(), state.updated_ms)],
+            Counter::Window(entries) => entries.iter().map(|&(at, amount)| (at.to_bits(), amount)).collect(),
+            Counter::Slots(held) => held
+                .iter()
+                .filter_map(|(holder, &expiry)| u64::from_str_radix(holder, 16).ok().map(|h| (h, expiry)))
+                .collect(),
+        };
+        out.push(match counter.kind() {
+            LimitKind::TokenBucket | LimitKind::Calendar => KIND_BUCKET,
+            LimitKind::SlidingWindow => KIND_WINDOW,
+            LimitKind::Slots => KIND_SLOTS,
+        });
+        out.extend_from_slice(&(pairs.len().min(usize::from(u16::MAX)) as u16).to_le_bytes());
+        for (first, second) in pairs.into_iter().take(usize::from(u16::MAX)) {
+            out.extend_from_slice(&first.to_le_bytes());
+            out.extend_from_slice(&second.to_le_bytes());
+        }
+    }
+    out
+}
+
+/// The counters of `specs` as stored; a payload of another shape (other limits, another
+/// format, cut short) reads as fresh counters.
+fn decode(payload: Option<&[u8]>, specs: &[LimitCharge]) -> Vec<Counter> {
+    let fresh = || specs.iter().map(|spec| Counter::new(spec.kind)).collect();
+    payload.and_then(|bytes| decode_exactly(bytes, specs)).unwrap_or_else(fresh)
+}
+
+fn decode_exactly(bytes: &[u8], specs: &[LimitCharge]) -> Option<Vec<Counter>> {
+    let (&format, mut rest) = bytes.split_first()?;
+    if format != FORMAT {
+        return None;
+    }
+    let mut counters = Vec::with_capacity(specs.len());
+    for spec in specs {
+        let (header, after) = rest.split_at_checked(COUNTER_HEADER_BYTES)?;
+        let (&kind, count) = header.split_first()?;
+        let count = usize::from(u16::from_le_bytes(count.try_into().ok()?));
+        let (entries, after) = after.split_at_checked(count * ENTRY_BYTES)?;
+        rest = after;
+        let pairs = entries.chunks_exact(ENTRY_BYTES).map(|chunk| {
+            let (first, second) = chunk.split_at(8);
+            Some((u64::from_le_bytes(first.try_into().ok()?), f64::from_le_bytes(second.try_into().ok()?)))
+        });
+        let pairs: Vec<(u64, f64)> = pairs.collect::<Option<_>>()?;
+        let counter = match (kind, spec.kind) {
+            (KIND_BUCKET, LimitKind::TokenBucket | LimitKind::Calendar) => {
+                Counter::Bucket(pairs.first().map(|&(tokens, updated_ms)| crate::accounting::bucket::BucketState {
+                    tokens: f64::from_bits(tokens),
+                    updated_ms,
+                }))
+            }
+            (KIND_WINDOW, LimitKind::SlidingWindow) => {
+                Counter::Window(pairs.into_iter().map(|(at, amount)| (f64::from_bits(at), amount)).collect())
+            }
+            (KIND_SLOTS, LimitKind::Slots) => Counter::Slots(
+                pairs
+                    .into_iter()
+                    .map(|(holder, expiry)| (format!("{holder:016x}"), expiry))
+                    .collect::<BTreeMap<_, _>>(),
+            ),
+            _ => return None,
+        };
+        let finite = match &counter {
+            Counter::Bucket(state) => state.is_none_or(|s| s.tokens.is_finite() && s.updated_ms.is_finite()),
+            Counter::Window(entries) => entries.iter().all(|(at, amount)| at.is_finite() && amount.is_finite()),
+            Counter::Slots(held) => held.values().all(|expiry| expiry.is_finite()),
+        };
+        if !finite {
+            return None;
+        }
+        counters.push(counter);
+    }
+    rest.is_empty().then_some(counters)
+}
+
+/// Bytes of a tenant's entry at most, for `limits`: what `memory.tenant_slots` entries
+/// cost (the README's sizing of Nginx's `shm_kv` comes from this).
+pub fn entry_bytes_at_most(config: &Policy) -> usize {
+    let most = config.memory.local_entries as usize;
+    let counters: usize = config
+        .limits
+        .iter()
+        .map(|limit| {
+            let entries = match limit.kind {
+                LimitKind::TokenBucket | LimitKind::Calendar => 1,
+                LimitKind::SlidingWindow => most,
+                LimitKind::Slots => (limit.capacity() as usize).min(most),
+            };
+            COUNTER_HEADER_BYTES + entries * ENTRY_BYTES
+        })
+        .sum();
+    crate::effects::host::FINGERPRINT_BYTES + crate::effects::tables::TENANT_BYTES + 1 + counters
+}
+
+/// Whether a colliding tenant's entry may be replaced: only once none of its counters
+/// holds anything (else the newcomer would hand its owner a fresh budget).
+fn idle(payload: &[u8], specs: &[LimitCharge], now: f64) -> bool {
+    decode(Some(payload), specs).iter().zip(specs).all(|(counter, spec)| counter.is_idle(spec, now))
+}
+
+fn bounded(mut counters: Vec<Counter>, config: &Policy) -> Vec<u8> {
+    for counter in &mut counters {
+        counter.bound(config.memory.local_entries as usize);
+    }
+    encode(&counters)
+}
+
+/// Charges `tenant`'s limits (`specs`, this request's costs) all or none at `now_ms`;
+/// `holder` names the slots it takes. `Err(Busy)` when both of the tenant's slots hold
+/// other tenants' live entries; `None` when the host refused the write.
+pub fn charge(
+    host: &mut impl Host,
+    config: &Policy,
+    tenant: &str,
+    specs: &[LimitCharge],
+    holder: &str,
+    now_ms: u64,
+) -> Option<Result<LimitsReply, Busy>> {
+    let now = now_ms as f64;
+    let evictable = |payload: &[u8]| idle(payload, specs, now);
+    update_own(host, config, TenantTable::Local, tenant, evictable, |payload| {
+        let mut counters = decode(payload, specs);
+        let reply = counters::charge(&mut counters, specs, Some(holder), now);
+        (reply.allowed.then(|| bounded(counters, config)), reply)
+    })
+}
+
+/// Settles a request charged at `charged_at_ms`: `credits` (by limit index; negative: a
+/// further debit) go back to its counters, and the slots `holder` took are released.
+pub fn settle(
+    host: &mut impl Host,
+    config: &Policy,
+    tenant: &str,
+    specs: &[LimitCharge],
+    credits: &[(usize, i64)],
+    charged_at_ms: u64,
+    holder: &str,
+) {
+    update_existing(host, config, tenant, specs, |counters, now| {
+        for &(i, credit) in credits.iter().filter(|(_, credit)| *credit != 0) {
+            if let (Some(counter), Some(spec)) = (counters.get_mut(i), specs.get(i)) {
+                counter.give_back(credit, charged_at_ms as f64, spec, now);
+            }
+        }
+        counters.iter_mut().for_each(|counter| counter.release(holder));
+    });
+}
+
+/// Renews the slots `holder` holds for `tenant` (its request is still in flight), so a
+/// stream longer than `slots.ttl` keeps them while a crashed worker's expire. `specs`: the
+/// config's limits.
+pub fn touch(host: &mut impl Host, config: &Policy, tenant: &str, specs: &[LimitCharge], holder: &str) {
+    update_existing(host, config, tenant, specs, |counters, now| {
+        for (counter, spec) in counters.iter_mut().zip(specs) {
+            counter.touch(holder, spec, now);
+        }
+    });
+}
+
+/// Changes `tenant`'s counters where it has an entry; an entry replaced meanwhile (evicted
+/// once idle) holds nothing of the request's, so then nothing is written.
+fn update_existing(
+    host: &mut impl Host,
+    config: &Policy,
+    tenant: &str,
+    specs: &[LimitCharge],
+    mut change: impl FnMut(&mut [Counter], f64),
+) {
+    let now = host.now_ms() as f64;
+    update_own(
+        host,
+        config,
+        TenantTable::Local,
+        tenant,
+        |_| false,
+        |payload| {
+            let Some(payload) = payload else { return (None, ()) };
+            let mut counters = decode(Some(payload), specs);
+            change(&mut counters, now);
+            (Some(bounded(counters, config)), ())
+        },
+    );
+}
+
+/// The local store's key for the tables' slot hash. There is no companion token to derive
+/// it from, so the first worker to start draws one from its clock (`now_nanos`; no client
+/// knows the proxy's start to the nanosecond) and every worker of the proxy takes that one
+/// from shared data (which outlives a config reload; a restart draws another).
+pub fn slot_key(host: &mut impl Host, domain: &str) -> [u64; 2] {
+    let nanos = host.now_nanos().to_string();
+    let drawn = [fnv1a(&[&nanos, domain]), fnv1a(&[domain, &nanos]).rotate_left(29) ^ fnv1a(&[&nanos])];
+    let key = crate::protocol::keys::local_secret_key(domain);
+    let taken = shared_update(host, &key, |stored| match stored.and_then(|b| <[u8; 16]>::try_from(b).ok()) {
+        Some(bytes) => (None, bytes),
+        None => {
+            let mut bytes = [0u8; 16];
+            bytes[..8].copy_from_slice(&drawn[0].to_le_bytes());
+            bytes[8..].copy_from_slice(&drawn[1].to_le_bytes());
+            (Some(bytes.to_vec()), bytes)
+        }
+    });
+    // A write the host refused: this worker's own draw (its slots then differ from the
+    // others' until the next config, which the refusal's metric and log say).
+    let Some(bytes) = taken else { return drawn };
+    let (low, high) = bytes.split_at(8);
+    [u64::from_le_bytes(low.try_into().unwrap_or_default()), u64::from_le_bytes(high.try_into().unwrap_or_default())]
+}

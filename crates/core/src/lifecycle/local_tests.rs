@@ -1,0 +1,258 @@
+//! The local store (`"store": "local"`) on the fake host: two workers of one proxy (two
+//! `Proxy` values over one `World`, so they share its shared data and clock) keep every
+//! limit kind exactly between them, with no callout at all; each test runs for both hosts
+//! (on Nginx every write to an existing key must carry its CAS).
+
+use crate::effects::host::{HostKind, Metric};
+use crate::testing::{advance, usage_reply, FakeCompanion, InFlight, Proxy, Request, World};
+use serde_json::{json, Value};
+use std::cell::RefCell;
+use std::rc::Rc;
+
+const HOSTS: [HostKind; 2] = [HostKind::Envoy, HostKind::Nginx];
+const CHAT: &str = r#"{"model":"gpt-4o","messages":[{"role":"user","content":"hello world"}],"max_tokens":300}"#;
+
+fn local(limits: Value, extra: Value) -> String {
+    let mut config = json!({"store": "local", "limits": limits});
+    if let (Some(config), Some(extra)) = (config.as_object_mut(), extra.as_object()) {
+        config.extend(extra.clone());
+    }
+    config.to_string()
+}
+
+/// Two workers of one proxy.
+fn workers(kind: HostKind, config: &str) -> (Rc<RefCell<World>>, [Proxy; 2]) {
+    let world = World::new(kind);
+    let workers = [Proxy::new(&world, config), Proxy::new(&world, config)];
+    (world, workers)
+}
+
+/// A request through a worker: decided at once, never by a callout.
+fn send(proxy: &mut Proxy, request: Request) -> InFlight {
+    // No companion exists: one that answered anything would fail the test below.
+    let mut nobody = FakeCompanion::failing(599);
+    let flight = proxy.send(request, &mut nobody);
+    assert!(flight.host.callouts.is_empty(), "the local store calls out to nobody");
+    assert!(nobody.calls.is_empty());
+    flight
+}
+
+fn reply_header(flight: &InFlight, name: &str) -> Option<String> {
+    let reply = flight.replied()?;
+    reply.headers.iter().find(|(n, _)| *n == name).map(|(_, v)| v.clone())
+}
+
+fn header(flight: &InFlight, name: &str) -> Option<String> {
+    flight.host.response_header_value(name).map(str::to_string)
+}
+
+#[test]
+fn a_request_limit_holds_exactly_across_two_workers_with_no_callout() {
+    for kind in HOSTS {
+        let (_world, mut workers) =
+            workers(kind, &local(json!([{"name": "rpm", "requests": 5, "window": "1m"}]), json!({})));
+        let mut remaining = Vec::new();
+        for i in 0..5 {
+            let worker = &mut workers[i % 2];
+            let mut flight = send(worker, Request::chat("sk-a", CHAT));
+            assert!(flight.forwarded(), "{kind:?} request {i}");
+            worker.reply(&mut flight, 200, "application/json", &[&usage_reply(9, 41)]);
+            remaining.push(header(&flight, "x-ratelimit-remaining-requests").unwrap_or_default());
+            assert_eq!(header(&flight, "x-llm-ratelimit-degraded"), None, "the mode, not a failure");
+        }
+        assert_eq!(remaining, ["4", "3", "2", "1", "0"], "{kind:?}: one budget for both workers");
+        let refused = send(&mut workers[1], Request::chat("sk-a", CHAT));
+        let reply = refused.replied().expect("refused");
+        assert_eq!(reply.status, 429, "{kind:?}");
+        // A full bucket of 5 a minute refills one request in 12 s.
+        assert_eq!(reply_header(&refused, "retry-after").as_deref(), Some("12"), "{kind:?}");
+        assert_eq!(reply_header(&refused, "x-ratelimit-limit-requests").as_deref(), Some("5"));
+        // Another tenant has its own budget.
+        assert!(send(&mut workers[0], Request::chat("sk-b", CHAT)).forwarded(), "{kind:?}");
+        for worker in &mut workers {
+            for _ in 0..40 {
+                worker.tick(None);
+            }
+            assert!(worker.root.callouts.is_empty(), "{kind:?}: no settlement, renewal or exchange goes out");
+            assert_eq!(worker.root.metric(Metric::SettlementsFailed), 0);
+        }
+        assert_eq!(refused.host.metric(Metric::Limited), 1);
+        assert_eq!(refused.host.metric(Metric::LocalDecisions), 0, "not the degraded mode");
+    }
+}
+
+#[test]
+fn tokens_are_reserved_then_settled_from_json_and_sse_replies_across_workers() {
+    let sse = concat!(
+        "data: {\"id\":\"c\",\"object\":\"chat.completion.chunk\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\"hi\"}}]}\n\n",
+        "data: {\"id\":\"c\",\"object\":\"chat.completion.chunk\",\"choices\":[],\"usage\":{\"prompt_tokens\":9,\"completion_tokens\":20,\"total_tokens\":29}}\n\n",
+        "data: [DONE]\n\n"
+    );
+    for kind in HOSTS {
+        let config = local(json!([{"name": "tpm", "tokens": 1000, "window": "1m"}]), json!({}));
+        let (_world, mut workers) = workers(kind, &config);
+        let reserved = |flight: &InFlight| -> u64 {
+            header(flight, "x-llm-ratelimit-reserved-tokens").and_then(|v| v.parse().ok()).expect("reserved")
+        };
+        let left = |flight: &InFlight| -> u64 {
+            header(flight, "x-ratelimit-remaining-tokens").and_then(|v| v.parse().ok()).expect("remaining")
+        };
+        // The clock stands still: the bucket refills nothing between the steps.
+        let mut first = send(&mut workers[0], Request::chat("sk-a", CHAT));
+        workers[0].reply(&mut first, 200, "application/json", &[&usage_reply(9, 41)]);
+        assert_eq!(left(&first), 1000 - reserved(&first), "{kind:?}");
+        // Settled at what the JSON reply reported: 50 of 1000 used.
+        let mut second = send(&mut workers[1], Request::chat("sk-a", CHAT));
+        let (a, b) = sse.split_at(37);
+        workers[1].reply(&mut second, 200, "text/event-stream", &[a, b]);
+        assert_eq!(left(&second), 950 - reserved(&second), "{kind:?}: the other worker sees the settlement");
+        // And at what the stream's usage chunk reported: 29 more.
+        let third = send(&mut workers[0], Request::chat("sk-a", CHAT));
+        assert!(third.forwarded());
+        let mut third = third;
+        workers[0].reply(&mut third, 200, "application/json", &[&usage_reply(9, 41)]);
+        assert_eq!(left(&third), 921 - reserved(&third), "{kind:?}");
+    }
+}
+
+#[test]
+fn a_sliding_window_holds_exactly_across_workers_and_frees_as_entries_leave() {
+    for kind in HOSTS {
+        let limits = json!([{"name": "rpw", "requests": 3, "window": "10s", "algorithm": "sliding_window"}]);
+        let (world, mut workers) = workers(kind, &local(limits, json!({})));
+        let go = |worker: usize, workers: &mut [Proxy; 2]| {
+            let mut flight = send(&mut workers[worker], Request::chat("sk-a", CHAT));
+            if flight.forwarded() {
+                workers[worker].reply(&mut flight, 200, "application/json", &[&usage_reply(9, 41)]);
+            }
+            flight
+        };
+        assert!(go(0, &mut workers).forwarded());
+        advance(&world, 4_000);
+        assert!(go(1, &mut workers).forwarded());
+        assert!(go(0, &mut workers).forwarded());
+        advance(&world, 1_000);
+        let refused = go(1, &mut workers);
+        assert_eq!(refused.replied().map(|r| r.status), Some(429), "{kind:?}");
+        // The first entry leaves 10 s after it came, 5 s from now (a bucket would have
+        // refilled half a request by now and say less).
+        assert_eq!(reply_header(&refused, "retry-after").as_deref(), Some("5"), "{kind:?}");
+        advance(&world, 5_001);
+        assert!(go(0, &mut workers).forwarded(), "{kind:?}: the first entry left");
+        let again = go(1, &mut workers);
+        assert_eq!(again.replied().map(|r| r.status), Some(429), "{kind:?}: still 3 in the last 10 s");
+        // The two from t=4 s leave at t=14 s: 3.999 s from now, rounded up.
+        assert_eq!(reply_header(&again, "retry-after").as_deref(), Some("4"), "{kind:?}");
+    }
+}
+
+#[test]
+fn concurrency_slots_are_shared_released_at_the_end_renewed_while_live_and_expire_when_orphaned() {
+    for kind in HOSTS {
+        let limits = json!([{"name": "inflight", "concurrency": 2}]);
+        let (world, mut workers) = workers(kind, &local(limits, json!({"slots": {"ttl": "3s"}})));
+        let mut first = send(&mut workers[0], Request::chat("sk-a", CHAT));
+        let second = send(&mut workers[1], Request::chat("sk-a", CHAT));
+        assert!(first.forwarded() && second.forwarded(), "{kind:?}");
+        let third = send(&mut workers[0], Request::chat("sk-a", CHAT));
+        assert_eq!(third.replied().map(|r| r.status), Some(429), "{kind:?}: 2 in flight across the workers");
+        // A request that ends gives its slot back at once, to either worker.
+        workers[0].reply(&mut first, 200, "application/json", &[&usage_reply(9, 41)]);
+        let fourth = send(&mut workers[1], Request::chat("sk-a", CHAT));
+        assert!(fourth.forwarded(), "{kind:?}");
+        // Worker 1's two requests stay in flight past the ttl: its ticks renew them (every
+        // third of the ttl, 20 ticks of 50 ms).
+        for _ in 0..2 {
+            advance(&world, 1_000);
+            for _ in 0..20 {
+                workers[1].tick(None);
+            }
+        }
+        advance(&world, 2_000);
+        let refused = send(&mut workers[0], Request::chat("sk-a", CHAT));
+        assert_eq!(refused.replied().map(|r| r.status), Some(429), "{kind:?}: renewed, so still held at 4 s");
+        assert!(workers[1].root.callouts.is_empty());
+        // Worker 1 stops ticking (a crashed worker): its slots expire a ttl after their
+        // last renewal, and the tenant gets its concurrency back.
+        advance(&world, 1_001);
+        assert!(send(&mut workers[0], Request::chat("sk-a", CHAT)).forwarded(), "{kind:?}: orphaned slots expired");
+        drop((second, fourth));
+    }
+}
+
+/// Memory is the tenant table's size whatever clients invent: a thousand keys fill at
+/// most `memory.tenant_slots` entries.
+#[test]
+fn invented_keys_fill_a_bounded_table() {
+    for kind in HOSTS {
+        let config =
+            local(json!([{"name": "rpm", "requests": 5, "window": "1m"}]), json!({"memory": {"tenant_slots": 16}}));
+        let (world, mut workers) = workers(kind, &config);
+        let mut statuses = std::collections::BTreeMap::new();
+        for i in 0..1_000 {
+            let flight = send(&mut workers[i % 2], Request::chat(&format!("sk-invented-{i}"), CHAT));
+            *statuses.entry(flight.replied().map_or(200, |r| r.status)).or_insert(0) += 1;
+        }
+        let local_keys = world.borrow().keys().iter().filter(|k| k.starts_with("llmrl.local.")).count();
+        assert!(local_keys <= 16, "{kind:?}: {local_keys} entries");
+        // A tenant whose two slots hold others' live counters is refused, not let through
+        // uncounted; those that found room were counted.
+        assert_eq!(statuses.keys().copied().collect::<Vec<_>>(), [200, 503], "{kind:?} {statuses:?}");
+    }
+}
+
+/// What an entry costs: the README's sizing of Nginx's `shm_kv` for the local store.
+#[test]
+fn an_entry_is_at_most_the_stated_size() {
+    let limits = json!([
+        {"name": "rpm", "requests": 5, "window": "1m"},
+        {"name": "tpm", "tokens": 100000, "window": "1m"},
+        {"name": "rpw", "requests": 64, "window": "1m", "algorithm": "sliding_window"},
+        {"name": "inflight", "concurrency": 10}
+    ]);
+    let policy = crate::config::Policy::from_json(local(limits, json!({})).as_bytes()).expect("config");
+    // 8 fingerprint + 32 tenant + 1 format; per limit 3 + 16 per entry: 1, 1, 64, 10.
+    assert_eq!(crate::effects::local_store::entry_bytes_at_most(&policy), 8 + 32 + 1 + 4 * 3 + 16 * (1 + 1 + 64 + 10));
+    // A full window of 64 requests a minute is that big in shared data (fingerprint aside).
+    let window = json!([{"name": "rpw", "requests": 64, "window": "1m", "algorithm": "sliding_window"}]);
+    for kind in HOSTS {
+        let (world, mut workers) = workers(kind, &local(window.clone(), json!({})));
+        let mut admitted = 0;
+        for i in 0..70 {
+            let mut flight = send(&mut workers[i % 2], Request::chat("sk-a", CHAT));
+            if flight.forwarded() {
+                admitted += 1;
+                workers[i % 2].reply(&mut flight, 200, "application/json", &[&usage_reply(9, 41)]);
+            }
+        }
+        assert_eq!(admitted, 64, "{kind:?}");
+        let key = world.borrow().keys().into_iter().find(|k| k.starts_with("llmrl.local.")).expect("an entry");
+        let stored = workers[0].root.shared_value(&key).expect("its value");
+        assert_eq!(stored.len(), 32 + 1 + 3 + 16 * 64, "{kind:?}");
+    }
+}
+
+#[test]
+fn a_calendar_budget_is_kept_locally_and_full_again_at_its_boundary() {
+    // A day's budget, in UTC: refused until midnight, whole at midnight, on both workers.
+    let at = |rfc3339: &str| rfc3339.parse::<jiff::Timestamp>().map(|t| t.as_millisecond() as u64).expect("time");
+    for kind in HOSTS {
+        let (world, mut workers) =
+            workers(kind, &local(json!([{"name": "rpd", "requests": 3, "window": "day"}]), json!({})));
+        world.borrow_mut().now_ms = at("2027-03-01T23:59:50Z");
+        for i in 0..3 {
+            let worker = &mut workers[i % 2];
+            let mut flight = send(worker, Request::chat("sk-a", CHAT));
+            assert!(flight.forwarded(), "{kind:?} request {i}");
+            worker.reply(&mut flight, 200, "application/json", &[&usage_reply(9, 41)]);
+        }
+        let refused = send(&mut workers[1], Request::chat("sk-a", CHAT));
+        assert_eq!(refused.replied().map(|r| r.status), Some(429), "{kind:?}: the day's budget is spent");
+        assert_eq!(reply_header(&refused, "retry-after").as_deref(), Some("10"), "{kind:?}: until midnight");
+        advance(&world, 10_000);
+        for i in 0..3 {
+            assert!(send(&mut workers[i % 2], Request::chat("sk-a", CHAT)).forwarded(), "{kind:?}: a new day, {i}");
+        }
+        assert_eq!(send(&mut workers[0], Request::chat("sk-a", CHAT)).replied().map(|r| r.status), Some(429));
+    }
+}
