@@ -42,6 +42,12 @@ use std::time::Duration;
 const MAX_SSE_EVENT: usize = 1 << 20;
 /// How long after its longest wait an abandoned request's cancellation may still arrive.
 const CANCEL_WINDOW_MS: u64 = 10_000;
+/// How long a charge with nothing to settle keeps its record for the refund of an
+/// upstream 401/403. Providers refuse a credential before they generate anything, so the
+/// status comes within this; past it the charge stands (no credit is ever unbacked). Such
+/// records are never deleted by a settlement, so this bounds their memory in Redis:
+/// requests/s x 10 s x ~226 B.
+const REFUND_WINDOW_MS: u64 = 10_000;
 /// In the degraded mode a concurrency limit is a bucket that does not refill (a slot comes
 /// back when its request ends); this window makes the refill negligible.
 const LOCAL_SLOTS_NEVER_REFILL_MS: u64 = u64::MAX / 4;
@@ -80,9 +86,8 @@ enum Admission {
     Leased,
     /// Decided locally while the companion was away; reconciled with Redis later.
     Local,
-    /// Charged in Redis without a reservation record (a lease grant that could not be
-    /// kept, or a charge with nothing to settle but a refund): the settlement's credits go
-    /// to Redis as they are.
+    /// Charged in Redis by a lease grant that could not be kept as a lease: the
+    /// settlement's credits go to Redis on their own, backed by what the grant took.
     Charged,
 }
 
@@ -544,13 +549,11 @@ impl RequestFilter {
             };
             return worker.call_companion(host, config, LEASE_PATH, &request, timeout, Owner::Request).map(drop);
         }
-        // A reservation records tokens to settle, and names the request's slots and its
-        // place in the queue.
-        let reservation = (plan.estimate.is_some() || config.has_concurrency() || wait.is_some())
-            .then(|| worker.new_reservation_id(host));
-        if let Some(id) = &reservation {
-            self.admission = Some(Admission::Reserved(id.clone()));
-        }
+        // Every charge keeps a reservation record: it holds tokens to settle, names the
+        // request's slots and its place in the queue, and backs the refund an upstream
+        // 401/403 gives (the companion credits nothing a record does not back).
+        let id = worker.new_reservation_id(host);
+        self.admission = Some(Admission::Reserved(id.clone()));
         let mut limits = plan.buckets.clone();
         if wait.is_none() {
             // Only the queue reads it: a charge that cannot wait goes out as before this
@@ -561,15 +564,15 @@ impl RequestFilter {
             domain: config.domain.clone(),
             tenant: self.tenant.clone(),
             limits,
-            // Only tokens are settled against the record; slots and the queue use the id.
-            // A waiting charge keeps a record too (while it may still be cancelled): if
-            // its client gives up, the refund of what it took is settled against it.
-            reservation: reservation.map(|id| Reservation {
+            // Tokens are settled against the record within `tokens.reservation_ttl`; a
+            // waiting charge's refund (its client gave up) within its wait; anything else
+            // only ever settles a refund, decided by the reply's status.
+            reservation: Some(Reservation {
                 id,
                 ttl_ms: match (plan.estimate, &wait) {
                     (Some(_), _) => config.tokens.reservation_ttl.as_millis() as u64,
                     (None, Some(wait)) => wait.max_ms + CANCEL_WINDOW_MS,
-                    (None, None) => 0,
+                    (None, None) => REFUND_WINDOW_MS,
                 },
             }),
             wait,
@@ -756,11 +759,6 @@ impl RequestFilter {
             }
             Ask::Charge => {
                 self.count_admission(host, config, Decision::Allowed);
-                // Without a reservation (requests limits only) the charge has nothing to
-                // settle, but an upstream 401/403 still gives it back: it must be known.
-                if self.admission.is_none() {
-                    self.admission = Some(Admission::Charged);
-                }
                 self.rewrite_body(host, config, &reply);
                 if let (true, Some(Admission::Reserved(id))) = (config.has_concurrency(), &self.admission) {
                     let costs = self.costs();

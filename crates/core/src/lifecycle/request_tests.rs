@@ -153,10 +153,17 @@ fn a_request_refused_for_its_credential_is_refunded_under_requests_limits_alone(
         for _ in 0..10 {
             let mut forged = proxy.send(Request::chat("victim", CHAT), &mut companion);
             assert!(forged.forwarded(), "{kind:?}: the forged request found room");
+            // The companion credits only what a record backs: the charge must leave one.
+            let charge: ChargeRequest =
+                serde_json::from_value(forged.host.last_callout().body.clone()).expect("charge");
+            let record = charge.reservation.expect("a requests-only charge keeps a reservation record");
+            assert!(record.ttl_ms >= 5_000, "{kind:?}: the record outlives the reply's status ({record:?})");
             proxy.reply(&mut forged, 403, "application/json", &[r#"{"message":"bad signature"}"#]);
             let settled = settle(&mut proxy, &mut companion);
             let credits: Vec<i64> = settled.iter().flat_map(|s| s.limits.iter().map(|l| l.credit)).collect();
             assert_eq!(credits, [1], "{kind:?}: the request came back");
+            let against: Vec<Option<&str>> = settled.iter().map(|s| s.reservation.as_deref()).collect();
+            assert_eq!(against, [Some(record.id.as_str())], "{kind:?}: the refund is settled against the record");
         }
         // An admitted request's charge simply stands.
         let mut own = proxy.send(Request::chat("victim", CHAT), &mut companion);
