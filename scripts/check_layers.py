@@ -11,6 +11,10 @@ continue the one above). A unit may name only its own layer and the layers below
 unit the drawing does not place fails too, so a new module is given its place. Without a
 drawing (small trees in the tests) only cycles are looked for.
 
+Only the layers listed in `HOST_LAYERS` may name the `Host` trait (the others are pure, and
+tested without one), and the worker may never name `RequestFilter` (a request's life is
+the lifecycle's, above it).
+
 Cycles: strongly connected components of more than one unit in that graph, which layers
 going downward only cannot have; and within each layer folder, between its modules.
 
@@ -36,6 +40,12 @@ DRAWING = re.compile(r"^//! ```text\n(.*?)^//! ```", re.M | re.S)
 LAYER_LINE = re.compile(r"^//! ([a-z_]+(?:, [a-z_]+)*)(?:\s{2,}|$)")
 
 
+# The layers whose code runs over the host; every other layer is plain data and logic.
+HOST_LAYERS = {"effects", "worker", "lifecycle"}
+HOST = re.compile(r"\bHost\b")
+REQUEST_FILTER = re.compile(r"\bRequestFilter\b")
+
+
 def module_of(src: Path, file: Path) -> list[str]:
     """The module path of `file` (`providers/gemini.rs` -> ["providers", "gemini"])."""
     parts = list(file.relative_to(src).with_suffix("").parts)
@@ -44,12 +54,17 @@ def module_of(src: Path, file: Path) -> list[str]:
     return parts
 
 
-def paths(text: str, module: list[str]) -> set[tuple[str, ...]]:
-    """The crate paths `text` (the file of `module`) names through `crate::`/`super::`."""
+def code(text: str) -> str:
+    """`text` without its test module and its comment lines."""
     cut = TEST_MODULE.search(text)
     if cut:
         text = text[: cut.start()]
-    text = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("//"))
+    return "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("//"))
+
+
+def paths(text: str, module: list[str]) -> set[tuple[str, ...]]:
+    """The crate paths `text` (the file of `module`) names through `crate::`/`super::`."""
+    text = code(text)
     found = set()
     for group in USE_GROUP.finditer(text):
         for item in re.split(r"[,\s]+", group.group(1)):
@@ -125,6 +140,21 @@ def upward(edges: dict[str, set[str]], order: list[list[str]]) -> list[str]:
     return problems
 
 
+def host_users(src: Path, order: list[list[str]] | None) -> list[str]:
+    """Code outside `HOST_LAYERS` naming the `Host` trait, and the worker naming
+    `RequestFilter`. Checked only where layers are drawn, and only for the layers drawn."""
+    drawn = {unit for units in order or [] for unit in units}
+    problems = []
+    for file, module in layer_files(src):
+        text = code(file.read_text())
+        where = file.relative_to(src)
+        if module[0] in drawn and module[0] not in HOST_LAYERS and HOST.search(text):
+            problems.append(f"{where}: names the Host, which only {', '.join(sorted(HOST_LAYERS))} take")
+        if module[0] == "worker" and REQUEST_FILTER.search(text):
+            problems.append(f"{where}: the worker names RequestFilter (a request's life is the lifecycle's)")
+    return problems
+
+
 def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
     """Tarjan's strongly connected components of more than one unit, each sorted."""
     index: dict[str, int] = {}
@@ -166,7 +196,7 @@ def check(src: Path, known: set[str]) -> list[str]:
     edges = graph(src)
     order = layers(src)
     present = {" ".join(c) for c in cycles(edges)}
-    problems = upward(edges, order) if order is not None else []
+    problems = upward(edges, order) + host_users(src, order) if order is not None else []
     for unit in sorted(edges):
         problems += [f"import cycle in {unit}/: {' '.join(c)}" for c in cycles(folder_graph(src, unit))]
     problems += [f"import cycle: {c} (layers must import downward only)" for c in sorted(present - known)]

@@ -118,3 +118,21 @@ def test_the_real_core_fails_when_a_lower_layer_imports_a_higher_one(tmp_path):
     )
     assert run.returncode == 1
     assert "parse imports lifecycle, a layer above it" in run.stderr
+
+
+def test_only_the_host_layers_name_the_host_and_the_worker_no_request_filter(tmp_path):
+    drawn = DRAWN.replace("//! top ", "//! lifecycle").replace("//! middle", "//! worker").replace("//! base  ", "//! config")
+    src = tree(tmp_path, {
+        "lib.rs": drawn,
+        "config.rs": "// a Host is mentioned in a comment only\npub struct Policy;\n",
+        "worker.rs": "pub fn tick(host: &mut impl Host) {}\n",
+        "lifecycle.rs": "pub struct RequestFilter;\nfn f(host: &mut impl Host) {}\n",
+    })
+    assert check_layers.layers(src) == [["config"], ["worker"], ["lifecycle"]]
+    assert check_layers.check(src, set()) == []
+    (src / "config.rs").write_text("pub fn read(host: &mut dyn Host) {}\n")
+    (src / "worker.rs").write_text("pub fn start() -> RequestFilter { todo!() }\n")
+    assert check_layers.check(src, set()) == [
+        "config.rs: names the Host, which only effects, lifecycle, worker take",
+        "worker.rs: the worker names RequestFilter (a request's life is the lifecycle's)",
+    ]

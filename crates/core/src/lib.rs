@@ -22,9 +22,12 @@
 //!                 lease, breaker, reservation, reply_floor, calibration (the figures)
 //! readers       a request body (request); a reply's usage (usage: JSON, SSE, JSON
 //!                 array, AWS event stream)
-//! providers     each provider's paths, body and usage shapes; the one Route a path is
-//!                 read into
-//! api           the shared vocabulary: Api, ReportedUsage, text of a JSON value;
+//! providers     one leaf module per provider (openai, anthropic, gemini, azure,
+//!                 bedrock): its paths, body shapes, usage and stream shapes, error
+//!                 envelope, credential; their registration, and the one Route a path is
+//!                 read into (mod.rs)
+//! api           the shared vocabulary: Api, ReportedUsage, text of a JSON value; the
+//!                 message-counting formula (prompt); why the filter refuses (refusal);
 //!                 whose error shape answers (dialect); who a tenant is (identity)
 //! tokens        tokenization; token counts remembered per VM (prompt_cache)
 //! parse         base parsers: json, sse, eventstream, json_array_stream, path

@@ -5,6 +5,8 @@
 
 pub mod dialect;
 pub mod identity;
+pub mod prompt;
+pub mod refusal;
 
 use crate::parse::json::Json;
 
@@ -78,7 +80,7 @@ impl ReportedUsage {
 
 /// Every string in a JSON value except identifiers and data blobs, plus the key names of
 /// objects that carry free-form JSON (tool arguments, schemas).
-pub fn text_leaves(value: &Json, count: &mut impl FnMut(&str) -> u64) -> u64 {
+pub fn text_leaves(value: &Json, count: &mut (impl FnMut(&str) -> u64 + ?Sized)) -> u64 {
     const SKIPPED: [&str; 9] =
         ["type", "id", "call_id", "tool_use_id", "tool_call_id", "cache_control", "source", "detail", "status"];
     match value {

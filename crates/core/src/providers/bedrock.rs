@@ -17,16 +17,28 @@
 //! their output cap. They are reserved at the bound clamping would have started from
 //! instead (see `charge::plan`), all or nothing.
 
-use super::{PathModel, Provider, Route};
+use super::{BodyShape, ErrorEnvelope, PathModel, Provider, Route};
 use crate::api::identity::{CredentialPlace, BEARER, SIGV4};
+use crate::api::prompt::{as_count, chat_messages, content};
+use crate::api::refusal::Refusal;
 use crate::api::{Api, ReportedUsage};
+use crate::parse::eventstream::Message;
 use crate::parse::json::Json;
+use base64::Engine;
+use serde_json::json;
 
 /// Where Bedrock reads the caller's credential: a SigV4 signature (its access key id) or a Bedrock API key.
 pub const CREDENTIALS: [CredentialPlace<'static>; 2] = [SIGV4, BEARER];
 
+/// What a 401 tells Bedrock's callers who sent no credential.
+pub const MISSING_CREDENTIAL: &str =
+    "No credentials provided. Sign the request with AWS Signature Version 4 ('Authorization: AWS4-HMAC-SHA256 \
+     Credential=...'), as the AWS SDKs do, or send the header the operator configured.";
+
 /// Bedrock's own bound on a model id (an ARN included), in bytes.
 pub const MAX_MODEL_ID_BYTES: usize = 2048;
+/// Bedrock's error code, where AWS's REST-JSON protocol carries it.
+pub const ERROR_HEADER: &str = "x-amzn-errortype";
 /// The response content type of Bedrock's streams.
 pub const EVENT_STREAM_CONTENT_TYPE: &str = "application/vnd.amazon.eventstream";
 
@@ -102,9 +114,22 @@ pub(super) fn route(path: &str) -> Option<Route> {
     })
 }
 
+/// Converse: `system`, `messages` (content blocks keyed by kind) and the tools; the cap in
+/// `inferenceConfig.maxTokens`, never written (the body is signed).
+pub const CONVERSE: BodyShape = BodyShape {
+    max_output: |body| as_count(body.at("inferenceConfig").at("maxTokens")),
+    cap_field: |_| &[],
+    choices: |_| None,
+    prompt: |body, count| {
+        content(body.at("system"), count)
+            + chat_messages(body.at("messages"), count)
+            + converse_tools(body.at("toolConfig"), count)
+    },
+};
+
 /// Converse's `toolConfig.tools[].toolSpec`, each counted as its JSON text (name,
 /// description and input schema reach the model as text).
-pub(crate) fn converse_tools(tool_config: &Json, count: &mut impl FnMut(&str) -> u64) -> u64 {
+pub(crate) fn converse_tools(tool_config: &Json, count: &mut (impl FnMut(&str) -> u64 + ?Sized)) -> u64 {
     let Some(tools) = tool_config.at("tools").as_array() else { return 0 };
     tools.iter().map(|tool| tool.get("toolSpec").map_or(0, |spec| count(&spec.to_json_string()))).sum()
 }
@@ -135,6 +160,67 @@ pub(crate) fn invocation_metrics(event: &Json) -> ReportedUsage {
         input.saturating_add(cache_read.unwrap_or(0)).saturating_add(field("cacheWriteInputTokenCount").unwrap_or(0))
     });
     ReportedUsage { input, output: field("outputTokenCount"), cached_input: cache_read }
+}
+
+/// What one message of a Bedrock event stream says.
+pub(crate) enum StreamPart<'a> {
+    /// An exception (a message whose `:message-type` is not `event`): its type, from
+    /// `:exception-type` or an error's `:error-code`.
+    Exception(&'a str),
+    /// invoke-with-response-stream's `chunk`: one of Anthropic's events (base64 in
+    /// `bytes`), and the usage Bedrock adds to the last (`invocation_metrics`).
+    Event(&'a Json<'a>, ReportedUsage),
+    /// converse-stream's `contentBlockDelta`: generated text, tool input or reasoning.
+    Text(&'a str),
+    /// converse-stream's `metadata`, the end of the stream, with its usage if it has one.
+    End(Option<ReportedUsage>),
+}
+
+/// Reads one message of a Bedrock event stream, handing `on` what it says (nothing, for
+/// events that say nothing about usage or text, or that do not parse).
+pub(crate) fn read_stream_message(message: &Message, on: &mut impl FnMut(StreamPart<'_>)) {
+    if message.header(":message-type").is_some_and(|kind| kind != "event") {
+        on(StreamPart::Exception(
+            message.header(":exception-type").or(message.header(":error-code")).unwrap_or("error"),
+        ));
+        return;
+    }
+    let Ok(payload) = Json::parse(&message.payload) else { return };
+    match message.header(":event-type").unwrap_or("") {
+        "chunk" => {
+            let Some(encoded) = payload.at("bytes").as_str() else { return };
+            let Ok(bytes) = base64::engine::general_purpose::STANDARD.decode(encoded) else { return };
+            let Ok(event) = Json::parse(&bytes) else { return };
+            on(StreamPart::Event(&event, invocation_metrics(&event)));
+        }
+        "contentBlockDelta" => {
+            let delta = payload.at("delta");
+            for text in [delta.at("text"), delta.at("toolUse").at("input"), delta.at("reasoningContent").at("text")] {
+                if let Some(text) = text.as_str() {
+                    on(StreamPart::Text(text));
+                }
+            }
+        }
+        "metadata" => on(StreamPart::End(converse_usage(payload.at("usage")))),
+        _ => {}
+    }
+}
+
+/// Bedrock's error: the error code in `x-amzn-ErrorType` (as AWS's REST-JSON protocol
+/// carries it) and `{"message"}`.
+pub(super) fn error_envelope(refusal: Refusal, message: &str) -> ErrorEnvelope {
+    ErrorEnvelope { body: json!({"message": message}), header: Some((ERROR_HEADER, error_code(refusal).to_string())) }
+}
+
+/// Bedrock runtime's error code (its API reference's "Errors").
+fn error_code(refusal: Refusal) -> &'static str {
+    match refusal {
+        Refusal::RateLimited(_) => "ThrottlingException",
+        Refusal::TooLarge => "ValidationException",
+        Refusal::Unavailable => "ServiceUnavailableException",
+        Refusal::Unidentified | Refusal::NotPriced => "AccessDeniedException",
+        Refusal::Unreadable(_) => "ValidationException",
+    }
 }
 
 #[cfg(test)]
@@ -213,8 +299,7 @@ mod tests {
         assert_eq!((request.stream, request.max_output, request.body_is_signed), (true, Some(512), true));
         // 3 priming + 3 for the message + "user" + the text; the image block as an image
         // (not its bytes); the system text; the tool spec as JSON text.
-        let expected =
-            3 + 3 + O200K.count("user") + hw + crate::readers::request::IMAGE_TOKENS + hw + O200K.count(spec);
+        let expected = 3 + 3 + O200K.count("user") + hw + crate::api::prompt::IMAGE_TOKENS + hw + O200K.count(spec);
         assert_eq!(parsed.prompt_tokens(O200K), expected);
     }
 

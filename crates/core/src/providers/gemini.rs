@@ -7,14 +7,22 @@
 //! Gemini's tokenizer is not public: the prompt is counted with the configured encoding
 //! (an estimate, corrected by calibration against the `promptTokenCount` replies report).
 
-use super::{Provider, Route, MAX_MODEL_NAME};
+use super::{BodyShape, ErrorEnvelope, Provider, Route, MAX_MODEL_NAME};
 use crate::api::identity::{CredentialPlace, BEARER};
+use crate::api::prompt::as_count;
+use crate::api::refusal::Refusal;
 use crate::api::{text_leaves, Api, ReportedUsage};
 use crate::parse::json::Json;
+use serde_json::json;
 
 /// Where Gemini and Vertex AI read the caller's credential: the API key (header or `?key=`) or an OAuth access token.
 pub const CREDENTIALS: [CredentialPlace<'static>; 3] =
     [CredentialPlace::Header { name: "x-goog-api-key", prefix: None }, CredentialPlace::Query("key"), BEARER];
+
+/// What a 401 tells Gemini's and Vertex AI's callers who sent no credential.
+pub const MISSING_CREDENTIAL: &str =
+    "No API key provided. Send it in the 'x-goog-api-key' header (Vertex AI: 'Authorization: Bearer <token>') \
+     or in the header the operator configured.";
 
 /// What a Gemini image, video frame or file part costs: Google bills an image of up to
 /// 384x384 pixels as 258 tokens (larger ones are tiled at 258 a tile).
@@ -52,11 +60,28 @@ pub(super) fn route(path: &str) -> Option<Route> {
     })
 }
 
+/// `generateContent` and `streamGenerateContent`: the output cap and the candidates in
+/// `generationConfig`.
+pub const GENERATE_CONTENT: BodyShape = BodyShape {
+    max_output: |body| as_count(body.at("generationConfig").at("maxOutputTokens")),
+    cap_field: |_| &["generationConfig", "maxOutputTokens"],
+    choices: |body| as_count(body.at("generationConfig").at("candidateCount")),
+    prompt: |body, count| prompt_tokens(body, count),
+};
+
+/// `countTokens` generates nothing and is charged nothing.
+pub const COUNT_TOKENS: BodyShape = BodyShape {
+    max_output: |_| Some(0),
+    cap_field: |_| &["generationConfig", "maxOutputTokens"],
+    choices: |_| None,
+    prompt: |_, _| 0,
+};
+
 /// Prompt tokens of a `generateContent` body: the text of every part of `contents` and
 /// `systemInstruction` (function calls and results as their JSON), each media part at
 /// `MEDIA_PART_TOKENS`, and function declarations counted as text. Google adds no
 /// published per-turn overhead, so none is added here.
-pub(crate) fn prompt_tokens(body: &Json, count: &mut impl FnMut(&str) -> u64) -> u64 {
+pub(crate) fn prompt_tokens(body: &Json, count: &mut (impl FnMut(&str) -> u64 + ?Sized)) -> u64 {
     let contents = body
         .at("contents")
         .as_array()
@@ -70,7 +95,7 @@ pub(crate) fn prompt_tokens(body: &Json, count: &mut impl FnMut(&str) -> u64) ->
     contents + system + tools
 }
 
-fn parts(parts: &Json, count: &mut impl FnMut(&str) -> u64) -> u64 {
+fn parts(parts: &Json, count: &mut (impl FnMut(&str) -> u64 + ?Sized)) -> u64 {
     let Some(parts) = parts.as_array() else { return 0 };
     parts
         .iter()
@@ -125,6 +150,31 @@ pub(crate) fn is_final(message: &Json) -> bool {
         .at("candidates")
         .as_array()
         .is_some_and(|candidates| candidates.iter().any(|c| c.at("finishReason").as_str().is_some()))
+}
+
+/// Google's error: `{"error": {"code", "message", "status", "details"}}` with the
+/// canonical status names and, when the time to retry is known, a `google.rpc.RetryInfo`.
+pub(super) fn error_envelope(refusal: Refusal, message: &str, retry_after_seconds: Option<u64>) -> ErrorEnvelope {
+    let details: Vec<_> = retry_after_seconds
+        .map(|s| json!({"@type": "type.googleapis.com/google.rpc.RetryInfo", "retryDelay": format!("{s}s")}))
+        .into_iter()
+        .collect();
+    let status = refusal.status();
+    ErrorEnvelope::body(
+        json!({"error": {"code": status, "message": message, "status": error_status(refusal), "details": details}}),
+    )
+}
+
+/// Google's canonical status name (google.rpc.Code) for the HTTP status.
+fn error_status(refusal: Refusal) -> &'static str {
+    match refusal {
+        Refusal::RateLimited(_) => "RESOURCE_EXHAUSTED",
+        Refusal::TooLarge => "INVALID_ARGUMENT",
+        Refusal::Unavailable => "UNAVAILABLE",
+        Refusal::Unidentified => "UNAUTHENTICATED",
+        Refusal::NotPriced => "PERMISSION_DENIED",
+        Refusal::Unreadable(_) => "INVALID_ARGUMENT",
+    }
 }
 
 #[cfg(test)]

@@ -1,20 +1,32 @@
-//! The APIs the filter recognises by path, and where each names its model:
+//! The providers the filter knows, one module each, and their registration. A provider's
+//! module owns what is its API's: its paths (into a `Route`), its body shapes (where the
+//! prompt is, where the output cap is and how it is rewritten, how many completions a
+//! request asks for), its usage (JSON and streamed) and how its streams end, and where
+//! its upstream reads the caller's credential. This module ties them together: the
+//! `Provider` list, the order paths are tried in, which module's shape each `Api` is,
+//! and the order usage shapes are read in. The modules import only the layers below
+//! (`parse`, `tokens`, `api`) and this registry's types.
 //!
-//! | API | paths | model |
+//! | provider | paths | model |
 //! |---|---|---|
-//! | OpenAI, Anthropic, OpenAI-compatible servers | `…/chat/completions`, `…/completions`, `…/responses`, `…/embeddings`, `…/messages` | the body's `model` |
-//! | Gemini, Vertex AI | `…/models/{model}:generateContent`, `:streamGenerateContent`, `:countTokens` | the path |
-//! | Azure OpenAI | `/openai/deployments/{deployment}/…` | `deployments` in the config, else the deployment's name |
-//! | Azure OpenAI v1 | `/openai/v1/…`, `/openai/responses` | the body's `model`, a deployment name, mapped the same way |
-//! | AWS Bedrock | `…/model/{modelId}/converse`, `/converse-stream`, `/invoke`, `/invoke-with-response-stream` | the path (see `bedrock`) |
+//! | OpenAI, OpenAI-compatible servers (`openai`) | `…/chat/completions`, `…/completions`, `…/responses`, `…/embeddings` | the body's `model` |
+//! | Anthropic (`anthropic`) | `…/messages` | the body's `model` |
+//! | Gemini, Vertex AI (`gemini`) | `…/models/{model}:generateContent`, `:streamGenerateContent`, `:countTokens` | the path |
+//! | Azure OpenAI (`azure`) | `/openai/deployments/{deployment}/…` | `deployments` in the config, else the deployment's name |
+//! | Azure OpenAI v1 (`azure`) | `/openai/v1/…`, `/openai/responses` | the body's `model`, a deployment name, mapped the same way |
+//! | AWS Bedrock (`bedrock`) | `…/model/{modelId}/converse`, `/converse-stream`, `/invoke`, `/invoke-with-response-stream` | the path |
 
+pub mod anthropic;
 pub mod azure;
 pub mod bedrock;
 pub mod gemini;
+pub mod openai;
 
 use crate::api::dialect::Dialect;
 use crate::api::identity::{CredentialPlace, BEARER, SIGV4};
-use crate::api::Api;
+use crate::api::refusal::Refusal;
+use crate::api::{Api, ReportedUsage};
+use crate::parse::json::Json;
 use std::collections::BTreeMap;
 
 /// A model name (from a path, a reply or the config) is at most this long; a longer one
@@ -34,10 +46,6 @@ pub enum Provider {
     Bedrock,
 }
 
-/// Anthropic reads its API key, or an OAuth token as Bearer.
-const ANTHROPIC_CREDENTIALS: [CredentialPlace<'static>; 2] =
-    [CredentialPlace::Header { name: "x-api-key", prefix: None }, BEARER];
-
 /// Every place a family reads: on a path no family is recognised in, the upstream may be
 /// any of them, so all must agree.
 pub const EVERY_CREDENTIAL_PLACE: [CredentialPlace<'static>; 6] = [
@@ -55,8 +63,8 @@ impl Provider {
     /// upstream ignores.
     pub fn credentials(self) -> &'static [CredentialPlace<'static>] {
         match self {
-            Provider::OpenAi => &[BEARER],
-            Provider::Anthropic => &ANTHROPIC_CREDENTIALS,
+            Provider::OpenAi => &openai::CREDENTIALS,
+            Provider::Anthropic => &anthropic::CREDENTIALS,
             Provider::Gemini => &gemini::CREDENTIALS,
             Provider::Azure => &azure::CREDENTIALS,
             Provider::Bedrock => &bedrock::CREDENTIALS,
@@ -120,12 +128,119 @@ pub enum PathModel {
 pub fn route(path: &str) -> Option<Route> {
     let normalised = crate::parse::path::normalised(path);
     let path = normalised.as_str();
-    bedrock::route(path).or_else(|| gemini::route(path)).or_else(|| azure::route(path)).or_else(|| {
-        Api::from_path(path).map(|api| {
-            let provider = if api == Api::Messages { Provider::Anthropic } else { Provider::OpenAi };
-            Route::of_api(provider, api)
-        })
-    })
+    bedrock::route(path)
+        .or_else(|| gemini::route(path))
+        .or_else(|| azure::route(path))
+        .or_else(|| anthropic::route(path))
+        .or_else(|| openai::route(path))
+}
+
+/// What counts a text's tokens (or bytes) while a prompt is walked.
+pub type TextCounter<'a> = dyn FnMut(&str) -> u64 + 'a;
+
+/// How one API lays out a request body, as the provider module that owns the API says.
+pub struct BodyShape {
+    /// The output cap the client set, if it set one.
+    pub max_output: fn(&Json) -> Option<u64>,
+    /// Where a lower cap is written (a field, or a path of fields); empty where a body is
+    /// never rewritten.
+    pub cap_field: fn(&Json) -> &'static [&'static str],
+    /// How many completions one request generates, each up to the cap, if the body says.
+    pub choices: fn(&Json) -> Option<u64>,
+    /// The prompt's tokens, each text counted by the function given.
+    pub prompt: fn(&Json, &mut TextCounter) -> u64,
+}
+
+/// The body shape of `api`, from the module of the provider whose API it is.
+pub fn body_shape(api: Api) -> &'static BodyShape {
+    match api {
+        Api::ChatCompletions => &openai::CHAT_COMPLETIONS,
+        Api::Completions => &openai::COMPLETIONS,
+        Api::Responses => &openai::RESPONSES,
+        Api::Embeddings => &openai::EMBEDDINGS,
+        Api::Messages => &anthropic::MESSAGES,
+        Api::Converse => &bedrock::CONVERSE,
+        Api::GenerateContent | Api::StreamGenerateContent => &gemini::GENERATE_CONTENT,
+        Api::CountTokens => &gemini::COUNT_TOKENS,
+    }
+}
+
+/// A provider's error, for a reply the filter makes itself: the body its SDKs parse into
+/// their exception classes, and the header that carries its error code, where it has one.
+pub struct ErrorEnvelope {
+    pub body: serde_json::Value,
+    pub header: Option<(&'static str, String)>,
+}
+
+impl ErrorEnvelope {
+    fn body(body: serde_json::Value) -> ErrorEnvelope {
+        ErrorEnvelope { body, header: None }
+    }
+}
+
+/// `refusal`, saying `message`, in the error envelope of `dialect`'s provider;
+/// `retry_after_seconds` is when to try again, if that is known.
+pub fn error_envelope(
+    dialect: Dialect,
+    refusal: Refusal,
+    message: &str,
+    retry_after_seconds: Option<u64>,
+) -> ErrorEnvelope {
+    match dialect {
+        Dialect::OpenAi => openai::error_envelope(refusal, message),
+        Dialect::Anthropic => anthropic::error_envelope(refusal, message),
+        Dialect::Google => gemini::error_envelope(refusal, message, retry_after_seconds),
+        Dialect::Bedrock => bedrock::error_envelope(refusal, message),
+    }
+}
+
+/// What a 401 tells a caller answered in `dialect` who sent no credential: where its
+/// provider reads one.
+pub fn missing_credential(dialect: Dialect) -> &'static str {
+    match dialect {
+        Dialect::OpenAi => openai::MISSING_CREDENTIAL,
+        Dialect::Anthropic => anthropic::MISSING_CREDENTIAL,
+        Dialect::Google => gemini::MISSING_CREDENTIAL,
+        Dialect::Bedrock => bedrock::MISSING_CREDENTIAL,
+    }
+}
+
+/// Usage from a usage object (at `usage`, `message.usage`, `response.usage` or Groq's
+/// `x_groq.usage`), in whichever provider's shape it is: Bedrock's when it is one; else
+/// each figure as OpenAI names it, or else as Anthropic does. Replies are read this way
+/// on every route, since OpenAI-compatible servers answer in more than one shape.
+pub fn usage_object(usage: &Json) -> ReportedUsage {
+    if let Some(bedrock) = bedrock::converse_usage(usage) {
+        return bedrock;
+    }
+    let (openai, anthropic) = (openai::usage(usage), anthropic::usage(usage));
+    let input = openai.input.or(anthropic.input);
+    let output =
+        openai.output.or(anthropic.output).or_else(|| (input.is_some() && openai::has_total(usage)).then_some(0));
+    ReportedUsage { input, output, cached_input: openai.cached_input.or(anthropic.cached_input) }
+}
+
+/// Usage from Gemini's `usageMetadata`.
+pub fn usage_metadata(metadata: &Json) -> ReportedUsage {
+    gemini::usage_from_metadata(metadata)
+}
+
+/// Whether one streamed message ends its stream: `kind` is its `type`, else its SSE event
+/// name. (OpenAI's chat streams end with `openai::DONE`, which is no JSON.)
+pub fn ends_stream(message: &Json, kind: &str) -> bool {
+    anthropic::ends_stream(kind) || openai::ends_stream(kind) || gemini::is_final(message)
+}
+
+/// The generated text one streamed message carries, in every provider's shape, each piece
+/// handed to `text` (for a stream that never reports its output tokens).
+pub fn streamed_texts(message: &Json, text: &mut impl FnMut(Option<&str>)) {
+    openai::chat_texts(message, text);
+    let kind = message.at("type").as_str();
+    anthropic::streamed_texts(message, kind, text);
+    openai::responses_texts(message, kind, text);
+    for part in gemini::streamed_texts(message) {
+        text(Some(part));
+    }
 }
 
 /// The model a request is limited, counted and priced as.

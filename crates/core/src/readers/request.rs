@@ -2,25 +2,14 @@
 //! cap, and how many prompt tokens it carries. Bodies are parsed once into a tree that
 //! borrows from the body (`json::Json`) and walked; nothing here panics on any input.
 //!
-//! Chat messages are counted as OpenAI bills them (the cookbook's `num_tokens_from_messages`:
-//! 3 tokens per message, 1 per `name`, 3 to prime the reply). Tool definitions, images and
-//! the other APIs' structures have no published formula; they are approximated (tool JSON
-//! counted as text, an image as a fixed cost) and settled against the provider's own usage
-//! afterwards.
+//! Where each API keeps these (its prompt, its output cap, how many completions it asks
+//! for) is its provider's body shape (`providers::body_shape`); this reads any of them.
 
+pub use crate::api::Api;
 use crate::parse::json::Json;
+use crate::providers::{body_shape, PathModel, Route};
 use crate::tokens::Encoding;
 use serde_json::Value;
-
-use crate::api::text_leaves;
-pub use crate::api::Api;
-use crate::providers::{PathModel, Route};
-
-/// Tokens charged for one image part: a 1024x1024 image at high detail for GPT-4o.
-pub const IMAGE_TOKENS: u64 = 765;
-const TOKENS_PER_MESSAGE: u64 = 3;
-const TOKENS_PER_NAME: u64 = 1;
-const REPLY_PRIMING: u64 = 3;
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct LlmRequest {
@@ -64,10 +53,6 @@ impl std::fmt::Display for BodyError {
     }
 }
 
-fn as_count(value: &Json) -> Option<u64> {
-    value.as_u64().or_else(|| value.as_f64().filter(|f| *f >= 0.0).map(|f| f as u64))
-}
-
 /// The body parsed as `route`'s API, with what the path itself says (the model on
 /// Bedrock, streaming, a signed body). `None` when the route names no API the filter
 /// parses.
@@ -93,41 +78,10 @@ impl LlmRequest {
         if !body.is_object() {
             return Err(BodyError::NotAnObject);
         }
-        let max_output = match api {
-            Api::ChatCompletions => {
-                as_count(body.at("max_completion_tokens")).or_else(|| as_count(body.at("max_tokens")))
-            }
-            Api::Completions | Api::Messages => as_count(body.at("max_tokens")),
-            Api::Responses => as_count(body.at("max_output_tokens")),
-            Api::Embeddings | Api::CountTokens => Some(0),
-            Api::Converse => as_count(body.at("inferenceConfig").at("maxTokens")),
-            Api::GenerateContent | Api::StreamGenerateContent => {
-                as_count(body.at("generationConfig").at("maxOutputTokens"))
-            }
-        };
-        // The field the client used, else the one the API documents
-        // (`max_completion_tokens` for chat, which reasoning models require).
-        let cap_field: &'static [&'static str] = match api {
-            Api::ChatCompletions if body.get("max_tokens").is_some() && body.get("max_completion_tokens").is_none() => {
-                &["max_tokens"]
-            }
-            Api::ChatCompletions => &["max_completion_tokens"],
-            Api::Responses => &["max_output_tokens"],
-            Api::Completions | Api::Messages | Api::Embeddings => &["max_tokens"],
-            Api::GenerateContent | Api::StreamGenerateContent | Api::CountTokens => {
-                &["generationConfig", "maxOutputTokens"]
-            }
-            // Never written: Converse bodies are signed.
-            Api::Converse => &[],
-        };
-        let choices = match api {
-            Api::ChatCompletions => as_count(body.at("n")),
-            Api::Completions => as_count(body.at("n")).max(as_count(body.at("best_of"))),
-            Api::GenerateContent | Api::StreamGenerateContent => {
-                as_count(body.at("generationConfig").at("candidateCount"))
-            }
-            _ => None,
-        };
+        let shape = body_shape(api);
+        let max_output = (shape.max_output)(&body);
+        let cap_field = (shape.cap_field)(&body);
+        let choices = (shape.choices)(&body);
         let request = LlmRequest {
             api,
             choices: choices.unwrap_or(1).max(1),
@@ -157,29 +111,7 @@ impl ParsedBody<'_> {
 
     /// Prompt tokens, each text counted by `count`.
     pub fn prompt_tokens_with(&self, count: &mut impl FnMut(&str) -> u64) -> u64 {
-        let body = &self.tree;
-        match self.request.api {
-            Api::ChatCompletions => chat_messages(body.at("messages"), count) + tools(body.at("tools"), count),
-            Api::Messages => {
-                content(body.at("system"), count)
-                    + chat_messages(body.at("messages"), count)
-                    + tools(body.at("tools"), count)
-            }
-            Api::Responses => {
-                content(body.at("instructions"), count)
-                    + content(body.at("input"), count)
-                    + tools(body.at("tools"), count)
-            }
-            Api::Completions => inputs(body.at("prompt"), count),
-            Api::Embeddings => inputs(body.at("input"), count),
-            Api::Converse => {
-                content(body.at("system"), count)
-                    + chat_messages(body.at("messages"), count)
-                    + crate::providers::bedrock::converse_tools(body.at("toolConfig"), count)
-            }
-            Api::GenerateContent | Api::StreamGenerateContent => crate::providers::gemini::prompt_tokens(body, count),
-            Api::CountTokens => 0,
-        }
+        (body_shape(self.request.api).prompt)(&self.tree, count)
     }
 }
 
@@ -229,75 +161,10 @@ impl LlmRequest {
     }
 }
 
-/// OpenAI's message formula, also used for Anthropic's messages.
-fn chat_messages(messages: &Json, count: &mut impl FnMut(&str) -> u64) -> u64 {
-    let Some(messages) = messages.as_array() else {
-        return 0;
-    };
-    let mut total = REPLY_PRIMING;
-    for message in messages {
-        total += TOKENS_PER_MESSAGE;
-        let Some(fields) = message.as_object() else {
-            continue;
-        };
-        for (key, value) in fields {
-            total += match key.as_ref() {
-                "role" => value.as_str().map_or(0, &mut *count),
-                "name" => value.as_str().map_or(0, &mut *count) + TOKENS_PER_NAME,
-                "content" => content(value, count),
-                "tool_calls" => {
-                    value.as_array().map_or(0, |calls| calls.iter().map(|c| text_leaves(c.at("function"), count)).sum())
-                }
-                "function_call" => text_leaves(value, count),
-                "tool_call_id" => 0,
-                _ => 0,
-            };
-        }
-    }
-    total
-}
-
-/// Content as a string, or a list of parts (text, image, tool use and result, input
-/// items). Text is counted; images cost `IMAGE_TOKENS`; structured inputs count as text.
-fn content(value: &Json, count: &mut impl FnMut(&str) -> u64) -> u64 {
-    match value {
-        Json::String(text) => count(text),
-        Json::Array(parts) => parts.iter().map(|part| content_part(part, count)).sum(),
-        Json::Object(_) => content_part(value, count),
-        _ => 0,
-    }
-}
-
-fn content_part(part: &Json, count: &mut impl FnMut(&str) -> u64) -> u64 {
-    match part.at("type").as_str().unwrap_or("") {
-        "image_url" | "input_image" | "image" => IMAGE_TOKENS,
-        // Bedrock Converse's blocks are keyed by kind, with no `type`.
-        "" if part.get("image").is_some_and(Json::is_object) => IMAGE_TOKENS,
-        // Responses API message items: {role, content}; count like a chat message.
-        _ if part.get("role").is_some() && part.get("content").is_some() => {
-            TOKENS_PER_MESSAGE + part.at("role").as_str().map_or(0, &mut *count) + content(part.at("content"), count)
-        }
-        _ => text_leaves(part, count),
-    }
-}
-
-fn tools(value: &Json, count: &mut impl FnMut(&str) -> u64) -> u64 {
-    value.as_array().map_or(0, |tools| tools.iter().map(|t| text_leaves(t, count)).sum())
-}
-
-/// A prompt or embedding input: a string, strings, token ids, or lists of token ids.
-fn inputs(value: &Json, count: &mut impl FnMut(&str) -> u64) -> u64 {
-    match value {
-        Json::String(text) => count(text),
-        Json::Number(_) => 1,
-        Json::Array(items) => items.iter().map(|item| inputs(item, count)).sum(),
-        _ => 0,
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::api::prompt::IMAGE_TOKENS;
 
     const O200K: Encoding = Encoding::O200kBase;
 

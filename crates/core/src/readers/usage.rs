@@ -1,14 +1,11 @@
 //! The token usage a provider reports, read from a JSON reply or a stream of SSE events,
 //! whichever API produced it:
 //!
-//! | API | where |
-//! |---|---|
-//! | OpenAI chat/completions, embeddings | `usage.prompt_tokens`, `usage.completion_tokens`; streamed: the last chunk |
-//! | OpenAI Responses | `usage.input_tokens`, `usage.output_tokens`; streamed: `response.completed` |
-//! | Anthropic messages | `usage.input_tokens` (+ cache creation and reads), `usage.output_tokens`; streamed: `message_start`, then `message_delta` (cumulative) |
-//! | AWS Bedrock | `usage.inputTokens` (+ cache reads and writes), `usage.outputTokens`; streamed: see `providers::bedrock` |
-//! | Gemini, Vertex AI | `usageMetadata` (see `providers::gemini`); streamed (SSE or a JSON array): every response, cumulative |
-//! | vLLM, Ollama, Groq | as OpenAI; vLLM's `continuous_usage_stats` on every chunk (cumulative), Groq's `x_groq.usage` in the last |
+//! Where a reply carries it: a usage object at `usage` (OpenAI, Anthropic, Bedrock),
+//! `message.usage` (Anthropic's `message_start`), `response.usage` (OpenAI Responses'
+//! events) or `x_groq.usage` (Groq's streams), or Gemini's `usageMetadata`. What each
+//! provider's objects and streamed events hold is its module's (`crate::providers`); this
+//! follows the framings (a JSON reply, SSE, a JSON array, AWS's event stream).
 //!
 //! A stream without usage is settled on its text: the streamed deltas are counted with
 //! the tokenizer.
@@ -17,9 +14,9 @@ use crate::parse::eventstream::{EventStreamDecoder, Message, StreamError};
 use crate::parse::json::{closes_string, Json};
 use crate::parse::json_array_stream::JsonArrayStream;
 use crate::parse::sse::{SseEvent, SseParser};
-use crate::providers::{bedrock, gemini};
+use crate::providers::bedrock::{self, StreamPart};
+use crate::providers::{self, openai};
 use crate::tokens::Encoding;
-use base64::Engine;
 
 pub use crate::api::ReportedUsage;
 
@@ -34,36 +31,14 @@ pub fn reported_usage(message: &Json) -> ReportedUsage {
         &message.at("x_groq").at("usage"),
     ] {
         if usage.is_object() {
-            found.merge(from_usage_object(usage));
+            found.merge(providers::usage_object(usage));
         }
     }
     let metadata = message.at("usageMetadata");
     if metadata.is_object() {
-        found.merge(gemini::usage_from_metadata(metadata));
+        found.merge(providers::usage_metadata(metadata));
     }
     found
-}
-
-fn from_usage_object(usage: &Json) -> ReportedUsage {
-    if let Some(bedrock) = crate::providers::bedrock::converse_usage(usage) {
-        return bedrock;
-    }
-    let field = |name: &str| usage.at(name).as_u64();
-    let input = field("prompt_tokens").or_else(|| {
-        let base = field("input_tokens")?;
-        let cache_parts = [field("cache_creation_input_tokens"), field("cache_read_input_tokens")];
-        Some(cache_parts.into_iter().flatten().fold(base, u64::saturating_add))
-    });
-    let output = field("completion_tokens").or_else(|| field("output_tokens"));
-    // Embeddings report prompt tokens only: their output is zero, not unknown.
-    let output = output.or_else(|| (input.is_some() && usage.get("total_tokens").is_some()).then_some(0));
-    let cached_input = usage
-        .at("prompt_tokens_details")
-        .at("cached_tokens")
-        .as_u64()
-        .or_else(|| usage.at("input_tokens_details").at("cached_tokens").as_u64())
-        .or_else(|| field("cache_read_input_tokens"));
-    ReportedUsage { input, output, cached_input }
 }
 
 /// Where the APIs put usage in a JSON reply, in the order later reports override earlier.
@@ -311,11 +286,11 @@ impl ReplyUsage {
         let [top, message, response, metadata] = &self.found;
         for bytes in [top, message, response].into_iter().flatten() {
             if let Ok(object) = Json::parse(bytes) {
-                usage.merge(from_usage_object(&object));
+                usage.merge(providers::usage_object(&object));
             }
         }
         if let Some(Ok(object)) = metadata.as_deref().map(Json::parse) {
-            usage.merge(gemini::usage_from_metadata(&object));
+            usage.merge(providers::usage_metadata(&object));
         }
         usage
     }
@@ -413,7 +388,7 @@ impl StreamUsage {
     }
 
     fn on_event(&mut self, event: SseEvent) {
-        if event.data.trim() == "[DONE]" {
+        if event.data.trim() == openai::DONE {
             self.finished = true;
             return;
         }
@@ -441,9 +416,7 @@ impl StreamUsage {
             }
         }
         let kind = message.at("type").as_str().unwrap_or(event_name);
-        if matches!(kind, "message_stop" | "response.completed" | "response.incomplete" | "response.failed")
-            || gemini::is_final(message)
-        {
+        if providers::ends_stream(message, kind) {
             self.finished = true;
         }
         self.collect_text(message);
@@ -459,44 +432,9 @@ impl StreamUsage {
         self.push_text(Some(text));
     }
 
-    /// The generated text of one event: OpenAI chat deltas (content, refusal, tool
-    /// arguments), legacy completions, Anthropic text and tool-input deltas, Responses
-    /// text and argument deltas.
+    /// The generated text of one event, in whichever provider's shape it is.
     fn collect_text(&mut self, message: &Json) {
-        if let Some(choices) = message.at("choices").as_array() {
-            for choice in choices {
-                let delta = &choice.at("delta");
-                for text in [
-                    &delta.at("content"),
-                    &delta.at("refusal"),
-                    &delta.at("reasoning_content"),
-                    // Ollama's and Groq's name for a reasoning model's thinking.
-                    &delta.at("reasoning"),
-                    &choice.at("text"),
-                ] {
-                    self.push_text(text.as_str());
-                }
-                for call in delta.at("tool_calls").as_array().into_iter().flatten() {
-                    self.push_text(call.at("function").at("arguments").as_str());
-                    self.push_text(call.at("function").at("name").as_str());
-                }
-            }
-        }
-        match message.at("type").as_str() {
-            Some("content_block_delta") => {
-                let delta = &message.at("delta");
-                self.push_text(
-                    delta.at("text").as_str().or(delta.at("partial_json").as_str()).or(delta.at("thinking").as_str()),
-                );
-            }
-            Some(kind) if kind.starts_with("response.") && kind.ends_with(".delta") => {
-                self.push_text(message.at("delta").as_str())
-            }
-            _ => {}
-        }
-        for text in gemini::streamed_texts(message) {
-            self.push_text(Some(text));
-        }
+        providers::streamed_texts(message, &mut |text| self.push_text(text));
     }
 
     fn push_text(&mut self, text: Option<&str>) {
@@ -523,8 +461,9 @@ impl StreamUsage {
     }
 }
 
-/// Follows a Bedrock event stream (its events' shapes are `providers::bedrock`'s) (`converse-stream` or `invoke-with-response-stream`):
-/// the usage it reports, and its text, counted if it reports none.
+/// Follows a Bedrock event stream (`converse-stream` or `invoke-with-response-stream`; its
+/// events' shapes are `providers::bedrock`'s): the usage it reports, and its text,
+/// counted if it reports none.
 #[derive(Debug)]
 pub struct EventStreamUsage {
     decoder: EventStreamDecoder,
@@ -552,37 +491,21 @@ impl EventStreamUsage {
     }
 
     fn on_message(&mut self, message: &Message) {
-        if message.header(":message-type").is_some_and(|kind| kind != "event") {
-            let kind = message.header(":exception-type").or(message.header(":error-code")).unwrap_or("error");
-            self.exception = Some(kind.chars().take(64).collect());
-            return;
-        }
-        let Ok(payload) = Json::parse(&message.payload) else { return };
-        match message.header(":event-type").unwrap_or("") {
-            "chunk" => {
-                let Some(encoded) = payload.at("bytes").as_str() else { return };
-                let Ok(bytes) = base64::engine::general_purpose::STANDARD.decode(encoded) else { return };
-                let Ok(event) = Json::parse(&bytes) else { return };
-                self.events.on_message(&event, "");
-                self.events.add_reported(bedrock::invocation_metrics(&event));
+        let (events, exception) = (&mut self.events, &mut self.exception);
+        bedrock::read_stream_message(message, &mut |part| match part {
+            StreamPart::Exception(kind) => *exception = Some(kind.chars().take(64).collect()),
+            StreamPart::Event(event, metrics) => {
+                events.on_message(event, "");
+                events.add_reported(metrics);
             }
-            "contentBlockDelta" => {
-                let delta = payload.at("delta");
-                for text in [delta.at("text"), delta.at("toolUse").at("input"), delta.at("reasoningContent").at("text")]
-                {
-                    if let Some(text) = text.as_str() {
-                        self.events.add_text(text);
-                    }
+            StreamPart::Text(text) => events.add_text(text),
+            StreamPart::End(usage) => {
+                if let Some(usage) = usage {
+                    events.add_reported(usage);
                 }
+                events.finished = true;
             }
-            "metadata" => {
-                if let Some(usage) = bedrock::converse_usage(payload.at("usage")) {
-                    self.events.add_reported(usage);
-                }
-                self.events.finished = true;
-            }
-            _ => {}
-        }
+        });
     }
 
     pub fn reported(&self) -> ReportedUsage {

@@ -1,29 +1,20 @@
-//! The shapes of what the filter answers itself, per API family (`crate::api::dialect`): the
-//! error envelope each family's SDKs parse into their own exception classes, and
+//! The shapes of what the filter answers itself, per API family (`crate::api::dialect`): a
+//! local reply in the error envelope each family's SDKs parse into their own exception
+//! classes (each provider's module has its envelope: `providers::error_envelope`), and
 //! Anthropic's rate-limit headers. What is said (the messages, which limit binds) is
 //! `crate::replies::decision`'s; how it is wrapped for the caller is here.
-//!
-//! - OpenAI: `{"error": {"message", "type", "param": null, "code"}}`.
-//! - Anthropic: `{"type": "error", "error": {"type", "message"}}`, with Anthropic's
-//!   documented error types (`rate_limit_error`, `request_too_large`...).
-//! - Google: `{"error": {"code", "message", "status", "details"}}` with the canonical
-//!   status names (`RESOURCE_EXHAUSTED`...) and, on a 429, a `google.rpc.RetryInfo`.
-//! - Bedrock: the error code in `x-amzn-ErrorType` (as AWS's REST-JSON protocol carries
-//!   it) and `{"message"}`.
 
 use crate::api::dialect::Dialect;
+pub use crate::api::refusal::Refusal;
 use crate::config::{Dimension, Policy, TokenCount};
 use crate::protocol::LimitsReply;
+use crate::providers::{self, bedrock};
 use crate::replies::reply::{tightest, Header, LocalReply};
-use serde_json::json;
-
-/// Bedrock's error code, where AWS's REST-JSON protocol carries it.
-pub const BEDROCK_ERROR_HEADER: &str = "x-amzn-errortype";
 
 /// Whether a local reply's header is part of its error (the body's type, Bedrock's error
 /// code), so it has no place on a response forwarded instead (shadow mode).
 pub fn belongs_to_the_error(name: &str) -> bool {
-    name == "content-type" || name == BEDROCK_ERROR_HEADER
+    name == "content-type" || name == bedrock::ERROR_HEADER
 }
 
 /// Who is answered, and when: the shape, and the time reset headers count from.
@@ -34,112 +25,14 @@ pub struct Caller {
     pub now_ms: u64,
 }
 
-/// Why the filter answers a request itself.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Refusal {
-    /// A limit is exhausted (429). OpenAI's `error.type` for it: `requests`, `tokens`,
-    /// `input_tokens`, `cost`, `concurrency`...
-    RateLimited(&'static str),
-    /// The body is larger than the filter reads (413).
-    TooLarge,
-    /// The limiter cannot decide and the config says deny (503).
-    Unavailable,
-    /// No API key (401).
-    Unidentified,
-    /// A budget applies but the model has no price (403).
-    NotPriced,
-    /// A request the filter will not read one way while the upstream may read it another
-    /// (400): conflicting credentials, a body it cannot parse, a field given twice, a path
-    /// it refuses. OpenAI's `error.code` for it.
-    Unreadable(&'static str),
-}
-
-impl Refusal {
-    pub fn status(self) -> u32 {
-        match self {
-            Refusal::RateLimited(_) => 429,
-            Refusal::TooLarge => 413,
-            Refusal::Unavailable => 503,
-            Refusal::Unidentified => 401,
-            Refusal::NotPriced => 403,
-            Refusal::Unreadable(_) => 400,
-        }
-    }
-
-    /// OpenAI's `error.type` and `error.code`.
-    fn openai(self) -> (&'static str, &'static str) {
-        match self {
-            Refusal::RateLimited(kind) => (kind, "rate_limit_exceeded"),
-            Refusal::TooLarge => ("invalid_request_error", "request_too_large"),
-            Refusal::Unavailable => ("server_error", "rate_limiter_unavailable"),
-            Refusal::Unidentified => ("invalid_request_error", "missing_api_key"),
-            Refusal::NotPriced => ("invalid_request_error", "model_not_priced"),
-            Refusal::Unreadable(code) => ("invalid_request_error", code),
-        }
-    }
-
-    /// Anthropic's `error.type` (docs.claude.com, "Errors"). Anthropic answers overload
-    /// with 529 `overloaded_error`; the filter's 503 says the same: retry shortly.
-    fn anthropic(self) -> &'static str {
-        match self {
-            Refusal::RateLimited(_) => "rate_limit_error",
-            Refusal::TooLarge => "request_too_large",
-            Refusal::Unavailable => "overloaded_error",
-            Refusal::Unidentified => "authentication_error",
-            Refusal::NotPriced => "permission_error",
-            Refusal::Unreadable(_) => "invalid_request_error",
-        }
-    }
-
-    /// Google's canonical status name (google.rpc.Code) for the HTTP status.
-    fn google(self) -> &'static str {
-        match self {
-            Refusal::RateLimited(_) => "RESOURCE_EXHAUSTED",
-            Refusal::TooLarge => "INVALID_ARGUMENT",
-            Refusal::Unavailable => "UNAVAILABLE",
-            Refusal::Unidentified => "UNAUTHENTICATED",
-            Refusal::NotPriced => "PERMISSION_DENIED",
-            Refusal::Unreadable(_) => "INVALID_ARGUMENT",
-        }
-    }
-
-    /// Bedrock runtime's error code (its API reference's "Errors").
-    fn bedrock(self) -> &'static str {
-        match self {
-            Refusal::RateLimited(_) => "ThrottlingException",
-            Refusal::TooLarge => "ValidationException",
-            Refusal::Unavailable => "ServiceUnavailableException",
-            Refusal::Unidentified | Refusal::NotPriced => "AccessDeniedException",
-            Refusal::Unreadable(_) => "ValidationException",
-        }
-    }
-}
-
 /// The local reply for `refusal` in `dialect`'s shape, saying `message`;
 /// `retry_after_seconds` is when to try again, if that is known. The rate-limit headers
 /// and `retry-after` are the caller's to add.
 pub fn error_reply(dialect: Dialect, refusal: Refusal, message: &str, retry_after_seconds: Option<u64>) -> LocalReply {
-    let status = refusal.status();
+    let envelope = providers::error_envelope(dialect, refusal, message, retry_after_seconds);
     let mut headers: Vec<Header> = vec![("content-type", "application/json".to_string())];
-    let body = match dialect {
-        Dialect::OpenAi => {
-            let (kind, code) = refusal.openai();
-            json!({"error": {"message": message, "type": kind, "param": null, "code": code}})
-        }
-        Dialect::Anthropic => json!({"type": "error", "error": {"type": refusal.anthropic(), "message": message}}),
-        Dialect::Google => {
-            let details: Vec<_> = retry_after_seconds
-                .map(|s| json!({"@type": "type.googleapis.com/google.rpc.RetryInfo", "retryDelay": format!("{s}s")}))
-                .into_iter()
-                .collect();
-            json!({"error": {"code": status, "message": message, "status": refusal.google(), "details": details}})
-        }
-        Dialect::Bedrock => {
-            headers.push((BEDROCK_ERROR_HEADER, refusal.bedrock().to_string()));
-            json!({"message": message})
-        }
-    };
-    LocalReply { status, headers, body: body.to_string() }
+    headers.extend(envelope.header);
+    LocalReply { status: refusal.status(), headers, body: envelope.body.to_string() }
 }
 
 /// Anthropic's `anthropic-ratelimit-*` headers, each for the most restrictive limit of
@@ -219,6 +112,7 @@ pub fn rfc3339(seconds: u64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::json;
 
     fn body(reply: &LocalReply) -> serde_json::Value {
         serde_json::from_str(&reply.body).expect("json body")

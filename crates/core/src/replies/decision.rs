@@ -6,6 +6,7 @@ use crate::api::dialect::Dialect;
 use crate::config::{Dimension, HeaderStyle, Policy};
 use crate::duration::format_reset;
 use crate::protocol::{LimitCharge, LimitOutcome, LimitStatus, LimitsReply};
+use crate::providers;
 use crate::replies::answers::{anthropic_headers, error_reply, Caller, Refusal};
 use crate::replies::reply::{tightest, Header, LocalReply};
 
@@ -222,24 +223,7 @@ pub fn model_not_priced(model: &str, dialect: Dialect) -> LocalReply {
 /// 401 for a request without the identifying header, when the config says `reject`. It
 /// names the credential the caller's own API uses.
 pub fn missing_identity(dialect: Dialect) -> LocalReply {
-    let message = match dialect {
-        Dialect::OpenAi => {
-            "No API key provided. Send it as 'Authorization: Bearer <key>' (Azure OpenAI: the 'api-key' header) or in \
-             the header the operator configured."
-        }
-        Dialect::Anthropic => {
-            "No API key provided. Send it in the 'x-api-key' header or in the header the operator configured."
-        }
-        Dialect::Google => {
-            "No API key provided. Send it in the 'x-goog-api-key' header (Vertex AI: 'Authorization: Bearer <token>') \
-             or in the header the operator configured."
-        }
-        Dialect::Bedrock => {
-            "No credentials provided. Sign the request with AWS Signature Version 4 ('Authorization: AWS4-HMAC-SHA256 \
-             Credential=...'), as the AWS SDKs do, or send the header the operator configured."
-        }
-    };
-    error_reply(dialect, Refusal::Unidentified, message, None)
+    error_reply(dialect, Refusal::Unidentified, providers::missing_credential(dialect), None)
 }
 
 /// 400 for a request whose credentials disagree: the filter keys on none of them.
