@@ -9,14 +9,15 @@
 //! ```text
 //! worker                          per-VM state, background work (never a RequestFilter)
 //! lifecycle                       a request's life over the Host: admit, forward, settle
-//! calibration, tables, series     effects over the Host (shared data, metrics)
-//! host                            the Host trait, the timer period
+//! calibration, tables, series,    effects over the Host (shared data, metrics)
+//!   provider_state                  (and what the providers said of their limits)
+//! host, exchange                  the Host trait, the timer period, exchanges' pace
 //! decision -> answers             what the client is told, in its API's shape
 //! reply                           a local reply and its headers
 //! charge, reservation, bucket,    pure accounting: plan, estimate, settle, buckets,
 //!   lease, breaker, settle_queue    leases, the breaker
 //! config, identity                the config compiled to policy; who a tenant is
-//! request, usage                  readers: a request body, a reply's usage (JSON, SSE,
+//! request, usage, provider_word   readers: a request body, a reply's usage (JSON, SSE,
 //!                                   JSON array, AWS event stream)
 //! providers::{gemini, azure,      each provider's paths, body and usage shapes; the one
 //!   bedrock}, providers             Route a path is read into
@@ -39,6 +40,7 @@ pub mod config;
 pub mod decision;
 pub mod dialect;
 pub mod eventstream;
+pub mod exchange;
 pub mod host;
 pub mod identity;
 mod json;
@@ -47,6 +49,8 @@ pub mod lease;
 pub mod lifecycle;
 pub mod path;
 pub mod prompt_cache;
+pub mod provider_state;
+pub mod provider_word;
 pub mod providers;
 pub mod reply;
 pub mod reply_floor;

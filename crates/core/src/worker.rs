@@ -14,6 +14,8 @@ use crate::protocol::{
     Adjustment, CalibrationReply, LeaseAsk, LeaseRequest, LimitCharge, LimitKind, LimitsReply, SettleReply, Settlement,
     SettlementBatch, CALIBRATION_PATH, LEASE_PATH, SETTLE_PATH, TOKEN_HEADER, TOUCH_PATH,
 };
+use crate::protocol::{ProviderReply, PROVIDER_PATH};
+use crate::provider_state::LocalProviderWords;
 use crate::settle_queue::{Queued, SettleQueue};
 use crate::tables::{read_own, update_own, update_slot, Busy, TenantTable};
 use serde::de::DeserializeOwned;
@@ -57,6 +59,8 @@ pub struct Worker {
     pub(crate) prompt_cache: PromptCache,
     /// What settled replies teach, gathered for the tick, and the calibrations as read.
     pub(crate) calibrations: LocalCalibrations,
+    /// What providers said of their limits, for the fleet's exchange.
+    pub(crate) provider_words: LocalProviderWords,
 }
 
 impl Default for Worker {
@@ -95,6 +99,7 @@ impl Worker {
             renewing: HashMap::new(),
             prompt_cache: PromptCache::new(0),
             calibrations: LocalCalibrations::default(),
+            provider_words: LocalProviderWords::default(),
         }
     }
 
@@ -184,6 +189,7 @@ impl Worker {
         }
         self.calibrations.flush(host, &config, now);
         self.exchange_calibrations(host, &config, now);
+        self.exchange_provider_words(host, &config, now);
         self.send_settlements(host, &config);
         if config.has_concurrency() {
             let every = (config.slots.ttl.as_millis() / 3 / TICK.as_millis()).max(1) as u32;
@@ -203,6 +209,16 @@ impl Worker {
                     self.calibrations.take_reply(host, &config, &reply, now);
                 }
                 Err(why) => host.log(LogLevel::Debug, &format!("llm-ratelimit: calibration exchange failed: {why}")),
+            }
+            return;
+        }
+        if self.provider_words.is_exchange(token) {
+            match callout_reply::<ProviderReply>(host, body_size) {
+                Ok(reply) => {
+                    let now = host.now_ms();
+                    self.provider_words.take_reply(host, &config, &reply, now);
+                }
+                Err(why) => host.log(LogLevel::Debug, &format!("llm-ratelimit: provider words exchange failed: {why}")),
             }
             return;
         }
@@ -244,6 +260,16 @@ impl Worker {
         match self.call_companion(host, config, CALIBRATION_PATH, &exchange, BACKGROUND_TIMEOUT, Owner::Root) {
             Ok(token) => self.calibrations.sent(token),
             Err(why) => host.log(LogLevel::Debug, &format!("llm-ratelimit: no calibration exchange: {why}")),
+        }
+    }
+
+    /// Hands what this worker heard from providers to the companion, and takes the
+    /// fleet's, when an exchange is due.
+    fn exchange_provider_words(&mut self, host: &mut impl Host, config: &Policy, now: u64) {
+        let Some(exchange) = self.provider_words.exchange(host, config, now) else { return };
+        match self.call_companion(host, config, PROVIDER_PATH, &exchange, BACKGROUND_TIMEOUT, Owner::Root) {
+            Ok(token) => self.provider_words.sent(token),
+            Err(why) => host.log(LogLevel::Debug, &format!("llm-ratelimit: no provider words exchange: {why}")),
         }
     }
 

@@ -38,10 +38,22 @@ pub struct Policy {
     pub fallback: Fallback,
     pub lease: LeaseConfig,
     pub memory: Memory,
+    pub provider_limits: ProviderLimits,
     /// As written: unset means "where the host can" (see `Worker::holds_request_headers`).
     pub hold_request_headers: Option<bool>,
     /// Azure OpenAI deployment → model (see `providers`).
     pub deployments: BTreeMap<String, String>,
+}
+
+/// What the filter does with the provider's word on its limits (`crate::provider_state`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ProviderLimits {
+    pub enabled: bool,
+    pub share: bool,
+    pub default_retry_ms: u64,
+    pub max_retry_ms: u64,
+    pub lower_limits: bool,
+    pub slots: u32,
 }
 
 /// Sizes of the shared-data tables (see `crate::tables`).
