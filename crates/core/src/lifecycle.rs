@@ -525,6 +525,10 @@ impl RequestFilter {
         let status: u32 = host.response_header(":status").and_then(|s| s.parse().ok()).unwrap_or(0);
         let now = host.now_ms();
         let word = provider_word::read_headers(status, &mut |name| host.response_header(name), now);
+        if !word.said_anything() && !(200..300).contains(&status) {
+            // Another error (the upstream down, a bad request) says nothing of the limits.
+            return;
+        }
         if word.refused && word.retry_after_ms.is_none() && self.dialect == Dialect::Google {
             self.provider.pending = Some((word, Vec::new()));
             return;

@@ -211,3 +211,20 @@ fn the_fleet_gives_the_probe_to_one_proxy() {
         assert!(sent.reports.iter().any(|r| r.probing), "the fleet learns the probe went out");
     }
 }
+
+#[test]
+fn another_error_says_nothing_of_the_providers_limits() {
+    for kind in HOSTS {
+        let world = World::new(kind);
+        let mut proxy = Proxy::new(&world, &config(false));
+        let mut companion = FakeCompanion::default();
+        let mut refused = proxy.send(Request::chat("sk-e", BODY), &mut companion);
+        let mut failed = proxy.send(Request::chat("sk-e", BODY), &mut companion);
+        proxy.reply_with_headers(&mut refused, 429, "application/json", &[("retry-after", "5")], &[b"{}"]);
+        // The upstream's 503 to a request sent as early: not the provider serving again.
+        proxy.reply_with_headers(&mut failed, 503, "text/plain", &[], &[b"upstream connect error"]);
+        let next = proxy.send(Request::chat("sk-e", BODY), &mut companion);
+        assert_eq!(next.replied().map(|r| r.status), Some(429), "{kind:?}");
+        assert_eq!(header(&next, "retry-after"), Some("5"));
+    }
+}
