@@ -90,7 +90,7 @@ capacity: setup ## Redis memory per tenant for each kind of limit, and what one 
 	$(PY) scripts/capacity.py
 
 FUZZ_SECONDS ?= 60
-FUZZ_TARGETS := config request_body sse_stream json_reply event_stream json_array_stream body_differential
+FUZZ_TARGETS := config request_body sse_stream json_reply event_stream json_array_stream body_differential provider_word
 
 # fuzz/ is a workspace of its own (cargo-fuzz builds it with sanitizer flags), so the
 # workspace's build never compiles it: this does, natively and without instrumentation
