@@ -394,7 +394,7 @@ impl RequestFilter {
         let Some(config) = self.config.clone() else { return Action::Continue };
         if let Some((_, body)) = self.provider.pending.as_mut() {
             let room = provider_word::MAX_ERROR_BODY.saturating_sub(body.len()).min(body_size);
-            body.extend_from_slice(&host.response_body(body_size).get(..room).unwrap_or_default());
+            body.extend_from_slice(host.response_body(body_size).get(..room).unwrap_or_default());
             if end_of_stream {
                 self.hear_provider(host, worker, &config);
             }
