@@ -3,7 +3,7 @@
 //! throttling error's body: what the provider said, bounded, never a panic.
 #![no_main]
 use libfuzzer_sys::fuzz_target;
-use llm_ratelimit_core::provider_word::{read_headers, retry_info_ms, MAX_WAIT_MS};
+use llm_ratelimit_core::effects::provider_word::{read_headers, retry_info_ms, MAX_WAIT_MS};
 
 const NAMES: [&str; 15] = [
     "x-ratelimit-remaining-requests",

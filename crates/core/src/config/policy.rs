@@ -3,11 +3,11 @@
 //! measure is one enum, so no code downstream re-checks or re-derives anything. What each
 //! setting means for operators is documented on the shape (`super::shape`).
 
-use crate::dialect::ErrorFormat;
-use crate::identity::{IdentitySource, MissingIdentity};
-use crate::lease::LeasePolicy;
+use crate::accounting::lease::LeasePolicy;
+use crate::accounting::reservation::{TokenCounts, UpstreamErrorCharge};
+use crate::api::dialect::ErrorFormat;
+use crate::api::identity::{IdentitySource, MissingIdentity};
 use crate::protocol::LimitKind;
-use crate::reservation::{TokenCounts, UpstreamErrorCharge};
 use crate::tokens::{builtin_rules, glob_match, Encoding, ModelRule};
 use serde::Deserialize;
 use std::collections::BTreeMap;
@@ -45,7 +45,7 @@ pub struct Policy {
     pub deployments: BTreeMap<String, String>,
 }
 
-/// What the filter does with the provider's word on its limits (`crate::provider_state`).
+/// What the filter does with the provider's word on its limits (`crate::effects::provider_state`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ProviderLimits {
     pub enabled: bool,
@@ -56,7 +56,7 @@ pub struct ProviderLimits {
     pub slots: u32,
 }
 
-/// Sizes of the shared-data tables (see `crate::tables`).
+/// Sizes of the shared-data tables (see `crate::effects::tables`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Memory {
     pub tenant_slots: u32,
@@ -206,7 +206,7 @@ pub enum Mode {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum HeaderStyle {
-    /// The caller's API's own (see `crate::dialect`): OpenAI's for OpenAI's paths,
+    /// The caller's API's own (see `crate::api::dialect`): OpenAI's for OpenAI's paths,
     /// Anthropic's for Anthropic's; Google and Bedrock publish none.
     Provider,
     /// `x-ratelimit-{limit,remaining,reset}-{requests,tokens}` (and `-concurrency`).
@@ -423,7 +423,7 @@ pub struct TokenPolicy {
     pub reservation_ttl: Duration,
     pub on_upstream_error: UpstreamErrorCharge,
     pub request_stream_usage: bool,
-    pub on_client_abort: crate::reply_floor::ClientAbortCharge,
+    pub on_client_abort: crate::accounting::reply_floor::ClientAbortCharge,
     /// Models whose streams without usage are charged at least their reservation.
     pub hidden_output_models: Vec<String>,
     pub clamp_max_tokens: bool,
@@ -560,7 +560,7 @@ pub struct Bypass {
 }
 
 impl Bypass {
-    /// Whether `path`, normalised (`crate::path::normalised`), is bypassed: the path the
+    /// Whether `path`, normalised (`crate::parse::path::normalised`), is bypassed: the path the
     /// request is routed on, so `/v1/models*` cannot match `/v1/models/../chat/completions`.
     pub fn path(&self, path: &str) -> bool {
         self.paths.iter().any(|pattern| glob_match(pattern, path))
