@@ -16,7 +16,7 @@ WASM_CARGO := RUSTC_BOOTSTRAP=1 RUSTC=/usr/bin/rustc /usr/bin/cargo
 WASM_FLAGS := -Zbuild-std=std,panic_abort
 endif
 
-.PHONY: help setup build wasm empty-filter floor-filter native test wasm-test fuzz fuzz-check unit integration up down demo bench soak faults accuracy capacity lint clean
+.PHONY: help setup build wasm empty-filter floor-filter native test wasm-test fuzz fuzz-check unit integration up down demo bench soak faults accuracy capacity provider-bench lint clean
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -83,11 +83,14 @@ faults: build ## Fault suite under load (~6 min, not in make test): Redis restar
 accuracy: build ## Token limits against their budget when the upstream counts prompts its own way (~6 min, not in make test)
 	$(PY) scripts/accuracy.py
 
+provider-bench: build ## Requests that reached the provider only to be refused, without and with provider_limits (mock at 50% of the offered load, ~2 min, not in make test)
+	$(PY) scripts/provider_bench.py
+
 capacity: setup ## Redis memory per tenant for each kind of limit, and what one Redis shard sustains running the script (~3 min, not in make test)
 	$(PY) scripts/capacity.py
 
 FUZZ_SECONDS ?= 60
-FUZZ_TARGETS := config request_body sse_stream json_reply event_stream json_array_stream body_differential
+FUZZ_TARGETS := config request_body sse_stream json_reply event_stream json_array_stream body_differential provider_word
 
 # fuzz/ is a workspace of its own (cargo-fuzz builds it with sanitizer flags), so the
 # workspace's build never compiles it: this does, natively and without instrumentation

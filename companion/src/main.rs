@@ -18,6 +18,7 @@ mod calibration;
 mod credentials;
 mod limits;
 mod metrics;
+mod provider;
 mod queue;
 mod refusals;
 mod reservations;
@@ -36,9 +37,9 @@ use credentials::{Credentials, Right};
 use limits::Op;
 use llm_ratelimit_protocol::duration::parse_duration;
 use llm_ratelimit_protocol::{
-    CalibrationExchange, ChargeRequest, LeaseRequest, ResetReply, SettleOutcome, SettleReply, SettlementBatch,
-    TenantLimits, CALIBRATION_PATH, CHARGE_PATH, HEALTH_PATH, LEASE_PATH, RELEASE_PATH, RESET_PATH, SETTLE_PATH,
-    TOKEN_HEADER, TOUCH_PATH, USAGE_PATH,
+    CalibrationExchange, ChargeRequest, LeaseRequest, ProviderExchange, ResetReply, SettleOutcome, SettleReply,
+    SettlementBatch, TenantLimits, CALIBRATION_PATH, CHARGE_PATH, HEALTH_PATH, LEASE_PATH, PROVIDER_PATH, RELEASE_PATH,
+    RESET_PATH, SETTLE_PATH, TOKEN_HEADER, TOUCH_PATH, USAGE_PATH,
 };
 use metrics::{MetricOp, Metrics, Outcome};
 use serde_json::json;
@@ -121,6 +122,8 @@ struct App {
     metrics: Arc<Metrics>,
     /// `lua/calibration.lua`, run alone (see `calibration`).
     calibration: Script,
+    /// `lua/provider.lua`, run alone (see `provider`).
+    provider: Script,
     refusals: refusals::RefusalLog,
     /// This companion's waiters, by tenant (see `queue`).
     lines: Arc<queue::Lines>,
@@ -437,6 +440,24 @@ async fn run_calibration(State(app): State<Arc<App>>, headers: HeaderMap, body: 
     }
 }
 
+/// Takes a proxy worker's news of the providers' limits and answers with the fleet's.
+async fn run_provider(State(app): State<Arc<App>>, headers: HeaderMap, body: Bytes) -> Response {
+    if !authorised(&app, &headers, Right::DataPlane) {
+        return unauthorised();
+    }
+    let request = match parse_body(&body, ProviderExchange::validate) {
+        Ok(request) => request,
+        Err(message) => return error(StatusCode::BAD_REQUEST, message),
+    };
+    let started = std::time::Instant::now();
+    let result = provider::exchange(app.batcher.store(), &app.provider, &app.key_prefix, &request).await;
+    app.metrics.redis_call(MetricOp::Provider, started.elapsed());
+    match result {
+        Ok(reply) => decided(&app, MetricOp::Provider, true, reply),
+        Err(err) => failed(&app, MetricOp::Provider, StatusCode::SERVICE_UNAVAILABLE, err),
+    }
+}
+
 /// Readiness: Redis answers. A refused credential (a password rotated in Redis but not
 /// here, an ACL change) is told apart from an unreachable Redis, and counted on its own.
 async fn healthz(State(app): State<Arc<App>>) -> Response {
@@ -553,9 +574,10 @@ async fn serve(args: Args) -> Result<(), String> {
     let store = connect(&target, &access, &args).await?;
     let script = Script::new("limits", limits::SOURCE);
     let calibration = Script::new("calibration", calibration::SOURCE);
+    let provider = Script::new("provider", provider::SOURCE);
     // Both loaded now, so a NOSCRIPT reload later means Redis lost them (the metric's alert).
     let deadline = tokio::time::Instant::now() + args.startup_wait;
-    for script in [&script, &calibration] {
+    for script in [&script, &calibration, &provider] {
         while let Err(err) = store.load(script).await {
             if store::is_fatal(&err) || tokio::time::Instant::now() >= deadline {
                 return Err(format!("cannot load {}: {err}", script.name));
@@ -580,6 +602,7 @@ async fn serve(args: Args) -> Result<(), String> {
         key_prefix: args.key_prefix.clone(),
         metrics: metrics.clone(),
         calibration,
+        provider,
         refusals: refusals::RefusalLog::new(),
         lines: Arc::default(),
     });
@@ -591,6 +614,7 @@ async fn serve(args: Args) -> Result<(), String> {
         .route(RELEASE_PATH, post(run_release))
         .route(LEASE_PATH, post(run_limits::<LeaseRequest>))
         .route(CALIBRATION_PATH, post(run_calibration))
+        .route(PROVIDER_PATH, post(run_provider))
         .route(USAGE_PATH, post(run_usage))
         .route(RESET_PATH, post(run_reset))
         .route(HEALTH_PATH, get(healthz))

@@ -28,10 +28,11 @@ pub enum MetricOp {
     Usage,
     Reset,
     Calibration,
+    Provider,
 }
 
 impl MetricOp {
-    const ALL: [MetricOp; 9] = [
+    const ALL: [MetricOp; 10] = [
         MetricOp::Charge,
         MetricOp::Queue,
         MetricOp::Lease,
@@ -41,6 +42,7 @@ impl MetricOp {
         MetricOp::Usage,
         MetricOp::Reset,
         MetricOp::Calibration,
+        MetricOp::Provider,
     ];
 
     fn label(self) -> &'static str {
@@ -54,6 +56,7 @@ impl MetricOp {
             MetricOp::Usage => "usage",
             MetricOp::Reset => "reset",
             MetricOp::Calibration => "calibration",
+            MetricOp::Provider => "provider",
         }
     }
 

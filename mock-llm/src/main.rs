@@ -31,7 +31,9 @@
 //! `x-mock-cached-tokens: N`, N of the prompt tokens (at most all) are reported as read
 //! from the prompt cache (OpenAI `prompt_tokens_details.cached_tokens`; Anthropic
 //! `cache_read_input_tokens`, which its `input_tokens` then leave out, as Anthropic does).
-//! Compressed, cut-off replies and hidden reasoning tokens: see reply_controls.rs.
+//! Compressed, cut-off replies and hidden reasoning tokens: see reply_controls.rs. A
+//! provider with limits of its own (`--provider-requests`, `--provider-tokens`): see
+//! provider_limits.rs.
 //! On every endpoint, `x-mock-set-<name>` adds a header to the reply and
 //! `x-mock-abort-after-bytes` breaks the connection mid-body (see controls.rs).
 
@@ -53,6 +55,7 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 mod bedrock;
+mod provider_limits;
 mod reply_controls;
 
 #[derive(Parser, Debug, Clone)]
@@ -79,6 +82,15 @@ struct Args {
     /// access key id (a test credential, never a real one).
     #[arg(long, default_value = "mock-bedrock-secret")]
     aws_secret_access_key: String,
+    /// Play a provider with limits of its own: this many requests per credential per
+    /// `--provider-window-ms`, refused beyond in the provider's shape (see provider_limits.rs).
+    #[arg(long)]
+    provider_requests: Option<u64>,
+    /// The same for tokens (as the replies report them).
+    #[arg(long)]
+    provider_tokens: Option<u64>,
+    #[arg(long, default_value_t = 10_000)]
+    provider_window_ms: u64,
     /// Answer requests that carry no credential, as a provider does behind a gateway
     /// route that adds the operator's own key (an anonymous pool: `identity.missing`).
     #[arg(long)]
@@ -98,6 +110,7 @@ struct Mock {
     /// tests use it to prove that rejected requests never got here.
     received: AtomicU64,
     served: AtomicU64,
+    limits: Arc<provider_limits::ProviderLimits>,
 }
 
 /// Words that are one token each in cl100k_base and o200k_base.
@@ -412,12 +425,20 @@ async fn anthropic_message(mock: &Mock, headers: &HeaderMap, body: &[u8]) -> Res
 }
 
 async fn stats(mock: axum::extract::State<Arc<Mock>>) -> Response {
-    json_response(StatusCode::OK, &json!({"received": mock.received.load(Ordering::Relaxed)}))
+    json_response(
+        StatusCode::OK,
+        &json!({"received": mock.received.load(Ordering::Relaxed), "throttled": mock.limits.throttled.load(Ordering::Relaxed)}),
+    )
 }
 
 async fn run(args: Args) -> Result<(), String> {
     let listen = args.listen.clone();
-    let mock = Arc::new(Mock { args, received: AtomicU64::new(0), served: AtomicU64::new(0) });
+    let limits = Arc::new(provider_limits::ProviderLimits::new(provider_limits::Limits {
+        requests: args.provider_requests,
+        tokens: args.provider_tokens,
+        window: Duration::from_millis(args.provider_window_ms.max(1)),
+    }));
+    let mock = Arc::new(Mock { args, received: AtomicU64::new(0), served: AtomicU64::new(0), limits: limits.clone() });
     let router = Router::new()
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/messages", post(messages))
@@ -430,6 +451,7 @@ async fn run(args: Args) -> Result<(), String> {
         .route("/openai/v1/chat/completions", post(chat_completions))
         .route("/healthz", get(|| async { "ok" }))
         .route("/mock/stats", get(stats))
+        .layer(axum::middleware::from_fn_with_state(limits, provider_limits::apply))
         .layer(axum::middleware::from_fn(reply_controls::apply))
         .layer(axum::middleware::from_fn(controls::apply))
         .with_state(mock);

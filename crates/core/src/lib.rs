@@ -14,6 +14,9 @@
 //! effects       the Host trait (host); bounded tenant tables in shared data (tables);
 //!                 where calibrations are kept (calibration_store); the settle queue;
 //!                 the local store: every limit in shared data (local_store)
+//!                 the provider's word on its limits, read from a reply (provider_word)
+//!                 and kept (provider_state); the pace of the exchanges with the
+//!                 companion (exchange)
 //! replies       what the client is told, in its API's shape: reply, answers, decision
 //! plan          what the policy makes of a request: the charge plan (charge), the
 //!                 metric series (series)

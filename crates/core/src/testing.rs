@@ -736,9 +736,22 @@ impl Proxy {
 
     /// `reply` with chunks of any bytes (a binary framing).
     pub fn reply_bytes(&mut self, request: &mut InFlight, status: u32, content_type: &str, chunks: &[&[u8]]) {
+        self.reply_with_headers(request, status, content_type, &[], chunks);
+    }
+
+    /// `reply_bytes` with more response headers (a provider's rate-limit headers).
+    pub fn reply_with_headers(
+        &mut self,
+        request: &mut InFlight,
+        status: u32,
+        content_type: &str,
+        headers: &[(&str, &str)],
+        chunks: &[&[u8]],
+    ) {
         request.host.in_response_phases = true;
         request.host.response_headers =
             vec![(":status".into(), status.to_string()), ("content-type".into(), content_type.into())];
+        request.host.response_headers.extend(headers.iter().map(|(n, v)| (n.to_string(), v.to_string())));
         request.filter.on_response_headers(&mut request.host);
         for (i, chunk) in chunks.iter().enumerate() {
             request.host.response_chunk = chunk.to_vec();

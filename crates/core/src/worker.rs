@@ -8,6 +8,7 @@ use crate::accounting::lease::{lease_asks, LeaseEntry, TenantLeases};
 use crate::config::{Policy, Store};
 use crate::effects::calibration_store::LocalCalibrations;
 use crate::effects::host::{detect_kind, shared_read, shared_update, Host, HostKind, LogLevel, Metric, Owner};
+use crate::effects::provider_state::LocalProviderWords;
 use crate::effects::settle_queue::{Queued, SettleQueue};
 use crate::effects::tables::{read_own, update_own, update_slot, Busy, TenantTable};
 use crate::protocol::keys;
@@ -15,6 +16,7 @@ use crate::protocol::{
     Adjustment, CalibrationReply, LeaseAsk, LeaseRequest, LimitCharge, LimitKind, LimitsReply, SettleReply, Settlement,
     SettlementBatch, CALIBRATION_PATH, LEASE_PATH, SETTLE_PATH, TOKEN_HEADER, TOUCH_PATH,
 };
+use crate::protocol::{ProviderReply, PROVIDER_PATH};
 use crate::tokens::prompt_cache::PromptCache;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -57,6 +59,8 @@ pub struct Worker {
     pub(crate) prompt_cache: PromptCache,
     /// What settled replies teach, gathered for the tick, and the calibrations as read.
     pub(crate) calibrations: LocalCalibrations,
+    /// What providers said of their limits, for the fleet's exchange.
+    pub(crate) provider_words: LocalProviderWords,
 }
 
 impl Default for Worker {
@@ -95,6 +99,7 @@ impl Worker {
             renewing: HashMap::new(),
             prompt_cache: PromptCache::new(0),
             calibrations: LocalCalibrations::default(),
+            provider_words: LocalProviderWords::default(),
         }
     }
 
@@ -189,8 +194,10 @@ impl Worker {
             }
         }
         self.calibrations.flush(host, &config, now);
+        // The local store has no companion: nothing to exchange or send.
         if config.store == Store::Redis {
             self.exchange_calibrations(host, &config, now);
+            self.exchange_provider_words(host, &config, now);
             self.send_settlements(host, &config);
         }
         if config.has_concurrency() {
@@ -211,6 +218,16 @@ impl Worker {
                     self.calibrations.take_reply(host, &config, &reply, now);
                 }
                 Err(why) => host.log(LogLevel::Debug, &format!("llm-ratelimit: calibration exchange failed: {why}")),
+            }
+            return;
+        }
+        if self.provider_words.is_exchange(token) {
+            match callout_reply::<ProviderReply>(host, body_size) {
+                Ok(reply) => {
+                    let now = host.now_ms();
+                    self.provider_words.take_reply(host, &config, &reply, now);
+                }
+                Err(why) => host.log(LogLevel::Debug, &format!("llm-ratelimit: provider words exchange failed: {why}")),
             }
             return;
         }
@@ -252,6 +269,16 @@ impl Worker {
         match self.call_companion(host, config, CALIBRATION_PATH, &exchange, BACKGROUND_TIMEOUT, Owner::Root) {
             Ok(token) => self.calibrations.sent(token),
             Err(why) => host.log(LogLevel::Debug, &format!("llm-ratelimit: no calibration exchange: {why}")),
+        }
+    }
+
+    /// Hands what this worker heard from providers to the companion, and takes the
+    /// fleet's, when an exchange is due.
+    fn exchange_provider_words(&mut self, host: &mut impl Host, config: &Policy, now: u64) {
+        let Some(exchange) = self.provider_words.exchange(host, config, now) else { return };
+        match self.call_companion(host, config, PROVIDER_PATH, &exchange, BACKGROUND_TIMEOUT, Owner::Root) {
+            Ok(token) => self.provider_words.sent(token),
+            Err(why) => host.log(LogLevel::Debug, &format!("llm-ratelimit: no provider words exchange: {why}")),
         }
     }
 

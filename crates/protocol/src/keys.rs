@@ -24,6 +24,12 @@ pub const QUEUE_NAME: &str = "waiters";
 pub const CALIBRATION_TENANT: &str = "models";
 pub const CALIBRATION_KIND: &str = "cal";
 pub const CALIBRATION_NAME: &str = "rules";
+/// Tenant, kind and name of a domain's provider words (what the providers said about
+/// their own limits), shared by every proxy: one hash, a field per provider key. No
+/// tenant id is eight letters long.
+pub const PROVIDER_TENANT: &str = "provider";
+pub const PROVIDER_KIND: &str = "prov";
+pub const PROVIDER_NAME: &str = "words";
 
 /// Shared data: slot `slot` of the table of leases (the tenant is stored in the value;
 /// tables are bounded, see the filter's `memory` config).
@@ -74,4 +80,16 @@ pub fn average_key(domain: &str, slot: u32) -> String {
 /// `rule` (its index among the configured and built-in model rules; bounded by the config).
 pub fn calibration_key(domain: &str, rule: u32) -> String {
     format!("llmrl.cal.{domain}.{rule}")
+}
+
+/// Shared data: slot `slot` of the table of provider words (by upstream credential and
+/// model, hashed; the owner's hash is stored in the value).
+pub fn provider_key(domain: &str, slot: u32) -> String {
+    format!("llmrl.prov.{domain}.{slot}")
+}
+
+/// Shared data: this proxy's id in the fleet's exchange of provider words (written once
+/// by the first VM, read by the others).
+pub fn proxy_id_key(domain: &str) -> String {
+    format!("llmrl.proxy.{domain}")
 }

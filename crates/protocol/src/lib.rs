@@ -6,8 +6,13 @@ use serde::{Deserialize, Serialize};
 pub mod credential;
 pub mod duration;
 pub mod keys;
+pub mod provider;
 mod tenant_ops;
 
+pub use provider::{
+    is_provider_key, ProbeBy, ProviderEntry, ProviderExchange, ProviderReply, ProviderReport, MAX_PROVIDER_ENTRIES,
+    MAX_PROVIDER_REPORTS, PROBE_HOLD_MS, PROBE_OFFER_MS, PROVIDER_PATH, QUOTAS,
+};
 pub use tenant_ops::{LimitSpec, LimitUsage, ResetReply, TenantLimits, UsageReply, RESET_PATH, USAGE_PATH};
 
 /// Header carrying the shared secret on every callout to the companion.

@@ -12,7 +12,7 @@ use super::error::{invalid, ConfigError};
 use super::policy::Secret;
 use super::policy::{
     model_policies, tiers_named, Bypass, Companion, Dimension, Fallback, Identity, LeaseConfig, Limit, Measure, Memory,
-    Policy, PriceEntry, QueueConfig, Slots, Store, TierConfig, TokenPolicy,
+    Policy, PriceEntry, ProviderLimits, QueueConfig, Slots, Store, TierConfig, TokenPolicy,
 };
 use super::shape::{self, Algorithm, ConfigDuration, Document};
 use crate::accounting::calendar::Calendar;
@@ -60,6 +60,7 @@ pub(super) fn compile(
     let fallback = fallback(&written.fallback.clone().unwrap_or_default())?;
     let lease = lease(&written.lease)?;
     let memory = memory(&written.memory, companion.token.expose(), &written.domain)?;
+    let provider_limits = provider_limits(&written.provider_limits)?;
     let bypass = bypass(&written.bypass)?;
     let prices = prices(&written.prices)?;
     budgets_are_priced(&limits, &prices)?;
@@ -89,6 +90,7 @@ pub(super) fn compile(
         fallback,
         lease,
         memory,
+        provider_limits,
         hold_request_headers: written.hold_request_headers,
         unknown_paths: written.unknown_paths,
         deployments: written.deployments.clone(),
@@ -361,6 +363,33 @@ fn fallback(written: &shape::Fallback) -> Result<Fallback, ConfigError> {
         "10ms..5m",
     )?;
     Ok(Fallback { instances, breaker_failures, breaker_cooldown })
+}
+
+fn provider_limits(written: &shape::ProviderLimits) -> Result<ProviderLimits, ConfigError> {
+    let ms = |d: Duration| d.as_millis().min(u128::from(u64::MAX)) as u64;
+    let default_retry = within(
+        "provider_limits.default_retry",
+        written.default_retry.0,
+        Duration::from_millis(10)..=Duration::from_secs(3600),
+        "10ms..1h",
+    )?;
+    let max_retry = within(
+        "provider_limits.max_retry",
+        written.max_retry.0,
+        Duration::from_secs(1)..=Duration::from_secs(86_400),
+        "1s..1d",
+    )?;
+    if default_retry > max_retry {
+        return Err(invalid("provider_limits.default_retry", "must not be longer than provider_limits.max_retry"));
+    }
+    Ok(ProviderLimits {
+        enabled: written.enabled,
+        share: written.share,
+        default_retry_ms: ms(default_retry),
+        max_retry_ms: ms(max_retry),
+        lower_limits: written.lower_limits,
+        slots: within("provider_limits.slots", written.slots, 16..=1 << 16, "16..65536")?,
+    })
 }
 
 fn memory(written: &shape::Memory, token: &str, domain: &str) -> Result<Memory, ConfigError> {

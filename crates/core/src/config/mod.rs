@@ -19,8 +19,8 @@ mod tests;
 pub use error::ConfigError;
 pub use policy::{
     Bypass, Companion, Dimension, FailureMode, Fallback, HeaderStyle, Identity, LeaseConfig, Limit, Measure, Memory,
-    Mode, ModelPolicy, Policy, Price, PriceEntry, QueueConfig, Secret, Slots, Store, TierConfig, TokenCount,
-    TokenPolicy, UnknownPaths, UnreadableBody,
+    Mode, ModelPolicy, Policy, Price, PriceEntry, ProviderLimits, QueueConfig, Secret, Slots, Store, TierConfig,
+    TokenCount, TokenPolicy, UnknownPaths, UnreadableBody,
 };
 // Types of the policy's fields that belong to the modules that act on them.
 pub use crate::accounting::reservation::UpstreamErrorCharge;

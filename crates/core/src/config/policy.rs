@@ -41,6 +41,7 @@ pub struct Policy {
     pub fallback: Fallback,
     pub lease: LeaseConfig,
     pub memory: Memory,
+    pub provider_limits: ProviderLimits,
     /// As written: unset means "where the host can" (see `Worker::holds_request_headers`).
     pub hold_request_headers: Option<bool>,
     /// Azure OpenAI deployment → model (see `providers`).
@@ -57,6 +58,17 @@ pub enum Store {
     /// In this proxy's shared data, across its workers (`effects/local_store.rs`): no companion, no
     /// Redis; each proxy counts only what passes through it.
     Local,
+}
+
+/// What the filter does with the provider's word on its limits (`crate::effects::provider_state`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ProviderLimits {
+    pub enabled: bool,
+    pub share: bool,
+    pub default_retry_ms: u64,
+    pub max_retry_ms: u64,
+    pub lower_limits: bool,
+    pub slots: u32,
 }
 
 /// Sizes of the shared-data tables (see `crate::effects::tables`).

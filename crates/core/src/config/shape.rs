@@ -74,6 +74,9 @@ pub struct Document {
     pub lease: Lease,
     #[serde(default)]
     pub memory: Memory,
+    /// Reading the provider's own word on its limits (its rate-limit headers and 429s).
+    #[serde(default)]
+    pub provider_limits: ProviderLimits,
     /// Hold the request headers while the body is read and the decision made (Envoy, with
     /// `allow_on_headers_stop_iteration: true`). Unset: held where the host can deliver
     /// the body meanwhile (Envoy), not elsewhere (Nginx), where the body alone waits for
@@ -366,6 +369,40 @@ pub struct Memory {
     /// ones are folded into the next, which only ever holds an amount longer) and the
     /// most slots a concurrency limit may have.
     pub local_entries: u32,
+}
+
+/// What the filter does with what the provider says about its own limits (see the core's
+/// `provider_word` and `provider_state`).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ProviderLimits {
+    /// Read the provider's rate-limit headers and throttling errors, and answer locally
+    /// while it has said it refuses.
+    pub enabled: bool,
+    /// Share what providers said across the fleet, through the companion (and give the
+    /// one probe after a retry time to one proxy of the fleet).
+    pub share: bool,
+    /// The wait after a throttling error that names none (Bedrock's).
+    pub default_retry: ConfigDuration,
+    /// The longest wait taken from a provider, whatever it says.
+    pub max_retry: ConfigDuration,
+    /// Lower the configured limits to what the provider says is left, when less.
+    pub lower_limits: bool,
+    /// Entries of the shared-data table of provider words (by upstream credential and model).
+    pub slots: u32,
+}
+
+impl Default for ProviderLimits {
+    fn default() -> Self {
+        ProviderLimits {
+            enabled: false,
+            share: true,
+            default_retry: ConfigDuration(Duration::from_secs(1)),
+            max_retry: ConfigDuration(Duration::from_secs(300)),
+            lower_limits: true,
+            slots: 1024,
+        }
+    }
 }
 
 impl Default for Memory {

@@ -93,10 +93,7 @@ pub struct LocalCalibrations {
     /// Samples for the next exchange with the other proxies, by rule (bounded by the
     /// config's rules and `MAX_SAMPLES_PER_EXCHANGE`).
     outbox: std::collections::BTreeMap<usize, RuleSamples>,
-    /// When the last exchange was sent; `None` before the first.
-    last_exchange_ms: Option<u64>,
-    /// The token of the exchange out, if one is.
-    exchanging: Option<u32>,
+    pace: super::exchange::ExchangePace,
 }
 
 /// How often a worker that learned something exchanges it, and how often one that did not
@@ -147,14 +144,10 @@ impl LocalCalibrations {
     /// The exchange to send now, if one is due: every rule of the config, with the
     /// samples gathered since the last (the rules without any only ask).
     pub fn exchange(&mut self, config: &Policy, now_ms: u64) -> Option<CalibrationExchange> {
-        if !config.tokens.share_calibration || !config.counts_tokens() || self.exchanging.is_some() {
-            return None;
-        }
         let every = if self.outbox.is_empty() { IDLE_EXCHANGE_MS } else { EXCHANGE_MS };
-        if self.last_exchange_ms.is_some_and(|last| now_ms.saturating_sub(last) < every) {
+        if !config.tokens.share_calibration || !config.counts_tokens() || !self.pace.due(now_ms, every) {
             return None;
         }
-        self.last_exchange_ms = Some(now_ms);
         let rules = config
             .tokens
             .all_rules()
@@ -171,16 +164,12 @@ impl LocalCalibrations {
 
     /// The exchange was sent as callout `token`.
     pub fn sent(&mut self, token: u32) {
-        self.exchanging = Some(token);
+        self.pace.sent(token);
     }
 
     /// Whether callout `token` is the exchange out; it is no longer out after this.
     pub fn is_exchange(&mut self, token: u32) -> bool {
-        let ours = self.exchanging == Some(token);
-        if ours {
-            self.exchanging = None;
-        }
-        ours
+        self.pace.is_reply(token)
     }
 
     /// Takes the fleet's figures: each replaces this proxy's own unless the proxy's rests on

@@ -126,10 +126,22 @@ pub enum Metric {
     /// Requests `tokens.clamp_max_tokens` would have clamped but whose body is signed
     /// (Bedrock): reserved at their whole output cap instead.
     SignedNotClamped,
+    /// Replies on which the provider refused a request for its own rate limits (429,
+    /// Bedrock's ThrottlingException), with `provider_limits` on.
+    ProviderRefusalsSeen,
+    /// Requests answered here because the provider had said it refuses (a 429 until its
+    /// retry time, a spent quota until its reset, a request larger than what is left).
+    ProviderRefusalsAnswered,
+    /// Requests sent as the one probe after a provider's retry time.
+    ProviderProbes,
+    /// Requests whose limits were charged lowered to what the provider said is left.
+    ProviderLowered,
+    /// Provider words taken from the fleet's exchange that changed what this proxy knew.
+    ProviderFleetWords,
 }
 
 impl Metric {
-    pub const ALL: [Metric; 17] = [
+    pub const ALL: [Metric; 22] = [
         Metric::Allowed,
         Metric::Limited,
         Metric::Unidentified,
@@ -147,6 +159,11 @@ impl Metric {
         Metric::ShadowRefusals,
         Metric::SharedWritesRefused,
         Metric::SignedNotClamped,
+        Metric::ProviderRefusalsSeen,
+        Metric::ProviderRefusalsAnswered,
+        Metric::ProviderProbes,
+        Metric::ProviderLowered,
+        Metric::ProviderFleetWords,
     ];
 
     /// The counter's name as the host shows it.
@@ -169,6 +186,11 @@ impl Metric {
             Metric::ShadowRefusals => "llm_ratelimit.shadow_refusals",
             Metric::SharedWritesRefused => "llm_ratelimit.shared_writes_refused",
             Metric::SignedNotClamped => "llm_ratelimit.signed_requests_not_clamped",
+            Metric::ProviderRefusalsSeen => "llm_ratelimit.provider_refusals_seen",
+            Metric::ProviderRefusalsAnswered => "llm_ratelimit.provider_refusals_answered",
+            Metric::ProviderProbes => "llm_ratelimit.provider_probes",
+            Metric::ProviderLowered => "llm_ratelimit.provider_lowered_requests",
+            Metric::ProviderFleetWords => "llm_ratelimit.provider_fleet_words",
         }
     }
 }

@@ -2,7 +2,10 @@
 //! data, where the calibrations are kept, and the settlements queued for the companion.
 
 pub mod calibration_store;
+pub mod exchange;
 pub mod host;
 pub mod local_store;
+pub mod provider_state;
+pub mod provider_word;
 pub mod settle_queue;
 pub mod tables;

@@ -213,7 +213,7 @@ pub fn queued_slot(config: &Policy, tenant: &str) -> u32 {
 /// which inputs share a slot cannot be told without the key. std's `SipHasher` is that
 /// function exactly; it is deprecated only in favour of `DefaultHasher`, which takes no
 /// key, and no SipHash crate is vendored here.
-fn keyed_hash(key: [u64; 2], parts: &[&str]) -> u64 {
+pub(crate) fn keyed_hash(key: [u64; 2], parts: &[&str]) -> u64 {
     use std::hash::Hasher;
     #[allow(deprecated)]
     let mut hasher = std::hash::SipHasher::new_with_keys(key[0], key[1]);

@@ -15,6 +15,8 @@ use crate::api::identity::{read_credential, tenant_id, Credential, IdentitySourc
 use crate::config::{FailureMode, Measure, MissingIdentity, Mode, Policy, Store, UnknownPaths, UnreadableBody};
 use crate::effects::calibration_store::LocalCalibrations;
 use crate::effects::host::{shared_update, Action, Host, LogLevel, Metric, Owner};
+use crate::effects::provider_state::{self, Judgement, ProviderState};
+use crate::effects::provider_word::{self, ProviderWord};
 use crate::effects::tables::{queued_slot, read_average, read_own, update_average, update_own, Busy, TenantTable};
 use crate::parse::sse::UsageChunkRemover;
 use crate::plan::charge::{plan, ChargePlan, Learned};
@@ -29,7 +31,9 @@ use crate::providers::bedrock;
 use crate::readers::request::Api;
 use crate::readers::usage::{EventStreamUsage, ReplyUsage, ReportedUsage, StreamUsage};
 use crate::replies::answers::{self, Caller};
-use crate::replies::decision::{self, DEGRADED_HEADER, QUEUED_HEADER, RESERVED_TOKENS_HEADER, SHADOW_HEADER};
+use crate::replies::decision::{
+    self, DEGRADED_HEADER, PROVIDER_HEADER, QUEUED_HEADER, RESERVED_TOKENS_HEADER, SHADOW_HEADER,
+};
 use crate::replies::reply::{Header, LocalReply};
 use crate::tokens::prompt_cache::PromptCache;
 use crate::tokens::Encoding;
@@ -170,6 +174,28 @@ pub struct RequestFilter {
     /// The upstream refused the request's credential (401 or 403): it did no work, and a
     /// forged request must not use up the tenant it names.
     credential_refused: bool,
+    /// What the provider says of its limits, for this request (`provider_limits`).
+    provider: ProviderSide,
+}
+
+/// A request's part in what the provider says of its limits.
+#[derive(Debug, Default)]
+struct ProviderSide {
+    /// The id of the credential the upstream sees (the tenant, unless the operator
+    /// identifies tenants otherwise).
+    credential: String,
+    /// The key of (credential, model), once the request was judged by it; its reply is
+    /// heard under it.
+    key: Option<u64>,
+    /// When the request was forwarded.
+    sent_ms: u64,
+    /// What the response's headers said, while the body of a throttling error is read for
+    /// its retry time (Google's RetryInfo).
+    pending: Option<(ProviderWord, Vec<u8>)>,
+    /// What was heard, for the fleet's next exchange.
+    heard: Option<ProviderState>,
+    /// The `x-llm-ratelimit-provider` value the forwarded response carries.
+    mark: Option<&'static str>,
 }
 
 impl RequestFilter {
@@ -194,6 +220,7 @@ impl RequestFilter {
             request_id: String::new(),
             sight: ReplySight::default(),
             credential_refused: false,
+            provider: ProviderSide::default(),
         }
     }
 
@@ -237,6 +264,12 @@ impl RequestFilter {
         match self.identify(host, &config, &raw_path) {
             Ok(tenant) => self.tenant = tenant,
             Err(verdict) => return self.apply(host, &config, verdict, false),
+        }
+        if config.provider_limits.enabled {
+            self.provider.credential = match config.identity.sources {
+                None => self.tenant.clone(),
+                Some(_) => self.upstream_credential(host, &raw_path),
+            };
         }
         if config.bypass.tenant(&self.tenant) {
             host.add_metric(Metric::Bypassed, 1);
@@ -325,6 +358,10 @@ impl RequestFilter {
     }
 
     pub fn on_response_headers(&mut self, host: &mut impl Host) -> Action {
+        // Before the filter's own rate-limit headers replace the provider's.
+        if let (Some(config), true) = (self.config.clone(), self.provider.key.is_some()) {
+            self.read_provider_headers(host, &config);
+        }
         for (name, value) in self.response_headers.drain(..) {
             host.set_response_header(name, &value);
         }
@@ -366,6 +403,13 @@ impl RequestFilter {
         end_of_stream: bool,
     ) -> Action {
         let Some(config) = self.config.clone() else { return Action::Continue };
+        if let Some((_, body)) = self.provider.pending.as_mut() {
+            let room = provider_word::MAX_ERROR_BODY.saturating_sub(body.len()).min(body_size);
+            body.extend_from_slice(host.response_body(body_size).get(..room).unwrap_or_default());
+            if end_of_stream {
+                self.hear_provider(host, worker, &config);
+            }
+        }
         if self.reply.is_none() || self.admission.is_none() {
             return Action::Continue;
         }
@@ -405,6 +449,7 @@ impl RequestFilter {
             self.cancel_queued(host, worker, &config);
         }
         self.leave_queue(host, &config);
+        self.hear_provider(host, worker, &config);
         let ending = if self.upstream_error { Ending::UpstreamError } else { Ending::Interrupted };
         self.settle(host, worker, &config, ending);
     }
@@ -433,6 +478,93 @@ impl RequestFilter {
                 host.add_metric(Metric::Unidentified, 1);
                 Err(Verdict::Reply(decision::missing_identity(self.dialect)))
             }
+        }
+    }
+
+    /// The id of the credential the upstream sees, from its API's own places (the
+    /// operator identifies tenants otherwise); `anonymous` when there is none (a later
+    /// filter adds it: one credential for every request).
+    fn upstream_credential(&self, host: &mut impl Host, path: &str) -> String {
+        let query = path.split_once('?').map_or("", |(_, query)| query.split('#').next().unwrap_or(""));
+        let values = |name: &str| host.request_header_values(name);
+        let credential = match &self.route {
+            Some(route) => read_credential(route.provider.credentials().iter().copied(), values, query),
+            None => read_credential(providers::EVERY_CREDENTIAL_PLACE, values, query),
+        };
+        match credential {
+            Credential::Found(credential) => tenant_id(&credential),
+            Credential::Missing | Credential::Conflicting => ANONYMOUS_TENANT.to_string(),
+        }
+    }
+
+    /// What the provider last said for this request's credential and model: a refusal
+    /// answered here, the probe taken, or the limits lowered to what is left.
+    fn consult_provider(&mut self, host: &mut impl Host, config: &Policy, now: u64) -> Option<Verdict> {
+        let plan = self.plan.as_mut()?;
+        let key = provider_state::key_of(config, &self.provider.credential, &plan.model);
+        self.provider.key = Some(key);
+        let estimate = plan.estimate.unwrap_or(TokenCounts { prompt: 0, output: 0 });
+        let needs = [1, estimate.prompt.saturating_add(estimate.output), estimate.prompt, estimate.output];
+        let (judgement, state) = provider_state::judge(host, config, key, now, needs);
+        match judgement {
+            Judgement::Refuse { wait_ms, quota } => {
+                host.add_metric(Metric::ProviderRefusalsAnswered, 1);
+                let left =
+                    |q: provider_word::Quota| state.and_then(|s| s.left.get(q.index()).map(|l| l.0)).unwrap_or(0);
+                let short = quota.map(|q| (q.error_type(), q.name(), left(q)));
+                return Some(Verdict::Reply(decision::provider_refusal(self.dialect, wait_ms, short)));
+            }
+            Judgement::Probe => {
+                host.add_metric(Metric::ProviderProbes, 1);
+                self.provider.mark = Some("probe");
+                self.provider.heard = state;
+            }
+            Judgement::Forward => {}
+        }
+        let lowered = config.provider_limits.lower_limits
+            && state.is_some_and(|state| state.lower(&config.limits, &mut plan.buckets, now));
+        if lowered {
+            host.add_metric(Metric::ProviderLowered, 1);
+            self.provider.mark = self.provider.mark.or(Some("lowered"));
+        }
+        None
+    }
+
+    /// Reads what the response's headers say of the provider's limits; a throttling
+    /// error whose body may hold its retry time (Google's) is read to its end first.
+    fn read_provider_headers(&mut self, host: &mut impl Host, config: &Policy) {
+        let status: u32 = host.response_header(":status").and_then(|s| s.parse().ok()).unwrap_or(0);
+        let now = host.now_ms();
+        let word = provider_word::read_headers(status, &mut |name| host.response_header(name), now);
+        if !word.said_anything() && !(200..300).contains(&status) {
+            // Another error (the upstream down, a bad request) says nothing of the limits.
+            return;
+        }
+        if word.refused && word.retry_after_ms.is_none() && self.dialect == Dialect::Google {
+            self.provider.pending = Some((word, Vec::new()));
+            return;
+        }
+        self.take_word(host, config, &word);
+    }
+
+    fn take_word(&mut self, host: &mut impl Host, config: &Policy, word: &ProviderWord) {
+        let Some(key) = self.provider.key.take() else { return };
+        if word.refused {
+            host.add_metric(Metric::ProviderRefusalsSeen, 1);
+        }
+        self.provider.heard = provider_state::hear(host, config, key, word, self.provider.sent_ms);
+    }
+
+    /// Takes in a throttling error's body read so far, and hands what was heard to the
+    /// fleet's next exchange.
+    fn hear_provider(&mut self, host: &mut impl Host, worker: &mut Worker, config: &Policy) {
+        if let Some((mut word, body)) = self.provider.pending.take() {
+            word.retry_after_ms = provider_word::retry_info_ms(&body);
+            self.take_word(host, config, &word);
+        }
+        if let (Some(state), Some(plan)) = (self.provider.heard.take(), self.plan.as_ref()) {
+            let key = provider_state::key_of(config, &self.provider.credential, &plan.model);
+            worker.provider_words.note(config, key, state);
         }
     }
 
@@ -510,6 +642,15 @@ impl RequestFilter {
         }
         if let Some(model) = unpriced {
             return self.apply(host, config, Verdict::Reply(decision::model_not_priced(&model, self.dialect)), false);
+        }
+        if config.provider_limits.enabled {
+            if let Some(verdict) = self.consult_provider(host, config, now) {
+                return self.apply(host, config, verdict, false);
+            }
+            // The probe taken: the fleet learns that it went out.
+            if let (Some(taken), Some(key)) = (self.provider.heard.take(), self.provider.key) {
+                worker.provider_words.note(config, key, taken);
+            }
         }
         if config.store == Store::Local {
             let verdict = self.decide_in_store(host, worker, config, now);
@@ -900,8 +1041,12 @@ impl RequestFilter {
 
     fn carry_out(&mut self, host: &mut impl Host, verdict: Verdict, paused: bool) -> Action {
         match verdict {
-            Verdict::Forward(headers) => {
+            Verdict::Forward(mut headers) => {
                 self.phase = Phase::Forwarded;
+                self.provider.sent_ms = host.now_ms();
+                if let Some(mark) = self.provider.mark {
+                    headers.push((PROVIDER_HEADER, mark.to_string()));
+                }
                 self.response_headers = headers;
                 if paused {
                     host.resume_request();
@@ -910,6 +1055,8 @@ impl RequestFilter {
             }
             Verdict::Reply(mut reply) => {
                 self.phase = Phase::Replied;
+                // Nothing goes upstream: nothing will be heard.
+                self.provider.key = None;
                 self.response_headers.clear();
                 // OpenAI's SDK reads `x-request-id`, Anthropic's `request-id`: a caller can
                 // quote either when it asks why it was refused.

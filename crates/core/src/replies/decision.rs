@@ -202,6 +202,37 @@ fn retry_headers(ms: u64) -> [Header; 2] {
     [("retry-after", retry_after_seconds(ms).to_string()), ("retry-after-ms", ms.max(1).to_string())]
 }
 
+/// On a response the provider's own word shaped (`provider_limits`): `refused` on a 429
+/// the filter answered for the provider, `probe` on the one request sent after its retry
+/// time, `lowered` when the request's limits were charged at what the provider said is left.
+pub const PROVIDER_HEADER: &str = "x-llm-ratelimit-provider";
+
+/// The 429 for a request the provider would refuse, as it said on an earlier reply: for
+/// `wait_ms` more, and, when the request does not fit in what is left of a quota,
+/// `short` names it (OpenAI's `error.type`, its name in words, what is left).
+pub fn provider_refusal(dialect: Dialect, wait_ms: u64, short: Option<(&'static str, &str, u64)>) -> LocalReply {
+    let wait = format_reset(wait_ms);
+    let (kind, message) = match short {
+        None => (
+            "requests",
+            format!(
+                "The upstream provider is refusing requests for this API key and model: it answered an earlier \
+                 request with its rate-limit error, or said its quota is spent. Please try again in {wait}."
+            ),
+        ),
+        Some((kind, name, left)) => (
+            kind,
+            format!(
+                "The upstream provider says {left} {name} are left for this API key and model until its limit \
+                 resets, less than this request needs. Please try again in {wait}."
+            ),
+        ),
+    };
+    let mut reply = refuse(dialect, Refusal::RateLimited(kind), &message, Some(wait_ms), Vec::new());
+    reply.headers.push((PROVIDER_HEADER, "refused".to_string()));
+    reply
+}
+
 /// Micro-dollars as dollars: `$0.0035`, `$50.00`.
 pub fn usd(micro: u64) -> String {
     let dollars = micro as f64 / 1e6;
