@@ -13,6 +13,7 @@
 //! host                            the Host trait, the timer period
 //! decision -> answers             what the client is told, in its API's shape
 //! reply                           a local reply and its headers
+//! pools                           whose counter each limit is charged on (`per`)
 //! charge, reservation, bucket,    pure accounting: plan, estimate, settle, buckets,
 //!   lease, breaker, settle_queue    leases, the breaker
 //! config, identity                the config compiled to policy; who a tenant is
@@ -46,6 +47,7 @@ pub mod json_array_stream;
 pub mod lease;
 pub mod lifecycle;
 pub mod path;
+pub mod pools;
 pub mod prompt_cache;
 pub mod providers;
 pub mod reply;

@@ -534,12 +534,16 @@ impl FakeCompanion {
         bucket::settle(&mut state, std::slice::from_ref(&spec), &[0], now).limits[0].remaining as f64
     }
 
+    /// The counter of `spec` for a call of `tenant`: its owner's (a shared pool), else the
+    /// tenant's, as the companion keys them.
     fn counter(&self, tenant: &str, spec: &LimitCharge) -> Counter {
-        self.counters.get(&(tenant.to_string(), spec.name.clone())).cloned().unwrap_or_else(|| Counter::new(spec.kind))
+        let owner = spec.owner.as_deref().unwrap_or(tenant).to_string();
+        self.counters.get(&(owner, spec.name.clone())).cloned().unwrap_or_else(|| Counter::new(spec.kind))
     }
 
     fn counter_mut(&mut self, tenant: &str, spec: &LimitCharge) -> &mut Counter {
-        self.counters.entry((tenant.to_string(), spec.name.clone())).or_insert_with(|| Counter::new(spec.kind))
+        let owner = spec.owner.as_deref().unwrap_or(tenant).to_string();
+        self.counters.entry((owner, spec.name.clone())).or_insert_with(|| Counter::new(spec.kind))
     }
 
     /// Charges every limit or none, as the script's charge does.
@@ -612,7 +616,10 @@ impl FakeCompanion {
                     let specs: Vec<LimitCharge> = settlement
                         .limits
                         .iter()
-                        .map(|a| spec(&a.name, a.capacity, a.window_ms, 0, None, a.kind))
+                        .map(|a| LimitCharge {
+                            owner: a.owner.clone(),
+                            ..spec(&a.name, a.capacity, a.window_ms, 0, None, a.kind)
+                        })
                         .collect();
                     let member = settlement.reservation.clone();
                     match callout.path.as_str() {
@@ -685,6 +692,8 @@ impl FakeCompanion {
 /// A limit as the models take it.
 fn spec(name: &str, capacity: u64, window_ms: u64, cost: u64, min_cost: Option<u64>, kind: LimitKind) -> LimitCharge {
     LimitCharge {
+        owner: None,
+        shadow: false,
         name: name.to_string(),
         capacity,
         window_ms,

@@ -255,7 +255,9 @@ impl Worker {
         }
     }
 
-    /// Queues, for `tenant`, the adjustments of `credits` (by limit index), if any.
+    /// Queues, for `tenant`, the adjustments of `credits` (by limit index), if any, each
+    /// on its limit's counter (`owners`, by limit index: a pool's, see `crate::pools`;
+    /// none or `None`: the tenant's).
     pub(crate) fn settle_credits(
         &mut self,
         host: &mut impl Host,
@@ -263,9 +265,10 @@ impl Worker {
         tenant: &str,
         reservation: Option<String>,
         cancel: bool,
+        owners: &[Option<String>],
         credits: impl Iterator<Item = (usize, i64)>,
     ) {
-        let limits = adjustments(config, credits);
+        let limits = adjustments(config, owners, credits);
         if !limits.is_empty() {
             // Without a reservation record to settle against, an id of its own keeps it
             // from being applied twice when a batch is sent again after a lost answer.
@@ -507,7 +510,7 @@ impl Worker {
                 continue;
             };
             let credits = amounts.iter().enumerate().map(|(i, a)| (i, a.round() as i64));
-            self.settle_credits(host, config, &tenant, None, false, credits);
+            self.settle_credits(host, config, &tenant, None, false, &[], credits);
             match next_expiry {
                 Some(expiry) => {
                     self.leased.insert(slot, expiry);
@@ -523,6 +526,8 @@ impl Worker {
 /// A limit as charged: its identity with this request's cost.
 pub(crate) fn limit_charge(limit: &crate::config::Limit, cost: u64) -> LimitCharge {
     LimitCharge {
+        owner: None,
+        shadow: false,
         name: limit.name.clone(),
         capacity: limit.capacity(),
         window_ms: limit.window_ms(),
@@ -546,8 +551,13 @@ pub(crate) fn settlement(
 }
 
 /// Adjustments of configured limits (by index): buckets and windows with a non-zero
-/// credit, and slot limits (released or renewed, whatever the credit).
-pub(crate) fn adjustments(config: &Policy, credits: impl Iterator<Item = (usize, i64)>) -> Vec<Adjustment> {
+/// credit, and slot limits (released or renewed, whatever the credit), each on the
+/// counter of its owner in `owners` (by index; missing: the tenant's).
+pub(crate) fn adjustments(
+    config: &Policy,
+    owners: &[Option<String>],
+    credits: impl Iterator<Item = (usize, i64)>,
+) -> Vec<Adjustment> {
     credits
         .filter_map(|(i, credit)| {
             let limit = config.limits.get(i)?;
@@ -558,6 +568,7 @@ pub(crate) fn adjustments(config: &Policy, credits: impl Iterator<Item = (usize,
                 window_ms: limit.window_ms(),
                 credit,
                 kind,
+                owner: owners.get(i).cloned().flatten(),
             })
         })
         .collect()

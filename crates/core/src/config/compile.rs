@@ -36,7 +36,7 @@ pub(super) fn compile(
     let identity = identity(&written.identity)?;
     // A concurrency limit's window is the slot ttl. Limits are checked first, and a ttl
     // out of range is refused right after, so no limit built with one is ever used.
-    let limits = limits(&written.limits, written.tier.is_some(), written.slots.ttl.0)?;
+    let limits = limits(&written.limits, written.tier.is_some(), written.slots.ttl.0, &identity)?;
     let slots = slots(&written.slots)?;
     let tokens = tokens(&written.tokens)?;
     let fallback = fallback(&written.fallback)?;
@@ -48,6 +48,7 @@ pub(super) fn compile(
     let tier = written.tier.as_ref().map(|t| tier(t, &limits)).transpose()?;
     let queue = queue(&written.queue, &limits)?;
     lease_combines(&lease, &queue, &limits, &tokens)?;
+    super::per::combine(&limits, &lease)?;
     deployments(&written.deployments)?;
     Ok(Policy {
         companion,
@@ -147,7 +148,12 @@ fn identity(written: &shape::Identity) -> Result<Identity, ConfigError> {
 }
 
 /// The list: at least one limit, each named once.
-fn limits(written: &[shape::Limit], has_tier: bool, slot_ttl: Duration) -> Result<Vec<Limit>, ConfigError> {
+fn limits(
+    written: &[shape::Limit],
+    has_tier: bool,
+    slot_ttl: Duration,
+    identity: &Identity,
+) -> Result<Vec<Limit>, ConfigError> {
     if written.is_empty() {
         return Err(invalid("limits", "must list at least one limit"));
     }
@@ -158,7 +164,12 @@ fn limits(written: &[shape::Limit], has_tier: bool, slot_ttl: Duration) -> Resul
         if !names.insert(entry.name.as_str()) {
             return Err(invalid(format!("limits[{i}].name"), format!("{:?} is used by another limit", entry.name)));
         }
-        limits.push(limit(&format!("limits[{i}]"), entry, has_tier, slot_ttl)?);
+        let at = format!("limits[{i}]");
+        let mut compiled = limit(&at, entry, has_tier, slot_ttl)?;
+        let credentials: Vec<String> = identity.sources.iter().flatten().map(|source| source.header.clone()).collect();
+        compiled.per = super::per::per(&at, entry.per.as_ref(), &credentials)?;
+        compiled.shadow = super::per::shadow(entry.mode);
+        limits.push(compiled);
     }
     Ok(limits)
 }
@@ -203,6 +214,8 @@ fn limit(at: &str, written: &shape::Limit, has_tier: bool, slot_ttl: Duration) -
         kind,
         models: written.models.clone(),
         tiers: written.tiers.clone(),
+        per: super::Per::Tenant,
+        shadow: false,
     })
 }
 
@@ -700,6 +713,7 @@ mod tests {
                     &[written(r#"{"name": "a", "requests": 1, "window": "1m"}"#), written(r#"{"name": "a"}"#)],
                     false,
                     Duration::from_secs(30),
+                    &Identity { sources: None, missing: Default::default() },
                 )
                 .map(drop),
                 error("limits[1].name", "\"a\" is used by another limit"),
