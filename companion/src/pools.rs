@@ -54,6 +54,17 @@ pub fn by_owner<'a>(tenant: &'a str, owners: impl Iterator<Item = Option<&'a str
     groups
 }
 
+/// Whether every limit is the tenant's own, so one call's keys (with the record and the
+/// marker, under the tenant's tag) share the tenant's slot. A request whose limits are
+/// all a pool's is split too: its record goes under the pool's tag.
+fn tenant_only(tenant: &str, groups: &[(&str, Vec<usize>)]) -> bool {
+    match groups {
+        [] => true,
+        [(owner, _)] => *owner == tenant,
+        _ => false,
+    }
+}
+
 /// Charges `request` (with its cancel marker when it may wait): in one script call on one
 /// server or when its limits have one owner; split by owner on a cluster.
 pub async fn charge(
@@ -63,7 +74,7 @@ pub async fn charge(
     cancel_marker: bool,
 ) -> Result<LimitsReply, String> {
     let groups = by_owner(&request.tenant, request.limits.iter().map(|l| l.owner.as_deref()));
-    if !batcher.store().is_cluster() || groups.len() <= 1 {
+    if !batcher.store().is_cluster() || tenant_only(&request.tenant, &groups) {
         return charge_one(batcher, prefix, request, cancel_marker).await;
     }
     let groups: Vec<(String, Vec<usize>)> = groups.into_iter().map(|(o, i)| (o.to_string(), i)).collect();
@@ -258,7 +269,7 @@ fn rollback_id() -> String {
 /// (and marker), and the indices of the settlement's limits it carries.
 pub fn adjust(prefix: &str, op: Op, settlement: &Settlement, cluster: bool) -> Vec<(Call, Vec<usize>)> {
     let groups = by_owner(&settlement.tenant, settlement.limits.iter().map(|l| l.owner.as_deref()));
-    if !cluster || groups.len() <= 1 {
+    if !cluster || tenant_only(&settlement.tenant, &groups) {
         return vec![(limits::adjust(prefix, op, settlement), (0..settlement.limits.len()).collect())];
     }
     groups

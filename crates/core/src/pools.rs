@@ -151,3 +151,28 @@ mod tests {
         assert_ne!(a, pool_owner("x-org", "team-a"), "the header is part of the id");
     }
 }
+
+#[cfg(test)]
+mod readme_tests {
+    use super::*;
+
+    /// The README's organisation policy loads exactly as written, each limit counted per
+    /// what it says.
+    #[test]
+    fn the_readme_organisation_policy_loads_as_written() {
+        let block = crate::testing::readme_json_block("org-policy-example");
+        let config = Policy::from_json(block.as_bytes()).unwrap_or_else(|e| panic!("{e}"));
+        let per = |name: &str| config.limit(name).map(|l| l.per.clone());
+        assert_eq!(per("upstream-gpt4o-tpm"), Some(Per::All));
+        assert_eq!(per("org-rpm"), Some(Per::Header { name: "x-org-id".into(), default: None }));
+        assert_eq!(per("team-tpm"), Some(Per::Header { name: "x-team-id".into(), default: Some("unassigned".into()) }));
+        assert_eq!(per("key-rpm"), Some(Per::Tenant));
+        assert!(config.limit("team-inflight-trial").is_some_and(|l| l.shadow));
+        let applying = |model: &str| {
+            config.limits.iter().filter(|l| l.applies_to(model, "")).map(|l| l.name.as_str()).collect::<Vec<_>>()
+        };
+        assert!(applying("gpt-4o-mini-2024-07-18").contains(&"upstream-mini-tpm"));
+        assert!(!applying("gpt-4o-mini-2024-07-18").contains(&"upstream-gpt4o-tpm"), "mini has its own quota");
+        assert!(applying("gpt-4o-2024-08-06").contains(&"upstream-gpt4o-tpm"));
+    }
+}

@@ -923,6 +923,18 @@ impl Proxy {
     }
 }
 
+/// The JSON block after `<!-- marker -->` in the README (a policy the tests load as written).
+pub fn readme_json_block(marker: &str) -> String {
+    let readme = include_str!("../../../README.md");
+    readme
+        .split(&format!("<!-- {marker} -->"))
+        .nth(1)
+        .and_then(|rest| rest.split("```json").nth(1))
+        .and_then(|rest| rest.split("```").next())
+        .unwrap_or_else(|| panic!("the README has no JSON block after <!-- {marker} -->"))
+        .to_string()
+}
+
 /// One bad config of `tests/cases/bad_configs/`: `<name>.json` and, beside it,
 /// `<name>.expect` holding the one line the filter logs when it refuses it (and
 /// `llm-ratelimit check-config` prints), `None` when that file is missing.
