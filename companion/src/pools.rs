@@ -29,8 +29,8 @@
 use crate::batcher::Batcher;
 use crate::limits::{self, Call, Op};
 use llm_ratelimit_protocol::{
-    Adjustment, ChargeRequest, LimitCharge, LimitKind, LimitOutcome, LimitSpec, LimitStatus, LimitsReply, Reservation,
-    Settlement, TenantLimits,
+    Adjustment, ChargeRequest, LimitCharge, LimitOutcome, LimitSpec, LimitStatus, LimitsReply, Reservation, Settlement,
+    TenantLimits,
 };
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -319,6 +319,7 @@ pub fn lease_spans_owners(tenant: &str, owners: impl Iterator<Item = Option<Stri
 #[cfg(test)]
 mod tests {
     use super::*;
+    use llm_ratelimit_protocol::LimitKind;
 
     #[test]
     fn the_tenant_goes_first_then_the_pools_in_request_order() {
