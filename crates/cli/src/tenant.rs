@@ -6,9 +6,9 @@
 //! of every caller (`--all`: the limits counted per `all`, such as the upstream's quota),
 //! so a reset of a key never resets a pool it shares.
 
+use llm_ratelimit_core::api::identity::{is_tenant_id, tenant_id};
 use llm_ratelimit_core::config::{Limit, Per, Policy};
-use llm_ratelimit_core::identity::{is_tenant_id, tenant_id};
-use llm_ratelimit_core::pools::pool_owner;
+use llm_ratelimit_core::plan::pools::pool_owner;
 use llm_ratelimit_protocol::keys::ALL_OWNER;
 use llm_ratelimit_protocol::{LimitSpec, TenantLimits, TOKEN_HEADER};
 use serde::de::DeserializeOwned;

@@ -1,6 +1,6 @@
 //! What a limit is counted per (`limits[].per`) and whether it is enforced
 //! (`limits[].mode`): as written, compiled, and checked against the rest of the config.
-//! How a request's limits then find their counters is `crate::pools`.
+//! How a request's limits then find their counters is `crate::plan::pools`.
 
 use super::error::{invalid, ConfigError};
 use super::policy::{LeaseConfig, Limit, Mode};
