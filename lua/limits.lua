@@ -15,8 +15,11 @@
 --             is set (the client gave up while the charge was waiting); settle: set it
 --             first, so a charge still waiting can never happen after the refund; other
 --             ops ignore it.
---             All keys must share one hash slot (the companion puts the tenant in a hash
---             tag), so this runs on Redis Cluster.
+--             On Redis Cluster all keys must share one hash slot (the companion puts
+--             the tenant in a hash tag). On one server the limits may be of several
+--             owners (a tenant's own, a team's pool, the upstream's quota: the
+--             companion's keys say whose), all charged or none, in this one call; on a
+--             cluster the companion splits such a call by owner (companion/src/pools.rs).
 --
 -- ARGV[1]     one JSON object with named fields; a field the op does not take is an
 --             error, so a misspelt name fails loudly instead of being ignored:
@@ -47,6 +50,9 @@
 --              look_only optional, 1: the limit does not apply to this call (another
 --                        model or tier): it is reported, and charged its cost, but never
 --                        refuses, however overdrawn
+--              shadow    optional, 1: the limit is tried, not enforced: charged its
+--                        cost, its status says whether it had room, but it never refuses
+--                        the call (nor clamps an elastic one)
 --     lease    wanted    the grant wanted (>= 0)
 --              needed    optional, default wanted: the grant needed (<= wanted)
 --              look_only optional, 1: as for charge, the grant never refused for it
@@ -435,15 +441,19 @@ end
 
 -- Charges grants[i] from each limit if each holds required[i], and none can never fit
 -- (least[i] above capacity); otherwise charges nothing. A look-only limit never refuses.
+-- A shadow limit says whether it had room (its status) but never refuses either.
 local function admit(limits, grants, required, least)
   local done = 1
   for i, l in ipairs(limits) do
+    local enforced = l.shadow ~= 1
     if l.look_only == 1 then
       l.status = 1
     elseif least[i] > l.capacity then
-      l.status, done = -1, 0
+      l.status = -1
+      done = enforced and 0 or done
     elseif l.level < required[i] then
-      l.status, done = 0, 0
+      l.status = 0
+      done = enforced and 0 or done
       l.retry = l.driver.retry_after(l, required[i])
     end
   end
@@ -539,7 +549,7 @@ local ops = {}
 
 ops.charge = {
   args = { reservation_ttl_ms = false },
-  limit = { cost = true, min_cost = false, look_only = false },
+  limit = { cost = true, min_cost = false, look_only = false, shadow = false },
   check = function(l)
     if l.cost < 0 then
       return 'cost', l.cost, 'must be >= 0'
@@ -557,7 +567,7 @@ ops.charge = {
     -- The common reduction of the elastic limits: enough for each to fit, if it can.
     local reduction, most = 0, nil
     for _, l in ipairs(limits) do
-      if l.min_cost < l.cost then
+      if l.min_cost < l.cost and l.shadow ~= 1 then
         reduction = math.max(reduction, l.cost - math.max(l.level, 0))
         most = math.min(most or (l.cost - l.min_cost), l.cost - l.min_cost)
       end

@@ -45,8 +45,9 @@ AMOUNT_FIELDS = {
 }
 
 
-def script_args(op, limits, amounts, ttl_ms=0, share=None, mins=None, looks=None):
-    """ARGV[1]: one JSON object, for the case table's `amounts` (and `mins`, `looks`)."""
+def script_args(op, limits, amounts, ttl_ms=0, share=None, mins=None, looks=None, shadows=None):
+    """ARGV[1]: one JSON object, for the case table's `amounts` (and `mins`, `looks`,
+    `shadows`)."""
     amount_field, min_field = AMOUNT_FIELDS[op]
     specs = []
     for i, (limit, amount) in enumerate(zip(limits, amounts)):
@@ -57,6 +58,8 @@ def script_args(op, limits, amounts, ttl_ms=0, share=None, mins=None, looks=None
             spec[min_field] = mins[i] if mins else max(amount, 0)
         if looks and looks[i]:
             spec["look_only"] = 1
+        if shadows and shadows[i]:
+            spec["shadow"] = 1
         specs.append(spec)
     args = {"op": op, "limits": specs}
     if op == "charge":
@@ -75,7 +78,15 @@ def step_args(case, step):
     """ARGV[1] of one step of a case."""
     op = step.get("op", "charge")
     share = step.get("share", 0.5) if op == "lease" else None
-    return script_args(op, case["limits"], step["amounts"], share=share, mins=step.get("mins"), looks=step.get("looks"))
+    return script_args(
+        op,
+        case["limits"],
+        step["amounts"],
+        share=share,
+        mins=step.get("mins"),
+        looks=step.get("looks"),
+        shadows=step.get("shadows"),
+    )
 
 
 def age_keys(pipe, keys, written_at, clock):
@@ -118,8 +129,10 @@ def check_step(case, i, step, reply, keys, written_at, clock, tolerance_ms=1):
 
 
 def case_keys(case):
+    """Each limit's key: the case's tenant's hash tag, or its `owner`'s (a shared pool's,
+    as the companion keys them), so one call may charge counters of several owners."""
     tag = uuid.uuid4().hex
-    return [f"test:{{{tag}}}:{limit['name']}" for limit in case["limits"]]
+    return [f"test:{{{tag}{limit.get('owner', '')}}}:{limit['name']}" for limit in case["limits"]]
 
 
 def run_case(client, case):

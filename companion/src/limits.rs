@@ -76,6 +76,9 @@ pub const ONCE_TTL_MS: u64 = 60 * 1000;
 struct Limit<'a> {
     #[serde(skip)]
     name: &'a str,
+    /// Whose counter (a shared pool's id), when not the call's tenant's: only its key.
+    #[serde(skip)]
+    owner: Option<&'a str>,
     #[serde(serialize_with = "script_kind")]
     kind: LimitKind,
     capacity: u64,
@@ -96,7 +99,11 @@ impl<'a> Limit<'a> {
         bounds: &'a [u64],
         amounts: Amounts,
     ) -> Limit<'a> {
-        Limit { name, kind, capacity, window_ms, bounds, amounts }
+        Limit { name, owner: None, kind, capacity, window_ms, bounds, amounts }
+    }
+
+    fn owned_by(self, owner: Option<&'a str>) -> Limit<'a> {
+        Limit { owner, ..self }
     }
 }
 
@@ -109,6 +116,8 @@ enum Amounts {
         min_cost: u64,
         #[serde(skip_serializing_if = "Option::is_none")]
         look_only: Option<u8>,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        shadow: Option<u8>,
     },
     Lease {
         wanted: u64,
@@ -140,8 +149,13 @@ fn script_kind<S: serde::Serializer>(kind: &LimitKind, serializer: S) -> Result<
 fn call(prefix: &str, domain: &str, tenant: &str, arguments: &Arguments, reservation: Option<&str>) -> Call {
     // The kind is part of the key: a limit that changes kind starts afresh rather than
     // meeting a key of the other type.
-    let mut keys: Vec<String> =
-        arguments.limits.iter().map(|l| key(prefix, domain, tenant, l.kind.script_name(), l.name)).collect();
+    // A shared pool's counter is its owner's, in the owner's hash slot (see `pools` for
+    // a cluster, where a call's keys must share one).
+    let mut keys: Vec<String> = arguments
+        .limits
+        .iter()
+        .map(|l| key(prefix, domain, l.owner.unwrap_or(tenant), l.kind.script_name(), l.name))
+        .collect();
     if let Some(id) = reservation {
         keys.push(key(prefix, domain, tenant, RESERVATION_KIND, id));
     }
@@ -172,8 +186,14 @@ pub fn charge(prefix: &str, request: &ChargeRequest) -> Call {
                 l.capacity,
                 l.window_ms,
                 &l.period_bounds_ms,
-                Amounts::Charge { cost: l.cost, min_cost: l.min(), look_only: script_flag(l.look_only) },
+                Amounts::Charge {
+                    cost: l.cost,
+                    min_cost: l.min(),
+                    look_only: script_flag(l.look_only),
+                    shadow: script_flag(l.shadow),
+                },
             )
+            .owned_by(l.owner.as_deref())
         })
         .collect();
     let arguments = Arguments {
@@ -200,6 +220,7 @@ pub fn lease(prefix: &str, request: &LeaseRequest) -> Call {
                 &[],
                 Amounts::Lease { wanted: l.wanted, needed, look_only: script_flag(l.look_only) },
             )
+            .owned_by(l.owner.as_deref())
         })
         .collect();
     let arguments =
@@ -219,6 +240,7 @@ pub fn adjust(prefix: &str, op: Op, settlement: &Settlement) -> Call {
                 _ => Amounts::Nothing {},
             };
             Limit::of(&l.name, l.kind, l.capacity, l.window_ms, &l.period_bounds_ms, amounts)
+                .owned_by(l.owner.as_deref())
         })
         .collect();
     let (domain, tenant) = (&settlement.domain, &settlement.tenant);
@@ -365,6 +387,8 @@ mod tests {
             tenant: "abc123".into(),
             limits: vec![
                 LimitCharge {
+                    owner: None,
+                    shadow: false,
                     name: "rpm".into(),
                     capacity: 20,
                     window_ms: 60_000,
@@ -376,6 +400,8 @@ mod tests {
                     look_only: false,
                 },
                 LimitCharge {
+                    owner: None,
+                    shadow: false,
                     name: "tpm".into(),
                     capacity: 10_000,
                     window_ms: 60_000,
@@ -404,6 +430,7 @@ mod tests {
             once: None,
             cancel: false,
             limits: vec![Adjustment {
+                owner: None,
                 name: "tpm".into(),
                 capacity: 10_000,
                 window_ms: 60_000,
@@ -497,6 +524,7 @@ mod tests {
             domain: "llm".into(),
             tenant: "abc123".into(),
             limits: vec![LeaseAsk {
+                owner: None,
                 name: "tpm".into(),
                 capacity: 10_000,
                 window_ms: 60_000,
@@ -537,6 +565,7 @@ mod tests {
         assert!(text.contains(r#""cost":18446744073709551615"#), "{text}");
         let share = 0.1 + 0.2;
         let ask = LeaseAsk {
+            owner: None,
             name: "tpm".into(),
             capacity: 1,
             window_ms: 1,
@@ -568,6 +597,7 @@ mod tests {
             once: None,
             cancel: false,
             limits: vec![Adjustment {
+                owner: None,
                 name: "rpm".into(),
                 capacity: 10,
                 window_ms: 60_000,

@@ -18,6 +18,7 @@ mod calibration;
 mod credentials;
 mod limits;
 mod metrics;
+mod pools;
 mod provider;
 mod queue;
 mod refusals;
@@ -174,6 +175,11 @@ trait LimitsCall: serde::de::DeserializeOwned {
     fn names(&self) -> Vec<&str>;
     /// How its decision is counted.
     fn metric_op(&self) -> MetricOp;
+    /// Runs it: one script call (`Err` starting `redis:` when Redis failed).
+    async fn decide(&self, app: &App) -> Result<llm_ratelimit_protocol::LimitsReply, String> {
+        let value = app.batcher.decide(self.call(&app.key_prefix)).await.map_err(|err| format!("redis: {err}"))?;
+        limits::reply(self.names().into_iter(), &value).map_err(|err| format!("unexpected script reply: {err}"))
+    }
 }
 
 impl LimitsCall for ChargeRequest {
@@ -198,6 +204,10 @@ impl LimitsCall for ChargeRequest {
             MetricOp::Charge
         }
     }
+    /// Split by owner on a cluster (see `pools`).
+    async fn decide(&self, app: &App) -> Result<llm_ratelimit_protocol::LimitsReply, String> {
+        pools::charge(&app.batcher, &app.key_prefix, self, false).await
+    }
 }
 
 impl LimitsCall for LeaseRequest {
@@ -212,6 +222,17 @@ impl LimitsCall for LeaseRequest {
     }
     fn metric_op(&self) -> MetricOp {
         MetricOp::Lease
+    }
+    async fn decide(&self, app: &App) -> Result<llm_ratelimit_protocol::LimitsReply, String> {
+        if app.batcher.store().is_cluster()
+            && pools::lease_spans_owners(&self.tenant, self.limits.iter().map(|l| l.owner.clone()))
+        {
+            return Err(
+                "a lease of limits of several owners (shared pools) needs one Redis server, not a cluster".into()
+            );
+        }
+        let value = app.batcher.decide(self.call(&app.key_prefix)).await.map_err(|err| format!("redis: {err}"))?;
+        limits::reply(self.names().into_iter(), &value).map_err(|err| format!("unexpected script reply: {err}"))
     }
 }
 
@@ -240,14 +261,10 @@ async fn run_limits<R: LimitsCall>(State(app): State<Arc<App>>, headers: HeaderM
             Err(err) => failed(&app, op, StatusCode::SERVICE_UNAVAILABLE, err),
         };
     }
-    let call = request.call(&app.key_prefix);
-    let value = match app.batcher.decide(call).await {
-        Ok(value) => value,
-        Err(err) => return failed(&app, op, StatusCode::SERVICE_UNAVAILABLE, format!("redis: {err}")),
-    };
-    match limits::reply(request.names().into_iter(), &value) {
+    match request.decide(&app).await {
         Ok(reply) => decided(&app, op, reply.allowed, reply),
-        Err(err) => failed(&app, op, StatusCode::BAD_GATEWAY, format!("unexpected script reply: {err}")),
+        Err(err) if err.starts_with("redis:") => failed(&app, op, StatusCode::SERVICE_UNAVAILABLE, err),
+        Err(err) => failed(&app, op, StatusCode::BAD_GATEWAY, err),
     }
 }
 
@@ -347,8 +364,12 @@ async fn run_adjustments(State(app): State<Arc<App>>, headers: HeaderMap, body: 
         Ok(request) => request,
         Err(message) => return error(StatusCode::BAD_REQUEST, message),
     };
-    let calls = request.settlements.iter().map(|settlement| limits::adjust(&app.key_prefix, op, settlement)).collect();
-    let replies = app.batcher.adjust(calls).await;
+    // On a cluster a settlement of limits of several owners is one call per owner.
+    let cluster = app.batcher.store().is_cluster();
+    let parts: Vec<Vec<(limits::Call, Vec<usize>)>> =
+        request.settlements.iter().map(|settlement| pools::adjust(&app.key_prefix, op, settlement, cluster)).collect();
+    let calls = parts.iter().flatten().map(|(call, _)| call.clone()).collect();
+    let mut replies = app.batcher.adjust(calls).await.into_iter();
     // How many entries failed with each error: a batch that fails fails whole, so one
     // line per error rather than one per entry (scripts/faults.py counts these lines).
     let mut failures: Vec<(String, usize)> = Vec::new();
@@ -356,10 +377,14 @@ async fn run_adjustments(State(app): State<Arc<App>>, headers: HeaderMap, body: 
     let results = request
         .settlements
         .iter()
-        .zip(replies)
-        .map(|(settlement, reply)| {
-            let names = settlement.limits.iter().map(|l| l.name.as_str());
-            let outcome = reply.and_then(|value| limits::reply(names, &value));
+        .zip(parts)
+        .map(|(settlement, parts)| {
+            let replies = parts.into_iter().map(|(_, indices)| {
+                let names = indices.iter().map(|&i| settlement.limits[i].name.as_str());
+                let reply = replies.next().unwrap_or_else(|| Err("no reply".into()));
+                (reply.and_then(|value| limits::reply(names, &value)), indices)
+            });
+            let outcome = pools::merged_adjustment(settlement, replies.collect());
             app.metrics.decision(metric_op, if outcome.is_ok() { Outcome::Allowed } else { Outcome::Error });
             match outcome {
                 Ok(reply) if reply.allowed => {

@@ -17,7 +17,6 @@
 //! one poll at a time, as a tenant with one does.
 
 use crate::batcher::Batcher;
-use crate::limits::{self, Call};
 use crate::metrics::{MetricOp, Metrics};
 use crate::store::Store;
 use llm_ratelimit_protocol::keys::{redis_key, QUEUE_KIND, QUEUE_NAME};
@@ -146,9 +145,9 @@ fn is_hopeless(request: &ChargeRequest, reply: &LimitsReply, left: Duration) -> 
     })
 }
 
-async fn charge(batcher: &Arc<Batcher>, call: &Call, request: &ChargeRequest) -> Result<LimitsReply, String> {
-    let value = batcher.decide(call.clone()).await.map_err(|e| format!("redis: {e}"))?;
-    limits::reply(request.limits.iter().map(|l| l.name.as_str()), &value)
+/// One try, with the request's cancel marker (split by owner on a cluster, see `pools`).
+async fn charge(batcher: &Arc<Batcher>, prefix: &str, request: &ChargeRequest) -> Result<LimitsReply, String> {
+    crate::pools::charge(batcher, prefix, request, true).await
 }
 
 /// The answer of a waiter whose time ran out before it was first: the refusal it had.
@@ -172,7 +171,6 @@ pub async fn charge_waiting(
 ) -> Result<LimitsReply, String> {
     let store = batcher.store();
     let id = request.reservation.as_ref().map_or("", |r| r.id.as_str());
-    let call = limits::charge(prefix, request).with_cancel_marker(prefix, &request.domain, &request.tenant, id);
     let started = Instant::now();
     let max = Duration::from_millis(wait.max_ms);
     let key = redis_key(prefix, &request.domain, &request.tenant, QUEUE_KIND, QUEUE_NAME);
@@ -202,7 +200,7 @@ pub async fn charge_waiting(
             continue;
         }
         if waiter.is_none() || is_head(store, metrics, &key, &member).await? {
-            let mut reply = charge(batcher, &call, request).await?;
+            let mut reply = charge(batcher, prefix, request).await?;
             reply.waited_ms = waited.as_millis() as u64;
             let retry = reply.limits.iter().map(|l| l.retry_after_ms).max().unwrap_or(0);
             if reply.allowed || waited >= max || is_hopeless(request, &reply, max - waited) {
@@ -244,6 +242,8 @@ mod tests {
 
     fn limit(name: &str, provisional: bool) -> LimitCharge {
         LimitCharge {
+            owner: None,
+            shadow: false,
             name: name.into(),
             capacity: 1_000,
             window_ms: 60_000,

@@ -246,6 +246,11 @@ impl Store {
         }
     }
 
+    /// Whether this is a cluster: a script call's keys must then share a hash slot.
+    pub fn is_cluster(&self) -> bool {
+        matches!(self.connection, Connection::Cluster(_))
+    }
+
     pub async fn ping(&self) -> Result<(), RedisError> {
         self.query(&redis::cmd("PING")).await.map(|_| ())
     }

@@ -1,16 +1,22 @@
-//! What `usage` and `reset` share: one tenant and a policy's limits, named as the filter
-//! names them (its config compiled by the filter's own compiler, the key hashed by the
-//! filter's own function), and the call to the companion.
+//! What `usage` and `reset` share: one counter owner and a policy's limits, named as the
+//! filter names them (its config compiled by the filter's own compiler, the key or a
+//! `per` header's value hashed by the filter's own function), and the call to the
+//! companion. The owner is a tenant (`--key`, `--tenant`: its limits counted per tenant),
+//! a header value's pool (`--per-value`: the limits counted per that header), or the pool
+//! of every caller (`--all`: the limits counted per `all`, such as the upstream's quota),
+//! so a reset of a key never resets a pool it shares.
 
 use llm_ratelimit_core::api::identity::{is_tenant_id, tenant_id};
-use llm_ratelimit_core::config::{Limit, Policy};
+use llm_ratelimit_core::config::{Limit, Per, Policy};
+use llm_ratelimit_core::plan::pools::pool_owner;
+use llm_ratelimit_protocol::keys::ALL_OWNER;
 use llm_ratelimit_protocol::{LimitSpec, TenantLimits, TOKEN_HEADER};
 use serde::de::DeserializeOwned;
 use std::path::PathBuf;
 use std::time::Duration;
 
 #[derive(clap::Args)]
-#[command(group = clap::ArgGroup::new("who").required(true).args(["key", "tenant"]))]
+#[command(group = clap::ArgGroup::new("who").required(true).args(["key", "tenant", "per_value", "all"]))]
 pub struct TenantArgs {
     /// The filter's config (the JSON the proxy loads, or an Envoy, Istio or Envoy Gateway
     /// manifest holding one, as `check-config` reads them): its domain and limits.
@@ -23,7 +29,15 @@ pub struct TenantArgs {
     /// The tenant id (32 hex digits, as in the companion's logs and `bypass.tenants`).
     #[arg(long)]
     pub tenant: Option<String>,
-    /// Only these limits (repeat the flag); default every limit of the policy.
+    /// A shared pool: the value of the header the limits are counted per (`limits[].per`,
+    /// a team or org id), hashed here as the filter hashes it (never sent).
+    #[arg(long, value_name = "VALUE")]
+    pub per_value: Option<String>,
+    /// The pool of every caller: the limits counted per `all` (the upstream's quotas).
+    #[arg(long)]
+    pub all: bool,
+    /// Only these limits (repeat the flag); default every limit of the policy counted per
+    /// what `--key`/`--tenant`, `--per-value` or `--all` names.
     #[arg(long = "limit", value_name = "NAME")]
     pub limits: Vec<String>,
     /// The companion's base URL.
@@ -55,28 +69,14 @@ impl TenantArgs {
         let text = std::fs::read_to_string(&self.config).map_err(|e| format!("cannot read {file}: {e}"))?;
         let config = crate::check_config::the_config(&text).map_err(|e| format!("{file}: {e}"))?;
         let policy = Policy::from_json(&config).map_err(|e| format!("{file}: {e}"))?;
-        let tenant = match (&self.key, &self.tenant) {
-            (Some(key), _) => tenant_id(key.trim()),
-            (None, Some(tenant)) if is_tenant_id(tenant) => tenant.clone(),
-            (None, Some(_)) => {
-                return Err(
-                    "--tenant takes a tenant id (32 lower-case hex digits, or anonymous); for a key use --key".into()
-                )
-            }
-            (None, None) => return Err("give --key or --tenant".into()),
-        };
         for name in &self.limits {
             if policy.limit(name).is_none() {
                 let known: Vec<&str> = policy.limits.iter().map(|l| l.name.as_str()).collect();
                 return Err(format!("the policy has no limit {name:?} (it has {})", known.join(", ")));
             }
         }
-        let limits = policy
-            .limits
-            .iter()
-            .filter(|l| self.limits.is_empty() || self.limits.contains(&l.name))
-            .map(spec)
-            .collect();
+        let (tenant, limits) = self.owner_and_limits(&policy)?;
+        let limits = limits.into_iter().map(spec).collect();
         let token = match (&self.admin_token, &self.admin_token_file) {
             (Some(token), None) => token.clone(),
             (None, Some(path)) => std::fs::read_to_string(path)
@@ -96,6 +96,45 @@ impl TenantArgs {
         };
         let request = TenantLimits { domain: policy.domain.clone(), tenant, limits };
         Ok(Resolved { policy, request, token })
+    }
+
+    /// Whose counters are addressed, and the policy's limits counted per that (those of
+    /// `--limit` only, if given).
+    fn owner_and_limits<'a>(&self, policy: &'a Policy) -> Result<(String, Vec<&'a Limit>), String> {
+        let chosen = |l: &&Limit| self.limits.is_empty() || self.limits.contains(&l.name);
+        let of = |per: fn(&Per) -> bool| -> Vec<&Limit> {
+            policy.limits.iter().filter(|l| per(&l.per)).filter(chosen).collect()
+        };
+        let (owner, limits) = match (&self.key, &self.tenant, &self.per_value) {
+            (Some(key), _, _) => (tenant_id(key.trim()), of(|p| *p == Per::Tenant)),
+            (None, Some(tenant), _) if is_tenant_id(tenant) => (tenant.clone(), of(|p| *p == Per::Tenant)),
+            (None, Some(_), _) => {
+                return Err(
+                    "--tenant takes a tenant id (32 lower-case hex digits, or anonymous); for a key use --key".into()
+                )
+            }
+            (None, None, Some(value)) => {
+                let limits = of(|p| matches!(p, Per::Header { .. }));
+                let headers: std::collections::BTreeSet<&str> = limits
+                    .iter()
+                    .filter_map(|l| match &l.per {
+                        Per::Header { name, .. } => Some(name.as_str()),
+                        _ => None,
+                    })
+                    .collect();
+                let [header] = headers.into_iter().collect::<Vec<_>>()[..] else {
+                    return Err("--per-value addresses the limits counted per one header: the policy's (or those of                                 --limit) name none or several; choose with --limit"
+                        .into());
+                };
+                (pool_owner(header, value.trim()), limits)
+            }
+            (None, None, None) if self.all => (ALL_OWNER.to_string(), of(|p| *p == Per::All)),
+            (None, None, None) => return Err("give --key, --tenant, --per-value or --all".into()),
+        };
+        if limits.is_empty() {
+            return Err("no limit of the policy (or of --limit) is counted per what was named".into());
+        }
+        Ok((owner, limits))
     }
 
     /// POSTs `request` to the companion's `path` and reads its JSON answer.
@@ -217,6 +256,30 @@ mod tests {
         assert_eq!(resolved.token, "t2");
         let only = resolve(CONFIG, &["--tenant", "anonymous", "--limit", "tpm", "--admin-token", "a"]).expect("ok");
         assert_eq!(only.request.limits.len(), 1);
+    }
+
+    const POOLS: &str = r#"{"companion": {"upstream": "c", "token": "secret-token-0123456789"},
+        "limits": [{"name": "key", "requests": 20, "window": "1m"},
+                   {"name": "team", "requests": 200, "window": "1m", "per": {"header": "x-team-id"}},
+                   {"name": "upstream", "tokens": 2000000, "window": "1m", "per": "all", "models": ["gpt-4o*"]}]}"#;
+
+    #[test]
+    fn a_key_a_team_pool_and_the_upstream_quota_are_addressed_apart() {
+        let names = |r: &Resolved| r.request.limits.iter().map(|l| l.name.clone()).collect::<Vec<_>>();
+        let key = resolve(POOLS, &["--key", "sk-a", "--admin-token", "a"]).expect("ok");
+        assert_eq!(
+            (key.request.tenant.as_str(), names(&key)),
+            ("200b482a0a785564144b9f1b4f3f1104", vec!["key".into()])
+        );
+        let team = resolve(POOLS, &["--per-value", "team-a", "--admin-token", "a"]).expect("ok");
+        assert_eq!(team.request.tenant, pool_owner("x-team-id", "team-a"));
+        assert_eq!(names(&team), ["team"]);
+        let all = resolve(POOLS, &["--all", "--admin-token", "a"]).expect("ok");
+        assert_eq!((all.request.tenant.as_str(), names(&all)), ("all", vec!["upstream".into()]));
+        let err = resolve(POOLS, &["--all", "--limit", "key", "--admin-token", "a"]).err().unwrap_or_default();
+        assert!(err.contains("no limit of the policy"), "{err}");
+        let err = resolve(CONFIG, &["--per-value", "t", "--admin-token", "a"]).err().unwrap_or_default();
+        assert!(err.contains("counted per one header"), "{err}");
     }
 
     #[test]

@@ -404,12 +404,16 @@ impl FakeCompanion {
         self.counter(tenant, limit).remaining(limit, now_ms as f64) as f64
     }
 
+    /// The counter of `spec` for a call of `tenant`: its owner's (a shared pool), else the
+    /// tenant's, as the companion keys them.
     fn counter(&self, tenant: &str, spec: &LimitCharge) -> Counter {
-        self.counters.get(&(tenant.to_string(), spec.name.clone())).cloned().unwrap_or_else(|| Counter::new(spec.kind))
+        let owner = spec.owner.as_deref().unwrap_or(tenant).to_string();
+        self.counters.get(&(owner, spec.name.clone())).cloned().unwrap_or_else(|| Counter::new(spec.kind))
     }
 
     fn counter_mut(&mut self, tenant: &str, spec: &LimitCharge) -> &mut Counter {
-        self.counters.entry((tenant.to_string(), spec.name.clone())).or_insert_with(|| Counter::new(spec.kind))
+        let owner = spec.owner.as_deref().unwrap_or(tenant).to_string();
+        self.counters.entry((owner, spec.name.clone())).or_insert_with(|| Counter::new(spec.kind))
     }
 
     /// Charges every limit or none, as the script's charge does.
@@ -471,6 +475,7 @@ impl FakeCompanion {
                         .iter()
                         .map(|a| LimitCharge {
                             period_bounds_ms: a.period_bounds_ms.clone(),
+                            owner: a.owner.clone(),
                             ..spec(&a.name, a.capacity, a.window_ms, 0, None, a.kind)
                         })
                         .collect();
@@ -545,6 +550,8 @@ impl FakeCompanion {
 /// A limit as the models take it.
 fn spec(name: &str, capacity: u64, window_ms: u64, cost: u64, min_cost: Option<u64>, kind: LimitKind) -> LimitCharge {
     LimitCharge {
+        owner: None,
+        shadow: false,
         name: name.to_string(),
         capacity,
         window_ms,
@@ -786,6 +793,18 @@ impl Proxy {
         self.worker.on_callout_response(&mut self.root, token, size);
         self.root.callout_answer = None;
     }
+}
+
+/// The JSON block after `<!-- marker -->` in the README (a policy the tests load as written).
+pub fn readme_json_block(marker: &str) -> String {
+    let readme = include_str!("../../../README.md");
+    readme
+        .split(&format!("<!-- {marker} -->"))
+        .nth(1)
+        .and_then(|rest| rest.split("```json").nth(1))
+        .and_then(|rest| rest.split("```").next())
+        .unwrap_or_else(|| panic!("the README has no JSON block after <!-- {marker} -->"))
+        .to_string()
 }
 
 /// One bad config of `tests/cases/bad_configs/`: `<name>.json` and, beside it,

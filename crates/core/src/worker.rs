@@ -290,7 +290,9 @@ impl Worker {
         }
     }
 
-    /// Queues, for `tenant`, the adjustments of `credits` (by limit index), if any.
+    /// Queues, for `tenant`, the adjustments of `credits` (by limit index), if any, each
+    /// on its limit's counter (`owners`, by limit index: a pool's, see `crate::plan::pools`;
+    /// none or `None`: the tenant's).
     pub(crate) fn settle_credits(
         &mut self,
         host: &mut impl Host,
@@ -298,9 +300,10 @@ impl Worker {
         tenant: &str,
         reservation: Option<String>,
         cancel: bool,
+        owners: &[Option<String>],
         credits: impl Iterator<Item = (usize, i64)>,
     ) {
-        let limits = adjustments(config, credits, host.now_ms());
+        let limits = adjustments(config, owners, credits, host.now_ms());
         if !limits.is_empty() {
             // Without a reservation record to settle against, an id of its own keeps it
             // from being applied twice when a batch is sent again after a lost answer.
@@ -550,7 +553,7 @@ impl Worker {
                 continue;
             };
             let credits = amounts.iter().enumerate().map(|(i, a)| (i, a.round() as i64));
-            self.settle_credits(host, config, &tenant, None, false, credits);
+            self.settle_credits(host, config, &tenant, None, false, &[], credits);
             match next_expiry {
                 Some(expiry) => {
                     self.leased.insert(slot, expiry);
@@ -566,6 +569,8 @@ impl Worker {
 /// A limit as charged: its identity with this request's cost.
 pub(crate) fn limit_charge(limit: &crate::config::Limit, cost: u64) -> LimitCharge {
     LimitCharge {
+        owner: None,
+        shadow: false,
         name: limit.name.clone(),
         capacity: limit.capacity(),
         window_ms: limit.window_ms(),
@@ -592,10 +597,12 @@ pub(crate) fn settlement(
 }
 
 /// Adjustments of configured limits (by index): buckets and windows with a non-zero
-/// credit, and slot limits (released or renewed, whatever the credit); calendar budgets
+/// credit, and slot limits (released or renewed, whatever the credit), each on the
+/// counter of its owner in `owners` (by index; missing: the tenant's); calendar budgets
 /// dated at `now_ms`.
 pub(crate) fn adjustments(
     config: &Policy,
+    owners: &[Option<String>],
     credits: impl Iterator<Item = (usize, i64)>,
     now_ms: u64,
 ) -> Vec<Adjustment> {
@@ -610,6 +617,7 @@ pub(crate) fn adjustments(
                 credit,
                 kind,
                 period_bounds_ms: limit.period_bounds_ms(now_ms),
+                owner: owners.get(i).cloned().flatten(),
             })
         })
         .collect()

@@ -10,6 +10,14 @@ pub fn redis_key(prefix: &str, domain: &str, tenant: &str, kind: &str, name: &st
     format!("{prefix}{{{domain}:{tenant}}}:{kind}:{name}")
 }
 
+/// The owner of a limit counted for every caller (`limits[].per: "all"`), in the tenant's
+/// place in its keys: `<prefix>{<domain>:all}:<kind>:<name>`. A limit counted per a header
+/// has an owner hashed from the value ([`POOL_OWNER_PREFIX`] and 32 hex digits). Tenant
+/// ids are 32 hex digits or `anonymous`, so no owner is ever a tenant's id.
+pub const ALL_OWNER: &str = "all";
+/// The first letter of a `per` header value's owner id (not a hex digit).
+pub const POOL_OWNER_PREFIX: &str = "p";
+
 /// Kind of a reservation record's key (`name`: the reservation id).
 pub const RESERVATION_KIND: &str = "res";
 /// Kind of a queued request's cancel marker (`name`: the reservation id).

@@ -98,6 +98,11 @@ pub struct LeaseAsk {
     /// so it never refuses the grant (and grants nothing it does not want).
     #[serde(default, skip_serializing_if = "is_false")]
     pub look_only: bool,
+    /// Whose counter this is when it is not the request's tenant's: a shared pool's id
+    /// ([`keys::ALL_OWNER`], or a hashed `per` header value), which takes the tenant's
+    /// place in the key. `None`: the tenant's own.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub owner: Option<String>,
 }
 
 /// Check several buckets of one tenant and charge them all, or none.
@@ -182,6 +187,11 @@ pub struct Adjustment {
     /// clock is in, and a credit for a charge made in an earlier period is dropped.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub period_bounds_ms: Vec<u64>,
+    /// Whose counter this is when it is not the request's tenant's: a shared pool's id
+    /// ([`keys::ALL_OWNER`], or a hashed `per` header value), which takes the tenant's
+    /// place in the key. `None`: the tenant's own.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub owner: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -236,6 +246,15 @@ pub struct LimitCharge {
     /// (`cost` 0, such as a `cached_input` limit) still refuses while overdrawn.
     #[serde(default, skip_serializing_if = "is_false")]
     pub look_only: bool,
+    /// The limit is tried, not enforced (`limits[].mode: shadow`): it is charged its cost
+    /// and its outcome says whether it had room, but it never refuses the charge.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub shadow: bool,
+    /// Whose counter this is when it is not the request's tenant's: a shared pool's id
+    /// ([`keys::ALL_OWNER`], or a hashed `per` header value), which takes the tenant's
+    /// place in the key. `None`: the tenant's own.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub owner: Option<String>,
 }
 
 fn is_false(b: &bool) -> bool {
@@ -308,10 +327,11 @@ pub fn is_key_part(text: &str) -> bool {
 }
 
 /// Checks what the script cannot: names safe for keys, positive sizes, bounded counts.
+/// Each bucket is (name, capacity, window_ms, owner).
 fn validate_buckets<'a>(
     domain: &str,
     tenant: &str,
-    buckets: impl ExactSizeIterator<Item = (&'a str, u64, u64)> + Clone,
+    buckets: impl ExactSizeIterator<Item = (&'a str, u64, u64, Option<&'a str>)> + Clone,
 ) -> Result<(), String> {
     if !is_key_part(domain) {
         return Err(format!("domain {domain:?} must be 1-{MAX_KEY_PART} of [A-Za-z0-9_.-]"));
@@ -322,7 +342,10 @@ fn validate_buckets<'a>(
     if buckets.len() == 0 || buckets.len() > MAX_LIMITS_PER_CALL {
         return Err(format!("limits must have 1 to {MAX_LIMITS_PER_CALL} entries, got {}", buckets.len()));
     }
-    for (i, (name, capacity, window_ms)) in buckets.clone().enumerate() {
+    for (i, (name, capacity, window_ms, owner)) in buckets.clone().enumerate() {
+        if owner.is_some_and(|owner| !is_key_part(owner)) {
+            return Err(format!("limits[{i}].owner must be 1-{MAX_KEY_PART} of [A-Za-z0-9_.-]"));
+        }
         if !is_key_part(name) {
             return Err(format!("limits[{i}].name {name:?} must be 1-{MAX_KEY_PART} of [A-Za-z0-9_.-]"));
         }
@@ -332,7 +355,7 @@ fn validate_buckets<'a>(
         if window_ms == 0 {
             return Err(format!("limits[{i}].window_ms must be positive"));
         }
-        if buckets.clone().take(i).any(|(other, _, _)| other == name) {
+        if buckets.clone().take(i).any(|(other, _, _, _)| other == name) {
             return Err(format!("limits[{i}].name {name:?} appears twice"));
         }
     }
@@ -438,14 +461,14 @@ impl TenantLimits {
         validate_buckets(
             &self.domain,
             &self.tenant,
-            self.limits.iter().map(|l| (l.name.as_str(), l.capacity, l.window_ms)),
+            self.limits.iter().map(|l| (l.name.as_str(), l.capacity, l.window_ms, None)),
         )
     }
 }
 
 impl ChargeRequest {
     pub fn validate(&self) -> Result<(), String> {
-        let buckets = self.limits.iter().map(|l| (l.name.as_str(), l.capacity, l.window_ms));
+        let buckets = self.limits.iter().map(|l| (l.name.as_str(), l.capacity, l.window_ms, l.owner.as_deref()));
         validate_buckets(&self.domain, &self.tenant, buckets)?;
         if let Some(wait) = &self.wait {
             if self.reservation.is_none() {
@@ -464,7 +487,7 @@ impl ChargeRequest {
 
 impl LeaseRequest {
     pub fn validate(&self) -> Result<(), String> {
-        let buckets = self.limits.iter().map(|l| (l.name.as_str(), l.capacity, l.window_ms));
+        let buckets = self.limits.iter().map(|l| (l.name.as_str(), l.capacity, l.window_ms, l.owner.as_deref()));
         validate_buckets(&self.domain, &self.tenant, buckets)?;
         if !(self.share > 0.0 && self.share <= 1.0) {
             return Err(format!("share {} is outside (0, 1]", self.share));
@@ -482,7 +505,7 @@ impl SettlementBatch {
             ));
         }
         for (i, s) in self.settlements.iter().enumerate() {
-            let buckets = s.limits.iter().map(|l| (l.name.as_str(), l.capacity, l.window_ms));
+            let buckets = s.limits.iter().map(|l| (l.name.as_str(), l.capacity, l.window_ms, l.owner.as_deref()));
             validate_buckets(&s.domain, &s.tenant, buckets)
                 .and_then(|()| s.reservation.as_deref().map_or(Ok(()), validate_reservation_id))
                 .and_then(|()| s.once.as_deref().map_or(Ok(()), validate_reservation_id))
@@ -505,6 +528,8 @@ mod tests {
             domain: "llm".into(),
             tenant: "0123abcd".into(),
             limits: vec![LimitCharge {
+                owner: None,
+                shadow: false,
                 name: "rpm".into(),
                 capacity: 5,
                 window_ms: 60_000,
@@ -562,6 +587,7 @@ mod tests {
             once: None,
             cancel: false,
             limits: vec![Adjustment {
+                owner: None,
                 name: "tpm".into(),
                 capacity: 100,
                 window_ms: 60_000,

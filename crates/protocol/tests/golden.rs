@@ -16,6 +16,8 @@ fn pinned<T: Serialize + DeserializeOwned + PartialEq + Debug>(value: &T, json: 
 
 fn spec(name: &str, kind: LimitKind, min_cost: Option<u64>) -> LimitCharge {
     LimitCharge {
+        owner: None,
+        shadow: false,
         name: name.into(),
         capacity: 100,
         window_ms: 60_000,
@@ -79,6 +81,7 @@ fn lease_request() {
         domain: "llm".into(),
         tenant: "t1".into(),
         limits: vec![LeaseAsk {
+            owner: None,
             name: "tpm".into(),
             capacity: 100,
             window_ms: 60_000,
@@ -121,6 +124,7 @@ fn a_limit_that_does_not_apply_is_look_only() {
         domain: "llm".into(),
         tenant: "t1".into(),
         limits: vec![LeaseAsk {
+            owner: None,
             name: "tpm_gpt4o".into(),
             capacity: 100,
             window_ms: 60_000,
@@ -140,6 +144,7 @@ fn a_limit_that_does_not_apply_is_look_only() {
 #[test]
 fn settle_request_and_reply() {
     let adjustment = |kind| Adjustment {
+        owner: None,
         name: "tpm".into(),
         capacity: 100,
         window_ms: 60_000,

@@ -50,7 +50,8 @@ pub fn decode_states(bytes: Option<&[u8]>, limits: usize) -> Vec<Option<BucketSt
 /// `specs[i]`; charged buckets are updated in place.
 pub fn check_and_charge(states: &mut [Option<BucketState>], specs: &[LimitCharge], now_ms: f64) -> LimitsReply {
     let levels = levels_at(states, specs, now_ms);
-    let elastic = |spec: &LimitCharge| spec.min() < spec.cost;
+    // A shadow bucket never clamps the others (nor is it clamped beyond their reduction).
+    let elastic = |spec: &LimitCharge| spec.min() < spec.cost && !spec.shadow;
     let wanted = specs
         .iter()
         .zip(&levels)
@@ -84,7 +85,8 @@ fn levels_at(states: &[Option<BucketState>], specs: &[LimitCharge], now_ms: f64)
 
 /// If every bucket holds what it `required`, takes `taken[i]` from each; reports each
 /// bucket as the script does. A bucket whose minimum exceeds its capacity never fits; a
-/// look-only bucket never refuses.
+/// look-only bucket never refuses; a shadow bucket never refuses but says whether it had
+/// room.
 fn take_all(
     states: &mut [Option<BucketState>],
     specs: &[LimitCharge],
@@ -94,11 +96,9 @@ fn take_all(
     now_ms: f64,
 ) -> LimitsReply {
     let allowed = specs.len() == states.len()
-        && specs
-            .iter()
-            .zip(levels)
-            .zip(required)
-            .all(|((spec, &level), &req)| spec.look_only || (spec.min() <= spec.capacity && level >= req as f64));
+        && specs.iter().zip(levels).zip(required).all(|((spec, &level), &req)| {
+            spec.look_only || spec.shadow || (spec.min() <= spec.capacity && level >= req as f64)
+        });
     let limits = specs
         .iter()
         .zip(levels)
@@ -245,6 +245,10 @@ mod tests {
         name: String,
         capacity: u64,
         window_ms: u64,
+        /// Whose counter (a shared pool's id; default the tenant's): against Redis, the
+        /// key's hash tag, so one call charges counters of several owners.
+        #[serde(default)]
+        owner: Option<String>,
     }
 
     #[derive(Deserialize)]
@@ -259,6 +263,9 @@ mod tests {
         /// Which buckets only look (the limit does not apply to the call); default none.
         #[serde(default)]
         looks: Option<Vec<bool>>,
+        /// Which buckets are shadow limits (charged, never refusing); default none.
+        #[serde(default)]
+        shadows: Option<Vec<bool>>,
         /// What each bucket was charged, when the case checks it.
         #[serde(default)]
         charged: Option<Vec<u64>>,
@@ -286,6 +293,8 @@ mod tests {
                     .zip(&step.amounts)
                     .enumerate()
                     .map(|(j, (l, &amount))| LimitCharge {
+                        owner: l.owner.clone(),
+                        shadow: step.shadows.as_ref().and_then(|l| l.get(j).copied()).unwrap_or(false),
                         name: l.name.clone(),
                         capacity: l.capacity,
                         window_ms: l.window_ms,
@@ -369,6 +378,8 @@ mod tests {
                     period_bounds_ms: bounds.clone(),
                     provisional: false,
                     look_only: false,
+                    shadow: false,
+                    owner: None,
                 };
                 let specs = std::slice::from_ref(&spec);
                 let reply = match step.op {
@@ -414,6 +425,8 @@ mod tests {
             period_bounds_ms: vec![0, 1_000, 2_000, 3_000],
             provisional: false,
             look_only: false,
+            shadow: false,
+            owner: None,
         };
         let specs = std::slice::from_ref(&spec);
         let mut states = [None];
@@ -442,6 +455,8 @@ mod tests {
     #[test]
     fn never_admits_more_than_capacity_plus_refill() {
         let spec = LimitCharge {
+            owner: None,
+            shadow: false,
             name: "rpm".into(),
             capacity: 7,
             window_ms: 1_000,

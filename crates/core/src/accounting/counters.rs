@@ -225,6 +225,8 @@ mod tests {
             period_bounds_ms: Vec::new(),
             provisional: false,
             look_only: false,
+            shadow: false,
+            owner: None,
         }
     }
 

@@ -137,6 +137,7 @@ pub fn lease_asks(leases: &TenantLeases, charges: &[LimitCharge], policy: &Lease
         .iter()
         .zip(&leases.0)
         .map(|(charge, lease)| LeaseAsk {
+            owner: None,
             name: charge.name.clone(),
             capacity: charge.capacity,
             window_ms: charge.window_ms,
@@ -402,6 +403,8 @@ mod tests {
     #[test]
     fn a_refusal_is_remembered_until_its_retry_time() {
         let spec = |cost| LimitCharge {
+            owner: None,
+            shadow: false,
             name: "tpm".into(),
             capacity: 1000,
             window_ms: 60_000,
@@ -442,6 +445,8 @@ mod tests {
     #[test]
     fn headers_count_the_lease_and_what_redis_had_left() {
         let spec = LimitCharge {
+            owner: None,
+            shadow: false,
             name: "rpm".into(),
             capacity: 100,
             window_ms: 60_000,

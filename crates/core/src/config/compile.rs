@@ -54,7 +54,7 @@ pub(super) fn compile(
     let identity = identity(&written.identity)?;
     // A concurrency limit's window is the slot ttl. Limits are checked first, and a ttl
     // out of range is refused right after, so no limit built with one is ever used.
-    let limits = limits(&written.limits, written.tier.is_some(), written.slots.ttl.0)?;
+    let limits = limits(&written.limits, written.tier.is_some(), written.slots.ttl.0, &identity)?;
     let slots = slots(&written.slots)?;
     let tokens = tokens(&written.tokens, written.store)?;
     let fallback = fallback(&written.fallback.clone().unwrap_or_default())?;
@@ -70,6 +70,7 @@ pub(super) fn compile(
     if written.store == Store::Local {
         local_store_combines(written, &lease, &queue, &limits, &memory)?;
     }
+    super::per::combine(&limits, &lease)?;
     deployments(&written.deployments)?;
     Ok(Policy {
         store: written.store,
@@ -171,7 +172,12 @@ fn identity(written: &shape::Identity) -> Result<Identity, ConfigError> {
 }
 
 /// The list: at least one limit, each named once.
-fn limits(written: &[shape::Limit], has_tier: bool, slot_ttl: Duration) -> Result<Vec<Limit>, ConfigError> {
+fn limits(
+    written: &[shape::Limit],
+    has_tier: bool,
+    slot_ttl: Duration,
+    identity: &Identity,
+) -> Result<Vec<Limit>, ConfigError> {
     if written.is_empty() {
         return Err(invalid("limits", "must list at least one limit"));
     }
@@ -182,7 +188,12 @@ fn limits(written: &[shape::Limit], has_tier: bool, slot_ttl: Duration) -> Resul
         if !names.insert(entry.name.as_str()) {
             return Err(invalid(format!("limits[{i}].name"), format!("{:?} is used by another limit", entry.name)));
         }
-        limits.push(limit(&format!("limits[{i}]"), entry, has_tier, slot_ttl)?);
+        let at = format!("limits[{i}]");
+        let mut compiled = limit(&at, entry, has_tier, slot_ttl)?;
+        let credentials: Vec<String> = identity.sources.iter().flatten().map(|source| source.header.clone()).collect();
+        compiled.per = super::per::per(&at, entry.per.as_ref(), &credentials)?;
+        compiled.shadow = super::per::shadow(entry.mode);
+        limits.push(compiled);
     }
     Ok(limits)
 }
@@ -243,6 +254,8 @@ fn limit(at: &str, written: &shape::Limit, has_tier: bool, slot_ttl: Duration) -
         kind,
         models: written.models.clone(),
         tiers: written.tiers.clone(),
+        per: super::Per::Tenant,
+        shadow: false,
     })
 }
 
@@ -581,6 +594,12 @@ fn local_store_combines(
         ));
     }
     for (i, limit) in limits.iter().enumerate() {
+        if limit.per != super::Per::Tenant {
+            return Err(invalid(
+                format!("limits[{i}].per"),
+                format!("a shared pool is counted for callers of every proxy, kept in Redis: {LOCAL} only per-tenant limits are kept; remove `per`"),
+            ));
+        }
         if limit.kind == LimitKind::Slots && limit.capacity() > u64::from(memory.local_entries) {
             return Err(invalid(
                 format!("limits[{i}].concurrency"),
@@ -825,6 +844,7 @@ mod tests {
                     &[written(r#"{"name": "a", "requests": 1, "window": "1m"}"#), written(r#"{"name": "a"}"#)],
                     false,
                     Duration::from_secs(30),
+                    &Identity { sources: None, missing: Default::default() },
                 )
                 .map(drop),
                 error("limits[1].name", "\"a\" is used by another limit"),

@@ -11,12 +11,14 @@ mod compile;
 #[cfg(test)]
 pub(crate) use compile::slot_key;
 mod error;
+mod per;
 mod policy;
 pub mod shape;
 #[cfg(test)]
 mod tests;
 
 pub use error::ConfigError;
+pub use per::{HeaderPer, Per, PerShape};
 pub use policy::{
     Bypass, Companion, Dimension, FailureMode, Fallback, HeaderStyle, Identity, LeaseConfig, Limit, Measure, Memory,
     Mode, ModelPolicy, Policy, Price, PriceEntry, ProviderLimits, QueueConfig, Secret, Slots, Store, TierConfig,

@@ -264,6 +264,10 @@ pub struct Limit {
     pub models: Vec<String>,
     /// Tiers this limit applies to; empty: every tier.
     pub tiers: Vec<String>,
+    /// Whose counter a request is charged on (see `crate::plan::pools`).
+    pub per: super::Per,
+    /// Charged and reported, never refusing (`limits[].mode: shadow`).
+    pub shadow: bool,
 }
 
 /// What a limit counts, and how much of it it allows.

@@ -176,6 +176,16 @@ pub struct Limit {
     /// How a windowed limit counts its window.
     #[serde(default)]
     pub algorithm: Algorithm,
+    /// What the limit is counted per: `"tenant"` (default: each API key its own), `"all"`
+    /// (one counter for every caller; with `models`, the upstream's quota), or
+    /// `{"header": "x-team-id"}` (one per value of a trusted header; `"default"`: the
+    /// value of a request without it, else the limit does not apply to that request).
+    #[serde(default)]
+    pub per: Option<super::per::PerShape>,
+    /// `enforce` (default) or `shadow`: charged and reported, never refusing, whatever
+    /// the global `mode`.
+    #[serde(default)]
+    pub mode: Option<super::policy::Mode>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]

@@ -541,6 +541,8 @@ mod tests {
             period_bounds_ms: Vec::new(),
             provisional: false,
             look_only: false,
+            shadow: false,
+            owner: None,
         };
         let mut buckets = vec![
             bucket("rpm", 100, LimitKind::TokenBucket),

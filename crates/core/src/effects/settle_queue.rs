@@ -102,6 +102,7 @@ mod tests {
             once: None,
             cancel: false,
             limits: vec![Adjustment {
+                owner: None,
                 name: "tpm".into(),
                 capacity: 100,
                 window_ms: 60_000,

@@ -48,7 +48,7 @@ impl RequestFilter {
         self.rewrite_body(host, config, &reply);
         // The slots it took are renewed on the worker's tick while it is in flight.
         let held = specs.iter().enumerate().filter(|(_, spec)| spec.kind == LimitKind::Slots && spec.cost > 0);
-        let slots = adjustments(config, held.map(|(i, _)| (i, 0)), now);
+        let slots = adjustments(config, &self.owners(), held.map(|(i, _)| (i, 0)), now);
         if !slots.is_empty() {
             worker.hold_slots(id, settlement(config, &self.tenant, Some(holder), false, slots));
         }

@@ -581,6 +581,11 @@ impl RequestFilter {
         self.plan.as_ref().map_or_else(|| reply.clone(), |plan| plan.relevant(reply))
     }
 
+    /// The counter each limit of this request is charged on (see `crate::plan::pools`).
+    fn owners(&self) -> Vec<Option<String>> {
+        self.plan.as_ref().map(crate::plan::pools::owners).unwrap_or_default()
+    }
+
     /// An admission: counted in `requests_allowed` and under every limit that applies.
     fn count_admission(&self, host: &mut impl Host, config: &Policy, decision: Decision) {
         host.add_metric(Metric::Allowed, 1);
@@ -588,9 +593,23 @@ impl RequestFilter {
     }
 
     fn count_per_limit(&self, host: &mut impl Host, config: &Policy, decision: Decision) {
+        self.count_per_limit_in(host, config, decision, None);
+    }
+
+    /// As `count_per_limit`, a shadow limit that had no room in `reply` counted as
+    /// `shadow` (it refused nothing).
+    fn count_per_limit_in(
+        &self,
+        host: &mut impl Host,
+        config: &Policy,
+        decision: Decision,
+        reply: Option<&LimitsReply>,
+    ) {
         let Some(plan) = self.plan.as_ref() else { return };
         for limit in (0..config.limits.len()).filter(|&i| plan.applies(i)) {
-            host.add_series(series::decision(limit, decision), 1);
+            let short = reply.and_then(|r| r.limits.get(limit)).is_some_and(|o| o.status != LimitStatus::Allowed);
+            let shadowed = config.limits.get(limit).is_some_and(|l| l.shadow) && short;
+            host.add_series(series::decision(limit, if shadowed { Decision::Shadow } else { decision }), 1);
         }
     }
 
@@ -602,7 +621,9 @@ impl RequestFilter {
         let relevant = self.relevant(reply);
         let refusing = relevant.limits.iter().filter(|o| o.status != LimitStatus::Allowed).map(|o| o.name.as_str());
         for limit in series::limit_indices(config, refusing) {
-            host.add_series(series::decision(limit, decision), 1);
+            // A shadow limit with no room refused nothing: the others did.
+            let shadowed = config.limits.get(limit).is_some_and(|l| l.shadow);
+            host.add_series(series::decision(limit, if shadowed { Decision::Shadow } else { decision }), 1);
         }
     }
 
@@ -623,6 +644,7 @@ impl RequestFilter {
         self.tier = config.tier_of(&self.tenant, tier_value.as_deref()).to_string();
         // The clock, read once for the decision.
         let now = host.now_ms();
+        let counters = crate::plan::pools::counters(config, |name| host.request_header_values(name));
         let mut learned = ProxyKnowledge {
             host,
             now,
@@ -633,6 +655,14 @@ impl RequestFilter {
         };
         let mut plan = plan(config, self.route.as_ref(), &self.tier, body, &mut learned);
         plan.date(config, now);
+        match counters {
+            Ok(counters) => crate::plan::pools::assign(config, &mut plan, &counters),
+            Err(crate::plan::pools::RepeatedHeader(header)) => {
+                self.plan = Some(plan);
+                let verdict = Verdict::Reply(decision::repeated_pool_header(&header, self.dialect));
+                return self.apply(host, config, verdict, false);
+            }
+        }
         self.body_len = body.map_or(0, <[u8]>::len);
         let unpriced = plan.unpriced.then(|| plan.model.clone());
         let unreadable = plan.unreadable.clone().filter(|_| config.tokens.unreadable_body == UnreadableBody::Refuse);
@@ -899,7 +929,15 @@ impl RequestFilter {
                         // the slot): what it granted beyond this request goes back, and the
                         // request stands charged.
                         let surplus = reply.limits.iter().zip(&costs).map(|(o, &c)| o.charged as i64 - c as i64);
-                        worker.settle_credits(host, config, &self.tenant, None, false, surplus.enumerate());
+                        worker.settle_credits(
+                            host,
+                            config,
+                            &self.tenant,
+                            None,
+                            false,
+                            &self.owners(),
+                            surplus.enumerate(),
+                        );
                         self.count_admission(host, config, Decision::Allowed);
                         self.admission = Some(Admission::Charged);
                         Verdict::Forward(self.admitted_headers(host, config, &reply, now))
@@ -907,7 +945,8 @@ impl RequestFilter {
                 }
             }
             Ask::Charge => {
-                self.count_admission(host, config, Decision::Allowed);
+                host.add_metric(Metric::Allowed, 1);
+                self.count_per_limit_in(host, config, Decision::Allowed, Some(&reply));
                 self.rewrite_body(host, config, &reply);
                 if let (true, Some(Admission::Reserved(id))) = (config.has_concurrency(), &self.admission) {
                     let costs = self.costs();
@@ -917,8 +956,8 @@ impl RequestFilter {
                         .enumerate()
                         .filter(|(i, l)| l.kind == LimitKind::Slots && costs.get(*i).is_some_and(|&c| c > 0))
                         .map(|(i, _)| (i, 0));
-                    let slots =
-                        settlement(config, &self.tenant, Some(id.clone()), false, adjustments(config, held, now));
+                    let held = adjustments(config, &self.owners(), held, now);
+                    let slots = settlement(config, &self.tenant, Some(id.clone()), false, held);
                     worker.hold_slots(id.clone(), slots);
                 }
                 Verdict::Forward(self.admitted_headers(host, config, &reply, now))
@@ -982,7 +1021,8 @@ impl RequestFilter {
         self.count_admission(host, config, Decision::Degraded);
         // Redis learns of the budget spent here; slots are this proxy's alone.
         let debits = specs.iter().enumerate().filter(|(_, b)| b.kind != LimitKind::Slots);
-        worker.settle_credits(host, config, &self.tenant, None, false, debits.map(|(i, b)| (i, -(b.cost as i64))));
+        let debits = debits.map(|(i, b)| (i, -(b.cost as i64)));
+        worker.settle_credits(host, config, &self.tenant, None, false, &self.owners(), debits);
         self.admission = Some(Admission::Local);
         Verdict::Forward(self.admitted_headers(host, config, &reply, now_ms))
             .with_header(DEGRADED_HEADER, "local".to_string())
@@ -1136,7 +1176,8 @@ impl RequestFilter {
         };
         let with_slots = reservation.is_some();
         let releases = slot_limits.into_iter().filter(|_| with_slots).map(|i| (i, 0));
-        worker.settle_credits(host, config, &self.tenant, reservation, false, credits.into_iter().chain(releases));
+        let credits = credits.into_iter().chain(releases);
+        worker.settle_credits(host, config, &self.tenant, reservation, false, &self.owners(), credits);
     }
 
     /// What gives back all this request took from each limit but slots (released on
@@ -1160,7 +1201,7 @@ impl RequestFilter {
         let refunds = config.limits.iter().zip(&costs).enumerate().map(|(i, (limit, &cost))| {
             (i, if limit.kind == LimitKind::Slots { 0 } else { i64::try_from(cost).unwrap_or(i64::MAX) })
         });
-        let limits = adjustments(config, refunds, host.now_ms());
+        let limits = adjustments(config, &self.owners(), refunds, host.now_ms());
         let settlement = settlement(config, &self.tenant, Some(id), true, limits);
         worker.queue_settlement(host, settlement);
     }
@@ -1370,6 +1411,8 @@ mod calendar_tests;
 mod local;
 #[cfg(test)]
 mod local_tests;
+#[cfg(test)]
+mod pools_tests;
 #[cfg(test)]
 mod request_tests;
 #[cfg(test)]

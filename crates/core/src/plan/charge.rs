@@ -225,6 +225,8 @@ pub fn plan(
         .iter()
         .zip(&applicable)
         .map(|(limit, &applies)| LimitCharge {
+            owner: None,
+            shadow: false,
             name: limit.name.clone(),
             capacity: limit.capacity(),
             window_ms: limit.window_ms(),

@@ -2,4 +2,5 @@
 //! a request counts against, its token estimate) and the metric series it is counted in.
 
 pub mod charge;
+pub mod pools;
 pub mod series;

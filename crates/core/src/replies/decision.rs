@@ -263,6 +263,13 @@ pub fn conflicting_credentials(dialect: Dialect) -> LocalReply {
     error_reply(dialect, Refusal::Unreadable("conflicting_credentials"), message, None)
 }
 
+/// 400 for a request that sends a header a limit is counted per (`limits[].per`) more
+/// than once: hosts and whatever sets it may disagree on which copy counts.
+pub fn repeated_pool_header(header: &str, dialect: Dialect) -> LocalReply {
+    let message = format!("The request carries the header '{header}' more than once. Send it exactly once.");
+    error_reply(dialect, Refusal::Unreadable("repeated_header"), &message, None)
+}
+
 /// 400 for a body on an LLM path that cannot be read as its API's JSON, or that gives a
 /// field the filter reads twice (`why` says which).
 pub fn unreadable_body(why: &str, dialect: Dialect) -> LocalReply {

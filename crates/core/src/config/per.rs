@@ -1,0 +1,116 @@
+//! What a limit is counted per (`limits[].per`) and whether it is enforced
+//! (`limits[].mode`): as written, compiled, and checked against the rest of the config.
+//! How a request's limits then find their counters is `crate::plan::pools`.
+
+use super::error::{invalid, ConfigError};
+use super::policy::{LeaseConfig, Limit, Mode};
+use serde::Deserialize;
+
+/// `limits[].per` as written: `"tenant"` (the default), `"all"`, or
+/// `{"header": "x-team-id", "default": "unassigned"}`.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(untagged)]
+pub enum PerShape {
+    Named(String),
+    Header(HeaderPer),
+}
+
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HeaderPer {
+    /// A request header set by something the operator trusts (a JWT filter copying a
+    /// team or org claim); a client must not be able to set it.
+    pub header: String,
+    /// The value a request without the header counts under; unset: the limit does not
+    /// apply to such a request.
+    #[serde(default)]
+    pub default: Option<String>,
+}
+
+/// What a limit is counted per, checked.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum Per {
+    /// Each tenant (API key) its own counter.
+    #[default]
+    Tenant,
+    /// One counter per value of a trusted request header (name in lower case): a team's
+    /// or an organisation's pool.
+    Header { name: String, default: Option<String> },
+    /// One counter for every caller: with `models`, the upstream's own quota.
+    All,
+}
+
+/// The credential headers the providers' APIs use: a pool keyed on one would count per
+/// credential (a tenant, done better by `per: tenant`) and take the credential's value
+/// into a key's hash input for no purpose.
+const CREDENTIAL_HEADERS: [&str; 4] = ["authorization", "x-api-key", "api-key", "x-goog-api-key"];
+
+/// The longest `default` value (a value is hashed, never stored; this bounds the config).
+const MAX_DEFAULT: usize = 256;
+
+/// `limits[i].per`, at `at` (`limits[2]`); `credentials`: the operator's own credential
+/// headers (`identity.sources`), lower case.
+pub(super) fn per(at: &str, written: Option<&PerShape>, credentials: &[String]) -> Result<Per, ConfigError> {
+    let field = format!("{at}.per");
+    match written {
+        None => Ok(Per::Tenant),
+        Some(PerShape::Named(name)) if name == "tenant" => Ok(Per::Tenant),
+        Some(PerShape::Named(name)) if name == "all" => Ok(Per::All),
+        Some(PerShape::Named(name)) => Err(invalid(
+            field,
+            format!("{name:?} is not one of \"tenant\", \"all\" or {{\"header\": \"<a trusted request header>\"}}"),
+        )),
+        Some(PerShape::Header(HeaderPer { header, default })) => {
+            let name = header.trim().to_ascii_lowercase();
+            let valid = !name.is_empty() && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
+            if !valid {
+                return Err(invalid(format!("{field}.header"), format!("{header:?} is not a header name")));
+            }
+            if CREDENTIAL_HEADERS.contains(&name.as_str()) || credentials.contains(&name) {
+                return Err(invalid(
+                    format!("{field}.header"),
+                    format!(
+                        "{name:?} carries a credential: a limit per credential is `per: \"tenant\"`; a pool needs \
+                         a header naming a team or organisation, set by something trusted"
+                    ),
+                ));
+            }
+            if let Some(value) = default {
+                if value.trim().is_empty() || value.len() > MAX_DEFAULT || value.chars().any(char::is_control) {
+                    return Err(invalid(
+                        format!("{field}.default"),
+                        format!("must be 1-{MAX_DEFAULT} printable characters"),
+                    ));
+                }
+            }
+            Ok(Per::Header { name, default: default.as_ref().map(|d| d.trim().to_string()) })
+        }
+    }
+}
+
+/// Whether `limits[].mode` says shadow (checked by its type: `enforce` or `shadow`).
+pub(super) fn shadow(written: Option<Mode>) -> bool {
+    written == Some(Mode::Shadow)
+}
+
+/// What pools and per-limit shadow cannot be combined with yet: leases are a tenant's
+/// own (one entry per tenant in the proxy's lease table), so a leased limit must be
+/// counted per tenant and enforced.
+pub(super) fn combine(limits: &[Limit], lease: &LeaseConfig) -> Result<(), ConfigError> {
+    if !lease.enabled {
+        return Ok(());
+    }
+    for (i, limit) in limits.iter().enumerate() {
+        if limit.per != Per::Tenant {
+            return Err(invalid(
+                format!("limits[{i}].per"),
+                "with `lease.enabled` every limit is counted per tenant: shared pools are charged directly \
+                 (through the companion's batches), not leased",
+            ));
+        }
+        if limit.shadow {
+            return Err(invalid(format!("limits[{i}].mode"), "a shadow limit cannot be leased (`lease.enabled`)"));
+        }
+    }
+    Ok(())
+}

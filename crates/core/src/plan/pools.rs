@@ -1,0 +1,182 @@
+//! Whose counter each of a request's limits is charged on (`limits[].per`): the tenant's
+//! own, a pool shared by every request with the same value of a trusted header (a team,
+//! an organisation), or one pool for every caller (the upstream's quota). A pool's
+//! counter is named by an owner id that takes the tenant's place in its Redis keys
+//! (`protocol::keys::ALL_OWNER`, or a hash of the header's name and value, so a value is
+//! never in clear in a key, and a client inventing values makes keys that expire with
+//! their window, never state in the proxy: nothing here is kept per value).
+
+use crate::config::{Per, Policy};
+use crate::plan::charge::ChargePlan;
+use crate::protocol::keys::{ALL_OWNER, POOL_OWNER_PREFIX};
+use sha2::{Digest, Sha256};
+
+/// Where one limit of a request is counted.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Counter {
+    /// The tenant's own counter.
+    Tenant,
+    /// A pool's, by its owner id.
+    Pool(String),
+    /// The limit's header is missing and it has no default: it does not apply.
+    Absent,
+}
+
+/// A request that sent a `per` header more than once: which copy counts is for hosts and
+/// the component that sets it to disagree on, so the request is refused.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RepeatedHeader(pub String);
+
+/// The owner id of the pool of `header`'s value `value`: the first 16 bytes of SHA-256
+/// over a domain separator, the header's name and the value, as 32 hex digits after
+/// `POOL_OWNER_PREFIX` (33 characters, a Redis key part).
+pub fn pool_owner(header: &str, value: &str) -> String {
+    let digest = Sha256::new()
+        .chain_update(b"llm-ratelimit/pool/v1\0")
+        .chain_update(header.as_bytes())
+        .chain_update(b"\0")
+        .chain_update(value.as_bytes())
+        .finalize();
+    let mut id = String::from(POOL_OWNER_PREFIX);
+    for nibble in digest.iter().take(16).flat_map(|b| [b >> 4, b & 0xf]) {
+        id.push(char::from_digit(u32::from(nibble), 16).unwrap_or('0'));
+    }
+    id
+}
+
+/// Each limit's counter, in config order, from the request's header values
+/// (`header_values(name)`: every copy the request has).
+pub fn counters(
+    config: &Policy,
+    mut header_values: impl FnMut(&str) -> Vec<String>,
+) -> Result<Vec<Counter>, RepeatedHeader> {
+    config
+        .limits
+        .iter()
+        .map(|limit| match &limit.per {
+            Per::Tenant => Ok(Counter::Tenant),
+            Per::All => Ok(Counter::Pool(ALL_OWNER.to_string())),
+            Per::Header { name, default } => {
+                let values = header_values(name);
+                let value = match values.as_slice() {
+                    [] => None,
+                    [one] => Some(one.trim()).filter(|v| !v.is_empty()),
+                    _ => return Err(RepeatedHeader(name.clone())),
+                };
+                Ok(match value.or(default.as_deref()) {
+                    Some(value) => Counter::Pool(pool_owner(name, value)),
+                    None => Counter::Absent,
+                })
+            }
+        })
+        .collect()
+}
+
+/// Puts each bucket of `plan` on its counter, and marks the shadow limits: a limit whose
+/// header is absent is not charged (look-only, as a limit of another model); a shadow
+/// limit is charged but never refuses or clamps.
+pub fn assign(config: &Policy, plan: &mut ChargePlan, counters: &[Counter]) {
+    for (i, (bucket, limit)) in plan.buckets.iter_mut().zip(&config.limits).enumerate() {
+        match counters.get(i) {
+            Some(Counter::Pool(owner)) => bucket.owner = Some(owner.clone()),
+            Some(Counter::Absent) => {
+                bucket.cost = 0;
+                bucket.min_cost = None;
+                bucket.provisional = false;
+                bucket.look_only = true;
+                if let Some(applies) = plan.applicable.get_mut(i) {
+                    *applies = false;
+                }
+            }
+            Some(Counter::Tenant) | None => {}
+        }
+        if limit.shadow {
+            bucket.shadow = true;
+            bucket.min_cost = None;
+        }
+    }
+}
+
+/// The owner of each bucket of `plan`, in config order (`None`: the tenant's), for its
+/// settlements.
+pub fn owners(plan: &ChargePlan) -> Vec<Option<String>> {
+    plan.buckets.iter().map(|b| b.owner.clone()).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(limits: &str) -> Policy {
+        let json =
+            format!(r#"{{"companion": {{"upstream": "c", "token": "test-token-0123456789"}}, "limits": {limits}}}"#);
+        Policy::from_json(json.as_bytes()).expect("config")
+    }
+
+    #[test]
+    fn each_limit_is_counted_per_what_it_says() {
+        let config = config(
+            r#"[{"name": "key", "requests": 5, "window": "1m"},
+                {"name": "team", "requests": 50, "window": "1m", "per": {"header": "X-Team-Id"}},
+                {"name": "org", "requests": 80, "window": "1m", "per": {"header": "x-org", "default": "none"}},
+                {"name": "upstream", "requests": 500, "window": "1m", "per": "all"}]"#,
+        );
+        let headers = |name: &str| match name {
+            "x-team-id" => vec!["team-a".to_string()],
+            _ => vec![],
+        };
+        let counters = counters(&config, headers).expect("no repeated header");
+        assert_eq!(
+            counters,
+            [
+                Counter::Tenant,
+                Counter::Pool(pool_owner("x-team-id", "team-a")),
+                Counter::Pool(pool_owner("x-org", "none")),
+                Counter::Pool("all".into())
+            ]
+        );
+        let absent = super::counters(&config, |_| vec![]).expect("nothing repeated");
+        assert_eq!(absent[1], Counter::Absent, "no header, no default: the team limit does not apply");
+        let twice = super::counters(&config, |name| vec![name.to_string(), "b".into()]);
+        assert_eq!(twice, Err(RepeatedHeader("x-team-id".into())));
+    }
+
+    #[test]
+    fn owner_ids_hide_the_value_and_fit_a_key() {
+        let a = pool_owner("x-team-id", "team-a");
+        assert_eq!(a.len(), 33);
+        assert!(a.starts_with('p') && !a.contains("team"));
+        assert!(crate::protocol::is_key_part(&a));
+        assert_ne!(a, pool_owner("x-team-id", "team-b"));
+        assert_ne!(a, pool_owner("x-org", "team-a"), "the header is part of the id");
+    }
+}
+
+#[cfg(test)]
+mod readme_tests {
+    use super::*;
+
+    /// The README's organisation policy loads exactly as written, each limit counted per
+    /// what it says.
+    #[test]
+    fn the_readme_organisation_policy_loads_as_written() {
+        let block = crate::testing::readme_json_block("org-policy-example");
+        let config = Policy::from_json(block.as_bytes()).unwrap_or_else(|e| panic!("{e}"));
+        let per = |name: &str| config.limit(name).map(|l| l.per.clone());
+        assert_eq!(per("upstream-gpt4o-tpm"), Some(Per::All));
+        assert_eq!(per("org-rpm"), Some(Per::Header { name: "x-org-id".into(), default: None }));
+        assert_eq!(per("team-tpm"), Some(Per::Header { name: "x-team-id".into(), default: Some("unassigned".into()) }));
+        assert_eq!(per("key-rpm"), Some(Per::Tenant));
+        assert!(config.limit("team-inflight-trial").is_some_and(|l| l.shadow));
+        assert!(
+            config.limit("team-monthly-usd").is_some_and(|l| l.kind == crate::protocol::LimitKind::Calendar),
+            "a calendar budget"
+        );
+        let applying = |model: &str| {
+            config.limits.iter().filter(|l| l.applies_to(model, "")).map(|l| l.name.as_str()).collect::<Vec<_>>()
+        };
+        assert!(applying("gpt-4o-mini-2024-07-18").contains(&"upstream-mini-tpm"));
+        assert!(!applying("gpt-4o-mini-2024-07-18").contains(&"upstream-gpt4o-tpm"), "mini has its own quota");
+        assert!(applying("gpt-4o-2024-08-06").contains(&"upstream-gpt4o-tpm"));
+    }
+}

@@ -1,0 +1,204 @@
+"""Shared pools (`limits[].per`) and per-limit shadow, end to end: real Envoys, the
+companion and Redis, on one Redis server and on a three-node Redis Cluster (where the
+counters of a key, a team and the upstream live in different hash slots, and the
+companion charges them in order, rolling back on refusal: companion/src/pools.rs).
+
+The race test prints what a race over shared pools admits on the cluster against each
+pool's capacity (`make pools-race` runs it alone), the figure the README quotes."""
+
+import hashlib
+import json
+import socket
+import threading
+import time
+
+import pytest
+import redis
+
+from stack import chat, envoy_config, free_port, redis_key, send, tenant_of, wait_until
+
+TOKEN = "pools-test-token-0123"
+ADMIN = "pools-admin-credential"
+WINDOW = "366d"  # windows long enough that refill during a test stays far below 0.01 of a unit
+
+
+def pool_owner(header: str, value: str) -> str:
+    """The owner id of a `per` header value's pool, as the README states it: `p` and the
+    first 16 bytes of SHA-256 over the separator, the header's name and the value."""
+    digest = hashlib.sha256(b"llm-ratelimit/pool/v1\0" + header.encode() + b"\0" + value.encode()).hexdigest()
+    return "p" + digest[:32]
+
+
+class Setup:
+    """Redis (one server or a cluster), companions, the mock upstream, and Envoys."""
+
+    def __init__(self, stack, topology: str, companions: int = 1):
+        self.stack = stack
+        if topology == "cluster":
+            ports = stack.redis_cluster(3)
+            url = "redis+cluster://" + ",".join(f"127.0.0.1:{p}" for p in ports)
+            self.redis = redis.RedisCluster(host="127.0.0.1", port=ports[0])
+        else:
+            _, port = stack.redis()
+            url = f"redis://127.0.0.1:{port}"
+            self.redis = redis.Redis(port=port)
+        self.companion_ports = [
+            stack.companion(url, TOKEN, name=f"companion-{i}", admin_token=ADMIN)[1] for i in range(companions)
+        ]
+        _, self.mock_port = stack.mock()
+
+    def envoy(self, limits: list[dict], name: str = "envoy", companion: int = 0, **options) -> int:
+        config = {
+            "companion": {"upstream": "llm_ratelimit_companion", "token": TOKEN, "timeout": "2s"},
+            "failure_mode": "deny",
+            "limits": limits,
+            **options,
+        }
+        port = free_port()
+        self.stack.envoy(
+            envoy_config(listen_port=port, admin_port=free_port(), upstream_port=self.mock_port,
+                         companion_port=self.companion_ports[companion], filter_config=config),
+            name=name,
+        )
+        return port
+
+    def level(self, owner: str, limit: str) -> float | None:
+        raw = self.redis.hget(redis_key("llmrl:", "llm", owner, "tb", limit), "tokens")
+        return None if raw is None else float(raw)
+
+
+@pytest.fixture(params=["single", "cluster"])
+def setup(stack, request):
+    return Setup(stack, request.param)
+
+
+KEY_TEAM_UPSTREAM = [
+    {"name": "key", "requests": 4, "window": WINDOW},
+    {"name": "team", "requests": 3, "window": WINDOW, "per": {"header": "x-team-id"}},
+    {"name": "upstream", "requests": 5, "window": WINDOW, "per": "all", "models": ["gpt-4o*"]},
+]
+
+
+def chat_as(port, key, team, model="gpt-4o"):
+    return send(port, key=key, body=chat(model=model), headers={"x-team-id": team})
+
+
+def test_a_key_team_and_upstream_limit_are_charged_together_and_refused_together(setup):
+    port = setup.envoy(KEY_TEAM_UPSTREAM)
+    team_a, team_b = pool_owner("x-team-id", "team-a"), pool_owner("x-team-id", "team-b")
+    assert [chat_as(port, "sk-a", "team-a").status for _ in range(3)] == [200, 200, 200]
+    refused = chat_as(port, "sk-a", "team-a")
+    assert refused.status == 429, refused.body
+    assert json.loads(refused.body)["error"]["message"], refused.body
+    # Refused by the team's pool, charged nowhere: on the cluster the key's part was
+    # charged first and rolled back.
+    assert setup.level(tenant_of("sk-a"), "key") == pytest.approx(1, abs=0.05)
+    assert setup.level(team_a, "team") == pytest.approx(0, abs=0.05)
+    assert setup.level("all", "upstream") == pytest.approx(2, abs=0.05)
+    # Another key in another team shares only the upstream's quota, which two more spend.
+    assert [chat_as(port, "sk-b", "team-b").status for _ in range(2)] == [200, 200]
+    assert chat_as(port, "sk-b", "team-b").status == 429, "the upstream quota is spent"
+    assert setup.level(tenant_of("sk-b"), "key") == pytest.approx(2, abs=0.05)
+    assert setup.level(team_b, "team") == pytest.approx(1, abs=0.05)
+    assert setup.level("all", "upstream") == pytest.approx(0, abs=0.05)
+    # A model the upstream quota does not cover still goes, on the key's and team's.
+    assert chat_as(port, "sk-b", "team-b", model="o3").status == 200
+    # No key names a team in clear.
+    if isinstance(setup.redis, redis.RedisCluster):
+        keys = setup.redis.keys(target_nodes=redis.RedisCluster.ALL_NODES)
+    else:
+        keys = setup.redis.keys()
+    assert keys and not any(b"team-" in k for k in keys), keys
+
+
+def raw(port: int, head: str, body: bytes) -> tuple[int, bytes]:
+    """This request line and these headers exactly as written (a header given twice stays
+    twice); returns the status and the body."""
+    with socket.create_connection(("127.0.0.1", port), timeout=15) as sock:
+        sock.sendall(f"{head}Host: x\r\ncontent-length: {len(body)}\r\nconnection: close\r\n\r\n".encode() + body)
+        received = b""
+        while chunk := sock.recv(65536):
+            received += chunk
+    return int(received.split(b" ", 2)[1]), received.split(b"\r\n\r\n", 1)[1]
+
+
+def test_a_repeated_team_header_is_refused_and_a_missing_one_leaves_the_team_limit_out(setup):
+    port = setup.envoy(KEY_TEAM_UPSTREAM)
+    body = json.dumps(chat(model="gpt-4o")).encode()
+    status, reply = raw(port, "POST /v1/chat/completions HTTP/1.1\r\ncontent-type: application/json\r\n"
+                              "Authorization: Bearer sk-c\r\nx-team-id: team-a\r\nx-team-id: team-b\r\n", body)
+    assert status == 400, reply
+    assert json.loads(reply)["error"]["code"] == "repeated_header", reply
+    assert setup.level(tenant_of("sk-c"), "key") is None, "a refused request is charged nothing"
+    missing = send(port, key="sk-c", body=chat(model="gpt-4o"))
+    assert missing.status == 200, "no team header: the team limit does not apply"
+    assert setup.level(tenant_of("sk-c"), "key") == pytest.approx(3, abs=0.05)
+    assert setup.level("all", "upstream") == pytest.approx(4, abs=0.05)
+
+
+def test_a_shadow_limit_is_charged_and_counted_but_refuses_nothing(setup):
+    limits = [
+        {"name": "key", "requests": 10, "window": WINDOW},
+        {"name": "trial", "requests": 2, "window": WINDOW, "per": "all", "mode": "shadow"},
+    ]
+    port = setup.envoy(limits)
+    assert [send(port, key="sk-shadow").status for _ in range(4)] == [200] * 4
+    assert setup.level(tenant_of("sk-shadow"), "key") == pytest.approx(6, abs=0.05)
+    assert setup.level("all", "trial") == pytest.approx(-2, abs=0.05), "charged as if enforced"
+
+
+RACE_LIMITS = [
+    {"name": "key", "requests": 3, "window": WINDOW},
+    {"name": "team", "requests": 12, "window": WINDOW, "per": {"header": "x-team-id"}},
+    {"name": "upstream", "requests": 30, "window": WINDOW, "per": "all"},
+]
+
+
+def race(ports, clients: int, per_client: int):
+    """Every client sends `per_client` chats at once through its Envoy; returns the
+    statuses by (key, team)."""
+    results = {}
+    lock = threading.Lock()
+    start = threading.Barrier(clients)
+
+    def client(i):
+        key, team = f"sk-race-{i}", f"team-{i % 4}"
+        start.wait()
+        statuses = [chat_as(ports[i % len(ports)], key, team).status for _ in range(per_client)]
+        with lock:
+            results[(key, team)] = statuses
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    return results
+
+
+@pytest.mark.parametrize("topology", ["cluster"])
+def test_a_race_on_the_cluster_never_admits_more_than_a_pool_holds(stack, topology):
+    setup = Setup(stack, topology, companions=2)
+    ports = [setup.envoy(RACE_LIMITS, name=f"envoy-{i}", companion=i) for i in range(2)]
+    # 24 keys in 4 teams: 72 key units, 48 team units, 30 upstream units; 96 requests.
+    results = race(ports, clients=24, per_client=4)
+    admitted = {key: statuses.count(200) for key, statuses in results.items()}
+    assert all(s in (200, 429) for statuses in results.values() for s in statuses), results
+    by_team = {}
+    for (key, team), n in admitted.items():
+        by_team[team] = by_team.get(team, 0) + n
+        assert n <= 3, (key, n)
+    total = sum(admitted.values())
+    upstream_left = setup.level("all", "upstream")
+    teams_left = {team: setup.level(pool_owner("x-team-id", team), "team") for team in by_team}
+    print(f"\npools race on a 3-node cluster, 2 Envoys, 2 companions, 96 requests at once: "
+          f"admitted {total} of the upstream's 30 (over-admitted {max(0, total - 30)}), "
+          f"teams {sorted(by_team.values())} of 12 each, upstream left {upstream_left:.2f}, "
+          f"teams left {sorted(round(v or 12, 2) for v in teams_left.values())}")
+    assert total <= 30, "the upstream's quota is never over-admitted"
+    assert all(n <= 12 for n in by_team.values()), by_team
+    # Rollbacks give back what refused requests took: what is left is what was not admitted.
+    assert upstream_left == pytest.approx(30 - total, abs=0.05)
+    # Refusals a race adds (a request refused while a rolled-back part held capacity):
+    # with 96 requests for 30 upstream units, the upstream is spent by the end.
+    assert total >= 28, f"admitted {total}: rollbacks refused more than a race should"
