@@ -2,6 +2,7 @@
 loading and NOSCRIPT recovery, Redis outages, and Redis Cluster."""
 
 import json
+import socket
 import subprocess
 import time
 import urllib.request
@@ -15,14 +16,14 @@ from stack import http_get, wait_until
 TOKEN = "companion-test-token"
 
 
-def call(port, body, token=TOKEN, path="/v1/token_bucket"):
+def call(port, body, token=TOKEN, path="/v1/token_bucket", timeout=5):
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
     headers = {"content-type": "application/json"}
     if token is not None:
         headers["x-llmrl-token"] = token
     request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data, headers=headers)
     try:
-        with urllib.request.urlopen(request, timeout=5) as resp:
+        with urllib.request.urlopen(request, timeout=timeout) as resp:
             return resp.status, json.loads(resp.read())
     except urllib.error.HTTPError as err:
         return err.code, json.loads(err.read())
@@ -80,9 +81,9 @@ def test_enforces_limits_in_prefixed_hash_tagged_keys(single):
     assert keys == ["t1:{llm:tenant1}:tb:rpd", "t1:{llm:tenant1}:tb:rpm"]
 
 
-def settlement(tenant, reservation, credit):
+def settlement(tenant, reservation, credit, window_ms=3_600_000):
     return {"domain": "llm", "tenant": tenant, "reservation": reservation,
-            "limits": [{"name": "tpm", "capacity": 1000, "window_ms": 3_600_000, "credit": credit}]}
+            "limits": [{"name": "tpm", "capacity": 1000, "window_ms": window_ms, "credit": credit}]}
 
 
 def test_settles_each_reservation_once(single):
@@ -183,12 +184,16 @@ def test_settles_a_large_batch_in_few_script_calls(single):
     _, redis_port, port = single
     store = redis.Redis(port=redis_port)
     tenants = [f"bulk{i}" for i in range(50)]
+    # A window of 366 days: the buckets refill 0.003 tokens in 100 s, so the levels below
+    # are the charges and credits alone however slowly a loaded machine sends them (with an
+    # hour's window, 3.6 s of sending moved them by a token).
+    year = 366 * 86_400_000
     for i in range(250):
         charge = {"domain": "llm", "tenant": tenants[i % 50], "reservation": {"id": f"r{i}", "ttl_ms": 60_000},
-                  "limits": [{"name": "tpm", "capacity": 1000, "window_ms": 3_600_000, "cost": 100}]}
+                  "limits": [{"name": "tpm", "capacity": 1000, "window_ms": year, "cost": 100}]}
         assert call(port, charge)[1]["allowed"]
-    settlements = [settlement(tenants[i % 50], f"r{i}", 60) for i in range(250)]
-    settlements += [settlement(tenants[i], f"unknown{i}", 60) for i in range(10)]
+    settlements = [settlement(tenants[i % 50], f"r{i}", 60, window_ms=year) for i in range(250)]
+    settlements += [settlement(tenants[i], f"unknown{i}", 60, window_ms=year) for i in range(10)]
     before = script_calls(store)
     status, reply = call(port, {"settlements": settlements}, path="/v1/settle")
     assert status == 200 and reply["results"] == ["applied"] * 250 + ["already_settled"] * 10
@@ -217,29 +222,53 @@ def test_charges_arriving_together_share_a_script_call(single):
     assert script_calls(store) - before <= 3
 
 
-def test_a_charge_goes_before_a_backlog_of_settlements(single):
+def test_a_charge_goes_before_a_backlog_of_settlements(stack):
     """A proxy's settlements flushed in bulk (here 1,000 while Redis is paused) wait behind
     a charge that arrives after them: the charge is answered first, and every settlement
     is still applied."""
-    _, redis_port, port = single
+    _, redis_port = stack.redis()
+    # Redis stays paused until the charge is in the companion (not for a fixed 300 ms, which
+    # a loaded machine could spend before the charge arrived), so the companion's calls may
+    # wait that long without timing out.
+    _, port = stack.companion(f"redis://127.0.0.1:{redis_port}", TOKEN, extra=["--key-prefix", "t1:"],
+                              redis_timeout="30s")
     store = redis.Redis(port=redis_port)
     for i in range(1000):
-        store.set(f"t1:{{llm:backlog}}:res:r{i}", "0", px=60_000)
+        store.set(f"t1:{{llm:backlog}}:res:r{i}", "0", px=600_000)
     backlog = {"settlements": [settlement("backlog", f"r{i}", 1) for i in range(1000)]}
     answered = {}
 
-    def timed(name, body, path):
-        reply = call(port, body, path=path)
-        answered[name] = time.monotonic()
+    def settle():
+        reply = call(port, backlog, path="/v1/settle", timeout=60)
+        answered["settlements"] = time.monotonic()
         return reply
 
-    store.execute_command("CLIENT", "PAUSE", 300, "WRITE")
-    with ThreadPoolExecutor(2) as pool:
-        settled = pool.submit(timed, "settlements", backlog, "/v1/settle")
-        # The settlements are out first: their script call waits in the paused Redis.
-        wait_until(lambda: any(c["cmd"] in ("evalsha", "eval") and "b" in c["flags"] for c in store.client_list()), 5,
-                   "the settlements' script call blocked in Redis")
-        charged = pool.submit(timed, "charge", bucket_request("eager"), "/v1/token_bucket")
-        assert charged.result()[0] == 200 and charged.result()[1]["allowed"]
-        assert settled.result() == (200, {"results": ["applied"] * 1000})
+    store.execute_command("CLIENT", "PAUSE", 60_000, "WRITE")
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            settled = pool.submit(settle)
+            # The settlements are out first: their script call waits in the paused Redis.
+            wait_until(lambda: any(c["cmd"] in ("evalsha", "eval") and "b" in c["flags"] for c in store.client_list()),
+                       30, "the settlements' script call blocked in Redis")
+            body = json.dumps(bucket_request("eager")).encode()
+            charge = socket.create_connection(("127.0.0.1", port), timeout=60)
+            charge.sendall(b"POST /v1/token_bucket HTTP/1.1\r\nhost: companion\r\ncontent-type: application/json\r\n"
+                           + f"x-llmrl-token: {TOKEN}\r\nconnection: close\r\ncontent-length: {len(body)}\r\n\r\n".encode()
+                           + body)
+            # The charge is written; the companion serves on one thread, so once it has
+            # answered requests sent after it, it has read the charge and queued its call.
+            for _ in range(3):
+                assert http_get(f"http://127.0.0.1:{port}/metrics", timeout=30)[0] == 200
+            assert not settled.done(), "Redis is still paused: nothing was settled yet"
+            store.execute_command("CLIENT", "UNPAUSE")
+            reply = b""
+            while chunk := charge.recv(65536):
+                reply += chunk
+            answered["charge"] = time.monotonic()
+            charge.close()
+            head, _, payload = reply.partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 200") and json.loads(payload)["allowed"], reply
+            assert settled.result() == (200, {"results": ["applied"] * 1000})
+    finally:
+        store.execute_command("CLIENT", "UNPAUSE")
     assert answered["charge"] < answered["settlements"]
