@@ -29,6 +29,54 @@ def call(port, body, token=TOKEN, path="/v1/token_bucket", timeout=5):
         return err.code, json.loads(err.read())
 
 
+def send_only(port, body, path="/v1/token_bucket"):
+    """Writes one call on a connection of its own and returns the socket, unanswered (read
+    it with `answer`): the caller knows the request is written before it goes on."""
+    data = json.dumps(body).encode()
+    sock = socket.create_connection(("127.0.0.1", port), timeout=60)
+    sock.sendall(f"POST {path} HTTP/1.1\r\nhost: companion\r\ncontent-type: application/json\r\n"
+                 f"x-llmrl-token: {TOKEN}\r\nconnection: close\r\ncontent-length: {len(data)}\r\n\r\n".encode() + data)
+    return sock
+
+
+def answer(sock):
+    """The status and JSON body of a call written by `send_only`, once it comes."""
+    reply = b""
+    while chunk := sock.recv(65536):
+        reply += chunk
+    sock.close()
+    head, _, payload = reply.partition(b"\r\n\r\n")
+    return int(head.split(b" ", 2)[1]), json.loads(payload)
+
+
+def companion_has_read(port):
+    """The companion serves on one thread: once it has answered requests sent after the
+    calls written so far, it has read those calls and queued their script calls."""
+    for _ in range(3):
+        assert http_get(f"http://127.0.0.1:{port}/metrics", timeout=30)[0] == 200
+
+
+@pytest.fixture
+def pausable(stack):
+    """A companion whose Redis a test pauses (`pause`) until its calls are all in the
+    companion, not for a fixed time a loaded machine may spend before they arrive: its
+    Redis calls may wait that long without timing out. Unpaused at the end whatever happens."""
+    _, redis_port = stack.redis()
+    _, port = stack.companion(f"redis://127.0.0.1:{redis_port}", TOKEN, extra=["--key-prefix", "t1:"],
+                              redis_timeout="30s")
+    store = redis.Redis(port=redis_port)
+    yield store, port
+    store.execute_command("CLIENT", "UNPAUSE")
+
+
+def pause(store):
+    store.execute_command("CLIENT", "PAUSE", 60_000, "WRITE")
+
+
+def blocked_in_redis(store):
+    return any(c["cmd"] in ("evalsha", "eval") and "b" in c["flags"] for c in store.client_list())
+
+
 def bucket_request(tenant, capacity=3, names=("rpm",)):
     return {
         "domain": "llm",
@@ -206,33 +254,29 @@ def test_settles_a_large_batch_in_few_script_calls(single):
     assert float(store.hget(f"t1:{{llm:{tenants[0]}}}:tb:tpm", "tokens")) == pytest.approx(800, abs=1)
 
 
-def test_charges_arriving_together_share_a_script_call(single):
+def test_charges_arriving_together_share_a_script_call(pausable):
     """While a script call is out, the calls that arrive wait and go together in the next:
     with Redis paused, 32 concurrent charges cost two or three script calls, and each is
     still charged on its own."""
-    _, redis_port, port = single
-    store = redis.Redis(port=redis_port)
+    store, port = pausable
     before = script_calls(store)
-    store.execute_command("CLIENT", "PAUSE", 300, "WRITE")
-    with ThreadPoolExecutor(32) as pool:
-        replies = list(pool.map(lambda i: call(port, bucket_request(f"together{i % 4}", capacity=10)), range(32)))
+    pause(store)
+    sockets = [send_only(port, bucket_request(f"together{i % 4}", capacity=10)) for i in range(32)]
+    wait_until(lambda: blocked_in_redis(store), 30, "the first charge's script call blocked in Redis")
+    companion_has_read(port)
+    store.execute_command("CLIENT", "UNPAUSE")
+    replies = [answer(sock) for sock in sockets]
     assert [status for status, _ in replies] == [200] * 32
     # Four tenants of capacity 10, eight charges each: all admitted, 2 left each.
     assert sorted(reply["limits"][0]["remaining"] for _, reply in replies) == sorted(list(range(2, 10)) * 4)
     assert script_calls(store) - before <= 3
 
 
-def test_a_charge_goes_before_a_backlog_of_settlements(stack):
+def test_a_charge_goes_before_a_backlog_of_settlements(pausable):
     """A proxy's settlements flushed in bulk (here 1,000 while Redis is paused) wait behind
     a charge that arrives after them: the charge is answered first, and every settlement
     is still applied."""
-    _, redis_port = stack.redis()
-    # Redis stays paused until the charge is in the companion (not for a fixed 300 ms, which
-    # a loaded machine could spend before the charge arrived), so the companion's calls may
-    # wait that long without timing out.
-    _, port = stack.companion(f"redis://127.0.0.1:{redis_port}", TOKEN, extra=["--key-prefix", "t1:"],
-                              redis_timeout="30s")
-    store = redis.Redis(port=redis_port)
+    store, port = pausable
     for i in range(1000):
         store.set(f"t1:{{llm:backlog}}:res:r{i}", "0", px=600_000)
     backlog = {"settlements": [settlement("backlog", f"r{i}", 1) for i in range(1000)]}
@@ -243,32 +287,17 @@ def test_a_charge_goes_before_a_backlog_of_settlements(stack):
         answered["settlements"] = time.monotonic()
         return reply
 
-    store.execute_command("CLIENT", "PAUSE", 60_000, "WRITE")
-    try:
-        with ThreadPoolExecutor(1) as pool:
-            settled = pool.submit(settle)
-            # The settlements are out first: their script call waits in the paused Redis.
-            wait_until(lambda: any(c["cmd"] in ("evalsha", "eval") and "b" in c["flags"] for c in store.client_list()),
-                       30, "the settlements' script call blocked in Redis")
-            body = json.dumps(bucket_request("eager")).encode()
-            charge = socket.create_connection(("127.0.0.1", port), timeout=60)
-            charge.sendall(b"POST /v1/token_bucket HTTP/1.1\r\nhost: companion\r\ncontent-type: application/json\r\n"
-                           + f"x-llmrl-token: {TOKEN}\r\nconnection: close\r\ncontent-length: {len(body)}\r\n\r\n".encode()
-                           + body)
-            # The charge is written; the companion serves on one thread, so once it has
-            # answered requests sent after it, it has read the charge and queued its call.
-            for _ in range(3):
-                assert http_get(f"http://127.0.0.1:{port}/metrics", timeout=30)[0] == 200
-            assert not settled.done(), "Redis is still paused: nothing was settled yet"
-            store.execute_command("CLIENT", "UNPAUSE")
-            reply = b""
-            while chunk := charge.recv(65536):
-                reply += chunk
-            answered["charge"] = time.monotonic()
-            charge.close()
-            head, _, payload = reply.partition(b"\r\n\r\n")
-            assert head.startswith(b"HTTP/1.1 200") and json.loads(payload)["allowed"], reply
-            assert settled.result() == (200, {"results": ["applied"] * 1000})
-    finally:
+    pause(store)
+    with ThreadPoolExecutor(1) as pool:
+        settled = pool.submit(settle)
+        # The settlements are out first: their script call waits in the paused Redis.
+        wait_until(lambda: blocked_in_redis(store), 30, "the settlements' script call blocked in Redis")
+        charge = send_only(port, bucket_request("eager"))
+        companion_has_read(port)
+        assert not settled.done(), "Redis is still paused: nothing was settled yet"
         store.execute_command("CLIENT", "UNPAUSE")
+        status, reply = answer(charge)
+        answered["charge"] = time.monotonic()
+        assert status == 200 and reply["allowed"], reply
+        assert settled.result() == (200, {"results": ["applied"] * 1000})
     assert answered["charge"] < answered["settlements"]
