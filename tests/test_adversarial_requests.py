@@ -236,8 +236,6 @@ def test_a_body_the_filter_cannot_read_is_refused_by_default(backend, name):
     assert bom.status == 200, bom
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "known at 25ac6bb, failing in every run here: a charge_most body that the upstream answers with 400 is settled as an upstream error (the 4,096 allowance given back, the prompt kept), though the README says charge_most is never settled; which side is right is for the filter's owner (issue 24 changes tests only)"))
 def test_a_body_the_filter_cannot_read_is_charged_its_bytes_plus_the_cap_with_charge_most(backend):
     """Item 6, old filter: a flat 1,000. With `charge_most`: the body's bytes as prompt
     tokens plus `tokens.default_max_output` (4,096 by default)."""

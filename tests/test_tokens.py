@@ -268,8 +268,6 @@ def test_bad_bodies_are_refused_by_default(env, body):
     assert bucket_level(env, "sk-bad") in (None, BIG)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "known at 25ac6bb, failing in every run here: a charge_most body that the upstream answers with 400 is settled as an upstream error (the 4,096 allowance given back, the prompt kept), though the README says charge_most is never settled; which side is right is for the filter's owner (issue 24 changes tests only)"))
 def test_bad_bodies_are_charged_the_most_when_configured(env):
     # tokens.unreadable_body: charge_most: its bytes as tokens plus the output cap.
     port = env.start([{"name": "tpm", "tokens": BIG, "window": LONG}],
