@@ -6,6 +6,7 @@ own, and a 401 that names the credential of the caller's own API."""
 
 import json
 import re
+import time
 
 from stack import anthropic, send
 
@@ -25,6 +26,24 @@ def test_a_429_carries_retry_after_ms_and_an_ietf_t_that_agrees_with_retry_after
     assert t == retry_after, f"IETF t={t} beside retry-after {retry_after}: {refused['ratelimit']}"
     # The filter's own reply has a request id under both names; the upstream's replies are its own.
     assert refused["x-request-id"] and refused["request-id"] == refused["x-request-id"]
+
+
+def test_a_client_that_waits_retry_after_finds_room(backend):
+    """README ("What a client sees"): "`Retry-After` is in whole seconds, rounded up: a
+    client that waits that long finds room." One request per 3 s: the refusal's wait is
+    under 3 s, and a client that waits its `Retry-After` from the refusal's arrival is
+    admitted. A wait rounded down (2 s for 2.9) sends that client back too early: refused."""
+    port, _ = backend.envoy(backend.filter_config([{"name": "rp3s", "requests": 1, "window": "3s"}]))
+    assert send(port, key="sk-waits").status == 200
+    refused = send(port, key="sk-waits")
+    assert refused.status == 429, refused
+    wait, wait_ms = int(refused.headers["retry-after"]), int(refused.headers["retry-after-ms"])
+    assert 1 <= wait <= 3 and 0 < wait_ms <= 3_000, refused.headers
+    # The client's side of the contract is time, not state: it waits that long, then asks.
+    while time.monotonic() < refused.done + wait:
+        time.sleep(0.01)
+    admitted = send(port, key="sk-waits")
+    assert admitted.status == 200, (wait, wait_ms, admitted)
 
 
 def test_the_401_names_each_apis_own_credential_and_carries_a_request_id(backend):

@@ -2,6 +2,7 @@
 loading and NOSCRIPT recovery, Redis outages, and Redis Cluster."""
 
 import json
+import socket
 import subprocess
 import time
 import urllib.request
@@ -15,17 +16,65 @@ from stack import http_get, wait_until
 TOKEN = "companion-test-token"
 
 
-def call(port, body, token=TOKEN, path="/v1/token_bucket"):
+def call(port, body, token=TOKEN, path="/v1/token_bucket", timeout=5):
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
     headers = {"content-type": "application/json"}
     if token is not None:
         headers["x-llmrl-token"] = token
     request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data, headers=headers)
     try:
-        with urllib.request.urlopen(request, timeout=5) as resp:
+        with urllib.request.urlopen(request, timeout=timeout) as resp:
             return resp.status, json.loads(resp.read())
     except urllib.error.HTTPError as err:
         return err.code, json.loads(err.read())
+
+
+def send_only(port, body, path="/v1/token_bucket"):
+    """Writes one call on a connection of its own and returns the socket, unanswered (read
+    it with `answer`): the caller knows the request is written before it goes on."""
+    data = json.dumps(body).encode()
+    sock = socket.create_connection(("127.0.0.1", port), timeout=60)
+    sock.sendall(f"POST {path} HTTP/1.1\r\nhost: companion\r\ncontent-type: application/json\r\n"
+                 f"x-llmrl-token: {TOKEN}\r\nconnection: close\r\ncontent-length: {len(data)}\r\n\r\n".encode() + data)
+    return sock
+
+
+def answer(sock):
+    """The status and JSON body of a call written by `send_only`, once it comes."""
+    reply = b""
+    while chunk := sock.recv(65536):
+        reply += chunk
+    sock.close()
+    head, _, payload = reply.partition(b"\r\n\r\n")
+    return int(head.split(b" ", 2)[1]), json.loads(payload)
+
+
+def companion_has_read(port):
+    """The companion serves on one thread: once it has answered requests sent after the
+    calls written so far, it has read those calls and queued their script calls."""
+    for _ in range(3):
+        assert http_get(f"http://127.0.0.1:{port}/metrics", timeout=30)[0] == 200
+
+
+@pytest.fixture
+def pausable(stack):
+    """A companion whose Redis a test pauses (`pause`) until its calls are all in the
+    companion, not for a fixed time a loaded machine may spend before they arrive: its
+    Redis calls may wait that long without timing out. Unpaused at the end whatever happens."""
+    _, redis_port = stack.redis()
+    _, port = stack.companion(f"redis://127.0.0.1:{redis_port}", TOKEN, extra=["--key-prefix", "t1:"],
+                              redis_timeout="30s")
+    store = redis.Redis(port=redis_port)
+    yield store, port
+    store.execute_command("CLIENT", "UNPAUSE")
+
+
+def pause(store):
+    store.execute_command("CLIENT", "PAUSE", 60_000, "WRITE")
+
+
+def blocked_in_redis(store):
+    return any(c["cmd"] in ("evalsha", "eval") and "b" in c["flags"] for c in store.client_list())
 
 
 def bucket_request(tenant, capacity=3, names=("rpm",)):
@@ -80,9 +129,9 @@ def test_enforces_limits_in_prefixed_hash_tagged_keys(single):
     assert keys == ["t1:{llm:tenant1}:tb:rpd", "t1:{llm:tenant1}:tb:rpm"]
 
 
-def settlement(tenant, reservation, credit):
+def settlement(tenant, reservation, credit, window_ms=3_600_000):
     return {"domain": "llm", "tenant": tenant, "reservation": reservation,
-            "limits": [{"name": "tpm", "capacity": 1000, "window_ms": 3_600_000, "credit": credit}]}
+            "limits": [{"name": "tpm", "capacity": 1000, "window_ms": window_ms, "credit": credit}]}
 
 
 def test_settles_each_reservation_once(single):
@@ -183,12 +232,16 @@ def test_settles_a_large_batch_in_few_script_calls(single):
     _, redis_port, port = single
     store = redis.Redis(port=redis_port)
     tenants = [f"bulk{i}" for i in range(50)]
+    # A window of 366 days: the buckets refill 0.003 tokens in 100 s, so the levels below
+    # are the charges and credits alone however slowly a loaded machine sends them (with an
+    # hour's window, 3.6 s of sending moved them by a token).
+    year = 366 * 86_400_000
     for i in range(250):
         charge = {"domain": "llm", "tenant": tenants[i % 50], "reservation": {"id": f"r{i}", "ttl_ms": 60_000},
-                  "limits": [{"name": "tpm", "capacity": 1000, "window_ms": 3_600_000, "cost": 100}]}
+                  "limits": [{"name": "tpm", "capacity": 1000, "window_ms": year, "cost": 100}]}
         assert call(port, charge)[1]["allowed"]
-    settlements = [settlement(tenants[i % 50], f"r{i}", 60) for i in range(250)]
-    settlements += [settlement(tenants[i], f"unknown{i}", 60) for i in range(10)]
+    settlements = [settlement(tenants[i % 50], f"r{i}", 60, window_ms=year) for i in range(250)]
+    settlements += [settlement(tenants[i], f"unknown{i}", 60, window_ms=year) for i in range(10)]
     before = script_calls(store)
     status, reply = call(port, {"settlements": settlements}, path="/v1/settle")
     assert status == 200 and reply["results"] == ["applied"] * 250 + ["already_settled"] * 10
@@ -201,45 +254,50 @@ def test_settles_a_large_batch_in_few_script_calls(single):
     assert float(store.hget(f"t1:{{llm:{tenants[0]}}}:tb:tpm", "tokens")) == pytest.approx(800, abs=1)
 
 
-def test_charges_arriving_together_share_a_script_call(single):
+def test_charges_arriving_together_share_a_script_call(pausable):
     """While a script call is out, the calls that arrive wait and go together in the next:
     with Redis paused, 32 concurrent charges cost two or three script calls, and each is
     still charged on its own."""
-    _, redis_port, port = single
-    store = redis.Redis(port=redis_port)
+    store, port = pausable
     before = script_calls(store)
-    store.execute_command("CLIENT", "PAUSE", 300, "WRITE")
-    with ThreadPoolExecutor(32) as pool:
-        replies = list(pool.map(lambda i: call(port, bucket_request(f"together{i % 4}", capacity=10)), range(32)))
+    pause(store)
+    sockets = [send_only(port, bucket_request(f"together{i % 4}", capacity=10)) for i in range(32)]
+    wait_until(lambda: blocked_in_redis(store), 30, "the first charge's script call blocked in Redis")
+    companion_has_read(port)
+    store.execute_command("CLIENT", "UNPAUSE")
+    replies = [answer(sock) for sock in sockets]
     assert [status for status, _ in replies] == [200] * 32
     # Four tenants of capacity 10, eight charges each: all admitted, 2 left each.
     assert sorted(reply["limits"][0]["remaining"] for _, reply in replies) == sorted(list(range(2, 10)) * 4)
     assert script_calls(store) - before <= 3
 
 
-def test_a_charge_goes_before_a_backlog_of_settlements(single):
+def test_a_charge_goes_before_a_backlog_of_settlements(pausable):
     """A proxy's settlements flushed in bulk (here 1,000 while Redis is paused) wait behind
     a charge that arrives after them: the charge is answered first, and every settlement
     is still applied."""
-    _, redis_port, port = single
-    store = redis.Redis(port=redis_port)
+    store, port = pausable
     for i in range(1000):
-        store.set(f"t1:{{llm:backlog}}:res:r{i}", "0", px=60_000)
+        store.set(f"t1:{{llm:backlog}}:res:r{i}", "0", px=600_000)
     backlog = {"settlements": [settlement("backlog", f"r{i}", 1) for i in range(1000)]}
     answered = {}
 
-    def timed(name, body, path):
-        reply = call(port, body, path=path)
-        answered[name] = time.monotonic()
+    def settle():
+        reply = call(port, backlog, path="/v1/settle", timeout=60)
+        answered["settlements"] = time.monotonic()
         return reply
 
-    store.execute_command("CLIENT", "PAUSE", 300, "WRITE")
-    with ThreadPoolExecutor(2) as pool:
-        settled = pool.submit(timed, "settlements", backlog, "/v1/settle")
+    pause(store)
+    with ThreadPoolExecutor(1) as pool:
+        settled = pool.submit(settle)
         # The settlements are out first: their script call waits in the paused Redis.
-        wait_until(lambda: any(c["cmd"] in ("evalsha", "eval") and "b" in c["flags"] for c in store.client_list()), 5,
-                   "the settlements' script call blocked in Redis")
-        charged = pool.submit(timed, "charge", bucket_request("eager"), "/v1/token_bucket")
-        assert charged.result()[0] == 200 and charged.result()[1]["allowed"]
+        wait_until(lambda: blocked_in_redis(store), 30, "the settlements' script call blocked in Redis")
+        charge = send_only(port, bucket_request("eager"))
+        companion_has_read(port)
+        assert not settled.done(), "Redis is still paused: nothing was settled yet"
+        store.execute_command("CLIENT", "UNPAUSE")
+        status, reply = answer(charge)
+        answered["charge"] = time.monotonic()
+        assert status == 200 and reply["allowed"], reply
         assert settled.result() == (200, {"results": ["applied"] * 1000})
     assert answered["charge"] < answered["settlements"]

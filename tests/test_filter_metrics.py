@@ -14,7 +14,7 @@ import yaml
 import redis
 
 from conftest import openai_chat_prompt_tokens
-from stack import Backend, bucket_level, chat, free_port, http_get, send, wait_until
+from stack import Backend, bucket_level, chat, filter_config_of, free_port, http_get, send, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 DASHBOARD = ROOT / "deploy/grafana/llm-ratelimit.json"
@@ -100,7 +100,7 @@ def traffic(module_stack):
     companion = http_get(f"http://127.0.0.1:{backend.companion_port}/metrics")[1].decode()
     companion_names = {m.group(1) for line in companion.splitlines() if (m := SAMPLE.match(line))}
     assert companion_names
-    return {"replies": replies, "samples": samples, "degraded": degraded, "admin_port": admin_port,
+    return {"replies": replies, "samples": samples, "degraded": degraded, "admin_port": admin_port, "port": port,
             "companion_names": companion_names, "backend": backend}
 
 
@@ -185,6 +185,44 @@ def test_no_label_carries_a_tenant_or_a_key(traffic):
     for name, labels in traffic["samples"]:
         if name.startswith("llm_ratelimit"):
             assert not any(tenant_like.search(v) for _, v in labels), (name, labels)
+
+
+# README "Metrics": "4 counters per limit, 4 counters and 2 gauges per model rule, a gauge
+# per limit in lease mode: 114 for the demo's three limits and the 16 built-in rules and
+# catch-all, whatever the traffic".
+LABELLED = ("llm_ratelimit_decisions_total", "llm_ratelimit_tokens_total", "llm_ratelimit_lease_bound",
+            "llm_ratelimit_prompt_factor_thousandths", "llm_ratelimit_output_prior_tokens")
+BUILT_IN_RULES_AND_CATCH_ALL = 16 + 1
+
+
+def labelled_series(samples: dict) -> set:
+    return {(name, labels) for name, labels in samples if name in LABELLED}
+
+
+def test_the_labelled_series_are_fixed_by_the_config(traffic):
+    """The number of labelled series is the README's arithmetic over the config (this
+    one: two limits, no lease, no rule of its own), and traffic that invents tenants and
+    models adds none."""
+    before = labelled_series(traffic["samples"])
+    rules = {dict(labels)["model_rule"] for name, labels in before if name == "llm_ratelimit_tokens_total"}
+    assert len(rules) == BUILT_IN_RULES_AND_CATCH_ALL, sorted(rules)
+    assert len(before) == 4 * len(LIMITS) + (4 + 2) * BUILT_IN_RULES_AND_CATCH_ALL, sorted(before)
+    demo_limits = filter_config_of(yaml.safe_load((ROOT / "envoy/demo.yaml").read_text()))["limits"]
+    assert 4 * len(demo_limits) + (4 + 2) * BUILT_IN_RULES_AND_CATCH_ALL == 114, "the README's figure for the demo"
+    # New tenants asking for models no rule names, and one rule's variants: admitted and
+    # settled, counted under the catch-all or their rule, never as series of their own.
+    for i, model in enumerate(["invented-model-1", "invented-model-2", "gpt-4o-2099-01-01", "claude-made-up"]):
+        assert send(traffic["port"], key=f"sk-metrics-new-{i}", body=chat("hi", model=model, max_tokens=5)).status == 200
+    other = series("llm_ratelimit_tokens_total", model_rule="other", gen_ai_token_type="input", token_stage="reserved")
+    deadline = time.monotonic() + 10
+    while True:
+        after = scrape(traffic["admin_port"])
+        reserved_other = after.get((other[0], frozenset(other[1])), 0)
+        if reserved_other > value(traffic["samples"], other[0], **dict(other[1])) or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert reserved_other > value(traffic["samples"], other[0], **dict(other[1])), "the new models were counted"
+    assert labelled_series(after) == before
 
 
 def queried_metrics() -> set[str]:

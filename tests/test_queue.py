@@ -97,13 +97,16 @@ def test_low_priority_is_never_starved(env):
 
 
 def test_a_hopeless_wait_is_refused_at_once(env):
-    port = env([{"name": "rps", "requests": 2, "window": "1s"}], {**QUEUE, "max_wait": "300ms"})
+    # The next request fits in 10 s, far beyond max_wait however slowly the two before it
+    # went (with 2 a second and 300 ms, a loaded machine's 200 ms made the wait hopeful).
+    port = env([{"name": "rp20s", "requests": 2, "window": "20s"}], {**QUEUE, "max_wait": "3s"})
     assert [send(port, "sk-h")[0] for _ in range(2)] == [200, 200]
     reply = send(port, "sk-h")
     status, headers, _ = reply
-    started, done = reply.started, reply.done
     assert status == 429
-    assert done - started < 0.25, "the retry time (500 ms) is beyond max_wait: no waiting"
+    assert int(headers["retry-after"]) > 3, headers
+    # Refused without waiting: a wait would have lasted max_wait.
+    assert reply.elapsed < 3.0, "the retry time is beyond max_wait: no waiting"
     assert "x-llm-ratelimit-queued-ms" not in headers
 
 
@@ -122,7 +125,10 @@ def test_a_token_refusal_waits_for_what_settlements_give_back(env):
         second = send(port, "sk-settle", chat(max_tokens=900), headers={"x-mock-completion-tokens": "10"})
         assert first.result().status == 200
     assert second.status == 200, second.body
-    assert second.done > first.result().done, "admitted after the first settled, not before"
+    # The first's reply cannot end, nor settle, sooner than its 600 ms first-token delay: the
+    # second, answered after that, was admitted by the settlement. (Which client reads its
+    # last byte first is a race once both are answered: 0.2 ms apart in a loaded run.)
+    assert second.done >= first.result().started + 0.6, "admitted after the first settled, not before"
     assert int(second.headers["x-llm-ratelimit-queued-ms"]) >= 200
 
 
@@ -155,8 +161,9 @@ def test_a_client_that_gives_up_while_queued_leaves_nothing_behind(env):
         time.sleep(0.05)
     reply = send(port, "sk-leave")
     status, headers, _ = reply
-    started, done = reply.started, reply.done
-    assert status == 200 and done - started < 0.3
+    # Admitted at once: it did not wait in the queue for a token the abandoned one took
+    # (said by the queue's own header, not by a latency a loaded machine may exceed).
+    assert status == 200 and "x-llm-ratelimit-queued-ms" not in headers, headers
     # Records remain only for the two admitted requests, and only while a cancellation
     # could still come (max_wait + 10 s): the abandoned request left none.
     records = env.redis.keys("llmrl:*:res:*")
