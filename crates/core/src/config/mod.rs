@@ -10,17 +10,19 @@
 mod compile;
 #[cfg(test)]
 pub(crate) use compile::slot_key;
+mod effective;
 mod error;
 mod policy;
 pub mod shape;
 #[cfg(test)]
 mod tests;
 
+pub use effective::effective;
 pub use error::ConfigError;
 pub use policy::{
     Bypass, Companion, Dimension, FailureMode, Fallback, HeaderStyle, Identity, LeaseConfig, Limit, Measure, Memory,
     Mode, ModelPolicy, Policy, Price, PriceEntry, QueueConfig, Secret, Slots, TierConfig, TokenCount, TokenPolicy,
-    UnknownPaths, UnreadableBody,
+    UnknownPaths, UnreadableBody, REDACTED,
 };
 // Types of the policy's fields that belong to the modules that act on them.
 pub use crate::dialect::ErrorFormat;

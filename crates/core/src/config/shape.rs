@@ -13,12 +13,12 @@ use crate::duration::parse_duration;
 use crate::identity::{IdentitySource, MissingIdentity};
 use crate::reservation::UpstreamErrorCharge;
 use crate::tokens::{self, Encoding};
-use serde::{Deserialize, Deserializer};
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use std::collections::BTreeMap;
 use std::time::Duration;
 
 /// The whole plugin configuration.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct Document {
     /// Where the companion (the service that runs the Lua scripts in Redis) is reached.
@@ -90,7 +90,7 @@ impl Document {
     }
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct Companion {
     /// The callout target, taken verbatim: an Envoy cluster name, or `host:port` on hosts
@@ -112,7 +112,7 @@ pub struct Companion {
     pub timeout: ConfigDuration,
 }
 
-#[derive(Debug, Clone, Default, Deserialize)]
+#[derive(Debug, Clone, Default, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct Identity {
     /// The operator's own credential headers, all read (two that disagree refuse the
@@ -126,7 +126,7 @@ pub struct Identity {
 
 /// A limit as written: one of `requests`, `tokens`, `concurrency` and `usd` says what it
 /// counts and how much.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct Limit {
     /// Names the counter in Redis and in headers and 429 bodies.
@@ -163,7 +163,7 @@ pub struct Limit {
     pub algorithm: Algorithm,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Algorithm {
     /// Refills continuously: bursts up to the limit, then the refill rate.
@@ -174,7 +174,7 @@ pub enum Algorithm {
 }
 
 /// Concurrency slots.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Slots {
     /// How long a slot lives unless renewed: the filter renews the slots of live requests
@@ -189,7 +189,7 @@ impl Default for Slots {
 }
 
 /// How prompts are counted, completions estimated, and reservations settled.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Tokens {
     /// Encoding for models no rule matches.
@@ -264,6 +264,20 @@ impl<'de> Deserialize<'de> for ModelRule {
     }
 }
 
+impl Serialize for ModelRule {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::{Error, SerializeMap};
+        let rule = serde_json::to_value(&self.rule).map_err(S::Error::custom)?;
+        let fields = rule.as_object().into_iter().flatten();
+        let mut map = serializer.serialize_map(None)?;
+        for (key, value) in fields {
+            map.serialize_entry(key, value)?;
+        }
+        map.serialize_entry("expected_output", &self.expected_output)?;
+        map.end()
+    }
+}
+
 impl Default for Tokens {
     fn default() -> Self {
         Tokens {
@@ -290,7 +304,7 @@ impl Default for Tokens {
 }
 
 /// The degraded mode: how the proxy decides alone, and when it stops asking.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Fallback {
     /// How many proxy instances share the limits: each decides alone with this share.
@@ -303,7 +317,7 @@ pub struct Fallback {
 
 /// How much per-tenant state one proxy keeps: fixed tables in shared data, so memory is
 /// bounded whatever the number of tenants or model names clients send.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Memory {
     /// Entries of the tenant tables (leases, and local buckets in the degraded mode); a
@@ -327,7 +341,7 @@ impl Default for Fallback {
 
 /// Leased budgets: most requests are admitted from a block of budget this proxy holds,
 /// with no callout.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Lease {
     pub enabled: bool,
@@ -357,7 +371,7 @@ impl Default for Lease {
 }
 
 /// Requests never limited.
-#[derive(Debug, Clone, Default, Deserialize)]
+#[derive(Debug, Clone, Default, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Bypass {
     /// Tenant ids (as the filter derives them: the first 32 hex digits of SHA-256 over
@@ -368,7 +382,7 @@ pub struct Bypass {
 }
 
 /// A price-table entry: a model pattern and its price.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct PriceEntry {
     /// Model name, `*` matching any run of characters.
@@ -380,7 +394,7 @@ pub struct PriceEntry {
 }
 
 /// Where a tenant's tier comes from.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct Tier {
     /// A request header carrying the tier, set by something the operator trusts (a JWT
@@ -395,7 +409,7 @@ pub struct Tier {
 }
 
 /// Waiting for capacity instead of an instant 429.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Queue {
     /// The longest a request waits for capacity; "0s" turns queueing off. A request whose
@@ -439,6 +453,21 @@ impl<'de> Deserialize<'de> for ConfigDuration {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
         let text = String::deserialize(deserializer)?;
         parse_duration(&text).map(ConfigDuration).map_err(serde::de::Error::custom)
+    }
+}
+
+/// In the largest unit that writes it whole (`"15m"`, `"500ms"`), as an operator would.
+impl Serialize for ConfigDuration {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        const UNITS: [(u128, &str); 5] =
+            [(86_400_000_000, "d"), (3_600_000_000, "h"), (60_000_000, "m"), (1_000_000, "s"), (1_000, "ms")];
+        let micros = self.0.as_micros();
+        let text = match UNITS.iter().find(|(unit, _)| micros % unit == 0) {
+            _ if micros == 0 => "0s".to_string(),
+            Some((unit, name)) => format!("{}{name}", micros / unit),
+            None => format!("{}ms", micros as f64 / 1000.0),
+        };
+        serializer.serialize_str(&text)
     }
 }
 
