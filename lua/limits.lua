@@ -118,7 +118,7 @@
 -- continuously and hold fractional tokens. A written bucket expires when it would be full
 -- again (a missing key and a full bucket are the same state); a slot set expires when its
 -- last slot would.
--- The Rust model of the token buckets is crates/core/src/bucket.rs;
+-- The Rust model of the token buckets is crates/core/src/accounting/bucket.rs;
 -- tests/cases/token_bucket.json is the case table both are tested with. The sliding windows
 -- and slots are modelled by the fake companion (crates/core/src/testing.rs), tested with
 -- this script against tests/cases/windows_and_slots.json.

@@ -1,11 +1,18 @@
 #!/usr/bin/env python3
-"""Fails on an import cycle between the core's top-level modules and folders.
+"""Fails on an import upward or in a cycle between the core's layers.
 
 Reads every non-test `.rs` file under a crate's `src/`, collects the `crate::…` and
-`super::…` paths it names (in `use` lines and inline), maps each to the top-level unit it
-lands in (a folder such as `providers/`, or a flat module such as `charge.rs`), and looks
-for strongly connected components in that graph: each one of more than one unit is a
-cycle, which layers going downward only cannot have.
+`super::…` paths it names (in `use` lines and inline), and maps each to the top-level unit it
+lands in (a layer folder such as `providers/`, or a flat module such as `worker.rs`).
+
+The layer order is the drawing in the crate doc of `lib.rs` (a ```text block, top layer
+first, one layer a line: its unit's name, then two spaces and what it holds; indented lines
+continue the one above). A unit may name only its own layer and the layers below it; a
+unit the drawing does not place fails too, so a new module is given its place. Without a
+drawing (small trees in the tests) only cycles are looked for.
+
+Cycles: strongly connected components of more than one unit in that graph, which layers
+going downward only cannot have; and within each layer folder, between its modules.
 
 The cycles still to be broken are listed in `scripts/layer_cycles.txt` (one per line, its
 units sorted, space-separated): a cycle not in that list fails, and so does a listed one
@@ -25,6 +32,8 @@ USE_GROUP = re.compile(r"\buse\s+crate::\{([^;]*)\};", re.S)
 # Test code imports anything it tests; it is not a layer.
 TEST_FILES = re.compile(r"(^|_)tests?\.rs$|^testing\.rs$")
 TEST_MODULE = re.compile(r"^\s*#\[cfg\(test\)\]\s*\n\s*mod\s+\w+\s*\{", re.M)
+DRAWING = re.compile(r"^//! ```text\n(.*?)^//! ```", re.M | re.S)
+LAYER_LINE = re.compile(r"^//! ([a-z_]+(?:, [a-z_]+)*)(?:\s{2,}|$)")
 
 
 def module_of(src: Path, file: Path) -> list[str]:
@@ -35,8 +44,8 @@ def module_of(src: Path, file: Path) -> list[str]:
     return parts
 
 
-def references(text: str, module: list[str]) -> set[str]:
-    """The top-level units `text` (the file of `module`) names through `crate::`/`super::`."""
+def paths(text: str, module: list[str]) -> set[tuple[str, ...]]:
+    """The crate paths `text` (the file of `module`) names through `crate::`/`super::`."""
     cut = TEST_MODULE.search(text)
     if cut:
         text = text[: cut.start()]
@@ -44,9 +53,9 @@ def references(text: str, module: list[str]) -> set[str]:
     found = set()
     for group in USE_GROUP.finditer(text):
         for item in re.split(r"[,\s]+", group.group(1)):
-            name = item.split("::")[0].strip("{} ")
-            if name and name != "self":
-                found.add(name)
+            segments = tuple(s for s in item.strip("{} ").split("::") if s)
+            if segments and segments[0] != "self":
+                found.add(segments)
     for match in PATH.finditer(text):
         segments = [s for s in match.group(2).split("::") if s and s != "{"]
         if match.group(1) == "super":
@@ -56,21 +65,64 @@ def references(text: str, module: list[str]) -> set[str]:
                 base = base[:-1]
             segments = base + segments
         if segments:
-            found.add(segments[0])
+            found.add(tuple(segments))
     return found
 
 
-def graph(src: Path) -> dict[str, set[str]]:
-    units: dict[str, set[str]] = {}
+def references(text: str, module: list[str]) -> set[str]:
+    """The top-level units `text` (the file of `module`) names through `crate::`/`super::`."""
+    return {path[0] for path in paths(text, module)}
+
+
+def layer_files(src: Path):
+    """(file, module path) of every non-test source file below lib.rs."""
     for file in sorted(src.rglob("*.rs")):
         if TEST_FILES.search(file.name) or file.name == "build.rs":
             continue
         module = module_of(src, file)
-        if not module:  # lib.rs: declares the units, imports none of them
-            continue
+        if module:  # lib.rs: declares the units, imports none of them
+            yield file, module
+
+
+def graph(src: Path) -> dict[str, set[str]]:
+    units: dict[str, set[str]] = {}
+    for file, module in layer_files(src):
         unit = module[0]
         units.setdefault(unit, set()).update(references(file.read_text(), module) - {unit})
     return {unit: {d for d in deps if d in units} for unit, deps in units.items()}
+
+
+def folder_graph(src: Path, unit: str) -> dict[str, set[str]]:
+    """Within layer folder `unit`, which of its modules name which (its mod.rs, the
+    folder's own face, is not one of them)."""
+    inner: dict[str, set[str]] = {}
+    for file, module in layer_files(src):
+        if module[0] != unit or len(module) < 2:
+            continue
+        named = {path[1] for path in paths(file.read_text(), module) if path[0] == unit and len(path) > 1}
+        inner.setdefault(module[1], set()).update(named - {module[1]})
+    return {name: {d for d in deps if d in inner} for name, deps in inner.items()}
+
+
+def layers(src: Path) -> list[list[str]] | None:
+    """The layers drawn in `lib.rs`'s crate doc, bottom first; None if there is no drawing."""
+    lib = src / "lib.rs"
+    drawing = DRAWING.search(lib.read_text()) if lib.exists() else None
+    if not drawing:
+        return None
+    drawn = [LAYER_LINE.match(line) for line in drawing.group(1).splitlines()]
+    return [m.group(1).split(", ") for m in reversed(drawn) if m]
+
+
+def upward(edges: dict[str, set[str]], order: list[list[str]]) -> list[str]:
+    """Imports of a layer above the importer's, and units the drawing does not place."""
+    rank = {unit: level for level, units in enumerate(order) for unit in units}
+    problems = [f"{unit}: not in the layers drawn in lib.rs; draw its place" for unit in sorted(edges) if unit not in rank]
+    for unit in sorted(edges):
+        for dep in sorted(edges[unit]):
+            if unit in rank and dep in rank and rank[dep] > rank[unit]:
+                problems.append(f"{unit} imports {dep}, a layer above it (layers import downward only)")
+    return problems
 
 
 def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
@@ -110,9 +162,14 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
 
 
 def check(src: Path, known: set[str]) -> list[str]:
-    """What is wrong: cycles not in `known`, and entries of `known` that are gone."""
-    present = {" ".join(c) for c in cycles(graph(src))}
-    problems = [f"import cycle: {c} (layers must import downward only)" for c in sorted(present - known)]
+    """What is wrong: imports upward, cycles not in `known`, and entries of `known` that are gone."""
+    edges = graph(src)
+    order = layers(src)
+    present = {" ".join(c) for c in cycles(edges)}
+    problems = upward(edges, order) if order is not None else []
+    for unit in sorted(edges):
+        problems += [f"import cycle in {unit}/: {' '.join(c)}" for c in cycles(folder_graph(src, unit))]
+    problems += [f"import cycle: {c} (layers must import downward only)" for c in sorted(present - known)]
     problems += [f"{c}: listed in layer_cycles.txt but gone; remove it" for c in sorted(known - present)]
     return problems
 
@@ -125,6 +182,9 @@ def main() -> int:
     known = set()
     if args.known.exists():
         known = {line.strip() for line in args.known.read_text().splitlines() if line.strip() and not line.startswith("#")}
+    if layers(args.src) is None:
+        print(f"check_layers: {args.src / 'lib.rs'} draws no layers (a ```text block in its crate doc)", file=sys.stderr)
+        return 1
     problems = check(args.src, known)
     for problem in problems:
         print(f"check_layers: {problem}", file=sys.stderr)

@@ -36,7 +36,7 @@ CHAT_PATH = "/v1/chat/completions"
 
 
 def tenant_of(api_key: str) -> str:
-    """The tenant id the filter derives from an API key (crates/core/src/identity.rs;
+    """The tenant id the filter derives from an API key (crates/core/src/api/identity.rs;
     pinned with it by tests/cases/keys.json)."""
     return hashlib.sha256(b"llm-ratelimit/tenant/v1\0" + api_key.encode()).hexdigest()[:32]
 

@@ -51,3 +51,70 @@ def test_grouped_uses_count_and_tests_and_comments_do_not(tmp_path):
     assert check_layers.cycles(check_layers.graph(src)) == []
     (src / "c.rs").write_text("use crate::a;\n")
     assert check_layers.cycles(check_layers.graph(src)) == [["a", "c"]]
+
+
+DRAWN = """//! The layers.
+//!
+//! ```text
+//! top           uses both below
+//! middle        uses base
+//!                 (a continued line)
+//! base          imports nothing
+//! ```
+pub mod base; pub mod middle; pub mod top;
+"""
+
+
+def test_the_order_is_read_from_the_drawing_in_lib_rs(tmp_path):
+    src = tree(tmp_path, {"lib.rs": DRAWN, "base.rs": "", "middle.rs": "", "top.rs": ""})
+    assert check_layers.layers(src) == [["base"], ["middle"], ["top"]]
+
+
+def test_an_upward_import_fails_and_downward_ones_pass(tmp_path):
+    src = tree(tmp_path, {
+        "lib.rs": DRAWN,
+        "base/mod.rs": "pub mod json;\n",
+        "base/json.rs": "",
+        "middle.rs": "",
+        "top.rs": "use crate::middle::X;\nuse crate::base::json::Y;\n",
+    })
+    assert check_layers.check(src, set()) == []
+    # No cycle here, only a lower layer naming a higher one: it must fail all the same.
+    (src / "base/json.rs").write_text("pub fn f() { crate::middle::g(); }\n")
+    assert check_layers.cycles(check_layers.graph(src)) == []
+    assert check_layers.check(src, set()) == ["base imports middle, a layer above it (layers import downward only)"]
+
+
+def test_a_unit_the_drawing_does_not_place_fails(tmp_path):
+    src = tree(tmp_path, {"lib.rs": DRAWN, "base.rs": "", "middle.rs": "", "top.rs": "", "stray.rs": "use crate::base;\n"})
+    assert check_layers.check(src, set()) == ["stray: not in the layers drawn in lib.rs; draw its place"]
+
+
+def test_a_cycle_between_the_modules_of_one_layer_fails(tmp_path):
+    src = tree(tmp_path, {
+        "lib.rs": DRAWN,
+        "base/mod.rs": "pub mod a; pub mod b;\n",
+        "base/a.rs": "use super::b::X;\n",
+        "base/b.rs": "",
+        "middle.rs": "",
+        "top.rs": "",
+    })
+    assert check_layers.check(src, set()) == []
+    (src / "base/b.rs").write_text("use crate::base::a::Y;\n")
+    assert check_layers.check(src, set()) == ["import cycle in base/: a b"]
+
+
+def test_the_real_core_fails_when_a_lower_layer_imports_a_higher_one(tmp_path):
+    """A copy of the core with one deliberate upward import (a base parser naming the
+    request lifecycle) fails the script the way `make lint` runs it."""
+    import shutil
+
+    src = tmp_path / "src"
+    shutil.copytree(ROOT / "crates/core/src", src)
+    json = src / "parse/json.rs"
+    json.write_text("use crate::lifecycle::RequestFilter;\n" + json.read_text())
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "scripts/check_layers.py"), "--src", str(src)], capture_output=True, text=True
+    )
+    assert run.returncode == 1
+    assert "parse imports lifecycle, a layer above it" in run.stderr

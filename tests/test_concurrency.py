@@ -76,13 +76,26 @@ def test_slots_are_released_on_error_and_on_disconnect(env):
     assert quick(port, headers={"x-mock-status": "500"})[0] == 500
     assert quick(port)[0] == 200, "the failed request released its slot"
     body = json.dumps({"model": "gpt-4o-mini", "stream": True, "messages": [{"role": "user", "content": "hi"}]}).encode()
-    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
-    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-cc\r\n"
-                 b"x-mock-completion-tokens: 500\r\nx-mock-chunk-delay-ms: 50\r\ncontent-type: application/json\r\n"
-                 + f"content-length: {len(body)}\r\n\r\n".encode() + body)
-    received = b""
-    while b"data: " not in received:
-        received += sock.recv(4096)
+
+    def open_stream():
+        """A long stream on a raw socket, once it has started; None while the last quick
+        request's own slot is still held (its release is a callout after its reply)."""
+        sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-cc\r\n"
+                     b"x-mock-completion-tokens: 500\r\nx-mock-chunk-delay-ms: 50\r\ncontent-type: application/json\r\n"
+                     + f"content-length: {len(body)}\r\n\r\n".encode() + body)
+        received = b""
+        while b"\r\n\r\n" not in received:
+            received += sock.recv(4096)
+        if received.startswith(b"HTTP/1.1 429"):
+            sock.close()
+            return None
+        assert received.startswith(b"HTTP/1.1 200"), received
+        while b"data: " not in received:
+            received += sock.recv(4096)
+        return sock
+
+    sock = wait_until(open_stream, 5, "the stream admitted")
     assert quick(port)[0] == 429, "the stream holds the only slot"
     sock.close()
     wait_until(lambda: quick(port)[0] == 200, 3, "the slot of the client that left")

@@ -53,7 +53,9 @@ def test_the_reported_usage_is_settled_thinking_included(provider_env, path, chu
     port = provider_env.start([{"name": "tpm", "tokens": BIG, "window": LONG},
                       {"name": "flash-tpm", "tokens": BIG, "window": LONG, "models": ["gemini-2.5-flash*"]}])
     key = "gk-usage"
-    headers = {"x-goog-api-key": key, "x-mock-thoughts-tokens": "7", "x-mock-cached-tokens": "3"}
+    # Vertex AI takes an OAuth access token, the Gemini API its key.
+    credential = {"authorization": f"Bearer {key}"} if path.startswith(VERTEX) else {"x-goog-api-key": key}
+    headers = {**credential, "x-mock-thoughts-tokens": "7", "x-mock-cached-tokens": "3"}
     if chunk_bytes:
         headers["x-mock-chunk-bytes"] = str(chunk_bytes)
     status, reply_headers, payload = send(port, None, gemini_body(HELLO), path=path, headers=headers)

@@ -1,5 +1,5 @@
 """lua/calibration.lua against a real redis-server, with the case table that the Rust
-model (crates/core/src/calibration.rs, Running::observe) is tested with; and on a
+model (crates/core/src/accounting/calibration.rs, Running::observe) is tested with; and on a
 three-node Redis Cluster."""
 
 import json

@@ -6,10 +6,10 @@
 //! and not only the CRC checks.
 #![no_main]
 use libfuzzer_sys::fuzz_target;
-use llm_ratelimit_core::eventstream::{encode, EventStreamDecoder, Message};
-use llm_ratelimit_core::usage::EventStreamUsage;
+use llm_ratelimit_core::parse::eventstream::{encode, EventStreamDecoder, Message};
+use llm_ratelimit_core::readers::usage::EventStreamUsage;
 use llm_ratelimit_core::tokens::Encoding;
-use llm_ratelimit_core::usage::ReportedUsage;
+use llm_ratelimit_core::readers::usage::ReportedUsage;
 
 const EVENTS: [&str; 5] = ["chunk", "contentBlockDelta", "metadata", "messageStart", "messageStop"];
 

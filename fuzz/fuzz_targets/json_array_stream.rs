@@ -4,9 +4,9 @@
 //! limit, and nothing panics.
 #![no_main]
 use libfuzzer_sys::fuzz_target;
-use llm_ratelimit_core::json_array_stream::JsonArrayStream;
+use llm_ratelimit_core::parse::json_array_stream::JsonArrayStream;
 use llm_ratelimit_core::tokens::Encoding;
-use llm_ratelimit_core::usage::{ReportedUsage, StreamUsage};
+use llm_ratelimit_core::readers::usage::{ReportedUsage, StreamUsage};
 
 const MAX_ELEMENT: usize = 1 << 12;
 

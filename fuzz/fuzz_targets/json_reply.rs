@@ -2,7 +2,7 @@
 //! every key, string and usage object gets cut somewhere): what was found, never a panic.
 #![no_main]
 use libfuzzer_sys::fuzz_target;
-use llm_ratelimit_core::usage::ReplyUsage;
+use llm_ratelimit_core::readers::usage::ReplyUsage;
 
 fuzz_target!(|data: &[u8]| {
     let Some((&size, body)) = data.split_first() else { return };

@@ -3,11 +3,11 @@
 //! the chunking.
 #![no_main]
 use libfuzzer_sys::fuzz_target;
-use llm_ratelimit_core::sse::UsageChunkRemover;
+use llm_ratelimit_core::parse::sse::UsageChunkRemover;
 use llm_ratelimit_core::tokens::Encoding;
-use llm_ratelimit_core::usage::StreamUsage;
+use llm_ratelimit_core::readers::usage::StreamUsage;
 
-fn read(stream: &[u8], cuts: &[u8]) -> (llm_ratelimit_core::usage::ReportedUsage, u64) {
+fn read(stream: &[u8], cuts: &[u8]) -> (llm_ratelimit_core::readers::usage::ReportedUsage, u64) {
     let mut usage = StreamUsage::new(Encoding::O200kBase, 1 << 16);
     let mut remover = UsageChunkRemover::default();
     let mut rest = stream;

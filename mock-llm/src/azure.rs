@@ -5,7 +5,7 @@
 //! on the JSON reply, and on a stream a first chunk with empty `choices` and no usage
 //! carrying them, as Azure sends it.
 
-use super::{chat_reply, openai_error, Mock};
+use super::{chat_reply, credentials, openai_error, Mock};
 use axum::body::{Body, Bytes};
 use axum::extract::{Path, State};
 use axum::http::{HeaderMap, StatusCode, Uri};
@@ -29,6 +29,15 @@ pub async fn deployment_chat(
     body: Bytes,
 ) -> Response {
     mock.received.fetch_add(1, Ordering::Relaxed);
+    match credentials::authenticate(credentials::Api::Azure, &headers, &uri, mock.args.accept_anonymous) {
+        Ok(fingerprint) => {
+            credentials::billed_to(deployment_reply(&mock, deployment, uri, headers, body).await, &fingerprint)
+        }
+        Err(refusal) => *refusal,
+    }
+}
+
+async fn deployment_reply(mock: &Mock, deployment: String, uri: Uri, headers: HeaderMap, body: Bytes) -> Response {
     if !uri.query().is_some_and(|q| q.split('&').any(|pair| pair.starts_with("api-version="))) {
         return openai_error(StatusCode::NOT_FOUND, "Resource not found");
     }
@@ -38,7 +47,7 @@ pub async fn deployment_chat(
     };
     let model = headers.get("x-mock-model").and_then(|v| v.to_str().ok()).map_or(deployment, str::to_string);
     request["model"] = json!(model);
-    let reply = chat_reply(&mock, &headers, &request, body.len()).await;
+    let reply = chat_reply(mock, &headers, &request, body.len()).await;
     if !reply.status().is_success() {
         return reply;
     }

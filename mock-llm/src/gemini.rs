@@ -15,6 +15,7 @@
 //! into pieces of n bytes instead of a response a piece. `x-mock-completion-tokens` on the
 //! reply is the billed output: candidates plus thoughts.
 
+use super::credentials;
 use super::{completion_text, forced_error, header_u64, json_response, pause, streamed, with_usage, Mock, Plan};
 use axum::body::Bytes;
 use axum::extract::{Path, State};
@@ -47,7 +48,7 @@ pub async fn vertex(
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
-    answer(mock, rest, uri, headers, body).await
+    answer(mock, credentials::Api::Vertex, rest, uri, headers, body).await
 }
 
 /// The Generative Language API's `/v1beta/models/{model}:{method}`.
@@ -58,12 +59,26 @@ pub async fn models(
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
-    answer(mock, rest, uri, headers, body).await
+    answer(mock, credentials::Api::Gemini, rest, uri, headers, body).await
 }
 
 /// `rest` is the path after `models/`: `{model}:{method}`.
-async fn answer(State(mock): State<Arc<Mock>>, rest: String, uri: Uri, headers: HeaderMap, body: Bytes) -> Response {
+async fn answer(
+    State(mock): State<Arc<Mock>>,
+    api: credentials::Api,
+    rest: String,
+    uri: Uri,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
     mock.received.fetch_add(1, Ordering::Relaxed);
+    match credentials::authenticate(api, &headers, &uri, mock.args.accept_anonymous) {
+        Ok(fingerprint) => credentials::billed_to(generate(&mock, rest, uri, headers, body).await, &fingerprint),
+        Err(refusal) => *refusal,
+    }
+}
+
+async fn generate(mock: &Mock, rest: String, uri: Uri, headers: HeaderMap, body: Bytes) -> Response {
     let Some((model, method)) = rest.rsplit_once(':') else {
         return google_error(StatusCode::NOT_FOUND, "Method not found.");
     };

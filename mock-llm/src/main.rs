@@ -37,10 +37,11 @@
 
 mod azure;
 mod controls;
+mod credentials;
 mod gemini;
 
 use axum::body::{Body, Bytes};
-use axum::http::{HeaderMap, StatusCode};
+use axum::http::{HeaderMap, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::serve::ListenerExt;
@@ -78,6 +79,10 @@ struct Args {
     /// access key id (a test credential, never a real one).
     #[arg(long, default_value = "mock-bedrock-secret")]
     aws_secret_access_key: String,
+    /// Answer requests that carry no credential, as a provider does behind a gateway
+    /// route that adds the operator's own key (an anonymous pool: `identity.missing`).
+    #[arg(long)]
+    accept_anonymous: bool,
 }
 
 fn per_byte(text: &str) -> Result<f64, String> {
@@ -251,13 +256,24 @@ fn read_json(body: &[u8]) -> serde_json::Result<Value> {
     serde_json::from_slice(body.strip_prefix(b"\xef\xbb\xbf".as_slice()).unwrap_or(body))
 }
 
-async fn chat_completions(mock: axum::extract::State<Arc<Mock>>, headers: HeaderMap, body: Bytes) -> Response {
+async fn chat_completions(
+    mock: axum::extract::State<Arc<Mock>>,
+    uri: Uri,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
     mock.received.fetch_add(1, Ordering::Relaxed);
+    // Azure's `/openai/v1/...` takes its own key or a Bearer token; OpenAI only the latter.
+    let api = if uri.path().starts_with("/openai/") { credentials::Api::Azure } else { credentials::Api::OpenAi };
+    let credential = match credentials::authenticate(api, &headers, &uri, mock.args.accept_anonymous) {
+        Ok(fingerprint) => fingerprint,
+        Err(refusal) => return *refusal,
+    };
     let request: Value = match read_json(&body) {
         Ok(value @ Value::Object(_)) => value,
         _ => return openai_error(StatusCode::BAD_REQUEST, "We could not parse the JSON body of your request."),
     };
-    chat_reply(&mock, &headers, &request, body.len()).await
+    credentials::billed_to(chat_reply(&mock, &headers, &request, body.len()).await, &credential)
 }
 
 /// The chat completion for a parsed request (also Azure's, see azure.rs).
@@ -323,9 +339,18 @@ async fn chat_reply(mock: &Mock, headers: &HeaderMap, request: &Value, body_len:
     with_usage(sse_response(events, plan.first_delay, plan.chunk_delay), &plan)
 }
 
-async fn messages(mock: axum::extract::State<Arc<Mock>>, headers: HeaderMap, body: Bytes) -> Response {
+async fn messages(mock: axum::extract::State<Arc<Mock>>, uri: Uri, headers: HeaderMap, body: Bytes) -> Response {
     mock.received.fetch_add(1, Ordering::Relaxed);
-    let request: Value = match serde_json::from_slice(&body) {
+    let credential =
+        match credentials::authenticate(credentials::Api::Anthropic, &headers, &uri, mock.args.accept_anonymous) {
+            Ok(fingerprint) => fingerprint,
+            Err(refusal) => return *refusal,
+        };
+    credentials::billed_to(anthropic_message(&mock, &headers, &body).await, &credential)
+}
+
+async fn anthropic_message(mock: &Mock, headers: &HeaderMap, body: &[u8]) -> Response {
+    let request: Value = match serde_json::from_slice(body) {
         Ok(value @ Value::Object(_)) => value,
         _ => return anthropic_error(StatusCode::BAD_REQUEST, "There was an error parsing the body of your request."),
     };
@@ -335,11 +360,11 @@ async fn messages(mock: axum::extract::State<Arc<Mock>>, headers: HeaderMap, bod
     if !request["messages"].is_array() {
         return anthropic_error(StatusCode::BAD_REQUEST, "messages: Field required");
     }
-    if let Some(status) = forced_error(&headers) {
+    if let Some(status) = forced_error(headers) {
         return anthropic_error(status, "The mock was asked to fail this request.");
     }
-    let plan = mock.plan(&headers, &request, body.len(), Some(max_tokens));
-    let reasoning = reply_controls::reasoning_tokens(&headers);
+    let plan = mock.plan(headers, &request, body.len(), Some(max_tokens));
+    let reasoning = reply_controls::reasoning_tokens(headers);
     let id = format!("msg_mock{:016}", plan.id);
     let words = completion_text(plan.completion_tokens);
     let stop_reason = if plan.truncated { "max_tokens" } else { "end_turn" };

@@ -7,7 +7,7 @@
 //! parsing, counting or deciding: what it costs over the empty filter is the ABI's share
 //! of llm-ratelimit's cost, the rest is the filter's own work.
 //!
-//! Kept in step with `crates/filter` and `crates/core/src/lifecycle.rs` on Envoy: the same
+//! Kept in step with the filter (`src/`) and `crates/core/src/lifecycle/` on Envoy: the same
 //! callbacks with the same actions, the same 50 ms root tick.
 
 use proxy_wasm::hostcalls;

@@ -8,7 +8,7 @@
 
 use crate::lint::{self, Plugin};
 use llm_ratelimit_core::config::Policy;
-use llm_ratelimit_core::host::HostKind;
+use llm_ratelimit_core::effects::host::HostKind;
 use llm_ratelimit_core::worker::{check_for_host, holds_request_headers};
 use serde_json::Value;
 use std::path::PathBuf;

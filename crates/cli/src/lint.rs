@@ -4,7 +4,7 @@
 //! with `--strict`). Each finding names the fields concerned and what to do.
 
 use llm_ratelimit_core::config::{FailureMode, Measure, Policy, TokenCount};
-use llm_ratelimit_core::host::HostKind;
+use llm_ratelimit_core::effects::host::HostKind;
 use serde_json::Value;
 use std::time::Duration;
 

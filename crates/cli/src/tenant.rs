@@ -2,8 +2,8 @@
 //! names them (its config compiled by the filter's own compiler, the key hashed by the
 //! filter's own function), and the call to the companion.
 
+use llm_ratelimit_core::api::identity::{is_tenant_id, tenant_id};
 use llm_ratelimit_core::config::{Limit, Policy};
-use llm_ratelimit_core::identity::{is_tenant_id, tenant_id};
 use llm_ratelimit_protocol::{LimitSpec, TenantLimits, TOKEN_HEADER};
 use serde::de::DeserializeOwned;
 use std::path::PathBuf;

@@ -2,7 +2,7 @@
 
 use crate::tenant::TenantArgs;
 use llm_ratelimit_core::config::{Dimension, Policy};
-use llm_ratelimit_core::decision::usd;
+use llm_ratelimit_core::replies::decision::usd;
 use llm_ratelimit_protocol::duration::format_reset;
 use llm_ratelimit_protocol::{LimitUsage, UsageReply, USAGE_PATH};
 

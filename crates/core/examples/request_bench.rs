@@ -4,7 +4,7 @@
 //! Prints one JSON line: requests, microseconds per request. Run it under
 //! `valgrind --tool=callgrind` for a repeatable per-function profile.
 
-use llm_ratelimit_core::host::HostKind;
+use llm_ratelimit_core::effects::host::HostKind;
 use llm_ratelimit_core::testing::{advance, FakeCompanion, Proxy, Request, World};
 use serde_json::json;
 use std::time::Instant;

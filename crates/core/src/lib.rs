@@ -1,63 +1,48 @@
 //! llm-ratelimit's core: everything the filter judges, as plain Rust with no proxy-wasm
-//! types, unit tested natively (and as wasm under Node). The cdylib in `crates/filter`
-//! only maps proxy-wasm callbacks onto it.
+//! types, unit tested natively (and as wasm under Node). The cdylib in the repository's
+//! top-level `src/` only maps proxy-wasm callbacks onto it.
 //!
-//! The modules in layers, each importing only from the layers below it
-//! (`scripts/check_layers.py`, run by `make lint` and `make test`, fails on an import
-//! cycle):
+//! One folder per layer, drawn top to bottom. A module imports only from its own layer
+//! and the layers below it: `scripts/check_layers.py` (run by `make lint`) reads the order
+//! from this drawing and fails on an import upward or a cycle. Only `effects`, `worker`
+//! and `lifecycle` take a `Host`.
 //!
 //! ```text
-//! worker                          per-VM state, background work (never a RequestFilter)
-//! lifecycle                       a request's life over the Host: admit, forward, settle
-//! calibration, tables, series     effects over the Host (shared data, metrics)
-//! host                            the Host trait, the timer period
-//! decision -> answers             what the client is told, in its API's shape
-//! reply                           a local reply and its headers
-//! charge, reservation, bucket,    pure accounting: plan, estimate, settle, buckets,
-//!   lease, breaker, settle_queue    leases, the breaker
-//! config, identity                the config compiled to policy; who a tenant is
-//! request, usage                  readers: a request body, a reply's usage (JSON, SSE,
-//!                                   JSON array, AWS event stream)
-//! providers::{gemini, azure,      each provider's paths, body and usage shapes; the one
-//!   bedrock}, providers             Route a path is read into
-//! api, dialect                    the shared vocabulary: Api, ReportedUsage, text of a
-//!                                   JSON value; whose error shape answers
-//! path, json, json_array_stream,  base parsers
-//!   sse, eventstream, tokens,
-//!   prompt_cache
-//! testing                         the fake host (tests only)
+//! lifecycle     a request's life over the Host: admit, forward, settle (the RequestFilter)
+//! worker        per-VM state and background work: leases, settlements, calibration
+//!                 exchange, the breaker (never a RequestFilter)
+//! effects       the Host trait (host); bounded tenant tables in shared data (tables);
+//!                 where calibrations are kept (calibration_store); the settle queue
+//! replies       what the client is told, in its API's shape: reply, answers, decision
+//! plan          what the policy makes of a request: the charge plan (charge), the
+//!                 metric series (series)
+//! config        the config, checked and compiled to policy
+//! accounting    pure limiter math: bucket, lease, breaker, reservation, reply_floor,
+//!                 calibration (the figures)
+//! readers       a request body (request); a reply's usage (usage: JSON, SSE, JSON
+//!                 array, AWS event stream)
+//! providers     each provider's paths, body and usage shapes; the one Route a path is
+//!                 read into
+//! api           the shared vocabulary: Api, ReportedUsage, text of a JSON value;
+//!                 whose error shape answers (dialect); who a tenant is (identity)
+//! tokens        tokenization; token counts remembered per VM (prompt_cache)
+//! parse         base parsers: json, sse, eventstream, json_array_stream, path
 //! ```
+//!
+//! `testing` (tests and the `testing` feature only) is the fake host; it may use anything.
 #![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing))]
 
-pub mod answers;
+pub mod accounting;
 pub mod api;
-pub mod breaker;
-pub mod bucket;
-pub mod calibration;
-pub mod charge;
 pub mod config;
-pub mod decision;
-pub mod dialect;
-pub mod eventstream;
-pub mod host;
-pub mod identity;
-mod json;
-pub mod json_array_stream;
-pub mod lease;
+pub mod effects;
 pub mod lifecycle;
-pub mod path;
-pub mod prompt_cache;
+pub mod parse;
+pub mod plan;
 pub mod providers;
-pub mod reply;
-pub mod reply_floor;
-pub mod request;
-pub mod reservation;
-pub mod series;
-pub mod settle_queue;
-pub mod sse;
-pub mod tables;
+pub mod readers;
+pub mod replies;
 pub mod tokens;
-pub mod usage;
 pub mod worker;
 
 /// A fake host for lifecycle tests: records host calls, plays each host's semantics.

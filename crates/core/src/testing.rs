@@ -7,16 +7,16 @@
 //! the Rust model of the Lua script, so tests run whole decisions natively.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
 
-use crate::bucket::{self, BucketState};
-use crate::calibration::Running;
-use crate::host::{Action, Host, HostKind, LogLevel, Metric, Owner, SharedWriteError};
+use crate::accounting::bucket::{self, BucketState};
+use crate::accounting::calibration::Running;
+use crate::effects::host::{Action, Host, HostKind, LogLevel, Metric, Owner, SharedWriteError};
 use crate::lifecycle::RequestFilter;
 use crate::protocol::{
     CalibrationExchange, CalibrationReply, ChargeRequest, LeaseRequest, LimitCharge, LimitKind, LimitOutcome,
     LimitStatus, LimitsReply, RuleFigures, RunningFigure, SettleOutcome, SettleReply, SettlementBatch,
     CALIBRATION_PATH, CHARGE_PATH, LEASE_PATH, RELEASE_PATH, SETTLE_PATH, TOUCH_PATH,
 };
-use crate::reply::LocalReply;
+use crate::replies::reply::LocalReply;
 use crate::worker::Worker;
 use serde_json::Value;
 use std::cell::RefCell;
@@ -158,7 +158,7 @@ impl FakeHost {
 
     /// What the filter stored under `key` (without its fingerprint), if it is this key's.
     pub fn shared_value(&mut self, key: &str) -> Option<Vec<u8>> {
-        crate::host::shared_read(self, key)
+        crate::effects::host::shared_read(self, key)
     }
 
     pub fn kind(&self) -> HostKind {

@@ -3,26 +3,26 @@
 //! settlement queue, the leases this VM renews and returns, the slots it keeps alive, and
 //! the callouts the root owns. No state lives anywhere else.
 
-use crate::breaker::{Breaker, Dispatch};
-use crate::calibration::LocalCalibrations;
+use crate::accounting::breaker::{Breaker, Dispatch};
+use crate::accounting::lease::{lease_asks, LeaseEntry, TenantLeases};
 use crate::config::Policy;
-use crate::host::{detect_kind, shared_read, shared_update, Host, HostKind, LogLevel, Metric, Owner};
-use crate::lease::{lease_asks, LeaseEntry, TenantLeases};
-use crate::prompt_cache::PromptCache;
+use crate::effects::calibration_store::LocalCalibrations;
+use crate::effects::host::{detect_kind, shared_read, shared_update, Host, HostKind, LogLevel, Metric, Owner};
+use crate::effects::settle_queue::{Queued, SettleQueue};
+use crate::effects::tables::{read_own, update_own, update_slot, Busy, TenantTable};
 use crate::protocol::keys;
 use crate::protocol::{
     Adjustment, CalibrationReply, LeaseAsk, LeaseRequest, LimitCharge, LimitKind, LimitsReply, SettleReply, Settlement,
     SettlementBatch, CALIBRATION_PATH, LEASE_PATH, SETTLE_PATH, TOKEN_HEADER, TOUCH_PATH,
 };
-use crate::settle_queue::{Queued, SettleQueue};
-use crate::tables::{read_own, update_own, update_slot, Busy, TenantTable};
+use crate::tokens::prompt_cache::PromptCache;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::rc::Rc;
 use std::time::Duration;
 
-pub use crate::host::TICK;
+pub use crate::effects::host::TICK;
 /// How often expired leases are looked for, in ticks.
 const EXPIRY_TICKS: u32 = 10;
 /// Most settlements in one callout: all a call may carry. The companion applies them in
@@ -152,14 +152,14 @@ impl Worker {
             // leases can cost other proxies (they never let proxies admit more).
             for limit in &config.limits {
                 let bound = (limit.capacity() as f64 * config.lease.max_fraction).ceil() as u64;
-                host.set_gauge(&crate::series::limit_gauge(crate::series::LEASE_BOUND, &limit.name), bound);
+                host.set_gauge(&crate::plan::series::limit_gauge(crate::plan::series::LEASE_BOUND, &limit.name), bound);
             }
         }
         if config.tokens.calibrate && config.counts_tokens() {
             // What the workers learned before this config (shared data outlives it).
             for (index, model) in config.tokens.all_rules() {
-                let learned = crate::calibration::read(host, &config, index);
-                crate::calibration::show(host, model, learned);
+                let learned = crate::effects::calibration_store::read(host, &config, index);
+                crate::effects::calibration_store::show(host, model, learned);
             }
         }
         self.config = Some(Rc::new(config));

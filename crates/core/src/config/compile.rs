@@ -15,7 +15,7 @@ use super::policy::{
     Policy, PriceEntry, QueueConfig, Slots, TierConfig, TokenPolicy,
 };
 use super::shape::{self, Algorithm, ConfigDuration, Document};
-use crate::identity::{is_tenant_id, IdentitySource};
+use crate::api::identity::{is_tenant_id, IdentitySource};
 use crate::protocol::credential::weakness;
 use crate::protocol::LimitKind;
 use std::collections::{BTreeMap, HashSet};
@@ -295,7 +295,7 @@ fn tokens(written: &shape::Tokens) -> Result<TokenPolicy, ConfigError> {
 
 /// `tokens.hidden_output_models`: bounded, so matching a request stays cheap.
 fn hidden_output_models(patterns: &[String]) -> Result<Vec<String>, ConfigError> {
-    use crate::reply_floor::{MAX_HIDDEN_OUTPUT_MODELS, MAX_MODEL_PATTERN_LEN};
+    use crate::accounting::reply_floor::{MAX_HIDDEN_OUTPUT_MODELS, MAX_MODEL_PATTERN_LEN};
     if patterns.len() > MAX_HIDDEN_OUTPUT_MODELS {
         return Err(invalid(
             "tokens.hidden_output_models",

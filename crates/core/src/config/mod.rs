@@ -25,9 +25,9 @@ pub use policy::{
     UnknownPaths, UnreadableBody, REDACTED,
 };
 // Types of the policy's fields that belong to the modules that act on them.
-pub use crate::dialect::ErrorFormat;
-pub use crate::identity::{IdentitySource, MissingIdentity};
-pub use crate::reservation::UpstreamErrorCharge;
+pub use crate::accounting::reservation::UpstreamErrorCharge;
+pub use crate::api::dialect::ErrorFormat;
+pub use crate::api::identity::{IdentitySource, MissingIdentity};
 
 impl Policy {
     /// Parses the plugin configuration and compiles it, outside a VM: a token named by

@@ -3,11 +3,11 @@
 //! measure is one enum, so no code downstream re-checks or re-derives anything. What each
 //! setting means for operators is documented on the shape (`super::shape`).
 
-use crate::dialect::ErrorFormat;
-use crate::identity::{IdentitySource, MissingIdentity};
-use crate::lease::LeasePolicy;
+use crate::accounting::lease::LeasePolicy;
+use crate::accounting::reservation::{TokenCounts, UpstreamErrorCharge};
+use crate::api::dialect::ErrorFormat;
+use crate::api::identity::{IdentitySource, MissingIdentity};
 use crate::protocol::LimitKind;
-use crate::reservation::{TokenCounts, UpstreamErrorCharge};
 use crate::tokens::{builtin_rules, glob_match, Encoding, ModelRule};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -44,7 +44,7 @@ pub struct Policy {
     pub deployments: BTreeMap<String, String>,
 }
 
-/// Sizes of the shared-data tables (see `crate::tables`).
+/// Sizes of the shared-data tables (see `crate::effects::tables`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Memory {
     pub tenant_slots: u32,
@@ -194,7 +194,7 @@ pub enum Mode {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum HeaderStyle {
-    /// The caller's API's own (see `crate::dialect`): OpenAI's for OpenAI's paths,
+    /// The caller's API's own (see `crate::api::dialect`): OpenAI's for OpenAI's paths,
     /// Anthropic's for Anthropic's; Google and Bedrock publish none.
     Provider,
     /// `x-ratelimit-{limit,remaining,reset}-{requests,tokens}` (and `-concurrency`).
@@ -411,7 +411,7 @@ pub struct TokenPolicy {
     pub reservation_ttl: Duration,
     pub on_upstream_error: UpstreamErrorCharge,
     pub request_stream_usage: bool,
-    pub on_client_abort: crate::reply_floor::ClientAbortCharge,
+    pub on_client_abort: crate::accounting::reply_floor::ClientAbortCharge,
     /// Models whose streams without usage are charged at least their reservation.
     pub hidden_output_models: Vec<String>,
     pub clamp_max_tokens: bool,
@@ -551,7 +551,7 @@ pub struct Bypass {
 }
 
 impl Bypass {
-    /// Whether `path`, normalised (`crate::path::normalised`), is bypassed: the path the
+    /// Whether `path`, normalised (`crate::parse::path::normalised`), is bypassed: the path the
     /// request is routed on, so `/v1/models*` cannot match `/v1/models/../chat/completions`.
     pub fn path(&self, path: &str) -> bool {
         self.paths.iter().any(|pattern| glob_match(pattern, path))

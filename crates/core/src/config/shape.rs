@@ -8,10 +8,10 @@
 
 use super::error::{invalid, ConfigError};
 use super::policy::{FailureMode, HeaderStyle, Mode, Price, Secret, TokenCount, UnknownPaths, UnreadableBody};
-use crate::dialect::ErrorFormat;
+use crate::accounting::reservation::UpstreamErrorCharge;
+use crate::api::dialect::ErrorFormat;
+use crate::api::identity::{IdentitySource, MissingIdentity};
 use crate::duration::parse_duration;
-use crate::identity::{IdentitySource, MissingIdentity};
-use crate::reservation::UpstreamErrorCharge;
 use crate::tokens::{self, Encoding};
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use std::collections::BTreeMap;
@@ -215,7 +215,7 @@ pub struct Tokens {
     /// (and remove the extra usage chunk from what the client receives).
     pub request_stream_usage: bool,
     /// What a client that leaves before the reply starts is charged.
-    pub on_client_abort: crate::reply_floor::ClientAbortCharge,
+    pub on_client_abort: crate::accounting::reply_floor::ClientAbortCharge,
     /// Models that can spend output the client does not see (`*` wildcards): a stream of
     /// theirs without usage is charged at least its reservation.
     pub hidden_output_models: Vec<String>,
@@ -291,8 +291,10 @@ impl Default for Tokens {
             reservation_ttl: ConfigDuration(Duration::from_secs(15 * 60)),
             on_upstream_error: UpstreamErrorCharge::default(),
             request_stream_usage: true,
-            on_client_abort: crate::reply_floor::ClientAbortCharge::default(),
-            hidden_output_models: crate::reply_floor::DEFAULT_HIDDEN_OUTPUT_MODELS.map(String::from).to_vec(),
+            on_client_abort: crate::accounting::reply_floor::ClientAbortCharge::default(),
+            hidden_output_models: crate::accounting::reply_floor::DEFAULT_HIDDEN_OUTPUT_MODELS
+                .map(String::from)
+                .to_vec(),
             clamp_max_tokens: false,
             min_output_tokens: 64,
             warm_up: true,

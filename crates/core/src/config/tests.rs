@@ -113,7 +113,7 @@ fn bypass_matches_paths_and_tenant_ids() {
     let json = r#"{"companion": {"upstream": "c", "token": "test-token-0123456789"}, "limits": [{"name": "rpm", "requests": 1, "window": "1s"}],
                    "bypass": {"paths": ["/v1/models*", "/healthz"], "tenants": ["0123456789abcdef0123456789abcdef"]}}"#;
     let bypass = Policy::from_json(json.as_bytes()).expect("config").bypass;
-    let bypassed = |raw: &str| bypass.path(&crate::path::normalised(raw));
+    let bypassed = |raw: &str| bypass.path(&crate::parse::path::normalised(raw));
     assert!(
         bypassed("/v1/models") && bypassed("/v1/models/gpt-4o?x=1") && bypassed("/healthz") && bypassed("//healthz/")
     );

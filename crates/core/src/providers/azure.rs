@@ -5,8 +5,8 @@
 //! the body's `model`. The config's `deployments` maps a deployment to its model.
 
 use super::{PathModel, Provider, Route};
+use crate::api::identity::{CredentialPlace, BEARER};
 use crate::api::Api;
-use crate::identity::{CredentialPlace, BEARER};
 
 /// Where Azure OpenAI reads the caller's credential: the resource key or an Entra ID token.
 pub const CREDENTIALS: [CredentialPlace<'static>; 2] =

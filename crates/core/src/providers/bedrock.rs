@@ -18,9 +18,9 @@
 //! instead (see `charge::plan`), all or nothing.
 
 use super::{PathModel, Provider, Route};
+use crate::api::identity::{CredentialPlace, BEARER, SIGV4};
 use crate::api::{Api, ReportedUsage};
-use crate::identity::{CredentialPlace, BEARER, SIGV4};
-use crate::json::Json;
+use crate::parse::json::Json;
 
 /// Where Bedrock reads the caller's credential: a SigV4 signature (its access key id) or a Bedrock API key.
 pub const CREDENTIALS: [CredentialPlace<'static>; 2] = [SIGV4, BEARER];
@@ -73,7 +73,7 @@ impl BedrockRoute {
     /// may hold unencoded `/` (an ARN as some clients send it). `None` for other paths
     /// and for model ids past Bedrock's length bound.
     pub fn from_path(path: &str) -> Option<BedrockRoute> {
-        let path = crate::path::normalised(path);
+        let path = crate::parse::path::normalised(path);
         let (rest, operation) = path.rsplit_once('/')?;
         let operation = Operation::BY_PATH.iter().find(|(name, _)| *name == operation)?.1;
         let encoded = rest.get(rest.find("/model/")? + "/model/".len()..)?;
@@ -140,12 +140,12 @@ pub(crate) fn invocation_metrics(event: &Json) -> ReportedUsage {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::eventstream::encode;
-    use crate::eventstream::StreamError;
-    use crate::host::{HostKind, Metric};
+    use crate::effects::host::{HostKind, Metric};
+    use crate::parse::eventstream::encode;
+    use crate::parse::eventstream::StreamError;
+    use crate::readers::usage::EventStreamUsage;
     use crate::testing::{FakeCompanion, InFlight, Proxy, Request, World};
     use crate::tokens::Encoding;
-    use crate::usage::EventStreamUsage;
     use base64::Engine;
     #[cfg(not(target_arch = "wasm32"))]
     use proptest::prelude::*;
@@ -189,8 +189,10 @@ mod tests {
         assert_eq!(BedrockRoute::from_path(&too_long), None);
     }
 
-    fn parse<'a>(path: &str, body: &'a str) -> crate::request::ParsedBody<'a> {
-        crate::request::parse_on(&super::super::route(path).expect(path), body.as_bytes()).expect(path).expect(body)
+    fn parse<'a>(path: &str, body: &'a str) -> crate::readers::request::ParsedBody<'a> {
+        crate::readers::request::parse_on(&super::super::route(path).expect(path), body.as_bytes())
+            .expect(path)
+            .expect(body)
     }
 
     #[cfg_attr(not(target_arch = "wasm32"), test)]
@@ -211,7 +213,8 @@ mod tests {
         assert_eq!((request.stream, request.max_output, request.body_is_signed), (true, Some(512), true));
         // 3 priming + 3 for the message + "user" + the text; the image block as an image
         // (not its bytes); the system text; the tool spec as JSON text.
-        let expected = 3 + 3 + O200K.count("user") + hw + crate::request::IMAGE_TOKENS + hw + O200K.count(spec);
+        let expected =
+            3 + 3 + O200K.count("user") + hw + crate::readers::request::IMAGE_TOKENS + hw + O200K.count(spec);
         assert_eq!(parsed.prompt_tokens(O200K), expected);
     }
 
@@ -220,7 +223,7 @@ mod tests {
     fn invoke_reads_anthropics_body_with_the_paths_model() {
         let body = r#"{"anthropic_version":"bedrock-2023-05-31","max_tokens":300,"system":"hello world","messages":[{"role":"user","content":"hello world"}]}"#;
         let parsed = parse("/model/anthropic.claude-3-haiku-20240307-v1%3A0/invoke", body);
-        let direct = crate::request::LlmRequest::parse(Api::Messages, body.as_bytes()).expect("messages");
+        let direct = crate::readers::request::LlmRequest::parse(Api::Messages, body.as_bytes()).expect("messages");
         assert_eq!(parsed.prompt_tokens(O200K), direct.prompt_tokens(O200K));
         let request = &parsed.request;
         assert_eq!(request.model.as_deref(), Some("anthropic.claude-3-haiku-20240307-v1:0"));
@@ -344,7 +347,7 @@ mod tests {
     #[test]
     fn reads_converse_json_replies() {
         let body = r#"{"output":{"message":{"role":"assistant","content":[{"text":"Hi"}]}},"stopReason":"end_turn","usage":{"inputTokens":12,"outputTokens":3,"totalTokens":15,"cacheReadInputTokens":0,"cacheWriteInputTokens":4},"metrics":{"latencyMs":200}}"#;
-        let mut reply = crate::usage::ReplyUsage::new();
+        let mut reply = crate::readers::usage::ReplyUsage::new();
         reply.feed(body.as_bytes());
         assert_eq!(reply.finish(), ReportedUsage { input: Some(16), output: Some(3), cached_input: Some(0) });
     }
@@ -408,7 +411,7 @@ mod tests {
                 assert!(flight.forwarded(), "{path}");
                 let charge: crate::protocol::ChargeRequest =
                     serde_json::from_value(flight.host.last_callout().body.clone()).expect("a charge");
-                assert_eq!(charge.tenant, crate::identity::tenant_id("AKIDTENANT1"));
+                assert_eq!(charge.tenant, crate::api::identity::tenant_id("AKIDTENANT1"));
                 assert_eq!(charge.limits[1].cost, prompt + 300, "{path}: the prompt counted and maxTokens");
                 let (head, tail) = reply.split_at(at);
                 proxy.reply_bytes(&mut flight, 200, EVENT_STREAM_CONTENT_TYPE, &[head, tail]);
@@ -488,7 +491,7 @@ mod tests {
             assert_eq!(flight.host.request_body, body.as_bytes(), "{path}: the body went unchanged");
             assert_eq!(world.borrow().host_calls.get("replace_request_body"), None);
             let parsed = parse(path, body);
-            let bound = crate::charge::prompt_bound(parsed.prompt_tokens(O200K), &parsed);
+            let bound = crate::plan::charge::prompt_bound(parsed.prompt_tokens(O200K), &parsed);
             assert_eq!(charge_costs(&flight)[1], (bound + 300, None), "{path}");
             assert_eq!(flight.host.metric(Metric::SignedNotClamped), 1);
             // Too little left for the whole cap: refused, not shrunk.

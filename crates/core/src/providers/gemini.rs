@@ -8,9 +8,9 @@
 //! (an estimate, corrected by calibration against the `promptTokenCount` replies report).
 
 use super::{Provider, Route, MAX_MODEL_NAME};
+use crate::api::identity::{CredentialPlace, BEARER};
 use crate::api::{text_leaves, Api, ReportedUsage};
-use crate::identity::{CredentialPlace, BEARER};
-use crate::json::Json;
+use crate::parse::json::Json;
 
 /// Where Gemini and Vertex AI read the caller's credential: the API key (header or `?key=`) or an OAuth access token.
 pub const CREDENTIALS: [CredentialPlace<'static>; 3] =
@@ -130,7 +130,7 @@ pub(crate) fn is_final(message: &Json) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::request::LlmRequest;
+    use crate::readers::request::LlmRequest;
     use crate::tokens::Encoding;
     use serde_json::json;
 

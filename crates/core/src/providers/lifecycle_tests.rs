@@ -3,7 +3,7 @@
 //! in both stream framings, Google's error shape on a 429, and an unmapped deployment
 //! priced by the model its reply names.
 
-use crate::host::HostKind;
+use crate::effects::host::HostKind;
 use crate::protocol::ChargeRequest;
 use crate::testing::{FakeCompanion, InFlight, Proxy, Request, World};
 use crate::tokens::Encoding;

@@ -12,9 +12,9 @@ pub mod azure;
 pub mod bedrock;
 pub mod gemini;
 
+use crate::api::dialect::Dialect;
+use crate::api::identity::{CredentialPlace, BEARER, SIGV4};
 use crate::api::Api;
-use crate::dialect::Dialect;
-use crate::identity::{CredentialPlace, BEARER, SIGV4};
 use std::collections::BTreeMap;
 
 /// A model name (from a path, a reply or the config) is at most this long; a longer one
@@ -115,10 +115,10 @@ pub enum PathModel {
     DeploymentInBody,
 }
 
-/// Recognises the provider and API by the path (normalised by `crate::path`); `None` for
+/// Recognises the provider and API by the path (normalised by `crate::parse::path`); `None` for
 /// a path no provider's API is recognised in.
 pub fn route(path: &str) -> Option<Route> {
-    let normalised = crate::path::normalised(path);
+    let normalised = crate::parse::path::normalised(path);
     let path = normalised.as_str();
     bedrock::route(path).or_else(|| gemini::route(path)).or_else(|| azure::route(path)).or_else(|| {
         Api::from_path(path).map(|api| {

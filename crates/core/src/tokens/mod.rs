@@ -15,6 +15,7 @@ mod layout;
 #[cfg(all(test, not(target_arch = "wasm32")))]
 mod oracle_tests;
 mod pretokenize;
+pub mod prompt_cache;
 
 use serde::{Deserialize, Serialize};
 

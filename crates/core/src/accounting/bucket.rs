@@ -1,0 +1,315 @@
+//! The token bucket of `lua/limits.lua`, as pure functions. The script is what runs
+//! (Redis owns the state and the clock); this model states the same math in Rust so it
+//! can be tested exhaustively and reused where the proxy must decide alone. Both are
+//! tested against one case table, `tests/cases/token_bucket.json`.
+
+use crate::protocol::{LimitCharge, LimitOutcome, LimitStatus, LimitsReply};
+
+/// A bucket as stored: its level at `updated_ms`. No state means a full bucket.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct BucketState {
+    pub tokens: f64,
+    pub updated_ms: f64,
+}
+
+/// The buckets of one tenant as one shared-data value (so a multi-limit decision is one
+/// compare-and-swap): 16 bytes each, a missing (full) bucket stored as NaN. Stored
+/// states that do not match `limits` decode as full buckets.
+pub fn encode_states(states: &[Option<BucketState>]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(states.len() * 16);
+    for state in states {
+        let (tokens, updated) = state.map_or((f64::NAN, f64::NAN), |s| (s.tokens, s.updated_ms));
+        out.extend_from_slice(&tokens.to_le_bytes());
+        out.extend_from_slice(&updated.to_le_bytes());
+    }
+    out
+}
+
+pub fn decode_states(bytes: Option<&[u8]>, limits: usize) -> Vec<Option<BucketState>> {
+    let decoded = bytes.filter(|b| b.len() == limits * 16).map(|bytes| {
+        bytes
+            .chunks(16)
+            .map(|chunk| {
+                let tokens = f64::from_le_bytes(chunk.get(..8)?.try_into().ok()?);
+                let updated_ms = f64::from_le_bytes(chunk.get(8..16)?.try_into().ok()?);
+                (tokens.is_finite() && updated_ms.is_finite()).then_some(BucketState { tokens, updated_ms })
+            })
+            .collect()
+    });
+    decoded.unwrap_or_else(|| vec![None; limits])
+}
+
+/// Refills every bucket to `now_ms`, then charges each its cost if all have room. Elastic
+/// buckets (`min_cost` below `cost`) all give up the same reduction, the smallest that
+/// makes each fit, as long as none falls below its minimum. `states[i]` belongs to
+/// `specs[i]`; charged buckets are updated in place.
+pub fn check_and_charge(states: &mut [Option<BucketState>], specs: &[LimitCharge], now_ms: f64) -> LimitsReply {
+    let levels = levels_at(states, specs, now_ms);
+    let elastic = |spec: &LimitCharge| spec.min() < spec.cost;
+    let wanted = specs
+        .iter()
+        .zip(&levels)
+        .filter(|(spec, _)| elastic(spec))
+        .map(|(spec, &level)| spec.cost as f64 - level.max(0.0))
+        .fold(0.0f64, f64::max);
+    let most = specs.iter().filter(|spec| elastic(spec)).map(|spec| spec.cost - spec.min()).min().unwrap_or(0);
+    let reduction = wanted.min(most as f64).ceil() as u64;
+    let costs: Vec<u64> =
+        specs.iter().map(|spec| if elastic(spec) { spec.cost - reduction } else { spec.cost }).collect();
+    take_all(states, specs, &levels, &costs, &costs, now_ms)
+}
+
+/// Grants each bucket's lease, all or none: if every bucket has what is needed
+/// (`min_cost`), each grants `min(wanted (cost), max(needed, share x level))` and is
+/// charged that, reported as `charged`.
+pub fn lease(states: &mut [Option<BucketState>], specs: &[LimitCharge], share: f64, now_ms: f64) -> LimitsReply {
+    let levels = levels_at(states, specs, now_ms);
+    let needed: Vec<u64> = specs.iter().map(LimitCharge::min).collect();
+    let grants: Vec<u64> = specs
+        .iter()
+        .zip(&levels)
+        .map(|(spec, &level)| spec.cost.min(spec.min().max((level.max(0.0) * share).floor() as u64)))
+        .collect();
+    take_all(states, specs, &levels, &needed, &grants, now_ms)
+}
+
+fn levels_at(states: &[Option<BucketState>], specs: &[LimitCharge], now_ms: f64) -> Vec<f64> {
+    specs.iter().zip(states.iter()).map(|(spec, state)| level_at(spec, *state, now_ms)).collect()
+}
+
+/// If every bucket holds what it `required`, takes `taken[i]` from each; reports each
+/// bucket as the script does. A bucket whose minimum exceeds its capacity never fits; a
+/// look-only bucket never refuses.
+fn take_all(
+    states: &mut [Option<BucketState>],
+    specs: &[LimitCharge],
+    levels: &[f64],
+    required: &[u64],
+    taken: &[u64],
+    now_ms: f64,
+) -> LimitsReply {
+    let allowed = specs.len() == states.len()
+        && specs
+            .iter()
+            .zip(levels)
+            .zip(required)
+            .all(|((spec, &level), &req)| spec.look_only || (spec.min() <= spec.capacity && level >= req as f64));
+    let limits = specs
+        .iter()
+        .zip(levels)
+        .zip(states.iter_mut())
+        .zip(required.iter().zip(taken))
+        .map(|(((spec, &level), state), (&req, &take))| {
+            let (status, retry_after_ms) = if spec.look_only {
+                (LimitStatus::Allowed, 0)
+            } else if spec.min() > spec.capacity {
+                (LimitStatus::Never, 0)
+            } else if level < req as f64 {
+                (
+                    LimitStatus::Limited,
+                    ((req as f64 - level) * spec.window_ms as f64 / spec.capacity as f64).ceil() as u64,
+                )
+            } else {
+                (LimitStatus::Allowed, 0)
+            };
+            let mut tokens = level;
+            if allowed && take > 0 {
+                tokens -= take as f64;
+                *state = Some(BucketState { tokens, updated_ms: now_ms });
+            }
+            outcome(spec, tokens, status, retry_after_ms, if allowed { take } else { 0 })
+        })
+        .collect();
+    LimitsReply { allowed, waited_ms: 0, limits }
+}
+
+fn outcome(spec: &LimitCharge, tokens: f64, status: LimitStatus, retry_after_ms: u64, charged: u64) -> LimitOutcome {
+    let capacity = spec.capacity as f64;
+    LimitOutcome {
+        name: spec.name.clone(),
+        status,
+        limit: spec.capacity,
+        remaining: tokens.floor().max(0.0) as u64,
+        reset_after_ms: ((capacity - tokens) * spec.window_ms as f64 / capacity).ceil() as u64,
+        retry_after_ms,
+        charged,
+    }
+}
+
+/// Gives each bucket `credits[i]` tokens back (never above capacity), or takes `-credits[i]`
+/// more (possibly below zero): the settlement of a reservation once the real cost is known.
+pub fn settle(states: &mut [Option<BucketState>], specs: &[LimitCharge], credits: &[i64], now_ms: f64) -> LimitsReply {
+    let limits = specs
+        .iter()
+        .zip(states.iter_mut())
+        .zip(credits)
+        .map(|((spec, state), &credit)| {
+            let mut tokens = level_at(spec, *state, now_ms);
+            if credit != 0 {
+                tokens = (tokens + credit as f64).min(spec.capacity as f64);
+                *state = Some(BucketState { tokens, updated_ms: now_ms });
+            }
+            outcome(spec, tokens, LimitStatus::Allowed, 0, 0)
+        })
+        .collect();
+    LimitsReply { allowed: true, waited_ms: 0, limits }
+}
+
+fn level_at(spec: &LimitCharge, state: Option<BucketState>, now_ms: f64) -> f64 {
+    let capacity = spec.capacity as f64;
+    match state {
+        None => capacity,
+        Some(BucketState { tokens, updated_ms }) => {
+            let elapsed = (now_ms - updated_ms).max(0.0);
+            (tokens + elapsed * capacity / spec.window_ms as f64).min(capacity)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::protocol::LimitKind;
+    use serde::Deserialize;
+
+    #[derive(Deserialize, Default)]
+    #[serde(rename_all = "snake_case")]
+    enum Op {
+        #[default]
+        Charge,
+        Settle,
+        Lease,
+    }
+
+    #[derive(Deserialize)]
+    struct Table {
+        cases: Vec<Case>,
+    }
+
+    #[derive(Deserialize)]
+    struct Case {
+        name: String,
+        limits: Vec<CaseLimit>,
+        steps: Vec<Step>,
+    }
+
+    #[derive(Deserialize)]
+    struct CaseLimit {
+        name: String,
+        capacity: u64,
+        window_ms: u64,
+    }
+
+    #[derive(Deserialize)]
+    struct Step {
+        #[serde(default)]
+        op: Op,
+        advance_ms: u64,
+        amounts: Vec<i64>,
+        /// Least each bucket may be charged (elastic buckets); default: the amount.
+        #[serde(default)]
+        mins: Option<Vec<u64>>,
+        /// Which buckets only look (the limit does not apply to the call); default none.
+        #[serde(default)]
+        looks: Option<Vec<bool>>,
+        /// What each bucket was charged, when the case checks it.
+        #[serde(default)]
+        charged: Option<Vec<u64>>,
+        /// A lease's share of what is left.
+        #[serde(default)]
+        share: Option<f64>,
+        done: bool,
+        /// status, remaining, reset_after_ms, retry_after_ms
+        outcomes: Vec<(LimitStatus, u64, u64, u64)>,
+    }
+
+    #[cfg_attr(not(target_arch = "wasm32"), test)]
+    #[cfg_attr(target_arch = "wasm32", wasm_bindgen_test::wasm_bindgen_test)]
+    fn model_matches_the_shared_case_table() {
+        let table: Table =
+            serde_json::from_str(include_str!("../../../../tests/cases/token_bucket.json")).expect("case table");
+        for case in table.cases {
+            let mut states = vec![None; case.limits.len()];
+            let mut now_ms = 1_700_000_000_000.0;
+            for (i, step) in case.steps.iter().enumerate() {
+                now_ms += step.advance_ms as f64;
+                let specs: Vec<LimitCharge> = case
+                    .limits
+                    .iter()
+                    .zip(&step.amounts)
+                    .enumerate()
+                    .map(|(j, (l, &amount))| LimitCharge {
+                        name: l.name.clone(),
+                        capacity: l.capacity,
+                        window_ms: l.window_ms,
+                        cost: amount.max(0) as u64,
+                        min_cost: step.mins.as_ref().and_then(|m| m.get(j).copied()),
+                        kind: crate::protocol::LimitKind::TokenBucket,
+                        provisional: false,
+                        look_only: step.looks.as_ref().and_then(|l| l.get(j).copied()).unwrap_or(false),
+                    })
+                    .collect();
+                let reply = match step.op {
+                    Op::Charge => check_and_charge(&mut states, &specs, now_ms),
+                    Op::Settle => settle(&mut states, &specs, &step.amounts, now_ms),
+                    Op::Lease => lease(&mut states, &specs, step.share.unwrap_or(0.5), now_ms),
+                };
+                let what = format!("{} / step {i}", case.name);
+                assert_eq!(reply.allowed, step.done, "{what}");
+                let got: Vec<_> =
+                    reply.limits.iter().map(|o| (o.status, o.remaining, o.reset_after_ms, o.retry_after_ms)).collect();
+                assert_eq!(got, step.outcomes, "{what}");
+                if let Some(charged) = &step.charged {
+                    assert_eq!(&reply.limits.iter().map(|o| o.charged).collect::<Vec<_>>(), charged, "{what}");
+                }
+                for (outcome, spec) in reply.limits.iter().zip(&specs) {
+                    assert_eq!(outcome.limit, spec.capacity, "{what}");
+                    assert_eq!(outcome.name, spec.name, "{what}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn states_round_trip_through_bytes() {
+        let states = vec![
+            Some(BucketState { tokens: 2.5, updated_ms: 1e12 }),
+            None,
+            Some(BucketState { tokens: -3.0, updated_ms: 7.0 }),
+        ];
+        assert_eq!(decode_states(Some(&encode_states(&states)), 3), states);
+        assert_eq!(decode_states(Some(&encode_states(&states)), 2), vec![None, None]);
+        assert_eq!(decode_states(None, 1), vec![None]);
+    }
+
+    /// However calls are spaced, a bucket never admits more than capacity plus what the
+    /// elapsed time refilled.
+    #[test]
+    fn never_admits_more_than_capacity_plus_refill() {
+        let spec = LimitCharge {
+            name: "rpm".into(),
+            capacity: 7,
+            window_ms: 1_000,
+            cost: 1,
+            min_cost: None,
+            kind: LimitKind::TokenBucket,
+            provisional: false,
+            look_only: false,
+        };
+        for gap_ms in [0.0, 1.0, 13.0, 97.0, 142.857, 400.0] {
+            let mut states = [None];
+            let mut admitted = 0u64;
+            let calls = 500;
+            for call in 0..calls {
+                let now = f64::from(call) * gap_ms;
+                if check_and_charge(&mut states, std::slice::from_ref(&spec), now).allowed {
+                    admitted += 1;
+                }
+            }
+            let elapsed = f64::from(calls - 1) * gap_ms;
+            let bound = 7.0 + elapsed * 7.0 / 1_000.0;
+            assert!(admitted as f64 <= bound + 1e-9, "gap {gap_ms}: {admitted} > {bound}");
+            assert!(admitted as f64 >= bound.floor().min(f64::from(calls)) - 1.0, "gap {gap_ms}: only {admitted}");
+        }
+    }
+}

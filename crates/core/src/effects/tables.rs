@@ -1,0 +1,282 @@
+//! Bounded per-tenant state in shared data. Proxy-wasm shared data has no delete, so a key
+//! per tenant (or per tenant and model) would grow every proxy's memory with each API key
+//! or model name a client invents. Instead each table has a fixed number of slots
+//! (`memory.*_slots`): a tenant's entry sits at one of two slots its id hashes to (the
+//! second is tried when another tenant holds the first, which makes a tenant with no slot
+//! rare) and carries that id, so a colliding newcomer sees someone else's entry and never
+//! takes it for its own. Memory per proxy is at most slots x entry size, whatever the
+//! traffic.
+//!
+//! Who may replace whose entry is the caller's rule: a tenant's lease entry only once its
+//! leases have expired and been returned; a local bucket only once it has admitted
+//! nothing for a whole window (else a newcomer would hand its owner a fresh budget); a
+//! running average at once (an estimate).
+//!
+//! Slots come from a keyed hash (SipHash-2-4) whose key is derived from the companion
+//! token, which clients never see: a client cannot grind credentials offline for one
+//! whose slots are another tenant's (or its own, to reset its local bucket).
+
+use crate::config::Policy;
+use crate::effects::host::{shared_get_read, shared_read, shared_update, shared_update_from, Host, SharedRead};
+use crate::protocol::keys;
+
+/// Tenant ids are 32 hex digits, or `anonymous`; stored padded to this many bytes.
+const TENANT_BYTES: usize = 32;
+/// The owner of an average: a hash of (tenant, model), so model names are never stored.
+const OWNER_HASH_BYTES: usize = 8;
+
+/// The per-tenant tables.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TenantTable {
+    /// Leased budgets (lease mode).
+    Leases,
+    /// Local buckets (the degraded mode).
+    Local,
+}
+
+impl TenantTable {
+    pub fn slot_key(self, config: &Policy, slot: u32) -> String {
+        match self {
+            TenantTable::Leases => keys::lease_key(&config.domain, slot),
+            TenantTable::Local => keys::local_key(&config.domain, slot),
+        }
+    }
+
+    /// The two slots `tenant`'s entry may sit at, in the order they are tried.
+    pub fn slots(config: &Policy, tenant: &str) -> [u32; 2] {
+        let slots = u64::from(config.memory.tenant_slots.max(1));
+        let hash = keyed_hash(config.memory.slot_key, &[tenant]);
+        [(hash % slots) as u32, ((hash >> 32 ^ hash.rotate_left(17)) % slots) as u32]
+    }
+}
+
+/// What a tenant finds in its slot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Entry<'a> {
+    /// Its own state.
+    Own(&'a [u8]),
+    /// Nobody's.
+    Vacant,
+    /// Another tenant's state.
+    Other { tenant: &'a str, payload: &'a [u8] },
+}
+
+/// The slot another tenant holds and may not be evicted from yet.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Busy;
+
+/// The entry `stored` in a slot, as `tenant` sees it.
+pub fn entry<'a>(stored: Option<&'a [u8]>, tenant: &str) -> Entry<'a> {
+    match stored.and_then(split_entry) {
+        None => Entry::Vacant,
+        Some((owner, payload)) if owner == tenant => Entry::Own(payload),
+        Some((owner, payload)) => Entry::Other { tenant: owner, payload },
+    }
+}
+
+/// The owner and payload of a stored entry.
+pub fn split_entry(stored: &[u8]) -> Option<(&str, &[u8])> {
+    let (id, payload) = stored.split_at_checked(TENANT_BYTES)?;
+    let id = std::str::from_utf8(id).ok()?.trim_end_matches('\0');
+    (!id.is_empty()).then_some((id, payload))
+}
+
+fn encode_entry(tenant: &str, payload: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(TENANT_BYTES + payload.len());
+    let id = tenant.as_bytes();
+    out.extend_from_slice(id.get(..TENANT_BYTES).unwrap_or(id));
+    out.resize(TENANT_BYTES, 0);
+    out.extend_from_slice(payload);
+    out
+}
+
+/// `tenant`'s payload in `table`, if one of its slots holds its entry.
+pub fn read_own(host: &mut impl Host, config: &Policy, table: TenantTable, tenant: &str) -> Option<Vec<u8>> {
+    TenantTable::slots(config, tenant).into_iter().find_map(|slot| {
+        let stored = shared_read(host, &table.slot_key(config, slot));
+        match entry(stored.as_deref(), tenant) {
+            Entry::Own(payload) => Some(payload.to_vec()),
+            _ => None,
+        }
+    })
+}
+
+/// Read-modify-write of `tenant`'s entry in `table`. `change` gets its payload (`None`:
+/// it has none: the slot is free, or holds another tenant's entry that `evictable` lets
+/// go) and returns the payload to write (or `None`) and a result. `Err(Busy)` when
+/// another tenant's entry must stay; `None` when the host refused the write.
+///
+/// The entry goes to the slot holding it, else to the first free or evictable one. The
+/// read that finds the slot is the one the write's CAS is based on: a tenant whose entry
+/// sits at its first slot (the usual case) costs one read and one write.
+pub fn update_own<R>(
+    host: &mut impl Host,
+    config: &Policy,
+    table: TenantTable,
+    tenant: &str,
+    evictable: impl Fn(&[u8]) -> bool,
+    mut change: impl FnMut(Option<&[u8]>) -> (Option<Vec<u8>>, R),
+) -> Option<Result<R, Busy>> {
+    // Some(true): the tenant's own entry; Some(false): free or evictable; None: taken.
+    let usable = |read: &SharedRead| match entry(read.value(), tenant) {
+        Entry::Own(_) => Some(true),
+        Entry::Vacant => Some(false),
+        Entry::Other { payload, .. } => evictable(payload).then_some(false),
+    };
+    let [first, second] = TenantTable::slots(config, tenant);
+    let first = shared_get_read(host, table.slot_key(config, first));
+    let chosen = match usable(&first) {
+        Some(true) => first,
+        in_first => {
+            // The entry may sit at the second slot though the first is free now.
+            let second = shared_get_read(host, table.slot_key(config, second));
+            match (in_first, usable(&second)) {
+                (_, Some(true)) | (None, _) => second,
+                (Some(_), _) => first,
+            }
+        }
+    };
+    shared_update_from(host, chosen, |stored| {
+        let mine = match entry(stored, tenant) {
+            Entry::Own(payload) => Some(payload),
+            Entry::Vacant => None,
+            Entry::Other { payload, .. } if evictable(payload) => None,
+            Entry::Other { .. } => return (None, Err(Busy)),
+        };
+        let (next, result) = change(mine);
+        (next.map(|payload| encode_entry(tenant, &payload)), Ok(result))
+    })
+}
+
+/// Read-modify-write of whatever entry slot `slot` of `table` holds: `change` gets its
+/// owner and payload and returns the payload to write back (or `None`) and a result.
+/// `None` when the slot is empty or the host refused the write.
+pub fn update_slot<R>(
+    host: &mut impl Host,
+    config: &Policy,
+    table: TenantTable,
+    slot: u32,
+    mut change: impl FnMut(&str, &[u8]) -> (Option<Vec<u8>>, R),
+) -> Option<R> {
+    shared_update(host, &table.slot_key(config, slot), |stored| match stored.and_then(split_entry) {
+        Some((owner, payload)) => {
+            let (next, result) = change(owner, payload);
+            (next.map(|payload| encode_entry(owner, &payload)), Some(result))
+        }
+        None => (None, None),
+    })
+    .flatten()
+}
+
+/// The running average of `tenant`'s completions for `model`, from its slot.
+pub fn read_average(host: &mut impl Host, config: &Policy, tenant: &str, model: &str) -> Option<Vec<u8>> {
+    let (key, owner) = average_slot(config, tenant, model);
+    let stored = shared_read(host, &key)?;
+    let (hash, payload) = stored.split_at_checked(OWNER_HASH_BYTES)?;
+    (hash == owner).then(|| payload.to_vec())
+}
+
+/// Replaces the average of (`tenant`, `model`) with `change` of it; whoever held the slot
+/// before loses theirs.
+pub fn update_average(
+    host: &mut impl Host,
+    config: &Policy,
+    tenant: &str,
+    model: &str,
+    change: impl Fn(Option<&[u8]>) -> Vec<u8>,
+) {
+    let (key, owner) = average_slot(config, tenant, model);
+    shared_update(host, &key, |stored| {
+        let own = stored.and_then(|s| s.split_at_checked(OWNER_HASH_BYTES)).filter(|(h, _)| *h == owner);
+        let mut next = owner.to_vec();
+        next.extend_from_slice(&change(own.map(|(_, payload)| payload)));
+        (Some(next), ())
+    });
+}
+
+fn average_slot(config: &Policy, tenant: &str, model: &str) -> (String, [u8; OWNER_HASH_BYTES]) {
+    let hash = keyed_hash(config.memory.slot_key, &[tenant, model]);
+    let slot = (hash % u64::from(config.memory.average_slots.max(1))) as u32;
+    (keys::average_key(&config.domain, slot), hash.rotate_left(17).to_le_bytes())
+}
+
+/// Counters of waiters per tenant in the queue: a fixed table, so a tenant's share of the
+/// queue costs no key per tenant.
+pub const QUEUED_SLOTS: u64 = 1024;
+
+/// The slot of `tenant`'s waiter counter (tenants sharing one share its bound).
+pub fn queued_slot(config: &Policy, tenant: &str) -> u32 {
+    (keyed_hash(config.memory.slot_key, &[tenant, "queued"]) % QUEUED_SLOTS) as u32
+}
+
+/// SipHash-2-4 of the parts (each followed by a 0 byte) under `key`: a keyed PRF, so
+/// which inputs share a slot cannot be told without the key. std's `SipHasher` is that
+/// function exactly; it is deprecated only in favour of `DefaultHasher`, which takes no
+/// key, and no SipHash crate is vendored here.
+fn keyed_hash(key: [u64; 2], parts: &[&str]) -> u64 {
+    use std::hash::Hasher;
+    #[allow(deprecated)]
+    let mut hasher = std::hash::SipHasher::new_with_keys(key[0], key[1]);
+    for part in parts {
+        hasher.write(part.as_bytes());
+        hasher.write_u8(0);
+    }
+    hasher.finish()
+}
+
+/// FNV-1a over the parts, each followed by a 0 byte (so ("ab", "c") != ("a", "bc")).
+pub(crate) fn fnv1a(parts: &[&str]) -> u64 {
+    parts
+        .iter()
+        .flat_map(|p| p.bytes().chain(std::iter::once(0)))
+        .fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::slot_key;
+
+    #[test]
+    fn an_entry_says_whose_it_is() {
+        let stored = encode_entry("0123456789abcdef0123456789abcdef", b"xyz");
+        assert_eq!(entry(Some(&stored), "0123456789abcdef0123456789abcdef"), Entry::Own(b"xyz"));
+        assert_eq!(
+            entry(Some(&stored), "anonymous"),
+            Entry::Other { tenant: "0123456789abcdef0123456789abcdef", payload: b"xyz" }
+        );
+        assert_eq!(entry(None, "anonymous"), Entry::Vacant);
+        let anonymous = encode_entry("anonymous", b"");
+        assert_eq!(entry(Some(&anonymous), "anonymous"), Entry::Own(b""));
+        assert_eq!(entry(Some(b"short"), "anonymous"), Entry::Vacant);
+    }
+
+    #[test]
+    fn slots_spread_and_stay_in_range() {
+        let key = slot_key("secret", "llm");
+        let mut used = std::collections::BTreeSet::new();
+        for i in 0..1000 {
+            let slot = keyed_hash(key, &[&format!("tenant-{i}")]) % 64;
+            used.insert(slot);
+        }
+        assert_eq!(used.len(), 64, "1000 tenants reach every one of 64 slots");
+        assert_ne!(keyed_hash(key, &["ab", "c"]), keyed_hash(key, &["a", "bc"]));
+        assert_ne!(fnv1a(&["ab", "c"]), fnv1a(&["a", "bc"]));
+    }
+
+    /// Issue 26 item 9: which tenants share a slot depends on the secret key, so it cannot
+    /// be worked out offline. Of 1,000 tenants, those sharing tenant-0's slot under one
+    /// token are (almost) all different under another.
+    #[test]
+    fn which_tenants_collide_depends_on_the_secret() {
+        let sharing = |token: &str| -> std::collections::BTreeSet<usize> {
+            let key = slot_key(token, "llm");
+            let of = |i: usize| keyed_hash(key, &[&format!("tenant-{i}")]) % 64;
+            (1..1000).filter(|&i| of(i) == of(0)).collect()
+        };
+        let (a, b) = (sharing("token-a"), sharing("token-b"));
+        assert!(a.len() > 5 && b.len() > 5, "about 1000/64 each: {} and {}", a.len(), b.len());
+        assert!(a.intersection(&b).count() <= 3, "{a:?} vs {b:?}");
+        assert_ne!(slot_key("t", "llm"), slot_key("t", "other"), "the domain is part of the key");
+    }
+}

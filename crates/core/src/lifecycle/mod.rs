@@ -1,0 +1,1216 @@
+//! One request's life, as plain Rust over [`Host`]: identified, planned, decided (from a
+//! lease, locally, or by the companion), forwarded or answered, then settled once from the
+//! usage its reply reports. The README's "Architecture" section draws the walk.
+//!
+//! The worker ([`Worker`]) holds what outlives a request; each callback borrows it.
+
+use crate::accounting::breaker::Dispatch;
+use crate::accounting::bucket::{check_and_charge, decode_states, encode_states};
+use crate::accounting::calibration::{Calibration, Lesson};
+use crate::accounting::lease::{lease_asks, LeaseEntry, TenantLeases};
+use crate::accounting::reply_floor::{self, ReplySight};
+use crate::accounting::reservation::{actual_usage, credit, Ending, OutputAverage, TokenCounts};
+use crate::api::dialect::Dialect;
+use crate::api::identity::{read_credential, tenant_id, Credential, IdentitySource, ANONYMOUS_TENANT};
+use crate::config::{FailureMode, Measure, MissingIdentity, Mode, Policy, UnknownPaths, UnreadableBody};
+use crate::effects::calibration_store::LocalCalibrations;
+use crate::effects::host::{shared_update, Action, Host, LogLevel, Metric, Owner};
+use crate::effects::tables::{queued_slot, read_average, read_own, update_average, update_own, Busy, TenantTable};
+use crate::parse::sse::UsageChunkRemover;
+use crate::plan::charge::{plan, ChargePlan, Learned};
+use crate::plan::series::{self, Decision, TokenStage, TokenType};
+use crate::protocol::keys;
+use crate::protocol::{
+    ChargeRequest, LeaseRequest, LimitCharge, LimitKind, LimitStatus, LimitsReply, Reservation, SettlementBatch, Wait,
+    CHARGE_PATH, LEASE_PATH, RELEASE_PATH,
+};
+use crate::providers;
+use crate::providers::bedrock;
+use crate::readers::request::Api;
+use crate::readers::usage::{EventStreamUsage, ReplyUsage, ReportedUsage, StreamUsage};
+use crate::replies::answers::{self, Caller};
+use crate::replies::decision::{self, DEGRADED_HEADER, QUEUED_HEADER, RESERVED_TOKENS_HEADER, SHADOW_HEADER};
+use crate::replies::reply::{Header, LocalReply};
+use crate::tokens::prompt_cache::PromptCache;
+use crate::tokens::Encoding;
+use crate::worker::{adjustments, callout_reply, settlement, Worker};
+use std::rc::Rc;
+use std::time::Duration;
+
+/// Largest SSE event (or Bedrock event-stream message) read for usage; larger SSE events
+/// are skipped, a larger event-stream message ends the reading as a bad CRC does.
+const MAX_SSE_EVENT: usize = 1 << 20;
+/// How long after its longest wait an abandoned request's cancellation may still arrive.
+const CANCEL_WINDOW_MS: u64 = 10_000;
+/// How long a charge with nothing to settle keeps its record for the refund of an
+/// upstream 401/403. Providers refuse a credential before they generate anything, so the
+/// status comes within this; past it the charge stands (no credit is ever unbacked). Such
+/// records are never deleted by a settlement, so this bounds their memory in Redis:
+/// requests/s x 10 s x ~226 B.
+const REFUND_WINDOW_MS: u64 = 10_000;
+/// In the degraded mode a concurrency limit is a bucket that does not refill (a slot comes
+/// back when its request ends); this window makes the refill negligible.
+const LOCAL_SLOTS_NEVER_REFILL_MS: u64 = u64::MAX / 4;
+/// Releasing slots at once waits at least this long for the companion.
+const RELEASE_TIMEOUT: Duration = Duration::from_millis(500);
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Phase {
+    /// Headers not seen yet, or no config, or bypassed.
+    Starting,
+    /// Waiting for the end of the request body, to count it.
+    ReadingBody,
+    /// A callout is out; the request waits.
+    Deciding,
+    /// Admitted and sent upstream.
+    Forwarded,
+    /// Answered by the filter.
+    Replied,
+}
+
+/// What the outstanding callout asks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Ask {
+    /// Charge the request in Redis (direct mode).
+    Charge,
+    /// Grant this proxy a lease that covers the request (lease mode).
+    Lease,
+}
+
+/// Where the request's budget was taken from, so its settlement goes back there.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Admission {
+    /// Charged in Redis under this reservation.
+    Reserved(String),
+    /// Taken from this proxy's lease.
+    Leased,
+    /// Decided locally while the companion was away; reconciled with Redis later.
+    Local,
+    /// Charged in Redis by a lease grant that could not be kept as a lease: the
+    /// settlement's credits go to Redis on their own, backed by what the grant took.
+    Charged,
+}
+
+/// What the lease has to say about a request (lease mode).
+enum FromLease {
+    Decided(Verdict),
+    AskForLease,
+    ChargeDirectly,
+}
+
+/// What the tenant's lease entry said, inside its compare-and-swap.
+enum LeaseStep {
+    Admitted { renew: bool, leases: TenantLeases },
+    Refused(LimitsReply),
+    Ask,
+    FirstSeen,
+}
+
+/// Reads the reply for its usage.
+enum ReplyReader {
+    Json(ReplyUsage),
+    Stream(StreamUsage),
+    /// AWS's binary event stream (Bedrock).
+    EventStream(EventStreamUsage),
+}
+
+/// What to do with the paused request.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Verdict {
+    Forward(Vec<Header>),
+    Reply(LocalReply),
+}
+
+impl Verdict {
+    /// The same verdict, its response carrying one more header.
+    fn with_header(mut self, name: &'static str, value: String) -> Verdict {
+        match &mut self {
+            Verdict::Forward(headers) => headers.push((name, value)),
+            Verdict::Reply(reply) => reply.headers.push((name, value)),
+        }
+        self
+    }
+}
+
+pub struct RequestFilter {
+    config: Option<Rc<Policy>>,
+    phase: Phase,
+    tenant: String,
+    /// The tenant's tier, when tiers are configured.
+    tier: String,
+    plan: Option<ChargePlan>,
+    ask: Ask,
+    /// Set once admitted, until settled.
+    admission: Option<Admission>,
+    /// Added to the upstream's response once it arrives.
+    response_headers: Vec<Header>,
+    reply: Option<ReplyReader>,
+    upstream_error: bool,
+    /// Present when the filter asked for stream usage the client did not.
+    usage_remover: Option<UsageChunkRemover>,
+    /// Size of the request body as read, for replacing it.
+    body_len: usize,
+    /// The charge may wait in the queue: this request counts against its length.
+    queued: bool,
+    /// Whether the headers are held while the body is read.
+    holding_headers: bool,
+    /// What the request's `:path` says, read once when its headers arrive; `None` for a
+    /// path no API is recognised in.
+    route: Option<providers::Route>,
+    /// Whose shape the filter's own answers to this request take.
+    dialect: Dialect,
+    /// What the filter's own replies carry as `x-request-id` and `request-id`: the
+    /// proxy's `x-request-id` (Envoy sets one), else one of the filter's own.
+    request_id: String,
+    /// What the filter saw of the reply, for the least its settlement charges.
+    sight: ReplySight,
+    /// The upstream refused the request's credential (401 or 403): it did no work, and a
+    /// forged request must not use up the tenant it names.
+    credential_refused: bool,
+}
+
+impl RequestFilter {
+    pub(crate) fn new(config: Option<Rc<Policy>>) -> RequestFilter {
+        RequestFilter {
+            config,
+            phase: Phase::Starting,
+            tenant: String::new(),
+            tier: String::new(),
+            plan: None,
+            ask: Ask::Charge,
+            admission: None,
+            response_headers: Vec::new(),
+            reply: None,
+            upstream_error: false,
+            usage_remover: None,
+            body_len: 0,
+            queued: false,
+            holding_headers: false,
+            route: None,
+            dialect: Dialect::default(),
+            request_id: String::new(),
+            sight: ReplySight::default(),
+            credential_refused: false,
+        }
+    }
+
+    /// A request's state on `worker`; pass-through when it has no config.
+    pub fn on(worker: &Worker) -> RequestFilter {
+        RequestFilter::new(worker.config().cloned())
+    }
+
+    /// A request the filter lets through untouched (no config).
+    pub fn pass_through() -> RequestFilter {
+        RequestFilter::new(None)
+    }
+
+    pub fn phase(&self) -> Phase {
+        self.phase
+    }
+
+    // ---- host callbacks ----
+
+    pub fn on_request_headers(&mut self, host: &mut impl Host, worker: &mut Worker, end_of_stream: bool) -> Action {
+        let Some(config) = self.config.clone() else { return Action::Continue };
+        let raw_path = host.request_header(":path").unwrap_or_default();
+        // The one reading of the path: bypass and routing both see it.
+        let path = crate::parse::path::normalised(&raw_path);
+        self.request_id = match host.request_header("x-request-id") {
+            Some(id) if is_request_id(&id) => id,
+            _ => format!("llmrl-{}", worker.new_reservation_id(host)),
+        };
+        if !config.bypass.paths.is_empty() && config.bypass.path(&path) {
+            host.add_metric(Metric::Bypassed, 1);
+            return Action::Continue;
+        }
+        self.route = providers::route(&path);
+        // Known before any body, so every answer, even one that never reads it, is in the
+        // caller's shape.
+        self.dialect = config.error_format.dialect(self.route.as_ref().map_or(Dialect::OpenAi, |route| route.dialect));
+        let unknown = self.route.is_none() && config.unknown_paths == UnknownPaths::Refuse;
+        if unknown || crate::parse::path::is_batch_or_realtime(&path) {
+            return self.apply(host, &config, Verdict::Reply(decision::path_refused(self.dialect)), false);
+        }
+        match self.identify(host, &config, &raw_path) {
+            Ok(tenant) => self.tenant = tenant,
+            Err(verdict) => return self.apply(host, &config, verdict, false),
+        }
+        if config.bypass.tenant(&self.tenant) {
+            host.add_metric(Metric::Bypassed, 1);
+            return Action::Continue;
+        }
+        if config.counts_tokens() {
+            // A compressed reply hides its usage from the filter: ask for it plain (the
+            // reply then costs the client more bandwidth; one the upstream compresses
+            // all the same is charged at least its reservation, `reply_floor`).
+            host.set_request_header("accept-encoding", "identity");
+        }
+        let no_body = end_of_stream || has_no_body(host, worker);
+        if !config.reads_body() && (no_body || worker.host_kind().decides_before_the_body_is_read()) {
+            return self.charge(host, worker, &config, None);
+        }
+        if no_body {
+            return self.charge(host, worker, &config, Some(&[]));
+        }
+        self.phase = Phase::ReadingBody;
+        // Holding the headers needs the host to deliver the body meanwhile (Envoy with
+        // `allow_on_headers_stop_iteration`); elsewhere they go ahead and the body waits.
+        self.holding_headers = worker.holds_request_headers(&config);
+        if self.holding_headers {
+            Action::Pause
+        } else {
+            Action::Continue
+        }
+    }
+
+    pub fn on_request_body(
+        &mut self,
+        host: &mut impl Host,
+        worker: &mut Worker,
+        body_size: usize,
+        end_of_stream: bool,
+    ) -> Action {
+        let Some(config) = self.config.clone() else { return Action::Continue };
+        match self.phase {
+            // Waiting only for the body's end (see `decides_before_the_body_is_read`).
+            Phase::ReadingBody if !config.reads_body() => {
+                if !end_of_stream {
+                    return Action::Pause;
+                }
+                self.charge(host, worker, &config, None)
+            }
+            Phase::ReadingBody => {
+                if body_size as u64 > config.tokens.max_request_bytes {
+                    let reply = Verdict::Reply(decision::body_too_large(config.tokens.max_request_bytes, self.dialect));
+                    return self.apply(host, &config, reply, false);
+                }
+                if !end_of_stream {
+                    return Action::Pause; // the host buffers until the end
+                }
+                let body = host.request_body(body_size);
+                self.charge(host, worker, &config, Some(&body))
+            }
+            // Envoy with `allow_on_headers_stop_iteration` delivers the body while the
+            // headers are held, and a Continue here would send both upstream before the
+            // decision.
+            Phase::Deciding => Action::Pause,
+            _ => Action::Continue,
+        }
+    }
+
+    pub fn on_request_trailers(&mut self) -> Action {
+        match self.phase {
+            Phase::ReadingBody | Phase::Deciding => Action::Pause,
+            _ => Action::Continue,
+        }
+    }
+
+    /// The companion answered this request's callout.
+    pub fn on_callout_response(&mut self, host: &mut impl Host, worker: &mut Worker, body_size: usize) {
+        let Some(config) = self.config.clone() else { return };
+        if self.phase != Phase::Deciding {
+            return;
+        }
+        let verdict = self.decide(host, worker, &config, body_size);
+        let verdict = match self.shadow(host, &config, verdict) {
+            Verdict::Reply(reply) if body_size == 0 && !worker.host_kind().replies_after_an_empty_callout() => {
+                Verdict::Reply(reply.without_body())
+            }
+            other => other,
+        };
+        self.carry_out(host, verdict, true);
+    }
+
+    pub fn on_response_headers(&mut self, host: &mut impl Host) -> Action {
+        for (name, value) in self.response_headers.drain(..) {
+            host.set_response_header(name, &value);
+        }
+        if self.admission.is_some() {
+            let status: u32 = host.response_header(":status").and_then(|s| s.parse().ok()).unwrap_or(0);
+            self.credential_refused = matches!(status, 401 | 403);
+        }
+        if self.admission.is_some() && self.plan.as_ref().is_some_and(|p| p.estimate.is_some()) {
+            let status: u32 = host.response_header(":status").and_then(|s| s.parse().ok()).unwrap_or(0);
+            self.upstream_error = status >= 400;
+            self.sight.started = true;
+            self.sight.unreadable =
+                !reply_floor::readable_encoding(host.response_header("content-encoding").as_deref());
+            let content_type = host.response_header("content-type").unwrap_or_default();
+            let encoding = self.plan.as_ref().map_or(crate::tokens::Encoding::O200kBase, |p| p.encoding);
+            // Gemini streams without `alt=sse` as one JSON array of responses.
+            let json_array =
+                self.plan.as_ref().and_then(|p| p.request.as_ref()).map(|r| r.api) == Some(Api::StreamGenerateContent);
+            self.reply = Some(if content_type.contains("text/event-stream") {
+                ReplyReader::Stream(StreamUsage::new(encoding, MAX_SSE_EVENT))
+            } else if content_type.contains(bedrock::EVENT_STREAM_CONTENT_TYPE) {
+                ReplyReader::EventStream(EventStreamUsage::new(encoding, MAX_SSE_EVENT))
+            } else if json_array {
+                self.usage_remover = None;
+                ReplyReader::Stream(StreamUsage::json_array(encoding, MAX_SSE_EVENT))
+            } else {
+                self.usage_remover = None;
+                ReplyReader::Json(ReplyUsage::new())
+            });
+        }
+        Action::Continue
+    }
+
+    pub fn on_response_body(
+        &mut self,
+        host: &mut impl Host,
+        worker: &mut Worker,
+        body_size: usize,
+        end_of_stream: bool,
+    ) -> Action {
+        let Some(config) = self.config.clone() else { return Action::Continue };
+        if self.reply.is_none() || self.admission.is_none() {
+            return Action::Continue;
+        }
+        let chunk = host.response_body(body_size);
+        match self.reply.as_mut() {
+            Some(ReplyReader::Json(reader)) => reader.feed(&chunk),
+            Some(ReplyReader::Stream(reader)) => reader.feed(&chunk),
+            Some(ReplyReader::EventStream(reader)) => reader.feed(&chunk),
+            None => {}
+        }
+        if let Some(remover) = self.usage_remover.as_mut() {
+            let passed = remover.filter(&chunk, end_of_stream);
+            if passed != chunk && !host.replace_response_body(body_size, &passed) {
+                host.warn_once("response-body", "llm-ratelimit: the host refused to rewrite a response body");
+            }
+        }
+        if end_of_stream {
+            // A Bedrock stream that carried an exception (throttling mid-stream) ended
+            // before its reply did: it is settled as interrupted, and teaches nothing.
+            let cut = matches!(&self.reply, Some(ReplyReader::EventStream(reader)) if reader.exception.is_some());
+            let ending = match (self.upstream_error, cut) {
+                (true, _) => Ending::UpstreamError,
+                (false, true) => Ending::Interrupted,
+                (false, false) => Ending::Completed,
+            };
+            self.settle(host, worker, &config, ending);
+        }
+        Action::Continue
+    }
+
+    /// The request is over (the host's `on_log`/`on_done`): whatever did not end with a
+    /// complete reply (the client left, the upstream broke, the reply had no body) is
+    /// settled now.
+    pub fn on_done(&mut self, host: &mut impl Host, worker: &mut Worker) {
+        let Some(config) = self.config.clone() else { return };
+        if self.queued && self.phase == Phase::Deciding {
+            self.cancel_queued(host, worker, &config);
+        }
+        self.leave_queue(host, &config);
+        let ending = if self.upstream_error { Ending::UpstreamError } else { Ending::Interrupted };
+        self.settle(host, worker, &config, ending);
+    }
+
+    // ---- deciding ----
+
+    /// The tenant, from the places the request's upstream authenticates (or the
+    /// operator's own headers): all of them, so that two credentials are refused rather
+    /// than one chosen.
+    fn identify(&self, host: &mut impl Host, config: &Policy, path: &str) -> Result<String, Verdict> {
+        let query = path.split_once('?').map_or("", |(_, query)| query.split('#').next().unwrap_or(""));
+        let values = |name: &str| host.request_header_values(name);
+        let credential = match (&config.identity.sources, &self.route) {
+            (Some(sources), _) => read_credential(sources.iter().map(IdentitySource::place), values, ""),
+            (None, Some(route)) => read_credential(route.provider.credentials().iter().copied(), values, query),
+            (None, None) => read_credential(providers::EVERY_CREDENTIAL_PLACE, values, query),
+        };
+        match (credential, config.identity.missing) {
+            (Credential::Conflicting, _) => {
+                host.add_metric(Metric::Unidentified, 1);
+                Err(Verdict::Reply(decision::conflicting_credentials(self.dialect)))
+            }
+            (Credential::Found(credential), _) => Ok(tenant_id(&credential)),
+            (Credential::Missing, MissingIdentity::Anonymous) => Ok(ANONYMOUS_TENANT.to_string()),
+            (Credential::Missing, MissingIdentity::Reject) => {
+                host.add_metric(Metric::Unidentified, 1);
+                Err(Verdict::Reply(decision::missing_identity(self.dialect)))
+            }
+        }
+    }
+
+    fn costs(&self) -> Vec<u64> {
+        self.plan.as_ref().map(|p| p.buckets.iter().map(|b| b.cost).collect()).unwrap_or_default()
+    }
+
+    fn reserved_tokens(&self) -> u64 {
+        self.plan.as_ref().map_or(0, ChargePlan::reserved_tokens)
+    }
+
+    /// The reply as it concerns this request: the limits that apply to it.
+    fn relevant(&self, reply: &LimitsReply) -> LimitsReply {
+        self.plan.as_ref().map_or_else(|| reply.clone(), |plan| plan.relevant(reply))
+    }
+
+    /// An admission: counted in `requests_allowed` and under every limit that applies.
+    fn count_admission(&self, host: &mut impl Host, config: &Policy, decision: Decision) {
+        host.add_metric(Metric::Allowed, 1);
+        self.count_per_limit(host, config, decision);
+    }
+
+    fn count_per_limit(&self, host: &mut impl Host, config: &Policy, decision: Decision) {
+        let Some(plan) = self.plan.as_ref() else { return };
+        for limit in (0..config.limits.len()).filter(|&i| plan.applies(i)) {
+            host.add_series(series::decision(limit, decision), 1);
+        }
+    }
+
+    /// A refusal: counted in `requests_limited` and under each limit that had no room
+    /// (as `shadow` when shadow mode lets it through).
+    fn count_refusal(&self, host: &mut impl Host, config: &Policy, reply: &LimitsReply) {
+        host.add_metric(Metric::Limited, 1);
+        let decision = if config.mode == Mode::Shadow { Decision::Shadow } else { Decision::Limited };
+        let relevant = self.relevant(reply);
+        let refusing = relevant.limits.iter().filter(|o| o.status != LimitStatus::Allowed).map(|o| o.name.as_str());
+        for limit in series::limit_indices(config, refusing) {
+            host.add_series(series::decision(limit, decision), 1);
+        }
+    }
+
+    /// The 429 for `reply`, decided at `now` (ms).
+    fn rejection(&self, config: &Policy, reply: &LimitsReply, now: u64) -> Verdict {
+        let charged = self.plan.as_ref().map_or(&[][..], |p| p.buckets.as_slice());
+        Verdict::Reply(decision::rejection(&self.relevant(reply), config, charged, self.caller(now)))
+    }
+
+    /// Who the filter's answers to this request are for, at `now` (ms).
+    fn caller(&self, now: u64) -> Caller {
+        Caller { dialect: self.dialect, now_ms: now }
+    }
+
+    /// Plans the charge and decides it. `body` is `None` when the body is not read.
+    fn charge(&mut self, host: &mut impl Host, worker: &mut Worker, config: &Policy, body: Option<&[u8]>) -> Action {
+        let tier_value = config.tier.as_ref().and_then(|t| single_header(host, &t.header));
+        self.tier = config.tier_of(&self.tenant, tier_value.as_deref()).to_string();
+        // The clock, read once for the decision.
+        let now = host.now_ms();
+        let mut learned = ProxyKnowledge {
+            host,
+            now,
+            config,
+            tenant: &self.tenant,
+            prompt_cache: &mut worker.prompt_cache,
+            calibrations: &mut worker.calibrations,
+        };
+        let plan = plan(config, self.route.as_ref(), &self.tier, body, &mut learned);
+        self.body_len = body.map_or(0, <[u8]>::len);
+        let unpriced = plan.unpriced.then(|| plan.model.clone());
+        let unreadable = plan.unreadable.clone().filter(|_| config.tokens.unreadable_body == UnreadableBody::Refuse);
+        self.plan = Some(plan);
+        if let Some(why) = unreadable {
+            return self.apply(host, config, Verdict::Reply(decision::unreadable_body(&why, self.dialect)), false);
+        }
+        if let Some(model) = unpriced {
+            return self.apply(host, config, Verdict::Reply(decision::model_not_priced(&model, self.dialect)), false);
+        }
+        if config.lease.enabled {
+            match self.admit_from_lease(host, worker, config, now) {
+                FromLease::Decided(verdict) => return self.apply(host, config, verdict, false),
+                FromLease::AskForLease => self.ask = Ask::Lease,
+                FromLease::ChargeDirectly => self.ask = Ask::Charge,
+            }
+        }
+        if worker.dispatch(host, config, now) == Dispatch::Local {
+            let verdict = self.fail_over(host, worker, config, "circuit breaker open");
+            return self.apply(host, config, verdict, false);
+        }
+        match self.send(host, worker, config, now) {
+            Ok(()) => {
+                self.phase = Phase::Deciding;
+                Action::Pause
+            }
+            Err(why) => {
+                let verdict = self.callout_failed(host, worker, config, &why);
+                self.apply(host, config, verdict, false)
+            }
+        }
+    }
+
+    /// Sends the callout the mode calls for: a lease covering the request, or the charge.
+    fn send(&mut self, host: &mut impl Host, worker: &mut Worker, config: &Policy, now: u64) -> Result<(), String> {
+        // In shadow mode nothing waits: the queue would enforce.
+        let wait =
+            if config.lease.enabled || config.mode == Mode::Shadow { None } else { self.join_queue(host, config) };
+        let Some(plan) = self.plan.as_ref() else { return Err("no plan".into()) };
+        let timeout = config.companion.timeout + if self.queued { config.queue.max_wait } else { Duration::ZERO };
+        if self.ask == Ask::Lease {
+            host.add_metric(Metric::LeaseCallouts, 1);
+            let stored = read_own(host, config, TenantTable::Leases, &self.tenant);
+            let entry = LeaseEntry::decode(stored.as_deref(), plan.buckets.len());
+            let request = LeaseRequest {
+                domain: config.domain.clone(),
+                tenant: self.tenant.clone(),
+                limits: lease_asks(&entry.leases, &plan.buckets, &config.lease.policy(), now),
+                share: config.lease.share,
+            };
+            return worker.call_companion(host, config, LEASE_PATH, &request, timeout, Owner::Request).map(drop);
+        }
+        // Every charge keeps a reservation record: it holds tokens to settle, names the
+        // request's slots and its place in the queue, and backs the refund an upstream
+        // 401/403 gives (the companion credits nothing a record does not back).
+        let id = worker.new_reservation_id(host);
+        self.admission = Some(Admission::Reserved(id.clone()));
+        let mut limits = plan.buckets.clone();
+        if wait.is_none() {
+            // Only the queue reads it: a charge that cannot wait goes out as before this
+            // field existed, which a companion older than the filter still takes.
+            limits.iter_mut().for_each(|limit| limit.provisional = false);
+        }
+        let request = ChargeRequest {
+            domain: config.domain.clone(),
+            tenant: self.tenant.clone(),
+            limits,
+            // Tokens are settled against the record within `tokens.reservation_ttl`; a
+            // waiting charge's refund (its client gave up) within its wait; anything else
+            // only ever settles a refund, decided by the reply's status.
+            reservation: Some(Reservation {
+                id,
+                ttl_ms: match (plan.estimate, &wait) {
+                    (Some(_), _) => config.tokens.reservation_ttl.as_millis() as u64,
+                    (None, Some(wait)) => wait.max_ms + CANCEL_WINDOW_MS,
+                    (None, None) => REFUND_WINDOW_MS,
+                },
+            }),
+            wait,
+        };
+        worker.call_companion(host, config, CHARGE_PATH, &request, timeout, Owner::Request).map(drop)
+    }
+
+    /// Takes a place in the queue, if queueing is on and this proxy's queue has room: the
+    /// charge may then wait for capacity, in the companion, at this request's priority.
+    fn join_queue(&mut self, host: &mut impl Host, config: &Policy) -> Option<Wait> {
+        let queue = &config.queue;
+        if !queue.enabled() {
+            return None;
+        }
+        // A place of the tenant's share first, then of the whole queue.
+        let own = keys::queued_tenant_key(&config.domain, queued_slot(config, &self.tenant));
+        if !take_place(host, &own, queue.max_per_tenant) {
+            return None;
+        }
+        if !take_place(host, &keys::queued_key(&config.domain), queue.max_length) {
+            give_place(host, &own);
+            return None;
+        }
+        self.queued = true;
+        let priority = queue
+            .priority_header
+            .as_deref()
+            .and_then(|name| single_header(host, name))
+            .and_then(|value| value.trim().parse::<u8>().ok())
+            .filter(|p| *p <= 9)
+            .or_else(|| queue.tier_priorities.get(&self.tier).copied())
+            .unwrap_or(queue.default_priority);
+        Some(Wait { max_ms: queue.max_wait.as_millis() as u64, priority, aging_ms: queue.aging.as_millis() as u64 })
+    }
+
+    fn leave_queue(&mut self, host: &mut impl Host, config: &Policy) {
+        if std::mem::take(&mut self.queued) {
+            give_place(host, &keys::queued_key(&config.domain));
+            give_place(host, &keys::queued_tenant_key(&config.domain, queued_slot(config, &self.tenant)));
+        }
+    }
+
+    /// Admits from this proxy's lease, if it covers the request, or refuses it if Redis
+    /// recently refused as much; otherwise says how to ask Redis: for a lease once the
+    /// tenant shows repeat traffic, else (and when another tenant's lease holds the slot)
+    /// a direct charge. Marks the tenant for renewal when the lease runs low.
+    fn admit_from_lease(&mut self, host: &mut impl Host, worker: &mut Worker, config: &Policy, now: u64) -> FromLease {
+        let costs = self.costs();
+        let specs = self.plan.as_ref().map(|p| p.buckets.clone()).unwrap_or_default();
+        let policy = config.lease.policy();
+        let limits = costs.len();
+        let evictable = |payload: &[u8]| LeaseEntry::evictable(payload, limits, now);
+        let step = update_own(host, config, TenantTable::Leases, &self.tenant, evictable, |payload| {
+            let mut entry = LeaseEntry::decode(payload, limits);
+            if entry.leases.admit(&costs, now) {
+                let renew = entry.leases.0.iter().any(|l| l.wants_renewal(&policy, now));
+                if renew {
+                    for lease in &mut entry.leases.0 {
+                        lease.renewal_asked_ms = now;
+                    }
+                }
+                return (Some(entry.encode()), LeaseStep::Admitted { renew, leases: entry.leases });
+            }
+            if let Some(refusal) = entry.leases.refusal(&specs, now) {
+                return (None, LeaseStep::Refused(refusal));
+            }
+            if entry.repeats(policy.ttl_ms, now) {
+                return (None, LeaseStep::Ask);
+            }
+            entry.seen_ms = now;
+            (Some(entry.encode()), LeaseStep::FirstSeen)
+        });
+        match step {
+            Some(Ok(LeaseStep::Admitted { renew, leases })) => {
+                if renew {
+                    worker.want_renewal(&self.tenant);
+                }
+                host.add_metric(Metric::LeaseAdmissions, 1);
+                FromLease::Decided(self.admitted_from_lease(host, worker, config, &leases, now))
+            }
+            Some(Ok(LeaseStep::Refused(refusal))) => {
+                self.count_refusal(host, config, &refusal);
+                FromLease::Decided(self.rejection(config, &refusal, now))
+            }
+            Some(Ok(LeaseStep::Ask)) => FromLease::AskForLease,
+            // First seen, the slot held by another tenant's lease, or the write refused.
+            Some(Ok(LeaseStep::FirstSeen) | Err(Busy)) | None => FromLease::ChargeDirectly,
+        }
+    }
+
+    fn admitted_from_lease(
+        &mut self,
+        host: &mut impl Host,
+        worker: &mut Worker,
+        config: &Policy,
+        leases: &TenantLeases,
+        now: u64,
+    ) -> Verdict {
+        self.count_admission(host, config, Decision::Allowed);
+        worker.note_leased(config, &self.tenant, leases, now);
+        self.admission = Some(Admission::Leased);
+        let buckets = self.plan.as_ref().map(|p| p.buckets.clone()).unwrap_or_default();
+        Verdict::Forward(self.admitted_headers(host, config, &leases.as_reply(&buckets), now))
+    }
+
+    fn admitted_headers(&self, host: &mut impl Host, config: &Policy, reply: &LimitsReply, now: u64) -> Vec<Header> {
+        let mut headers = decision::rate_limit_headers(&self.relevant(reply), config, self.caller(now));
+        if let Some(plan) = self.plan.as_ref() {
+            if let Some(estimate) = plan.estimate {
+                count_tokens(host, config, plan.rule, TokenStage::Reserved, estimate);
+            }
+        }
+        if self.plan.as_ref().is_some_and(|p| p.estimate.is_some()) {
+            let reserved = self.reserved_tokens();
+            host.add_metric(Metric::TokensReserved, reserved);
+            headers.push((RESERVED_TOKENS_HEADER, reserved.to_string()));
+        }
+        headers
+    }
+
+    fn decide(&mut self, host: &mut impl Host, worker: &mut Worker, config: &Policy, body_size: usize) -> Verdict {
+        let expected = self.plan.as_ref().map_or(0, |p| p.buckets.len());
+        let reply = match callout_reply::<LimitsReply>(host, body_size) {
+            Ok(reply) if reply.limits.len() == expected => reply,
+            Ok(_) => {
+                return self.callout_failed(host, worker, config, "companion reply has the wrong number of limits")
+            }
+            Err(why) => return self.callout_failed(host, worker, config, &why),
+        };
+        worker.callout_succeeded(host, config);
+        self.leave_queue(host, config);
+        let waited = reply.waited_ms;
+        if waited > 0 {
+            worker.count_queue_wait(host, waited);
+        }
+        let verdict = self.decide_reply(host, worker, config, reply);
+        if waited == 0 {
+            return verdict;
+        }
+        verdict.with_header(QUEUED_HEADER, waited.to_string())
+    }
+
+    fn decide_reply(
+        &mut self,
+        host: &mut impl Host,
+        worker: &mut Worker,
+        config: &Policy,
+        reply: LimitsReply,
+    ) -> Verdict {
+        let now = host.now_ms();
+        if !reply.allowed {
+            self.count_refusal(host, config, &reply);
+            self.admission = None; // nothing was charged
+            if self.ask == Ask::Lease {
+                // Later requests that need as much are refused here until the retry time.
+                let costs = self.costs();
+                let limits = costs.len();
+                let evictable = |payload: &[u8]| LeaseEntry::evictable(payload, limits, now);
+                update_own(host, config, TenantTable::Leases, &self.tenant, evictable, |payload| {
+                    let mut entry = LeaseEntry::decode(payload, limits);
+                    entry.leases.block(&reply, &costs, now);
+                    (Some(entry.encode()), ())
+                });
+            }
+            return self.rejection(config, &reply, now);
+        }
+        match self.ask {
+            Ask::Lease => {
+                let costs = self.costs();
+                match worker.merge_grant(host, config, &self.tenant, &reply, Some(&costs), now) {
+                    Some(Ok(leases)) => self.admitted_from_lease(host, worker, config, &leases, now),
+                    _ => {
+                        // The grant cannot be kept as a lease (another tenant's lease holds
+                        // the slot): what it granted beyond this request goes back, and the
+                        // request stands charged.
+                        let surplus = reply.limits.iter().zip(&costs).map(|(o, &c)| o.charged as i64 - c as i64);
+                        worker.settle_credits(host, config, &self.tenant, None, false, surplus.enumerate());
+                        self.count_admission(host, config, Decision::Allowed);
+                        self.admission = Some(Admission::Charged);
+                        Verdict::Forward(self.admitted_headers(host, config, &reply, now))
+                    }
+                }
+            }
+            Ask::Charge => {
+                self.count_admission(host, config, Decision::Allowed);
+                self.rewrite_body(host, config, &reply);
+                if let (true, Some(Admission::Reserved(id))) = (config.has_concurrency(), &self.admission) {
+                    let costs = self.costs();
+                    let held = config
+                        .limits
+                        .iter()
+                        .enumerate()
+                        .filter(|(i, l)| l.kind == LimitKind::Slots && costs.get(*i).is_some_and(|&c| c > 0))
+                        .map(|(i, _)| (i, 0));
+                    let slots = settlement(config, &self.tenant, Some(id.clone()), false, adjustments(config, held));
+                    worker.hold_slots(id.clone(), slots);
+                }
+                Verdict::Forward(self.admitted_headers(host, config, &reply, now))
+            }
+        }
+    }
+
+    fn callout_failed(&mut self, host: &mut impl Host, worker: &mut Worker, config: &Policy, why: &str) -> Verdict {
+        self.leave_queue(host, config);
+        host.add_metric(Metric::CalloutFailures, 1);
+        worker.record_callout_failure(host, config);
+        self.fail_over(host, worker, config, why)
+    }
+
+    /// Decides without the companion, as `failure_mode` says.
+    fn fail_over(&mut self, host: &mut impl Host, worker: &mut Worker, config: &Policy, why: &str) -> Verdict {
+        self.admission = None; // nothing was charged in Redis
+        host.log(
+            LogLevel::Debug,
+            &format!("llm-ratelimit: no decision from the companion ({why}); failure_mode {:?}", config.failure_mode),
+        );
+        host.add_metric(Metric::DegradedDecisions, 1);
+        match config.failure_mode {
+            FailureMode::Local => self.decide_locally(host, worker, config),
+            FailureMode::Allow => {
+                self.count_per_limit(host, config, Decision::Degraded);
+                Verdict::Forward(vec![(DEGRADED_HEADER, "companion-unavailable".to_string())])
+            }
+            FailureMode::Deny => Verdict::Reply(decision::limiter_unavailable(self.dialect)),
+        }
+    }
+
+    /// The degraded mode: each limit divided by `fallback.instances`, as token buckets in
+    /// shared data, decided with the same model the Lua script follows. What is admitted
+    /// is queued as a debit, so Redis learns of it when it is back.
+    fn decide_locally(&mut self, host: &mut impl Host, worker: &mut Worker, config: &Policy) -> Verdict {
+        let specs = self.plan.as_ref().map(|plan| local_specs(config, plan)).unwrap_or_default();
+        let now_ms = host.now_ms();
+        let now = now_ms as f64;
+        // A colliding tenant's local bucket may be replaced only once it has admitted
+        // nothing for a whole window: taken sooner, its owner would find a fresh budget.
+        let idle = |payload: &[u8]| {
+            let states = decode_states(Some(payload), specs.len());
+            states
+                .iter()
+                .zip(&specs)
+                .all(|(state, spec)| state.is_none_or(|s| now - s.updated_ms >= spec.window_ms as f64))
+        };
+        let reply = update_own(host, config, TenantTable::Local, &self.tenant, idle, |payload| {
+            let mut states = decode_states(payload, specs.len());
+            let reply = check_and_charge(&mut states, &specs, now);
+            (reply.allowed.then(|| encode_states(&states)), reply)
+        });
+        let Some(Ok(reply)) = reply else {
+            return Verdict::Reply(decision::limiter_unavailable(self.dialect));
+        };
+        if !reply.allowed {
+            self.count_refusal(host, config, &reply);
+            return self.rejection(config, &reply, now_ms).with_header(DEGRADED_HEADER, "local".to_string());
+        }
+        self.count_admission(host, config, Decision::Degraded);
+        // Redis learns of the budget spent here; slots are this proxy's alone.
+        let debits = specs.iter().enumerate().filter(|(_, b)| b.kind != LimitKind::Slots);
+        worker.settle_credits(host, config, &self.tenant, None, false, debits.map(|(i, b)| (i, -(b.cost as i64))));
+        self.admission = Some(Admission::Local);
+        Verdict::Forward(self.admitted_headers(host, config, &reply, now_ms))
+            .with_header(DEGRADED_HEADER, "local".to_string())
+    }
+
+    /// Sends upstream the body the charge calls for: the output cap clamped to what was
+    /// granted, stream usage requested. Only while the headers are still held can
+    /// content-length follow the new body, so nothing changes otherwise.
+    fn rewrite_body(&mut self, host: &mut impl Host, config: &Policy, reply: &LimitsReply) {
+        let signed = self.plan.as_ref().and_then(|p| p.request.as_ref()).is_some_and(|r| r.body_is_signed);
+        if signed {
+            // Reserved at its whole cap instead (see `charge::plan`).
+            if config.tokens.clamp_max_tokens {
+                host.add_metric(Metric::SignedNotClamped, 1);
+            }
+            return;
+        }
+        if !self.holding_headers {
+            return;
+        }
+        let Some(plan) = self.plan.as_mut() else { return };
+        let charged: Vec<u64> = reply.limits.iter().map(|o| o.charged).collect();
+        let Some(body) = plan.apply_grant(config, &charged) else { return };
+        if host.replace_request_body(self.body_len, &body)
+            && host.set_request_header("content-length", &body.len().to_string())
+            && config.tokens.request_stream_usage
+            && plan.request.as_ref().is_some_and(|r| r.wants_usage_added())
+        {
+            self.usage_remover = Some(UsageChunkRemover::default());
+        }
+    }
+
+    /// Carries a verdict out, as shadow mode has it. `paused` says whether the request is
+    /// waiting on us.
+    fn apply(&mut self, host: &mut impl Host, config: &Policy, verdict: Verdict, paused: bool) -> Action {
+        let verdict = self.shadow(host, config, verdict);
+        self.carry_out(host, verdict, paused)
+    }
+
+    /// In shadow mode a refusal is forwarded instead, marked with what it would have been.
+    fn shadow(&self, host: &mut impl Host, config: &Policy, verdict: Verdict) -> Verdict {
+        match verdict {
+            Verdict::Reply(reply) if config.mode == Mode::Shadow && matches!(reply.status, 403 | 413 | 429 | 503) => {
+                host.add_metric(Metric::ShadowRefusals, 1);
+                let mut headers: Vec<Header> = reply
+                    .headers
+                    .into_iter()
+                    .filter(|(name, _)| *name != "retry-after" && !answers::belongs_to_the_error(name))
+                    .collect();
+                headers.push((SHADOW_HEADER, reply.status.to_string()));
+                Verdict::Forward(headers)
+            }
+            other => other,
+        }
+    }
+
+    fn carry_out(&mut self, host: &mut impl Host, verdict: Verdict, paused: bool) -> Action {
+        match verdict {
+            Verdict::Forward(headers) => {
+                self.phase = Phase::Forwarded;
+                self.response_headers = headers;
+                if paused {
+                    host.resume_request();
+                }
+                Action::Continue
+            }
+            Verdict::Reply(mut reply) => {
+                self.phase = Phase::Replied;
+                self.response_headers.clear();
+                // OpenAI's SDK reads `x-request-id`, Anthropic's `request-id`: a caller can
+                // quote either when it asks why it was refused.
+                if !self.request_id.is_empty() {
+                    reply.headers.push(("x-request-id", self.request_id.clone()));
+                    reply.headers.push(("request-id", self.request_id.clone()));
+                }
+                host.send_reply(&reply);
+                Action::Pause
+            }
+        }
+    }
+
+    // ---- settling ----
+
+    /// Settles this request, once: the difference between what it reserved and what it
+    /// cost (in tokens, and in money for budgets) goes back where the reservation came
+    /// from, and its slots are released.
+    fn settle(&mut self, host: &mut impl Host, worker: &mut Worker, config: &Policy, ending: Ending) {
+        let Some(admission) = self.admission.take() else { return };
+        let credits = if self.credential_refused && self.phase == Phase::Forwarded {
+            self.refund_everything(config)
+        } else {
+            self.credits(host, worker, config, ending)
+        };
+        let applies = |i: usize| self.plan.as_ref().is_some_and(|p| p.applies(i));
+        let slot_limits: Vec<usize> = config
+            .limits
+            .iter()
+            .enumerate()
+            .filter(|(i, l)| l.kind == LimitKind::Slots && applies(*i))
+            .map(|(i, _)| i)
+            .collect();
+        let reservation = match admission {
+            Admission::Reserved(id) => {
+                // Released at once where the host lets a finished request call out; the
+                // settlement below releases them too, within a tick, everywhere.
+                let slots = worker.take_slots(&id);
+                if let Some(slots) = slots.filter(|_| worker.host_kind().dispatches_in_response_phases()) {
+                    release_now(host, worker, config, slots);
+                }
+                Some(id)
+            }
+            Admission::Local => {
+                // This proxy's own slots go back at once; the credits go to Redis.
+                if !slot_limits.is_empty() {
+                    self.release_local_slots(host, config, &slot_limits);
+                }
+                None
+            }
+            Admission::Leased => {
+                let now = host.now_ms();
+                let limits = config.limits.len();
+                let applied = update_own(
+                    host,
+                    config,
+                    TenantTable::Leases,
+                    &self.tenant,
+                    |_| false,
+                    |payload| {
+                        let Some(payload) = payload else { return (None, false) };
+                        let mut entry = LeaseEntry::decode(Some(payload), limits);
+                        let live = credits.iter().all(|&(i, credit)| entry.leases.credit(i, credit, now));
+                        (live.then(|| entry.encode()), live)
+                    },
+                );
+                if applied == Some(Ok(true)) || credits.iter().all(|&(_, c)| c == 0) {
+                    return;
+                }
+                None // the lease expired (or was evicted) meanwhile: the credits belong to Redis
+            }
+            Admission::Charged => None,
+        };
+        let with_slots = reservation.is_some();
+        let releases = slot_limits.into_iter().filter(|_| with_slots).map(|i| (i, 0));
+        worker.settle_credits(host, config, &self.tenant, reservation, false, credits.into_iter().chain(releases));
+    }
+
+    /// What gives back all this request took from each limit but slots (released on
+    /// their own): requests, tokens and dollars alike.
+    fn refund_everything(&self, config: &Policy) -> Vec<(usize, i64)> {
+        let Some(plan) = self.plan.as_ref() else { return Vec::new() };
+        let limits = config.limits.iter().zip(&plan.buckets).enumerate().filter(|(i, _)| plan.applies(*i));
+        limits
+            .filter(|(_, (limit, _))| limit.kind != LimitKind::Slots)
+            .map(|(i, (_, bucket))| (i, i64::try_from(bucket.cost).unwrap_or(i64::MAX)))
+            .collect()
+    }
+
+    /// The client gave up while the charge waited in the queue: stop the charge if it has
+    /// not happened yet, and refund everything it took if it has (one script call does
+    /// both, so one of the two is true).
+    fn cancel_queued(&mut self, host: &mut impl Host, worker: &mut Worker, config: &Policy) {
+        let Some(Admission::Reserved(id)) = self.admission.take() else { return };
+        worker.take_slots(&id);
+        let costs = self.costs();
+        let refunds = config.limits.iter().zip(&costs).enumerate().map(|(i, (limit, &cost))| {
+            (i, if limit.kind == LimitKind::Slots { 0 } else { i64::try_from(cost).unwrap_or(i64::MAX) })
+        });
+        let limits = adjustments(config, refunds);
+        let settlement = settlement(config, &self.tenant, Some(id), true, limits);
+        worker.queue_settlement(host, settlement);
+    }
+
+    /// What to give back for this request (negative: to take) to each token and cost
+    /// limit it applies to (per-model limits may not), by limit index: of the part of its
+    /// tokens the limit counts, or in micro-dollars, what it reserved less what the reply
+    /// says it used. Updates the running average of completions.
+    fn credits(
+        &mut self,
+        host: &mut impl Host,
+        worker: &mut Worker,
+        config: &Policy,
+        ending: Ending,
+    ) -> Vec<(usize, i64)> {
+        let Some(plan) = self.plan.as_ref() else { return Vec::new() };
+        let Some(estimate) = plan.estimate else { return Vec::new() };
+        let (reported, streamed_output, reply_model) = match self.reply.as_mut() {
+            Some(ReplyReader::Json(reader)) => (reader.finish(), None, reader.model()),
+            Some(ReplyReader::Stream(reader)) => {
+                reader.finish();
+                (reader.reported(), Some(reader.output_tokens()), reader.model())
+            }
+            Some(ReplyReader::EventStream(reader)) => {
+                if let Some(why) = reader.broken() {
+                    host.warn_once("event-stream", &format!("llm-ratelimit: a Bedrock event stream stopped being read ({why:?}); settled on what came before"));
+                }
+                (reader.reported(), Some(reader.output_tokens()), None)
+            }
+            None => (ReportedUsage::default(), None, None),
+        };
+        let price = plan.settlement_price(config, reply_model);
+        let forwarded = self.phase == Phase::Forwarded;
+        // A request that never went upstream cost nothing.
+        self.sight.stream_without_usage = streamed_output.is_some() && reported.output.is_none();
+        self.sight.hidden_output_model = reply_floor::hides_output(&config.tokens.hidden_output_models, &plan.model);
+        let floor = reply_floor::floor(ending, self.sight, config.tokens.on_client_abort).filter(|_| forwarded);
+        let used = if forwarded {
+            let used = actual_usage(estimate, ending, reported, streamed_output, config.tokens.on_upstream_error);
+            if floor.is_some() {
+                reply_floor::at_least_reserved(estimate, used)
+            } else {
+                used
+            }
+        } else {
+            TokenCounts { prompt: 0, output: 0 }
+        };
+        host.add_metric(Metric::TokensCharged, used.total());
+        count_tokens(host, config, plan.rule, TokenStage::Charged, used);
+        // A reply the filter could not read teaches nothing: its visible part would teach
+        // the next reservations that completions are short.
+        if ending == Ending::Completed && forwarded && floor.is_none() {
+            let output = reported.output.or(streamed_output).filter(|_| plan.produces_output());
+            if let Some(output) = output {
+                update_average(host, config, &self.tenant, &plan.model, |stored| {
+                    let average = stored.and_then(OutputAverage::from_bytes);
+                    average.map_or(OutputAverage::first(output), |a| a.update(output)).to_bytes().to_vec()
+                });
+            }
+            // What the provider counted against what the proxy did, for the next reservations.
+            let prompt = reported.input.map(|input| (plan.counted_prompt, input));
+            worker.calibrations.note(config, plan.rule, Lesson { prompt, output });
+        }
+        let cached = if forwarded { reported.cached_input.unwrap_or(0) } else { 0 };
+        let credits = config.limits.iter().zip(&plan.buckets).enumerate().filter(|(i, _)| plan.applies(*i));
+        credits
+            .filter_map(|(i, (limit, bucket))| match limit.measure {
+                Measure::Tokens { count, .. } => Some((i, credit(count.reserved(estimate), count.used(used, cached)))),
+                // Against what the budget was charged, at the price of each part used.
+                Measure::Usd { .. } => {
+                    let cost = price.map_or(0, |price| credit(bucket.cost, price.micro_usd_cached(used, cached)));
+                    Some((i, cost))
+                }
+                Measure::Requests(_) | Measure::Concurrency(_) => None,
+            })
+            .collect()
+    }
+
+    fn release_local_slots(&self, host: &mut impl Host, config: &Policy, indices: &[usize]) {
+        let Some(plan) = self.plan.as_ref() else { return };
+        let specs = local_specs(config, plan);
+        let credits: Vec<i64> = (0..specs.len()).map(|i| i64::from(indices.contains(&i))).collect();
+        let now = host.now_ms() as f64;
+        update_own(
+            host,
+            config,
+            TenantTable::Local,
+            &self.tenant,
+            |_| false,
+            |payload| {
+                let Some(payload) = payload else { return (None, ()) }; // replaced meanwhile
+                let mut states = decode_states(Some(payload), specs.len());
+                crate::accounting::bucket::settle(&mut states, &specs, &credits, now);
+                (Some(encode_states(&states)), ())
+            },
+        );
+    }
+}
+
+/// What this proxy knows for one request's plan: the tenant's completion averages (in
+/// shared data), the calibrations as this worker last read them, and the counts this VM
+/// remembers.
+struct ProxyKnowledge<'a, H> {
+    host: &'a mut H,
+    now: u64,
+    config: &'a Policy,
+    tenant: &'a str,
+    prompt_cache: &'a mut PromptCache,
+    calibrations: &'a mut LocalCalibrations,
+}
+
+impl<H: Host> Learned for ProxyKnowledge<'_, H> {
+    fn average(&mut self, model: &str) -> Option<OutputAverage> {
+        read_average(self.host, self.config, self.tenant, model).and_then(|b| OutputAverage::from_bytes(&b))
+    }
+
+    fn calibration(&mut self, rule: usize) -> Calibration {
+        self.calibrations.get(self.host, self.config, rule, self.now)
+    }
+
+    fn count(&mut self, encoding: Encoding, text: &str) -> u64 {
+        self.prompt_cache.count(encoding, text)
+    }
+}
+
+/// Whether the request, by its headers, has no body to wait for: `content-length: 0`, or,
+/// on a host that never reports end of stream on request headers (ngx_wasm_module), no
+/// `content-length` and no `transfer-encoding` either. Such a request gets no body
+/// callback there, so waiting for one would let it through uncharged.
+/// Takes a place in the waiter count at `key` if fewer than `most` wait there.
+fn take_place(host: &mut impl Host, key: &str, most: u32) -> bool {
+    let joined = shared_update(host, key, |bytes| {
+        let waiting = bytes.and_then(|b| b.try_into().ok()).map_or(0, u32::from_le_bytes);
+        let room = waiting < most;
+        (room.then(|| (waiting + 1).to_le_bytes().to_vec()), room)
+    });
+    joined == Some(true)
+}
+
+/// Gives back a place taken with `take_place`.
+fn give_place(host: &mut impl Host, key: &str) {
+    shared_update(host, key, |bytes| {
+        let waiting = bytes.and_then(|b| b.try_into().ok()).map_or(0, u32::from_le_bytes);
+        (Some(waiting.saturating_sub(1).to_le_bytes().to_vec()), ())
+    });
+}
+
+/// The value of a header the client must not be able to choose by adding a copy (the
+/// tier, the priority): `None`, so the default applies, when it was sent more than once,
+/// since hosts and the component that sets it disagree on which copy counts.
+fn single_header(host: &mut impl Host, name: &str) -> Option<String> {
+    let mut values = host.request_header_values(name);
+    match values.len() {
+        1 => values.pop(),
+        _ => None,
+    }
+}
+
+fn has_no_body(host: &mut impl Host, worker: &Worker) -> bool {
+    match host.request_header("content-length") {
+        Some(length) => length.trim() == "0",
+        None => {
+            !worker.host_kind().reports_end_of_stream_on_headers() && host.request_header("transfer-encoding").is_none()
+        }
+    }
+}
+
+/// The degraded mode's buckets: each limit divided by `fallback.instances`; a slot comes
+/// back when its request ends, not with time.
+fn local_specs(config: &Policy, plan: &ChargePlan) -> Vec<LimitCharge> {
+    let instances = u64::from(config.fallback.instances);
+    plan.buckets
+        .iter()
+        .map(|b| LimitCharge {
+            capacity: b.capacity.div_ceil(instances),
+            min_cost: None,
+            window_ms: if b.kind == LimitKind::Slots { LOCAL_SLOTS_NEVER_REFILL_MS } else { b.window_ms },
+            ..b.clone()
+        })
+        .collect()
+}
+
+/// Releases a request's slots at once, in a callout owned by the root context so it
+/// outlives the request; its settlement (queued, sent within a tick) releases them too,
+/// so nothing is lost if this one fails.
+fn release_now(host: &mut impl Host, worker: &Worker, config: &Policy, slots: crate::protocol::Settlement) {
+    let request = SettlementBatch { settlements: vec![slots] };
+    let timeout = config.companion.timeout.max(RELEASE_TIMEOUT);
+    if let Err(why) = worker.call_companion(host, config, RELEASE_PATH, &request, timeout, Owner::Root) {
+        host.log(LogLevel::Debug, &format!("llm-ratelimit: cannot release slots at once ({why}); the settlement will"));
+    }
+}
+
+/// Tokens by `gen_ai.token.type`: the prompt is input, the completion output.
+fn count_tokens(host: &mut impl Host, config: &Policy, rule: usize, stage: TokenStage, tokens: TokenCounts) {
+    for (kind, amount) in [(TokenType::Input, tokens.prompt), (TokenType::Output, tokens.output)] {
+        if amount > 0 {
+            host.add_series(series::tokens(config, rule, kind, stage), amount);
+        }
+    }
+}
+
+#[cfg(test)]
+mod answers_tests;
+#[cfg(test)]
+mod request_tests;
+#[cfg(test)]
+mod tests;
+
+/// Whether a request's `x-request-id` may be echoed in a reply: short, and only the
+/// characters ids are made of (a client may send anything).
+fn is_request_id(id: &str) -> bool {
+    !id.is_empty() && id.len() <= 128 && id.bytes().all(|b| b.is_ascii_alphanumeric() || b"-_.:".contains(&b))
+}

@@ -1,0 +1,1166 @@
+//! The request lifecycle on the fake host, one test per path that only the end-to-end
+//! suites reached before, each run for every host whose semantics differ. Those marked
+//! for wasm also run as wasm under Node (`make wasm-test`).
+
+use crate::accounting::lease::TenantLeases;
+use crate::effects::host::{Action, HostKind, Metric, Owner};
+use crate::lifecycle::RequestFilter;
+use crate::protocol::keys;
+use crate::protocol::{ChargeRequest, LimitsReply, CALIBRATION_PATH, SETTLE_PATH};
+use crate::testing::{advance, usage_reply, FakeCompanion, Proxy, Request, World};
+use serde_json::{json, Value};
+
+const HOSTS: [HostKind; 2] = [HostKind::Envoy, HostKind::Nginx];
+const CHAT: &str = r#"{"model":"gpt-4o","messages":[{"role":"user","content":"hello world"}],"max_tokens":300}"#;
+/// What CHAT reserves: 9 prompt tokens counted in the proxy, 300 of output allowance.
+const CHAT_RESERVES: i64 = 309;
+/// The most any provider counts CHAT's prompt as (`charge::prompt_bound`): 3 to prime the
+/// reply, 3 for the message, `user` and `hello world` in bytes.
+const CHAT_PROMPT_BOUND: u64 = 21;
+
+pub(super) fn config(limits: Value, extra: Value) -> String {
+    let mut config = json!({"companion": {"upstream": "companion", "token": "test-token-0123456789"}, "failure_mode": "deny", "limits": limits});
+    if let (Some(config), Some(extra)) = (config.as_object_mut(), extra.as_object()) {
+        config.extend(extra.clone());
+    }
+    config.to_string()
+}
+
+fn rpm_tpm(extra: Value) -> String {
+    config(
+        json!([{"name": "rpm", "requests": 100, "window": "1m"}, {"name": "tpm", "tokens": 10000, "window": "1m"}]),
+        extra,
+    )
+}
+
+fn tenant(key: &str) -> String {
+    crate::api::identity::tenant_id(key)
+}
+
+/// The settlements the worker sends on its next tick, answered by `companion`.
+pub(super) fn settle(proxy: &mut Proxy, companion: &mut FakeCompanion) -> Vec<crate::protocol::Settlement> {
+    let before = companion.settled.len();
+    proxy.tick(Some(companion));
+    companion.settled[before..].to_vec()
+}
+
+fn charge_of(flight: &crate::testing::InFlight) -> ChargeRequest {
+    serde_json::from_value(flight.host.last_callout().body.clone()).expect("a charge")
+}
+
+#[cfg_attr(not(target_arch = "wasm32"), test)]
+#[cfg_attr(target_arch = "wasm32", wasm_bindgen_test::wasm_bindgen_test)]
+fn a_chat_is_charged_forwarded_and_settled_from_the_reported_usage() {
+    for kind in HOSTS {
+        let world = World::new(kind);
+        let mut proxy = Proxy::new(&world, &rpm_tpm(json!({})));
+        let mut companion = FakeCompanion::default();
+        let mut chat = proxy.send(Request::chat("sk-a", CHAT), &mut companion);
+        assert!(chat.forwarded(), "{kind:?}");
+        assert_eq!(chat.host.resumed, 1);
+        let charge = charge_of(&chat);
+        assert_eq!(charge.limits.iter().map(|l| l.cost).collect::<Vec<_>>(), [1, CHAT_RESERVES as u64]);
+        assert_eq!(charge.tenant, tenant("sk-a"), "the tenant is a hash, never the key");
+        let id = charge.reservation.expect("a reservation to settle").id;
+        proxy.reply(&mut chat, 200, "application/json", &[&usage_reply(9, 41)]);
+        assert_eq!(chat.host.response_header_value("x-llm-ratelimit-reserved-tokens"), Some("309"));
+        let settled = settle(&mut proxy, &mut companion);
+        assert_eq!(settled.len(), 1, "{kind:?}");
+        assert_eq!(settled[0].reservation.as_deref(), Some(id.as_str()));
+        assert_eq!(settled[0].limits.len(), 1, "only the token limit has a credit");
+        assert_eq!(settled[0].limits[0].credit, CHAT_RESERVES - 50);
+        // The running average of completions moved, on every host (on Nginx only a CAS
+        // write can update an existing key).
+        let mut second = proxy.send(Request::chat("sk-a", CHAT), &mut companion);
+        proxy.reply(&mut second, 200, "application/json", &[&usage_reply(9, 11)]);
+        let config = proxy.worker.config().unwrap().clone();
+        let stored = crate::effects::tables::read_average(&mut proxy.root, &config, &tenant("sk-a"), "gpt-4o");
+        let average =
+            crate::accounting::reservation::OutputAverage::from_bytes(&stored.expect("average")).expect("decodes");
+        assert_eq!(average.samples, 2, "{kind:?}");
+    }
+}
+
+#[cfg_attr(not(target_arch = "wasm32"), test)]
+#[cfg_attr(target_arch = "wasm32", wasm_bindgen_test::wasm_bindgen_test)]
+fn a_request_without_a_body_is_charged_on_every_host() {
+    // ngx_wasm_module: end of stream false on headers and no body callback at all; a
+    // filter that waits for the body lets the request through uncharged.
+    for kind in HOSTS {
+        let world = World::new(kind);
+        let mut proxy = Proxy::new(&world, &rpm_tpm(json!({})));
+        let mut companion = FakeCompanion::default();
+        let get = proxy.send(Request::get("sk-a", "/v1/models"), &mut companion);
+        assert_eq!(companion.calls.get(crate::protocol::CHARGE_PATH), Some(&1), "{kind:?}: charged");
+        assert!(get.forwarded(), "{kind:?}");
+        let empty_post = Request::chat("sk-a", "").header("content-length", "0");
+        let post = proxy.send(empty_post, &mut companion);
+        assert_eq!(companion.calls.get(crate::protocol::CHARGE_PATH), Some(&2), "{kind:?}: charged");
+        assert!(post.forwarded());
+    }
+}
+
+#[cfg_attr(not(target_arch = "wasm32"), test)]
+#[cfg_attr(target_arch = "wasm32", wasm_bindgen_test::wasm_bindgen_test)]
+fn a_request_decided_from_its_headers_is_resumed_only_once_its_body_is_read() {
+    // A request limit needs nothing from the body. Envoy decides from the headers and
+    // streams the body after the resume; ngx_wasm_module would run the content handler on
+    // that resume with the body still unread (the fake host refuses such a resume), so
+    // there the decision waits for the body, whichever arrives first.
+    let requests_only = config(json!([{"name": "rpm", "requests": 100, "window": "1m"}]), json!({}));
+    for kind in HOSTS {
+        let world = World::new(kind);
+        let mut proxy = Proxy::new(&world, &requests_only);
+        let mut companion = FakeCompanion::default();
+        let late = proxy.send_with_late_body(Request::chat("sk-a", CHAT), &mut companion);
+        assert!(late.forwarded(), "{kind:?}");
+        assert_eq!(late.host.callouts.len(), 1, "{kind:?}: charged once");
+        assert_eq!(charge_of(&late).limits.iter().map(|l| l.cost).collect::<Vec<_>>(), [1], "{kind:?}");
+        assert_eq!(world.borrow().host_calls.get("request_body"), None, "{kind:?}: the filter reads no body");
+        // Envoy's callout goes out from the headers, before the body has arrived.
+        let mut host = crate::testing::FakeHost::new(&world);
+        host.request_headers = Request::chat("sk-b", CHAT).headers;
+        let mut filter = RequestFilter::on(&proxy.worker);
+        let (sent_from_headers, action) = match kind {
+            HostKind::Envoy => (1, Action::Pause),
+            HostKind::Nginx => (0, Action::Continue),
+        };
+        assert_eq!(filter.on_request_headers(&mut host, &mut proxy.worker, false), action, "{kind:?}");
+        assert_eq!(host.callouts.len(), sent_from_headers, "{kind:?}");
+        // A request without a body is still decided from its headers on both.
+        let get = proxy.send(Request::get("sk-a", "/v1/models"), &mut companion);
+        assert!(get.forwarded() && get.host.callouts.len() == 1, "{kind:?}");
+    }
+}
+
+#[test]
+fn headers_are_held_only_where_the_host_delivers_the_body_meanwhile() {
+    for (kind, held) in [(HostKind::Envoy, Action::Pause), (HostKind::Nginx, Action::Continue)] {
+        let world = World::new(kind);
+        let mut proxy = Proxy::new(&world, &rpm_tpm(json!({})));
+        let mut host = crate::testing::FakeHost::new(&world);
+        host.request_headers = Request::chat("sk-a", CHAT).headers;
+        let mut filter = RequestFilter::on(&proxy.worker);
+        assert_eq!(filter.on_request_headers(&mut host, &mut proxy.worker, false), held, "{kind:?}");
+        host.request_body = CHAT.as_bytes().to_vec();
+        assert_eq!(filter.on_request_body(&mut host, &mut proxy.worker, CHAT.len(), true), Action::Pause);
+        assert_eq!(host.callouts.len(), 1, "{kind:?}: the body was counted and charged");
+    }
+    // Asking to hold them on a host that cannot deliver the body is refused at load.
+    let world = World::new(HostKind::Nginx);
+    let mut worker = crate::worker::Worker::new();
+    let mut host = crate::testing::FakeHost::new(&world);
+    let err = worker.configure(&mut host, rpm_tpm(json!({"hold_request_headers": true})).as_bytes()).unwrap_err();
+    assert!(err.contains("field `hold_request_headers`") && err.contains("nginx"), "{err}");
+    assert!(worker.configure(&mut host, rpm_tpm(json!({"hold_request_headers": false})).as_bytes()).is_ok());
+}
+
+#[test]
+fn the_companion_credential_from_the_vm_environment_goes_on_every_callout() {
+    let secret = "0f1e2d3c4b5a69788796a5b4c3d2e1f0";
+    let config = rpm_tpm(json!({"companion": {"upstream": "companion", "token_env": "LLMRL_COMPANION_TOKEN"}}));
+    for kind in HOSTS {
+        let world = World::new(kind);
+        // Without the variable (Envoy: not in vm_config.environment_variables; Nginx: no
+        // `env` directive) the config is refused at load, naming the field.
+        let mut worker = crate::worker::Worker::new();
+        let err = worker.configure(&mut crate::testing::FakeHost::new(&world), config.as_bytes()).unwrap_err();
+        assert!(err.contains("companion.token_env"), "{kind:?}: {err}");
+        world.borrow_mut().environment = vec![("LLMRL_COMPANION_TOKEN".into(), "change-me".into())];
+        let err = worker.configure(&mut crate::testing::FakeHost::new(&world), config.as_bytes()).unwrap_err();
+        assert!(err.contains("companion.token_env") && err.contains("placeholder"), "{kind:?}: {err}");
+        world.borrow_mut().environment = vec![("LLMRL_COMPANION_TOKEN".into(), secret.into())];
+        let mut proxy = Proxy::new(&world, &config);
+        let flight = proxy.start(Request::chat("sk-a", CHAT));
+        let callout = flight.host.last_callout();
+        let sent = callout.headers.iter().find(|(name, _)| name == crate::protocol::TOKEN_HEADER);
+        assert_eq!(sent.map(|(_, value)| value.as_str()), Some(secret), "{kind:?}");
+        assert!(!proxy.root.logs.iter().any(|(_, line)| line.contains(secret)), "{kind:?}: never logged");
+    }
+}
+
+#[test]
+fn failure_modes_decide_without_the_companion() {
+    for kind in HOSTS {
+        for (mode, status, degraded) in [("allow", None, Some("companion-unavailable")), ("deny", Some(503), None)] {
+            let world = World::new(kind);
+            let mut proxy = Proxy::new(&world, &rpm_tpm(json!({"failure_mode": mode})));
+            let mut companion = FakeCompanion::failing(500);
+            let flight = proxy.send(Request::chat("sk-a", CHAT), &mut companion);
+            assert_eq!(flight.replied().map(|r| r.status), status, "{kind:?} {mode}");
+            assert_eq!(flight.host.metric(Metric::CalloutFailures), 1);
+            assert_eq!(flight.host.metric(Metric::DegradedDecisions), 1, "{kind:?} {mode}: every failure mode counts");
+            if let Some(value) = degraded {
+                assert!(flight.forwarded());
+                let mut flight = flight;
+                proxy.reply(&mut flight, 200, "application/json", &[&usage_reply(9, 1)]);
+                assert_eq!(flight.host.response_header_value("x-llm-ratelimit-degraded"), Some(value));
+            }
+        }
+        // local: the limit divided by the instances, in shared data.
+        let world = World::new(kind);
+        let limits = json!([{"name": "rpm", "requests": 4, "window": "1m"}]);
+        let mut proxy =
+            Proxy::new(&world, &config(limits, json!({"failure_mode": "local", "fallback": {"instances": 2}})));
+        let mut companion = FakeCompanion::failing(500);
+        let flights: Vec<_> = (0..3).map(|_| proxy.send(Request::get("sk-a", "/v1/models"), &mut companion)).collect();
+        let statuses: Vec<Option<u32>> = flights.iter().map(|f| f.replied().map(|r| r.status)).collect();
+        assert_eq!(statuses, [None, None, Some(429)], "{kind:?}: 4 / 2 instances = 2 locally");
+        let degraded: u64 = flights.iter().map(|f| f.host.metric(Metric::DegradedDecisions)).sum();
+        assert_eq!(degraded, 3, "{kind:?}: admitted or refused locally, each decided without the companion");
+    }
+}
+
+#[cfg_attr(not(target_arch = "wasm32"), test)]
+#[cfg_attr(target_arch = "wasm32", wasm_bindgen_test::wasm_bindgen_test)]
+fn the_breaker_opens_after_failures_then_probes_and_closes() {
+    for kind in HOSTS {
+        let world = World::new(kind);
+        let extra = json!({"failure_mode": "allow", "fallback": {"breaker_failures": 2, "breaker_cooldown": "1s"}});
+        let mut proxy = Proxy::new(&world, &rpm_tpm(extra));
+        let mut companion = FakeCompanion::failing(503);
+        for _ in 0..2 {
+            proxy.send(Request::get("sk-a", "/v1/models"), &mut companion);
+        }
+        assert_eq!(companion.calls.values().sum::<usize>(), 2);
+        // Open: no callout for a second (on Nginx too, where every breaker write must CAS).
+        let flight = proxy.send(Request::get("sk-a", "/v1/models"), &mut companion);
+        assert!(flight.host.callouts.is_empty(), "{kind:?}: the breaker is open");
+        assert!(flight.forwarded());
+        assert_eq!(flight.host.metric(Metric::DegradedDecisions), 1, "{kind:?}: let through without asking");
+        advance(&world, 1_001);
+        companion.failing = None;
+        let probe = proxy.send(Request::get("sk-a", "/v1/models"), &mut companion);
+        assert_eq!(probe.host.callouts.len(), 1, "{kind:?}: one probe");
+        let after = proxy.send(Request::get("sk-a", "/v1/models"), &mut companion);
+        assert_eq!(after.host.callouts.len(), 1, "{kind:?}: closed again");
+        assert_eq!(proxy.root.metric(Metric::SharedWritesRefused), 0);
+    }
+}
+
+#[test]
+fn what_was_admitted_locally_is_reconciled_with_redis() {
+    for kind in HOSTS {
+        let world = World::new(kind);
+        let extra = json!({"failure_mode": "local", "fallback": {"breaker_failures": 1, "breaker_cooldown": "1s"}});
+        let mut proxy = Proxy::new(&world, &rpm_tpm(extra));
+        let mut companion = FakeCompanion::failing(500);
+        for _ in 0..3 {
+            let mut flight = proxy.send(Request::chat("sk-a", CHAT), &mut companion);
+            assert!(flight.forwarded(), "{kind:?}");
+            proxy.reply(&mut flight, 200, "application/json", &[&usage_reply(9, 41)]);
+        }
+        // While the breaker is open nothing is sent.
+        proxy.tick(Some(&mut companion));
+        assert_eq!(companion.settled.len(), 0);
+        advance(&world, 1_001);
+        companion.failing = None;
+        proxy.send(Request::get("sk-a", "/v1/models"), &mut companion); // the probe closes it
+        let mut settled = Vec::new();
+        for _ in 0..3 {
+            settled.extend(settle(&mut proxy, &mut companion));
+        }
+        // Each local admission is a debit of its charge, then its settlement's credit.
+        let debits: i64 = settled.iter().flat_map(|s| &s.limits).filter(|a| a.name == "tpm").map(|a| a.credit).sum();
+        assert_eq!(debits, 3 * (-CHAT_RESERVES + (CHAT_RESERVES - 50)), "{kind:?}: 50 tokens each reached Redis");
+        let requests: i64 = settled.iter().flat_map(|s| &s.limits).filter(|a| a.name == "rpm").map(|a| a.credit).sum();
+        assert_eq!(requests, -3, "{kind:?}");
+        assert!(proxy.root.logs.iter().all(|(_, m)| !m.contains("gave up")), "{kind:?}: {:?}", proxy.root.logs);
+    }
+}
+
+#[test]
+fn credits_follow_how_the_request_ended() {
+    let sse = concat!(
+        "data: {\"id\":\"c\",\"object\":\"chat.completion.chunk\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\"hi\"}}]}\n\n",
+        "data: {\"id\":\"c\",\"object\":\"chat.completion.chunk\",\"choices\":[],\"usage\":{\"prompt_tokens\":9,\"completion_tokens\":20,\"total_tokens\":29}}\n\n",
+        "data: [DONE]\n\n"
+    );
+    for kind in HOSTS {
+        let world = World::new(kind);
+        let mut proxy = Proxy::new(&world, &rpm_tpm(json!({})));
+        let mut companion = FakeCompanion::default();
+        // A key each: a tenant's running average would shorten its next estimate.
+        let mut keys = (0..).map(|i| format!("sk-{i}"));
+        let mut credit_of = |proxy: &mut Proxy, end: &dyn Fn(&mut Proxy, &mut crate::testing::InFlight)| {
+            let key = keys.next().unwrap();
+            let mut flight = proxy.send(Request::chat(&key, CHAT), &mut companion);
+            end(proxy, &mut flight);
+            let settled = settle(proxy, &mut companion);
+            settled.iter().flat_map(|s| &s.limits).filter(|a| a.name == "tpm").map(|a| a.credit).sum::<i64>()
+        };
+        let completed = credit_of(&mut proxy, &|p, f| p.reply(f, 200, "application/json", &[&usage_reply(9, 41)]));
+        assert_eq!(completed, CHAT_RESERVES - 50, "{kind:?}");
+        let streamed = credit_of(&mut proxy, &|p, f| {
+            let (a, b) = sse.split_at(37);
+            p.reply(f, 200, "text/event-stream", &[a, b]);
+        });
+        assert_eq!(streamed, CHAT_RESERVES - 29, "{kind:?}");
+        // An upstream error is charged the prompt only (the default).
+        let failed = credit_of(&mut proxy, &|p, f| p.reply(f, 500, "application/json", &[r#"{"error":{}}"#]));
+        assert_eq!(failed, CHAT_RESERVES - 9, "{kind:?}");
+        // The client left before any reply, while the upstream may be generating: the
+        // reservation stands (`tokens.on_client_abort`, see `reply_floor_tests`).
+        let interrupted = credit_of(&mut proxy, &|p, f| p.done(f));
+        assert_eq!(interrupted, 0, "{kind:?}");
+        // Settled once, however many times the host says the request ended.
+        let mut flight = proxy.send(Request::chat("sk-a", CHAT), &mut companion);
+        proxy.reply(&mut flight, 200, "application/json", &[&usage_reply(9, 41)]);
+        proxy.done(&mut flight);
+        assert_eq!(settle(&mut proxy, &mut companion).len(), 1);
+    }
+}
+
+#[test]
+fn a_refused_request_costs_nothing_and_says_why() {
+    let world = World::new(HostKind::Envoy);
+    let limits = json!([{"name": "rpm", "requests": 1, "window": "1m"}]);
+    let mut proxy = Proxy::new(&world, &config(limits, json!({})));
+    let mut companion = FakeCompanion::default();
+    assert!(proxy.send(Request::get("sk-a", "/v1/models"), &mut companion).forwarded());
+    let mut refused = proxy.send(Request::get("sk-a", "/v1/models"), &mut companion);
+    let reply = refused.replied().expect("a 429").clone();
+    assert_eq!(reply.status, 429);
+    assert!(reply.body.contains("rate_limit_exceeded") && !reply.body.contains("sk-a"), "{}", reply.body);
+    assert_eq!(refused.action, Action::Pause);
+    proxy.done(&mut refused);
+    assert!(settle(&mut proxy, &mut companion).is_empty());
+    // Another key is a tenant of its own.
+    assert!(proxy.send(Request::get("sk-b", "/v1/models"), &mut companion).forwarded());
+}
+
+#[test]
+fn shadow_mode_forwards_what_it_would_refuse_and_marks_it() {
+    let world = World::new(HostKind::Envoy);
+    let limits = json!([{"name": "rpm", "requests": 1, "window": "1m"}]);
+    let mut proxy = Proxy::new(&world, &config(limits, json!({"mode": "shadow"})));
+    let mut companion = FakeCompanion::default();
+    proxy.send(Request::get("sk-a", "/v1/models"), &mut companion);
+    let mut shadowed = proxy.send(Request::get("sk-a", "/v1/models"), &mut companion);
+    assert!(shadowed.forwarded() && shadowed.host.replies.is_empty());
+    proxy.reply(&mut shadowed, 200, "application/json", &["{}"]);
+    assert_eq!(shadowed.host.response_header_value("x-llm-ratelimit-shadow"), Some("429"));
+    assert_eq!(shadowed.host.response_header_value("retry-after"), None);
+    assert_eq!(shadowed.host.metric(Metric::ShadowRefusals), 1);
+}
+
+#[cfg_attr(not(target_arch = "wasm32"), test)]
+#[cfg_attr(target_arch = "wasm32", wasm_bindgen_test::wasm_bindgen_test)]
+fn leases_admit_without_callouts_refuse_renew_and_return_on_expiry() {
+    for kind in HOSTS {
+        let world = World::new(kind);
+        let limits = json!([{"name": "rpm", "requests": 1000, "window": "1m"}]);
+        let extra = json!({"lease": {"enabled": true, "ttl": "1s", "initial_fraction": 0.01, "max_fraction": 0.01}});
+        let mut proxy = Proxy::new(&world, &config(limits, extra));
+        let mut companion = FakeCompanion::default();
+        // A tenant seen once is charged directly; its second request asks for a lease
+        // (10 = 1% of 1000) and is admitted from it.
+        let first = proxy.send(Request::get("sk-a", "/v1/models"), &mut companion);
+        assert!(first.forwarded(), "{kind:?}");
+        assert_eq!(companion.calls.get(crate::protocol::CHARGE_PATH), Some(&1));
+        assert_eq!(companion.calls.get(crate::protocol::LEASE_PATH), None);
+        let second = proxy.send(Request::get("sk-a", "/v1/models"), &mut companion);
+        assert!(second.forwarded(), "{kind:?}");
+        assert_eq!(companion.calls.get(crate::protocol::LEASE_PATH), Some(&1));
+        let rest: usize = (0..7)
+            .map(|_| proxy.send(Request::get("sk-a", "/v1/models"), &mut companion))
+            .filter(|f| f.forwarded() && f.host.callouts.is_empty())
+            .count();
+        assert_eq!(rest, 7, "{kind:?}: admitted from the lease with no callout");
+        // Running low (2 of 10 left, under the 20% low water): the root renews it.
+        let leases = |proxy: &mut Proxy| lease_of(proxy, "sk-a");
+        let before = leases(&mut proxy).0[0].remaining;
+        proxy.send(Request::get("sk-a", "/v1/models"), &mut companion);
+        proxy.tick(Some(&mut companion));
+        assert_eq!(companion.calls.get(crate::protocol::LEASE_PATH), Some(&2), "{kind:?}: renewed");
+        assert!(leases(&mut proxy).0[0].remaining > before - 1.0, "{kind:?}: the renewal added to the lease");
+        // Expired: what is left goes back to Redis.
+        advance(&world, 1_500);
+        let left = leases(&mut proxy).0[0].remaining.round() as i64;
+        let mut returned = Vec::new();
+        for _ in 0..10 {
+            returned.extend(settle(&mut proxy, &mut companion));
+        }
+        let credits: i64 = returned.iter().flat_map(|s| &s.limits).map(|a| a.credit).sum();
+        assert!(left > 0 && credits == left, "{kind:?}: returned {credits} of {left}");
+        assert_eq!(leases(&mut proxy).0[0].remaining, 0.0);
+        // No record to settle against: an id of its own, so a batch sent again after its
+        // answer was lost gives nothing back twice.
+        assert!(returned.iter().all(|s| s.reservation.is_none() && s.once.is_some()), "{kind:?}");
+        let sent = proxy.root.callouts.iter().rev().find(|c| c.path == SETTLE_PATH).cloned().expect("a settle callout");
+        let (_, again) = companion.answer(&sent, proxy.now());
+        let again: crate::protocol::SettleReply = serde_json::from_slice(&again).expect("reply");
+        assert!(again.results.iter().all(|r| *r == crate::protocol::SettleOutcome::AlreadySettled), "{kind:?}");
+    }
+}
+
+/// A tenant's leases as its slot of the lease table holds them (empty if not its own).
+pub(super) fn lease_of(proxy: &mut Proxy, key: &str) -> TenantLeases {
+    let config = proxy.worker.config().unwrap().clone();
+    let stored = crate::effects::tables::read_own(
+        &mut proxy.root,
+        &config,
+        crate::effects::tables::TenantTable::Leases,
+        &tenant(key),
+    );
+    crate::accounting::lease::LeaseEntry::decode(stored.as_deref(), config.limits.len()).leases
+}
+
+#[test]
+fn a_lease_refusal_is_remembered_until_the_retry_time() {
+    let world = World::new(HostKind::Envoy);
+    let limits = json!([{"name": "rpm", "requests": 2, "window": "1m"}]);
+    let mut proxy = Proxy::new(&world, &config(limits, json!({"lease": {"enabled": true}})));
+    let mut companion = FakeCompanion::default();
+    let admitted =
+        (0..3).filter(|_| proxy.send(Request::get("sk-a", "/v1/models"), &mut companion).forwarded()).count();
+    assert_eq!(admitted, 2);
+    let calls = companion.calls.values().sum::<usize>();
+    let again = proxy.send(Request::get("sk-a", "/v1/models"), &mut companion);
+    assert_eq!(again.replied().map(|r| r.status), Some(429));
+    assert_eq!(companion.calls.values().sum::<usize>(), calls, "refused from memory, no callout");
+}
+
+#[test]
+fn the_queue_is_joined_left_and_cancelled() {
+    let world = World::new(HostKind::Envoy);
+    let extra = json!({"queue": {"max_wait": "5s", "max_length": 1, "priority_header": "x-priority"}});
+    let mut proxy = Proxy::new(&world, &rpm_tpm(extra));
+    let mut companion = FakeCompanion::default();
+    let queued_count = |proxy: &mut Proxy| {
+        proxy.root.shared_value(&keys::queued_key("llm")).map_or(0, |b| u32::from_le_bytes(b.try_into().unwrap()))
+    };
+    let mut waiting = proxy.start(Request::chat("sk-a", CHAT).header("x-priority", "8"));
+    let charge = charge_of(&waiting);
+    let wait = charge.wait.expect("the charge may wait");
+    assert_eq!((wait.max_ms, wait.priority), (5_000, 8));
+    let provisional: Vec<bool> = charge.limits.iter().map(|l| l.provisional).collect();
+    assert_eq!(provisional, [false, true], "the queue waits out a token refusal, not a request count's");
+    assert_eq!(waiting.host.last_callout().timeout.as_millis(), 5_050, "timeout + the longest wait");
+    assert_eq!(queued_count(&mut proxy), 1);
+    // The queue is full: the next request does not wait.
+    let other = proxy.start(Request::chat("sk-b", CHAT));
+    assert!(charge_of(&other).wait.is_none());
+    assert!(charge_of(&other).limits.iter().all(|l| !l.provisional), "sent as before the field existed");
+    // The client leaves while waiting: the charge is cancelled with a full refund.
+    proxy.done(&mut waiting);
+    assert_eq!(queued_count(&mut proxy), 0);
+    let settled = settle(&mut proxy, &mut companion);
+    assert_eq!(settled.len(), 1);
+    assert!(settled[0].cancel);
+    assert_eq!(settled[0].reservation, charge.reservation.map(|r| r.id));
+    let refunds: Vec<i64> = settled[0].limits.iter().map(|a| a.credit).collect();
+    assert_eq!(refunds, [1, CHAT_RESERVES]);
+    // Answered after a wait: the place is given back and the wait shown.
+    let mut served = proxy.start(Request::chat("sk-c", CHAT));
+    let (_, body) = companion.answer(served.host.last_callout(), proxy.now());
+    let mut reply: LimitsReply = serde_json::from_slice(&body).unwrap();
+    reply.waited_ms = 1_234;
+    proxy.answer_with(&mut served, 200, serde_json::to_vec(&reply).unwrap());
+    assert_eq!(queued_count(&mut proxy), 0);
+    proxy.reply(&mut served, 200, "application/json", &[&usage_reply(9, 1)]);
+    assert_eq!(served.host.response_header_value("x-llm-ratelimit-queued-ms"), Some("1234"));
+    // Counted in whole seconds, what is short of one carried to the next wait.
+    assert_eq!((served.host.metric(Metric::Queued), served.host.metric(Metric::QueueWaitSeconds)), (1, 1));
+    let mut next = proxy.start(Request::chat("sk-d", CHAT));
+    let (_, body) = companion.answer(next.host.last_callout(), proxy.now());
+    let mut reply: LimitsReply = serde_json::from_slice(&body).unwrap();
+    reply.waited_ms = 800;
+    proxy.answer_with(&mut next, 200, serde_json::to_vec(&reply).unwrap());
+    assert_eq!(next.host.metric(Metric::QueueWaitSeconds), 1, "234 ms carried + 800 ms");
+}
+
+#[test]
+fn clamping_rewrites_the_output_cap_to_the_grant() {
+    let world = World::new(HostKind::Envoy);
+    let limits = json!([{"name": "tpm", "tokens": 200, "window": "1m"}]);
+    let mut proxy =
+        Proxy::new(&world, &config(limits, json!({"tokens": {"clamp_max_tokens": true, "min_output_tokens": 50}})));
+    let mut companion = FakeCompanion::default();
+    let mut flight = proxy.send(Request::chat("sk-a", CHAT), &mut companion);
+    assert!(flight.forwarded());
+    let body: Value = serde_json::from_slice(&flight.host.request_body).unwrap();
+    let bound = CHAT_PROMPT_BOUND;
+    assert_eq!(body["max_tokens"], 200 - bound, "200 left - the prompt's bound");
+    assert_eq!(
+        flight.host.request_headers.iter().find(|(n, _)| n == "content-length").map(|(_, v)| v.clone()),
+        Some(flight.host.request_body.len().to_string())
+    );
+    // The provider counted the prompt as 9 and generated the whole grant: what the bound
+    // held for the prompt beyond 9 goes back.
+    proxy.reply(&mut flight, 200, "application/json", &[&usage_reply(9, 200 - bound)]);
+    let settled = settle(&mut proxy, &mut companion);
+    assert_eq!(settled.iter().flat_map(|s| &s.limits).map(|a| a.credit).sum::<i64>(), bound as i64 - 9);
+}
+
+/// A provider that counts every byte of the prompt's text as a token (the most a BPE
+/// tokenizer can), and answers with the whole output cap the request was granted.
+fn worst_case_reply(flight: &crate::testing::InFlight) -> (u64, String) {
+    let body: Value = serde_json::from_slice(&flight.host.request_body).unwrap();
+    let prompt = CHAT_PROMPT_BOUND;
+    let output = body["max_tokens"].as_u64().unwrap();
+    (prompt + output, usage_reply(prompt, output))
+}
+
+#[test]
+fn clamping_holds_the_limit_from_the_first_request_whatever_the_provider_counts() {
+    // Nothing learned yet, requests in flight together, the provider counting far more
+    // than the proxy (every byte of text a token: 21, against 9 counted): the admitted
+    // completions plus the provider's prompts never pass the limit.
+    for limit in [1_000u64, 1_777, 5_000] {
+        let world = World::new(HostKind::Envoy);
+        let limits = json!([{"name": "tpm", "tokens": limit, "window": "1h"}]);
+        let extra = json!({"tokens": {"clamp_max_tokens": true, "min_output_tokens": 20}});
+        let mut proxy = Proxy::new(&world, &config(limits, extra));
+        let mut companion = FakeCompanion::default();
+        let mut flights: Vec<_> = (0..40).map(|_| proxy.start(Request::chat("sk-a", CHAT))).collect();
+        for flight in &mut flights {
+            proxy.answer(flight, &mut companion);
+        }
+        let mut used = 0;
+        for flight in flights.iter_mut().filter(|f| f.forwarded()) {
+            let (tokens, reply) = worst_case_reply(flight);
+            used += tokens;
+            proxy.reply(flight, 200, "application/json", &[&reply]);
+        }
+        settle(&mut proxy, &mut companion);
+        let admitted = flights.iter().filter(|f| f.forwarded()).count();
+        assert!(admitted > 0 && used <= limit, "limit {limit}: {admitted} admitted used {used}");
+        assert!(used + 20 + CHAT_PROMPT_BOUND > limit, "limit {limit}: used {used}, room was left for one more");
+        let tpm = charge_of(&flights[0]).limits[0].clone();
+        assert!(
+            companion.level(&tenant("sk-a"), &tpm, proxy.now()) >= 0.0,
+            "limit {limit}: the bucket never went below 0"
+        );
+    }
+}
+
+#[test]
+fn the_prompt_factor_is_learned_from_settled_replies_and_shared_by_the_workers() {
+    for kind in HOSTS {
+        let world = World::new(kind);
+        // Two workers of one proxy: they share data, not memory.
+        let mut first = Proxy::new(&world, &rpm_tpm(json!({})));
+        let mut second = Proxy::new(&world, &rpm_tpm(json!({})));
+        let mut companion = FakeCompanion::default();
+        let mut flight = first.send(Request::chat("sk-a", CHAT), &mut companion);
+        assert_eq!(charge_of(&flight).limits[1].cost, CHAT_RESERVES as u64, "{kind:?}: nothing learned yet");
+        // The provider counts the 9-token prompt as 21; the lesson is taken in on the tick.
+        first.reply(&mut flight, 200, "application/json", &[&usage_reply(21, 41)]);
+        first.tick(Some(&mut companion));
+        assert_eq!(
+            first.root.gauges.get("model_rule=.=gpt-4o;.;llm_ratelimit_prompt_factor_thousandths"),
+            Some(&2333),
+            "{kind:?}: 21/9"
+        );
+        advance(&world, crate::worker::TICK.as_millis() as u64);
+        let flight = second.send(Request::chat("sk-b", CHAT), &mut companion);
+        assert_eq!(charge_of(&flight).limits[1].cost, 21 + 300, "{kind:?}: the other worker reserves 21");
+        // Another model's rule learned nothing: its prompt is reserved as counted.
+        let mini = CHAT.replace("gpt-4o", "gpt-3.5-turbo");
+        let flight = second.send(Request::chat("sk-b", &mini), &mut companion);
+        assert_eq!(charge_of(&flight).limits[1].cost, 9 + 300, "{kind:?}");
+        assert_eq!(first.root.metric(Metric::SharedWritesRefused) + flight.host.metric(Metric::SharedWritesRefused), 0);
+        // Within a tick a worker reads a rule's value once, however many requests it plans.
+        let reads = || world.borrow().host_calls.get("shared_get").copied().unwrap_or(0);
+        advance(&world, crate::worker::TICK.as_millis() as u64);
+        let before = reads();
+        second.send(Request::chat("sk-b", CHAT), &mut companion);
+        let after_one = reads();
+        second.send(Request::chat("sk-b", CHAT), &mut companion);
+        assert_eq!(after_one - before, reads() - after_one + 1, "{kind:?}: the second request reads no calibration");
+        // A worker configured later shows what was learned before it.
+        let third = Proxy::new(&world, &rpm_tpm(json!({})));
+        assert_eq!(
+            third.root.gauges.get("model_rule=.=gpt-4o;.;llm_ratelimit_prompt_factor_thousandths"),
+            Some(&2333),
+            "{kind:?}"
+        );
+        assert_eq!(
+            third.root.gauges.get("model_rule=.=gpt-3.5;.;llm_ratelimit_prompt_factor_thousandths"),
+            Some(&1000),
+            "{kind:?}"
+        );
+    }
+}
+
+#[test]
+fn what_one_proxy_learned_reaches_another_through_the_companion() {
+    for kind in HOSTS {
+        let mut companion = FakeCompanion::default();
+        let (world_a, world_b) = (World::new(kind), World::new(kind));
+        let mut a = Proxy::new(&world_a, &rpm_tpm(json!({})));
+        a.tick(Some(&mut companion)); // its first tick asks what the fleet knows: nothing
+        let mut flight = a.send(Request::chat("sk-a", CHAT), &mut companion);
+        a.reply(&mut flight, 200, "application/json", &[&usage_reply(21, 41)]);
+        advance(&world_a, crate::effects::calibration_store::EXCHANGE_MS);
+        a.tick(Some(&mut companion));
+        assert_eq!(companion.calls.get(CALIBRATION_PATH), Some(&2), "{kind:?}");
+        // A proxy that starts now reserves at the fleet's figure from its first tick on.
+        let mut b = Proxy::new(&world_b, &rpm_tpm(json!({})));
+        let cold = b.send(Request::chat("sk-b", CHAT), &mut companion);
+        assert_eq!(charge_of(&cold).limits[1].cost, CHAT_RESERVES as u64, "{kind:?}: before its first exchange");
+        b.tick(Some(&mut companion));
+        assert_eq!(
+            b.root.gauges.get("model_rule=.=gpt-4o;.;llm_ratelimit_prompt_factor_thousandths"),
+            Some(&2333),
+            "{kind:?}: 21/9"
+        );
+        advance(&world_b, crate::worker::TICK.as_millis() as u64);
+        let warm = b.send(Request::chat("sk-b", CHAT), &mut companion);
+        assert_eq!(charge_of(&warm).limits[1].cost, 21 + 300, "{kind:?}");
+        // Idle, it asks again only after IDLE_EXCHANGE_MS.
+        b.tick(Some(&mut companion));
+        assert_eq!(companion.calls.get(CALIBRATION_PATH), Some(&3), "{kind:?}");
+        // A proxy that does not share keeps to what it learns itself.
+        let world_c = World::new(kind);
+        let mut c = Proxy::new(&world_c, &rpm_tpm(json!({"tokens": {"share_calibration": false}})));
+        c.tick(Some(&mut companion));
+        let alone = c.send(Request::chat("sk-c", CHAT), &mut companion);
+        assert_eq!(charge_of(&alone).limits[1].cost, CHAT_RESERVES as u64, "{kind:?}");
+        assert_eq!(companion.calls.get(CALIBRATION_PATH), Some(&3), "{kind:?}: c never exchanged");
+    }
+}
+
+#[test]
+fn workers_reading_the_same_time_draw_different_reservation_ids() {
+    // ngx_wasm_module's clock has millisecond resolution: two workers may start their
+    // first requests at the same reading. Their ids must still differ, or one request's
+    // settlement settles the other's reservation.
+    for kind in HOSTS {
+        let world = World::new(kind);
+        let (mut first, mut second) =
+            (Proxy::new(&world, &rpm_tpm(json!({}))), Proxy::new(&world, &rpm_tpm(json!({}))));
+        let mut companion = FakeCompanion::default();
+        let ids: Vec<String> = [&mut first, &mut second]
+            .into_iter()
+            .flat_map(|proxy| {
+                (0..3).map(|_| charge_of(&proxy.send(Request::chat("sk-a", CHAT), &mut companion))).collect::<Vec<_>>()
+            })
+            .map(|charge| charge.reservation.expect("a reservation").id)
+            .collect();
+        let distinct: std::collections::BTreeSet<&String> = ids.iter().collect();
+        assert_eq!(distinct.len(), ids.len(), "{kind:?}: {ids:?}");
+    }
+}
+
+#[test]
+fn a_new_tenant_reserves_the_models_learned_completion_length() {
+    let world = World::new(HostKind::Envoy);
+    let mut proxy = Proxy::new(&world, &rpm_tpm(json!({})));
+    let mut companion = FakeCompanion::default();
+    let mut priors = Vec::new();
+    for key in ["sk-a", "sk-b", "sk-c"] {
+        let mut flight = proxy.send(Request::chat(key, CHAT), &mut companion);
+        assert_eq!(charge_of(&flight).limits[1].cost, CHAT_RESERVES as u64, "{key}: no prior yet, the cap");
+        proxy.reply(&mut flight, 200, "application/json", &[&usage_reply(9, 40)]);
+        proxy.tick(Some(&mut companion));
+        priors.push(proxy.root.gauges.get("model_rule=.=gpt-4o;.;llm_ratelimit_output_prior_tokens").copied());
+        advance(&world, crate::worker::TICK.as_millis() as u64);
+    }
+    assert_eq!(priors, [Some(0), Some(0), Some(40)], "known after three completions");
+    // A tenant never seen reserves 1.5 x the model's 40, not its cap of 300.
+    let flight = proxy.send(Request::chat("sk-new", CHAT), &mut companion);
+    assert_eq!(charge_of(&flight).limits[1].cost, 9 + 60);
+}
+
+#[test]
+fn without_calibration_nothing_is_learned_or_kept() {
+    let world = World::new(HostKind::Nginx);
+    let mut proxy = Proxy::new(&world, &rpm_tpm(json!({"tokens": {"calibrate": false}})));
+    let mut companion = FakeCompanion::default();
+    for _ in 0..3 {
+        let mut flight = proxy.send(Request::chat("sk-a", CHAT), &mut companion);
+        proxy.reply(&mut flight, 200, "application/json", &[&usage_reply(21, 41)]);
+        proxy.tick(Some(&mut companion));
+        assert!(flight.host.gauges.is_empty() && proxy.root.gauges.is_empty());
+    }
+    let flight = proxy.send(Request::chat("sk-b", CHAT), &mut companion);
+    assert_eq!(charge_of(&flight).limits[1].cost, CHAT_RESERVES as u64);
+    assert!(!world.borrow().keys().iter().any(|k| k.starts_with("llmrl.cal.")));
+}
+
+#[test]
+fn per_model_limits_charge_and_settle_only_their_models() {
+    let world = World::new(HostKind::Nginx);
+    let limits = json!([
+        {"name": "tpm", "tokens": 10000, "window": "1m"},
+        {"name": "mini-tpm", "tokens": 1000, "window": "1m", "models": ["gpt-4o-mini*"]}
+    ]);
+    let mut proxy = Proxy::new(&world, &config(limits, json!({})));
+    let mut companion = FakeCompanion::default();
+    let mut flight = proxy.send(Request::chat("sk-a", CHAT), &mut companion);
+    assert_eq!(charge_of(&flight).limits.iter().map(|l| l.cost).collect::<Vec<_>>(), [309, 0]);
+    proxy.reply(&mut flight, 200, "application/json", &[&usage_reply(9, 41)]);
+    let settled = settle(&mut proxy, &mut companion);
+    assert_eq!(settled[0].limits.iter().map(|a| a.name.as_str()).collect::<Vec<_>>(), ["tpm"]);
+    let mini = CHAT.replace("gpt-4o", "gpt-4o-mini");
+    let flight = proxy.send(Request::chat("sk-a", &mini), &mut companion);
+    assert_eq!(charge_of(&flight).limits.iter().map(|l| l.cost).collect::<Vec<_>>(), [309, 309]);
+}
+
+/// Issue 26 item 7: a tenant that overdrew a per-model limit (the provider reported far
+/// more than was reserved) is refused for that model only, directly and from leases.
+#[test]
+fn an_overdrawn_per_model_limit_refuses_only_the_models_it_covers() {
+    for (kind, lease) in [(HostKind::Envoy, false), (HostKind::Nginx, false), (HostKind::Envoy, true)] {
+        let world = World::new(kind);
+        let limits = json!([
+            {"name": "rpm", "requests": 100, "window": "1m"},
+            {"name": "gpt4o-tpm", "tokens": 1000, "window": "1m", "models": ["gpt-4o*"]}
+        ]);
+        let extra = if lease { json!({"lease": {"enabled": true}}) } else { json!({}) };
+        let mut proxy = Proxy::new(&world, &config(limits, extra));
+        let mut companion = FakeCompanion::default();
+        let mut flight = proxy.send(Request::chat("sk-a", CHAT), &mut companion);
+        assert!(flight.forwarded(), "{kind:?}");
+        proxy.reply(&mut flight, 200, "application/json", &[&usage_reply(9, 5_000)]);
+        proxy.done(&mut flight);
+        settle(&mut proxy, &mut companion);
+        let what = format!("{kind:?}, lease {lease}");
+        let other = CHAT.replace("gpt-4o", "claude-sonnet-4");
+        for i in 0..3 {
+            let flight = proxy.send(Request::chat("sk-a", &other), &mut companion);
+            assert!(flight.forwarded(), "{what}: another model's request {i} is not the overdrawn limit's to refuse");
+        }
+        let refused = proxy.send(Request::chat("sk-a", CHAT), &mut companion);
+        assert_eq!(refused.replied().map(|r| r.status), Some(429), "{what}: gpt-4o itself is still refused");
+    }
+}
+
+/// Issue 26 item 11: a tier header sent twice (a client's copy beside the one a trusted
+/// component appended) gives the default tier, whichever copy comes first.
+#[test]
+fn a_tier_header_sent_twice_gives_the_default_tier() {
+    for kind in HOSTS {
+        let world = World::new(kind);
+        let limits = json!([
+            {"name": "rph-free", "requests": 1, "window": "1h", "tiers": ["free"]},
+            {"name": "rph-gold", "requests": 100, "window": "1h", "tiers": ["gold"]}
+        ]);
+        let tier = json!({"tier": {"header": "x-tier", "default": "free"}});
+        let mut proxy = Proxy::new(&world, &config(limits, tier));
+        let mut companion = FakeCompanion::default();
+        let twice = |first: &str, second: &str| {
+            Request::get("sk-a", "/v1/models").header("x-tier", first).header("x-tier", second)
+        };
+        let looked: Vec<bool> =
+            charge_of(&proxy.send(twice("gold", "free"), &mut companion)).limits.iter().map(|l| l.look_only).collect();
+        assert_eq!(looked, [false, true], "{kind:?}: charged as free, gold only looked at");
+        let refused = proxy.send(twice("gold", "gold"), &mut companion);
+        assert_eq!(refused.replied().map(|r| r.status), Some(429), "{kind:?}: even two equal copies are the default");
+        let gold = proxy.send(Request::get("sk-a", "/v1/models").header("x-tier", "gold"), &mut companion);
+        assert!(gold.forwarded(), "{kind:?}: one copy is read as before");
+    }
+}
+
+#[test]
+fn concurrency_slots_are_released_at_once_and_renewed_meanwhile() {
+    for kind in HOSTS {
+        let world = World::new(kind);
+        let limits = json!([{"name": "inflight", "concurrency": 2}]);
+        let mut proxy = Proxy::new(&world, &config(limits, json!({"slots": {"ttl": "3s"}})));
+        let mut companion = FakeCompanion::default();
+        let mut flight = proxy.send(Request::get("sk-a", "/v1/models"), &mut companion);
+        assert!(flight.forwarded());
+        for _ in 0..20 {
+            proxy.tick(Some(&mut companion));
+        }
+        assert!(companion.touched >= 1, "{kind:?}: heartbeats for the held slot");
+        proxy.reply(&mut flight, 200, "application/json", &["{}"]);
+        let release = flight.host.callouts.iter().find(|c| c.path == crate::protocol::RELEASE_PATH);
+        match kind {
+            // Released at once, by a callout that outlives the request.
+            HostKind::Envoy => assert_eq!(release.map(|c| c.owner), Some(Owner::Root)),
+            // ngx_wasm_module forbids a callout there (the fake host would trap).
+            HostKind::Nginx => assert!(release.is_none()),
+        }
+        let settled = settle(&mut proxy, &mut companion);
+        assert_eq!(settled[0].limits[0].name, "inflight", "{kind:?}: released by the settlement");
+        let touched = companion.touched;
+        for _ in 0..20 {
+            proxy.tick(Some(&mut companion));
+        }
+        assert_eq!(companion.touched, touched, "{kind:?}: no heartbeat once released");
+    }
+}
+
+#[test]
+fn a_missing_key_is_refused_or_pooled_as_configured() {
+    let world = World::new(HostKind::Envoy);
+    let mut proxy = Proxy::new(&world, &rpm_tpm(json!({})));
+    let mut companion = FakeCompanion::default();
+    let mut anonymous = Request::get("sk-a", "/v1/models");
+    anonymous.headers.retain(|(n, _)| n != "authorization");
+    let refused = proxy.send(anonymous, &mut companion);
+    assert_eq!(refused.replied().map(|r| r.status), Some(401));
+    assert!(companion.calls.is_empty());
+}
+
+#[test]
+fn settlements_retry_when_the_companion_fails_and_on_nginx_too() {
+    for kind in HOSTS {
+        let world = World::new(kind);
+        let mut proxy = Proxy::new(&world, &rpm_tpm(json!({})));
+        let mut companion = FakeCompanion::default();
+        let mut flight = proxy.send(Request::chat("sk-a", CHAT), &mut companion);
+        proxy.reply(&mut flight, 200, "application/json", &[&usage_reply(9, 41)]);
+        companion.failing = Some(500);
+        proxy.tick(Some(&mut companion));
+        companion.failing = None;
+        assert!(settle(&mut proxy, &mut companion).is_empty(), "{kind:?}: not before its backoff");
+        advance(&world, 100);
+        let settled = settle(&mut proxy, &mut companion);
+        assert_eq!(settled.len(), 1, "{kind:?}: sent again after a failure");
+        assert_eq!(companion.calls.get(SETTLE_PATH), Some(&2));
+    }
+}
+
+#[test]
+fn a_settlement_backlog_goes_out_batch_after_batch_without_waiting_for_ticks() {
+    let world = World::new(HostKind::Envoy);
+    let mut proxy = Proxy::new(&world, &rpm_tpm(json!({})));
+    let mut companion = FakeCompanion::default();
+    let total = 2 * crate::protocol::MAX_SETTLEMENTS_PER_CALL + 500;
+    for i in 0..total {
+        let mut flight = proxy.send(Request::chat(&format!("sk-{}", i % 50), CHAT), &mut companion);
+        proxy.reply(&mut flight, 200, "application/json", &[&usage_reply(9, 41)]);
+    }
+    // One tick; each answer of a full batch sends the next at once.
+    let mut sizes = Vec::new();
+    let mut answered = proxy.root.callouts.len();
+    proxy.worker.on_tick(&mut proxy.root);
+    while let Some(callout) = proxy.root.callouts.get(answered).cloned() {
+        answered += 1;
+        if callout.path == SETTLE_PATH {
+            sizes.push(callout.body["settlements"].as_array().map_or(0, Vec::len));
+        }
+        let (status, body) = companion.answer(&callout, proxy.now());
+        proxy.root_answer(callout.token, status, body);
+    }
+    let max = crate::protocol::MAX_SETTLEMENTS_PER_CALL;
+    assert_eq!(sizes, [max, max, 500]);
+    assert_eq!(companion.settled.len(), total);
+    // A batch that is not full waits for the next tick, so that batches stay batches.
+    let mut flight = proxy.send(Request::chat("sk-late", CHAT), &mut companion);
+    proxy.reply(&mut flight, 200, "application/json", &[&usage_reply(9, 41)]);
+    assert_eq!(proxy.root.callouts.len(), answered, "nothing sent before the tick");
+    assert_eq!(settle(&mut proxy, &mut companion).len(), 1);
+}
+
+#[test]
+fn the_host_is_told_apart_by_its_shared_data_semantics() {
+    for kind in HOSTS {
+        let world = World::new(kind);
+        let proxy = Proxy::new(&world, &rpm_tpm(json!({})));
+        assert_eq!(proxy.worker.host_kind(), kind);
+    }
+}
+
+#[test]
+fn keys_that_collide_in_the_host_never_share_state() {
+    // ngx_wasm_module matches shared-data keys by CRC32: here every key collides.
+    let world = World::new(HostKind::Nginx);
+    world.borrow_mut().colliding_keys = true;
+    let limits = json!([{"name": "rpm", "requests": 1000, "window": "1m"}]);
+    let mut proxy = Proxy::new(&world, &config(limits, json!({"lease": {"enabled": true}})));
+    let mut companion = FakeCompanion::default();
+    for _ in 0..2 {
+        assert!(proxy.send(Request::get("sk-a", "/v1/models"), &mut companion).forwarded());
+    }
+    assert_eq!(companion.calls.get(crate::protocol::LEASE_PATH), Some(&1), "sk-a holds a lease");
+    // sk-b's slot key lands on sk-a's value: not its key's, so it reads as nothing, and
+    // sk-b is charged in Redis instead of spending sk-a's lease.
+    let b = proxy.send(Request::get("sk-b", "/v1/models"), &mut companion);
+    assert!(b.forwarded());
+    assert_eq!(b.host.callouts.len(), 1, "asked Redis, not sk-a's lease");
+    assert_eq!(companion.calls.get(crate::protocol::CHARGE_PATH), Some(&2));
+}
+
+#[test]
+fn one_off_tenants_cost_no_lease_and_leases_start_on_repeat_traffic() {
+    let world = World::new(HostKind::Envoy);
+    let limits = json!([{"name": "rpm", "requests": 1000, "window": "1m"}]);
+    let mut proxy = Proxy::new(&world, &config(limits, json!({"lease": {"enabled": true, "ttl": "10s"}})));
+    let mut companion = FakeCompanion::default();
+    for i in 0..50 {
+        assert!(proxy.send(Request::get(&format!("sk-{i}"), "/v1/models"), &mut companion).forwarded());
+    }
+    assert_eq!(companion.calls.get(crate::protocol::CHARGE_PATH), Some(&50));
+    assert_eq!(companion.calls.get(crate::protocol::LEASE_PATH), None, "no lease for a tenant seen once");
+    // Seen again within the lease ttl: it leases. Seen again only after it: charged again.
+    proxy.send(Request::get("sk-1", "/v1/models"), &mut companion);
+    assert_eq!(companion.calls.get(crate::protocol::LEASE_PATH), Some(&1));
+    advance(&world, 10_001);
+    proxy.send(Request::get("sk-2", "/v1/models"), &mut companion);
+    assert_eq!(companion.calls.get(crate::protocol::CHARGE_PATH), Some(&51));
+}
+
+#[test]
+fn memory_is_bounded_whatever_tenants_and_models_clients_invent() {
+    for kind in HOSTS {
+        let world = World::new(kind);
+        let limits = json!([{"name": "tpm", "tokens": 1000000, "window": "1m"}]);
+        let extra = json!({"lease": {"enabled": true}, "failure_mode": "local",
+                           "memory": {"tenant_slots": 16, "average_slots": 32}});
+        let mut proxy = Proxy::new(&world, &config(limits, extra));
+        let mut companion = FakeCompanion::default();
+        for i in 0..300 {
+            let body = CHAT.replace("gpt-4o", &format!("model-{i}"));
+            for _ in 0..2 {
+                let mut flight = proxy.send(Request::chat(&format!("sk-{i}"), &body), &mut companion);
+                proxy.reply(&mut flight, 200, "application/json", &[&usage_reply(9, 5)]);
+            }
+            if i == 150 {
+                companion.failing = Some(500); // the degraded mode's tables too
+            }
+            proxy.tick(Some(&mut companion));
+        }
+        let keys = world.borrow().keys();
+        let per_table = |prefix: &str| keys.iter().filter(|k| k.starts_with(prefix)).count();
+        assert!(per_table("llmrl.lease.") <= 16, "{kind:?}: {keys:?}");
+        assert!(per_table("llmrl.local.") <= 16, "{kind:?}");
+        assert!(per_table("llmrl.avg.") <= 32, "{kind:?}");
+        assert_eq!(per_table("llmrl.cal."), 1, "{kind:?}: 300 model names no rule knows share the catch-all");
+        assert!(keys.len() <= 16 + 16 + 32 + 4, "{kind:?}: {} keys", keys.len());
+        assert!(proxy.worker.leased_slots() <= 16);
+    }
+}
+
+#[test]
+fn a_slot_held_by_a_live_lease_is_not_taken_until_the_lease_is_returned() {
+    let world = World::new(HostKind::Envoy);
+    let limits = json!([{"name": "rpm", "requests": 1000, "window": "1m"}]);
+    let extra = json!({"lease": {"enabled": true, "ttl": "1s"}, "memory": {"tenant_slots": 16}});
+    let mut proxy = Proxy::new(&world, &config(limits, extra));
+    let config = proxy.worker.config().unwrap().clone();
+    let slots = |key: &str| crate::effects::tables::TenantTable::slots(&config, &tenant(key));
+    // A rival both of whose slots sk-a's and a second tenant's leases hold.
+    let (second, rival) = (0..200)
+        .map(|i| format!("sk-b{i}"))
+        .filter(|b| slots(b)[0] != slots("sk-a")[0])
+        .find_map(|b| {
+            let held = [slots("sk-a")[0], slots(&b)[0]];
+            let rival = (0..20_000).map(|i| format!("sk-r{i}")).find(|r| slots(r).iter().all(|s| held.contains(s)))?;
+            Some((b, rival))
+        })
+        .unwrap();
+    let mut companion = FakeCompanion::default();
+    for key in ["sk-a", &second] {
+        for _ in 0..2 {
+            proxy.send(Request::get(key, "/v1/models"), &mut companion);
+        }
+        assert!(lease_of(&mut proxy, key).0[0].remaining > 0.0, "{key} leases");
+    }
+    // Both of the rival's slots are held: charged directly, twice, and the leases stay.
+    for _ in 0..2 {
+        let flight = proxy.send(Request::get(&rival, "/v1/models"), &mut companion);
+        assert!(flight.forwarded() && flight.host.last_callout().path == crate::protocol::CHARGE_PATH);
+    }
+    assert!(lease_of(&mut proxy, "sk-a").0[0].remaining > 0.0);
+    // Expired and returned: the rival may take the slot and lease in its turn.
+    advance(&world, 1_500);
+    for _ in 0..10 {
+        proxy.tick(Some(&mut companion));
+    }
+    let returned: i64 = companion.settled.iter().flat_map(|s| &s.limits).map(|a| a.credit).sum();
+    assert!(returned > 0, "sk-a's lease went back to Redis before eviction");
+    for _ in 0..2 {
+        proxy.send(Request::get(&rival, "/v1/models"), &mut companion);
+    }
+    assert!(lease_of(&mut proxy, &rival).0[0].granted > 0.0, "the rival leases now");
+    assert_eq!(lease_of(&mut proxy, "sk-a").0.len(), 1);
+    assert_eq!(lease_of(&mut proxy, "sk-a").0[0].granted, 0.0, "sk-a's entry is gone");
+}
+
+#[test]
+fn a_refusal_after_a_timed_out_callout_reaches_the_client_on_every_host() {
+    // ngx_wasm_module empties a local reply sent from the answer to a callout that carried
+    // a body and got none back (the client got an empty reply): there it goes without its
+    // body, and the status and headers say what happened.
+    for kind in HOSTS {
+        for (mode, status) in [("deny", 503), ("local", 429)] {
+            let world = World::new(kind);
+            let limits = json!([{"name": "rpm", "requests": 1, "window": "1m"}]);
+            let extra = json!({"failure_mode": mode, "fallback": {"breaker_failures": 100}});
+            let mut proxy = Proxy::new(&world, &config(limits, extra));
+            if mode == "local" {
+                let mut first = proxy.start(Request::get("sk-a", "/v1/models"));
+                proxy.time_out(&mut first); // admitted locally: the one request
+                assert!(first.forwarded(), "{kind:?}");
+            }
+            let mut refused = proxy.start(Request::get("sk-a", "/v1/models"));
+            proxy.time_out(&mut refused);
+            let reply = refused.replied().expect("a reply").clone();
+            assert_eq!(reply.status, status, "{kind:?} {mode}");
+            assert_eq!(reply.body.contains("error"), kind == HostKind::Envoy, "{kind:?} {mode}");
+            assert!(reply.headers.iter().any(|(n, _)| *n == "retry-after"), "{kind:?} {mode}");
+            // Answered with a body, the callout leaves the reply whole on every host.
+            let mut answered = proxy.start(Request::get("sk-a", "/v1/models"));
+            proxy.answer_with(&mut answered, 500, b"{}".to_vec());
+            assert!(answered.replied().is_some_and(|r| r.body.contains("error")), "{kind:?} {mode}");
+        }
+    }
+}
+
+/// Issue 26 item 9: with the companion away, a tenant whose local bucket is spent
+/// alternates its requests with a key whose first slot is its own. The newcomer may not
+/// take a bucket that admitted within its window: it goes to its second slot (or, both
+/// held, is not decided locally), and the spent bucket stays spent.
+#[test]
+fn a_colliding_newcomer_does_not_reset_a_spent_local_bucket() {
+    for kind in HOSTS {
+        let world = World::new(kind);
+        let limits = json!([{"name": "rpm", "requests": 3, "window": "1m"}]);
+        let extra = json!({"failure_mode": "local", "memory": {"tenant_slots": 16}});
+        let mut proxy = Proxy::new(&world, &config(limits, extra));
+        let config = proxy.worker.config().unwrap().clone();
+        let slots = |key: &str| crate::effects::tables::TenantTable::slots(&config, &tenant(key));
+        let own = slots("sk-a")[0];
+        let rival = (0..10_000).map(|i| format!("sk-r{i}")).find(|r| slots(r)[0] == own).unwrap();
+        let mut companion = FakeCompanion::failing(500);
+        let mut admitted = 0;
+        for _ in 0..10 {
+            let mine = proxy.send(Request::get("sk-a", "/v1/models"), &mut companion);
+            if mine.forwarded() {
+                admitted += 1;
+            } else {
+                assert_eq!(mine.replied().map(|r| r.status), Some(429), "{kind:?}");
+            }
+            proxy.send(Request::get(&rival, "/v1/models"), &mut companion);
+        }
+        assert_eq!(admitted, 3, "{kind:?}: the colliding rival handed sk-a a fresh local bucket");
+        // A whole window later the idle bucket may be taken.
+        advance(&world, 60_001);
+        let both_held = (0..20_000)
+            .map(|i| format!("sk-n{i}"))
+            .find(|n| slots(n).iter().all(|s| *s == own || *s == slots(&rival).get(1).copied().unwrap_or(own)))
+            .unwrap();
+        assert!(proxy.send(Request::get(&both_held, "/v1/models"), &mut companion).forwarded(), "{kind:?}");
+    }
+}
+
+/// Issue 26 item 10: one tenant's waiters hold at most `queue.tenant_share` of the queue,
+/// so another tenant still finds a place; every place comes back when its request ends.
+#[test]
+fn one_tenant_holds_only_its_share_of_the_queue() {
+    for kind in HOSTS {
+        let world = World::new(kind);
+        let extra = json!({"queue": {"max_wait": "5s", "max_length": 4, "tenant_share": 0.5}});
+        let mut proxy = Proxy::new(&world, &rpm_tpm(extra));
+        let mut flood: Vec<_> = (0..4).map(|_| proxy.start(Request::chat("sk-a", CHAT))).collect();
+        let waits: Vec<bool> = flood.iter().map(|f| charge_of(f).wait.is_some()).collect();
+        assert_eq!(waits, [true, true, false, false], "{kind:?}: sk-a's share is 2 of 4 places");
+        let mut other = proxy.start(Request::chat("sk-b", CHAT));
+        assert!(charge_of(&other).wait.is_some(), "{kind:?}: another tenant still finds a place");
+        for flight in flood.iter_mut().chain([&mut other]) {
+            proxy.done(flight);
+        }
+        let key = keys::queued_tenant_key(
+            "llm",
+            crate::effects::tables::queued_slot(proxy.worker.config().unwrap(), &tenant("sk-a")),
+        );
+        let count = |proxy: &mut Proxy, key: &str| {
+            proxy.root.shared_value(key).map_or(0, |b| u32::from_le_bytes(b.try_into().unwrap()))
+        };
+        assert_eq!((count(&mut proxy, &key), count(&mut proxy, &keys::queued_key("llm"))), (0, 0), "{kind:?}");
+    }
+}
+
+/// A request through `proxy` answered by `companion`: whether it went upstream, and the
+/// `retry-after` of its refusal. A forwarded request is left in flight (its slot held).
+fn admit(proxy: &mut Proxy, companion: &mut FakeCompanion, key: &str) -> (crate::testing::InFlight, Option<String>) {
+    let flight = proxy.send(Request::get(key, "/v1/models"), companion);
+    let retry = flight.replied().and_then(|r| r.headers.iter().find(|(n, _)| *n == "retry-after").map(|h| h.1.clone()));
+    assert!(flight.forwarded() || flight.replied().map(|r| r.status) == Some(429), "{:?}", flight.replied());
+    (flight, retry)
+}
+
+/// At most `requests` in any window, exactly: a full window refuses until its oldest
+/// entry leaves it, where a bucket of the same size would have refilled part way and
+/// admitted (README, `algorithm: sliding_window`; lua/limits.lua's sliding window).
+#[test]
+fn a_sliding_window_refuses_until_its_oldest_entry_leaves() {
+    for kind in HOSTS {
+        let world = World::new(kind);
+        let limits = json!([{"name": "rpw", "requests": 2, "window": "10s", "algorithm": "sliding_window"}]);
+        let mut proxy = Proxy::new(&world, &config(limits, json!({})));
+        let mut companion = FakeCompanion::default();
+        assert!(admit(&mut proxy, &mut companion, "sk-a").0.forwarded(), "{kind:?}: t=0");
+        advance(&world, 4_000);
+        assert!(admit(&mut proxy, &mut companion, "sk-a").0.forwarded(), "{kind:?}: t=4s");
+        // t=9s: both entries are inside the window (a bucket would hold 1.8 by now).
+        advance(&world, 5_000);
+        let (refused, retry) = admit(&mut proxy, &mut companion, "sk-a");
+        assert!(!refused.forwarded(), "{kind:?}: t=9s, two in the last 10 s");
+        assert_eq!(retry.as_deref(), Some("1"), "{kind:?}: the entry of t=0 leaves at t=10s");
+        // Just after t=10s the first entry has left: one fits, and then the window is full
+        // again until the entry of t=4s leaves at t=14s.
+        advance(&world, 1_001);
+        assert!(admit(&mut proxy, &mut companion, "sk-a").0.forwarded(), "{kind:?}: t=10.001s");
+        let (refused, retry) = admit(&mut proxy, &mut companion, "sk-a");
+        assert!(!refused.forwarded(), "{kind:?}");
+        assert_eq!(retry.as_deref(), Some("4"), "{kind:?}: 3,999 ms until t=14s, in whole seconds");
+    }
+}
+
+/// A concurrency slot is the request's until it is released (or its slot expires
+/// unrenewed): time alone frees nothing while the request is in flight and its proxy
+/// renews it, and its release frees it at once.
+#[test]
+fn a_slot_is_freed_by_its_release_not_by_time() {
+    for kind in HOSTS {
+        let world = World::new(kind);
+        let limits = json!([{"name": "inflight", "concurrency": 1}]);
+        let mut proxy = Proxy::new(&world, &config(limits, json!({"slots": {"ttl": "3s"}})));
+        let mut companion = FakeCompanion::default();
+        let (mut holder, _) = admit(&mut proxy, &mut companion, "sk-a");
+        assert!(holder.forwarded(), "{kind:?}");
+        // Six seconds, twice the slot's TTL, renewed meanwhile: every other request waits
+        // (a bucket refilling one slot per TTL would have admitted one at t=3s).
+        for second in 1..=6 {
+            for _ in 0..10 {
+                advance(&world, 100);
+                proxy.tick(Some(&mut companion));
+            }
+            let (other, retry) = admit(&mut proxy, &mut companion, "sk-a");
+            assert!(!other.forwarded(), "{kind:?}: t={second}s, the slot is held");
+            assert_eq!(retry.as_deref(), Some("1"), "{kind:?}: slots say at most 1 s");
+        }
+        proxy.reply(&mut holder, 200, "application/json", &["{}"]);
+        match kind {
+            // Released at once by a root callout; the companion answers it.
+            HostKind::Envoy => {
+                let release = holder.host.callouts.iter().find(|c| c.path == crate::protocol::RELEASE_PATH);
+                let release = release.expect("a release callout").clone();
+                let (status, body) = companion.answer(&release, proxy.now());
+                proxy.root_answer(release.token, status, body);
+            }
+            // No callout from a response phase: the settlement on the next tick releases it.
+            HostKind::Nginx => proxy.tick(Some(&mut companion)),
+        }
+        assert!(admit(&mut proxy, &mut companion, "sk-a").0.forwarded(), "{kind:?}: free once released");
+    }
+}
+
+/// A proxy that stops renewing its slots (it was killed) loses them at their expiry and
+/// not before: another proxy waits until then, told to retry within the second.
+#[test]
+fn a_slot_nobody_renews_is_freed_when_it_expires() {
+    for kind in HOSTS {
+        let world = World::new(kind);
+        let config = config(json!([{"name": "inflight", "concurrency": 1}]), json!({"slots": {"ttl": "3s"}}));
+        let (mut dead, mut live) = (Proxy::new(&world, &config), Proxy::new(&world, &config));
+        let mut companion = FakeCompanion::default();
+        assert!(admit(&mut dead, &mut companion, "sk-a").0.forwarded(), "{kind:?}");
+        advance(&world, 1_000);
+        let (refused, retry) = admit(&mut live, &mut companion, "sk-a");
+        assert!(!refused.forwarded(), "{kind:?}: t=1s");
+        // 2 s until the slot expires; slots say at most 1 s (a bucket would say 2).
+        assert_eq!(retry.as_deref(), Some("1"), "{kind:?}");
+        advance(&world, 1_999);
+        assert!(!admit(&mut live, &mut companion, "sk-a").0.forwarded(), "{kind:?}: t=2.999s, still held");
+        advance(&world, 1);
+        assert!(admit(&mut live, &mut companion, "sk-a").0.forwarded(), "{kind:?}: t=3s, expired");
+    }
+}

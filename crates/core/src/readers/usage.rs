@@ -1,0 +1,924 @@
+//! The token usage a provider reports, read from a JSON reply or a stream of SSE events,
+//! whichever API produced it:
+//!
+//! | API | where |
+//! |---|---|
+//! | OpenAI chat/completions, embeddings | `usage.prompt_tokens`, `usage.completion_tokens`; streamed: the last chunk |
+//! | OpenAI Responses | `usage.input_tokens`, `usage.output_tokens`; streamed: `response.completed` |
+//! | Anthropic messages | `usage.input_tokens` (+ cache creation and reads), `usage.output_tokens`; streamed: `message_start`, then `message_delta` (cumulative) |
+//! | AWS Bedrock | `usage.inputTokens` (+ cache reads and writes), `usage.outputTokens`; streamed: see `providers::bedrock` |
+//! | Gemini, Vertex AI | `usageMetadata` (see `providers::gemini`); streamed (SSE or a JSON array): every response, cumulative |
+//! | vLLM, Ollama, Groq | as OpenAI; vLLM's `continuous_usage_stats` on every chunk (cumulative), Groq's `x_groq.usage` in the last |
+//!
+//! A stream without usage is settled on its text: the streamed deltas are counted with
+//! the tokenizer.
+
+use crate::parse::eventstream::{EventStreamDecoder, Message, StreamError};
+use crate::parse::json::{closes_string, Json};
+use crate::parse::json_array_stream::JsonArrayStream;
+use crate::parse::sse::{SseEvent, SseParser};
+use crate::providers::{bedrock, gemini};
+use crate::tokens::Encoding;
+use base64::Engine;
+
+pub use crate::api::ReportedUsage;
+
+/// Usage from a usage object, or from a message holding one at `usage`, `message.usage`,
+/// `response.usage`, `usageMetadata` (Gemini) or `x_groq.usage` (Groq's streams).
+pub fn reported_usage(message: &Json) -> ReportedUsage {
+    let mut found = ReportedUsage::default();
+    for usage in [
+        &message.at("usage"),
+        &message.at("message").at("usage"),
+        &message.at("response").at("usage"),
+        &message.at("x_groq").at("usage"),
+    ] {
+        if usage.is_object() {
+            found.merge(from_usage_object(usage));
+        }
+    }
+    let metadata = message.at("usageMetadata");
+    if metadata.is_object() {
+        found.merge(gemini::usage_from_metadata(metadata));
+    }
+    found
+}
+
+fn from_usage_object(usage: &Json) -> ReportedUsage {
+    if let Some(bedrock) = crate::providers::bedrock::converse_usage(usage) {
+        return bedrock;
+    }
+    let field = |name: &str| usage.at(name).as_u64();
+    let input = field("prompt_tokens").or_else(|| {
+        let base = field("input_tokens")?;
+        let cache_parts = [field("cache_creation_input_tokens"), field("cache_read_input_tokens")];
+        Some(cache_parts.into_iter().flatten().fold(base, u64::saturating_add))
+    });
+    let output = field("completion_tokens").or_else(|| field("output_tokens"));
+    // Embeddings report prompt tokens only: their output is zero, not unknown.
+    let output = output.or_else(|| (input.is_some() && usage.get("total_tokens").is_some()).then_some(0));
+    let cached_input = usage
+        .at("prompt_tokens_details")
+        .at("cached_tokens")
+        .as_u64()
+        .or_else(|| usage.at("input_tokens_details").at("cached_tokens").as_u64())
+        .or_else(|| field("cache_read_input_tokens"));
+    ReportedUsage { input, output, cached_input }
+}
+
+/// Where the APIs put usage in a JSON reply, in the order later reports override earlier.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum UsagePath {
+    /// `usage`: OpenAI chat, completions, embeddings, Responses; Anthropic messages.
+    Top,
+    /// `message.usage`, `response.usage`: the same objects wrapped, as some APIs' events
+    /// carry them.
+    Message,
+    Response,
+    /// `usageMetadata`: Gemini and Vertex AI.
+    Metadata,
+}
+
+/// The key of a field on the way to a usage object; every other key is `Other`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum PathKey {
+    Usage,
+    UsageMetadata,
+    Message,
+    Response,
+    /// `model`: which model answered, at the top of the reply.
+    Model,
+    Other,
+}
+
+impl PathKey {
+    fn of(key: &[u8]) -> PathKey {
+        match key {
+            b"usage" => PathKey::Usage,
+            b"usageMetadata" => PathKey::UsageMetadata,
+            b"message" => PathKey::Message,
+            b"model" => PathKey::Model,
+            b"response" => PathKey::Response,
+            _ => PathKey::Other,
+        }
+    }
+}
+
+/// A usage object is a few hundred bytes; a larger one is not what it claims.
+const MAX_USAGE_OBJECT: usize = 16 * 1024;
+/// Containers whose kind (object or array) is tracked: usage sits at depth 3 at most.
+const TRACKED_DEPTH: u32 = 64;
+
+/// Finds a JSON reply's usage as its bytes pass, whatever its size: the reply is scanned
+/// once, chunk by chunk, and only the usage objects (at `usage`, `message.usage`,
+/// `response.usage` or `usageMetadata`) and the top-level `model` are kept, then read when the reply ends. Text inside strings is
+/// skipped a chunk at a time, so a long reply costs little more than its copy from the
+/// host. Malformed JSON yields what was found before it broke, never an error.
+#[derive(Debug, Default)]
+pub struct ReplyUsage {
+    /// Open containers.
+    depth: u32,
+    /// Bit `n` set: the container at depth `n + 1` is an object (for the first levels).
+    objects: u64,
+    in_string: bool,
+    escaped: bool,
+    /// The next string of the current object is a key.
+    expect_key: bool,
+    /// The string being read is a key at depth 1 or 2, collected into `key`.
+    reading_key: bool,
+    key: Vec<u8>,
+    /// The keys leading to the current position at depths 1 and 2.
+    path: [Option<PathKey>; 2],
+    /// A `:` was the last structural byte: the next value belongs to the last key.
+    after_colon: bool,
+    /// The usage object being collected: where it belongs and its bytes so far.
+    capture: Option<(UsagePath, Vec<u8>)>,
+    /// The last object found at each path.
+    found: [Option<Vec<u8>>; 4],
+    /// The top-level `model` string being read (its raw JSON text), and the last one read.
+    model_text: Option<Vec<u8>>,
+    model: Option<String>,
+}
+
+impl ReplyUsage {
+    pub fn new() -> ReplyUsage {
+        ReplyUsage::default()
+    }
+
+    fn in_object(&self) -> bool {
+        self.depth >= 1 && self.depth <= TRACKED_DEPTH && self.objects & (1 << (self.depth - 1)) != 0
+    }
+
+    pub fn feed(&mut self, chunk: &[u8]) {
+        let mut at = 0;
+        while at < chunk.len() {
+            if self.in_string && !self.escaped && !self.reading_key {
+                // Skip string text up to the next quote or escape in one search.
+                let rest = chunk.get(at..).unwrap_or(&[]);
+                let skip = memchr::memchr2(b'"', b'\\', rest).unwrap_or(rest.len());
+                if let Some((_, bytes)) = self.capture.as_mut() {
+                    bytes.extend_from_slice(rest.get(..skip).unwrap_or(&[]));
+                }
+                self.keep_model_text(rest.get(..skip).unwrap_or(&[]));
+                at += skip;
+                if at >= chunk.len() {
+                    break;
+                }
+            }
+            let Some(&byte) = chunk.get(at) else { break };
+            at += 1;
+            self.byte(byte);
+        }
+    }
+
+    fn byte(&mut self, byte: u8) {
+        if let Some((_, bytes)) = self.capture.as_mut() {
+            bytes.push(byte);
+            if bytes.len() > MAX_USAGE_OBJECT {
+                self.capture = None;
+            }
+        }
+        if self.in_string {
+            if byte == b'"' && !self.escaped {
+                if let Some(text) = self.model_text.take() {
+                    self.model = model_name(&text);
+                }
+            } else {
+                self.keep_model_text(&[byte]);
+            }
+            if closes_string(&mut self.escaped, byte) {
+                self.in_string = false;
+                if self.reading_key {
+                    self.reading_key = false;
+                    let key = PathKey::of(&self.key);
+                    match self.depth {
+                        1 => self.path = [Some(key), None],
+                        2 => self.path[1] = Some(key),
+                        _ => {}
+                    }
+                    // A repeated key's last value is the one that counts, as in any
+                    // JSON reader: forget what the earlier one held.
+                    let replaced = match self.path {
+                        [Some(PathKey::Usage), None] => Some(UsagePath::Top),
+                        [Some(PathKey::UsageMetadata), None] => Some(UsagePath::Metadata),
+                        [Some(PathKey::Message), None | Some(PathKey::Usage)] => Some(UsagePath::Message),
+                        [Some(PathKey::Response), None | Some(PathKey::Usage)] => Some(UsagePath::Response),
+                        _ => None,
+                    };
+                    if let Some(path) = replaced.filter(|_| self.depth <= 2) {
+                        *self.found_at(path) = None;
+                    }
+                    if self.depth == 1 && key == PathKey::Model {
+                        self.model = None;
+                    }
+                }
+                return;
+            }
+            // Long enough for the longest key that matters (`usageMetadata`).
+            if self.reading_key && self.key.len() <= 13 {
+                self.key.push(byte);
+            }
+            return;
+        }
+        if matches!(byte, b' ' | b'\t' | b'\n' | b'\r') {
+            return; // `"usage": {` is as much after the colon as `"usage":{`
+        }
+        let after_colon = std::mem::take(&mut self.after_colon);
+        match byte {
+            b'"' => {
+                if after_colon && self.depth == 1 && self.in_object() && self.path[0] == Some(PathKey::Model) {
+                    self.model_text = Some(Vec::new());
+                }
+                self.in_string = true;
+                self.reading_key = self.expect_key && self.depth <= 2;
+                self.expect_key = false;
+                self.key.clear();
+            }
+            b'{' => {
+                let usage_path = match (after_colon && self.in_object(), self.depth, self.path) {
+                    (true, 1, [Some(PathKey::Usage), _]) => Some(UsagePath::Top),
+                    (true, 1, [Some(PathKey::UsageMetadata), _]) => Some(UsagePath::Metadata),
+                    (true, 2, [Some(PathKey::Message), Some(PathKey::Usage)]) => Some(UsagePath::Message),
+                    (true, 2, [Some(PathKey::Response), Some(PathKey::Usage)]) => Some(UsagePath::Response),
+                    _ => None,
+                };
+                if let Some(path) = usage_path {
+                    self.capture = Some((path, vec![b'{']));
+                }
+                self.open(true);
+            }
+            b'[' => self.open(false),
+            b'}' | b']' => {
+                self.depth = self.depth.saturating_sub(1);
+                self.expect_key = false;
+                let closes_capture = match &self.capture {
+                    Some((UsagePath::Top | UsagePath::Metadata, _)) => self.depth == 1,
+                    Some(_) => self.depth == 2,
+                    None => false,
+                };
+                if closes_capture {
+                    if let Some((path, bytes)) = self.capture.take() {
+                        *self.found_at(path) = Some(bytes);
+                    }
+                }
+            }
+            b',' => self.expect_key = self.in_object(),
+            b':' => self.after_colon = true,
+            _ => {}
+        }
+    }
+
+    fn found_at(&mut self, path: UsagePath) -> &mut Option<Vec<u8>> {
+        let [top, message, response, metadata] = &mut self.found;
+        match path {
+            UsagePath::Top => top,
+            UsagePath::Message => message,
+            UsagePath::Response => response,
+            UsagePath::Metadata => metadata,
+        }
+    }
+
+    fn open(&mut self, object: bool) {
+        self.depth = self.depth.saturating_add(1);
+        if self.depth <= TRACKED_DEPTH {
+            let bit = 1u64 << (self.depth - 1);
+            self.objects = if object { self.objects | bit } else { self.objects & !bit };
+        }
+        if self.depth == 2 {
+            self.path[1] = None;
+        }
+        self.expect_key = object;
+    }
+
+    /// Adds to the `model` string being read; one too long for a model name is not kept.
+    #[inline]
+    fn keep_model_text(&mut self, bytes: &[u8]) {
+        if let Some(text) = self.model_text.as_mut() {
+            text.extend_from_slice(bytes);
+            if text.len() > crate::providers::MAX_MODEL_NAME {
+                self.model_text = None;
+            }
+        }
+    }
+
+    /// The reply's top-level `model`, if it had a non-empty one.
+    pub fn model(&self) -> Option<&str> {
+        self.model.as_deref()
+    }
+
+    pub fn finish(&self) -> ReportedUsage {
+        let mut usage = ReportedUsage::default();
+        let [top, message, response, metadata] = &self.found;
+        for bytes in [top, message, response].into_iter().flatten() {
+            if let Ok(object) = Json::parse(bytes) {
+                usage.merge(from_usage_object(&object));
+            }
+        }
+        if let Some(Ok(object)) = metadata.as_deref().map(Json::parse) {
+            usage.merge(gemini::usage_from_metadata(&object));
+        }
+        usage
+    }
+}
+
+/// A reply's `model` from the raw text of its JSON string: unescaped, non-empty, bounded.
+fn model_name(text: &[u8]) -> Option<String> {
+    if text.is_empty() || text.len() > crate::providers::MAX_MODEL_NAME {
+        return None;
+    }
+    let mut quoted = Vec::with_capacity(text.len() + 2);
+    quoted.push(b'"');
+    quoted.extend_from_slice(text);
+    quoted.push(b'"');
+    serde_json::from_slice::<String>(&quoted).ok().filter(|m| !m.is_empty())
+}
+
+/// Follows a streamed reply: the usage it reports, and the text it streamed (counted only
+/// if the stream never reports its output tokens).
+#[derive(Debug)]
+pub struct StreamUsage {
+    parser: Framing,
+    reported: ReportedUsage,
+    encoding: Encoding,
+    text: String,
+    counted_output: u64,
+    /// The last non-empty `model` a message named.
+    model: Option<String>,
+    /// True once the stream said it was complete (`[DONE]`, `message_stop`,
+    /// `response.completed`).
+    pub finished: bool,
+}
+
+/// How a stream's messages are framed.
+#[derive(Debug)]
+enum Framing {
+    Sse(SseParser),
+    /// A JSON array of messages (Gemini's `streamGenerateContent` without `alt=sse`).
+    JsonArray(JsonArrayStream),
+}
+
+/// Streamed text is counted in pieces of about this size, so memory stays bounded.
+const TEXT_FLUSH_BYTES: usize = 16 * 1024;
+
+impl StreamUsage {
+    /// A stream of Server-Sent Events.
+    pub fn new(encoding: Encoding, max_event_bytes: usize) -> StreamUsage {
+        StreamUsage::framed(encoding, Framing::Sse(SseParser::new(max_event_bytes)))
+    }
+
+    /// A stream of messages sent as one JSON array.
+    pub fn json_array(encoding: Encoding, max_message_bytes: usize) -> StreamUsage {
+        StreamUsage::framed(encoding, Framing::JsonArray(JsonArrayStream::new(max_message_bytes)))
+    }
+
+    fn framed(encoding: Encoding, parser: Framing) -> StreamUsage {
+        StreamUsage {
+            parser,
+            reported: ReportedUsage::default(),
+            encoding,
+            text: String::new(),
+            counted_output: 0,
+            model: None,
+            finished: false,
+        }
+    }
+
+    pub fn feed(&mut self, chunk: &[u8]) {
+        match &mut self.parser {
+            Framing::Sse(parser) => {
+                let mut events = Vec::new();
+                parser.feed(chunk, &mut |event| events.push(event));
+                for event in events {
+                    self.on_event(event);
+                }
+            }
+            Framing::JsonArray(parser) => {
+                let mut messages = Vec::new();
+                parser.feed(chunk, &mut |message| messages.push(message.to_vec()));
+                for message in messages {
+                    self.on_message_bytes(&message, "");
+                }
+            }
+        }
+    }
+
+    pub fn finish(&mut self) {
+        let mut events = Vec::new();
+        if let Framing::Sse(parser) = &mut self.parser {
+            parser.finish(&mut |event| events.push(event));
+        }
+        for event in events {
+            self.on_event(event);
+        }
+    }
+
+    fn on_event(&mut self, event: SseEvent) {
+        if event.data.trim() == "[DONE]" {
+            self.finished = true;
+            return;
+        }
+        self.on_message_bytes(event.data.as_bytes(), &event.event);
+    }
+
+    /// One message of the stream as it came (`event`: its SSE event name, if it has one).
+    fn on_message_bytes(&mut self, bytes: &[u8], event: &str) {
+        // A tree borrowing from the event: a delta's text is read, not copied, until it
+        // is added to the text kept for counting.
+        let Ok(message) = Json::parse(bytes) else {
+            return;
+        };
+        self.on_message(&message, event);
+    }
+
+    /// One message's JSON, however it was framed (SSE, a JSON array, AWS's event stream for
+    /// Bedrock), and the message's event name if the framing gives one.
+    pub(crate) fn on_message(&mut self, message: &Json, event_name: &str) {
+        self.reported.merge(reported_usage(message));
+        let model = message.at("model").as_str().or_else(|| message.at("message").at("model").as_str());
+        if let Some(model) = model.filter(|m| !m.is_empty() && m.len() <= crate::providers::MAX_MODEL_NAME) {
+            if self.model.as_deref() != Some(model) {
+                self.model = Some(model.to_string());
+            }
+        }
+        let kind = message.at("type").as_str().unwrap_or(event_name);
+        if matches!(kind, "message_stop" | "response.completed" | "response.incomplete" | "response.failed")
+            || gemini::is_final(message)
+        {
+            self.finished = true;
+        }
+        self.collect_text(message);
+    }
+
+    /// Usage a stream reported in a shape of its own; it overrides earlier reports.
+    pub(crate) fn add_reported(&mut self, usage: ReportedUsage) {
+        self.reported.merge(usage);
+    }
+
+    /// Generated text a stream carried in a shape of its own, counted if no usage is.
+    pub(crate) fn add_text(&mut self, text: &str) {
+        self.push_text(Some(text));
+    }
+
+    /// The generated text of one event: OpenAI chat deltas (content, refusal, tool
+    /// arguments), legacy completions, Anthropic text and tool-input deltas, Responses
+    /// text and argument deltas.
+    fn collect_text(&mut self, message: &Json) {
+        if let Some(choices) = message.at("choices").as_array() {
+            for choice in choices {
+                let delta = &choice.at("delta");
+                for text in [
+                    &delta.at("content"),
+                    &delta.at("refusal"),
+                    &delta.at("reasoning_content"),
+                    // Ollama's and Groq's name for a reasoning model's thinking.
+                    &delta.at("reasoning"),
+                    &choice.at("text"),
+                ] {
+                    self.push_text(text.as_str());
+                }
+                for call in delta.at("tool_calls").as_array().into_iter().flatten() {
+                    self.push_text(call.at("function").at("arguments").as_str());
+                    self.push_text(call.at("function").at("name").as_str());
+                }
+            }
+        }
+        match message.at("type").as_str() {
+            Some("content_block_delta") => {
+                let delta = &message.at("delta");
+                self.push_text(
+                    delta.at("text").as_str().or(delta.at("partial_json").as_str()).or(delta.at("thinking").as_str()),
+                );
+            }
+            Some(kind) if kind.starts_with("response.") && kind.ends_with(".delta") => {
+                self.push_text(message.at("delta").as_str())
+            }
+            _ => {}
+        }
+        for text in gemini::streamed_texts(message) {
+            self.push_text(Some(text));
+        }
+    }
+
+    fn push_text(&mut self, text: Option<&str>) {
+        let Some(text) = text else { return };
+        self.text.push_str(text);
+        if self.text.len() >= TEXT_FLUSH_BYTES {
+            self.counted_output += self.encoding.count(&self.text);
+            self.text.clear();
+        }
+    }
+
+    pub fn reported(&self) -> ReportedUsage {
+        self.reported
+    }
+
+    /// The model the stream's messages named last, if any.
+    pub fn model(&self) -> Option<&str> {
+        self.model.as_deref()
+    }
+
+    /// Output tokens: as reported, or else counted from the streamed text.
+    pub fn output_tokens(&self) -> u64 {
+        self.reported.output.unwrap_or_else(|| self.counted_output + self.encoding.count(&self.text))
+    }
+}
+
+/// Follows a Bedrock event stream (its events' shapes are `providers::bedrock`'s) (`converse-stream` or `invoke-with-response-stream`):
+/// the usage it reports, and its text, counted if it reports none.
+#[derive(Debug)]
+pub struct EventStreamUsage {
+    decoder: EventStreamDecoder,
+    /// The usage and text found, kept as an SSE stream's are (its SSE parser unused).
+    events: StreamUsage,
+    /// The exception the stream carried (`:exception-type`, or an error's `:error-code`).
+    pub exception: Option<String>,
+}
+
+impl EventStreamUsage {
+    pub fn new(encoding: Encoding, max_message_bytes: usize) -> EventStreamUsage {
+        EventStreamUsage {
+            decoder: EventStreamDecoder::new(max_message_bytes),
+            events: StreamUsage::new(encoding, 0),
+            exception: None,
+        }
+    }
+
+    pub fn feed(&mut self, chunk: &[u8]) {
+        let mut messages = Vec::new();
+        self.decoder.feed(chunk, &mut |message| messages.push(message));
+        for message in messages {
+            self.on_message(&message);
+        }
+    }
+
+    fn on_message(&mut self, message: &Message) {
+        if message.header(":message-type").is_some_and(|kind| kind != "event") {
+            let kind = message.header(":exception-type").or(message.header(":error-code")).unwrap_or("error");
+            self.exception = Some(kind.chars().take(64).collect());
+            return;
+        }
+        let Ok(payload) = Json::parse(&message.payload) else { return };
+        match message.header(":event-type").unwrap_or("") {
+            "chunk" => {
+                let Some(encoded) = payload.at("bytes").as_str() else { return };
+                let Ok(bytes) = base64::engine::general_purpose::STANDARD.decode(encoded) else { return };
+                let Ok(event) = Json::parse(&bytes) else { return };
+                self.events.on_message(&event, "");
+                self.events.add_reported(bedrock::invocation_metrics(&event));
+            }
+            "contentBlockDelta" => {
+                let delta = payload.at("delta");
+                for text in [delta.at("text"), delta.at("toolUse").at("input"), delta.at("reasoningContent").at("text")]
+                {
+                    if let Some(text) = text.as_str() {
+                        self.events.add_text(text);
+                    }
+                }
+            }
+            "metadata" => {
+                if let Some(usage) = bedrock::converse_usage(payload.at("usage")) {
+                    self.events.add_reported(usage);
+                }
+                self.events.finished = true;
+            }
+            _ => {}
+        }
+    }
+
+    pub fn reported(&self) -> ReportedUsage {
+        self.events.reported()
+    }
+
+    /// Output tokens: as reported, or else counted from the streamed text.
+    pub fn output_tokens(&self) -> u64 {
+        self.events.output_tokens()
+    }
+
+    /// Whether the stream said it was complete (the `metadata` event, `message_stop`).
+    pub fn finished(&self) -> bool {
+        self.events.finished
+    }
+
+    /// Why the framing stopped being read (a bad CRC, an oversized message), if it did.
+    pub fn broken(&self) -> Option<StreamError> {
+        self.decoder.broken()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    #[cfg(not(target_arch = "wasm32"))]
+    use proptest::prelude::*;
+
+    pub const OPENAI_STREAM: &str = include_str!("../../../../tests/cases/streams/openai_chat_usage.sse");
+    pub const OPENAI_STREAM_NO_USAGE: &str = include_str!("../../../../tests/cases/streams/openai_chat_no_usage.sse");
+    pub const ANTHROPIC_STREAM: &str = include_str!("../../../../tests/cases/streams/anthropic_messages.sse");
+    pub const RESPONSES_STREAM: &str = include_str!("../../../../tests/cases/streams/openai_responses.sse");
+    pub const GEMINI_SSE: &str = include_str!("../../../../tests/cases/streams/gemini_stream.sse");
+    pub const GEMINI_ARRAY: &str = include_str!("../../../../tests/cases/streams/gemini_stream.json");
+    pub const VLLM_STREAM: &str = include_str!("../../../../tests/cases/streams/vllm_continuous_usage.sse");
+    pub const GROQ_STREAM: &str = include_str!("../../../../tests/cases/streams/groq_chat_x_groq.sse");
+    pub const OLLAMA_STREAM: &str = include_str!("../../../../tests/cases/streams/ollama_chat_usage.sse");
+    pub const AZURE_STREAM: &str = include_str!("../../../../tests/cases/streams/azure_chat_usage.sse");
+    /// Every SSE transcript, for the tests that run them all.
+    const SSE_STREAMS: [&str; 9] = [
+        OPENAI_STREAM,
+        OPENAI_STREAM_NO_USAGE,
+        ANTHROPIC_STREAM,
+        RESPONSES_STREAM,
+        GEMINI_SSE,
+        VLLM_STREAM,
+        GROQ_STREAM,
+        OLLAMA_STREAM,
+        AZURE_STREAM,
+    ];
+
+    /// `bytes` cut into pieces of the given sizes, then the rest.
+    fn in_chunks<'a>(bytes: &'a [u8], sizes: &[usize]) -> Vec<&'a [u8]> {
+        let mut rest = bytes;
+        let mut chunks = Vec::new();
+        for &size in sizes {
+            let (head, tail) = rest.split_at(size.min(rest.len()));
+            chunks.push(head);
+            rest = tail;
+        }
+        chunks.push(rest);
+        chunks
+    }
+
+    fn run(stream: &str, chunks: &[usize]) -> (ReportedUsage, u64, bool) {
+        run_with(StreamUsage::new(Encoding::O200kBase, 1 << 20), stream, chunks)
+    }
+
+    /// A stream sent as a JSON array (Gemini without `alt=sse`).
+    fn run_array(stream: &str, chunks: &[usize]) -> (ReportedUsage, u64, bool) {
+        run_with(StreamUsage::json_array(Encoding::O200kBase, 1 << 20), stream, chunks)
+    }
+
+    fn run_with(mut tracker: StreamUsage, stream: &str, chunks: &[usize]) -> (ReportedUsage, u64, bool) {
+        for chunk in in_chunks(stream.as_bytes(), chunks) {
+            tracker.feed(chunk);
+        }
+        tracker.finish();
+        (tracker.reported(), tracker.output_tokens(), tracker.finished)
+    }
+
+    #[cfg_attr(not(target_arch = "wasm32"), test)]
+    #[cfg_attr(target_arch = "wasm32", wasm_bindgen_test::wasm_bindgen_test)]
+    fn reads_each_providers_streamed_usage() {
+        let cases = [
+            (OPENAI_STREAM, ReportedUsage { input: Some(19), output: Some(10), cached_input: Some(0) }, 10),
+            (ANTHROPIC_STREAM, ReportedUsage { input: Some(472), output: Some(15), cached_input: Some(0) }, 15),
+            (RESPONSES_STREAM, ReportedUsage { input: Some(37), output: Some(11), cached_input: Some(0) }, 11),
+            // Cumulative usageMetadata, thinking counted as output, the cached part of the prompt.
+            (GEMINI_SSE, ReportedUsage { input: Some(12), output: Some(29), cached_input: Some(4) }, 29),
+            // Usage on every chunk (continuous_usage_stats), the last one's counts.
+            (VLLM_STREAM, ReportedUsage { input: Some(23), output: Some(5), cached_input: None }, 5),
+            // Usage only in the last chunk's `x_groq`.
+            (GROQ_STREAM, ReportedUsage { input: Some(41), output: Some(5), cached_input: None }, 5),
+            (OLLAMA_STREAM, ReportedUsage { input: Some(17), output: Some(9), cached_input: None }, 9),
+            // A first chunk with empty choices and no usage (the prompt's filter results).
+            (AZURE_STREAM, ReportedUsage { input: Some(14), output: Some(5), cached_input: Some(0) }, 5),
+        ];
+        for (stream, usage, output) in cases {
+            assert_eq!(run(stream, &[]), (usage, output, true), "{}", &stream[..80]);
+        }
+        let gemini = ReportedUsage { input: Some(12), output: Some(29), cached_input: Some(4) };
+        assert_eq!(run_array(GEMINI_ARRAY, &[]), (gemini, 29, true));
+    }
+
+    #[cfg_attr(not(target_arch = "wasm32"), test)]
+    #[cfg_attr(target_arch = "wasm32", wasm_bindgen_test::wasm_bindgen_test)]
+    fn both_gemini_framings_give_the_same_usage_whatever_the_split() {
+        let whole = run(GEMINI_SSE, &[]);
+        for at in 0..=GEMINI_SSE.len() {
+            assert_eq!(run(GEMINI_SSE, &[at]), whole, "SSE split at {at}");
+        }
+        for at in 0..=GEMINI_ARRAY.len() {
+            assert_eq!(run_array(GEMINI_ARRAY, &[at]), whole, "array split at {at}");
+        }
+    }
+
+    #[cfg_attr(not(target_arch = "wasm32"), test)]
+    #[cfg_attr(target_arch = "wasm32", wasm_bindgen_test::wasm_bindgen_test)]
+    fn streams_without_usage_are_counted_from_their_text_thinking_included() {
+        let encoding = Encoding::O200kBase;
+        let strip = |stream: &str| {
+            stream
+                .split("\"usageMetadata\"")
+                .map(|piece| piece.to_string())
+                .collect::<Vec<_>>()
+                .join("\"ignoredMetadata\"")
+        };
+        let gemini_text =
+            "Plan: say it {quoted} \"well\".The quick brown fox \"jumps\" [over] the lazy dog. \u{e9}\u{1F600}";
+        let (reported, output, _) = run(&strip(GEMINI_SSE), &[]);
+        assert_eq!((reported, output), (ReportedUsage::default(), encoding.count(gemini_text)));
+        let (reported, output, _) = run_array(&strip(GEMINI_ARRAY), &[]);
+        assert_eq!((reported, output), (ReportedUsage::default(), encoding.count(gemini_text)));
+        let ollama = OLLAMA_STREAM.replace("\"usage\"", "\"ignored\"");
+        assert_eq!(run(&ollama, &[]).1, encoding.count(" Thinking about foxes. The quick brown fox jumps"));
+    }
+
+    #[test]
+    fn a_reply_names_its_model_and_pretty_printed_usage_is_found() {
+        let read = |body: &str| {
+            let mut reply = ReplyUsage::new();
+            for chunk in body.as_bytes().chunks(3) {
+                reply.feed(chunk);
+            }
+            (reply.finish(), reply.model().map(str::to_string))
+        };
+        let azure = "{\n  \"choices\": [{\"message\": {\"content\": \"a \\\"model\\\": \\\"x\\\"\"}}],\n  \"model\" : \"gpt-4o-2024-11-20\",\n  \"usage\": {\n    \"prompt_tokens\": 14,\n    \"completion_tokens\": 5\n  }\n}";
+        assert_eq!(
+            read(azure),
+            (ReportedUsage { input: Some(14), output: Some(5), cached_input: None }, Some("gpt-4o-2024-11-20".into()))
+        );
+        // Gemini's pretty-printed reply: usage at `usageMetadata`, no `model` (it is in the path).
+        let gemini = "{\r\n  \"candidates\": [],\r\n  \"usageMetadata\": {\r\n    \"promptTokenCount\": 8,\r\n    \"candidatesTokenCount\": 3,\r\n    \"thoughtsTokenCount\": 2\r\n  },\r\n  \"modelVersion\": \"gemini-2.5-flash\"\r\n}";
+        assert_eq!(read(gemini), (ReportedUsage { input: Some(8), output: Some(5), cached_input: None }, None));
+        for odd in [r#"{"model":""}"#, r#"{"model":7}"#, r#"{"x":{"model":"inner"}}"#] {
+            assert_eq!(read(odd).1, None, "{odd}");
+        }
+        let escaped = r#"{"model":"a\"b\u00e9"}"#;
+        assert_eq!(read(escaped).1.as_deref(), Some("a\"b\u{e9}"));
+        let long = format!(r#"{{"model":"{}","usage":{{"prompt_tokens":1}}}}"#, "m".repeat(10_000));
+        assert_eq!(read(&long), (ReportedUsage { input: Some(1), output: None, cached_input: None }, None));
+    }
+
+    /// Higress #2187: a stream without a usage chunk must still be charged.
+    #[cfg_attr(not(target_arch = "wasm32"), test)]
+    #[cfg_attr(target_arch = "wasm32", wasm_bindgen_test::wasm_bindgen_test)]
+    fn a_stream_without_usage_is_counted_from_its_text() {
+        let (reported, output, finished) = run(OPENAI_STREAM_NO_USAGE, &[]);
+        assert_eq!(reported, ReportedUsage::default());
+        // " The quick brown fox jumps over the lazy dog." is 10 tokens in o200k_base.
+        assert_eq!((output, finished), (10, true));
+    }
+
+    /// Higress #4146: an event split across two body callbacks; here at every byte.
+    #[cfg_attr(not(target_arch = "wasm32"), test)]
+    #[cfg_attr(target_arch = "wasm32", wasm_bindgen_test::wasm_bindgen_test)]
+    fn every_two_way_split_gives_the_same_usage() {
+        for stream in [OPENAI_STREAM, OPENAI_STREAM_NO_USAGE, ANTHROPIC_STREAM, RESPONSES_STREAM] {
+            let whole = run(stream, &[]);
+            for at in 0..=stream.len() {
+                assert_eq!(run(stream, &[at]), whole, "split at {at}");
+            }
+        }
+    }
+
+    #[cfg_attr(not(target_arch = "wasm32"), test)]
+    #[cfg_attr(target_arch = "wasm32", wasm_bindgen_test::wasm_bindgen_test)]
+    fn reads_json_replies() {
+        let cases = [
+            (
+                r#"{"object":"chat.completion","usage":{"prompt_tokens":12,"completion_tokens":5,"total_tokens":17,"prompt_tokens_details":{"cached_tokens":4}}}"#,
+                (Some(12), Some(5), Some(4)),
+            ),
+            (r#"{"object":"list","data":[],"usage":{"prompt_tokens":8,"total_tokens":8}}"#, (Some(8), Some(0), None)),
+            (
+                r#"{"object":"response","usage":{"input_tokens":30,"input_tokens_details":{"cached_tokens":20},"output_tokens":7,"total_tokens":37}}"#,
+                (Some(30), Some(7), Some(20)),
+            ),
+            (
+                r#"{"type":"message","usage":{"input_tokens":10,"cache_creation_input_tokens":100,"cache_read_input_tokens":1000,"output_tokens":3}}"#,
+                (Some(1110), Some(3), Some(1000)),
+            ),
+            (r#"{"error":{"message":"bad"}}"#, (None, None, None)),
+            (r#"not json"#, (None, None, None)),
+        ];
+        for (body, (input, output, cached_input)) in cases {
+            let whole = {
+                let mut reply = ReplyUsage::new();
+                reply.feed(body.as_bytes());
+                reply.finish()
+            };
+            assert_eq!(whole, ReportedUsage { input, output, cached_input }, "{body}");
+            for at in 0..=body.len() {
+                let mut reply = ReplyUsage::new();
+                reply.feed(&body.as_bytes()[..at]);
+                reply.feed(&body.as_bytes()[at..]);
+                assert_eq!(reply.finish(), whole, "{body} split at {at}");
+            }
+        }
+    }
+
+    #[cfg_attr(not(target_arch = "wasm32"), test)]
+    #[cfg_attr(target_arch = "wasm32", wasm_bindgen_test::wasm_bindgen_test)]
+    fn finds_usage_in_the_tail_of_a_large_reply() {
+        let filler = format!("\"{}\"", "0.1234,".repeat(50_000));
+        let body = format!(
+            r#"{{"object":"list","data":[{filler}],"text":"say \"usage\": {{\"prompt_tokens\": 999}}","usage":{{"prompt_tokens":77,"total_tokens":77}}}}"#
+        );
+        let mut reply = ReplyUsage::new();
+        for chunk in body.as_bytes().chunks(1000) {
+            reply.feed(chunk);
+        }
+        assert_eq!(reply.finish(), ReportedUsage { input: Some(77), output: Some(0), cached_input: None });
+    }
+
+    /// An object of fields from a reply's vocabulary: random JSON, usage objects at the
+    /// top, under `message` or `response`, and deeper where they do not count.
+    #[cfg(not(target_arch = "wasm32"))]
+    fn usage_like_json() -> impl Strategy<Value = String> {
+        fn object(fields: Vec<(&str, String)>) -> String {
+            let fields: Vec<String> = fields.into_iter().map(|(k, v)| format!("\"{k}\" :{v}")).collect();
+            format!("{{{}}}", fields.join(","))
+        }
+        let number = prop_oneof![(0u64..5000).prop_map(|n| n.to_string()), Just("1.5".to_string())];
+        let leaf = prop_oneof![
+            number.clone(),
+            Just("null".to_string()),
+            Just(r#""a \"usage\": {\"prompt_tokens\": 9} \\""#.to_string()),
+            Just(r#""gpt-4o-2024-11-20""#.to_string()),
+            Just(r#""""#.to_string()),
+        ];
+        let counts = prop_oneof![
+            Just("prompt_tokens"),
+            Just("completion_tokens"),
+            Just("input_tokens"),
+            Just("output_tokens"),
+            Just("total_tokens"),
+            Just("cache_read_input_tokens"),
+            Just("promptTokenCount"),
+            Just("candidatesTokenCount"),
+            Just("thoughtsTokenCount"),
+            Just("cachedContentTokenCount"),
+        ];
+        let details = prop::collection::vec((Just("cached_tokens"), number.clone()), 0..2).prop_map(object);
+        let usage = prop::collection::vec(
+            prop_oneof![(counts, number).prop_map(|(k, v)| (k, v)), (Just("prompt_tokens_details"), details)],
+            0..5,
+        )
+        .prop_map(object);
+        let keys = prop_oneof![
+            Just("usage"),
+            Just("usageMetadata"),
+            Just("message"),
+            Just("response"),
+            Just("model"),
+            Just("x")
+        ];
+        let any = leaf.prop_recursive(3, 24, 4, {
+            let keys = keys.clone();
+            move |inner| {
+                prop_oneof![
+                    prop::collection::vec(inner.clone(), 0..4).prop_map(|items| format!("[{}]", items.join(" , "))),
+                    prop::collection::vec((keys.clone(), inner), 0..4).prop_map(object),
+                ]
+            }
+        });
+        let value = prop_oneof![usage.clone(), any];
+        let wrapped = prop::collection::vec((keys.clone(), value.clone()), 0..4).prop_map(object);
+        prop::collection::vec((keys, prop_oneof![value, wrapped]), 0..5).prop_map(object)
+    }
+
+    #[cfg(not(target_arch = "wasm32"))]
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(200))]
+
+        /// Any split of a stream into any number of chunks gives the same usage.
+        #[test]
+        fn any_chunking_gives_the_same_usage(cuts in proptest::collection::vec(0usize..400, 0..30), which in 0usize..SSE_STREAMS.len()) {
+            let stream = SSE_STREAMS[which];
+            prop_assert_eq!(run(stream, &cuts), run(stream, &[]));
+            prop_assert_eq!(run_array(GEMINI_ARRAY, &cuts), run_array(GEMINI_ARRAY, &[]));
+        }
+
+        /// Random JSON whose keys are the ones usage is made of, at random depths, cut
+        /// into random chunks: the scan finds what reading the whole reply as a Value
+        /// finds (the tree reads as a serde_json Value does: see json.rs).
+        #[test]
+        fn the_scan_agrees_with_the_whole_reply(text in usage_like_json(), cuts in proptest::collection::vec(0usize..200, 0..8)) {
+            let whole = Json::parse(text.as_bytes()).expect("generated JSON");
+            let mut reply = ReplyUsage::new();
+            for chunk in in_chunks(text.as_bytes(), &cuts) {
+                reply.feed(chunk);
+            }
+            prop_assert_eq!(reply.finish(), reported_usage(&whole));
+            prop_assert_eq!(reply.model(), whole.at("model").as_str().filter(|m| !m.is_empty()));
+        }
+
+        /// Mangled streams and replies never panic.
+        #[test]
+        fn mutations_never_panic(flips in proptest::collection::vec((0usize..4000, any::<u8>()), 0..40), which in 0usize..SSE_STREAMS.len() + 1, cuts in proptest::collection::vec(0usize..300, 0..10)) {
+            let mut bytes = SSE_STREAMS.get(which).unwrap_or(&GEMINI_ARRAY).as_bytes().to_vec();
+            for (at, byte) in flips {
+                let len = bytes.len();
+                bytes[at % len] = byte;
+            }
+            for mut tracker in [StreamUsage::new(Encoding::O200kBase, 1 << 20), StreamUsage::json_array(Encoding::O200kBase, 1 << 20)] {
+                for chunk in in_chunks(&bytes, &cuts) {
+                    tracker.feed(chunk);
+                }
+                tracker.finish();
+                let _ = tracker.output_tokens();
+            }
+            let mut reply = ReplyUsage::new();
+            reply.feed(&bytes);
+            let _ = reply.finish();
+        }
+    }
+}

@@ -1,0 +1,670 @@
+//! What the client sees: rate-limit headers on every response, and the local replies (429,
+//! 401, 403, 413, 503), said here and wrapped in the caller's API's error shape
+//! (`crate::replies::answers`), so existing SDKs parse them and back off.
+
+use crate::api::dialect::Dialect;
+use crate::config::{Dimension, HeaderStyle, Policy};
+use crate::duration::format_reset;
+use crate::protocol::{LimitCharge, LimitOutcome, LimitStatus, LimitsReply};
+use crate::replies::answers::{anthropic_headers, error_reply, Caller, Refusal};
+use crate::replies::reply::{tightest, Header, LocalReply};
+
+/// Set on responses that passed without a limiter decision (companion unavailable and
+/// `failure_mode: allow`), so operators and clients can tell.
+pub const DEGRADED_HEADER: &str = "x-llm-ratelimit-degraded";
+/// The tokens a request reserved (prompt counted in the proxy plus completion estimate).
+pub const RESERVED_TOKENS_HEADER: &str = "x-llm-ratelimit-reserved-tokens";
+/// In shadow mode, on a request that enforcement would have refused: the status it would
+/// have had (`429`, `413`, `503`).
+pub const SHADOW_HEADER: &str = "x-llm-ratelimit-shadow";
+/// How long the request waited in the queue for capacity (ms).
+pub const QUEUED_HEADER: &str = "x-llm-ratelimit-queued-ms";
+
+fn dimension_of(config: &Policy, outcome: &LimitOutcome) -> Dimension {
+    config.limit(&outcome.name).map_or(Dimension::Requests, |l| l.dimension())
+}
+
+/// The rate-limit headers `headers` configures: the caller's provider's own
+/// (`provider`: OpenAI's `x-ratelimit-*` or Anthropic's `anthropic-ratelimit-*`), each
+/// named convention, and the IETF `RateLimit-Policy` / `RateLimit` fields listing every
+/// limit.
+pub fn rate_limit_headers(reply: &LimitsReply, config: &Policy, caller: Caller) -> Vec<Header> {
+    let mut headers = Vec::new();
+    let wants = |style: HeaderStyle, dialect: Dialect| {
+        config.headers.contains(&style)
+            || (config.headers.contains(&HeaderStyle::Provider) && caller.dialect == dialect)
+    };
+    if wants(HeaderStyle::Openai, Dialect::OpenAi) {
+        openai_headers(reply, config, &mut headers);
+    }
+    if wants(HeaderStyle::Anthropic, Dialect::Anthropic) {
+        anthropic_headers(reply, config, caller.now_ms, &mut headers);
+    }
+    // The IETF and classic fields describe quotas per time window: concurrency is not one.
+    let windowed: Vec<_> = reply.limits.iter().filter(|o| dimension_of(config, o) != Dimension::Concurrency).collect();
+    if config.headers.contains(&HeaderStyle::Ietf) {
+        ietf_headers(&windowed, config, &mut headers);
+    }
+    if config.headers.contains(&HeaderStyle::Classic) {
+        // The most restrictive: the smallest share of its limit left.
+        let tightest = windowed.iter().min_by(|a, b| {
+            let share = |o: &LimitOutcome| o.remaining as f64 / o.limit.max(1) as f64;
+            share(a).total_cmp(&share(b))
+        });
+        if let Some(o) = tightest {
+            headers.push(("x-ratelimit-limit", o.limit.to_string()));
+            headers.push(("x-ratelimit-remaining", o.remaining.to_string()));
+            headers.push(("x-ratelimit-reset", o.reset_after_ms.div_ceil(1000).to_string()));
+        }
+    }
+    headers
+}
+
+/// OpenAI's `x-ratelimit-*-requests`, `-tokens` (the tightest token limit, whatever part
+/// of the tokens it counts) and `-concurrency`.
+fn openai_headers(reply: &LimitsReply, config: &Policy, headers: &mut Vec<Header>) {
+    // OpenAI has no header for a money budget: the IETF and classic fields cover it.
+    for dimension in [Dimension::Requests, Dimension::Tokens, Dimension::Concurrency] {
+        let of_dimension = |name: &str| config.limit(name).map_or(Dimension::Requests, |l| l.dimension()) == dimension;
+        if let Some(o) = tightest(reply, of_dimension) {
+            let (limit, remaining, reset) = match dimension {
+                Dimension::Requests => {
+                    ("x-ratelimit-limit-requests", "x-ratelimit-remaining-requests", "x-ratelimit-reset-requests")
+                }
+                Dimension::Tokens => {
+                    ("x-ratelimit-limit-tokens", "x-ratelimit-remaining-tokens", "x-ratelimit-reset-tokens")
+                }
+                // Slots come back when requests end, not on a schedule: no reset.
+                Dimension::Concurrency => ("x-ratelimit-limit-concurrency", "x-ratelimit-remaining-concurrency", ""),
+                Dimension::Cost => continue,
+            };
+            headers.push((limit, o.limit.to_string()));
+            headers.push((remaining, o.remaining.to_string()));
+            if !reset.is_empty() {
+                headers.push((reset, format_reset(o.reset_after_ms)));
+            }
+        }
+    }
+}
+
+fn ietf_headers(windowed: &[&LimitOutcome], config: &Policy, headers: &mut Vec<Header>) {
+    if !windowed.is_empty() {
+        let seconds = |ms: u64| ms.div_ceil(1000);
+        let policy = windowed
+            .iter()
+            .map(|o| {
+                let window = config.limit(&o.name).map_or(0, |l| l.window_ms());
+                format!("\"{}\";q={};w={}", o.name, o.limit, seconds(window))
+            })
+            .collect::<Vec<_>>();
+        // `t` says when `r` is worth asking again: with nothing left, when a request fits
+        // again (what `retry-after` says), not when the whole window has refilled, which
+        // would keep a client that follows this header waiting many times too long.
+        let state = windowed
+            .iter()
+            .map(|o| {
+                let wait = if o.remaining == 0 && o.retry_after_ms > 0 { o.retry_after_ms } else { o.reset_after_ms };
+                format!("\"{}\";r={};t={}", o.name, o.remaining, seconds(wait))
+            })
+            .collect::<Vec<_>>();
+        headers.push(("ratelimit-policy", policy.join(", ")));
+        headers.push(("ratelimit", state.join(", ")));
+    }
+}
+
+/// The 429 for a reply that was not allowed. It names the limit that binds longest; when
+/// a limit can never fit the request it says so and gives no `Retry-After`. `charged` is
+/// what the request asked of each limit (its plan's buckets).
+pub fn rejection(reply: &LimitsReply, config: &Policy, charged: &[LimitCharge], caller: Caller) -> LocalReply {
+    let never = reply.limits.iter().find(|o| o.status == LimitStatus::Never);
+    let binding = never
+        .or_else(|| reply.limits.iter().filter(|o| o.status == LimitStatus::Limited).max_by_key(|o| o.retry_after_ms));
+    let headers = rate_limit_headers(reply, config, caller);
+    let Some(outcome) = binding else {
+        // Not allowed yet nothing limited: only an inconsistent reply gets here.
+        let message = "Rate limit reached. Please try again in 1s.";
+        return refuse(caller.dialect, Refusal::RateLimited("requests"), message, Some(1000), headers);
+    };
+    let limit_config = config.limit(&outcome.name);
+    let dimension = dimension_of(config, outcome);
+    let count = limit_config.and_then(|l| l.token_count()).unwrap_or_default();
+    let window = limit_config.map_or(String::new(), |l| format!(" per {}", format_reset(l.window_ms())));
+    let (name, limit) = (&outcome.name, outcome.limit);
+    let needs = charged.iter().find(|b| b.name == *name).map_or(0, |b| b.cost);
+    let retry = (outcome.status != LimitStatus::Never).then_some(outcome.retry_after_ms);
+    let message = match (outcome.status, dimension) {
+        (LimitStatus::Never, Dimension::Tokens) => format!(
+            "Request too large for limit \"{name}\": it needs {needs} {} ({}), but the limit allows {limit}{window}, so \
+             it can never be admitted. Shorten the prompt or lower max_tokens.",
+            count.name(),
+            count.reservation()
+        ),
+        (LimitStatus::Never, Dimension::Cost) => format!(
+            "Request too expensive for budget \"{name}\": it may cost more than the whole budget of {}{window}, so it \
+             can never be admitted. Shorten the prompt or lower max_tokens.",
+            usd(limit)
+        ),
+        (_, Dimension::Cost) => format!(
+            "Budget reached: limit \"{name}\" allows {}{window}, {} left. Please try again in {}.",
+            usd(limit),
+            usd(outcome.remaining),
+            format_reset(outcome.retry_after_ms)
+        ),
+        (LimitStatus::Never, Dimension::Requests | Dimension::Concurrency) => format!(
+            "Request too large for limit \"{name}\": it allows {limit} requests{window}, so this request can never be admitted."
+        ),
+        (_, Dimension::Concurrency) => format!(
+            "Concurrency limit reached: limit \"{name}\" allows {limit} requests in flight at once. Please try again \
+             in {}.",
+            format_reset(outcome.retry_after_ms)
+        ),
+        (_, Dimension::Tokens) if needs == 0 => format!(
+            "Rate limit reached for {}: limit \"{name}\" allows {limit}{window}, and earlier requests used it up. \
+             Please try again in {}.",
+            count.name(),
+            format_reset(outcome.retry_after_ms)
+        ),
+        (_, Dimension::Tokens) => format!(
+            "Rate limit reached for {}: limit \"{name}\" allows {limit}{window}, {} left, and this request needs \
+             {needs} ({}). Please try again in {}.",
+            count.name(),
+            outcome.remaining,
+            count.reservation(),
+            format_reset(outcome.retry_after_ms)
+        ),
+        (_, Dimension::Requests) => format!(
+            "Rate limit reached for requests: limit \"{name}\" allows {limit}{window}. Please try again in {}.",
+            format_reset(outcome.retry_after_ms)
+        ),
+    };
+    let kind = if dimension == Dimension::Tokens { count.error_type() } else { dimension.name() };
+    refuse(caller.dialect, Refusal::RateLimited(kind), &message, retry, headers)
+}
+
+/// A 429 in `dialect`'s shape with the rate-limit headers and, when a wait helps (`retry_ms`),
+/// `retry-after` and `retry-after-ms`.
+fn refuse(
+    dialect: Dialect,
+    refusal: Refusal,
+    message: &str,
+    retry_ms: Option<u64>,
+    headers: Vec<Header>,
+) -> LocalReply {
+    let mut reply = error_reply(dialect, refusal, message, retry_ms.map(retry_after_seconds));
+    reply.headers.splice(0..0, headers.into_iter().chain(retry_ms.into_iter().flat_map(retry_headers)));
+    reply
+}
+
+/// `retry-after` in whole seconds (HTTP's), and `retry-after-ms`, which the OpenAI and
+/// Anthropic SDKs read first, exact to the millisecond (at least 1).
+fn retry_headers(ms: u64) -> [Header; 2] {
+    [("retry-after", retry_after_seconds(ms).to_string()), ("retry-after-ms", ms.max(1).to_string())]
+}
+
+/// Micro-dollars as dollars: `$0.0035`, `$50.00`.
+pub fn usd(micro: u64) -> String {
+    let dollars = micro as f64 / 1e6;
+    if dollars >= 1.0 {
+        format!("${dollars:.2}")
+    } else {
+        format!("${}", format!("{dollars:.6}").trim_end_matches('0').trim_end_matches('.'))
+    }
+}
+
+/// 403 for a request whose model has no price while a budget applies to it.
+pub fn model_not_priced(model: &str, dialect: Dialect) -> LocalReply {
+    let shown: String = model.chars().take(100).collect();
+    let message =
+        format!("The model \"{shown}\" has no price in this gateway's price table, so its budget cannot charge it.");
+    error_reply(dialect, Refusal::NotPriced, &message, None)
+}
+
+/// 401 for a request without the identifying header, when the config says `reject`. It
+/// names the credential the caller's own API uses.
+pub fn missing_identity(dialect: Dialect) -> LocalReply {
+    let message = match dialect {
+        Dialect::OpenAi => {
+            "No API key provided. Send it as 'Authorization: Bearer <key>' (Azure OpenAI: the 'api-key' header) or in \
+             the header the operator configured."
+        }
+        Dialect::Anthropic => {
+            "No API key provided. Send it in the 'x-api-key' header or in the header the operator configured."
+        }
+        Dialect::Google => {
+            "No API key provided. Send it in the 'x-goog-api-key' header (Vertex AI: 'Authorization: Bearer <token>') \
+             or in the header the operator configured."
+        }
+        Dialect::Bedrock => {
+            "No credentials provided. Sign the request with AWS Signature Version 4 ('Authorization: AWS4-HMAC-SHA256 \
+             Credential=...'), as the AWS SDKs do, or send the header the operator configured."
+        }
+    };
+    error_reply(dialect, Refusal::Unidentified, message, None)
+}
+
+/// 400 for a request whose credentials disagree: the filter keys on none of them.
+pub fn conflicting_credentials(dialect: Dialect) -> LocalReply {
+    let message = "The request carries more than one credential (two credential headers that differ, or one header given twice). Send exactly one.";
+    error_reply(dialect, Refusal::Unreadable("conflicting_credentials"), message, None)
+}
+
+/// 400 for a body on an LLM path that cannot be read as its API's JSON, or that gives a
+/// field the filter reads twice (`why` says which).
+pub fn unreadable_body(why: &str, dialect: Dialect) -> LocalReply {
+    // Bounded: the reason may quote the client's own key names.
+    let why: String = why.chars().take(200).collect();
+    let message = format!("The request body cannot be read as this API's JSON: {why}.");
+    error_reply(dialect, Refusal::Unreadable("invalid_body"), &message, None)
+}
+
+/// 400 for a path this gateway does not limit (`unknown_paths: refuse`, or the Batch and
+/// Realtime APIs).
+pub fn path_refused(dialect: Dialect) -> LocalReply {
+    let message = "This gateway does not forward requests on this path.";
+    error_reply(dialect, Refusal::Unreadable("unsupported_path"), message, None)
+}
+
+/// 413 for a body too large to count.
+pub fn body_too_large(limit: u64, dialect: Dialect) -> LocalReply {
+    let message = format!("The request body is larger than the {limit} bytes this gateway reads to count tokens.");
+    error_reply(dialect, Refusal::TooLarge, &message, None)
+}
+
+/// 503 when the limiter cannot decide and the config says `deny`.
+pub fn limiter_unavailable(dialect: Dialect) -> LocalReply {
+    let message = "The rate limiter is unavailable, so the request was not forwarded. Please try again shortly.";
+    let mut reply = error_reply(dialect, Refusal::Unavailable, message, Some(1));
+    reply.headers.splice(0..0, retry_headers(1000));
+    reply
+}
+
+/// Whole seconds, rounded up and at least 1: a client that waits this long finds room.
+pub fn retry_after_seconds(ms: u64) -> u64 {
+    ms.div_ceil(1000).max(1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config() -> Policy {
+        let json = r#"{"companion": {"upstream": "c", "token": "test-token-0123456789"}, "limits": [
+            {"name": "rpm", "requests": 20, "window": "1m"},
+            {"name": "rph", "requests": 100, "window": "1h"},
+            {"name": "rpd", "requests": 1000, "window": "1d"},
+            {"name": "tpm", "tokens": 10000, "window": "1m"},
+            {"name": "inflight", "concurrency": 3}]}"#;
+        Policy::from_json(json.as_bytes()).expect("config")
+    }
+
+    fn outcome(name: &str, status: LimitStatus, limit: u64, remaining: u64, reset: u64, retry: u64) -> LimitOutcome {
+        LimitOutcome {
+            name: name.into(),
+            status,
+            limit,
+            remaining,
+            reset_after_ms: reset,
+            retry_after_ms: retry,
+            charged: 0,
+        }
+    }
+
+    /// A bucket of `cost` as the wire has it (fields it defaults left to their defaults).
+    fn charge(name: &str, cost: u64) -> LimitCharge {
+        let bucket = serde_json::json!({"name": name, "capacity": 1, "window_ms": 1, "cost": cost});
+        serde_json::from_value(bucket).expect("a bucket")
+    }
+
+    fn header<'a>(headers: &'a [Header], name: &str) -> Option<&'a str> {
+        headers.iter().find(|(n, _)| *n == name).map(|(_, v)| v.as_str())
+    }
+
+    #[test]
+    fn headers_describe_the_tightest_limit_of_each_dimension() {
+        let reply = LimitsReply {
+            allowed: true,
+            waited_ms: 0,
+            limits: vec![
+                outcome("rpm", LimitStatus::Allowed, 20, 7, 39_000, 0),
+                outcome("rpd", LimitStatus::Allowed, 1000, 7, 600_000, 0),
+                outcome("tpm", LimitStatus::Allowed, 10_000, 8_800, 7_200, 0),
+            ],
+        };
+        let headers = rate_limit_headers(&reply, &config(), Caller::default());
+        assert_eq!(header(&headers, "x-ratelimit-limit-requests"), Some("1000"));
+        assert_eq!(header(&headers, "x-ratelimit-remaining-requests"), Some("7"));
+        assert_eq!(header(&headers, "x-ratelimit-reset-requests"), Some("10m0s"));
+        assert_eq!(header(&headers, "x-ratelimit-limit-tokens"), Some("10000"));
+        assert_eq!(header(&headers, "x-ratelimit-remaining-tokens"), Some("8800"));
+        assert_eq!(header(&headers, "x-ratelimit-reset-tokens"), Some("7.2s"));
+        assert_eq!(
+            header(&headers, "ratelimit-policy"),
+            Some(r#""rpm";q=20;w=60, "rpd";q=1000;w=86400, "tpm";q=10000;w=60"#)
+        );
+        assert_eq!(header(&headers, "ratelimit"), Some(r#""rpm";r=7;t=39, "rpd";r=7;t=600, "tpm";r=8800;t=8"#));
+    }
+
+    #[test]
+    fn concurrency_gets_its_own_headers_and_429() {
+        let reply = LimitsReply {
+            allowed: false,
+            waited_ms: 0,
+            limits: vec![
+                outcome("rpm", LimitStatus::Allowed, 20, 12, 24_000, 0),
+                outcome("inflight", LimitStatus::Limited, 3, 0, 0, 800),
+            ],
+        };
+        let reply = rejection(&reply, &config(), &[], Caller::default());
+        assert_eq!(header(&reply.headers, "x-ratelimit-limit-concurrency"), Some("3"));
+        assert_eq!(header(&reply.headers, "x-ratelimit-remaining-concurrency"), Some("0"));
+        assert_eq!(header(&reply.headers, "retry-after"), Some("1"));
+        assert!(!header(&reply.headers, "ratelimit-policy").unwrap_or("").contains("inflight"));
+        let body: serde_json::Value = serde_json::from_str(&reply.body).expect("json body");
+        assert_eq!(body["error"]["type"], "concurrency");
+        assert!(body["error"]["message"].as_str().unwrap_or("").contains("3 requests in flight at once"));
+    }
+
+    #[test]
+    fn header_styles_are_chosen_by_config() {
+        let reply = LimitsReply {
+            allowed: true,
+            waited_ms: 0,
+            limits: vec![
+                outcome("rpm", LimitStatus::Allowed, 20, 15, 15_000, 0),
+                outcome("tpm", LimitStatus::Allowed, 10_000, 1_000, 54_000, 0),
+            ],
+        };
+        let mut config = config();
+        config.headers = vec![HeaderStyle::Classic];
+        let headers = rate_limit_headers(&reply, &config, Caller::default());
+        let names: Vec<&str> = headers.iter().map(|(n, _)| *n).collect();
+        assert_eq!(names, ["x-ratelimit-limit", "x-ratelimit-remaining", "x-ratelimit-reset"]);
+        // tpm has 10% left, rpm 75%: tpm is the most restrictive.
+        assert_eq!(header(&headers, "x-ratelimit-limit"), Some("10000"));
+        assert_eq!(header(&headers, "x-ratelimit-reset"), Some("54"));
+        config.headers = vec![HeaderStyle::Ietf];
+        let headers = rate_limit_headers(&reply, &config, Caller::default());
+        assert_eq!(header(&headers, "x-ratelimit-remaining-requests"), None);
+        assert!(header(&headers, "ratelimit").is_some());
+        config.headers.clear();
+        assert!(rate_limit_headers(&reply, &config, Caller::default()).is_empty());
+    }
+
+    #[test]
+    fn request_only_replies_carry_no_token_headers() {
+        let reply = LimitsReply {
+            allowed: true,
+            waited_ms: 0,
+            limits: vec![outcome("rpm", LimitStatus::Allowed, 20, 19, 3_000, 0)],
+        };
+        let headers = rate_limit_headers(&reply, &config(), Caller::default());
+        assert_eq!(header(&headers, "x-ratelimit-remaining-tokens"), None);
+        assert_eq!(header(&headers, "x-ratelimit-remaining-requests"), Some("19"));
+    }
+
+    #[test]
+    fn a_429_names_the_limit_that_binds_longest() {
+        let reply = LimitsReply {
+            allowed: false,
+            waited_ms: 0,
+            limits: vec![
+                outcome("rpm", LimitStatus::Limited, 20, 0, 60_000, 2_500),
+                outcome("rph", LimitStatus::Limited, 100, 0, 3_600_000, 36_001),
+                outcome("rpd", LimitStatus::Allowed, 1000, 500, 100, 0),
+            ],
+        };
+        let reply = rejection(&reply, &config(), &[], Caller::default());
+        assert_eq!(reply.status, 429);
+        assert_eq!(header(&reply.headers, "retry-after"), Some("37"));
+        let body: serde_json::Value = serde_json::from_str(&reply.body).expect("json body");
+        assert_eq!(body["error"]["code"], "rate_limit_exceeded");
+        assert_eq!(body["error"]["type"], "requests");
+        let message = body["error"]["message"].as_str().expect("message");
+        assert!(message.contains("\"rph\" allows 100 per 1h0m0s"), "{message}");
+        assert!(message.contains("try again in 36.001s"), "{message}");
+    }
+
+    #[test]
+    fn a_token_429_says_what_the_request_needs() {
+        let reply = LimitsReply {
+            allowed: false,
+            waited_ms: 0,
+            limits: vec![
+                outcome("rpm", LimitStatus::Allowed, 20, 12, 24_000, 0),
+                outcome("tpm", LimitStatus::Limited, 10_000, 300, 58_200, 5_400),
+            ],
+        };
+        let reply = rejection(&reply, &config(), &[charge("tpm", 1_200)], Caller::default());
+        assert_eq!(header(&reply.headers, "retry-after"), Some("6"));
+        assert_eq!(header(&reply.headers, "x-ratelimit-remaining-tokens"), Some("300"));
+        let body: serde_json::Value = serde_json::from_str(&reply.body).expect("json body");
+        assert_eq!(body["error"]["type"], "tokens");
+        let message = body["error"]["message"].as_str().expect("message");
+        assert!(message.contains("300 left, and this request needs 1200"), "{message}");
+    }
+
+    #[test]
+    fn a_request_that_can_never_fit_gets_no_retry_after() {
+        let reply = LimitsReply {
+            allowed: false,
+            waited_ms: 0,
+            limits: vec![
+                outcome("rpm", LimitStatus::Limited, 20, 0, 60_000, 2_500),
+                outcome("tpm", LimitStatus::Never, 10_000, 10_000, 0, 0),
+            ],
+        };
+        let reply = rejection(&reply, &config(), &[charge("tpm", 12_000)], Caller::default());
+        assert_eq!(reply.status, 429);
+        assert_eq!(header(&reply.headers, "retry-after"), None);
+        assert!(
+            reply.body.contains("needs 12000 tokens") && reply.body.contains("can never be admitted"),
+            "{}",
+            reply.body
+        );
+    }
+
+    #[test]
+    fn a_budget_429_speaks_in_dollars() {
+        let json = r#"{"companion": {"upstream": "c", "token": "test-token-0123456789"}, "limits": [{"name": "day", "usd": 5, "window": "1d"}],
+                       "prices": [{"match": "*", "input": 1, "output": 1}]}"#;
+        let config = Policy::from_json(json.as_bytes()).expect("config");
+        let reply = LimitsReply {
+            allowed: false,
+            waited_ms: 0,
+            limits: vec![outcome("day", LimitStatus::Limited, 5_000_000, 1_250, 86_000_000, 3_000)],
+        };
+        let reply = rejection(&reply, &config, &[], Caller::default());
+        let body: serde_json::Value = serde_json::from_str(&reply.body).expect("json body");
+        assert_eq!(body["error"]["type"], "cost");
+        let message = body["error"]["message"].as_str().expect("message");
+        assert!(message.contains("allows $5.00 per 24h0m0s, $0.00125 left"), "{message}");
+        assert_eq!(header(&reply.headers, "x-ratelimit-remaining-requests"), None);
+    }
+
+    #[test]
+    fn retry_after_rounds_up_to_whole_seconds() {
+        for (ms, seconds) in [(0, 1), (1, 1), (999, 1), (1000, 1), (1001, 2), (59_999, 60)] {
+            assert_eq!(retry_after_seconds(ms), seconds, "{ms}");
+        }
+    }
+
+    #[test]
+    fn other_local_replies_parse_as_openai_errors() {
+        let cases = [
+            (missing_identity(Dialect::OpenAi), 401, "missing_api_key"),
+            (limiter_unavailable(Dialect::OpenAi), 503, "rate_limiter_unavailable"),
+            (body_too_large(1024, Dialect::OpenAi), 413, "request_too_large"),
+            (model_not_priced("m", Dialect::OpenAi), 403, "model_not_priced"),
+        ];
+        for (reply, status, code) in cases {
+            assert_eq!(reply.status, status);
+            let body: serde_json::Value = serde_json::from_str(&reply.body).expect("json body");
+            assert_eq!(body["error"]["code"], code);
+        }
+    }
+
+    fn replied(allowed: bool, limits: Vec<LimitOutcome>) -> LimitsReply {
+        LimitsReply { allowed, waited_ms: 0, limits }
+    }
+
+    /// What an OpenAI caller has always seen: the exact body and headers, byte for byte.
+    #[test]
+    fn the_openai_429_is_unchanged() {
+        let reply = replied(
+            false,
+            vec![
+                outcome("rpm", LimitStatus::Limited, 20, 0, 60_000, 2_962),
+                outcome("tpm", LimitStatus::Allowed, 10_000, 7_987, 12_100, 0),
+            ],
+        );
+        let reply = rejection(&reply, &config(), &[charge("rpm", 1)], Caller { dialect: Dialect::OpenAi, now_ms: 5 });
+        assert_eq!(reply.status, 429);
+        // As JSON: the order of its keys follows serde_json's features in the build
+        // (sorted in the filter's; tests/test_oversized.py pins those bytes end to end).
+        let body: serde_json::Value = serde_json::from_str(&reply.body).expect("json body");
+        let message = "Rate limit reached for requests: limit \"rpm\" allows 20 per 1m0s. Please try again in 2.962s.";
+        assert_eq!(
+            body,
+            serde_json::json!({"error": {"message": message, "type": "requests", "param": null, "code": "rate_limit_exceeded"}})
+        );
+        let names: Vec<&str> = reply.headers.iter().map(|(n, _)| *n).collect();
+        assert_eq!(
+            names,
+            [
+                "x-ratelimit-limit-requests",
+                "x-ratelimit-remaining-requests",
+                "x-ratelimit-reset-requests",
+                "x-ratelimit-limit-tokens",
+                "x-ratelimit-remaining-tokens",
+                "x-ratelimit-reset-tokens",
+                "ratelimit-policy",
+                "ratelimit",
+                "retry-after",
+                "retry-after-ms",
+                "content-type"
+            ]
+        );
+        assert_eq!(header(&reply.headers, "retry-after"), Some("3"));
+        // What the OpenAI and Anthropic SDKs read first: the wait to the millisecond.
+        assert_eq!(header(&reply.headers, "retry-after-ms"), Some("2962"));
+        // The IETF header agrees with Retry-After where nothing is left (rpm: a request fits
+        // in 2.962 s, though the window refills in 60 s); tpm, with room, says its reset.
+        assert_eq!(header(&reply.headers, "ratelimit"), Some(r#""rpm";r=0;t=3, "tpm";r=7987;t=13"#));
+    }
+
+    #[test]
+    fn each_apis_401_names_its_own_credential() {
+        for (dialect, credential) in [
+            (Dialect::OpenAi, "'Authorization: Bearer <key>'"),
+            (Dialect::Anthropic, "'x-api-key'"),
+            (Dialect::Google, "'x-goog-api-key'"),
+            (Dialect::Bedrock, "AWS Signature Version 4"),
+        ] {
+            let reply = missing_identity(dialect);
+            assert_eq!(reply.status, 401);
+            assert!(reply.body.contains(credential), "{dialect:?}: {}", reply.body);
+        }
+        assert!(!missing_identity(Dialect::Anthropic).body.contains("Bearer"), "Anthropic callers send x-api-key");
+    }
+
+    fn dimensions_config() -> Policy {
+        let json = r#"{"companion": {"upstream": "c", "token": "test-token-0123456789"}, "limits": [
+            {"name": "rpm", "requests": 50, "window": "1m"},
+            {"name": "tpm", "tokens": 96000, "window": "1m"},
+            {"name": "itpm", "tokens": 80000, "window": "1m", "count": "input"},
+            {"name": "otpm", "tokens": 16000, "window": "1m", "count": "output"},
+            {"name": "ctpm", "tokens": 5000, "window": "1m", "count": "cached_input"}]}"#;
+        Policy::from_json(json.as_bytes()).expect("config")
+    }
+
+    #[test]
+    fn an_anthropic_caller_gets_anthropics_headers_with_times() {
+        let reply = replied(
+            true,
+            vec![
+                outcome("rpm", LimitStatus::Allowed, 50, 49, 1_200, 0),
+                outcome("tpm", LimitStatus::Allowed, 96_000, 95_000, 625, 0),
+                outcome("itpm", LimitStatus::Allowed, 80_000, 79_000, 750, 0),
+                outcome("otpm", LimitStatus::Allowed, 16_000, 15_000, 3_750, 0),
+                outcome("ctpm", LimitStatus::Allowed, 5_000, 5_000, 0, 0),
+            ],
+        );
+        // 2026-12-01T15:37:00.500Z.
+        let caller = Caller { dialect: Dialect::Anthropic, now_ms: 1_796_139_420_500 };
+        let headers = rate_limit_headers(&reply, &dimensions_config(), caller);
+        let expected = [
+            ("anthropic-ratelimit-requests-limit", "50"),
+            ("anthropic-ratelimit-requests-remaining", "49"),
+            ("anthropic-ratelimit-requests-reset", "2026-12-01T15:37:02Z"),
+            ("anthropic-ratelimit-tokens-limit", "96000"),
+            ("anthropic-ratelimit-tokens-remaining", "95000"),
+            ("anthropic-ratelimit-tokens-reset", "2026-12-01T15:37:02Z"),
+            ("anthropic-ratelimit-input-tokens-limit", "80000"),
+            ("anthropic-ratelimit-input-tokens-remaining", "79000"),
+            ("anthropic-ratelimit-input-tokens-reset", "2026-12-01T15:37:02Z"),
+            ("anthropic-ratelimit-output-tokens-limit", "16000"),
+            ("anthropic-ratelimit-output-tokens-remaining", "15000"),
+            ("anthropic-ratelimit-output-tokens-reset", "2026-12-01T15:37:05Z"),
+        ];
+        for (name, value) in expected {
+            assert_eq!(header(&headers, name), Some(value), "{name}");
+        }
+        assert_eq!(header(&headers, "x-ratelimit-remaining-requests"), None, "not OpenAI's");
+        assert!(header(&headers, "ratelimit").is_some_and(|v| v.contains("\"ctpm\";r=5000")), "IETF lists every limit");
+        // Named conventions apply whatever the caller: OpenAI's on an Anthropic caller,
+        // its tokens headers for the tightest token limit of any count.
+        let mut config = dimensions_config();
+        config.headers = vec![HeaderStyle::Openai];
+        let headers = rate_limit_headers(&reply, &config, caller);
+        assert_eq!(header(&headers, "x-ratelimit-remaining-tokens"), Some("5000"));
+        assert_eq!(header(&headers, "anthropic-ratelimit-requests-limit"), None);
+        // Google and Bedrock publish no rate-limit headers: the IETF ones only.
+        for dialect in [Dialect::Google, Dialect::Bedrock] {
+            let headers = rate_limit_headers(&reply, &dimensions_config(), Caller { dialect, now_ms: 0 });
+            let names: Vec<&str> = headers.iter().map(|(n, _)| *n).collect();
+            assert_eq!(names, ["ratelimit-policy", "ratelimit"], "{dialect:?}");
+        }
+    }
+
+    #[test]
+    fn a_429_says_which_tokens_ran_out_in_the_callers_shape() {
+        let config = dimensions_config();
+        let charged =
+            [charge("rpm", 1), charge("tpm", 1_300), charge("itpm", 300), charge("otpm", 1_000), charge("ctpm", 0)];
+        let refused =
+            |name: &str, status: LimitStatus| replied(false, vec![outcome(name, status, 16_000, 200, 45_000, 3_000)]);
+        let anthropic = Caller { dialect: Dialect::Anthropic, now_ms: 0 };
+        let reply = rejection(&refused("otpm", LimitStatus::Limited), &config, &charged, anthropic);
+        let body: serde_json::Value = serde_json::from_str(&reply.body).expect("json body");
+        assert_eq!(body["type"], "error");
+        assert_eq!(body["error"]["type"], "rate_limit_error");
+        let message = body["error"]["message"].as_str().expect("message");
+        assert!(
+            message.contains("Rate limit reached for output tokens: limit \"otpm\"")
+                && message.contains("200 left, and this request needs 1000 (its completion allowance)"),
+            "{message}"
+        );
+        assert_eq!(header(&reply.headers, "retry-after"), Some("3"));
+        assert_eq!(header(&reply.headers, "anthropic-ratelimit-output-tokens-remaining"), Some("200"));
+        let reply = rejection(&refused("itpm", LimitStatus::Never), &config, &charged, Caller::default());
+        let body: serde_json::Value = serde_json::from_str(&reply.body).expect("json body");
+        assert_eq!(body["error"]["type"], "input_tokens");
+        assert!(body["error"]["message"].as_str().unwrap_or("").contains("needs 300 input tokens (its prompt)"));
+        assert_eq!(header(&reply.headers, "retry-after"), None);
+        let reply = rejection(&refused("ctpm", LimitStatus::Limited), &config, &charged, Caller::default());
+        assert!(reply.body.contains("Rate limit reached for cached input tokens") && reply.body.contains("used it up"));
+        assert!(reply.body.contains(r#""type":"cached_input_tokens""#), "{}", reply.body);
+        let google = Caller { dialect: Dialect::Google, now_ms: 0 };
+        let reply = rejection(&refused("tpm", LimitStatus::Limited), &config, &charged, google);
+        let body: serde_json::Value = serde_json::from_str(&reply.body).expect("json body");
+        assert_eq!(
+            (body["error"]["status"].as_str(), body["error"]["code"].as_u64()),
+            (Some("RESOURCE_EXHAUSTED"), Some(429))
+        );
+        assert_eq!(body["error"]["details"][0]["retryDelay"], "3s");
+        let bedrock = Caller { dialect: Dialect::Bedrock, now_ms: 0 };
+        let reply = rejection(&refused("rpm", LimitStatus::Limited), &config, &charged, bedrock);
+        assert_eq!(header(&reply.headers, "x-amzn-errortype"), Some("ThrottlingException"));
+        assert_eq!(header(&reply.headers, "retry-after"), Some("3"));
+    }
+}

@@ -1,0 +1,253 @@
+//! [`Host`] over the proxy-wasm ABI. Every call handles the host's status: failures are
+//! logged or surface as values, never as a panic (the SDK's trait helpers unwrap).
+
+use llm_ratelimit_core::config::Policy;
+use llm_ratelimit_core::effects::host::{Host, LogLevel, Metric, Owner, SharedWriteError};
+use llm_ratelimit_core::plan::series;
+use llm_ratelimit_core::replies::reply::LocalReply;
+use proxy_wasm::hostcalls;
+use proxy_wasm::types::{BufferType, MapType, MetricType, Status};
+use std::cell::RefCell;
+use std::collections::BTreeSet;
+use std::rc::Rc;
+use std::time::{Duration, UNIX_EPOCH};
+
+/// What the glue keeps per VM for the host adapter: metric ids and warnings already given.
+#[derive(Default)]
+pub struct HostState {
+    metric_ids: Vec<Option<u32>>,
+    /// Counter increments not yet given to the host, by `Metric`: a request adds to
+    /// several counters, and each increment would be a call into the host on the
+    /// request's path; the root's tick hands them over together.
+    pending: Vec<u64>,
+    /// The labelled counters (`series::names`), defined for the config loaded, and their
+    /// increments not yet given to the host, in the same way.
+    series_ids: Vec<Option<u32>>,
+    series_pending: Vec<u64>,
+    warned: BTreeSet<&'static str>,
+}
+
+impl HostState {
+    pub fn define_metrics(&mut self) {
+        self.metric_ids =
+            Metric::ALL.iter().map(|m| hostcalls::define_metric(MetricType::Counter, m.name()).ok()).collect();
+        self.pending = vec![0; Metric::ALL.len()];
+    }
+
+    /// Defines the labelled counters of `config` (defining one the host already has
+    /// gives its id back, so a reload keeps the counts).
+    pub fn define_series(&mut self, config: &Policy) {
+        let names = series::names(config);
+        self.series_ids = names.iter().map(|name| hostcalls::define_metric(MetricType::Counter, name).ok()).collect();
+        self.series_pending = vec![0; names.len()];
+    }
+
+    /// Gives the host the counts gathered since the last flush.
+    pub fn flush_metrics(&mut self) {
+        let counters = self.metric_ids.iter().zip(self.pending.iter_mut());
+        let series = self.series_ids.iter().zip(self.series_pending.iter_mut());
+        for (id, pending) in counters.chain(series) {
+            let amount = std::mem::take(pending);
+            if let (Some(id), Ok(amount @ 1..)) = (id, i64::try_from(amount)) {
+                let _ = hostcalls::increment_metric(*id, amount);
+            }
+        }
+    }
+}
+
+/// The host as seen from one context (a request's, or the root's).
+pub struct ProxyHost {
+    pub context_id: u32,
+    pub root_id: u32,
+    pub state: Rc<RefCell<HostState>>,
+}
+
+pub fn plugin_configuration() -> Vec<u8> {
+    hostcalls::get_buffer(BufferType::PluginConfiguration, 0, usize::MAX).ok().flatten().unwrap_or_default()
+}
+
+pub fn set_tick_period(period: Duration) {
+    if let Err(status) = hostcalls::set_tick_period(period) {
+        log::warn!("llm-ratelimit: cannot set the tick period: {status:?}");
+    }
+}
+
+// The SDK's wrapper panics on a status it does not expect, and a host may not implement
+// this call: it is declared here to handle every answer.
+#[link(wasm_import_module = "env")]
+extern "C" {
+    fn proxy_set_effective_context(context_id: u32) -> u32;
+}
+
+// The VM's environment, through WASI as both hosts offer it to proxy-wasm modules (Envoy
+// fills it from `vm_config.environment_variables`; ngx_wasm_module from the worker's
+// environment, which nginx's `env` directive controls). Declared by hand: the target is
+// wasm32-unknown-unknown, which has no WASI library.
+#[link(wasm_import_module = "wasi_snapshot_preview1")]
+extern "C" {
+    fn environ_sizes_get(count: *mut u32, buffer_size: *mut u32) -> i32;
+    fn environ_get(pointers: *mut u32, buffer: *mut u8) -> i32;
+}
+
+/// Every `NAME=value` of the VM's environment (none if the host will not say).
+fn read_environment() -> Vec<(String, String)> {
+    let (mut count, mut size) = (0u32, 0u32);
+    // SAFETY: both pointers are to live u32s the host writes once.
+    if unsafe { environ_sizes_get(&mut count, &mut size) } != 0 || count == 0 {
+        return Vec::new();
+    }
+    let mut pointers = vec![0u32; count as usize];
+    let mut buffer = vec![0u8; size as usize];
+    // SAFETY: the host writes `count` pointers and `size` bytes, the sizes it just gave.
+    if unsafe { environ_get(pointers.as_mut_ptr(), buffer.as_mut_ptr()) } != 0 {
+        return Vec::new();
+    }
+    buffer
+        .split(|b| *b == 0)
+        .filter_map(|entry| std::str::from_utf8(entry).ok()?.split_once('='))
+        .map(|(name, value)| (name.to_string(), value.to_string()))
+        .collect()
+}
+
+impl Host for ProxyHost {
+    fn environment_variables(&mut self) -> Vec<(String, String)> {
+        read_environment()
+    }
+
+    fn now_nanos(&mut self) -> u128 {
+        hostcalls::get_current_time().ok().and_then(|t| t.duration_since(UNIX_EPOCH).ok()).map_or(0, |d| d.as_nanos())
+    }
+
+    fn request_header(&mut self, name: &str) -> Option<String> {
+        hostcalls::get_map_value(MapType::HttpRequestHeaders, name).ok().flatten()
+    }
+
+    fn request_header_values(&mut self, name: &str) -> Vec<String> {
+        let headers = hostcalls::get_map(MapType::HttpRequestHeaders).unwrap_or_default();
+        headers.into_iter().filter(|(n, _)| n.eq_ignore_ascii_case(name)).map(|(_, v)| v).collect()
+    }
+
+    fn set_request_header(&mut self, name: &str, value: &str) -> bool {
+        hostcalls::set_map_value(MapType::HttpRequestHeaders, name, Some(value)).is_ok()
+    }
+
+    fn response_header(&mut self, name: &str) -> Option<String> {
+        hostcalls::get_map_value(MapType::HttpResponseHeaders, name).ok().flatten()
+    }
+
+    fn set_response_header(&mut self, name: &str, value: &str) {
+        if let Err(status) = hostcalls::set_map_value(MapType::HttpResponseHeaders, name, Some(value)) {
+            log::warn!("llm-ratelimit: cannot set response header {name}: {status:?}");
+        }
+    }
+
+    fn request_body(&mut self, size: usize) -> Vec<u8> {
+        hostcalls::get_buffer(BufferType::HttpRequestBody, 0, size).ok().flatten().unwrap_or_default()
+    }
+
+    fn replace_request_body(&mut self, size: usize, body: &[u8]) -> bool {
+        hostcalls::set_buffer(BufferType::HttpRequestBody, 0, size, body).is_ok()
+    }
+
+    fn response_body(&mut self, size: usize) -> Vec<u8> {
+        hostcalls::get_buffer(BufferType::HttpResponseBody, 0, size).ok().flatten().unwrap_or_default()
+    }
+
+    fn replace_response_body(&mut self, size: usize, body: &[u8]) -> bool {
+        hostcalls::set_buffer(BufferType::HttpResponseBody, 0, size, body).is_ok()
+    }
+
+    fn shared_get(&mut self, key: &str) -> (Option<Vec<u8>>, Option<u32>) {
+        hostcalls::get_shared_data(key).unwrap_or((None, None))
+    }
+
+    fn shared_set(&mut self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), SharedWriteError> {
+        match hostcalls::set_shared_data(key, Some(value), cas) {
+            Ok(()) => Ok(()),
+            Err(Status::CasMismatch) => Err(SharedWriteError::CasMismatch),
+            Err(status) => Err(SharedWriteError::Refused(format!("{status:?}"))),
+        }
+    }
+
+    fn dispatch(
+        &mut self,
+        upstream: &str,
+        headers: &[(&str, &str)],
+        body: &[u8],
+        timeout: Duration,
+        owner: Owner,
+    ) -> Result<u32, String> {
+        let send = || {
+            // No body at all for an empty one: see `HostKind::replies_after_an_empty_callout`.
+            let body = (!body.is_empty()).then_some(body);
+            hostcalls::dispatch_http_call(upstream, headers.to_vec(), body, Vec::new(), timeout)
+                .map_err(|status| format!("{status:?}"))
+        };
+        if owner == Owner::Root && self.root_id != self.context_id {
+            // A callout dispatched as the root context belongs to it and outlives the
+            // request. SAFETY: plain host calls taking an integer; any status is handled.
+            if unsafe { proxy_set_effective_context(self.root_id) } != 0 {
+                return Err("the host cannot switch to the root context".into());
+            }
+            let sent = send();
+            unsafe { proxy_set_effective_context(self.context_id) };
+            return sent;
+        }
+        send()
+    }
+
+    fn callout_status(&mut self) -> Option<u32> {
+        hostcalls::get_map_value(MapType::HttpCallResponseHeaders, ":status").ok().flatten()?.parse().ok()
+    }
+
+    fn callout_body(&mut self, size: usize) -> Vec<u8> {
+        hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, size).ok().flatten().unwrap_or_default()
+    }
+
+    fn resume_request(&mut self) {
+        if let Err(status) = hostcalls::resume_http_request() {
+            log::warn!("llm-ratelimit: cannot resume the request: {status:?}");
+        }
+    }
+
+    fn send_reply(&mut self, reply: &LocalReply) {
+        let headers: Vec<(&str, &str)> = reply.headers.iter().map(|(n, v)| (*n, v.as_str())).collect();
+        let body = (!reply.body.is_empty()).then_some(reply.body.as_bytes());
+        if let Err(status) = hostcalls::send_http_response(reply.status, headers, body) {
+            log::warn!("llm-ratelimit: cannot send the local reply: {status:?}");
+        }
+    }
+
+    fn add_metric(&mut self, metric: Metric, amount: u64) {
+        if let Some(pending) = self.state.borrow_mut().pending.get_mut(metric as usize) {
+            *pending = pending.saturating_add(amount);
+        }
+    }
+
+    fn add_series(&mut self, series: usize, amount: u64) {
+        if let Some(pending) = self.state.borrow_mut().series_pending.get_mut(series) {
+            *pending = pending.saturating_add(amount);
+        }
+    }
+
+    fn set_gauge(&mut self, name: &str, value: u64) {
+        if let (Ok(id), Ok(_)) = (hostcalls::define_metric(MetricType::Gauge, name), i64::try_from(value)) {
+            let _ = hostcalls::record_metric(id, value);
+        }
+    }
+
+    fn log(&mut self, level: LogLevel, message: &str) {
+        match level {
+            LogLevel::Debug => log::debug!("{message}"),
+            LogLevel::Info => log::info!("{message}"),
+            LogLevel::Warn => log::warn!("{message}"),
+            LogLevel::Error => log::error!("{message}"),
+        }
+    }
+
+    fn warn_once(&mut self, topic: &'static str, message: &str) {
+        if self.state.borrow_mut().warned.insert(topic) {
+            log::warn!("{message}");
+        }
+    }
+}
