@@ -1,14 +1,14 @@
 -- limits.lua: charge several limits of one tenant all or nothing, settle what a charge
 -- reserved once the real cost is known, lease blocks of budget to proxy instances, and
--- keep concurrency slots alive. Three kinds of limit (token bucket, sliding window,
--- concurrency slots), each a driver with the same small set of operations (see
+-- keep concurrency slots alive. Four kinds of limit (token bucket, sliding window,
+-- concurrency slots, calendar budget), each a driver with the same small set of operations (see
 -- "Drivers"); seven ops over them, dispatched in one place (see "Ops"): the five the
 -- filter's requests need, and two for operators (peek, reset).
 --
 -- KEYS[1..n]  limit i, in the order of `limits` below: a token bucket (a hash {tokens,
 --             ts}), a sliding window (a sorted set of entries "seq:amount" scored by
 --             time, see below) or a slot set (a sorted set of request ids scored by
---             their expiry, ms).
+--             their expiry, ms) or a calendar budget (a hash {spent, ends}).
 -- KEYS[n+1]   optional: the reservation record of this request (a string); its key is
 --             also the request's member in slot sets, so slot limits need it.
 -- KEYS[n+2]   optional, with KEYS[n+1]: the request's cancel marker. charge: refuse if it
@@ -30,11 +30,15 @@
 --                       marker of a stand-alone adjustment, set (living this long, ms)
 --                       when it is first applied
 --   limits              one object per limit, in KEYS order, with
---     kind        "tb" (token bucket), "sw" (sliding window) or "slots" (concurrency)
+--     kind        "tb" (token bucket), "sw" (sliding window), "slots" (concurrency) or
+--                 "cal" (calendar budget)
 --     capacity    (> 0)  tb: tokens when full; sw: the most in any window; slots: how
---                        many at once
+--                        many at once; cal: the budget of one period
 --     window_ms   (> 0)  tb: time in which an empty bucket refills to capacity; sw: the
---                        window; slots: how long a slot lives unless touched
+--                        window; slots: how long a slot lives unless touched; cal: a
+--                        period's nominal length (unused)
+--     bounds      cal only, required: the period boundaries (ms since the epoch), 2 to 8
+--                 ascending numbers, as the proxy's clock places them (see "Calendar")
 --     and, by op:
 --     charge   cost      what the call costs (>= 0; slots: 1); a cost of 0 charges
 --                        nothing but still refuses while the limit is overdrawn
@@ -113,6 +117,19 @@
 -- below every entry (entries are scored by time, > 0). A settlement adds a correcting
 -- entry (minus the credit) at the time of the charge it corrects (kept in the reservation
 -- record), so the correction leaves the window together with the charge.
+--
+-- Calendar: a budget for a day, a week or a month of some time zone, full again at the
+-- period's end. The proxy knows the zone's rules and sends the boundaries around its own
+-- clock (the start of the period before, of its own, of the next and of the one after);
+-- Redis's clock picks the period [bounds[i], bounds[i+1]) it is in, so every proxy sees
+-- the budget full again at the same instant, a boundary, whatever its own clock says
+-- within a period either way (a call whose bounds do not hold Redis's time is an error:
+-- "ERR limits: ... clock"). The hash holds what was spent and when its period ends
+-- (`ends`); spending counts while `ends` is ahead of now, and the key expires at `ends`,
+-- so a finished period leaves nothing behind. A settlement corrects only a charge made
+-- in the current period (a charge's time is in its reservation record); the budget of an
+-- ended period is gone. reset_after_ms is the time to the period's end, full or not (when
+-- the budget resets); a refusal retries then. Calendar budgets are not leased.
 --
 -- Time is Redis's own (TIME), so every proxy shares one clock. Buckets refill
 -- continuously and hold fractional tokens. A written bucket expires when it would be full
@@ -334,6 +351,72 @@ end
 
 function slots.reset_after()
   return 0
+end
+
+-- Calendar budget (see the header): a hash {spent, ends}. l.period_start and l.period_end
+-- are the period Redis's clock is in, found before anything runs (see `place_periods`).
+local cal = {}
+drivers.cal = cal
+
+function cal.refresh(l)
+  local state = redis.call('HMGET', l.key, 'spent', 'ends')
+  local spent, ends = tonumber(state[1]), tonumber(state[2])
+  if spent == nil or ends == nil or ends <= now_ms then
+    return l.capacity
+  end
+  return math.min(l.capacity, l.capacity - spent)
+end
+
+cal.peek = cal.refresh
+
+local function cal_store(l)
+  redis.call('HSET', l.key, 'spent', string.format('%.17g', l.capacity - l.level), 'ends', string.format('%.17g', l.period_end))
+  redis.call('PEXPIREAT', l.key, math.ceil(l.period_end))
+end
+
+function cal.retry_after(l)
+  return math.max(1, math.ceil(l.period_end - now_ms))
+end
+
+function cal.take(l, amount)
+  l.level = l.level - amount
+  cal_store(l)
+end
+
+-- A charge made before this period began is past correcting.
+function cal.give_back(l, credit, charged_at)
+  if charged_at < l.period_start then
+    return 0
+  end
+  l.level = math.min(l.capacity, l.level + credit)
+  cal_store(l)
+  return credit
+end
+
+cal.touch = nothing
+cal.release = nothing
+
+function cal.reset_after(l)
+  return math.max(0, math.ceil(l.period_end - now_ms))
+end
+
+-- Finds, for each calendar budget, the period of `bounds` Redis's clock is in; or
+-- returns what is wrong.
+local function place_periods(limits)
+  for i, l in ipairs(limits) do
+    if l.kind == 'cal' then
+      for j = 1, #l.bounds - 1 do
+        if l.bounds[j] <= now_ms and now_ms < l.bounds[j + 1] then
+          l.period_start, l.period_end = l.bounds[j], l.bounds[j + 1]
+        end
+      end
+      if not l.period_start then
+        return 'limits[' .. (i - 1) .. '].bounds ' .. l.bounds[1] .. '..' .. l.bounds[#l.bounds]
+          .. ' do not hold Redis\'s clock (' .. string.format('%.0f', now_ms)
+          .. '): the proxy\'s clock is off by more than a period'
+      end
+    end
+  end
 end
 
 --------------------------------------------------------------------------------------------
@@ -671,7 +754,27 @@ local function is_array(value)
 end
 
 local TOP = { op = true, limits = true }
-local PER_LIMIT = { kind = true, capacity = true, window_ms = true }
+local PER_LIMIT = { kind = true, capacity = true, window_ms = true, bounds = true }
+
+-- A calendar budget's bounds (2 to 8 ascending numbers); other kinds have none. Returns
+-- a problem, or nil.
+local function check_bounds(spec, where)
+  if spec.kind ~= 'cal' then
+    if spec.bounds ~= nil then
+      return where .. 'bounds is for a calendar budget (kind "cal") only'
+    end
+    return nil
+  end
+  local bounds = spec.bounds
+  if not is_array(bounds) or #bounds < 2 or #bounds > 8 then
+    return where .. 'bounds must be 2 to 8 boundaries (ms), got ' .. shown(bounds)
+  end
+  for j, bound in ipairs(bounds) do
+    if not is_number(bound) or (j > 1 and bound <= bounds[j - 1]) then
+      return where .. 'bounds must be ascending numbers, got ' .. shown(bound) .. ' at ' .. (j - 1)
+    end
+  end
+end
 
 -- One call's op and limits (one table per limit, with its key and driver), from its
 -- decoded arguments and its keys; or nil and what is wrong.
@@ -707,7 +810,11 @@ local function parse(args, keys)
       return nil, nil, problem
     end
     if type(spec.kind) ~= 'string' or not drivers[spec.kind] then
-      return nil, nil, where .. 'kind must be "tb", "sw" or "slots", got ' .. shown(spec.kind)
+      return nil, nil, where .. 'kind must be "tb", "sw", "slots" or "cal", got ' .. shown(spec.kind)
+    end
+    problem = check_bounds(spec, where)
+    if problem then
+      return nil, nil, problem
     end
     for _, name in ipairs({ 'capacity', 'window_ms' }) do
       if not is_number(spec[name]) or spec[name] <= 0 then
@@ -727,6 +834,9 @@ local function parse(args, keys)
     if l.kind == 'slots' and ((not l.member and not op.tenant_wide) or args.op == 'lease') then
       return nil, nil, 'limits[' .. (i - 1) .. '] is a slot limit: it needs the reservation key, and cannot be leased'
     end
+    if l.kind == 'cal' and args.op == 'lease' then
+      return nil, nil, 'limits[' .. (i - 1) .. '] is a calendar budget: it cannot be leased'
+    end
     limits[i] = l
   end
   return op, limits
@@ -735,6 +845,10 @@ end
 -- Runs one parsed call over its keys: its reply, or an error reply (a table with `err`).
 local function run(args, op, limits, keys)
   local n = #limits
+  local misplaced = place_periods(limits)
+  if misplaced then
+    return { err = 'ERR limits: ' .. misplaced }
+  end
   local done = op.run(limits, args, { reservation = keys[n + 1], cancel_marker = keys[n + 2] })
   if type(done) == 'table' then
     return done

@@ -263,7 +263,8 @@ class Stack:
         self.processes.clear()
 
     # Redis -------------------------------------------------------------------------
-    def redis(self, port: int | None = None, *, cluster: bool = False, name: str | None = None) -> tuple[Process, int]:
+    def redis(self, port: int | None = None, *, cluster: bool = False, name: str | None = None,
+              env: dict | None = None) -> tuple[Process, int]:
         port = port or (free_cluster_port() if cluster else free_port())
         data = self.workdir / f"redis-{port}"
         data.mkdir(exist_ok=True)
@@ -273,7 +274,7 @@ class Stack:
         ]
         if cluster:
             args += ["--cluster-enabled", "yes", "--cluster-config-file", str(data / "nodes.conf")]
-        proc = self.spawn(name or f"redis-{port}", args)
+        proc = self.spawn(name or f"redis-{port}", args, env)
         wait_until(lambda: _redis_ping(port), 10, f"redis on {port}", proc)
         return proc, port
 

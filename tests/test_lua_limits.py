@@ -287,7 +287,7 @@ TB5 = {"kind": "tb", "capacity": 5, "window_ms": 1000}
         ([argv_of({**TB5, "window_ms": 0, "cost": 1})], "limits[0].window_ms must be a number > 0, got 0"),
         ([argv_of({**TB5, "cost": -1, "min_cost": 0})], "limits[0].cost must be >= 0, got -1"),
         ([argv_of({**TB5, "cost": 1, "min_cost": 2})], "limits[0].min_cost must be between 0 and cost (1), got 2"),
-        ([argv_of({**TB5, "kind": "leaky", "cost": 1})], 'limits[0].kind must be "tb", "sw" or "slots", got "leaky"'),
+        ([argv_of({**TB5, "kind": "leaky", "cost": 1})], 'limits[0].kind must be "tb", "sw", "slots" or "cal", got "leaky"'),
         ([argv_of({**TB5, "capacity": "x", "credit": 1}, op="settle")], 'limits[0].capacity must be a number > 0, got "x"'),
         ([argv_of({**TB5, "wanted": 1, "needed": 1}, op="lease", share=0)], "a lease needs a share in (0, 1], got 0"),
         ([argv_of({**TB5, "wanted": 1, "needed": 2}, op="lease", share=0.5)], "limits[0].needed must be between 0 and wanted (1), got 2"),

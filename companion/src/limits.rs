@@ -80,13 +80,23 @@ struct Limit<'a> {
     kind: LimitKind,
     capacity: u64,
     window_ms: u64,
+    /// A calendar budget's period boundaries, as the filter sent them.
+    #[serde(skip_serializing_if = "<[u64]>::is_empty")]
+    bounds: &'a [u64],
     #[serde(flatten)]
     amounts: Amounts,
 }
 
 impl<'a> Limit<'a> {
-    fn of(name: &'a str, kind: LimitKind, capacity: u64, window_ms: u64, amounts: Amounts) -> Limit<'a> {
-        Limit { name, kind, capacity, window_ms, amounts }
+    fn of(
+        name: &'a str,
+        kind: LimitKind,
+        capacity: u64,
+        window_ms: u64,
+        bounds: &'a [u64],
+        amounts: Amounts,
+    ) -> Limit<'a> {
+        Limit { name, kind, capacity, window_ms, bounds, amounts }
     }
 }
 
@@ -161,6 +171,7 @@ pub fn charge(prefix: &str, request: &ChargeRequest) -> Call {
                 l.kind,
                 l.capacity,
                 l.window_ms,
+                &l.period_bounds_ms,
                 Amounts::Charge { cost: l.cost, min_cost: l.min(), look_only: script_flag(l.look_only) },
             )
         })
@@ -186,6 +197,7 @@ pub fn lease(prefix: &str, request: &LeaseRequest) -> Call {
                 l.kind,
                 l.capacity,
                 l.window_ms,
+                &[],
                 Amounts::Lease { wanted: l.wanted, needed, look_only: script_flag(l.look_only) },
             )
         })
@@ -206,7 +218,7 @@ pub fn adjust(prefix: &str, op: Op, settlement: &Settlement) -> Call {
                 Op::Settle => Amounts::Settle { credit: l.credit },
                 _ => Amounts::Nothing {},
             };
-            Limit::of(&l.name, l.kind, l.capacity, l.window_ms, amounts)
+            Limit::of(&l.name, l.kind, l.capacity, l.window_ms, &l.period_bounds_ms, amounts)
         })
         .collect();
     let (domain, tenant) = (&settlement.domain, &settlement.tenant);
@@ -229,7 +241,7 @@ pub fn tenant(prefix: &str, op: Op, request: &TenantLimits) -> Call {
     let limits = request
         .limits
         .iter()
-        .map(|l| Limit::of(&l.name, l.kind, l.capacity, l.window_ms, Amounts::Nothing {}))
+        .map(|l| Limit::of(&l.name, l.kind, l.capacity, l.window_ms, &l.period_bounds_ms, Amounts::Nothing {}))
         .collect();
     let arguments = Arguments { op, reservation_ttl_ms: None, share: None, once_ttl_ms: None, limits };
     call(prefix, &request.domain, &request.tenant, &arguments, None)
@@ -359,6 +371,7 @@ mod tests {
                     cost: 1,
                     min_cost: None,
                     kind: LimitKind::TokenBucket,
+                    period_bounds_ms: Vec::new(),
                     provisional: false,
                     look_only: false,
                 },
@@ -369,6 +382,7 @@ mod tests {
                     cost: 750,
                     min_cost: None,
                     kind: LimitKind::TokenBucket,
+                    period_bounds_ms: Vec::new(),
                     provisional: true,
                     look_only: false,
                 },
@@ -389,7 +403,7 @@ mod tests {
             reservation: reservation.map(Into::into),
             once: None,
             cancel: false,
-            limits: vec![Adjustment { name: "tpm".into(), capacity: 10_000, window_ms: 60_000, credit, kind }],
+            limits: vec![Adjustment { name: "tpm".into(), capacity: 10_000, window_ms: 60_000, credit, kind, period_bounds_ms: Vec::new() }],
         }
     }
 
@@ -552,6 +566,7 @@ mod tests {
                 window_ms: 60_000,
                 credit: -1,
                 kind: LimitKind::TokenBucket,
+                period_bounds_ms: Vec::new(),
             }],
         };
         assert_eq!(adjust("p:", Op::Settle, &settlement).keys, vec!["p:{llm:t}:tb:rpm"]);

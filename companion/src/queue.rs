@@ -250,6 +250,7 @@ mod tests {
             cost: 100,
             min_cost: None,
             kind: LimitKind::SlidingWindow,
+            period_bounds_ms: Vec::new(),
             provisional,
             look_only: false,
         }

@@ -122,9 +122,23 @@ impl TenantArgs {
     }
 }
 
+/// Milliseconds since the epoch by this machine's clock: where a calendar budget's
+/// period boundaries are placed (Redis's clock picks the period among them).
+pub fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |elapsed| u64::try_from(elapsed.as_millis()).unwrap_or(u64::MAX))
+}
+
 /// A limit as a charge names it, without a cost.
 fn spec(limit: &Limit) -> LimitSpec {
-    LimitSpec { name: limit.name.clone(), capacity: limit.capacity(), window_ms: limit.window_ms(), kind: limit.kind }
+    LimitSpec {
+        name: limit.name.clone(),
+        capacity: limit.capacity(),
+        window_ms: limit.window_ms(),
+        kind: limit.kind,
+        period_bounds_ms: limit.period_bounds_ms(now_ms()),
+    }
 }
 
 #[cfg(test)]

@@ -18,11 +18,12 @@ pub struct Args {
 pub fn run(args: &Args) -> Result<(), String> {
     let resolved = args.tenant.resolve()?;
     let usage: UsageReply = args.tenant.call(&resolved, USAGE_PATH)?;
+    let now_ms = crate::tenant::now_ms();
     if args.json {
-        println!("{}", as_json(&usage, &resolved.request.tenant, &resolved.request.domain)?);
+        println!("{}", as_json(&resolved.policy, &usage, &resolved.request.tenant, &resolved.request.domain, now_ms)?);
     } else {
         println!("tenant {} in domain {}", resolved.request.tenant, resolved.request.domain);
-        print!("{}", table(&resolved.policy, &usage));
+        print!("{}", table(&resolved.policy, &usage, now_ms));
         let at_least = if usage.reservations_complete { "" } else { "at least " };
         println!("reservations awaiting settlement: {at_least}{}", usage.reservations);
     }
@@ -30,9 +31,16 @@ pub fn run(args: &Args) -> Result<(), String> {
 }
 
 /// The companion's answer as the README lists it: every limit with its `kind` (the wire
-/// leaves out the default, a token bucket), the limit that binds marked (`binding`), and
-/// the tenant and domain asked about.
-fn as_json(usage: &UsageReply, tenant: &str, domain: &str) -> Result<serde_json::Value, String> {
+/// leaves out the default, a token bucket), the limit that binds marked (`binding`), a
+/// calendar budget's `resets_at` (the local time of its period's end, RFC 3339 with the
+/// zone's offset), and the tenant and domain asked about.
+fn as_json(
+    policy: &Policy,
+    usage: &UsageReply,
+    tenant: &str,
+    domain: &str,
+    now_ms: u64,
+) -> Result<serde_json::Value, String> {
     let mut value = serde_json::to_value(usage).map_err(|e| e.to_string())?;
     let binding = binding(&usage.limits);
     if let Some(object) = value.as_object_mut() {
@@ -41,6 +49,10 @@ fn as_json(usage: &UsageReply, tenant: &str, domain: &str) -> Result<serde_json:
                 if let Some(entry) = json.as_object_mut() {
                     entry.insert("kind".into(), serde_json::to_value(limit.kind).map_err(|e| e.to_string())?);
                     entry.insert("binding".into(), (Some(index) == binding).into());
+                    if let Some(calendar) = policy.limit(&limit.name).and_then(|l| l.calendar.as_ref()) {
+                        let at = calendar.rfc3339(now_ms.saturating_add(limit.reset_after_ms));
+                        entry.insert("resets_at".into(), at.into());
+                    }
                 }
             }
         }
@@ -64,10 +76,10 @@ fn binding(limits: &[LimitUsage]) -> Option<usize> {
 }
 
 /// One row per limit: what it counts, how much is used and left, when it is full again
-/// and when one more fits.
-fn table(policy: &Policy, usage: &UsageReply) -> String {
+/// (a calendar budget: when its period ends, and that local time) and when one more fits.
+fn table(policy: &Policy, usage: &UsageReply, now_ms: u64) -> String {
     let header = ["limit", "counts", "used", "remaining", "of", "full in", "next fits in"].map(String::from);
-    let rows: Vec<[String; 7]> = usage.limits.iter().map(|l| row(policy, l)).collect();
+    let rows: Vec<[String; 7]> = usage.limits.iter().map(|l| row(policy, l, now_ms)).collect();
     // Each column as wide as its widest cell, the header's included.
     let widths = rows.iter().fold(header.clone().map(|cell| cell.len()), |mut widths, row| {
         for (width, cell) in widths.iter_mut().zip(row) {
@@ -89,15 +101,20 @@ fn table(policy: &Policy, usage: &UsageReply) -> String {
     text
 }
 
-fn row(policy: &Policy, limit: &LimitUsage) -> [String; 7] {
-    let dimension = policy.limit(&limit.name).map(|l| l.dimension());
+fn row(policy: &Policy, limit: &LimitUsage, now_ms: u64) -> [String; 7] {
+    let configured = policy.limit(&limit.name);
+    let dimension = configured.map(|l| l.dimension());
+    let calendar = configured.and_then(|l| l.calendar.as_ref());
     let amount = |n: u64| match dimension {
         Some(Dimension::Cost) => usd(n),
         _ => n.to_string(),
     };
     let counts = match dimension {
         Some(Dimension::Concurrency) => "in flight".to_string(),
-        Some(other) => format!("{} ({})", other.name(), window_name(limit)),
+        Some(other) => match calendar {
+            Some(calendar) => format!("{} ({})", other.name(), calendar.describe()),
+            None => format!("{} ({})", other.name(), window_name(limit)),
+        },
         None => String::new(),
     };
     let next = if limit.remaining > 0 { "now".to_string() } else { format_reset(limit.retry_after_ms) };
@@ -107,7 +124,14 @@ fn row(policy: &Policy, limit: &LimitUsage) -> [String; 7] {
         amount(limit.used),
         amount(limit.remaining),
         amount(limit.limit),
-        format_reset(limit.reset_after_ms),
+        match calendar {
+            Some(calendar) => format!(
+                "{} (at {})",
+                format_reset(limit.reset_after_ms),
+                calendar.local_time(now_ms.saturating_add(limit.reset_after_ms))
+            ),
+            None => format_reset(limit.reset_after_ms),
+        },
         next,
     ]
 }
@@ -152,7 +176,7 @@ mod tests {
             reservations: 0,
             reservations_complete: true,
         };
-        let text = table(&policy, &reply);
+        let text = table(&policy, &reply, 0);
         // Cells are separated by two spaces at least; a cell holds single spaces only.
         let rows: Vec<Vec<&str>> =
             text.lines().map(|line| line.split("  ").map(str::trim).filter(|c| !c.is_empty()).collect()).collect();
@@ -163,7 +187,7 @@ mod tests {
         assert_eq!(rows.len(), 4);
 
         // JSON: every limit's kind, the token bucket's too, and the binding limit marked.
-        let json = as_json(&reply, "t1", "llm").unwrap();
+        let json = as_json(&policy, &reply, "t1", "llm", 0).unwrap();
         let kinds: Vec<&str> = json["limits"].as_array().unwrap().iter().map(|l| l["kind"].as_str().unwrap()).collect();
         assert_eq!(kinds.len(), 3);
         assert!(kinds.iter().all(|k| !k.is_empty()), "{json}");

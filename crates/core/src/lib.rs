@@ -17,7 +17,7 @@
 //! plan          what the policy makes of a request: the charge plan (charge), the
 //!                 metric series (series)
 //! config        the config, checked and compiled to policy
-//! accounting    pure limiter math: bucket, lease, breaker, reservation, reply_floor,
+//! accounting    pure limiter math: bucket, calendar, lease, breaker, reservation, reply_floor,
 //!                 calibration (the figures)
 //! readers       a request body (request); a reply's usage (usage: JSON, SSE, JSON
 //!                 array, AWS event stream)

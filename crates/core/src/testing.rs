@@ -406,7 +406,8 @@ enum Counter {
 impl Counter {
     fn new(kind: LimitKind) -> Counter {
         match kind {
-            LimitKind::TokenBucket => Counter::Bucket(None),
+            // A calendar budget is a bucket that never refills (see `bucket`).
+            LimitKind::TokenBucket | LimitKind::Calendar => Counter::Bucket(None),
             LimitKind::SlidingWindow => Counter::Window(Vec::new()),
             LimitKind::Slots => Counter::Slots(BTreeMap::new()),
         }
@@ -487,7 +488,7 @@ impl Counter {
         match self {
             Counter::Bucket(state) => {
                 let mut states = [*state];
-                bucket::settle(&mut states, std::slice::from_ref(spec), &[credit], now);
+                bucket::settle_charge_made_at(&mut states, std::slice::from_ref(spec), &[credit], charged_at, now);
                 *state = states[0];
             }
             // A charge that already left the window needs no correction.
@@ -612,7 +613,10 @@ impl FakeCompanion {
                     let specs: Vec<LimitCharge> = settlement
                         .limits
                         .iter()
-                        .map(|a| spec(&a.name, a.capacity, a.window_ms, 0, None, a.kind))
+                        .map(|a| LimitCharge {
+                            period_bounds_ms: a.period_bounds_ms.clone(),
+                            ..spec(&a.name, a.capacity, a.window_ms, 0, None, a.kind)
+                        })
                         .collect();
                     let member = settlement.reservation.clone();
                     match callout.path.as_str() {
@@ -691,6 +695,7 @@ fn spec(name: &str, capacity: u64, window_ms: u64, cost: u64, min_cost: Option<u
         cost,
         min_cost,
         kind,
+        period_bounds_ms: Vec::new(),
         provisional: false,
         look_only: false,
     }

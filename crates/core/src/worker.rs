@@ -274,7 +274,7 @@ impl Worker {
         cancel: bool,
         credits: impl Iterator<Item = (usize, i64)>,
     ) {
-        let limits = adjustments(config, credits);
+        let limits = adjustments(config, credits, host.now_ms());
         if !limits.is_empty() {
             // Without a reservation record to settle against, an id of its own keeps it
             // from being applied twice when a batch is sent again after a lost answer.
@@ -548,6 +548,9 @@ pub(crate) fn limit_charge(limit: &crate::config::Limit, cost: u64) -> LimitChar
         cost,
         min_cost: None,
         kind: limit.kind,
+        // Leases, the one use, are token buckets only (the config refuses calendar budgets
+        // with them).
+        period_bounds_ms: Vec::new(),
         provisional: false,
         look_only: false,
     }
@@ -565,8 +568,13 @@ pub(crate) fn settlement(
 }
 
 /// Adjustments of configured limits (by index): buckets and windows with a non-zero
-/// credit, and slot limits (released or renewed, whatever the credit).
-pub(crate) fn adjustments(config: &Policy, credits: impl Iterator<Item = (usize, i64)>) -> Vec<Adjustment> {
+/// credit, and slot limits (released or renewed, whatever the credit); calendar budgets
+/// dated at `now_ms`.
+pub(crate) fn adjustments(
+    config: &Policy,
+    credits: impl Iterator<Item = (usize, i64)>,
+    now_ms: u64,
+) -> Vec<Adjustment> {
     credits
         .filter_map(|(i, credit)| {
             let limit = config.limits.get(i)?;
@@ -577,6 +585,7 @@ pub(crate) fn adjustments(config: &Policy, credits: impl Iterator<Item = (usize,
                 window_ms: limit.window_ms(),
                 credit,
                 kind,
+                period_bounds_ms: limit.period_bounds_ms(now_ms),
             })
         })
         .collect()

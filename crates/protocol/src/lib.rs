@@ -43,6 +43,10 @@ pub enum LimitKind {
     /// Concurrency slots: at most `capacity` requests at once, each slot living
     /// `window_ms` unless touched.
     Slots,
+    /// A budget for a calendar period (a day, a week, a month in some time zone) that is
+    /// full again at the period's end: the period is the one of `period_bounds_ms` that
+    /// Redis's clock is in; `window_ms` is the nominal length of a period.
+    Calendar,
 }
 
 impl LimitKind {
@@ -52,6 +56,7 @@ impl LimitKind {
             LimitKind::TokenBucket => "tb",
             LimitKind::SlidingWindow => "sw",
             LimitKind::Slots => "slots",
+            LimitKind::Calendar => "cal",
         }
     }
 }
@@ -168,6 +173,10 @@ pub struct Adjustment {
     pub credit: i64,
     #[serde(default, skip_serializing_if = "is_token_bucket")]
     pub kind: LimitKind,
+    /// As `LimitCharge::period_bounds_ms`: the settlement applies to the period Redis's
+    /// clock is in, and a credit for a charge made in an earlier period is dropped.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub period_bounds_ms: Vec<u64>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -206,6 +215,12 @@ pub struct LimitCharge {
     pub min_cost: Option<u64>,
     #[serde(default, skip_serializing_if = "is_token_bucket")]
     pub kind: LimitKind,
+    /// A calendar limit's period boundaries (ms since the epoch, ascending) around the
+    /// sender's clock: the start of the period before, of this one, of the next and of the
+    /// one after. Redis's clock picks the period, so the budget is full again exactly at a
+    /// boundary whatever the proxies' clocks say (within a period). Empty for other kinds.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub period_bounds_ms: Vec<u64>,
     /// The cost is an estimate the request's settlement will correct (a token or cost
     /// reservation): capacity may come back sooner than a refusal's `retry_after_ms` says,
     /// as requests in flight settle below their estimates. The queue waits for that.
@@ -491,6 +506,7 @@ mod tests {
                 cost: 1,
                 min_cost: None,
                 kind: LimitKind::TokenBucket,
+                period_bounds_ms: Vec::new(),
                 provisional: false,
                 look_only: false,
             }],
@@ -546,6 +562,7 @@ mod tests {
                 window_ms: 60_000,
                 credit: -5,
                 kind: LimitKind::TokenBucket,
+                period_bounds_ms: Vec::new(),
             }],
         };
         assert_eq!(SettlementBatch { settlements: vec![settlement("a")] }.validate(), Ok(()));

@@ -33,6 +33,9 @@ pub struct LimitSpec {
     pub window_ms: u64,
     #[serde(default, skip_serializing_if = "is_token_bucket")]
     pub kind: LimitKind,
+    /// As `LimitCharge::period_bounds_ms`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub period_bounds_ms: Vec<u64>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

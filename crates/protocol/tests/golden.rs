@@ -22,6 +22,7 @@ fn spec(name: &str, kind: LimitKind, min_cost: Option<u64>) -> LimitCharge {
         cost: 7,
         min_cost,
         kind,
+        period_bounds_ms: Vec::new(),
         provisional: false,
         look_only: false,
     }
@@ -138,7 +139,14 @@ fn a_limit_that_does_not_apply_is_look_only() {
 
 #[test]
 fn settle_request_and_reply() {
-    let adjustment = |kind| Adjustment { name: "tpm".into(), capacity: 100, window_ms: 60_000, credit: -5, kind };
+    let adjustment = |kind| Adjustment {
+        name: "tpm".into(),
+        capacity: 100,
+        window_ms: 60_000,
+        credit: -5,
+        kind,
+        period_bounds_ms: Vec::new(),
+    };
     let request = SettlementBatch {
         settlements: vec![
             Settlement {
@@ -302,9 +310,27 @@ fn usage_and_reset_request() {
         domain: "llm".into(),
         tenant: "t1".into(),
         limits: vec![
-            LimitSpec { name: "rpm".into(), capacity: 20, window_ms: 60_000, kind: LimitKind::TokenBucket },
-            LimitSpec { name: "tpm".into(), capacity: 10_000, window_ms: 60_000, kind: LimitKind::SlidingWindow },
-            LimitSpec { name: "inflight".into(), capacity: 4, window_ms: 30_000, kind: LimitKind::Slots },
+            LimitSpec {
+                name: "rpm".into(),
+                capacity: 20,
+                window_ms: 60_000,
+                kind: LimitKind::TokenBucket,
+                period_bounds_ms: Vec::new(),
+            },
+            LimitSpec {
+                name: "tpm".into(),
+                capacity: 10_000,
+                window_ms: 60_000,
+                kind: LimitKind::SlidingWindow,
+                period_bounds_ms: Vec::new(),
+            },
+            LimitSpec {
+                name: "inflight".into(),
+                capacity: 4,
+                window_ms: 30_000,
+                kind: LimitKind::Slots,
+                period_bounds_ms: Vec::new(),
+            },
         ],
     };
     pinned(

@@ -1,9 +1,14 @@
-//! The token bucket of `lua/limits.lua`, as pure functions. The script is what runs
-//! (Redis owns the state and the clock); this model states the same math in Rust so it
-//! can be tested exhaustively and reused where the proxy must decide alone. Both are
-//! tested against one case table, `tests/cases/token_bucket.json`.
+//! The token bucket and the calendar budget of `lua/limits.lua`, as pure functions. The
+//! script is what runs (Redis owns the state and the clock); this model states the same
+//! math in Rust so it can be tested exhaustively and reused where the proxy must decide
+//! alone. Both are tested against the case tables `tests/cases/token_bucket.json` and
+//! `tests/cases/calendar.json`.
+//!
+//! A calendar budget is a bucket that never refills: its level at its last write holds
+//! until the period (of `period_bounds_ms`) that write was in ends, and then it is full.
 
-use crate::protocol::{LimitCharge, LimitOutcome, LimitStatus, LimitsReply};
+use crate::accounting::calendar::Calendar;
+use crate::protocol::{LimitCharge, LimitKind, LimitOutcome, LimitStatus, LimitsReply};
 
 /// A bucket as stored: its level at `updated_ms`. No state means a full bucket.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -105,10 +110,8 @@ fn take_all(
             } else if spec.min() > spec.capacity {
                 (LimitStatus::Never, 0)
             } else if level < req as f64 {
-                (
-                    LimitStatus::Limited,
-                    ((req as f64 - level) * spec.window_ms as f64 / spec.capacity as f64).ceil() as u64,
-                )
+                let refilled = ((req as f64 - level) * spec.window_ms as f64 / spec.capacity as f64).ceil() as u64;
+                (LimitStatus::Limited, period_end(spec, now_ms).map_or(refilled, |end| until(end, now_ms)))
             } else {
                 (LimitStatus::Allowed, 0)
             };
@@ -117,20 +120,29 @@ fn take_all(
                 tokens -= take as f64;
                 *state = Some(BucketState { tokens, updated_ms: now_ms });
             }
-            outcome(spec, tokens, status, retry_after_ms, if allowed { take } else { 0 })
+            outcome(spec, tokens, status, retry_after_ms, if allowed { take } else { 0 }, now_ms)
         })
         .collect();
     LimitsReply { allowed, waited_ms: 0, limits }
 }
 
-fn outcome(spec: &LimitCharge, tokens: f64, status: LimitStatus, retry_after_ms: u64, charged: u64) -> LimitOutcome {
+fn outcome(
+    spec: &LimitCharge,
+    tokens: f64,
+    status: LimitStatus,
+    retry_after_ms: u64,
+    charged: u64,
+    now_ms: f64,
+) -> LimitOutcome {
     let capacity = spec.capacity as f64;
+    let refilled = ((capacity - tokens) * spec.window_ms as f64 / capacity).ceil() as u64;
     LimitOutcome {
         name: spec.name.clone(),
         status,
         limit: spec.capacity,
         remaining: tokens.floor().max(0.0) as u64,
-        reset_after_ms: ((capacity - tokens) * spec.window_ms as f64 / capacity).ceil() as u64,
+        // A calendar budget says when its period ends, full or not: when it resets.
+        reset_after_ms: period_end(spec, now_ms).map_or(refilled, |end| until(end, now_ms)),
         retry_after_ms,
         charged,
     }
@@ -139,26 +151,62 @@ fn outcome(spec: &LimitCharge, tokens: f64, status: LimitStatus, retry_after_ms:
 /// Gives each bucket `credits[i]` tokens back (never above capacity), or takes `-credits[i]`
 /// more (possibly below zero): the settlement of a reservation once the real cost is known.
 pub fn settle(states: &mut [Option<BucketState>], specs: &[LimitCharge], credits: &[i64], now_ms: f64) -> LimitsReply {
+    settle_charge_made_at(states, specs, credits, now_ms, now_ms)
+}
+
+/// `settle` for a charge made at `charged_at_ms`: a calendar budget takes no correction
+/// of a charge made in a period that has ended (that period's budget is gone; the new
+/// one owes nothing for it), as a sliding window takes none of a charge that left it.
+pub fn settle_charge_made_at(
+    states: &mut [Option<BucketState>],
+    specs: &[LimitCharge],
+    credits: &[i64],
+    charged_at_ms: f64,
+    now_ms: f64,
+) -> LimitsReply {
     let limits = specs
         .iter()
         .zip(states.iter_mut())
         .zip(credits)
         .map(|((spec, state), &credit)| {
             let mut tokens = level_at(spec, *state, now_ms);
-            if credit != 0 {
+            let earlier_period = spec.kind == LimitKind::Calendar
+                && Calendar::period_at(&spec.period_bounds_ms, now_ms)
+                    .is_none_or(|(start, _)| charged_at_ms < start as f64);
+            if credit != 0 && !earlier_period {
                 tokens = (tokens + credit as f64).min(spec.capacity as f64);
                 *state = Some(BucketState { tokens, updated_ms: now_ms });
             }
-            outcome(spec, tokens, LimitStatus::Allowed, 0, 0)
+            outcome(spec, tokens, LimitStatus::Allowed, 0, 0, now_ms)
         })
         .collect();
     LimitsReply { allowed: true, waited_ms: 0, limits }
+}
+
+/// Where the period `now_ms` is in ends, for a calendar budget.
+fn period_end(spec: &LimitCharge, now_ms: f64) -> Option<u64> {
+    if spec.kind != LimitKind::Calendar {
+        return None;
+    }
+    Calendar::period_at(&spec.period_bounds_ms, now_ms).map(|(_, end)| end)
+}
+
+/// Whole ms from `now_ms` to `end` (after it).
+fn until(end: u64, now_ms: f64) -> u64 {
+    (end as f64 - now_ms).ceil().max(0.0) as u64
 }
 
 fn level_at(spec: &LimitCharge, state: Option<BucketState>, now_ms: f64) -> f64 {
     let capacity = spec.capacity as f64;
     match state {
         None => capacity,
+        // Spent in the period `now_ms` is in, or full again since.
+        Some(BucketState { tokens, updated_ms }) if spec.kind == LimitKind::Calendar => {
+            match Calendar::period_at(&spec.period_bounds_ms, now_ms) {
+                Some((start, _)) if updated_ms >= start as f64 => tokens.min(capacity),
+                _ => capacity,
+            }
+        }
         Some(BucketState { tokens, updated_ms }) => {
             let elapsed = (now_ms - updated_ms).max(0.0);
             (tokens + elapsed * capacity / spec.window_ms as f64).min(capacity)
@@ -169,7 +217,6 @@ fn level_at(spec: &LimitCharge, state: Option<BucketState>, now_ms: f64) -> f64 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::protocol::LimitKind;
     use serde::Deserialize;
 
     #[derive(Deserialize, Default)]
@@ -245,6 +292,7 @@ mod tests {
                         cost: amount.max(0) as u64,
                         min_cost: step.mins.as_ref().and_then(|m| m.get(j).copied()),
                         kind: crate::protocol::LimitKind::TokenBucket,
+                        period_bounds_ms: Vec::new(),
                         provisional: false,
                         look_only: step.looks.as_ref().and_then(|l| l.get(j).copied()).unwrap_or(false),
                     })
@@ -270,6 +318,113 @@ mod tests {
         }
     }
 
+    /// The calendar budgets' case table (`tests/cases/calendar.json`), shared with the
+    /// script's test: boundaries and times are ms from the case's start, settlements
+    /// name the reservation of an earlier charge.
+    #[cfg_attr(not(target_arch = "wasm32"), test)]
+    #[cfg_attr(target_arch = "wasm32", wasm_bindgen_test::wasm_bindgen_test)]
+    fn calendar_model_matches_the_shared_case_table() {
+        #[derive(Deserialize)]
+        struct CalendarTable {
+            cases: Vec<CalendarCase>,
+        }
+        #[derive(Deserialize)]
+        struct CalendarCase {
+            name: String,
+            capacity: u64,
+            bounds_ms: Vec<i64>,
+            steps: Vec<CalendarStep>,
+        }
+        #[derive(Deserialize)]
+        struct CalendarStep {
+            #[serde(default)]
+            op: Op,
+            advance_ms: u64,
+            amount: i64,
+            #[serde(default)]
+            reservation: Option<String>,
+            done: bool,
+            /// status, remaining, reset_after_ms, retry_after_ms
+            outcome: (LimitStatus, u64, u64, u64),
+            #[serde(default)]
+            charged: Option<u64>,
+        }
+        let table: CalendarTable =
+            serde_json::from_str(include_str!("../../../../tests/cases/calendar.json")).expect("case table");
+        let origin = 1_700_000_000_000i64;
+        for case in table.cases {
+            let mut states = [None];
+            let mut reservations = std::collections::BTreeMap::new();
+            let mut now = origin as f64;
+            let bounds: Vec<u64> = case.bounds_ms.iter().map(|b| (origin + b) as u64).collect();
+            for (i, step) in case.steps.iter().enumerate() {
+                now += step.advance_ms as f64;
+                let spec = LimitCharge {
+                    name: "budget".into(),
+                    capacity: case.capacity,
+                    window_ms: bounds[bounds.len() - 1] - bounds[0],
+                    cost: step.amount.max(0) as u64,
+                    min_cost: None,
+                    kind: LimitKind::Calendar,
+                    period_bounds_ms: bounds.clone(),
+                    provisional: false,
+                    look_only: false,
+                };
+                let specs = std::slice::from_ref(&spec);
+                let reply = match step.op {
+                    Op::Charge => {
+                        let reply = check_and_charge(&mut states, specs, now);
+                        if let (true, Some(id)) = (reply.allowed, &step.reservation) {
+                            reservations.insert(id.clone(), now);
+                        }
+                        reply
+                    }
+                    Op::Settle => {
+                        let record = step.reservation.as_ref().and_then(|id| reservations.remove(id));
+                        match record {
+                            Some(charged_at) => {
+                                settle_charge_made_at(&mut states, specs, &[step.amount], charged_at, now)
+                            }
+                            None => LimitsReply { allowed: false, ..settle(&mut states, specs, &[0], now) },
+                        }
+                    }
+                    Op::Lease => panic!("a calendar budget is not leased"),
+                };
+                let what = format!("{} / step {i}", case.name);
+                assert_eq!(reply.allowed, step.done, "{what}");
+                let o = &reply.limits[0];
+                assert_eq!((o.status, o.remaining, o.reset_after_ms, o.retry_after_ms), step.outcome, "{what}");
+                if let (Some(charged), Op::Charge) = (step.charged, &step.op) {
+                    assert_eq!(o.charged, charged, "{what}");
+                }
+            }
+        }
+    }
+
+    /// To the millisecond: spent up to the boundary, full at it.
+    #[test]
+    fn a_calendar_budget_is_full_again_exactly_at_its_boundary() {
+        let spec = LimitCharge {
+            name: "month".into(),
+            capacity: 10,
+            window_ms: 1_000,
+            cost: 10,
+            min_cost: None,
+            kind: LimitKind::Calendar,
+            period_bounds_ms: vec![0, 1_000, 2_000, 3_000],
+            provisional: false,
+            look_only: false,
+        };
+        let specs = std::slice::from_ref(&spec);
+        let mut states = [None];
+        assert!(check_and_charge(&mut states, specs, 1_000.0).allowed, "the period's first instant");
+        let before = check_and_charge(&mut states, specs, 1_999.0);
+        assert_eq!((before.allowed, before.limits[0].retry_after_ms, before.limits[0].reset_after_ms), (false, 1, 1));
+        let at = check_and_charge(&mut states, specs, 2_000.0);
+        assert!(at.allowed, "full again at the boundary: {at:?}");
+        assert_eq!(at.limits[0].reset_after_ms, 1_000);
+    }
+
     #[test]
     fn states_round_trip_through_bytes() {
         let states = vec![
@@ -293,6 +448,7 @@ mod tests {
             cost: 1,
             min_cost: None,
             kind: LimitKind::TokenBucket,
+            period_bounds_ms: Vec::new(),
             provisional: false,
             look_only: false,
         };

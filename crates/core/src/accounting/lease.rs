@@ -408,6 +408,7 @@ mod tests {
             cost,
             min_cost: None,
             kind: LimitKind::TokenBucket,
+            period_bounds_ms: Vec::new(),
             provisional: false,
             look_only: false,
         };
@@ -447,6 +448,7 @@ mod tests {
             cost: 1,
             min_cost: None,
             kind: LimitKind::TokenBucket,
+            period_bounds_ms: Vec::new(),
             provisional: false,
             look_only: false,
         };

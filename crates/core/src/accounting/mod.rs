@@ -1,9 +1,11 @@
-//! Pure accounting, no host and no config: token buckets, leases, the breaker, the
+//! Pure accounting, no host and no config: token buckets, calendar periods (a calendar
+//! budget's window, in a time zone), leases, the breaker, the
 //! reservation and its correction, the least a reply is charged, and the calibration
 //! figures. The config is compiled from some of these types, so it sits above them.
 
 pub mod breaker;
 pub mod bucket;
+pub mod calendar;
 pub mod calibration;
 pub mod lease;
 pub mod reply_floor;

@@ -15,6 +15,7 @@ use super::policy::{
     Policy, PriceEntry, QueueConfig, Slots, TierConfig, TokenPolicy,
 };
 use super::shape::{self, Algorithm, ConfigDuration, Document};
+use crate::accounting::calendar::Calendar;
 use crate::api::identity::{is_tenant_id, IdentitySource};
 use crate::protocol::credential::weakness;
 use crate::protocol::LimitKind;
@@ -172,26 +173,41 @@ fn limit(at: &str, written: &shape::Limit, has_tier: bool, slot_ttl: Duration) -
     if let Some((i, tier)) = written.tiers.iter().enumerate().find(|(_, t)| !is_name(t)) {
         return Err(invalid(format!("{at}.tiers[{i}]"), format!("{tier:?} is not a valid tier name")));
     }
-    let kind = match (measure, written.algorithm) {
-        (Measure::Concurrency(_), Algorithm::SlidingWindow) => {
+    let calendar = match &written.window {
+        Some(shape::Window::Calendar(window)) => Some(
+            Calendar::new(window.calendar, window.time_zone.as_deref())
+                .map_err(|message| invalid(format!("{at}.window.time_zone"), message))?,
+        ),
+        _ => None,
+    };
+    let kind = match (measure, written.algorithm, &calendar) {
+        (Measure::Concurrency(_), Algorithm::SlidingWindow, _) => {
             return Err(invalid(format!("{at}.algorithm"), "a concurrency limit has no window to slide"))
         }
-        (Measure::Concurrency(_), Algorithm::TokenBucket) => LimitKind::Slots,
-        (_, Algorithm::SlidingWindow) => LimitKind::SlidingWindow,
-        (_, Algorithm::TokenBucket) => LimitKind::TokenBucket,
+        (Measure::Concurrency(_), Algorithm::TokenBucket, _) => LimitKind::Slots,
+        (_, Algorithm::SlidingWindow, Some(_)) => {
+            return Err(invalid(
+                format!("{at}.algorithm"),
+                "a calendar budget is full again at each boundary of its period; it does not slide",
+            ))
+        }
+        (_, _, Some(_)) => LimitKind::Calendar,
+        (_, Algorithm::SlidingWindow, None) => LimitKind::SlidingWindow,
+        (_, Algorithm::TokenBucket, None) => LimitKind::TokenBucket,
     };
     if !written.tiers.is_empty() && !has_tier {
         return Err(invalid(format!("{at}.tiers"), "needs `tier` (where a tenant's tier comes from)"));
     }
-    let window = match (measure, written.window) {
+    let window = match (measure, &written.window) {
         (Measure::Concurrency(_), Some(_)) => {
             return Err(invalid(format!("{at}.window"), "a concurrency limit has no window (slots live `slots.ttl`)"))
         }
         (Measure::Concurrency(_), None) => slot_ttl,
         (_, None) => return Err(invalid(format!("{at}.window"), "required for a requests or tokens limit")),
-        (_, Some(ConfigDuration(window))) => within(
+        (_, Some(shape::Window::Calendar(window))) => Duration::from_millis(window.calendar.longest_ms()),
+        (_, Some(shape::Window::Duration(ConfigDuration(window)))) => within(
             format!("{at}.window"),
-            window,
+            *window,
             Duration::from_millis(100)..=Duration::from_secs(366 * 86_400),
             "100ms..366d",
         )?,
@@ -200,6 +216,7 @@ fn limit(at: &str, written: &shape::Limit, has_tier: bool, slot_ttl: Duration) -
         name: written.name.clone(),
         measure,
         window,
+        calendar,
         kind,
         models: written.models.clone(),
         tiers: written.tiers.clone(),
@@ -462,6 +479,8 @@ fn lease_combines(
         Some("leases and concurrency limits do not combine: slots are held in Redis")
     } else if limits.iter().any(|l| l.kind == LimitKind::SlidingWindow) {
         Some("leases and sliding windows do not combine: leases are token buckets")
+    } else if limits.iter().any(|l| l.kind == LimitKind::Calendar) {
+        Some("leases and calendar budgets do not combine: a grant held over a period's end would be spent in the next")
     } else if tokens.clamp_max_tokens {
         Some("leases and tokens.clamp_max_tokens do not combine: clamping needs the exact remainder in Redis")
     } else {

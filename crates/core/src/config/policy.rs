@@ -3,6 +3,7 @@
 //! measure is one enum, so no code downstream re-checks or re-derives anything. What each
 //! setting means for operators is documented on the shape (`super::shape`).
 
+use crate::accounting::calendar::Calendar;
 use crate::accounting::lease::LeasePolicy;
 use crate::accounting::reservation::{TokenCounts, UpstreamErrorCharge};
 use crate::api::dialect::ErrorFormat;
@@ -214,8 +215,11 @@ pub struct Limit {
     pub name: String,
     pub measure: Measure,
     /// The time in which a spent budget refills completely; for a concurrency limit,
-    /// `slots.ttl`, how long a slot lives unrenewed.
+    /// `slots.ttl`, how long a slot lives unrenewed; for a calendar budget, the longest
+    /// its period runs (`Period::longest_ms`).
     pub window: Duration,
+    /// A calendar budget's period: full again at each of its boundaries (kind `Calendar`).
+    pub calendar: Option<Calendar>,
     /// What this limit is in Redis: `Slots` exactly when the measure is concurrency.
     pub kind: LimitKind,
     /// Model patterns this limit applies to; empty: every model.
@@ -370,6 +374,27 @@ impl Limit {
     /// The refill window; for a concurrency limit, how long a slot lives unrenewed.
     pub fn window_ms(&self) -> u64 {
         duration_ms(self.window)
+    }
+
+    /// The window at `now_ms`: a calendar budget's is the length of the period `now_ms`
+    /// is in (a day of 23 hours, a February), any other limit's its `window`.
+    pub fn window_ms_at(&self, now_ms: u64) -> u64 {
+        let bounds = self.period_bounds_ms(now_ms);
+        Calendar::period_at(&bounds, now_ms as f64).map_or(self.window_ms(), |(start, end)| end - start)
+    }
+
+    /// A calendar budget's period boundaries around `now_ms` (see `Calendar::bounds_ms`),
+    /// as a charge, a settlement or a peek of it carries them; empty for other limits.
+    pub fn period_bounds_ms(&self, now_ms: u64) -> Vec<u64> {
+        self.calendar.as_ref().map_or_else(Vec::new, |calendar| calendar.bounds_ms(now_ms))
+    }
+
+    /// How messages say the window: `1m0s`, or `calendar month (Europe/Amsterdam)`.
+    pub fn window_name(&self) -> String {
+        match &self.calendar {
+            Some(calendar) => calendar.describe(),
+            None => crate::duration::format_reset(self.window_ms()),
+        }
     }
 
     /// Whether a request for `model` (empty: unknown) from a tenant of `tier` is charged

@@ -148,9 +148,12 @@ pub struct Limit {
     /// US dollars per `window`, priced with `prices`.
     #[serde(default)]
     pub usd: Option<f64>,
-    /// The time in which a spent budget refills completely (every limit but concurrency).
+    /// The time in which a spent budget refills completely (every limit but concurrency):
+    /// a duration (`"1m"`); or a calendar period, a budget full again at each of its
+    /// boundaries: `"day"`, `"week"` (from Monday), `"month"` in UTC, or
+    /// `{"calendar": "month", "time_zone": "Europe/Amsterdam"}` in an IANA time zone.
     #[serde(default)]
-    pub window: Option<ConfigDuration>,
+    pub window: Option<Window>,
     /// Models this limit applies to (`*` matches any run of characters: `gpt-4o*`); empty:
     /// every request.
     #[serde(default)]
@@ -171,6 +174,53 @@ pub enum Algorithm {
     TokenBucket,
     /// At most the limit in any window, exactly (no double burst at a boundary).
     SlidingWindow,
+}
+
+/// A limit's `window` as written: a duration, or a calendar period (see `Limit::window`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Window {
+    Duration(ConfigDuration),
+    Calendar(CalendarWindow),
+}
+
+/// A calendar period, in a time zone (none: UTC).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct CalendarWindow {
+    pub calendar: crate::accounting::calendar::Period,
+    #[serde(default)]
+    pub time_zone: Option<String>,
+}
+
+/// As written: a duration or a period in UTC as a string, a zoned period as an object.
+impl Serialize for Window {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        match self {
+            Window::Duration(duration) => duration.serialize(serializer),
+            Window::Calendar(CalendarWindow { calendar, time_zone: None }) => calendar.serialize(serializer),
+            Window::Calendar(zoned) => zoned.serialize(serializer),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for Window {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        use serde::de::Error;
+        let value = serde_json::Value::deserialize(deserializer)?;
+        if let serde_json::Value::String(text) = &value {
+            if let Ok(calendar) = crate::accounting::calendar::Period::deserialize(&value) {
+                return Ok(Window::Calendar(CalendarWindow { calendar, time_zone: None }));
+            }
+            return parse_duration(text)
+                .map(|d| Window::Duration(ConfigDuration(d)))
+                .map_err(|e| D::Error::custom(format!("{e}; or a calendar period: \"day\", \"week\", \"month\"")));
+        }
+        CalendarWindow::deserialize(value).map(Window::Calendar).map_err(|e| {
+            D::Error::custom(format!(
+                "a duration (\"1m\"), a calendar period (\"month\") or {{\"calendar\": ..., \"time_zone\": ...}}: {e}"
+            ))
+        })
+    }
 }
 
 /// Concurrency slots.

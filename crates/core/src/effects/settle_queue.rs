@@ -107,6 +107,7 @@ mod tests {
                 window_ms: 60_000,
                 credit: 5,
                 kind: LimitKind::TokenBucket,
+                period_bounds_ms: Vec::new(),
             }],
         }
     }

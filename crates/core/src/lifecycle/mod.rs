@@ -496,7 +496,8 @@ impl RequestFilter {
             prompt_cache: &mut worker.prompt_cache,
             calibrations: &mut worker.calibrations,
         };
-        let plan = plan(config, self.route.as_ref(), &self.tier, body, &mut learned);
+        let mut plan = plan(config, self.route.as_ref(), &self.tier, body, &mut learned);
+        plan.date(config, now);
         self.body_len = body.map_or(0, <[u8]>::len);
         let unpriced = plan.unpriced.then(|| plan.model.clone());
         let unreadable = plan.unreadable.clone().filter(|_| config.tokens.unreadable_body == UnreadableBody::Refuse);
@@ -767,7 +768,8 @@ impl RequestFilter {
                         .enumerate()
                         .filter(|(i, l)| l.kind == LimitKind::Slots && costs.get(*i).is_some_and(|&c| c > 0))
                         .map(|(i, _)| (i, 0));
-                    let slots = settlement(config, &self.tenant, Some(id.clone()), false, adjustments(config, held));
+                    let slots =
+                        settlement(config, &self.tenant, Some(id.clone()), false, adjustments(config, held, now));
                     worker.hold_slots(id.clone(), slots);
                 }
                 Verdict::Forward(self.admitted_headers(host, config, &reply, now))
@@ -999,7 +1001,7 @@ impl RequestFilter {
         let refunds = config.limits.iter().zip(&costs).enumerate().map(|(i, (limit, &cost))| {
             (i, if limit.kind == LimitKind::Slots { 0 } else { i64::try_from(cost).unwrap_or(i64::MAX) })
         });
-        let limits = adjustments(config, refunds);
+        let limits = adjustments(config, refunds, host.now_ms());
         let settlement = settlement(config, &self.tenant, Some(id), true, limits);
         worker.queue_settlement(host, settlement);
     }
@@ -1204,6 +1206,8 @@ fn count_tokens(host: &mut impl Host, config: &Policy, rule: usize, stage: Token
 
 #[cfg(test)]
 mod answers_tests;
+#[cfg(test)]
+mod calendar_tests;
 #[cfg(test)]
 mod request_tests;
 #[cfg(test)]

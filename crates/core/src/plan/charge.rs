@@ -48,6 +48,15 @@ pub struct ChargePlan {
 }
 
 impl ChargePlan {
+    /// Gives each calendar budget's bucket the period boundaries around `now_ms`, the
+    /// decision's clock: what is charged is decided from the request, the period from the
+    /// time (and, in Redis, from Redis's clock).
+    pub fn date(&mut self, config: &Policy, now_ms: u64) {
+        for (bucket, limit) in self.buckets.iter_mut().zip(&config.limits) {
+            bucket.period_bounds_ms = limit.period_bounds_ms(now_ms);
+        }
+    }
+
     /// The tokens this request reserved (0 when no limit counts tokens).
     pub fn reserved_tokens(&self) -> u64 {
         self.estimate.map_or(0, TokenCounts::total)
@@ -240,6 +249,8 @@ pub fn plan(
                 _ => None,
             },
             kind: limit.kind,
+            // Dated when the decision's clock is read (`ChargePlan::date`).
+            period_bounds_ms: Vec::new(),
             // An unparsed request's flat cost is never settled: nothing comes back.
             provisional: request.is_some()
                 && applies

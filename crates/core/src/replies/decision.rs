@@ -43,7 +43,7 @@ pub fn rate_limit_headers(reply: &LimitsReply, config: &Policy, caller: Caller) 
     // The IETF and classic fields describe quotas per time window: concurrency is not one.
     let windowed: Vec<_> = reply.limits.iter().filter(|o| dimension_of(config, o) != Dimension::Concurrency).collect();
     if config.headers.contains(&HeaderStyle::Ietf) {
-        ietf_headers(&windowed, config, &mut headers);
+        ietf_headers(&windowed, config, caller.now_ms, &mut headers);
     }
     if config.headers.contains(&HeaderStyle::Classic) {
         // The most restrictive: the smallest share of its limit left.
@@ -87,13 +87,13 @@ fn openai_headers(reply: &LimitsReply, config: &Policy, headers: &mut Vec<Header
     }
 }
 
-fn ietf_headers(windowed: &[&LimitOutcome], config: &Policy, headers: &mut Vec<Header>) {
+fn ietf_headers(windowed: &[&LimitOutcome], config: &Policy, now_ms: u64, headers: &mut Vec<Header>) {
     if !windowed.is_empty() {
         let seconds = |ms: u64| ms.div_ceil(1000);
         let policy = windowed
             .iter()
             .map(|o| {
-                let window = config.limit(&o.name).map_or(0, |l| l.window_ms());
+                let window = config.limit(&o.name).map_or(0, |l| l.window_ms_at(now_ms));
                 format!("\"{}\";q={};w={}", o.name, o.limit, seconds(window))
             })
             .collect::<Vec<_>>();
@@ -128,7 +128,7 @@ pub fn rejection(reply: &LimitsReply, config: &Policy, charged: &[LimitCharge], 
     let limit_config = config.limit(&outcome.name);
     let dimension = dimension_of(config, outcome);
     let count = limit_config.and_then(|l| l.token_count()).unwrap_or_default();
-    let window = limit_config.map_or(String::new(), |l| format!(" per {}", format_reset(l.window_ms())));
+    let window = limit_config.map_or(String::new(), |l| format!(" per {}", l.window_name()));
     let (name, limit) = (&outcome.name, outcome.limit);
     let needs = charged.iter().find(|b| b.name == *name).map_or(0, |b| b.cost);
     let retry = (outcome.status != LimitStatus::Never).then_some(outcome.retry_after_ms);
