@@ -200,7 +200,7 @@ def run_scenarios(backend: Backend, scenarios: list[Scenario], waves: int) -> bo
                 ok &= not w.other
                 time.sleep(0.5)  # the last settlements and what they teach
             if s_index == 0:
-                for line in proxies.gauges("prompt_factor.gpt-4o"):
+                for line in proxies.gauges("model_rule=.=gpt-4o;.;llm_ratelimit_prompt_factor"):
                     print(f"    {line}")
         finally:
             proxies.stop()

@@ -10,7 +10,7 @@ Envoy process (/proc), requests/s and the requests that did not get a 2xx.
 
 Then a repeat pass sends each of a few hundred keys several times, to show that tenants
 with repeat traffic are admitted from leases (admin /stats:
-`wasmcustom.llm_ratelimit.lease_admissions`, `lease_callouts`).
+`wasmcustom.llm_ratelimit_lease_admissions_total`, `lease_callouts_total`).
 
 The filter keeps per-tenant state in fixed tables (`memory.tenant_slots`,
 `memory.average_slots`): past the table size, memory should stay flat however many
@@ -145,7 +145,7 @@ def memory(admin_port: int, pid: int) -> dict:
 
 def counters(admin_port: int) -> dict:
     text = http_get(f"http://127.0.0.1:{admin_port}/stats?filter=wasmcustom", timeout=5)[1].decode()
-    return {m.group(1): int(m.group(2)) for m in re.finditer(r"wasmcustom\.llm_ratelimit\.(\w+): (\d+)", text)}
+    return {m.group(1): int(m.group(2)) for m in re.finditer(r"wasmcustom\.llm_ratelimit_(\w+): (\d+)", text)}
 
 
 def redis_used_memory(port: int) -> int:
@@ -238,10 +238,10 @@ def main() -> None:
         time.sleep(0.5)
         counters_after = counters(admin_port)
         delta = {name: counters_after.get(name, 0) - counters_before.get(name, 0)
-                 for name in ("requests_allowed", "lease_admissions", "lease_callouts")}
+                 for name in ("requests_allowed_total", "lease_admissions_total", "lease_callouts_total")}
         print(f"repeat pass: {args.repeat_keys} keys x {args.repeat_times} = {repeat['requests']} requests, "
-              f"{repeat['errors']} errors {repeat['statuses']}; requests_allowed +{delta['requests_allowed']}, "
-              f"lease_admissions +{delta['lease_admissions']}, lease_callouts +{delta['lease_callouts']}")
+              f"{repeat['errors']} errors {repeat['statuses']}; requests_allowed +{delta['requests_allowed_total']}, "
+              f"lease_admissions +{delta['lease_admissions_total']}, lease_callouts +{delta['lease_callouts_total']}")
         final = memory(admin_port, envoy.pid)
         print(f"memory after the repeat pass: allocated {final['allocated'] / MIB:.1f} MiB, RSS {final['rss'] / MIB:.1f} MiB")
     finally:

@@ -122,6 +122,18 @@ def http_get(url: str, timeout: float = 2.0) -> tuple[int, bytes]:
         return err.code, err.read()
 
 
+def filter_metric(admin_port: int, name: str, **labels: str) -> int | None:
+    """One of the filter's series as Envoy's admin `/stats` lists it (`wasmcustom.`, its
+    labels in Istio's encoding in the filter's order, then its name:
+    `wasmcustom.model_rule=.=gpt-4o;.;llm_ratelimit_prompt_factor_thousandths`), or None
+    when Envoy has no such series."""
+    key = "wasmcustom." + "".join(f"{label}=.={value};.;" for label, value in labels.items()) + name + ": "
+    status, body = http_get(f"http://127.0.0.1:{admin_port}/stats?filter=llm_ratelimit", timeout=5)
+    assert status == 200, status
+    values = [line[len(key):] for line in body.decode().splitlines() if line.startswith(key)]
+    return int(values[0]) if values else None
+
+
 class Process:
     def __init__(self, name: str, args: list[str], log_path: Path, env: dict | None = None):
         self.name = name

@@ -9,13 +9,12 @@ proxy that has learned nothing reserves for the prompt shows its own count."""
 
 import concurrent.futures
 import json
-import re
 import time
 
 import pytest
 import redis
 
-from stack import chat, http_get, send, wait_until
+from stack import chat, filter_metric, send, wait_until
 
 BIG = 1_000_000
 LONG = "366d"
@@ -23,10 +22,8 @@ PER_BYTE = 0.25
 pytestmark = pytest.mark.backend(mock_args=["--prompt-tokens-per-byte", str(PER_BYTE), "--completion-tokens", "100"])
 
 
-def gauge(admin, name):
-    text = http_get(f"http://127.0.0.1:{admin}/stats?filter=llm_ratelimit")[1].decode()
-    match = re.search(rf"wasmcustom\.llm_ratelimit\.{re.escape(name)}: (\d+)", text)
-    return int(match.group(1)) if match else None
+def gauge(admin, name, rule):
+    return filter_metric(admin, f"llm_ratelimit_{name}", model_rule=rule)
 
 
 ESSAY = "Request {i}: write a long essay about rate limits."
@@ -66,9 +63,9 @@ def test_the_reservation_learns_the_providers_prompt_count(start):
     # reserve what the provider counts, and not much more.
     for reserved, provider in list(zip(reserved_prompts, provider_prompts))[3:]:
         assert provider <= reserved <= provider + 4, (reserved_prompts, provider_prompts)
-    factor = gauge(admin, "prompt_factor.gpt-4o")
+    factor = gauge(admin, "prompt_factor_thousandths", "gpt-4o")
     assert factor is not None and abs(factor / 1000 - provider_prompts[0] / counted) < 0.2, factor
-    assert gauge(admin, "prompt_factor.other") == 1000, "a rule without replies keeps its configured factor"
+    assert gauge(admin, "prompt_factor_thousandths", "other") == 1000, "a rule without replies keeps its configured factor"
 
 
 def test_a_proxy_started_later_reserves_at_what_the_fleet_learned(start):
@@ -90,7 +87,7 @@ def test_a_proxy_started_later_reserves_at_what_the_fleet_learned(start):
 
     def first_reservation(port, key, admin=None):
         if admin is not None:  # the new proxy's first tick asks the fleet
-            wait_until(lambda: (gauge(admin, "prompt_factor.gpt-4o") or 0) > 1500, 10, "the fleet's factor taken in")
+            wait_until(lambda: (gauge(admin, "prompt_factor_thousandths", "gpt-4o") or 0) > 1500, 10, "the fleet's factor taken in")
         status, headers, _ = send(port, key, chat(ESSAY.format(i=99), max_tokens=100))
         assert status == 200
         return int(headers["x-llm-ratelimit-reserved-tokens"]) - 100, int(headers["x-mock-prompt-tokens"])
@@ -99,11 +96,11 @@ def test_a_proxy_started_later_reserves_at_what_the_fleet_learned(start):
     second, admin = start(limits)
     reserved, provider = first_reservation(second, "sk-fleet-second", admin)
     assert provider <= reserved <= provider + 4, (reserved, provider)
-    assert gauge(admin, "prompt_factor.gpt-4o") > 1500
+    assert gauge(admin, "prompt_factor_thousandths", "gpt-4o") > 1500
     # ... and one that does not share reserves its own count, well short of it.
     alone, alone_admin = start(limits, tokens={"share_calibration": False})
     # Its tick runs as the other's did (and its factor gauge says it learned nothing).
-    wait_until(lambda: gauge(alone_admin, "prompt_factor.gpt-4o") == 1000, 10, "its own factor published")
+    wait_until(lambda: gauge(alone_admin, "prompt_factor_thousandths", "gpt-4o") == 1000, 10, "its own factor published")
     reserved, provider = first_reservation(alone, "sk-fleet-alone")
     assert reserved * 1.5 < provider, (reserved, provider)
 
@@ -116,7 +113,7 @@ def test_a_new_tenant_reserves_the_models_learned_completion_length(start):
         assert status == 200
         assert int(headers["x-llm-ratelimit-reserved-tokens"]) > 1000, "no history anywhere yet: the cap"
         after_a_tick()
-    wait_until(lambda: gauge(admin, "output_prior.gpt-4o") == 20, 10, "the model's completion length learned")
+    wait_until(lambda: gauge(admin, "output_prior_tokens", "gpt-4o") == 20, 10, "the model's completion length learned")
     # A tenant never seen before reserves 1.5 x the model's 20, not its cap of 1,000.
     status, headers, _ = send(port, "sk-newcomer", chat("hi", max_tokens=1000), headers=short)
     assert status == 200

@@ -5,7 +5,7 @@ Each is charged what the provider reported, or at least what it reserved: never 
 little the filter saw.
 
 What a request was charged and reserved is read from the filter's own counters
-(`tokens_charged`, `tokens_reserved` in Envoy's /stats), one request at a time."""
+(`tokens_charged_total`, `tokens_reserved_total` in Envoy's /stats), one request at a time."""
 
 import json
 import socket
@@ -13,7 +13,7 @@ import socket
 import pytest
 import redis
 
-from stack import bucket_key, chat, http_get, send, wait_until
+from stack import bucket_key, chat, filter_metric, send, wait_until
 
 BIG = 10_000_000
 LONG = "366d"
@@ -22,10 +22,7 @@ pytestmark = pytest.mark.backend(mock_args=["--completion-tokens", "20"])
 
 
 def counter(admin: int, name: str) -> int:
-    status, body = http_get(f"http://127.0.0.1:{admin}/stats?filter=llm_ratelimit\\.{name}$", timeout=5)
-    assert status == 200
-    values = [int(line.rsplit(":", 1)[1]) for line in body.decode().splitlines() if line.strip()]
-    return sum(values)
+    return filter_metric(admin, f"llm_ratelimit_{name}") or 0
 
 
 class Meter:
@@ -33,16 +30,16 @@ class Meter:
 
     def __init__(self, admin: int):
         self.admin = admin
-        self.reserved_before = counter(admin, "tokens_reserved")
-        self.charged_before = counter(admin, "tokens_charged")
+        self.reserved_before = counter(admin, "tokens_reserved_total")
+        self.charged_before = counter(admin, "tokens_charged_total")
 
     def reserved(self) -> int:
-        return counter(self.admin, "tokens_reserved") - self.reserved_before
+        return counter(self.admin, "tokens_reserved_total") - self.reserved_before
 
     def charged(self) -> int:
         """What the request was charged, once its settlement is counted."""
-        wait_until(lambda: counter(self.admin, "tokens_charged") > self.charged_before, 15, "the settlement")
-        return counter(self.admin, "tokens_charged") - self.charged_before
+        wait_until(lambda: counter(self.admin, "tokens_charged_total") > self.charged_before, 15, "the settlement")
+        return counter(self.admin, "tokens_charged_total") - self.charged_before
 
 
 def raw_request(port: int, key: str, body: dict, headers: dict) -> socket.socket:

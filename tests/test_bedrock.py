@@ -7,7 +7,6 @@ the filter rewrote would fail as AWS fails it. A refusal reaches boto3 as its
 ThrottlingException."""
 
 import json
-import re
 from types import SimpleNamespace
 
 import boto3
@@ -17,7 +16,7 @@ import redis
 from botocore.config import Config
 
 from conftest import openai_chat_prompt_tokens
-from stack import bucket_key, http_get, wait_until
+from stack import bucket_key, filter_metric, wait_until
 
 BIG = 1_000_000
 LONG = "366d"
@@ -175,9 +174,7 @@ def test_the_model_is_the_paths_even_as_an_arn(env):
 
 
 def stat(admin, name):
-    text = http_get(f"http://127.0.0.1:{admin}/stats?filter=llm_ratelimit")[1].decode()
-    match = re.search(rf"llm_ratelimit\.{re.escape(name)}: (\d+)", text)
-    return int(match.group(1)) if match else 0
+    return filter_metric(admin, f"llm_ratelimit_{name}") or 0
 
 
 @pytest.mark.parametrize("operation", ["converse", "invoke_model"])
@@ -196,7 +193,7 @@ def test_clamping_never_rewrites_a_signed_body(env, operation):
     with pytest.raises(client.exceptions.ThrottlingException):
         OPERATIONS[operation](client)
     # Counters reach Envoy on the filter's next tick.
-    wait_until(lambda: stat(admin, "signed_requests_not_clamped") >= 1, 5, "the signed_requests_not_clamped counter")
+    wait_until(lambda: stat(admin, "signed_requests_not_clamped_total") >= 1, 5, "the signed_requests_not_clamped_total counter")
 
 
 def test_the_mock_refuses_a_bad_signature_through_envoy(env):

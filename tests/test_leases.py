@@ -6,14 +6,13 @@ import concurrent.futures
 import http.client
 import http.server
 import json
-import re
 import threading
 import time
 
 import pytest
 import redis
 
-from stack import bucket_key, chat, http_get, send, wait_until
+from stack import bucket_key, chat, filter_metric, send, wait_until
 
 BODY = chat(max_tokens=20)
 
@@ -37,17 +36,15 @@ def env(backend):
     return Env()
 
 
-def metric(admin, name):
-    text = http_get(f"http://127.0.0.1:{admin}/stats?filter=llm_ratelimit")[1].decode()
-    match = re.search(rf"wasmcustom\.llm_ratelimit\.{name}: (\d+)", text)
-    return int(match.group(1)) if match else 0
+def metric(admin, name, **labels):
+    return filter_metric(admin, f"llm_ratelimit_{name}", **labels) or 0
 
 
 def counted(admin, allowed):
     """Waits until the filter's counters show `allowed` admissions: they reach Envoy on
     each VM's next 50 ms tick, so every other counter of the same requests is then in."""
-    wait_until(lambda: metric(admin, "requests_allowed") == allowed, 10,
-               f"requests_allowed at {allowed} (now {metric(admin, 'requests_allowed')})")
+    wait_until(lambda: metric(admin, "requests_allowed_total") == allowed, 10,
+               f"requests_allowed_total at {allowed} (now {metric(admin, 'requests_allowed_total')})")
 
 
 def test_workers_never_double_spend_a_lease(env):
@@ -61,7 +58,7 @@ def test_workers_never_double_spend_a_lease(env):
         statuses = list(pool.map(lambda _: send(port, "sk-lease", BODY)[0], range(limit + 50)))
     assert statuses.count(200) == limit and statuses.count(429) == 50
     counted(admin, limit)
-    leased = metric(admin, "lease_admissions")
+    leased = metric(admin, "lease_admissions_total")
     print(f"\n{limit} requests: {leased} admitted from the lease")
     # Each request is admitted from a lease or by a callout of its own (the first, and
     # any that found the lease empty): at least one admission came from a lease, and no
@@ -75,7 +72,7 @@ def test_workers_never_double_spend_a_lease(env):
     # hour's end): these 100 requests ask Redis at most once per client thread (those in
     # flight as a refusal lands), not once each.
     assert env.script_calls() - before <= 16
-    assert metric(admin, "lease_bound.rph") == 30  # max_fraction 0.1 of 300
+    assert metric(admin, "lease_bound", limit="rph") == 30  # max_fraction 0.1 of 300
 
 
 def test_two_proxies_in_lease_mode_hold_one_global_limit(env):
@@ -119,8 +116,8 @@ def test_token_settlements_go_into_the_lease_and_then_to_redis(env):
         assert status == 200
         used += int(headers["x-mock-prompt-tokens"]) + int(headers["x-mock-completion-tokens"])
         counted(admin, admitted)
-        assert metric(admin, "lease_admissions") == leased
-    assert metric(admin, "lease_callouts") >= 1
+        assert metric(admin, "lease_admissions_total") == leased
+    assert metric(admin, "lease_callouts_total") >= 1
     # After expiry the lease, corrected by both settlements, returns all but what was
     # used: Redis holds the limit less the usage the upstream reported, to the token, plus
     # what the bucket refilled since (1,000,000 tokens per 366 days: 0.03 a second).

@@ -1,14 +1,13 @@
 """Policy options end to end: shadow mode, header styles, and the bypass list."""
 
 import json
-import re
 import time
 
 import pytest
 
 import redis
 
-from stack import bucket_level, chat, http_get, send, tenant_of, wait_until
+from stack import bucket_level, chat, filter_metric, send, tenant_of, wait_until
 from test_companion_ops import metric, scrape
 
 
@@ -39,11 +38,9 @@ def test_shadow_mode_never_refuses_but_says_what_would_have_happened(start):
     assert bucket_level(redis.Redis(port=backend.redis_port), "sk-test", "rpm") < 0.01
 
     def shadow_refusals():
-        text = http_get(f"http://127.0.0.1:{admin}/stats?filter=llm_ratelimit")[1].decode()
-        found = re.search(r"wasmcustom\.llm_ratelimit\.shadow_refusals: (\d+)", text)
-        return int(found.group(1)) if found else 0
+        return filter_metric(admin, "llm_ratelimit_shadow_refusals_total") or 0
 
-    wait_until(lambda: shadow_refusals() == 2, 10, f"shadow_refusals at 2 (now {shadow_refusals()})")
+    wait_until(lambda: shadow_refusals() == 2, 10, f"shadow_refusals_total at 2 (now {shadow_refusals()})")
 
 
 @pytest.mark.parametrize(

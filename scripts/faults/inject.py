@@ -161,7 +161,7 @@ class Faults:
             return {}
         stats = {}
         for line in body.decode(errors="replace").splitlines():
-            m = re.match(r"^wasmcustom\.llm_ratelimit\.([a-z_.]+): (\d+)$", line.strip())
+            m = re.match(r"^wasmcustom\.llm_ratelimit_([a-z_]+): (\d+)$", line.strip())
             if m:
                 stats[m.group(1)] = int(m.group(2))
         return stats

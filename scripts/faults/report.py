@@ -91,8 +91,9 @@ def print_report(rep: dict) -> list[str]:
 
     print("\nfilter counters (Envoy /stats):")
     for name, s in rep["stats"].items():
-        keys = ["requests_allowed", "requests_limited", "local_decisions", "companion_failures",
-                "settlements_failed", "shared_writes_refused", "tokens_reserved", "tokens_charged"]
+        keys = ["requests_allowed_total", "requests_limited_total", "degraded_decisions_total",
+                "callout_failures_total", "settlements_failed_total", "shared_writes_refused_total",
+                "tokens_reserved_total", "tokens_charged_total"]
         print(f"  {name}: " + ", ".join(f"{k} {s.get(k, '?')}" for k in keys))
 
     early, late = rep["early"], rep["late"]

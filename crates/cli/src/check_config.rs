@@ -9,7 +9,7 @@
 use crate::lint::{self, Plugin};
 use llm_ratelimit_core::config::{Policy, Store};
 use llm_ratelimit_core::effects::host::HostKind;
-use llm_ratelimit_core::worker::check_for_host;
+use llm_ratelimit_core::worker::{check_for_host, holds_request_headers};
 use serde_json::Value;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -33,6 +33,10 @@ pub struct Args {
     /// allowance, a degraded mode sized for one proxy, timeouts in the wrong order).
     #[arg(long)]
     strict: bool,
+    /// Print each config as the filter runs it, every default filled in (JSON, on standard
+    /// output; the checks' report goes to standard error). Secrets print as "(redacted)".
+    #[arg(long)]
+    print_effective: bool,
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]
@@ -58,6 +62,7 @@ pub fn run(args: &Args) -> ExitCode {
         Proxy::Nginx => HostKind::Nginx,
     };
     let mut failed = false;
+    let mut effective = serde_json::Map::new();
     for file in &args.files {
         let name = file.display();
         let text = match read(file) {
@@ -73,6 +78,7 @@ pub fn run(args: &Args) -> ExitCode {
             Ok(reports) => {
                 for report in reports {
                     match &report.outcome {
+                        Ok(summary) if args.print_effective => eprintln!("{name}: {}: ok: {summary}", report.place),
                         Ok(summary) => println!("{name}: {}: ok: {summary}", report.place),
                         Err(error) => {
                             eprintln!("{name}: {}: {error}", report.place);
@@ -87,10 +93,27 @@ pub fn run(args: &Args) -> ExitCode {
                         eprintln!("{name}: {}: warning: {warning}", report.place);
                         failed |= args.strict;
                     }
+                    if let Some(config) = report.effective {
+                        effective.insert(format!("{name}: {}", report.place), config);
+                    }
                 }
             }
             Err(error) => {
                 eprintln!("{name}: {error}");
+                failed = true;
+            }
+        }
+    }
+    if args.print_effective && !effective.is_empty() {
+        // One config: itself; several: each under the file and place it was found at.
+        let printed = match effective.len() {
+            1 => effective.into_iter().next().map(|(_, config)| config).unwrap_or_default(),
+            _ => Value::Object(effective),
+        };
+        match serde_json::to_string_pretty(&printed) {
+            Ok(text) => println!("{text}"),
+            Err(error) => {
+                eprintln!("cannot print the effective config: {error}");
                 failed = true;
             }
         }
@@ -118,6 +141,8 @@ struct Report {
     /// What the filter accepts but would hang or ignore on this host (`lint::failures`).
     failures: Vec<String>,
     warnings: Vec<String>,
+    /// The config with every default filled in, for this host (when it loads).
+    effective: Option<Value>,
 }
 
 /// Finds every filter config in `text` and checks each; an error when there is none.
@@ -140,6 +165,7 @@ fn check(embedded: Embedded, host: HostKind) -> Report {
         check_for_host(&policy, host)?;
         Ok(policy)
     });
+    let effective = outcome.is_ok().then(|| effective_for(&embedded.config, host)).flatten();
     let mut warnings = Vec::new();
     let mut failures = Vec::new();
     let literal_token = llm_ratelimit_core::config::shape::Document::parse(&embedded.config)
@@ -174,7 +200,15 @@ fn check(embedded: Embedded, host: HostKind) -> Report {
         };
         format!("{} limit(s): {}; {store}", names.len(), names.join(", "))
     });
-    Report { place: embedded.place, outcome, failures, warnings }
+    Report { place: embedded.place, outcome, failures, warnings, effective }
+}
+
+/// The config as the filter runs it on `host`: `config::effective`, with the one default
+/// that depends on the host resolved as the filter resolves it.
+fn effective_for(config: &[u8], host: HostKind) -> Option<Value> {
+    let (policy, mut effective) = llm_ratelimit_core::config::effective(config).ok()?;
+    effective["hold_request_headers"] = Value::Bool(holds_request_headers(&policy, host));
+    Some(effective)
 }
 
 /// Every filter config in `text`: the text itself when it is a bare config, else those

@@ -10,9 +10,10 @@ fn deploy(path: &str) -> String {
     std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
 
-/// Grafana's variables, as it would substitute them.
+/// Grafana's variables, as it would substitute them (every query variable at "All").
 fn substitute(query: &str) -> String {
-    query.replace("$__rate_interval", "1m").replace("$__range", "6h").replace("$limit", ".*")
+    let query = query.replace("$__rate_interval", "1m").replace("$__range", "6h");
+    ["$limit", "$instance", "$companion", "$cluster", "$namespace"].iter().fold(query, |q, v| q.replace(v, ".*"))
 }
 
 fn assert_parses(what: &str, query: &str) {
@@ -32,6 +33,30 @@ fn the_dashboards_queries_parse() {
         }
     }
     assert!(queries >= 20, "{queries} queries");
+    let variables = dashboard["templating"]["list"].as_array().unwrap();
+    for variable in variables.iter().filter(|v| v["definition"].is_string()) {
+        let definition = variable["definition"].as_str().unwrap();
+        // label_values(<selector>, <label>): the selector is PromQL.
+        let selector = definition.strip_prefix("label_values(").and_then(|d| d.rsplit_once(',')).map(|(s, _)| s);
+        assert_parses(variable["name"].as_str().unwrap(), &substitute(selector.expect(definition)));
+    }
+}
+
+#[test]
+fn every_filter_panel_can_be_narrowed_to_one_proxy() {
+    let dashboard: Value = serde_json::from_str(&deploy("grafana/llm-ratelimit.json")).unwrap();
+    let names: Vec<&str> =
+        dashboard["templating"]["list"].as_array().unwrap().iter().filter_map(|v| v["name"].as_str()).collect();
+    for variable in ["cluster", "namespace", "instance", "companion"] {
+        assert!(names.contains(&variable), "{variable}: {names:?}");
+    }
+    for panel in dashboard["panels"].as_array().unwrap() {
+        for target in panel["targets"].as_array().into_iter().flatten() {
+            let expr = target["expr"].as_str().unwrap();
+            let instances = if expr.contains("llm_ratelimit_companion_") { "$companion" } else { "$instance" };
+            assert!(expr.contains(&format!("instance=~\"{instances}\"")), "{}: {expr}", panel["title"]);
+        }
+    }
 }
 
 #[test]

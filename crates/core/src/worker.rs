@@ -61,12 +61,21 @@ pub struct Worker {
     pub(crate) calibrations: LocalCalibrations,
     /// What providers said of their limits, for the fleet's exchange.
     pub(crate) provider_words: LocalProviderWords,
+    /// Queue waits not yet counted in `queue_wait_seconds_total`: host counters take whole
+    /// numbers, so the milliseconds short of a second wait here for the next wait.
+    queue_wait_ms_uncounted: u64,
 }
 
 impl Default for Worker {
     fn default() -> Self {
         Worker::new()
     }
+}
+
+/// Whether `host` holds request headers while the body is read under `config` (also what
+/// `llm-ratelimit check-config --print-effective` shows).
+pub fn holds_request_headers(config: &Policy, host: HostKind) -> bool {
+    config.hold_request_headers.unwrap_or(true) && host.reads_body_while_headers_wait()
 }
 
 /// What a config cannot do on this host, in the words the filter logs at load (also run
@@ -100,6 +109,7 @@ impl Worker {
             prompt_cache: PromptCache::new(0),
             calibrations: LocalCalibrations::default(),
             provider_words: LocalProviderWords::default(),
+            queue_wait_ms_uncounted: 0,
         }
     }
 
@@ -153,7 +163,6 @@ impl Worker {
             // leases can cost other proxies (they never let proxies admit more).
             for limit in &config.limits {
                 let bound = (limit.capacity() as f64 * config.lease.max_fraction).ceil() as u64;
-                host.set_gauge(&format!("llm_ratelimit.lease_bound.{}", limit.name), bound);
                 host.set_gauge(&crate::plan::series::limit_gauge(crate::plan::series::LEASE_BOUND, &limit.name), bound);
             }
         }
@@ -172,7 +181,7 @@ impl Worker {
     /// Whether requests hold their headers while the body is read: as configured, and
     /// only where the host can deliver the body meanwhile.
     pub fn holds_request_headers(&self, config: &Policy) -> bool {
-        config.hold_request_headers.unwrap_or(true) && self.host_kind.reads_body_while_headers_wait()
+        holds_request_headers(config, self.host_kind)
     }
 
     /// The root's timer.
@@ -344,6 +353,16 @@ impl Worker {
             (probe.map(|p| p.to_bytes().to_vec()), ())
         });
         dispatch
+    }
+
+    /// Counts a request that waited `waited_ms` in the companion's queue, and its wait in
+    /// whole seconds (what is short of a second is carried to the next wait, so the
+    /// counter is behind by less than a second per VM).
+    pub(crate) fn count_queue_wait(&mut self, host: &mut impl Host, waited_ms: u64) {
+        host.add_metric(Metric::Queued, 1);
+        let waited_ms = self.queue_wait_ms_uncounted.saturating_add(waited_ms);
+        host.add_metric(Metric::QueueWaitSeconds, waited_ms / 1000);
+        self.queue_wait_ms_uncounted = waited_ms % 1000;
     }
 
     pub(crate) fn callout_succeeded(&mut self, host: &mut impl Host, config: &Policy) {

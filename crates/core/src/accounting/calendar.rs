@@ -13,14 +13,14 @@
 use jiff::civil::Date;
 use jiff::tz::{TimeZone, TimeZoneDatabase};
 use jiff::{Timestamp, ToSpan};
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 /// How many boundaries a charge carries: the starts of the period before the proxy's,
 /// of its own, of the next and of the one after, so Redis's clock may be a whole period
 /// either side of the proxy's.
 pub const BOUNDS: usize = 4;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Period {
     Day,

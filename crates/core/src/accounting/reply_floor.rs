@@ -8,11 +8,11 @@
 
 use crate::accounting::reservation::{Ending, TokenCounts};
 use crate::tokens::glob_match;
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 /// What a client that leaves before the reply's headers arrive is charged (the upstream
 /// may be generating all the while, and the provider bills it).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum ClientAbortCharge {
     /// The whole reservation stands.

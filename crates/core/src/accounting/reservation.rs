@@ -35,7 +35,7 @@ pub fn estimate_output(cap: u64, average: Option<OutputAverage>, factor: f64) ->
 }
 
 /// What an upstream error (status >= 400) is charged.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Deserialize, serde::Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum UpstreamErrorCharge {
     /// Charge the prompt only: the provider generated nothing.

@@ -6,7 +6,7 @@
 //! body (a missing API key, a request limit) answers in the caller's shape. The config's
 //! `error_format` may fix it instead. `crate::replies::answers` builds the shapes.
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 /// An API family, as far as the shape of errors and rate-limit headers goes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -28,7 +28,7 @@ pub enum Dialect {
 }
 
 /// The config's `error_format`: whose shape the filter answers in.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum ErrorFormat {
     /// The caller's: the dialect of the request's route.

@@ -2,14 +2,14 @@
 //! into a tenant id by hashing, so the key itself never leaves the filter: not in Redis
 //! keys, not in logs, not in callouts.
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
 /// The tenant id used when identity is missing and the config says `anonymous`.
 pub const ANONYMOUS_TENANT: &str = "anonymous";
 
 /// A request header that may carry the credential.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct IdentitySource {
     /// Looked up in lower case (the policy lower-cases what the operator wrote).
@@ -20,7 +20,7 @@ pub struct IdentitySource {
 }
 
 /// What happens to a request that carries no credential.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum MissingIdentity {
     /// Answer 401.

@@ -10,6 +10,7 @@
 mod compile;
 #[cfg(test)]
 pub(crate) use compile::slot_key;
+mod effective;
 mod error;
 mod per;
 mod policy;
@@ -17,12 +18,13 @@ pub mod shape;
 #[cfg(test)]
 mod tests;
 
+pub use effective::effective;
 pub use error::ConfigError;
 pub use per::{HeaderPer, Per, PerShape};
 pub use policy::{
     Bypass, Companion, Dimension, FailureMode, Fallback, HeaderStyle, Identity, LeaseConfig, Limit, Measure, Memory,
     Mode, ModelPolicy, Policy, Price, PriceEntry, ProviderLimits, QueueConfig, Secret, Slots, Store, TierConfig,
-    TokenCount, TokenPolicy, UnknownPaths, UnreadableBody,
+    TokenCount, TokenPolicy, UnknownPaths, UnreadableBody, REDACTED,
 };
 // Types of the policy's fields that belong to the modules that act on them.
 pub use crate::accounting::reservation::UpstreamErrorCharge;

@@ -4,18 +4,18 @@
 
 use super::error::{invalid, ConfigError};
 use super::policy::{LeaseConfig, Limit, Mode};
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 /// `limits[].per` as written: `"tenant"` (the default), `"all"`, or
 /// `{"header": "x-team-id", "default": "unassigned"}`.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(untagged)]
 pub enum PerShape {
     Named(String),
     Header(HeaderPer),
 }
 
-#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct HeaderPer {
     /// A request header set by something the operator trusts (a JWT filter copying a

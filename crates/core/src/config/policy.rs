@@ -10,7 +10,7 @@ use crate::api::dialect::ErrorFormat;
 use crate::api::identity::{IdentitySource, MissingIdentity};
 use crate::protocol::LimitKind;
 use crate::tokens::{builtin_rules, glob_match, Encoding, ModelRule};
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::fmt;
 use std::time::Duration;
@@ -49,7 +49,7 @@ pub struct Policy {
 }
 
 /// Where the limits' counters live.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Store {
     /// In Redis, through the companion: one budget for every proxy of the domain.
@@ -178,7 +178,7 @@ pub struct Identity {
     pub missing: MissingIdentity,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum FailureMode {
     /// Decide with a strict local limit (each limit divided by `fallback.instances`),
@@ -193,7 +193,7 @@ pub enum FailureMode {
 
 /// What a body on an LLM path that cannot be read as its API's JSON gets: it cannot be
 /// counted, and the upstream may read it anyway.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum UnreadableBody {
     /// Answer 400 in the API's shape.
@@ -206,7 +206,7 @@ pub enum UnreadableBody {
 }
 
 /// What a request on a path no API is recognised in gets.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum UnknownPaths {
     /// One request and `tokens.unparsed_request_cost` tokens (the Batch and Realtime
@@ -218,7 +218,7 @@ pub enum UnknownPaths {
 }
 
 /// Whether decisions are carried out.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Mode {
     /// Requests over a limit are refused.
@@ -230,7 +230,7 @@ pub enum Mode {
 }
 
 /// Rate-limit header conventions a response may carry.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum HeaderStyle {
     /// The caller's API's own (see `crate::api::dialect`): OpenAI's for OpenAI's paths,
@@ -303,7 +303,7 @@ impl Measure {
 }
 
 /// Which of a request's tokens a token limit counts (`limits[].count`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum TokenCount {
     /// Input and output.
@@ -498,8 +498,8 @@ pub struct ModelPolicy {
     /// `expected_output`, else `tokens.default_expected_output`), until the proxy has
     /// learned the model's.
     pub expected_output: Option<u64>,
-    /// Names the rule in metrics (`prompt_factor.<label>`): its pattern in characters a
-    /// metric name takes, unique among the rules.
+    /// Names the rule in metrics (the `model_rule` label): its pattern without wildcards,
+    /// unique among the rules.
     pub label: String,
     /// Written by the operator (not built in).
     pub configured: bool,
@@ -554,15 +554,18 @@ pub(super) fn model_policies(
     (rules, catch_all)
 }
 
-/// A model pattern as part of a metric name: `gpt-4.1*` is `gpt-4_1`, `claude-*` is
-/// `claude`; Envoy takes dots as hierarchy and the wildcard says nothing.
+/// A model pattern as a `model_rule` label value: the pattern without its wildcards
+/// (`gpt-4.1*` is `gpt-4.1`, `claude-*` is `claude`), so a label always reads as the rule's
+/// `match`. Characters the label encoding (`model_rule=.=<value>;.;`) or Envoy's
+/// dot-separated stat names would misread (`;`, `=`, a leading, trailing or repeated `.`)
+/// become `_`.
 fn metric_label(pattern: &str) -> String {
-    let label: String = pattern
-        .chars()
-        .filter(|c| *c != '*')
-        .map(|c| if c.is_ascii_alphanumeric() || c == '-' { c.to_ascii_lowercase() } else { '_' })
-        .collect();
-    let label = label.trim_matches(['-', '_']);
+    let mut label = String::with_capacity(pattern.len());
+    for c in pattern.chars().filter(|c| *c != '*') {
+        let keeps = c.is_ascii_alphanumeric() || c == '-' || (c == '.' && !label.is_empty() && !label.ends_with('.'));
+        label.push(if keeps { c.to_ascii_lowercase() } else { '_' });
+    }
+    let label = label.trim_matches(['-', '_', '.']);
     if label.is_empty() || label == "other" {
         "rule".to_string()
     } else {
@@ -635,7 +638,7 @@ pub struct PriceEntry {
 }
 
 /// A model's price, in US dollars per million tokens: so also micro-dollars per token.
-#[derive(Debug, Clone, Copy, PartialEq, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct Price {
     pub input: f64,
@@ -710,6 +713,16 @@ impl Secret {
         &self.0
     }
 }
+
+/// Written out (`check-config --print-effective`) as a marker, never the value.
+impl Serialize for Secret {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.serialize_str(REDACTED)
+    }
+}
+
+/// What stands for a secret wherever a config is written out.
+pub const REDACTED: &str = "(redacted)";
 
 impl fmt::Debug for Secret {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {

@@ -13,12 +13,12 @@ use crate::api::dialect::ErrorFormat;
 use crate::api::identity::{IdentitySource, MissingIdentity};
 use crate::duration::parse_duration;
 use crate::tokens::{self, Encoding};
-use serde::{Deserialize, Deserializer};
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use std::collections::BTreeMap;
 use std::time::Duration;
 
 /// The whole plugin configuration.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct Document {
     /// Where the limits' counters live: `redis` (the default: through the companion, one
@@ -102,7 +102,7 @@ impl Document {
     }
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct Companion {
     /// The callout target, taken verbatim: an Envoy cluster name, or `host:port` on hosts
@@ -124,7 +124,7 @@ pub struct Companion {
     pub timeout: ConfigDuration,
 }
 
-#[derive(Debug, Clone, Default, Deserialize)]
+#[derive(Debug, Clone, Default, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct Identity {
     /// The operator's own credential headers, all read (two that disagree refuse the
@@ -138,7 +138,7 @@ pub struct Identity {
 
 /// A limit as written: one of `requests`, `tokens`, `concurrency` and `usd` says what it
 /// counts and how much.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct Limit {
     /// Names the counter in Redis and in headers and 429 bodies.
@@ -188,7 +188,7 @@ pub struct Limit {
     pub mode: Option<super::policy::Mode>,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Algorithm {
     /// Refills continuously: bursts up to the limit, then the refill rate.
@@ -206,12 +206,23 @@ pub enum Window {
 }
 
 /// A calendar period, in a time zone (none: UTC).
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct CalendarWindow {
     pub calendar: crate::accounting::calendar::Period,
     #[serde(default)]
     pub time_zone: Option<String>,
+}
+
+/// As written: a duration or a period in UTC as a string, a zoned period as an object.
+impl Serialize for Window {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        match self {
+            Window::Duration(duration) => duration.serialize(serializer),
+            Window::Calendar(CalendarWindow { calendar, time_zone: None }) => calendar.serialize(serializer),
+            Window::Calendar(zoned) => zoned.serialize(serializer),
+        }
+    }
 }
 
 impl<'de> Deserialize<'de> for Window {
@@ -235,7 +246,7 @@ impl<'de> Deserialize<'de> for Window {
 }
 
 /// Concurrency slots.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Slots {
     /// How long a slot lives unless renewed: the filter renews the slots of live requests
@@ -250,7 +261,7 @@ impl Default for Slots {
 }
 
 /// How prompts are counted, completions estimated, and reservations settled.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Tokens {
     /// Encoding for models no rule matches.
@@ -326,6 +337,20 @@ impl<'de> Deserialize<'de> for ModelRule {
     }
 }
 
+impl Serialize for ModelRule {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::{Error, SerializeMap};
+        let rule = serde_json::to_value(&self.rule).map_err(S::Error::custom)?;
+        let fields = rule.as_object().into_iter().flatten();
+        let mut map = serializer.serialize_map(None)?;
+        for (key, value) in fields {
+            map.serialize_entry(key, value)?;
+        }
+        map.serialize_entry("expected_output", &self.expected_output)?;
+        map.end()
+    }
+}
+
 impl Default for Tokens {
     fn default() -> Self {
         Tokens {
@@ -354,7 +379,7 @@ impl Default for Tokens {
 }
 
 /// The degraded mode: how the proxy decides alone, and when it stops asking.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Fallback {
     /// How many proxy instances share the limits: each decides alone with this share.
@@ -367,7 +392,7 @@ pub struct Fallback {
 
 /// How much per-tenant state one proxy keeps: fixed tables in shared data, so memory is
 /// bounded whatever the number of tenants or model names clients send.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Memory {
     /// Entries of the tenant tables (leases, and local buckets in the degraded mode); a
@@ -383,7 +408,7 @@ pub struct Memory {
 
 /// What the filter does with what the provider says about its own limits (see the core's
 /// `provider_word` and `provider_state`).
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct ProviderLimits {
     /// Read the provider's rate-limit headers and throttling errors, and answer locally
@@ -429,7 +454,7 @@ impl Default for Fallback {
 
 /// Leased budgets: most requests are admitted from a block of budget this proxy holds,
 /// with no callout.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Lease {
     pub enabled: bool,
@@ -459,7 +484,7 @@ impl Default for Lease {
 }
 
 /// Requests never limited.
-#[derive(Debug, Clone, Default, Deserialize)]
+#[derive(Debug, Clone, Default, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Bypass {
     /// Tenant ids (as the filter derives them: the first 32 hex digits of SHA-256 over
@@ -470,7 +495,7 @@ pub struct Bypass {
 }
 
 /// A price-table entry: a model pattern and its price.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct PriceEntry {
     /// Model name, `*` matching any run of characters.
@@ -482,7 +507,7 @@ pub struct PriceEntry {
 }
 
 /// Where a tenant's tier comes from.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct Tier {
     /// A request header carrying the tier, set by something the operator trusts (a JWT
@@ -497,7 +522,7 @@ pub struct Tier {
 }
 
 /// Waiting for capacity instead of an instant 429.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Queue {
     /// The longest a request waits for capacity; "0s" turns queueing off. A request whose
@@ -541,6 +566,21 @@ impl<'de> Deserialize<'de> for ConfigDuration {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
         let text = String::deserialize(deserializer)?;
         parse_duration(&text).map(ConfigDuration).map_err(serde::de::Error::custom)
+    }
+}
+
+/// In the largest unit that writes it whole (`"15m"`, `"500ms"`), as an operator would.
+impl Serialize for ConfigDuration {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        const UNITS: [(u128, &str); 5] =
+            [(86_400_000_000, "d"), (3_600_000_000, "h"), (60_000_000, "m"), (1_000_000, "s"), (1_000, "ms")];
+        let micros = self.0.as_micros();
+        let text = match UNITS.iter().find(|(unit, _)| micros % unit == 0) {
+            _ if micros == 0 => "0s".to_string(),
+            Some((unit, name)) => format!("{}{name}", micros / unit),
+            None => format!("{}ms", micros as f64 / 1000.0),
+        };
+        serializer.serialize_str(&text)
     }
 }
 

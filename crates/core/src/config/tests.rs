@@ -86,13 +86,26 @@ fn model_rules_get_their_prior_and_a_metric_label_of_their_own() {
     assert_eq!((rule("gpt-4o-mini").expected_output, rule("gpt-4o-mini").label.as_str()), (Some(300), "gpt-4o"));
     assert!(rule("gpt-4o-mini").configured);
     assert_eq!(rule("other.v2").label, "other", "case-sensitive: no rule, the catch-all");
-    assert_eq!(rule("Other.v2-x").label, "other_v2");
+    assert_eq!(rule("Other.v2-x").label, "other.v2", "the pattern without its wildcard, lowercased");
     // The built-in family the operator's gpt-4o* shadows keeps a label of its own.
     let labels: Vec<&str> = tokens.all_rules().map(|(_, r)| r.label.as_str()).collect();
     assert!(labels.contains(&"gpt-4o_2"), "{labels:?}");
+    // Built-in families read as their patterns: OpenAI's `gpt-3.5*` and Azure's `gpt-35*`.
+    for family in ["gpt-4.1", "gpt-4.5", "gpt-3.5", "gpt-35", "text-embedding-ada-002"] {
+        assert!(labels.contains(&family), "{family}: {labels:?}");
+    }
     assert_eq!(labels.iter().collect::<std::collections::BTreeSet<_>>().len(), labels.len(), "unique");
     assert_eq!(labels.last(), Some(&"other"), "the catch-all, for every model no rule names");
     assert_eq!(tokens.rule_for(None).0, tokens.rules.len());
+}
+
+#[test]
+fn a_model_rule_label_never_breaks_the_label_encoding() {
+    let json = r#"{"companion": {"upstream": "c", "token": "test-token-0123456789"}, "limits": [{"name": "tpm", "tokens": 1, "window": "1s"}],
+                   "tokens": {"models": [{"match": ".a..b;.;c=.=d.*", "encoding": "o200k_base"}, {"match": "*", "encoding": "o200k_base"}]}}"#;
+    let tokens = Policy::from_json(json.as_bytes()).expect("config").tokens;
+    assert_eq!(tokens.rules[0].label, "a._b_._c_._d");
+    assert_eq!(tokens.rules[1].label, "rule", "a pattern of wildcards alone");
 }
 
 #[test]

@@ -208,14 +208,12 @@ impl LocalCalibrations {
     }
 }
 
-/// Sets rule `policy`'s gauges: `prompt_factor.<label>`, the factor prompts are reserved
-/// at, in thousandths; `output_prior.<label>`, the completion length a tenant without
-/// history reserves for (0 while the proxy has not learned it).
+/// Sets rule `policy`'s gauges, labelled `model_rule`: `prompt_factor_thousandths`, the
+/// factor prompts are reserved at (gauges take whole numbers); `output_prior_tokens`, the
+/// completion length a tenant without history reserves for (0 while not learned).
 pub fn show(host: &mut impl Host, policy: &ModelPolicy, calibration: Calibration) {
     let factor = (calibration.prompt_factor(policy.rule.factor) * 1000.0).round() as u64;
-    host.set_gauge(&format!("llm_ratelimit.prompt_factor.{}", policy.label), factor);
     host.set_gauge(&series::rule_gauge(series::PROMPT_FACTOR, &policy.label), factor);
     let prior = calibration.output_prior().map_or(0, |p| p.round() as u64);
-    host.set_gauge(&format!("llm_ratelimit.output_prior.{}", policy.label), prior);
     host.set_gauge(&series::rule_gauge(series::OUTPUT_PRIOR, &policy.label), prior);
 }

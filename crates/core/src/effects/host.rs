@@ -109,17 +109,22 @@ pub enum Metric {
     Allowed,
     Limited,
     Unidentified,
-    CompanionFailures,
+    /// Callouts to the companion that failed or timed out (the filter's view; the
+    /// companion's own series are `llm_ratelimit_companion_*`).
+    CalloutFailures,
     /// Callouts the companion refused with 401: the filter's token is not the companion's.
     CalloutCredentialRefusals,
     TokensReserved,
     TokensCharged,
     SettlementsFailed,
-    LocalDecisions,
+    /// Requests decided without the companion, whatever `failure_mode` then did (decided
+    /// locally, let through, refused with 503).
+    DegradedDecisions,
     LeaseAdmissions,
     LeaseCallouts,
     Queued,
-    QueuedMs,
+    /// Whole seconds the queued requests waited (see `Worker::count_queue_wait`).
+    QueueWaitSeconds,
     Bypassed,
     ShadowRefusals,
     SharedWritesRefused,
@@ -145,16 +150,16 @@ impl Metric {
         Metric::Allowed,
         Metric::Limited,
         Metric::Unidentified,
-        Metric::CompanionFailures,
+        Metric::CalloutFailures,
         Metric::CalloutCredentialRefusals,
         Metric::TokensReserved,
         Metric::TokensCharged,
         Metric::SettlementsFailed,
-        Metric::LocalDecisions,
+        Metric::DegradedDecisions,
         Metric::LeaseAdmissions,
         Metric::LeaseCallouts,
         Metric::Queued,
-        Metric::QueuedMs,
+        Metric::QueueWaitSeconds,
         Metric::Bypassed,
         Metric::ShadowRefusals,
         Metric::SharedWritesRefused,
@@ -166,31 +171,33 @@ impl Metric {
         Metric::ProviderFleetWords,
     ];
 
-    /// The counter's name as the host shows it.
+    /// The counter's name, the same in Prometheus as in the host's own listing (Envoy's
+    /// `/stats`: `wasmcustom.<name>`): counters end in `_total`, times are in seconds, and
+    /// no name starts with `llm_ratelimit_companion_`, the companion's own prefix.
     pub fn name(self) -> &'static str {
         match self {
-            Metric::Allowed => "llm_ratelimit.requests_allowed",
-            Metric::Limited => "llm_ratelimit.requests_limited",
-            Metric::Unidentified => "llm_ratelimit.requests_unidentified",
-            Metric::CompanionFailures => "llm_ratelimit.companion_failures",
-            Metric::CalloutCredentialRefusals => "llm_ratelimit.callout_credential_refusals_total",
-            Metric::TokensReserved => "llm_ratelimit.tokens_reserved",
-            Metric::TokensCharged => "llm_ratelimit.tokens_charged",
-            Metric::SettlementsFailed => "llm_ratelimit.settlements_failed",
-            Metric::LocalDecisions => "llm_ratelimit.local_decisions",
-            Metric::LeaseAdmissions => "llm_ratelimit.lease_admissions",
-            Metric::LeaseCallouts => "llm_ratelimit.lease_callouts",
-            Metric::Queued => "llm_ratelimit.queued_requests",
-            Metric::QueuedMs => "llm_ratelimit.queued_ms",
-            Metric::Bypassed => "llm_ratelimit.requests_bypassed",
-            Metric::ShadowRefusals => "llm_ratelimit.shadow_refusals",
-            Metric::SharedWritesRefused => "llm_ratelimit.shared_writes_refused",
-            Metric::SignedNotClamped => "llm_ratelimit.signed_requests_not_clamped",
-            Metric::ProviderRefusalsSeen => "llm_ratelimit.provider_refusals_seen",
-            Metric::ProviderRefusalsAnswered => "llm_ratelimit.provider_refusals_answered",
-            Metric::ProviderProbes => "llm_ratelimit.provider_probes",
-            Metric::ProviderLowered => "llm_ratelimit.provider_lowered_requests",
-            Metric::ProviderFleetWords => "llm_ratelimit.provider_fleet_words",
+            Metric::Allowed => "llm_ratelimit_requests_allowed_total",
+            Metric::Limited => "llm_ratelimit_requests_limited_total",
+            Metric::Unidentified => "llm_ratelimit_requests_unidentified_total",
+            Metric::CalloutFailures => "llm_ratelimit_callout_failures_total",
+            Metric::CalloutCredentialRefusals => "llm_ratelimit_callout_credential_refusals_total",
+            Metric::TokensReserved => "llm_ratelimit_tokens_reserved_total",
+            Metric::TokensCharged => "llm_ratelimit_tokens_charged_total",
+            Metric::SettlementsFailed => "llm_ratelimit_settlements_failed_total",
+            Metric::DegradedDecisions => "llm_ratelimit_degraded_decisions_total",
+            Metric::LeaseAdmissions => "llm_ratelimit_lease_admissions_total",
+            Metric::LeaseCallouts => "llm_ratelimit_lease_callouts_total",
+            Metric::Queued => "llm_ratelimit_queued_requests_total",
+            Metric::QueueWaitSeconds => "llm_ratelimit_queue_wait_seconds_total",
+            Metric::Bypassed => "llm_ratelimit_requests_bypassed_total",
+            Metric::ShadowRefusals => "llm_ratelimit_shadow_refusals_total",
+            Metric::SharedWritesRefused => "llm_ratelimit_shared_writes_refused_total",
+            Metric::SignedNotClamped => "llm_ratelimit_signed_requests_not_clamped_total",
+            Metric::ProviderRefusalsSeen => "llm_ratelimit_provider_refusals_seen_total",
+            Metric::ProviderRefusalsAnswered => "llm_ratelimit_provider_refusals_answered_total",
+            Metric::ProviderProbes => "llm_ratelimit_provider_probes_total",
+            Metric::ProviderLowered => "llm_ratelimit_provider_lowered_requests_total",
+            Metric::ProviderFleetWords => "llm_ratelimit_provider_fleet_words_total",
         }
     }
 }

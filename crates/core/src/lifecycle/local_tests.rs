@@ -77,7 +77,7 @@ fn a_request_limit_holds_exactly_across_two_workers_with_no_callout() {
             assert_eq!(worker.root.metric(Metric::SettlementsFailed), 0);
         }
         assert_eq!(refused.host.metric(Metric::Limited), 1);
-        assert_eq!(refused.host.metric(Metric::LocalDecisions), 0, "not the degraded mode");
+        assert_eq!(refused.host.metric(Metric::DegradedDecisions), 0, "not the degraded mode");
     }
 }
 

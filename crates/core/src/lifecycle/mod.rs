@@ -885,8 +885,7 @@ impl RequestFilter {
         self.leave_queue(host, config);
         let waited = reply.waited_ms;
         if waited > 0 {
-            host.add_metric(Metric::Queued, 1);
-            host.add_metric(Metric::QueuedMs, waited);
+            worker.count_queue_wait(host, waited);
         }
         let verdict = self.decide_reply(host, worker, config, reply);
         if waited == 0 {
@@ -967,7 +966,7 @@ impl RequestFilter {
 
     fn callout_failed(&mut self, host: &mut impl Host, worker: &mut Worker, config: &Policy, why: &str) -> Verdict {
         self.leave_queue(host, config);
-        host.add_metric(Metric::CompanionFailures, 1);
+        host.add_metric(Metric::CalloutFailures, 1);
         worker.record_callout_failure(host, config);
         self.fail_over(host, worker, config, why)
     }
@@ -979,6 +978,7 @@ impl RequestFilter {
             LogLevel::Debug,
             &format!("llm-ratelimit: no decision from the companion ({why}); failure_mode {:?}", config.failure_mode),
         );
+        host.add_metric(Metric::DegradedDecisions, 1);
         match config.failure_mode {
             FailureMode::Local => self.decide_locally(host, worker, config),
             FailureMode::Allow => {
@@ -993,7 +993,6 @@ impl RequestFilter {
     /// shared data, decided with the same model the Lua script follows. What is admitted
     /// is queued as a debit, so Redis learns of it when it is back.
     fn decide_locally(&mut self, host: &mut impl Host, worker: &mut Worker, config: &Policy) -> Verdict {
-        host.add_metric(Metric::LocalDecisions, 1);
         let specs = self.plan.as_ref().map(|plan| local_specs(config, plan)).unwrap_or_default();
         let now_ms = host.now_ms();
         let now = now_ms as f64;

@@ -188,7 +188,8 @@ fn failure_modes_decide_without_the_companion() {
             let mut companion = FakeCompanion::failing(500);
             let flight = proxy.send(Request::chat("sk-a", CHAT), &mut companion);
             assert_eq!(flight.replied().map(|r| r.status), status, "{kind:?} {mode}");
-            assert_eq!(flight.host.metric(Metric::CompanionFailures), 1);
+            assert_eq!(flight.host.metric(Metric::CalloutFailures), 1);
+            assert_eq!(flight.host.metric(Metric::DegradedDecisions), 1, "{kind:?} {mode}: every failure mode counts");
             if let Some(value) = degraded {
                 assert!(flight.forwarded());
                 let mut flight = flight;
@@ -202,10 +203,11 @@ fn failure_modes_decide_without_the_companion() {
         let mut proxy =
             Proxy::new(&world, &config(limits, json!({"failure_mode": "local", "fallback": {"instances": 2}})));
         let mut companion = FakeCompanion::failing(500);
-        let statuses: Vec<Option<u32>> = (0..3)
-            .map(|_| proxy.send(Request::get("sk-a", "/v1/models"), &mut companion).replied().map(|r| r.status))
-            .collect();
+        let flights: Vec<_> = (0..3).map(|_| proxy.send(Request::get("sk-a", "/v1/models"), &mut companion)).collect();
+        let statuses: Vec<Option<u32>> = flights.iter().map(|f| f.replied().map(|r| r.status)).collect();
         assert_eq!(statuses, [None, None, Some(429)], "{kind:?}: 4 / 2 instances = 2 locally");
+        let degraded: u64 = flights.iter().map(|f| f.host.metric(Metric::DegradedDecisions)).sum();
+        assert_eq!(degraded, 3, "{kind:?}: admitted or refused locally, each decided without the companion");
     }
 }
 
@@ -225,6 +227,7 @@ fn the_breaker_opens_after_failures_then_probes_and_closes() {
         let flight = proxy.send(Request::get("sk-a", "/v1/models"), &mut companion);
         assert!(flight.host.callouts.is_empty(), "{kind:?}: the breaker is open");
         assert!(flight.forwarded());
+        assert_eq!(flight.host.metric(Metric::DegradedDecisions), 1, "{kind:?}: let through without asking");
         advance(&world, 1_001);
         companion.failing = None;
         let probe = proxy.send(Request::get("sk-a", "/v1/models"), &mut companion);
@@ -457,6 +460,14 @@ fn the_queue_is_joined_left_and_cancelled() {
     assert_eq!(queued_count(&mut proxy), 0);
     proxy.reply(&mut served, 200, "application/json", &[&usage_reply(9, 1)]);
     assert_eq!(served.host.response_header_value("x-llm-ratelimit-queued-ms"), Some("1234"));
+    // Counted in whole seconds, what is short of one carried to the next wait.
+    assert_eq!((served.host.metric(Metric::Queued), served.host.metric(Metric::QueueWaitSeconds)), (1, 1));
+    let mut next = proxy.start(Request::chat("sk-d", CHAT));
+    let (_, body) = companion.answer(next.host.last_callout(), proxy.now());
+    let mut reply: LimitsReply = serde_json::from_slice(&body).unwrap();
+    reply.waited_ms = 800;
+    proxy.answer_with(&mut next, 200, serde_json::to_vec(&reply).unwrap());
+    assert_eq!(next.host.metric(Metric::QueueWaitSeconds), 1, "234 ms carried + 800 ms");
 }
 
 #[test]
@@ -537,7 +548,11 @@ fn the_prompt_factor_is_learned_from_settled_replies_and_shared_by_the_workers()
         // The provider counts the 9-token prompt as 21; the lesson is taken in on the tick.
         first.reply(&mut flight, 200, "application/json", &[&usage_reply(21, 41)]);
         first.tick(Some(&mut companion));
-        assert_eq!(first.root.gauges.get("llm_ratelimit.prompt_factor.gpt-4o"), Some(&2333), "{kind:?}: 21/9");
+        assert_eq!(
+            first.root.gauges.get("model_rule=.=gpt-4o;.;llm_ratelimit_prompt_factor_thousandths"),
+            Some(&2333),
+            "{kind:?}: 21/9"
+        );
         advance(&world, crate::worker::TICK.as_millis() as u64);
         let flight = second.send(Request::chat("sk-b", CHAT), &mut companion);
         assert_eq!(charge_of(&flight).limits[1].cost, 21 + 300, "{kind:?}: the other worker reserves 21");
@@ -556,8 +571,16 @@ fn the_prompt_factor_is_learned_from_settled_replies_and_shared_by_the_workers()
         assert_eq!(after_one - before, reads() - after_one + 1, "{kind:?}: the second request reads no calibration");
         // A worker configured later shows what was learned before it.
         let third = Proxy::new(&world, &rpm_tpm(json!({})));
-        assert_eq!(third.root.gauges.get("llm_ratelimit.prompt_factor.gpt-4o"), Some(&2333), "{kind:?}");
-        assert_eq!(third.root.gauges.get("llm_ratelimit.prompt_factor.gpt-3_5"), Some(&1000), "{kind:?}");
+        assert_eq!(
+            third.root.gauges.get("model_rule=.=gpt-4o;.;llm_ratelimit_prompt_factor_thousandths"),
+            Some(&2333),
+            "{kind:?}"
+        );
+        assert_eq!(
+            third.root.gauges.get("model_rule=.=gpt-3.5;.;llm_ratelimit_prompt_factor_thousandths"),
+            Some(&1000),
+            "{kind:?}"
+        );
     }
 }
 
@@ -578,7 +601,11 @@ fn what_one_proxy_learned_reaches_another_through_the_companion() {
         let cold = b.send(Request::chat("sk-b", CHAT), &mut companion);
         assert_eq!(charge_of(&cold).limits[1].cost, CHAT_RESERVES as u64, "{kind:?}: before its first exchange");
         b.tick(Some(&mut companion));
-        assert_eq!(b.root.gauges.get("llm_ratelimit.prompt_factor.gpt-4o"), Some(&2333), "{kind:?}: 21/9");
+        assert_eq!(
+            b.root.gauges.get("model_rule=.=gpt-4o;.;llm_ratelimit_prompt_factor_thousandths"),
+            Some(&2333),
+            "{kind:?}: 21/9"
+        );
         advance(&world_b, crate::worker::TICK.as_millis() as u64);
         let warm = b.send(Request::chat("sk-b", CHAT), &mut companion);
         assert_eq!(charge_of(&warm).limits[1].cost, 21 + 300, "{kind:?}");
@@ -628,7 +655,7 @@ fn a_new_tenant_reserves_the_models_learned_completion_length() {
         assert_eq!(charge_of(&flight).limits[1].cost, CHAT_RESERVES as u64, "{key}: no prior yet, the cap");
         proxy.reply(&mut flight, 200, "application/json", &[&usage_reply(9, 40)]);
         proxy.tick(Some(&mut companion));
-        priors.push(proxy.root.gauges.get("llm_ratelimit.output_prior.gpt-4o").copied());
+        priors.push(proxy.root.gauges.get("model_rule=.=gpt-4o;.;llm_ratelimit_output_prior_tokens").copied());
         advance(&world, crate::worker::TICK.as_millis() as u64);
     }
     assert_eq!(priors, [Some(0), Some(0), Some(40)], "known after three completions");

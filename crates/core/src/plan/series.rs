@@ -14,7 +14,7 @@ pub const DECISIONS: &str = "llm_ratelimit_decisions_total";
 /// The Prometheus name of the token counter.
 pub const TOKENS: &str = "llm_ratelimit_tokens_total";
 
-/// The Prometheus names of the labelled gauges (set beside their unlabelled names).
+/// The Prometheus names of the gauges: one per learned figure, labelled.
 pub const LEASE_BOUND: &str = "llm_ratelimit_lease_bound";
 pub const PROMPT_FACTOR: &str = "llm_ratelimit_prompt_factor_thousandths";
 pub const OUTPUT_PRIOR: &str = "llm_ratelimit_output_prior_tokens";
@@ -243,7 +243,7 @@ mod tests {
     }
 
     #[test]
-    fn gauges_are_set_under_both_names() {
+    fn each_learned_figure_is_one_labelled_gauge() {
         use crate::testing::{Proxy, World};
         let json = r#"{"companion": {"upstream": "c", "token": "test-token-0123456789"}, "lease": {"enabled": true},
             "tokens": {"models": [{"match": "claude-*", "encoding": "cl100k_base", "factor": 1.2}]},
@@ -251,11 +251,17 @@ mod tests {
         let world = World::new(crate::effects::host::HostKind::Envoy);
         let proxy = Proxy::new(&world, json);
         let gauge = |name: &str| proxy.root.gauges.get(name).copied();
-        assert_eq!(gauge("llm_ratelimit.lease_bound.rph"), Some(30));
         assert_eq!(gauge("limit=.=rph;.;llm_ratelimit_lease_bound"), Some(30));
-        assert_eq!(gauge("llm_ratelimit.prompt_factor.claude"), Some(1200));
         assert_eq!(gauge("model_rule=.=claude;.;llm_ratelimit_prompt_factor_thousandths"), Some(1200));
         assert_eq!(gauge("model_rule=.=other;.;llm_ratelimit_output_prior_tokens"), Some(0));
+        // One gauge per figure: 1 lease bound per limit, 2 per model rule, nothing else.
+        let rules = proxy.root.gauges.keys().filter(|g| g.starts_with("model_rule=.=")).count();
+        assert_eq!(proxy.root.gauges.len(), 2 + rules, "{:?}", proxy.root.gauges.keys());
+        assert_eq!(
+            rules,
+            2 * (crate::tokens::builtin_rules().len() + 2),
+            "claude-*, the built-in rules, the catch-all"
+        );
     }
 
     #[test]

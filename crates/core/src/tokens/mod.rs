@@ -17,9 +17,9 @@ mod oracle_tests;
 mod pretokenize;
 pub mod prompt_cache;
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Encoding {
     /// GPT-4o, GPT-4.1, GPT-4.5, GPT-5, o-series, gpt-oss.
@@ -100,7 +100,7 @@ fn char_boundary_before(text: &[u8], at: usize) -> usize {
 }
 
 /// How a model's tokens are counted and capped.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct ModelRule {
     /// Model name, with `*` matching any run of characters (`gpt-4o*`, `*-mini`).

@@ -1,0 +1,194 @@
+//! `check-config --print-effective`, through the real binary: the config as the filter
+//! runs it, every default filled in. What the defaults are comes from the README's
+//! configuration tables (the operator's contract), not from the code that prints them.
+
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn print_effective(config: &str, extra: &[&str]) -> Output {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("config.json");
+    std::fs::write(&path, config).unwrap();
+    run(&path, extra)
+}
+
+fn run(path: &Path, extra: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_llm-ratelimit"))
+        .args(["check-config", "--print-effective"])
+        .args(extra)
+        .arg(path)
+        .output()
+        .unwrap()
+}
+
+fn printed(output: &Output) -> Value {
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    serde_json::from_slice(&output.stdout)
+        .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&output.stdout)))
+}
+
+const SECRET: &str = "print-effective-secret-0123456789";
+
+/// Every section present, so that every field has something to print.
+fn full_config() -> String {
+    format!(
+        r#"{{"companion": {{"upstream": "llm_ratelimit_companion", "token": "{SECRET}"}},
+            "tier": {{"header": "x-tier", "default": "free"}},
+            "tokens": {{"models": [{{"match": "claude-*", "encoding": "cl100k_base"}}]}},
+            "prices": [{{"match": "gpt-4o*", "input": 2.5, "output": 10}}],
+            "limits": [{{"name": "tpm", "tokens": 100000, "window": "1m"}}, {{"name": "rpm", "requests": 20, "window": "1m", "tiers": ["free"]}}]}}"#
+    )
+}
+
+/// The README's configuration rows: (field, default as written), from every table whose
+/// header has `field` and `default` columns.
+fn readme_defaults() -> Vec<(String, String)> {
+    let readme = std::fs::read_to_string(root().join("README.md")).unwrap();
+    let mut rows = Vec::new();
+    let mut columns: Option<(usize, usize)> = None;
+    for line in readme.lines() {
+        if !line.starts_with('|') {
+            columns = None;
+            continue;
+        }
+        let cells: Vec<&str> = line.trim_matches('|').split(" | ").map(str::trim).collect();
+        match columns {
+            None => {
+                let at = |name: &str| cells.iter().position(|c| *c == name);
+                columns = at("field").zip(at("default"));
+                if columns.is_none() {
+                    columns = Some((usize::MAX, usize::MAX)); // another kind of table
+                }
+            }
+            Some((field, default)) if field != usize::MAX && !line.starts_with("|---") => {
+                if let (Some(f), Some(d)) = (cells.get(field), cells.get(default)) {
+                    if let Some(name) = f.strip_prefix('`').and_then(|f| f.strip_suffix('`')) {
+                        rows.push((name.to_string(), d.to_string()));
+                    }
+                }
+            }
+            Some(_) => {}
+        }
+    }
+    assert!(rows.len() >= 60, "{} rows: the README's configuration table was not found", rows.len());
+    rows
+}
+
+/// The value at a README field path (`tokens.default_max_output`, `limits[].window`: the
+/// first limit's, a tokens limit).
+fn at<'a>(config: &'a Value, field: &str) -> Option<&'a Value> {
+    field.split('.').try_fold(config, |value, part| match part.strip_suffix("[]") {
+        Some(array) => value.get(array)?.get(0),
+        None => value.get(part),
+    })
+}
+
+/// A default as the README writes it, when it is a literal: `"50ms"`, `4096`, `false`,
+/// `[]`, `{}`, `["provider", "ietf"]`, or a bare word in backticks (`charge`).
+fn literal(default: &str) -> Option<Value> {
+    let code = default.strip_prefix('`')?;
+    let (code, rest) = code.split_once('`')?;
+    // "`"0s"` (off)" and "`[]` (every tier)": the literal, then words about it.
+    if !(rest.is_empty() || rest.starts_with(" (")) {
+        return None;
+    }
+    serde_json::from_str(code)
+        .ok()
+        .or_else(|| code.chars().all(|c| c.is_ascii_lowercase() || c == '_').then(|| Value::String(code.to_string())))
+}
+
+#[test]
+fn every_default_the_readme_gives_is_what_is_printed() {
+    // The defaults of a config that writes nothing optional; a section it leaves out
+    // (`tier`) from the full one, which writes that section's required fields only.
+    let minimal = printed(&print_effective(
+        r#"{"companion": {"upstream": "c", "token_env": "LLMRL_COMPANION_TOKEN"}, "limits": [{"name": "tpm", "tokens": 9, "window": "1m"}]}"#,
+        &[],
+    ));
+    let full = printed(&print_effective(&full_config(), &[]));
+    let mut compared = 0;
+    for (field, default) in readme_defaults() {
+        let Some(expected) = literal(&default) else { continue };
+        let value = at(&minimal, &field)
+            .filter(|v| !v.is_null())
+            .or_else(|| at(&full, &field))
+            .unwrap_or_else(|| panic!("{field} is not printed: {full:#}"));
+        assert_eq!(value, &expected, "{field}: the README says {default}");
+        compared += 1;
+    }
+    assert!(compared >= 40, "only {compared} literal defaults compared");
+}
+
+#[test]
+fn every_field_printed_is_one_the_readme_documents() {
+    let effective = printed(&print_effective(&full_config(), &[]));
+    let documented: Vec<String> = readme_defaults().into_iter().map(|(field, _)| field).collect();
+    let mut fields = Vec::new();
+    for (section, value) in effective.as_object().unwrap() {
+        match value {
+            // A section's own fields; maps (`deployments`) and lists of values are fields.
+            Value::Object(fields_of) if !matches!(section.as_str(), "deployments") => {
+                fields.extend(fields_of.keys().map(|key| format!("{section}.{key}")))
+            }
+            Value::Array(items) if items.first().is_some_and(Value::is_object) && section == "limits" => {
+                fields.extend(items[0].as_object().unwrap().keys().map(|key| format!("{section}[].{key}")))
+            }
+            _ => fields.push(section.clone()),
+        }
+    }
+    assert!(fields.len() >= 60, "{fields:?}");
+    let undocumented: Vec<&String> = fields.iter().filter(|f| !documented.contains(f)).collect();
+    assert!(undocumented.is_empty(), "printed but not in the README's configuration tables: {undocumented:?}");
+}
+
+#[test]
+fn what_is_written_stands_and_secrets_never_print() {
+    let config =
+        full_config().replace(r#""upstream": "llm_ratelimit_companion""#, r#""upstream": "c", "timeout": "1.5s""#);
+    let output = print_effective(&config, &[]);
+    let effective = printed(&output);
+    assert_eq!(effective["companion"]["timeout"], "1500ms");
+    assert_eq!(effective["companion"]["authority"], "c", "unset: the upstream");
+    assert_eq!(
+        effective["limits"][1],
+        serde_json::json!({"name": "rpm", "requests": 20, "window": "1m",
+        "algorithm": "token_bucket", "models": [], "tiers": ["free"]}),
+        "a requests limit: no token fields"
+    );
+    assert_eq!(effective["tokens"]["models"][0]["match"], "claude-*");
+    assert_eq!(effective["tokens"]["models"][0]["factor"], 1.0);
+    assert_eq!(effective["companion"]["token"], "(redacted)");
+    let all = format!("{}{}", String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
+    assert!(!all.contains(SECRET));
+    // What is printed is a config the filter takes, and prints the same again.
+    let again = printed(&print_effective(&effective.to_string().replace("(redacted)", SECRET), &[]));
+    assert_eq!(again, effective);
+}
+
+#[test]
+fn the_host_decides_whether_headers_are_held() {
+    let config = full_config();
+    assert_eq!(printed(&print_effective(&config, &[]))["hold_request_headers"], true, "Envoy holds them");
+    let nginx = printed(&print_effective(&config, &["--host", "nginx"]));
+    assert_eq!(nginx["hold_request_headers"], false, "Nginx cannot deliver a body meanwhile");
+}
+
+#[test]
+fn a_bad_config_prints_nothing_and_fails_naming_the_field() {
+    let output = print_effective(&full_config().replace(r#""1m""#, r#""1x""#), &[]);
+    assert!(!output.status.success());
+    assert!(output.stdout.is_empty(), "{}", String::from_utf8_lossy(&output.stdout));
+    assert!(String::from_utf8_lossy(&output.stderr).contains("field `limits[0].window`"));
+}
+
+#[test]
+fn a_manifest_prints_the_config_it_carries() {
+    let effective = printed(&run(&root().join("envoy/demo.yaml"), &[]));
+    assert_eq!(effective["limits"].as_array().map(Vec::len), Some(3), "{effective:#}");
+    assert!(effective["tokens"]["default_max_output"].is_u64());
+}

@@ -1,0 +1,45 @@
+//! The config as the filter runs it: what was written, with every default filled in
+//! (`llm-ratelimit check-config --print-effective`). The defaults are the shape's own
+//! (`shape.rs`), so what is printed cannot drift from what the filter does.
+
+use super::error::{invalid, ConfigError};
+use super::shape::Document;
+use super::{Policy, TokenCount};
+use serde_json::Value;
+
+/// `bytes` with every field present: the written values, the default of each field not
+/// written, secrets as `REDACTED` (a limit shows only the fields of its kind). A config the filter would refuse is refused here with
+/// the same error. `companion.authority` unset is the upstream; the one default that
+/// depends on the host (`hold_request_headers`) is left to the caller, which knows it.
+pub fn effective(bytes: &[u8]) -> Result<(Policy, Value), ConfigError> {
+    let written = Document::parse(bytes)?;
+    let policy = Policy::from_json(bytes)?;
+    let mut value = serde_json::to_value(&written).map_err(|e| invalid("(top level)", e.to_string()))?;
+    // The local store has no companion.
+    if let Some(companion) = &written.companion {
+        let authority = companion.authority.clone().unwrap_or_else(|| companion.upstream.clone());
+        value["companion"]["authority"] = Value::String(authority);
+    }
+    // What only the Redis store has, filled as the filter resolves it; the local store
+    // has none of it (a written one is refused).
+    if policy.store == super::Store::Redis {
+        value["tokens"]["share_calibration"] = Value::Bool(policy.tokens.share_calibration);
+        if value["failure_mode"].is_null() {
+            value["failure_mode"] = serde_json::to_value(super::FailureMode::default()).unwrap_or(Value::Null);
+        }
+        if value["fallback"].is_null() {
+            value["fallback"] = serde_json::to_value(super::shape::Fallback::default()).unwrap_or(Value::Null);
+        }
+    } else if let Some(fields) = value.as_object_mut() {
+        fields.retain(|_, field| !field.is_null());
+    }
+    // A limit shows what it counts: its one kind and, for tokens, which of them.
+    for limit in value["limits"].as_array_mut().into_iter().flatten() {
+        let Some(fields) = limit.as_object_mut() else { continue };
+        fields.retain(|_, field| !field.is_null());
+        if fields.contains_key("tokens") {
+            fields.entry("count").or_insert_with(|| serde_json::json!(TokenCount::default()));
+        }
+    }
+    Ok((policy, value))
+}
