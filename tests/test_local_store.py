@@ -86,7 +86,7 @@ def assert_both_workers_served(admin: int) -> None:
 def decisions(admin: int) -> int:
     """Requests the filter of this Envoy decided (admitted or refused)."""
     found = stats(admin)
-    return sum(v for k, v in found.items() if k.endswith("llm_ratelimit.requests_allowed") or k.endswith("llm_ratelimit.requests_limited"))
+    return sum(v for k, v in found.items() if k.endswith("llm_ratelimit_requests_allowed_total") or k.endswith("llm_ratelimit_requests_limited_total"))
 
 
 def test_a_request_limit_holds_exactly_across_two_workers(stack, mock):

@@ -11,13 +11,12 @@ shape (mock-llm/src/provider_limits.rs). With `provider_limits` on:
 What the provider refused is counted by the mock itself (`throttled` in /mock/stats)."""
 
 import json
-import re
 import time
 
 import pytest
 
 from provider_bench import gemini, offer
-from stack import http_get, send, wait_until
+from stack import filter_metric, http_get, send, wait_until
 
 WINDOW_MS = 3000
 pytestmark = pytest.mark.backend(mock_args=["--provider-requests", "3", "--provider-window-ms", str(WINDOW_MS)])
@@ -26,9 +25,7 @@ LIMITS = [{"name": "rpm", "requests": BIG, "window": "1m"}, {"name": "tpm", "tok
 
 
 def counter(admin: int, name: str) -> int:
-    text = http_get(f"http://127.0.0.1:{admin}/stats?filter=llm_ratelimit")[1].decode()
-    match = re.search(rf"wasmcustom\.llm_ratelimit\.{re.escape(name)}: (\d+)", text)
-    return int(match.group(1)) if match else 0
+    return filter_metric(admin, f"llm_ratelimit_{name}_total") or 0
 
 
 def mock_stats(backend) -> dict:

@@ -344,6 +344,7 @@ mod tests {
             cost,
             min_cost,
             kind: LimitKind::TokenBucket,
+            period_bounds_ms: Vec::new(),
             provisional: true,
             look_only: false,
             shadow,
@@ -368,6 +369,7 @@ mod tests {
             window_ms: 1000,
             credit: 3,
             kind: LimitKind::TokenBucket,
+            period_bounds_ms: Vec::new(),
             owner: owner.map(Into::into),
         };
         let settlement = Settlement {

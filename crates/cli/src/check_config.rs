@@ -207,7 +207,7 @@ fn check(embedded: Embedded, host: HostKind) -> Report {
 /// that depends on the host resolved as the filter resolves it.
 fn effective_for(config: &[u8], host: HostKind) -> Option<Value> {
     let (policy, mut effective) = llm_ratelimit_core::config::effective(config).ok()?;
-    effective["hold_request_headers"] = Value::Bool(holds_request_headers(&policy, host));
+    effective.as_object_mut()?.insert("hold_request_headers".into(), Value::Bool(holds_request_headers(&policy, host)));
     Some(effective)
 }
 

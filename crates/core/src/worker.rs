@@ -302,6 +302,9 @@ impl Worker {
     /// Queues, for `tenant`, the adjustments of `credits` (by limit index), if any, each
     /// on its limit's counter (`owners`, by limit index: a pool's, see `crate::plan::pools`;
     /// none or `None`: the tenant's).
+    // Each argument is a part of the settlement's address or content; a struct for them
+    // would be built at every one of the few call sites and read once here.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn settle_credits(
         &mut self,
         host: &mut impl Host,

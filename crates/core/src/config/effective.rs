@@ -15,26 +15,32 @@ pub fn effective(bytes: &[u8]) -> Result<(Policy, Value), ConfigError> {
     let written = Document::parse(bytes)?;
     let policy = Policy::from_json(bytes)?;
     let mut value = serde_json::to_value(&written).map_err(|e| invalid("(top level)", e.to_string()))?;
+    let Some(top) = value.as_object_mut() else { return Err(invalid("(top level)", "not an object")) };
     // The local store has no companion.
-    if let Some(companion) = &written.companion {
+    if let (Some(companion), Some(Value::Object(shown))) = (&written.companion, top.get_mut("companion")) {
         let authority = companion.authority.clone().unwrap_or_else(|| companion.upstream.clone());
-        value["companion"]["authority"] = Value::String(authority);
+        shown.insert("authority".into(), Value::String(authority));
     }
     // What only the Redis store has, filled as the filter resolves it; the local store
     // has none of it (a written one is refused).
     if policy.store == super::Store::Redis {
-        value["tokens"]["share_calibration"] = Value::Bool(policy.tokens.share_calibration);
-        if value["failure_mode"].is_null() {
-            value["failure_mode"] = serde_json::to_value(super::FailureMode::default()).unwrap_or(Value::Null);
+        if let Some(Value::Object(tokens)) = top.get_mut("tokens") {
+            tokens.insert("share_calibration".into(), Value::Bool(policy.tokens.share_calibration));
         }
-        if value["fallback"].is_null() {
-            value["fallback"] = serde_json::to_value(super::shape::Fallback::default()).unwrap_or(Value::Null);
+        let defaults = [
+            ("failure_mode", serde_json::to_value(super::FailureMode::default())),
+            ("fallback", serde_json::to_value(super::shape::Fallback::default())),
+        ];
+        for (field, default) in defaults {
+            if top.get(field).is_none_or(Value::is_null) {
+                top.insert(field.into(), default.map_err(|e| invalid(field, e.to_string()))?);
+            }
         }
-    } else if let Some(fields) = value.as_object_mut() {
-        fields.retain(|_, field| !field.is_null());
+    } else {
+        top.retain(|_, field| !field.is_null());
     }
     // A limit shows what it counts: its one kind and, for tokens, which of them.
-    for limit in value["limits"].as_array_mut().into_iter().flatten() {
+    for limit in top.get_mut("limits").and_then(Value::as_array_mut).into_iter().flatten() {
         let Some(fields) = limit.as_object_mut() else { continue };
         fields.retain(|_, field| !field.is_null());
         if fields.contains_key("tokens") {
