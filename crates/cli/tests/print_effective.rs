@@ -157,7 +157,7 @@ fn what_is_written_stands_and_secrets_never_print() {
     assert_eq!(
         effective["limits"][1],
         serde_json::json!({"name": "rpm", "requests": 20, "window": "1m",
-        "algorithm": "token_bucket", "models": [], "tiers": ["free"]}),
+        "algorithm": "token_bucket", "models": [], "tiers": ["free"], "per": "tenant", "mode": "enforce"}),
         "a requests limit: no token fields"
     );
     assert_eq!(effective["tokens"]["models"][0]["match"], "claude-*");

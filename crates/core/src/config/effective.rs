@@ -46,6 +46,9 @@ pub fn effective(bytes: &[u8]) -> Result<(Policy, Value), ConfigError> {
         if fields.contains_key("tokens") {
             fields.entry("count").or_insert_with(|| serde_json::json!(TokenCount::default()));
         }
+        // Counted per tenant and enforced unless written otherwise.
+        fields.entry("per").or_insert_with(|| Value::String("tenant".into()));
+        fields.entry("mode").or_insert_with(|| Value::String("enforce".into()));
     }
     Ok((policy, value))
 }
