@@ -243,14 +243,18 @@ def test_a_body_the_filter_cannot_read_is_charged_its_bytes_plus_the_cap_with_ch
     body = UNREADABLE["1e400"]
     reply = send(port, "sk-most", body)
     assert int(reply.headers["x-llm-ratelimit-reserved-tokens"]) == len(body) + 4096, reply
-    # The upstream refuses the body too (serde_json, as the mock reads it, has no 1e400):
-    # an upstream error is settled at the prompt alone, here the body's bytes. (Reading the
-    # charge from Redis before the settlement lands would be a race.)
+    # Whatever the upstream makes of it (the mock, reading with serde_json, refuses 1e400
+    # with a 400), the charge is never settled. A later request's settlement landing is
+    # the barrier: any settlement of the first would have gone out before it.
     assert reply.status == 400, reply
+    barrier = send(port, "sk-barrier", chat())
+    assert barrier.status == 200, barrier
+    used = int(barrier.headers["x-mock-prompt-tokens"]) + int(barrier.headers["x-mock-completion-tokens"])
     client = redis.Redis(port=backend.redis_port)
-    expected = BIG - len(body)
-    wait_until(lambda: abs(bucket_level(client, "sk-most", "tpm") - expected) < 5, 10,  # < 5: the refill meanwhile
-               f"the settlement (bucket at {bucket_level(client, 'sk-most', 'tpm')}, expected {expected})")
+    wait_until(lambda: (level := bucket_level(client, "sk-barrier", "tpm")) is not None and abs(level - (BIG - used)) < 5,
+               15, "the later request's settlement")
+    level = bucket_level(client, "sk-most", "tpm")
+    assert BIG - (len(body) + 4096) <= level < BIG - (len(body) + 4096) + 5, level  # < 5: the refill meanwhile
 
 
 @pytest.mark.parametrize("path", ["/v1/models/../chat/completions", "/v1/models/%2e%2e/chat/completions"],

@@ -1218,6 +1218,9 @@ impl RequestFilter {
     ) -> Vec<(usize, i64)> {
         let Some(plan) = self.plan.as_ref() else { return Vec::new() };
         let Some(estimate) = plan.estimate else { return Vec::new() };
+        if plan.charged_most {
+            return Vec::new();
+        }
         let (reported, streamed_output, reply_model) = match self.reply.as_mut() {
             Some(ReplyReader::Json(reader)) => (reader.finish(), None, reader.model()),
             Some(ReplyReader::Stream(reader)) => {

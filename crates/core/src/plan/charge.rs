@@ -44,6 +44,10 @@ pub struct ChargePlan {
     pub unpriced: bool,
     /// Why the body cannot be read as its API's JSON, when it is to be refused for it
     /// (`tokens.unreadable_body: refuse`).
+    /// The body could not be read and is charged at the most it can cost
+    /// (`unreadable_body: charge_most`): its charge stands, never settled (nothing the
+    /// reply says about a request the filter could not read lowers it).
+    pub charged_most: bool,
     pub unreadable: Option<String>,
 }
 
@@ -279,6 +283,7 @@ pub fn plan(
         clamped,
         price,
         unpriced,
+        charged_most: most,
         unreadable: unreadable.filter(|_| !most),
     }
 }
