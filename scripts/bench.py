@@ -41,7 +41,7 @@ from pathlib import Path
 
 from stack import ROOT, Stack, envoy_config, free_port, http_get
 
-TOKEN = "bench-token"
+TOKEN = "bench-companion-token-0123456789"  # at least 16 bytes: the companion refuses shorter
 EMPTY_WASM = ROOT / "target/wasm32-unknown-unknown/release/empty_filter.wasm"
 FLOOR_WASM = ROOT / "target/wasm32-unknown-unknown/release/floor_filter.wasm"
 COMPANION = {"upstream": "llm_ratelimit_companion", "token": TOKEN, "timeout": "1s"}
@@ -97,10 +97,13 @@ def prompt_text(words: int) -> str:
 
 
 def wrk(url: str, script: Path, connections: int, seconds: int) -> dict:
-    out = subprocess.run(
+    done = subprocess.run(
         ["taskset", "-c", "1", "wrk", "-t1", f"-c{connections}", f"-d{seconds}s", "--latency", "-s", str(script), url],
-        capture_output=True, text=True, check=True,
-    ).stdout
+        capture_output=True, text=True,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"wrk failed ({done.returncode}):\n{done.stdout}{done.stderr}")
+    out = done.stdout
     if "Non-2xx" in out:
         raise RuntimeError(f"wrk saw errors:\n{out}")
     def pct(p):

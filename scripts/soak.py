@@ -41,7 +41,7 @@ from pathlib import Path
 
 from stack import Stack, envoy_config, free_port, http_get
 
-TOKEN = "soak-token"
+TOKEN = "soak-companion-token-0123456789"  # at least 16 bytes: the companion refuses shorter
 LIMITS = [{"name": "rpm", "requests": 1_000_000_000, "window": "1m"},
           {"name": "tpm", "tokens": 10**12, "window": "1m"}]
 BODY = {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "Say hello"}], "max_tokens": 8}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-TOKEN = "faults-token"
+TOKEN = "faults-companion-token-0123456789"  # at least 16 bytes: the companion refuses shorter
 DOMAIN = "faults"
 PREFIX = "llmrl:"
 WINDOW_S = 20.0
