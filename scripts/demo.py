@@ -48,6 +48,7 @@ def up() -> None:
     # The demo's credentials, fresh each time: the filter reads its own from Envoy's
     # environment (vm_config.environment_variables), never from its config.
     token, admin_token = secrets.token_hex(16), secrets.token_hex(16)
+    RUN.mkdir(parents=True, exist_ok=True)  # a fresh clone has no run/ yet
     (RUN / "admin-token").write_text(admin_token + "\n")
     stack = Stack(RUN)
     try:
