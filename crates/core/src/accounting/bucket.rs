@@ -196,7 +196,8 @@ fn until(end: u64, now_ms: f64) -> u64 {
     (end as f64 - now_ms).ceil().max(0.0) as u64
 }
 
-fn level_at(spec: &LimitCharge, state: Option<BucketState>, now_ms: f64) -> f64 {
+/// What the bucket holds at `now_ms` (full again once refilled, or once its period ended).
+pub(crate) fn level_at(spec: &LimitCharge, state: Option<BucketState>, now_ms: f64) -> f64 {
     let capacity = spec.capacity as f64;
     match state {
         None => capacity,

@@ -76,7 +76,8 @@ impl Counter {
     /// bucket refilled, a window with no entry left in it, no live slot.
     pub fn is_idle(&self, spec: &LimitCharge, now: f64) -> bool {
         match self {
-            Counter::Bucket(state) => state.is_none_or(|s| now - s.updated_ms >= spec.window_ms as f64),
+            // Full again: dropping it loses nothing (a missing bucket is a full one).
+            Counter::Bucket(state) => bucket::level_at(spec, *state, now) >= spec.capacity as f64,
             Counter::Window(entries) => entries.iter().all(|(at, _)| !in_window(*at, spec, now)),
             Counter::Slots(held) => held.values().all(|&expiry| expiry <= now),
         }

@@ -201,6 +201,28 @@ fn invented_keys_fill_a_bounded_table() {
     }
 }
 
+#[test]
+fn an_entry_full_again_gives_its_place_to_a_newcomer() {
+    // 1,000 requests a minute refill one every 60 ms: 100 ms after their last request every
+    // entry is full again, and a newcomer whose two slots they hold takes one. (Keeping
+    // them a whole window answered such newcomers 503 for that window.)
+    for kind in HOSTS {
+        let config =
+            local(json!([{"name": "rpm", "requests": 1000, "window": "1m"}]), json!({"memory": {"tenant_slots": 16}}));
+        let (world, mut workers) = workers(kind, &config);
+        let refused = |workers: &mut [Proxy; 2], round: &str| {
+            (0..200)
+                .filter(|i| {
+                    let flight = send(&mut workers[i % 2], Request::chat(&format!("sk-{round}-{i}"), CHAT));
+                    advance(&world, 100);
+                    flight.replied().is_some_and(|r| r.status == 503)
+                })
+                .count()
+        };
+        assert_eq!(refused(&mut workers, "a"), 0, "{kind:?}: each newcomer finds an entry full again");
+    }
+}
+
 /// What an entry costs: the README's sizing of Nginx's `shm_kv` for the local store.
 #[test]
 fn an_entry_is_at_most_the_stated_size() {
