@@ -11,6 +11,7 @@ the two. Redis's clock runs on by the call's own duration (under a millisecond h
 allowed TOLERANCE_MS): the table keeps every step 1 s or more from a boundary, or on it."""
 
 import json
+import math
 import uuid
 from pathlib import Path
 
@@ -81,7 +82,9 @@ def run_case(client, case):
         clock += step["advance_ms"]
         op, amount, reservation = step.get("op", "charge"), step["amount"], step.get("reservation")
         base = redis_now_ms(client) - clock
-        bounds = [round(base + b) for b in case["bounds_ms"]]
+        # Floored, not rounded: a step on a boundary must find Redis's clock at or past it
+        # (rounded, the boundary could land up to 0.5 ms after Redis's time at the call).
+        bounds = [math.floor(base + b) for b in case["bounds_ms"]]
         pipe = client.pipeline(transaction=True)
         if ends_at is not None:
             pipe.eval(SET_ENDS, 1, key, ends_at - clock)
