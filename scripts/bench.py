@@ -8,7 +8,9 @@ all measured in one run on this machine so the ratios mean something on a noisy 
    and Redis round trips per request, for request limits and request + token limits, each
    decided by a callout per request (direct), from a leased budget (lease) or in the
    proxy's own shared data (local store: no callout, no renewal); and the
-   cost of five limits against one, as token buckets and as sliding windows. Three
+   cost of five limits against one, as token buckets and as sliding windows; and the
+   hot tenant (`+ tokens, lease, 1 key`): one API key from all 16 connections, where the
+   other rows rotate over 1,000. Three
    bodies: a tiny chat; a realistic one (a system prompt and three exchanges, 2.4 kB);
    and a conversation of 1 to 20 turns, each request resending the turns before it, as a
    chat client does. Envoy --concurrency 1 on CPU 0; wrk, the mock upstream, the
@@ -23,7 +25,7 @@ all measured in one run on this machine so the ratios mean something on a noisy 
    the same text.
 
 Limits are far above the offered load: every request takes the whole path and none is
-rejected. Requests rotate over 1,000 API keys.
+rejected. Requests rotate over 1,000 API keys (the hot tenant row: one).
 """
 
 import argparse
@@ -61,6 +63,10 @@ LOCAL_STORE_TOKENS = {"store": "local", "limits": WITH_TOKENS["limits"]}
 # The queue on, capacity free: what README's "no added latency" is measured by.
 QUEUED = {**REQUESTS_ONLY, "queue": {"max_wait": "5s"}}
 
+# API keys the requests rotate over; the hot tenant rows send one key from every connection.
+TENANTS = 1000
+HOT_TENANT_ROWS = ("+ tokens, lease, 1 key",)
+
 WRK_SCRIPT = r"""
 wrk.method = "POST"
 wrk.headers["content-type"] = "application/json"
@@ -69,7 +75,7 @@ for line in io.lines("BODY_FILE") do bodies[#bodies + 1] = line end
 local n = 0
 request = function()
   n = n + 1
-  wrk.headers["authorization"] = "Bearer sk-bench-" .. (n % 1000)
+  wrk.headers["authorization"] = "Bearer sk-bench-" .. (n % TENANTS)
   -- "{{n}}" in a body becomes the request's number: a text no request sent before.
   local body = bodies[(n % #bodies) + 1]:gsub("{{n}}", tostring(n))
   return wrk.format(nil, nil, nil, body)
@@ -144,12 +150,13 @@ def conversation(turns: int) -> dict:
     return {"model": "gpt-4o-mini", "messages": messages, "max_tokens": 64}
 
 
-def script_for(workdir: Path, name: str, body: "dict | list[dict]") -> Path:
-    """A wrk script sending `body` (or each of a list of bodies in turn)."""
+def script_for(workdir: Path, name: str, body: "dict | list[dict]", tenants: "int | None" = None) -> Path:
+    """A wrk script sending `body` (or each of a list of bodies in turn), over `tenants` API
+    keys (default `TENANTS`)."""
     body_file = workdir / f"{name}.jsonl"
     body_file.write_text("\n".join(json.dumps(b) for b in (body if isinstance(body, list) else [body])) + "\n")
     script = workdir / f"{name}.lua"
-    script.write_text(WRK_SCRIPT.replace("BODY_FILE", str(body_file)))
+    script.write_text(WRK_SCRIPT.replace("BODY_FILE", str(body_file)).replace("TENANTS", str(tenants or TENANTS)))
     return script
 
 
@@ -272,16 +279,19 @@ def main() -> None:
                 ready, first = bench.startup(re.sub(r"[^a-z]+", "-", name).strip("-"), config, wasm)
                 print(f"   {name:<28}{ready:>10.2f} s{first * 1000:>13.1f} ms")
 
-        bodies = {
-            "tiny chat": script_for(workdir, "small", {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "Say hello"}], "max_tokens": 8}),
-            "realistic chat": script_for(workdir, "chat", conversation(3)),
-            "1-20 turns": script_for(workdir, "turns", [conversation(turns) for turns in range(20)]),
+        body_of = {
+            "tiny chat": ("small", {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "Say hello"}], "max_tokens": 8}),
+            "realistic chat": ("chat", conversation(3)),
+            "1-20 turns": ("turns", [conversation(turns) for turns in range(20)]),
         }
+        bodies = {name: script_for(workdir, file, body) for name, (file, body) in body_of.items()}
+        hot_bodies = {name: script_for(workdir, f"{file}-hot", body, tenants=1) for name, (file, body) in body_of.items()}
         variants = [("passthrough", None, None), ("empty wasm filter", None, EMPTY_WASM),
                     ("wasm ABI floor", None, FLOOR_WASM),
                     ("requests, direct", REQUESTS_ONLY, None), ("requests, lease", LEASED, None),
                     ("requests, queue on", QUEUED, None),
                     ("+ tokens, direct", WITH_TOKENS, None), ("+ tokens, lease", LEASED_TOKENS, None),
+                    (HOT_TENANT_ROWS[0], LEASED_TOKENS, None),
                     ("requests, local store", LOCAL_STORE, None), ("+ tokens, local store", LOCAL_STORE_TOKENS, None),
                     ("5 buckets, direct", FIVE_BUCKETS, None), ("1 sliding, direct", SLIDING, None),
                     ("5 sliding, direct", FIVE_SLIDING, None)]
@@ -294,7 +304,7 @@ def main() -> None:
             bodies = {name: script for name, script in bodies.items() if name in args.bodies}
         # The bodies that matter for a token policy: the filter parses and counts them.
         body_variants = ("passthrough", "empty wasm filter", "wasm ABI floor", "+ tokens, direct", "+ tokens, lease",
-                         "+ tokens, local store")
+                         *HOT_TENANT_ROWS, "+ tokens, local store")
         results, loads = {}, []
         urls, procs = {}, {}
         for name, config, wasm in variants if {"2", "3"} & set(args.parts) else []:
@@ -303,12 +313,14 @@ def main() -> None:
             loads.append(os.getloadavg()[0])
             for name, _, _ in variants:
                 for body_name, script in bodies.items():
+                    if name in HOT_TENANT_ROWS:
+                        script = hot_bodies[body_name]
                     if body_name == "tiny chat" or name in body_variants:
                         results.setdefault((body_name, name), []).append(bench.run(urls[name], script, procs[name]))
         if results:
             print("\n2. Requests (Envoy --concurrency 1 on CPU 0; the rest on CPU 1"
                   + (f"; medians of {args.rounds} interleaved rounds)" if args.rounds > 1 else ")"))
-            print(f"   {'path':<20}{'req/s':>9}{'ratio':>7}{'/empty':>8}{'/floor':>8}{'CPU/req':>10}{'p50 1 conn':>12}"
+            print(f"   {'path':<24}{'req/s':>9}{'ratio':>7}{'/empty':>8}{'/floor':>8}{'CPU/req':>10}{'p50 1 conn':>12}"
                   f"{'p99 1 conn':>12}{'added p50':>11}{'/empty':>10}{'Redis trips/req':>17}")
         for body_name in bodies:
             rows = {name: median_run(runs) for (b, name), runs in results.items() if b == body_name}
@@ -318,12 +330,12 @@ def main() -> None:
             base, empty, floor = (rows.get(n) for n in ("passthrough", "empty wasm filter", "wasm ABI floor"))
             for name, r in rows.items():
                 lat = r["latency"]
-                print(f"   {name:<20}{r['rps']:>9,.0f}{ratio(r, base):>7}{ratio(r, empty):>8}{ratio(r, floor):>8}"
+                print(f"   {name:<24}{r['rps']:>9,.0f}{ratio(r, base):>7}{ratio(r, empty):>8}{ratio(r, floor):>8}"
                       f"{r['cpu_us']:>7.1f} us{lat['p50']:>9.3f} ms{lat['p99']:>9.3f} ms"
                       f"{added_p50(r, base):>11}{added_p50(r, empty):>10}{r['trips']:>17.2f}")
                 if args.rounds > 1:
                     each = ", ".join(f"{run['rps']:,.0f} {run['cpu_us']:.1f} us" for run in results[(body_name, name)])
-                    print(f"   {'':<20}rounds (req/s, CPU/req): {each}")
+                    print(f"   {'':<24}rounds (req/s, CPU/req): {each}")
         if loads:
             print(f"   load average (1 min) at the start of each round: {', '.join(f'{l:.1f}' for l in loads)}")
 

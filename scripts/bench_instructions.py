@@ -113,7 +113,7 @@ def main() -> None:
     args = parser.parse_args()
     if not shutil.which("valgrind"):
         sys.exit("bench_instructions: valgrind is missing")
-    bench.WRK_SCRIPT = bench.WRK_SCRIPT.replace("(n % 1000)", f"(n % {TENANTS})")
+    bench.TENANTS = TENANTS
     workdir = Path(tempfile.mkdtemp(prefix="llmrl-instructions-"))
     bench_ = bench.Bench(workdir, args.seconds)
     scripts = {} if args.startup_only else {body: bench.script_for(workdir, body, b) for body, b in BODIES.items()}

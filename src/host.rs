@@ -8,7 +8,7 @@ use llm_ratelimit_core::replies::reply::LocalReply;
 use proxy_wasm::hostcalls;
 use proxy_wasm::types::{BufferType, MapType, MetricType, Status};
 use std::cell::RefCell;
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::rc::Rc;
 use std::time::{Duration, UNIX_EPOCH};
 
@@ -25,6 +25,9 @@ pub struct HostState {
     series_ids: Vec<Option<u32>>,
     series_pending: Vec<u64>,
     warned: BTreeSet<&'static str>,
+    /// Gauge ids by name, defined once each: the names come from the config (its limits
+    /// and model rules), so this stays as small as the config.
+    gauge_ids: BTreeMap<String, u32>,
 }
 
 impl HostState {
@@ -231,9 +234,19 @@ impl Host for ProxyHost {
     }
 
     fn set_gauge(&mut self, name: &str, value: u64) {
-        if let (Ok(id), Ok(_)) = (hostcalls::define_metric(MetricType::Gauge, name), i64::try_from(value)) {
-            let _ = hostcalls::record_metric(id, value);
+        if i64::try_from(value).is_err() {
+            return;
         }
+        let mut state = self.state.borrow_mut();
+        let id = match state.gauge_ids.get(name) {
+            Some(id) => *id,
+            None => match hostcalls::define_metric(MetricType::Gauge, name) {
+                Ok(id) => *state.gauge_ids.entry(name.to_string()).or_insert(id),
+                Err(_) => return,
+            },
+        };
+        drop(state);
+        let _ = hostcalls::record_metric(id, value);
     }
 
     fn log(&mut self, level: LogLevel, message: &str) {

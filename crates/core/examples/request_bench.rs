@@ -1,6 +1,7 @@
 //! The core's per-request path on the fake host, without a proxy: where a request's cycles
 //! go (body parse, tokenization, lease bookkeeping, reply reading) shows here without V8.
-//! Usage: cargo run --release --features testing --example request_bench -- [lease|direct] [small|chat|turns] [N]
+//! Usage: cargo run --release --features testing --example request_bench -- [lease|direct] [small|chat|turns] [N] [TENANTS]
+//! (TENANTS: API keys the requests rotate over, 1,000 by default; `scripts/bench_instructions.py` uses 10.)
 //! Prints one JSON line: requests, microseconds per request. Run it under
 //! `valgrind --tool=callgrind` for a repeatable per-function profile.
 
@@ -72,7 +73,8 @@ fn main() {
     let world = World::new(HostKind::Envoy);
     let mut proxy = Proxy::new(&world, &config);
     let mut companion = FakeCompanion::default();
-    let keys: Vec<String> = (0..1000).map(|i| format!("sk-bench-{i}")).collect();
+    let tenants: usize = args.get(3).and_then(|n| n.parse().ok()).unwrap_or(1000).max(1);
+    let keys: Vec<String> = (0..tenants).map(|i| format!("sk-bench-{i}")).collect();
     let started = Instant::now();
     for i in 0..n {
         let request = Request::chat(&keys[i % keys.len()], &bodies[i % bodies.len()]);

@@ -5,6 +5,7 @@
 
 use crate::accounting::breaker::{Breaker, Dispatch};
 use crate::accounting::lease::{lease_asks, LeaseEntry, TenantLeases};
+use crate::api::identity::TenantIds;
 use crate::config::{Policy, Store};
 use crate::effects::calibration_store::LocalCalibrations;
 use crate::effects::host::{detect_kind, shared_read, shared_update, Host, HostKind, LogLevel, Metric, Owner};
@@ -33,6 +34,9 @@ const EXPIRY_TICKS: u32 = 10;
 /// behind a worker's 5,500 token requests/s, and the full queue dropped settlements).
 const SETTLE_BATCH: usize = crate::protocol::MAX_SETTLEMENTS_PER_CALL;
 const SETTLE_QUEUE_CAPACITY: usize = 20_000;
+/// Credentials whose tenant ids a VM keeps: 1,024 clients returning in turn are hashed
+/// once each; at most ~300 KB (slots of 32 B, each credential at most 256 B and its id).
+const TENANT_ID_CACHE_SLOTS: usize = 1024;
 /// Settlement batches and slot heartbeats wait at least this long for the companion.
 const BACKGROUND_TIMEOUT: Duration = Duration::from_secs(1);
 
@@ -57,6 +61,8 @@ pub struct Worker {
     renewing: HashMap<u32, (String, Vec<LeaseAsk>)>,
     /// Token counts of long prompt texts this VM counted (bounded).
     pub(crate) prompt_cache: PromptCache,
+    /// Tenant ids of the credentials this VM saw last (bounded).
+    pub(crate) tenant_ids: TenantIds,
     /// What settled replies teach, gathered for the tick, and the calibrations as read.
     pub(crate) calibrations: LocalCalibrations,
     /// What providers said of their limits, for the fleet's exchange.
@@ -107,6 +113,7 @@ impl Worker {
             settling: None,
             renewing: HashMap::new(),
             prompt_cache: PromptCache::new(0),
+            tenant_ids: TenantIds::new(TENANT_ID_CACHE_SLOTS),
             calibrations: LocalCalibrations::default(),
             provider_words: LocalProviderWords::default(),
             queue_wait_ms_uncounted: 0,
@@ -471,7 +478,8 @@ impl Worker {
     // ---- the root's background work ----
 
     fn send_settlements(&mut self, host: &mut impl Host, config: &Policy) {
-        if self.settling.is_some() || !self.breaker(host, config).is_closed() {
+        // The breaker is read last: an idle tick makes no call into the host for it.
+        if self.settling.is_some() || self.settlements.is_empty() || !self.breaker(host, config).is_closed() {
             return; // one batch at a time; none while the companion is known to be away
         }
         let batch = self.settlements.take_batch(SETTLE_BATCH, host.now_ms());
@@ -528,7 +536,7 @@ impl Worker {
 
     /// Asks for fresh grants for the tenants whose leases ran low, one callout each.
     fn renew_leases(&mut self, host: &mut impl Host, config: &Policy, now: u64) {
-        if !self.breaker(host, config).is_closed() {
+        if self.renewals.is_empty() || !self.breaker(host, config).is_closed() {
             return;
         }
         let policy = config.lease.policy();

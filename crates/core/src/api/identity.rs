@@ -172,6 +172,45 @@ pub fn tenant_id(credential: &str) -> String {
     id
 }
 
+/// Recent credentials of one VM with their tenant ids, so a returning client is not hashed
+/// again (SHA-256 is the largest part of identifying a request). Direct-mapped and
+/// fixed-size: a credential takes the slot its bytes index, replacing whoever had it, so
+/// memory stays at most `slots` entries of at most `MAX_CACHED_CREDENTIAL` bytes, whatever
+/// keys clients invent; a longer credential is hashed every time.
+pub struct TenantIds {
+    slots: Vec<Option<(Box<str>, Box<str>)>>,
+}
+
+/// The longest credential kept (API keys are 40 to 200 bytes; JWTs can be kilobytes).
+pub const MAX_CACHED_CREDENTIAL: usize = 256;
+
+impl TenantIds {
+    pub fn new(slots: usize) -> TenantIds {
+        TenantIds { slots: vec![None; slots] }
+    }
+
+    /// `tenant_id(credential)`, from the cache when this VM saw the credential last in its slot.
+    pub fn of(&mut self, credential: &str) -> String {
+        if self.slots.is_empty() || credential.len() > MAX_CACHED_CREDENTIAL {
+            return tenant_id(credential);
+        }
+        // FNV-1a: the index only spreads credentials; a client forcing two into one slot
+        // costs itself a hash per request, nothing more.
+        let index =
+            credential.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3));
+        let slot = (index % self.slots.len() as u64) as usize;
+        match self.slots.get_mut(slot) {
+            Some(Some((seen, id))) if **seen == *credential => id.to_string(),
+            Some(entry) => {
+                let id = tenant_id(credential);
+                *entry = Some((credential.into(), id.as_str().into()));
+                id
+            }
+            None => tenant_id(credential),
+        }
+    }
+}
+
 /// Whether `value` is a tenant id as `tenant_id` makes them (32 lower-case hex digits) or
 /// the anonymous tenant: what config may name, where a credential pasted by mistake must
 /// be refused.
@@ -183,6 +222,22 @@ pub fn is_tenant_id(value: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_cache_of_tenant_ids_gives_what_hashing_gives_and_stays_bounded() {
+        let mut ids = TenantIds::new(4);
+        let keys: Vec<String> = (0..50).map(|i| format!("sk-cache-{i}")).collect();
+        for round in 0..3 {
+            for key in &keys {
+                assert_eq!(ids.of(key), tenant_id(key), "round {round}, {key}");
+            }
+        }
+        assert_eq!(ids.slots.len(), 4);
+        let long = "k".repeat(MAX_CACHED_CREDENTIAL + 1);
+        assert_eq!(ids.of(&long), tenant_id(&long));
+        assert!(ids.slots.iter().flatten().all(|(credential, _)| credential.len() <= MAX_CACHED_CREDENTIAL));
+        assert_eq!(TenantIds::new(0).of("sk-x"), tenant_id("sk-x"));
+    }
 
     /// Every place the built-in families read (the places of a path no family is
     /// recognised in).

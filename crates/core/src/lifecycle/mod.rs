@@ -11,7 +11,7 @@ use crate::accounting::lease::{lease_asks, LeaseEntry, TenantLeases};
 use crate::accounting::reply_floor::{self, ReplySight};
 use crate::accounting::reservation::{actual_usage, credit, Ending, OutputAverage, TokenCounts};
 use crate::api::dialect::Dialect;
-use crate::api::identity::{read_credential, tenant_id, Credential, IdentitySource, ANONYMOUS_TENANT};
+use crate::api::identity::{read_credential, tenant_id, Credential, IdentitySource, TenantIds, ANONYMOUS_TENANT};
 use crate::config::{FailureMode, Measure, MissingIdentity, Mode, Policy, Store, UnknownPaths, UnreadableBody};
 use crate::effects::calibration_store::LocalCalibrations;
 use crate::effects::host::{shared_update, Action, Host, LogLevel, Metric, Owner};
@@ -261,7 +261,7 @@ impl RequestFilter {
         if unknown || crate::parse::path::is_batch_or_realtime(&path) {
             return self.apply(host, &config, Verdict::Reply(decision::path_refused(self.dialect)), false);
         }
-        match self.identify(host, &config, &raw_path) {
+        match self.identify(host, &config, &raw_path, &mut worker.tenant_ids) {
             Ok(tenant) => self.tenant = tenant,
             Err(verdict) => return self.apply(host, &config, verdict, false),
         }
@@ -365,12 +365,13 @@ impl RequestFilter {
         for (name, value) in self.response_headers.drain(..) {
             host.set_response_header(name, &value);
         }
-        if self.admission.is_some() {
-            let status: u32 = host.response_header(":status").and_then(|s| s.parse().ok()).unwrap_or(0);
-            self.credential_refused = matches!(status, 401 | 403);
+        if self.admission.is_none() {
+            return Action::Continue;
         }
-        if self.admission.is_some() && self.plan.as_ref().is_some_and(|p| p.estimate.is_some()) {
-            let status: u32 = host.response_header(":status").and_then(|s| s.parse().ok()).unwrap_or(0);
+        // Read once: each read is a call into the host.
+        let status: u32 = host.response_header(":status").and_then(|s| s.parse().ok()).unwrap_or(0);
+        self.credential_refused = matches!(status, 401 | 403);
+        if self.plan.as_ref().is_some_and(|p| p.estimate.is_some()) {
             self.upstream_error = status >= 400;
             self.sight.started = true;
             self.sight.unreadable =
@@ -459,7 +460,13 @@ impl RequestFilter {
     /// The tenant, from the places the request's upstream authenticates (or the
     /// operator's own headers): all of them, so that two credentials are refused rather
     /// than one chosen.
-    fn identify(&self, host: &mut impl Host, config: &Policy, path: &str) -> Result<String, Verdict> {
+    fn identify(
+        &self,
+        host: &mut impl Host,
+        config: &Policy,
+        path: &str,
+        ids: &mut TenantIds,
+    ) -> Result<String, Verdict> {
         let query = path.split_once('?').map_or("", |(_, query)| query.split('#').next().unwrap_or(""));
         let values = |name: &str| host.request_header_values(name);
         let credential = match (&config.identity.sources, &self.route) {
@@ -472,7 +479,7 @@ impl RequestFilter {
                 host.add_metric(Metric::Unidentified, 1);
                 Err(Verdict::Reply(decision::conflicting_credentials(self.dialect)))
             }
-            (Credential::Found(credential), _) => Ok(tenant_id(&credential)),
+            (Credential::Found(credential), _) => Ok(ids.of(&credential)),
             (Credential::Missing, MissingIdentity::Anonymous) => Ok(ANONYMOUS_TENANT.to_string()),
             (Credential::Missing, MissingIdentity::Reject) => {
                 host.add_metric(Metric::Unidentified, 1);

@@ -1164,3 +1164,36 @@ fn a_slot_nobody_renews_is_freed_when_it_expires() {
         assert!(admit(&mut live, &mut companion, "sk-a").0.forwarded(), "{kind:?}: t=3s, expired");
     }
 }
+
+/// Calls into the host cost a proxy more than most of the filter's own work (each crosses
+/// the VM's boundary, and some lock and copy): `scripts/bench_instructions.py` counts them
+/// in Envoy. These are the ones a leased chat and an idle VM can do without.
+#[cfg_attr(not(target_arch = "wasm32"), test)]
+#[cfg_attr(target_arch = "wasm32", wasm_bindgen_test::wasm_bindgen_test)]
+fn a_leased_reply_reads_its_status_once_and_an_idle_tick_reads_no_shared_data() {
+    for kind in HOSTS {
+        let world = World::new(kind);
+        let mut proxy = Proxy::new(&world, &rpm_tpm(json!({"lease": {"enabled": true}})));
+        let mut companion = FakeCompanion::default();
+        let calls = |name: &str| world.borrow().host_calls.get(name).copied().unwrap_or(0);
+        // The first request is charged directly, the second asks for the lease.
+        for _ in 0..3 {
+            let mut chat = proxy.send(Request::chat("sk-a", CHAT), &mut companion);
+            assert!(chat.forwarded(), "{kind:?}");
+            proxy.reply(&mut chat, 200, "application/json", &[&usage_reply(9, 41)]);
+        }
+        proxy.tick(Some(&mut companion));
+        let before = calls("response_header");
+        let mut chat = proxy.send(Request::chat("sk-a", CHAT), &mut companion);
+        assert!(chat.forwarded() && chat.host.callouts.is_empty(), "{kind:?}: admitted from the lease");
+        proxy.reply(&mut chat, 200, "application/json", &[&usage_reply(9, 41)]);
+        // `:status`, `content-encoding` and `content-type`, each once.
+        assert_eq!(calls("response_header") - before, 3, "{kind:?}");
+        proxy.tick(Some(&mut companion)); // the reply's lesson taken into the calibration
+        let before = (calls("shared_get"), calls("shared_set"));
+        for _ in 0..20 {
+            proxy.tick(Some(&mut companion));
+        }
+        assert_eq!((calls("shared_get"), calls("shared_set")), before, "{kind:?}: nothing to renew, settle or return");
+    }
+}

@@ -14,7 +14,12 @@ pub fn without_query(path: &str) -> &str {
 /// segments resolved (RFC 3986 5.2.4, `..` never above the root); trailing slashes gone
 /// (`/v1/messages/` is `/v1/messages`).
 pub fn normalised(path: &str) -> String {
-    let decoded = decode_unreserved(without_query(path));
+    let path = without_query(path);
+    // The usual path is already in this form: one scan instead of a rebuild.
+    if is_normal(path) {
+        return path.to_string();
+    }
+    let decoded = decode_unreserved(path);
     let mut segments: Vec<&str> = Vec::new();
     for segment in decoded.split('/') {
         match segment {
@@ -31,6 +36,13 @@ pub fn normalised(path: &str) -> String {
         out.push_str(segment);
     }
     out
+}
+
+/// Whether `path` (without its query) is what `normalised` makes of it: nothing encoded,
+/// each segment after a leading `/` neither empty, `.` nor `..`.
+fn is_normal(path: &str) -> bool {
+    let mut segments = path.split('/');
+    segments.next() == Some("") && !path.contains('%') && segments.all(|s| !matches!(s, "" | "." | ".."))
 }
 
 fn decode_unreserved(path: &str) -> String {

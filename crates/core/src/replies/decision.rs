@@ -89,28 +89,25 @@ fn openai_headers(reply: &LimitsReply, config: &Policy, headers: &mut Vec<Header
 }
 
 fn ietf_headers(windowed: &[&LimitOutcome], config: &Policy, now_ms: u64, headers: &mut Vec<Header>) {
-    if !windowed.is_empty() {
-        let seconds = |ms: u64| ms.div_ceil(1000);
-        let policy = windowed
-            .iter()
-            .map(|o| {
-                let window = config.limit(&o.name).map_or(0, |l| l.window_ms_at(now_ms));
-                format!("\"{}\";q={};w={}", o.name, o.limit, seconds(window))
-            })
-            .collect::<Vec<_>>();
+    use std::fmt::Write;
+    if windowed.is_empty() {
+        return;
+    }
+    let seconds = |ms: u64| ms.div_ceil(1000);
+    // Each field written in one string as it goes (every response carries both).
+    let (mut policy, mut state) = (String::with_capacity(64), String::with_capacity(64));
+    for (i, o) in windowed.iter().enumerate() {
+        let separator = if i == 0 { "" } else { ", " };
+        let window = config.limit(&o.name).map_or(0, |l| l.window_ms_at(now_ms));
+        let _ = write!(policy, "{separator}\"{}\";q={};w={}", o.name, o.limit, seconds(window));
         // `t` says when `r` is worth asking again: with nothing left, when a request fits
         // again (what `retry-after` says), not when the whole window has refilled, which
         // would keep a client that follows this header waiting many times too long.
-        let state = windowed
-            .iter()
-            .map(|o| {
-                let wait = if o.remaining == 0 && o.retry_after_ms > 0 { o.retry_after_ms } else { o.reset_after_ms };
-                format!("\"{}\";r={};t={}", o.name, o.remaining, seconds(wait))
-            })
-            .collect::<Vec<_>>();
-        headers.push(("ratelimit-policy", policy.join(", ")));
-        headers.push(("ratelimit", state.join(", ")));
+        let wait = if o.remaining == 0 && o.retry_after_ms > 0 { o.retry_after_ms } else { o.reset_after_ms };
+        let _ = write!(state, "{separator}\"{}\";r={};t={}", o.name, o.remaining, seconds(wait));
     }
+    headers.push(("ratelimit-policy", policy));
+    headers.push(("ratelimit", state));
 }
 
 /// The 429 for a reply that was not allowed. It names the limit that binds longest; when

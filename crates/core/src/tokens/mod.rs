@@ -144,23 +144,33 @@ pub fn builtin_rules() -> Vec<ModelRule> {
 }
 
 /// `*` matches any run of characters, everything else itself; case-sensitive.
+///
+/// On bytes and without allocating: a request matches its model against every rule,
+/// price and pattern of the config (a dozen built in), on the charge and on the
+/// settlement. Bytes match as characters do: a literal part of valid UTF-8 found in valid
+/// UTF-8 starts and ends on character boundaries.
 pub fn glob_match(pattern: &str, text: &str) -> bool {
-    let mut parts = pattern.split('*');
-    let first = parts.next().unwrap_or("");
-    let Some(mut rest) = text.strip_prefix(first) else {
+    let (pattern, text) = (pattern.as_bytes(), text.as_bytes());
+    let Some(star) = pattern.iter().position(|&b| b == b'*') else {
+        return pattern == text; // no `*`: exact match
+    };
+    let (first, tail) = (&pattern[..star], &pattern[star + 1..]);
+    let (middle, last) = match tail.iter().rposition(|&b| b == b'*') {
+        Some(at) => (&tail[..at], &tail[at + 1..]),
+        None => (&[][..], tail),
+    };
+    // The first part opens the text and the last ends it; the middle parts are found,
+    // leftmost first (which leaves the most room for the parts after), in between.
+    let Some(mut rest) = text.strip_prefix(first).and_then(|rest| rest.strip_suffix(last)) else {
         return false;
     };
-    let parts: Vec<&str> = parts.collect();
-    let Some((last, middle)) = parts.split_last() else {
-        return rest.is_empty(); // no `*`: exact match
-    };
-    for part in middle {
-        match rest.find(part) {
+    for part in middle.split(|&b| b == b'*').filter(|part| !part.is_empty()) {
+        match rest.windows(part.len()).position(|window| window == part) {
             Some(at) => rest = &rest[at + part.len()..],
             None => return false,
         }
     }
-    rest.len() >= last.len() && rest.ends_with(last)
+    true
 }
 
 #[cfg(test)]
@@ -203,6 +213,24 @@ mod tests {
         ];
         for (pattern, text, expected) in cases {
             assert_eq!(glob_match(pattern, text), expected, "{pattern} vs {text}");
+        }
+    }
+
+    #[cfg(not(target_arch = "wasm32"))]
+    /// The definition, by backtracking: `*` takes any run, everything else itself.
+    fn glob_reference(pattern: &[u8], text: &[u8]) -> bool {
+        match pattern.split_first() {
+            None => text.is_empty(),
+            Some((b'*', rest)) => (0..=text.len()).any(|skip| glob_reference(rest, &text[skip..])),
+            Some((c, rest)) => text.split_first().is_some_and(|(t, text)| t == c && glob_reference(rest, text)),
+        }
+    }
+
+    #[cfg(not(target_arch = "wasm32"))]
+    proptest::proptest! {
+        #[test]
+        fn glob_match_is_the_definition(pattern in "[ab*]{0,7}", text in "[ab]{0,7}") {
+            proptest::prop_assert_eq!(glob_match(&pattern, &text), glob_reference(pattern.as_bytes(), text.as_bytes()));
         }
     }
 
