@@ -151,22 +151,27 @@ pub fn builtin_rules() -> Vec<ModelRule> {
 /// UTF-8 starts and ends on character boundaries.
 pub fn glob_match(pattern: &str, text: &str) -> bool {
     let (pattern, text) = (pattern.as_bytes(), text.as_bytes());
-    let Some(star) = pattern.iter().position(|&b| b == b'*') else {
+    if !pattern.contains(&b'*') {
         return pattern == text; // no `*`: exact match
-    };
-    let (first, tail) = (&pattern[..star], &pattern[star + 1..]);
-    let (middle, last) = match tail.iter().rposition(|&b| b == b'*') {
-        Some(at) => (&tail[..at], &tail[at + 1..]),
-        None => (&[][..], tail),
-    };
+    }
+    let mut parts = pattern.split(|&b| b == b'*');
+    let first = parts.next().unwrap_or_default();
+    let last = pattern.rsplit(|&b| b == b'*').next().unwrap_or_default();
     // The first part opens the text and the last ends it; the middle parts are found,
     // leftmost first (which leaves the most room for the parts after), in between.
     let Some(mut rest) = text.strip_prefix(first).and_then(|rest| rest.strip_suffix(last)) else {
         return false;
     };
-    for part in middle.split(|&b| b == b'*').filter(|part| !part.is_empty()) {
+    let mut middle = parts.peekable();
+    while let Some(part) = middle.next() {
+        if middle.peek().is_none() {
+            break; // the last part, matched above
+        }
+        if part.is_empty() {
+            continue;
+        }
         match rest.windows(part.len()).position(|window| window == part) {
-            Some(at) => rest = &rest[at + part.len()..],
+            Some(at) => rest = rest.get(at + part.len()..).unwrap_or_default(),
             None => return false,
         }
     }
