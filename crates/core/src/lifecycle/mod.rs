@@ -253,6 +253,11 @@ impl RequestFilter {
 
     pub fn on_request_headers(&mut self, host: &mut impl Host, worker: &mut Worker, end_of_stream: bool) -> Action {
         let Some(config) = self.config.clone() else { return Action::Continue };
+        if config.overflows() {
+            // Only the filter says where a request overflows: a client's own header would
+            // send it to the fallback, bypassed or charged on the primary's limits.
+            host.remove_request_header(OVERFLOW_HEADER);
+        }
         let raw_path = host.request_header(":path").unwrap_or_default();
         // The one reading of the path: bypass and routing both see it.
         let path = crate::parse::path::normalised(&raw_path);
@@ -281,11 +286,6 @@ impl RequestFilter {
                 None => self.tenant.clone(),
                 Some(_) => self.upstream_credential(host, &raw_path),
             };
-        }
-        if config.overflows() {
-            // Only the filter says where a request overflows: a client's own header would
-            // send it to the fallback while its limits are charged on the primary's.
-            host.remove_request_header(OVERFLOW_HEADER);
         }
         if config.bypass.tenant(&self.tenant) {
             host.add_metric(Metric::Bypassed, 1);
