@@ -243,6 +243,8 @@ impl Worker {
             return;
         }
         if let Some((holder, asked)) = self.renewing.remove(&token) {
+            // Answered (or failed): the next renewal of this entry may be asked.
+            lease_table::renewal_answered(host, &config, &holder);
             match callout_reply::<LimitsReply>(host, body_size) {
                 Ok(reply) if reply.allowed && reply.limits.len() == asked.len() => {
                     self.callout_succeeded(host, &config);

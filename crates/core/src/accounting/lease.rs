@@ -64,6 +64,11 @@ impl Lease {
         self.granted > 0.0 && (low || ending)
     }
 
+    /// A renewal's callout has answered (granted or not): another may be asked.
+    pub fn renewal_answered(&mut self) {
+        self.renewal_asked_ms = 0;
+    }
+
     /// Whether a renewal of this lease was asked and may still be out.
     pub fn renewal_in_flight(&self, policy: &LeasePolicy, now_ms: u64) -> bool {
         self.renewal_asked_ms != 0 && now_ms < self.renewal_asked_ms + policy.renewal_wait_ms
@@ -91,6 +96,7 @@ impl Lease {
     }
 
     /// Adds a grant: the budget joins what is left, and the lease lives on from now.
+    /// (A renewal's answer also lifts the renewal's marker: [`Lease::renewal_answered`].)
     pub fn add_grant(&mut self, grant: f64, global_remaining: f64, policy: &LeasePolicy, now_ms: u64) {
         if !self.is_live(now_ms) {
             self.remaining = self.remaining.min(0.0); // an expired lease's budget went back
@@ -99,7 +105,7 @@ impl Lease {
         self.granted = grant.max(self.granted * 0.5);
         self.global_remaining = global_remaining;
         self.expires_ms = now_ms + policy.ttl_ms;
-        self.renewal_asked_ms = 0;
+        // A renewal still out stays marked: a request's own grant does not answer it.
         self.blocked_until_ms = 0;
     }
 

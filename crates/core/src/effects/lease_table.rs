@@ -225,6 +225,28 @@ pub fn gather(host: &mut impl Host, config: &Policy, holders: &[Holder]) -> Tena
     view
 }
 
+/// Lifts the renewal marker of `holder`'s leases: its renewal answered, granted or not.
+pub fn renewal_answered(host: &mut impl Host, config: &Policy, holder: &Holder) {
+    let limits = config.limits.len();
+    update_own(
+        host,
+        config,
+        TenantTable::Leases,
+        &holder.name,
+        |_| false,
+        |payload| {
+            let Some(payload) = payload else { return (None, ()) };
+            let mut entry = LeaseEntry::decode(Some(payload), limits);
+            for &i in &holder.indices {
+                if let Some(lease) = entry.leases.0.get_mut(i) {
+                    lease.renewal_answered();
+                }
+            }
+            (Some(entry.encode()), ())
+        },
+    );
+}
+
 /// Adds a grant to the entries of `holders`: `outcome(i)` is what limit `i` was granted
 /// (`None`: not asked). With `costs`, a request is admitted from the grant too: it covered
 /// at least the request's need, so the admission stands even if another worker spent the

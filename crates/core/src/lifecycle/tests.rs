@@ -434,6 +434,17 @@ fn one_renewal_of_a_lease_is_out_at_a_time_per_proxy_however_slow_the_companion(
         spend(&mut workers, 10, &mut companion);
         let out = renewals_out(&workers);
         assert_eq!(out.len(), 1, "{kind:?}: {} renewals of one lease out at once", out.len());
+        // Requests that find the lease dry ask grants of their own: those do not answer the
+        // renewal out, so no worker asks another meanwhile.
+        let asked = companion.calls.get(crate::protocol::LEASE_PATH).copied().unwrap_or(0);
+        for _ in 0..10 {
+            assert!(workers[1].send(Request::get("sk-a", "/v1/models"), &mut companion).forwarded(), "{kind:?}");
+        }
+        assert!(companion.calls.get(crate::protocol::LEASE_PATH).copied().unwrap_or(0) > asked, "{kind:?}: ran dry");
+        for worker in workers.iter_mut() {
+            worker.tick(None);
+        }
+        assert_eq!(renewals_out(&workers).len(), 1, "{kind:?}: a request's own grant is not the renewal's answer");
         // The answer lands: the lease grows and the marker is lifted.
         let owner = workers.iter().position(|w| w.root.callouts.iter().any(|c| c.path == crate::protocol::LEASE_PATH));
         let owner = owner.expect("a worker renewed");
