@@ -416,7 +416,7 @@ fn one_renewal_of_a_lease_is_out_at_a_time_per_proxy_however_slow_the_companion(
             let out = workers.iter().flat_map(|w| w.root.callouts.iter());
             out.filter(|c| c.path == crate::protocol::LEASE_PATH).cloned().collect()
         };
-        let mut spend = |workers: &mut [Proxy; 2], n: usize, companion: &mut FakeCompanion| {
+        let spend = |workers: &mut [Proxy; 2], n: usize, companion: &mut FakeCompanion| {
             for i in 0..n {
                 let flight = workers[i % 2].send(Request::get("sk-a", "/v1/models"), companion);
                 assert!(flight.forwarded() && flight.host.callouts.is_empty(), "{kind:?}: admitted from the lease");
