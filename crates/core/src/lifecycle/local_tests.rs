@@ -250,7 +250,7 @@ fn an_entry_is_at_most_the_stated_size() {
         assert_eq!(admitted, 64, "{kind:?}");
         let key = world.borrow().keys().into_iter().find(|k| k.starts_with("llmrl.local.")).expect("an entry");
         let stored = workers[0].root.shared_value(&key).expect("its value");
-        assert_eq!(stored.len(), 32 + 1 + 3 + 16 * 64, "{kind:?}");
+        assert_eq!(stored.len(), 33 + 1 + 3 + 16 * 64, "{kind:?}");
     }
 }
 
