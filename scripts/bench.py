@@ -10,7 +10,8 @@ all measured in one run on this machine so the ratios mean something on a noisy 
    proxy's own shared data (local store: no callout, no renewal); and the
    cost of five limits against one, as token buckets and as sliding windows; and the
    hot tenant (`+ tokens, lease, 1 key`): one API key from all 16 connections, where the
-   other rows rotate over 1,000. Three
+   other rows rotate over 1,000; and a request limit with a shared pool every request
+   touches (`per: "all"`), direct and leased, next to the same limit without it. Three
    bodies: a tiny chat; a realistic one (a system prompt and three exchanges, 2.4 kB);
    and a conversation of 1 to 20 turns, each request resending the turns before it, as a
    chat client does. Envoy --concurrency 1 on CPU 0; wrk, the mock upstream, the
@@ -57,6 +58,11 @@ FIVE_SLIDING = {**REQUESTS_ONLY, "limits": [
     {**limit, "algorithm": "sliding_window"} for limit in FIVE_BUCKETS["limits"]]}
 LEASED = {**REQUESTS_ONLY, "lease": {"enabled": True}}
 LEASED_TOKENS = {**WITH_TOKENS, "lease": {"enabled": True}}
+# The same request limit with a shared pool every request touches (`per: "all"`, the
+# upstream's quota): next to the rows above, what the pool adds, directly and leased.
+POOLED = {**REQUESTS_ONLY, "limits": REQUESTS_ONLY["limits"] + [
+    {"name": "upstream", "requests": 1_000_000_000, "window": "1m", "per": "all"}]}
+POOLED_LEASED = {**POOLED, "lease": {"enabled": True}}
 # The local store (`"store": "local"`): every limit in the proxy's shared data, no callout.
 LOCAL_STORE = {"store": "local", "limits": REQUESTS_ONLY["limits"]}
 LOCAL_STORE_TOKENS = {"store": "local", "limits": WITH_TOKENS["limits"]}
@@ -289,6 +295,7 @@ def main() -> None:
         variants = [("passthrough", None, None), ("empty wasm filter", None, EMPTY_WASM),
                     ("wasm ABI floor", None, FLOOR_WASM),
                     ("requests, direct", REQUESTS_ONLY, None), ("requests, lease", LEASED, None),
+                    ("+ pool, direct", POOLED, None), ("+ pool, lease", POOLED_LEASED, None),
                     ("requests, queue on", QUEUED, None),
                     ("+ tokens, direct", WITH_TOKENS, None), ("+ tokens, lease", LEASED_TOKENS, None),
                     (HOT_TENANT_ROWS[0], LEASED_TOKENS, None),

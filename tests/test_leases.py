@@ -190,13 +190,11 @@ class SlowLeaseForwarder:
 
 # Not strict: the two workers' renewals meet in most runs (2 in flight in 4 of 5 here),
 # not in every one, so a pass is luck, not a fix.
-@pytest.mark.xfail(strict=False, reason=(
-    "each worker VM keeps its own renewals in flight (Worker::renewing) and the shared "
-    "renewal_asked_ms only spaces renewals 1 s apart: two workers of one proxy renew a "
-    "tenant at once when the companion takes longer than that"))
 def test_never_more_than_one_renewal_in_flight_per_tenant(backend):
     """However slow the companion answers (here 1.5 s, within the callout timeout of 2 s),
-    a proxy has at most one background renewal of a tenant's lease out at a time."""
+    a proxy has at most one background renewal of a tenant's lease out at a time: a
+    renewal asked is awaited in shared data for as long as its callout may be out
+    (issue 28; before, workers waited 1 s only and renewed one tenant twice at once)."""
     delay = 1.5
     forwarder = SlowLeaseForwarder(backend.companion_port, delay)
     try:

@@ -223,16 +223,9 @@ impl LimitsCall for LeaseRequest {
     fn metric_op(&self) -> MetricOp {
         MetricOp::Lease
     }
+    /// Split by owner on a cluster (see `pools`).
     async fn decide(&self, app: &App) -> Result<llm_ratelimit_protocol::LimitsReply, String> {
-        if app.batcher.store().is_cluster()
-            && pools::lease_spans_owners(&self.tenant, self.limits.iter().map(|l| l.owner.clone()))
-        {
-            return Err(
-                "a lease of limits of several owners (shared pools) needs one Redis server, not a cluster".into()
-            );
-        }
-        let value = app.batcher.decide(self.call(&app.key_prefix)).await.map_err(|err| format!("redis: {err}"))?;
-        limits::reply(self.names().into_iter(), &value).map_err(|err| format!("unexpected script reply: {err}"))
+        pools::lease(&app.batcher, &app.key_prefix, self).await
     }
 }
 

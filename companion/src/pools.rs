@@ -21,6 +21,13 @@
 //! part took stays charged until the counter refills. A settlement is split the same way,
 //! each part applied at most once by its own record.
 //!
+//! A lease (a grant of budget a proxy admits from locally) is split the same way on a
+//! cluster: the parts are granted in that order, each all or nothing in its slot; when a
+//! part is refused, the grants already made are given back at once (a stand-alone credit,
+//! which the script bounds by what was granted and not yet returned), and the lease is
+//! refused. Budget a later-refused lease held for that round trip is, again, a refusal a
+//! concurrent request may see, never an admission past a capacity.
+//!
 //! Elastic limits (a completion allowance clamped to what is left) give up one reduction
 //! across all of a request's limits. A part that must clamp further than the parts before
 //! it had clamped rolls every part back, and the charge starts over at the larger
@@ -29,8 +36,8 @@
 use crate::batcher::Batcher;
 use crate::limits::{self, Call, Op};
 use llm_ratelimit_protocol::{
-    Adjustment, ChargeRequest, LimitCharge, LimitOutcome, LimitSpec, LimitStatus, LimitsReply, Reservation, Settlement,
-    TenantLimits,
+    Adjustment, ChargeRequest, LeaseAsk, LeaseRequest, LimitCharge, LimitOutcome, LimitSpec, LimitStatus, LimitsReply,
+    Reservation, Settlement, TenantLimits,
 };
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -112,7 +119,7 @@ pub async fn charge(
                 roll_back(batcher, prefix, &charged).await;
                 let rest = &groups[g + 1..];
                 peek_rest(batcher, prefix, request, rest, &mut outcomes).await;
-                return Ok(merged(request, false, outcomes));
+                return Ok(merged(charged_names(request), false, outcomes));
             }
             let further = part
                 .limits
@@ -131,7 +138,7 @@ pub async fn charge(
             }
         }
         if !again {
-            return Ok(merged(request, true, outcomes));
+            return Ok(merged(charged_names(request), true, outcomes));
         }
     }
     Err("elastic limits of several owners did not agree on a grant".into())
@@ -163,41 +170,53 @@ fn reduced(limit: &LimitCharge, reduction: u64) -> LimitCharge {
 
 /// Gives back what the charged parts took, each through its own record.
 async fn roll_back(batcher: &Arc<Batcher>, prefix: &str, charged: &[(&str, ChargeRequest, LimitsReply)]) {
-    if charged.is_empty() {
+    let calls = charged.iter().map(|(owner, part, reply)| {
+        let limits =
+            part.limits.iter().map(|l| (l.name.as_str(), l.capacity, l.window_ms, l.kind, &l.period_bounds_ms[..]));
+        let reservation = part.reservation.as_ref().map(|r| r.id.clone());
+        limits::adjust(prefix, Op::Settle, &giving_back(&part.domain, owner, reservation, limits, reply))
+    });
+    adjust_all(batcher, calls.collect(), "a part of a refused charge (it stays charged until it refills)").await;
+}
+
+/// The settlement that credits each of a part's `limits` (name, capacity, window, kind,
+/// period bounds) with what `reply` charged or granted it.
+fn giving_back<'a>(
+    domain: &str,
+    owner: &str,
+    reservation: Option<String>,
+    limits: impl Iterator<Item = (&'a str, u64, u64, llm_ratelimit_protocol::LimitKind, &'a [u64])>,
+    reply: &LimitsReply,
+) -> Settlement {
+    Settlement {
+        domain: domain.to_string(),
+        tenant: owner.to_string(),
+        reservation,
+        once: None,
+        cancel: false,
+        limits: limits
+            .zip(&reply.limits)
+            .map(|((name, capacity, window_ms, kind, bounds), o)| Adjustment {
+                name: name.to_string(),
+                capacity,
+                window_ms,
+                credit: i64::try_from(o.charged).unwrap_or(i64::MAX),
+                kind,
+                owner: None,
+                period_bounds_ms: bounds.to_vec(),
+            })
+            .collect(),
+    }
+}
+
+/// Runs give-back `calls`, saying which `what` could not be given back.
+async fn adjust_all(batcher: &Arc<Batcher>, calls: Vec<Call>, what: &str) {
+    if calls.is_empty() {
         return;
     }
-    let calls: Vec<Call> = charged
-        .iter()
-        .map(|(owner, part, reply)| {
-            let settlement = Settlement {
-                domain: part.domain.clone(),
-                tenant: owner.to_string(),
-                reservation: part.reservation.as_ref().map(|r| r.id.clone()),
-                once: None,
-                cancel: false,
-                limits: part
-                    .limits
-                    .iter()
-                    .zip(&reply.limits)
-                    .map(|(l, o)| Adjustment {
-                        name: l.name.clone(),
-                        capacity: l.capacity,
-                        window_ms: l.window_ms,
-                        credit: i64::try_from(o.charged).unwrap_or(i64::MAX),
-                        kind: l.kind,
-                        owner: None,
-                        period_bounds_ms: l.period_bounds_ms.clone(),
-                    })
-                    .collect(),
-            };
-            limits::adjust(prefix, Op::Settle, &settlement)
-        })
-        .collect();
     for outcome in batcher.adjust(calls).await {
         if let Err(err) = outcome {
-            eprintln!(
-                "companion: cannot roll back a part of a refused charge (it stays charged until it refills): {err}"
-            );
+            eprintln!("companion: cannot give back {what}: {err}");
         }
     }
 }
@@ -237,16 +256,84 @@ async fn peek_rest(
     }
 }
 
-/// The parts' outcomes as one reply, in the request's order (a limit no part reported,
-/// which a failed peek leaves, as full).
-fn merged(request: &ChargeRequest, allowed: bool, outcomes: Vec<Option<LimitOutcome>>) -> LimitsReply {
-    let limits = request
-        .limits
-        .iter()
-        .zip(outcomes)
-        .map(|(l, outcome)| outcome.unwrap_or_else(|| unreported(&l.name, l.capacity)))
-        .collect();
-    LimitsReply { allowed, waited_ms: 0, limits }
+/// The parts' outcomes as one reply, in the request's order (`limits`: each limit's name
+/// and capacity; a limit no part reported, which a failed peek leaves, as full).
+fn merged<'a>(
+    limits: impl Iterator<Item = (&'a str, u64)>,
+    allowed: bool,
+    outcomes: Vec<Option<LimitOutcome>>,
+) -> LimitsReply {
+    let limits =
+        limits.zip(outcomes).map(|((name, capacity), outcome)| outcome.unwrap_or_else(|| unreported(name, capacity)));
+    LimitsReply { allowed, waited_ms: 0, limits: limits.collect() }
+}
+
+fn charged_names(request: &ChargeRequest) -> impl Iterator<Item = (&str, u64)> {
+    request.limits.iter().map(|l| (l.name.as_str(), l.capacity))
+}
+
+/// Grants `request` (a lease): in one script call on one server or when its limits have
+/// one owner; on a cluster split by owner, the tenant's part first, each part granted all
+/// or nothing, and the parts granted before a refused one given back at once.
+pub async fn lease(batcher: &Arc<Batcher>, prefix: &str, request: &LeaseRequest) -> Result<LimitsReply, String> {
+    let groups = by_owner(&request.tenant, request.limits.iter().map(|l| l.owner.as_deref()));
+    if !batcher.store().is_cluster() || tenant_only(&request.tenant, &groups) {
+        return lease_one(batcher, prefix, request).await;
+    }
+    let names = || request.limits.iter().map(|l| (l.name.as_str(), l.capacity));
+    let mut outcomes: Vec<Option<LimitOutcome>> = vec![None; request.limits.len()];
+    let mut granted: Vec<(LeaseRequest, LimitsReply, &[usize])> = Vec::new();
+    for (owner, indices) in &groups {
+        if indices.iter().all(|&i| request.limits[i].wanted == 0 && request.limits[i].look_only) {
+            continue; // nothing asked of this owner (the proxy's lease covers its part)
+        }
+        let part = LeaseRequest {
+            domain: request.domain.clone(),
+            tenant: owner.to_string(),
+            limits: indices.iter().map(|&i| LeaseAsk { owner: None, ..request.limits[i].clone() }).collect(),
+            share: request.share,
+        };
+        let reply = match lease_one(batcher, prefix, &part).await {
+            Ok(reply) => reply,
+            Err(err) => {
+                give_back(batcher, prefix, &granted).await;
+                return Err(err);
+            }
+        };
+        for (&i, outcome) in indices.iter().zip(&reply.limits) {
+            outcomes[i] = Some(outcome.clone());
+        }
+        if !reply.allowed {
+            give_back(batcher, prefix, &granted).await;
+            // What was given back was not granted.
+            for (_, _, indices) in &granted {
+                for &i in indices.iter() {
+                    if let Some(outcome) = outcomes[i].as_mut() {
+                        outcome.charged = 0;
+                    }
+                }
+            }
+            return Ok(merged(names(), false, outcomes));
+        }
+        granted.push((part, reply, indices));
+    }
+    Ok(merged(names(), true, outcomes))
+}
+
+async fn lease_one(batcher: &Arc<Batcher>, prefix: &str, request: &LeaseRequest) -> Result<LimitsReply, String> {
+    let value = batcher.decide(limits::lease(prefix, request)).await.map_err(|err| format!("redis: {err}"))?;
+    limits::reply(request.limits.iter().map(|l| l.name.as_str()), &value)
+        .map_err(|err| format!("unexpected script reply: {err}"))
+}
+
+/// Returns the grants of a lease's parts (a stand-alone credit of what each granted, as a
+/// proxy returns an expired lease).
+async fn give_back(batcher: &Arc<Batcher>, prefix: &str, granted: &[(LeaseRequest, LimitsReply, &[usize])]) {
+    let calls = granted.iter().map(|(part, reply, _)| {
+        let limits = part.limits.iter().map(|l| (l.name.as_str(), l.capacity, l.window_ms, l.kind, &[][..]));
+        limits::adjust(prefix, Op::Settle, &giving_back(&part.domain, &part.tenant, None, limits, reply))
+    });
+    adjust_all(batcher, calls.collect(), "a part of a refused lease (it returns when the lease would)").await;
 }
 
 /// The outcome of a limit no part reported (a failed peek): as a full limit that
@@ -315,12 +402,6 @@ pub fn merged_adjustment(
         .map(|(l, outcome)| outcome.unwrap_or_else(|| unreported(&l.name, l.capacity)))
         .collect();
     Ok(LimitsReply { allowed, waited_ms: 0, limits })
-}
-
-/// Whether a lease's limits have several owners: a lease is granted in one script call,
-/// so that takes one Redis server (the filter refuses leases with shared pools at load).
-pub fn lease_spans_owners(tenant: &str, owners: impl Iterator<Item = Option<String>>) -> bool {
-    owners.into_iter().any(|owner| owner.is_some_and(|o| o != tenant))
 }
 
 #[cfg(test)]

@@ -459,6 +459,7 @@ impl FakeCompanion {
                     .iter()
                     .map(|a| LimitCharge {
                         look_only: a.look_only,
+                        owner: a.owner.clone(),
                         ..spec(&a.name, a.capacity, a.window_ms, a.wanted, a.needed, LimitKind::TokenBucket)
                     })
                     .collect();

@@ -9,9 +9,10 @@ use crate::api::identity::TenantIds;
 use crate::config::{Policy, Store};
 use crate::effects::calibration_store::LocalCalibrations;
 use crate::effects::host::{detect_kind, shared_read, shared_update, Host, HostKind, LogLevel, Metric, Owner};
+use crate::effects::lease_table::{self, Holder};
 use crate::effects::provider_state::LocalProviderWords;
 use crate::effects::settle_queue::{Queued, SettleQueue};
-use crate::effects::tables::{read_own, update_own, update_slot, Busy, TenantTable};
+use crate::effects::tables::{read_own, update_slot, TenantTable};
 use crate::protocol::keys;
 use crate::protocol::{
     Adjustment, CalibrationReply, LeaseAsk, LeaseRequest, LimitCharge, LimitKind, LimitsReply, SettleReply, Settlement,
@@ -21,7 +22,7 @@ use crate::protocol::{ProviderReply, PROVIDER_PATH};
 use crate::tokens::prompt_cache::PromptCache;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, HashMap};
 use std::rc::Rc;
 use std::time::Duration;
 
@@ -44,8 +45,9 @@ pub struct Worker {
     config: Option<Rc<Policy>>,
     host_kind: HostKind,
     settlements: SettleQueue,
-    /// Tenants whose leases this VM saw running low: renewed on the next tick.
-    renewals: BTreeSet<String>,
+    /// Lease entries (a tenant's, a pool's) this VM saw running low, with the limits each
+    /// holds: renewed on the next tick.
+    renewals: BTreeMap<String, Vec<usize>>,
     /// Slots of the lease table this VM granted leases into, each with the time its first
     /// lease expires: what expires is returned. Bounded by the table's size.
     leased: BTreeMap<u32, u64>,
@@ -57,8 +59,8 @@ pub struct Worker {
     warmed_up: bool,
     /// The settlement batch whose callout is out, by its token.
     settling: Option<(u32, Vec<Queued>)>,
-    /// Lease renewals out, by token: the tenant and what was asked.
-    renewing: HashMap<u32, (String, Vec<LeaseAsk>)>,
+    /// Lease renewals out, by token: the entry and what was asked.
+    renewing: HashMap<u32, (Holder, Vec<LeaseAsk>)>,
     /// Token counts of long prompt texts this VM counted (bounded).
     pub(crate) prompt_cache: PromptCache,
     /// Tenant ids of the credentials this VM saw last (bounded).
@@ -104,7 +106,7 @@ impl Worker {
             config: None,
             host_kind: HostKind::default(),
             settlements: SettleQueue::new(SETTLE_QUEUE_CAPACITY),
-            renewals: BTreeSet::new(),
+            renewals: BTreeMap::new(),
             leased: BTreeMap::new(),
             slots: HashMap::new(),
             ids: ReservationIds::default(),
@@ -247,12 +249,19 @@ impl Worker {
             }
             return;
         }
-        if let Some((tenant, asked)) = self.renewing.remove(&token) {
+        if let Some((holder, asked)) = self.renewing.remove(&token) {
+            // Answered (or failed): the next renewal of this entry may be asked.
+            lease_table::renewal_answered(host, &config, &holder);
             match callout_reply::<LimitsReply>(host, body_size) {
                 Ok(reply) if reply.allowed && reply.limits.len() == asked.len() => {
                     self.callout_succeeded(host, &config);
                     let now = host.now_ms();
-                    self.merge_grant(host, &config, &tenant, &reply, None, now);
+                    // The renewal asked for the holder's limits only, in its order.
+                    let outcome =
+                        |i: usize| holder.indices.iter().position(|&at| at == i).and_then(|k| reply.limits.get(k));
+                    let holders = std::slice::from_ref(&holder);
+                    let (leases, _) = lease_table::merge(host, &config, holders, outcome, None, now);
+                    self.note_leased(&config, &holder.name, &leases, now);
                 }
                 Ok(_) => {}
                 Err(why) => {
@@ -340,8 +349,8 @@ impl Worker {
         self.slots.remove(id)
     }
 
-    pub(crate) fn want_renewal(&mut self, tenant: &str) {
-        self.renewals.insert(tenant.to_string());
+    pub(crate) fn want_renewal(&mut self, holder: Holder) {
+        self.renewals.insert(holder.name, holder.indices);
     }
 
     pub(crate) fn new_reservation_id(&mut self, host: &mut impl Host) -> String {
@@ -429,42 +438,6 @@ impl Worker {
             .map_err(|why| format!("callout to {:?} refused by the host: {why}", companion.upstream))
     }
 
-    /// Adds a lease grant to the tenant's leases and, when `costs` are given, admits a
-    /// request from them: the grant covered at least its need, so the admission stands
-    /// even if another worker spent the lease in between (the lease then runs briefly
-    /// negative). `Err(Busy)` when another tenant's lease holds the slot.
-    pub(crate) fn merge_grant(
-        &mut self,
-        host: &mut impl Host,
-        config: &Policy,
-        tenant: &str,
-        reply: &LimitsReply,
-        costs: Option<&[u64]>,
-        now: u64,
-    ) -> Option<Result<TenantLeases, Busy>> {
-        let policy = config.lease.policy();
-        let limits = config.limits.len();
-        let evictable = |payload: &[u8]| LeaseEntry::evictable(payload, limits, now);
-        let merged = update_own(host, config, TenantTable::Leases, tenant, evictable, |payload| {
-            let mut entry = LeaseEntry::decode(payload, limits);
-            for (lease, outcome) in entry.leases.0.iter_mut().zip(&reply.limits) {
-                lease.add_grant(outcome.charged as f64, outcome.remaining as f64, &policy, now);
-            }
-            if let Some(costs) = costs {
-                if !entry.leases.admit(costs, now) {
-                    for (lease, &cost) in entry.leases.0.iter_mut().zip(costs) {
-                        lease.remaining -= cost as f64;
-                    }
-                }
-            }
-            (Some(entry.encode()), entry.leases)
-        });
-        if let Some(Ok(leases)) = &merged {
-            self.note_leased(config, tenant, leases, now);
-        }
-        merged
-    }
-
     /// Remembers where `tenant`'s leases sit and when the first of them expires.
     pub(crate) fn note_leased(&mut self, config: &Policy, tenant: &str, leases: &TenantLeases, now: u64) {
         let Some(expiry) = leases.next_expiry_ms(now) else { return };
@@ -534,30 +507,33 @@ impl Worker {
         }
     }
 
-    /// Asks for fresh grants for the tenants whose leases ran low, one callout each.
+    /// Asks for fresh grants for the lease entries that ran low, one callout each, for
+    /// the limits each holds (a pool's entry is renewed under the pool's owner id).
     fn renew_leases(&mut self, host: &mut impl Host, config: &Policy, now: u64) {
         if self.renewals.is_empty() || !self.breaker(host, config).is_closed() {
             return;
         }
-        let policy = config.lease.policy();
-        // A renewal charges nothing itself; it sizes the grant by how the lease was used.
-        let unused: Vec<LimitCharge> = config.limits.iter().map(|limit| limit_charge(limit, 0)).collect();
-        for tenant in std::mem::take(&mut self.renewals) {
-            if self.renewing.values().any(|(t, _)| *t == tenant) {
+        let policy = config.lease_policy();
+        for (name, indices) in std::mem::take(&mut self.renewals) {
+            if self.renewing.values().any(|(h, _)| h.name == name) {
                 continue;
             }
-            let stored = read_own(host, config, TenantTable::Leases, &tenant);
+            let stored = read_own(host, config, TenantTable::Leases, &name);
             let entry = LeaseEntry::decode(stored.as_deref(), config.limits.len());
+            let held = TenantLeases(indices.iter().filter_map(|&i| entry.leases.0.get(i).copied()).collect());
+            // A renewal charges nothing itself; it sizes the grant by how the lease was used.
+            let unused: Vec<LimitCharge> =
+                indices.iter().filter_map(|&i| config.limits.get(i)).map(|limit| limit_charge(limit, 0)).collect();
             let request = LeaseRequest {
                 domain: config.domain.clone(),
-                tenant: tenant.clone(),
-                limits: lease_asks(&entry.leases, &unused, &policy, now),
+                tenant: name.clone(),
+                limits: lease_asks(&held, &unused, &policy, now),
                 share: config.lease.share,
             };
             match self.call_companion(host, config, LEASE_PATH, &request, config.companion.timeout, Owner::Root) {
                 Ok(token) => {
                     host.add_metric(Metric::LeaseCallouts, 1);
-                    self.renewing.insert(token, (tenant, request.limits));
+                    self.renewing.insert(token, (Holder { name, indices }, request.limits));
                 }
                 Err(why) => host.log(LogLevel::Warn, &format!("llm-ratelimit: cannot renew a lease: {why}")),
             }

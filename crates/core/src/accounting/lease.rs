@@ -21,8 +21,8 @@ pub struct Lease {
     /// The bucket's level in Redis after the last grant, for headers.
     pub global_remaining: f64,
     pub expires_ms: u64,
-    /// When this instance last asked for a renewal (0: not asked), so workers do not all
-    /// ask at once.
+    /// When this instance last asked for a renewal (0: not asked, or answered): while its
+    /// callout may be out no worker asks again.
     pub renewal_asked_ms: u64,
     /// Redis refused a grant of `blocked_cost`: until this time a request needing as much
     /// is refused here, without asking again.
@@ -40,6 +40,9 @@ pub struct LeasePolicy {
     pub initial_fraction: f64,
     /// No lease larger than this fraction of the capacity.
     pub max_fraction: f64,
+    /// How long a renewal asked is awaited before another may be asked: the longest its
+    /// callout can be out.
+    pub renewal_wait_ms: u64,
 }
 
 const LEASE_BYTES: usize = 56;
@@ -50,14 +53,25 @@ impl Lease {
     }
 
     /// Whether this lease should be renewed now: running low, or close to expiring while
-    /// in use. A renewal asked for less than a second ago is not asked again.
+    /// in use, and no renewal of it out (asked less than `renewal_wait_ms` ago, and not
+    /// answered yet).
     pub fn wants_renewal(&self, policy: &LeasePolicy, now_ms: u64) -> bool {
-        if self.renewal_asked_ms != 0 && now_ms < self.renewal_asked_ms + 1000 {
+        if self.renewal_in_flight(policy, now_ms) {
             return false;
         }
         let low = self.remaining < self.granted * policy.low_water;
         let ending = self.expires_ms.saturating_sub(now_ms) < policy.ttl_ms / 5 && self.remaining < self.granted;
         self.granted > 0.0 && (low || ending)
+    }
+
+    /// A renewal's callout has answered (granted or not): another may be asked.
+    pub fn renewal_answered(&mut self) {
+        self.renewal_asked_ms = 0;
+    }
+
+    /// Whether a renewal of this lease was asked and may still be out.
+    pub fn renewal_in_flight(&self, policy: &LeasePolicy, now_ms: u64) -> bool {
+        self.renewal_asked_ms != 0 && now_ms < self.renewal_asked_ms + policy.renewal_wait_ms
     }
 
     /// The size to ask for next: double when the last grant was used up in less than half
@@ -82,6 +96,7 @@ impl Lease {
     }
 
     /// Adds a grant: the budget joins what is left, and the lease lives on from now.
+    /// (A renewal's answer also lifts the renewal's marker: [`Lease::renewal_answered`].)
     pub fn add_grant(&mut self, grant: f64, global_remaining: f64, policy: &LeasePolicy, now_ms: u64) {
         if !self.is_live(now_ms) {
             self.remaining = self.remaining.min(0.0); // an expired lease's budget went back
@@ -90,7 +105,7 @@ impl Lease {
         self.granted = grant.max(self.granted * 0.5);
         self.global_remaining = global_remaining;
         self.expires_ms = now_ms + policy.ttl_ms;
-        self.renewal_asked_ms = 0;
+        // A renewal still out stays marked: a request's own grant does not answer it.
         self.blocked_until_ms = 0;
     }
 
@@ -137,10 +152,10 @@ pub fn lease_asks(leases: &TenantLeases, charges: &[LimitCharge], policy: &Lease
         .iter()
         .zip(&leases.0)
         .map(|(charge, lease)| LeaseAsk {
-            owner: None,
             name: charge.name.clone(),
             capacity: charge.capacity,
             window_ms: charge.window_ms,
+            owner: charge.owner.clone(),
             wanted: if charge.cost == 0 && lease.granted <= 0.0 {
                 0
             } else {
@@ -331,8 +346,13 @@ mod tests {
     use super::*;
     use crate::protocol::LimitKind;
 
-    const POLICY: LeasePolicy =
-        LeasePolicy { ttl_ms: 10_000, low_water: 0.2, initial_fraction: 0.05, max_fraction: 0.25 };
+    const POLICY: LeasePolicy = LeasePolicy {
+        ttl_ms: 10_000,
+        low_water: 0.2,
+        initial_fraction: 0.05,
+        max_fraction: 0.25,
+        renewal_wait_ms: 1000,
+    };
 
     fn leased(remaining: f64, granted: f64, expires_ms: u64) -> Lease {
         Lease { remaining, granted, expires_ms, ..Lease::default() }

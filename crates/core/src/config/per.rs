@@ -93,21 +93,14 @@ pub(super) fn shadow(written: Option<Mode>) -> bool {
     written == Some(Mode::Shadow)
 }
 
-/// What pools and per-limit shadow cannot be combined with yet: leases are a tenant's
-/// own (one entry per tenant in the proxy's lease table), so a leased limit must be
-/// counted per tenant and enforced.
+/// What per-limit shadow cannot be combined with: a lease admits from budget taken from
+/// Redis, and a shadow limit must never refuse, so a leased limit is enforced. (Pools are
+/// leased per proxy from their own entry of the lease table, `effects::lease_table`.)
 pub(super) fn combine(limits: &[Limit], lease: &LeaseConfig) -> Result<(), ConfigError> {
     if !lease.enabled {
         return Ok(());
     }
     for (i, limit) in limits.iter().enumerate() {
-        if limit.per != Per::Tenant {
-            return Err(invalid(
-                format!("limits[{i}].per"),
-                "with `lease.enabled` every limit is counted per tenant: shared pools are charged directly \
-                 (through the companion's batches), not leased",
-            ));
-        }
         if limit.shadow {
             return Err(invalid(format!("limits[{i}].mode"), "a shadow limit cannot be leased (`lease.enabled`)"));
         }

@@ -622,16 +622,25 @@ pub struct LeaseConfig {
     pub share: f64,
 }
 
-impl LeaseConfig {
-    pub fn policy(&self) -> LeasePolicy {
+impl Policy {
+    /// How leases are sized and renewed: a renewal, once asked, is awaited for as long as
+    /// its callout may take (the companion's timeout, and a tick for the host's timer to
+    /// fire), so a proxy never has two renewals of one lease entry out at once.
+    pub fn lease_policy(&self) -> LeasePolicy {
+        let lease = &self.lease;
         LeasePolicy {
-            ttl_ms: duration_ms(self.ttl),
-            low_water: self.low_water,
-            initial_fraction: self.initial_fraction,
-            max_fraction: self.max_fraction,
+            ttl_ms: duration_ms(lease.ttl),
+            low_water: lease.low_water,
+            initial_fraction: lease.initial_fraction,
+            max_fraction: lease.max_fraction,
+            renewal_wait_ms: duration_ms(self.companion.timeout) + RENEWAL_MARGIN_MS,
         }
     }
 }
+
+/// What a renewal's marker outlasts its callout's timeout by: the host fires timeouts
+/// on its own timer, up to about a tick late.
+const RENEWAL_MARGIN_MS: u64 = 100;
 
 /// Requests never limited.
 #[derive(Debug, Clone, Default)]

@@ -1,9 +1,10 @@
 //! Effects over the `Host`: the host trait itself, the bounded per-tenant tables in shared
-//! data, where the calibrations are kept, and the settlements queued for the companion.
+//! data (and the lease table across a request's owners), where the calibrations are kept, and the settlements queued for the companion.
 
 pub mod calibration_store;
 pub mod exchange;
 pub mod host;
+pub mod lease_table;
 pub mod local_store;
 pub mod provider_state;
 pub mod provider_word;

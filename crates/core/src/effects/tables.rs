@@ -20,8 +20,10 @@ use crate::config::Policy;
 use crate::effects::host::{shared_get_read, shared_read, shared_update, shared_update_from, Host, SharedRead};
 use crate::protocol::keys;
 
-/// Tenant ids are 32 hex digits, or `anonymous`; stored padded to this many bytes.
-pub const TENANT_BYTES: usize = 32;
+/// Tenant ids are 32 hex digits, or `anonymous`; a shared pool's lease entry is named by
+/// its owner id, at most 33 characters (`plan::pools::pool_owner`). Stored padded to this
+/// many bytes.
+pub const TENANT_BYTES: usize = 33;
 /// The owner of an average: a hash of (tenant, model), so model names are never stored.
 const OWNER_HASH_BYTES: usize = 8;
 

@@ -233,8 +233,8 @@ fn an_entry_is_at_most_the_stated_size() {
         {"name": "inflight", "concurrency": 10}
     ]);
     let policy = crate::config::Policy::from_json(local(limits, json!({})).as_bytes()).expect("config");
-    // 8 fingerprint + 32 tenant + 1 format; per limit 3 + 16 per entry: 1, 1, 64, 10.
-    assert_eq!(crate::effects::local_store::entry_bytes_at_most(&policy), 8 + 32 + 1 + 4 * 3 + 16 * (1 + 1 + 64 + 10));
+    // 8 fingerprint + 33 tenant (or pool) + 1 format; per limit 3 + 16 per entry: 1, 1, 64, 10.
+    assert_eq!(crate::effects::local_store::entry_bytes_at_most(&policy), 8 + 33 + 1 + 4 * 3 + 16 * (1 + 1 + 64 + 10));
     // A full window of 64 requests a minute is that big in shared data (fingerprint aside).
     let window = json!([{"name": "rpw", "requests": 64, "window": "1m", "algorithm": "sliding_window"}]);
     for kind in HOSTS {
@@ -250,7 +250,7 @@ fn an_entry_is_at_most_the_stated_size() {
         assert_eq!(admitted, 64, "{kind:?}");
         let key = world.borrow().keys().into_iter().find(|k| k.starts_with("llmrl.local.")).expect("an entry");
         let stored = workers[0].root.shared_value(&key).expect("its value");
-        assert_eq!(stored.len(), 32 + 1 + 3 + 16 * 64, "{kind:?}");
+        assert_eq!(stored.len(), 33 + 1 + 3 + 16 * 64, "{kind:?}");
     }
 }
 

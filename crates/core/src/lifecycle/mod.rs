@@ -7,7 +7,7 @@
 use crate::accounting::breaker::Dispatch;
 use crate::accounting::bucket::{check_and_charge, decode_states, encode_states};
 use crate::accounting::calibration::{Calibration, Lesson};
-use crate::accounting::lease::{lease_asks, LeaseEntry, TenantLeases};
+use crate::accounting::lease::TenantLeases;
 use crate::accounting::reply_floor::{self, ReplySight};
 use crate::accounting::reservation::{actual_usage, credit, Ending, OutputAverage, TokenCounts};
 use crate::api::dialect::Dialect;
@@ -15,9 +15,10 @@ use crate::api::identity::{read_credential, tenant_id, Credential, IdentitySourc
 use crate::config::{FailureMode, Measure, MissingIdentity, Mode, Policy, Store, UnknownPaths, UnreadableBody};
 use crate::effects::calibration_store::LocalCalibrations;
 use crate::effects::host::{shared_update, Action, Host, LogLevel, Metric, Owner};
+use crate::effects::lease_table::{self, Hold, Holder, Taken};
 use crate::effects::provider_state::{self, Judgement, ProviderState};
 use crate::effects::provider_word::{self, ProviderWord};
-use crate::effects::tables::{queued_slot, read_average, read_own, update_average, update_own, Busy, TenantTable};
+use crate::effects::tables::{queued_slot, read_average, update_average, update_own, TenantTable};
 use crate::parse::sse::UsageChunkRemover;
 use crate::plan::charge::{plan, ChargePlan, Learned};
 use crate::plan::series::{self, Decision, TokenStage, TokenType};
@@ -105,14 +106,6 @@ enum FromLease {
     ChargeDirectly,
 }
 
-/// What the tenant's lease entry said, inside its compare-and-swap.
-enum LeaseStep {
-    Admitted { renew: bool, leases: TenantLeases },
-    Refused(LimitsReply),
-    Ask,
-    FirstSeen,
-}
-
 /// Reads the reply for its usage.
 enum ReplyReader {
     Json(ReplyUsage),
@@ -163,6 +156,9 @@ pub struct RequestFilter {
     body_len: usize,
     /// The charge may wait in the queue: this request counts against its length.
     queued: bool,
+    /// Lease mode: the parts of the request its covered lease entries gave, held while a
+    /// grant for the short ones is asked.
+    lease_hold: Option<Hold>,
     /// Whether the headers are held while the body is read.
     holding_headers: bool,
     /// What the request's `:path` says, read once when its headers arrive; `None` for a
@@ -223,6 +219,7 @@ impl RequestFilter {
             usage_remover: None,
             body_len: 0,
             queued: false,
+            lease_hold: None,
             holding_headers: false,
             route: None,
             dialect: Dialect::default(),
@@ -477,6 +474,7 @@ impl RequestFilter {
             self.cancel_queued(host, worker, &config);
         }
         self.leave_queue(host, &config);
+        self.put_back_hold(host, &config); // the client left while a grant was asked
         self.hear_provider(host, worker, &config);
         let ending = if self.upstream_error { Ending::UpstreamError } else { Ending::Interrupted };
         self.settle(host, worker, &config, ending);
@@ -834,12 +832,11 @@ impl RequestFilter {
         let timeout = config.companion.timeout + if self.queued { config.queue.max_wait } else { Duration::ZERO };
         if self.ask == Ask::Lease {
             host.add_metric(Metric::LeaseCallouts, 1);
-            let stored = read_own(host, config, TenantTable::Leases, &self.tenant);
-            let entry = LeaseEntry::decode(stored.as_deref(), plan.buckets.len());
+            let short = self.lease_hold.as_ref().map_or_else(|| self.holders(config), |hold| hold.short.clone());
             let request = LeaseRequest {
                 domain: config.domain.clone(),
                 tenant: self.tenant.clone(),
-                limits: lease_asks(&entry.leases, &plan.buckets, &config.lease.policy(), now),
+                limits: lease_table::asks(host, config, &short, &plan.buckets, &config.lease_policy(), now),
                 share: config.lease.share,
             };
             return worker.call_companion(host, config, LEASE_PATH, &request, timeout, Owner::Request).map(drop);
@@ -910,52 +907,49 @@ impl RequestFilter {
         }
     }
 
-    /// Admits from this proxy's lease, if it covers the request, or refuses it if Redis
-    /// recently refused as much; otherwise says how to ask Redis: for a lease once the
-    /// tenant shows repeat traffic, else (and when another tenant's lease holds the slot)
-    /// a direct charge. Marks the tenant for renewal when the lease runs low.
+    /// Admits from this proxy's leases (the tenant's, and each shared pool's), if they
+    /// cover the request, or refuses it if Redis recently refused as much; otherwise says
+    /// how to ask Redis: for a lease once the tenant (and each pool) shows repeat traffic,
+    /// else (and when another's lease holds the slot) a direct charge. Marks the entries
+    /// that run low for renewal.
     fn admit_from_lease(&mut self, host: &mut impl Host, worker: &mut Worker, config: &Policy, now: u64) -> FromLease {
-        let costs = self.costs();
         let specs = self.plan.as_ref().map(|p| p.buckets.clone()).unwrap_or_default();
-        let policy = config.lease.policy();
-        let limits = costs.len();
-        let evictable = |payload: &[u8]| LeaseEntry::evictable(payload, limits, now);
-        let step = update_own(host, config, TenantTable::Leases, &self.tenant, evictable, |payload| {
-            let mut entry = LeaseEntry::decode(payload, limits);
-            if entry.leases.admit(&costs, now) {
-                let renew = entry.leases.0.iter().any(|l| l.wants_renewal(&policy, now));
-                if renew {
-                    for lease in &mut entry.leases.0 {
-                        lease.renewal_asked_ms = now;
-                    }
-                }
-                return (Some(entry.encode()), LeaseStep::Admitted { renew, leases: entry.leases });
-            }
-            if let Some(refusal) = entry.leases.refusal(&specs, now) {
-                return (None, LeaseStep::Refused(refusal));
-            }
-            if entry.repeats(policy.ttl_ms, now) {
-                return (None, LeaseStep::Ask);
-            }
-            entry.seen_ms = now;
-            (Some(entry.encode()), LeaseStep::FirstSeen)
-        });
-        match step {
-            Some(Ok(LeaseStep::Admitted { renew, leases })) => {
-                if renew {
-                    worker.want_renewal(&self.tenant);
+        let holders = self.holders(config);
+        match lease_table::take(host, config, &holders, &specs, &config.lease_policy(), now) {
+            Taken::Admitted { renew, leases } => {
+                for holder in renew {
+                    worker.want_renewal(holder);
                 }
                 host.add_metric(Metric::LeaseAdmissions, 1);
                 FromLease::Decided(self.admitted_from_lease(host, worker, config, &leases, now))
             }
-            Some(Ok(LeaseStep::Refused(refusal))) => {
+            Taken::Refused(refusal) => {
                 self.count_refusal(host, config, &refusal);
                 FromLease::Decided(self.rejection(config, &refusal, now))
             }
-            Some(Ok(LeaseStep::Ask)) => FromLease::AskForLease,
-            // First seen, the slot held by another tenant's lease, or the write refused.
-            Some(Ok(LeaseStep::FirstSeen) | Err(Busy)) | None => FromLease::ChargeDirectly,
+            Taken::Ask(hold) => {
+                for holder in hold.renew.iter().cloned() {
+                    worker.want_renewal(holder);
+                }
+                self.lease_hold = Some(hold);
+                FromLease::AskForLease
+            }
+            Taken::Direct => FromLease::ChargeDirectly,
         }
+    }
+
+    /// Gives back the parts of the request its lease entries hold, when no grant will
+    /// make them an admission.
+    fn put_back_hold(&mut self, host: &mut impl Host, config: &Policy) {
+        if let Some(hold) = self.lease_hold.take() {
+            let now = host.now_ms();
+            lease_table::put_back(host, config, &hold.held, &self.costs(), now);
+        }
+    }
+
+    /// The lease entries this request draws from: its tenant's, and each shared pool's.
+    fn holders(&self, config: &Policy) -> Vec<Holder> {
+        lease_table::holders(&self.tenant, &self.owners(), config.limits.len())
     }
 
     fn admitted_from_lease(
@@ -967,7 +961,9 @@ impl RequestFilter {
         now: u64,
     ) -> Verdict {
         self.count_admission(host, config, Decision::Allowed);
-        worker.note_leased(config, &self.tenant, leases, now);
+        for holder in self.holders(config) {
+            worker.note_leased(config, &holder.name, leases, now);
+        }
         self.admission = Some(Admission::Leased);
         let buckets = self.plan.as_ref().map(|p| p.buckets.clone()).unwrap_or_default();
         Verdict::Forward(self.admitted_headers(host, config, &leases.as_reply(&buckets), now))
@@ -1026,41 +1022,45 @@ impl RequestFilter {
             self.count_refusal(host, config, &reply);
             if self.ask == Ask::Lease {
                 // Later requests that need as much are refused here until the retry time.
-                let costs = self.costs();
-                let limits = costs.len();
-                let evictable = |payload: &[u8]| LeaseEntry::evictable(payload, limits, now);
-                update_own(host, config, TenantTable::Leases, &self.tenant, evictable, |payload| {
-                    let mut entry = LeaseEntry::decode(payload, limits);
-                    entry.leases.block(&reply, &costs, now);
-                    (Some(entry.encode()), ())
-                });
+                let short = self.lease_hold.as_ref().map_or_else(|| self.holders(config), |hold| hold.short.clone());
+                lease_table::block(host, config, &short, &reply, &self.costs(), now);
+                self.put_back_hold(host, config);
             }
             return self.rejection(config, &reply, now);
         }
         match self.ask {
             Ask::Lease => {
                 let costs = self.costs();
-                match worker.merge_grant(host, config, &self.tenant, &reply, Some(&costs), now) {
-                    Some(Ok(leases)) => self.admitted_from_lease(host, worker, config, &leases, now),
-                    _ => {
-                        // The grant cannot be kept as a lease (another tenant's lease holds
-                        // the slot): what it granted beyond this request goes back, and the
-                        // request stands charged.
-                        let surplus = reply.limits.iter().zip(&costs).map(|(o, &c)| o.charged as i64 - c as i64);
-                        worker.settle_credits(
-                            host,
-                            config,
-                            &self.tenant,
-                            None,
-                            false,
-                            &self.owners(),
-                            surplus.enumerate(),
-                        );
-                        self.count_admission(host, config, Decision::Allowed);
-                        self.admission = Some(Admission::Charged);
-                        Verdict::Forward(self.admitted_headers(host, config, &reply, now))
+                let hold =
+                    self.lease_hold.take().unwrap_or_else(|| Hold { short: self.holders(config), ..Hold::default() });
+                let (mut leases, refused) =
+                    lease_table::merge(host, config, &hold.short, |i| reply.limits.get(i), Some(&costs), now);
+                for holder in &hold.held {
+                    for &i in &holder.indices {
+                        if let (Some(to), Some(from)) = (leases.0.get_mut(i), hold.leases.0.get(i)) {
+                            *to = *from;
+                        }
                     }
                 }
+                if refused.is_empty() {
+                    return self.admitted_from_lease(host, worker, config, &leases, now);
+                }
+                // Part of the grant cannot be kept as a lease (another's lease holds the
+                // slot): what that part granted beyond this request goes back, and the
+                // request stands charged there. Its settlement finds no lease for that
+                // part and sends the part's credits to Redis.
+                let surplus = refused
+                    .iter()
+                    .flat_map(|h| h.indices.iter().copied())
+                    .filter_map(|i| Some((i, reply.limits.get(i)?.charged as i64 - *costs.get(i)? as i64)));
+                let surplus: Vec<(usize, i64)> = surplus.collect();
+                worker.settle_credits(host, config, &self.tenant, None, false, &self.owners(), surplus.into_iter());
+                if hold.held.is_empty() && refused.len() == hold.short.len() {
+                    self.count_admission(host, config, Decision::Allowed);
+                    self.admission = Some(Admission::Charged);
+                    return Verdict::Forward(self.admitted_headers(host, config, &reply, now));
+                }
+                self.admitted_from_lease(host, worker, config, &leases, now)
             }
             Ask::Charge => {
                 host.add_metric(Metric::Allowed, 1);
@@ -1093,6 +1093,7 @@ impl RequestFilter {
     /// Decides without the companion, as `failure_mode` says.
     fn fail_over(&mut self, host: &mut impl Host, worker: &mut Worker, config: &Policy, why: &str) -> Verdict {
         self.admission = None; // nothing was charged in Redis
+        self.put_back_hold(host, config);
         host.log(
             LogLevel::Debug,
             &format!("llm-ratelimit: no decision from the companion ({why}); failure_mode {:?}", config.failure_mode),
@@ -1110,28 +1111,56 @@ impl RequestFilter {
 
     /// The degraded mode: each limit divided by `fallback.instances`, as token buckets in
     /// shared data, decided with the same model the Lua script follows. What is admitted
-    /// is queued as a debit, so Redis learns of it when it is back.
+    /// is queued as a debit, so Redis learns of it when it is back. A shared pool is
+    /// counted in its own local entry (named by its owner id, as in the lease table), so
+    /// it holds its share for this proxy whatever the number of tenants; the tenant's
+    /// entry and each pool's are charged in turn, all or nothing, each given back when a
+    /// later one refuses.
     fn decide_locally(&mut self, host: &mut impl Host, worker: &mut Worker, config: &Policy) -> Verdict {
         let specs = self.plan.as_ref().map(|plan| local_specs(config, plan)).unwrap_or_default();
         let now_ms = host.now_ms();
-        let now = now_ms as f64;
-        // A colliding tenant's local bucket may be replaced only once it has admitted
-        // nothing for a whole window: taken sooner, its owner would find a fresh budget.
-        let idle = |payload: &[u8]| {
-            let states = decode_states(Some(payload), specs.len());
-            states
-                .iter()
-                .zip(&specs)
-                .all(|(state, spec)| state.is_none_or(|s| now - s.updated_ms >= spec.window_ms as f64))
-        };
-        let reply = update_own(host, config, TenantTable::Local, &self.tenant, idle, |payload| {
-            let mut states = decode_states(payload, specs.len());
-            let reply = check_and_charge(&mut states, &specs, now);
-            (reply.allowed.then(|| encode_states(&states)), reply)
-        });
-        let Some(Ok(reply)) = reply else {
-            return Verdict::Reply(decision::limiter_unavailable(self.dialect));
-        };
+        let holders = self.holders(config);
+        let mut charged: Vec<&Holder> = Vec::new();
+        let mut outcomes: Vec<Option<crate::protocol::LimitOutcome>> = vec![None; specs.len()];
+        let mut allowed = true;
+        for holder in &holders {
+            let part = holder_specs(&specs, &holder.indices);
+            let Some(reply) = charge_local(host, config, &holder.name, &part, now_ms) else {
+                for done in &charged {
+                    give_back_local(host, config, done, &specs, now_ms);
+                }
+                return Verdict::Reply(decision::limiter_unavailable(self.dialect));
+            };
+            for &i in &holder.indices {
+                if let (Some(slot), Some(outcome)) = (outcomes.get_mut(i), reply.limits.get(i)) {
+                    *slot = Some(outcome.clone());
+                }
+            }
+            if !reply.allowed {
+                allowed = false;
+                for done in &charged {
+                    give_back_local(host, config, done, &specs, now_ms);
+                }
+                break;
+            }
+            charged.push(holder);
+        }
+        let limits = specs
+            .iter()
+            .zip(outcomes)
+            .map(|(spec, outcome)| {
+                outcome.unwrap_or_else(|| crate::protocol::LimitOutcome {
+                    name: spec.name.clone(),
+                    status: LimitStatus::Allowed,
+                    limit: spec.capacity,
+                    remaining: spec.capacity,
+                    reset_after_ms: 0,
+                    retry_after_ms: 0,
+                    charged: 0,
+                })
+            })
+            .collect();
+        let reply = LimitsReply { allowed, waited_ms: 0, limits };
         if !reply.allowed {
             self.count_refusal(host, config, &reply);
             return self.rejection(config, &reply, now_ms).with_header(DEGRADED_HEADER, "local".to_string());
@@ -1277,24 +1306,12 @@ impl RequestFilter {
             }
             Admission::Leased => {
                 let now = host.now_ms();
-                let limits = config.limits.len();
-                let applied = update_own(
-                    host,
-                    config,
-                    TenantTable::Leases,
-                    &self.tenant,
-                    |_| false,
-                    |payload| {
-                        let Some(payload) = payload else { return (None, false) };
-                        let mut entry = LeaseEntry::decode(Some(payload), limits);
-                        let live = credits.iter().all(|&(i, credit)| entry.leases.credit(i, credit, now));
-                        (live.then(|| entry.encode()), live)
-                    },
-                );
-                if applied == Some(Ok(true)) || credits.iter().all(|&(_, c)| c == 0) {
-                    return;
+                // What finds its lease expired (or evicted) meanwhile belongs to Redis.
+                let left = lease_table::credit(host, config, &self.holders(config), &credits, now);
+                if !left.is_empty() {
+                    worker.settle_credits(host, config, &self.tenant, None, false, &self.owners(), left.into_iter());
                 }
-                None // the lease expired (or was evicted) meanwhile: the credits belong to Redis
+                return;
             }
             Admission::Charged => None,
             Admission::Stored { id, charged_at_ms } => {
@@ -1416,19 +1433,11 @@ impl RequestFilter {
         let specs = local_specs(config, plan);
         let credits: Vec<i64> = (0..specs.len()).map(|i| i64::from(indices.contains(&i))).collect();
         let now = host.now_ms() as f64;
-        update_own(
-            host,
-            config,
-            TenantTable::Local,
-            &self.tenant,
-            |_| false,
-            |payload| {
-                let Some(payload) = payload else { return (None, ()) }; // replaced meanwhile
-                let mut states = decode_states(Some(payload), specs.len());
-                crate::accounting::bucket::settle(&mut states, &specs, &credits, now);
-                (Some(encode_states(&states)), ())
-            },
-        );
+        for holder in self.holders(config).iter().filter(|h| h.indices.iter().any(|i| indices.contains(i))) {
+            let credits: Vec<i64> =
+                credits.iter().enumerate().map(|(i, &c)| if holder.indices.contains(&i) { c } else { 0 }).collect();
+            credit_local(host, config, &holder.name, &specs, &credits, now);
+        }
     }
 }
 
@@ -1513,6 +1522,63 @@ fn local_specs(config: &Policy, plan: &ChargePlan) -> Vec<LimitCharge> {
             ..b.clone()
         })
         .collect()
+}
+
+/// `specs` as `holder`'s local entry charges them: its limits at their cost, the others
+/// at none.
+fn holder_specs(specs: &[LimitCharge], indices: &[usize]) -> Vec<LimitCharge> {
+    let part = specs.iter().enumerate();
+    part.map(|(i, s)| if indices.contains(&i) { s.clone() } else { LimitCharge { cost: 0, ..s.clone() } }).collect()
+}
+
+/// Charges `specs` in the local entry `name` (a tenant's or a pool's), if it admits;
+/// `None` when its slot is another's that may not be taken yet, or the write failed.
+fn charge_local(
+    host: &mut impl Host,
+    config: &Policy,
+    name: &str,
+    specs: &[LimitCharge],
+    now_ms: u64,
+) -> Option<LimitsReply> {
+    let now = now_ms as f64;
+    // A colliding entry's local bucket may be replaced only once it has admitted nothing
+    // for a whole window: taken sooner, its owner would find a fresh budget.
+    let idle = |payload: &[u8]| {
+        let states = decode_states(Some(payload), specs.len());
+        states.iter().zip(specs).all(|(state, spec)| state.is_none_or(|s| now - s.updated_ms >= spec.window_ms as f64))
+    };
+    let reply = update_own(host, config, TenantTable::Local, name, idle, |payload| {
+        let mut states = decode_states(payload, specs.len());
+        let reply = check_and_charge(&mut states, specs, now);
+        (reply.allowed.then(|| encode_states(&states)), reply)
+    });
+    reply.and_then(Result::ok)
+}
+
+/// Gives back to `holder`'s local entry what a request took of it.
+fn give_back_local(host: &mut impl Host, config: &Policy, holder: &Holder, specs: &[LimitCharge], now_ms: u64) {
+    let credits: Vec<i64> = specs
+        .iter()
+        .enumerate()
+        .map(|(i, s)| if holder.indices.contains(&i) { i64::try_from(s.cost).unwrap_or(i64::MAX) } else { 0 })
+        .collect();
+    credit_local(host, config, &holder.name, specs, &credits, now_ms as f64);
+}
+
+fn credit_local(host: &mut impl Host, config: &Policy, name: &str, specs: &[LimitCharge], credits: &[i64], now: f64) {
+    update_own(
+        host,
+        config,
+        TenantTable::Local,
+        name,
+        |_| false,
+        |payload| {
+            let Some(payload) = payload else { return (None, ()) }; // replaced meanwhile
+            let mut states = decode_states(Some(payload), specs.len());
+            crate::accounting::bucket::settle(&mut states, specs, credits, now);
+            (Some(encode_states(&states)), ())
+        },
+    );
 }
 
 /// Releases a request's slots at once, in a callout owned by the root context so it

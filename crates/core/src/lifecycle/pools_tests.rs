@@ -159,3 +159,144 @@ fn a_team_token_pool_is_settled_on_the_team_counter() {
         assert!((4950.0..4960.0).contains(&level), "{kind:?}: team pool at {level}");
     }
 }
+
+/// A pool's lease entry, as the lease table holds it (empty if there is none).
+fn pool_lease(proxy: &mut Proxy, owner: &str) -> crate::accounting::lease::TenantLeases {
+    let config = proxy.worker.config().expect("configured").clone();
+    let stored =
+        crate::effects::tables::read_own(&mut proxy.root, &config, crate::effects::tables::TenantTable::Leases, owner);
+    crate::accounting::lease::LeaseEntry::decode(stored.as_deref(), config.limits.len()).leases
+}
+
+fn lease_asks_of(flight: &InFlight) -> Option<crate::protocol::LeaseRequest> {
+    let callout = flight.host.callouts.iter().find(|c| c.path == crate::protocol::LEASE_PATH)?;
+    serde_json::from_value(callout.body.clone()).ok()
+}
+
+#[test]
+fn a_shared_pool_is_leased_once_per_proxy_and_charged_all_or_nothing_with_each_tenants_own_limit() {
+    for kind in HOSTS {
+        let world = World::new(kind);
+        let config = config(json!([
+            {"name": "key", "requests": 200, "window": "1m"},
+            {"name": "upstream", "requests": 1000, "window": "1m", "per": "all"},
+        ]));
+        let config = {
+            let mut value: serde_json::Value = serde_json::from_str(&config).expect("json");
+            value["lease"] = json!({"enabled": true, "ttl": "10s", "initial_fraction": 0.1, "max_fraction": 0.25});
+            value.to_string()
+        };
+        let mut proxy = Proxy::new(&world, &config);
+        let mut companion = FakeCompanion::default();
+        let mut requests_sent = 0;
+        let mut pool_asks = 0;
+        for t in 0..10 {
+            for _ in 0..10 {
+                let flight = proxy.send(Request::get(&format!("sk-{t}"), "/v1/models"), &mut companion);
+                requests_sent += 1;
+                assert!(flight.forwarded(), "{kind:?}");
+                if let Some(ask) = lease_asks_of(&flight) {
+                    if ask.limits[1].wanted > 0 {
+                        pool_asks += 1;
+                    } else {
+                        assert!(ask.limits[1].look_only, "{kind:?}: the pool's part is held, not asked");
+                    }
+                }
+            }
+            proxy.tick(Some(&mut companion));
+        }
+        let trips: usize = companion.calls.values().sum();
+        let renewals = proxy.root.callouts.iter().filter(|c| c.path == crate::protocol::LEASE_PATH).count();
+        let pool_renewals = proxy
+            .root
+            .callouts
+            .iter()
+            .filter(|c| c.path == crate::protocol::LEASE_PATH && c.body["tenant"] == "all")
+            .count();
+        println!("{kind:?}: {requests_sent} requests, {trips} companion calls, {pool_asks} pool grants asked by requests, {renewals} renewals");
+        // Each tenant costs a direct charge (seen once) and a lease of its own; the pool is
+        // leased by a request once (after one direct charge when first seen), then renewed
+        // in the background: far fewer than one trip per request for the pool.
+        assert_eq!(pool_asks, 1, "{kind:?}: the pool's lease is asked once by a request");
+        assert!(trips <= 2 * 10 + 1 + renewals, "{kind:?}: {trips} calls");
+        assert!((1..=2).contains(&pool_renewals), "{kind:?}: {pool_renewals} renewals of the pool");
+        let renewal: crate::protocol::LeaseRequest = serde_json::from_value(
+            proxy.root.callouts.iter().find(|c| c.body["tenant"] == "all").expect("a pool renewal").body.clone(),
+        )
+        .expect("a lease request");
+        assert_eq!(renewal.limits.len(), 1, "{kind:?}: a pool's renewal asks for the pool's limits only");
+        let pool = pool_lease(&mut proxy, "all");
+        assert!(pool.0[1].is_live(proxy.now()) && pool.0[1].remaining > 0.0, "{kind:?}: {pool:?}");
+        assert_eq!(
+            pool.0[0],
+            crate::accounting::lease::Lease::default(),
+            "{kind:?}: the pool's entry holds its limit only"
+        );
+        // Redis was charged for every grant and direct charge: what the pool's counter lost
+        // is what this proxy admitted plus what its lease still holds.
+        let now = proxy.now();
+        let upstream = requests("upstream", 1000, Some("all".into()));
+        let spent = 1000.0 - companion.level("any", &upstream, now);
+        let held = pool_lease(&mut proxy, "all").0[1].remaining;
+        assert!((spent - (requests_sent as f64 + held)).abs() < 1.0, "{kind:?}: spent {spent}, held {held}");
+        // All or nothing: a tenant past its own limit is refused, and the pool's lease
+        // gives nothing for the refusals, nor does Redis's pool counter.
+        let mut admitted = 0;
+        while proxy.send(Request::get("sk-0", "/v1/models"), &mut companion).forwarded() {
+            admitted += 1;
+            assert!(admitted <= 190, "{kind:?}: sk-0 had 190 of its 200 left");
+        }
+        assert_eq!(admitted, 190, "{kind:?}");
+        let now = proxy.now();
+        let (pool_before, redis_before) =
+            (pool_lease(&mut proxy, "all").0[1].remaining, companion.level("any", &upstream, now));
+        for _ in 0..10 {
+            let refused = proxy.send(Request::get("sk-0", "/v1/models"), &mut companion);
+            assert_eq!(refused.replied().map(|r| r.status), Some(429), "{kind:?}");
+        }
+        assert_eq!(
+            pool_lease(&mut proxy, "all").0[1].remaining,
+            pool_before,
+            "{kind:?}: the pool's lease gave nothing"
+        );
+        assert_eq!(companion.level("any", &upstream, now), redis_before, "{kind:?}: nor did Redis's pool counter");
+        // The other tenants still draw on the pool.
+        assert!(proxy.send(Request::get("sk-1", "/v1/models"), &mut companion).forwarded(), "{kind:?}");
+    }
+}
+
+/// Degraded mode (the companion away): a shared pool is counted once per proxy, in its
+/// own local entry at its share (`fallback.instances`), not once per tenant; a request
+/// the tenant's own limit refuses takes nothing from the pool. In direct and lease mode.
+#[test]
+fn without_the_companion_a_pool_is_counted_once_per_proxy_all_or_nothing() {
+    for (kind, lease) in
+        [(HostKind::Envoy, false), (HostKind::Nginx, false), (HostKind::Envoy, true), (HostKind::Nginx, true)]
+    {
+        let world = World::new(kind);
+        let mut value: serde_json::Value = serde_json::from_str(&config(json!([
+            {"name": "key", "requests": 3, "window": "1h"},
+            {"name": "upstream", "requests": 20, "window": "1h", "per": "all"},
+        ])))
+        .expect("json");
+        value["failure_mode"] = json!("local");
+        value["fallback"] = json!({"instances": 2});
+        if lease {
+            value["lease"] = json!({"enabled": true});
+        }
+        let mut proxy = Proxy::new(&world, &value.to_string());
+        let mut away = FakeCompanion::failing(503);
+        let what = format!("{kind:?}, lease {lease}");
+        let mut send = |key: &str| {
+            let flight = proxy.send(Request::get(key, "/v1/models"), &mut away);
+            assert_eq!(flight.host.metric(crate::effects::host::Metric::DegradedDecisions), 1, "{what}");
+            flight.forwarded()
+        };
+        // The pool's share here is 10 (20 over 2 instances); each key's is 2 (3 over 2).
+        let a = (0..5).filter(|_| send("sk-a")).count();
+        assert_eq!(a, 2, "{what}: sk-a's own limit");
+        let others: usize =
+            ["sk-b", "sk-c", "sk-d", "sk-e", "sk-f"].iter().map(|k| (0..2).filter(|_| send(k)).count()).sum();
+        assert_eq!(others, 8, "{what}: the pool's 10 for this proxy, less sk-a's 2, and none for sk-a's refusals");
+    }
+}

@@ -394,6 +394,67 @@ fn leases_admit_without_callouts_refuse_renew_and_return_on_expiry() {
     }
 }
 
+/// Issue 28: however long the companion takes to answer a renewal (up to its callout
+/// timeout), the workers of one proxy never have two renewals of a lease out at once.
+#[test]
+fn one_renewal_of_a_lease_is_out_at_a_time_per_proxy_however_slow_the_companion() {
+    for kind in HOSTS {
+        let world = World::new(kind);
+        let limits = json!([{"name": "rph", "requests": 100_000, "window": "1h"}]);
+        let extra = json!({
+            "companion": {"upstream": "companion", "token": "test-token-0123456789", "timeout": "2s"},
+            "lease": {"enabled": true, "ttl": "30s", "initial_fraction": 0.001, "max_fraction": 0.001}});
+        let config = config(limits, extra);
+        let mut workers = [Proxy::new(&world, &config), Proxy::new(&world, &config)];
+        let mut companion = FakeCompanion::default();
+        // Seen once: charged directly; seen again: a lease of 100.
+        for _ in 0..2 {
+            assert!(workers[0].send(Request::get("sk-a", "/v1/models"), &mut companion).forwarded());
+        }
+        assert_eq!(companion.calls.get(crate::protocol::LEASE_PATH), Some(&1), "{kind:?}");
+        let renewals_out = |workers: &[Proxy; 2]| -> Vec<crate::testing::Callout> {
+            let out = workers.iter().flat_map(|w| w.root.callouts.iter());
+            out.filter(|c| c.path == crate::protocol::LEASE_PATH).cloned().collect()
+        };
+        let spend = |workers: &mut [Proxy; 2], n: usize, companion: &mut FakeCompanion| {
+            for i in 0..n {
+                let flight = workers[i % 2].send(Request::get("sk-a", "/v1/models"), companion);
+                assert!(flight.forwarded() && flight.host.callouts.is_empty(), "{kind:?}: admitted from the lease");
+            }
+            for worker in workers.iter_mut() {
+                worker.tick(None); // renewals go out, unanswered
+            }
+        };
+        // Both workers spend the lease below its low water: one renewal goes out.
+        spend(&mut workers, 85, &mut companion);
+        assert_eq!(renewals_out(&workers).len(), 1, "{kind:?}");
+        // The companion is slow (1.5 s, within the 2 s timeout): both workers keep
+        // admitting, and neither asks again while the first may still be out.
+        advance(&world, 1_500);
+        spend(&mut workers, 10, &mut companion);
+        let out = renewals_out(&workers);
+        assert_eq!(out.len(), 1, "{kind:?}: {} renewals of one lease out at once", out.len());
+        // Requests that find the lease dry ask grants of their own: those do not answer the
+        // renewal out, so no worker asks another meanwhile.
+        let asked = companion.calls.get(crate::protocol::LEASE_PATH).copied().unwrap_or(0);
+        for _ in 0..10 {
+            assert!(workers[1].send(Request::get("sk-a", "/v1/models"), &mut companion).forwarded(), "{kind:?}");
+        }
+        assert!(companion.calls.get(crate::protocol::LEASE_PATH).copied().unwrap_or(0) > asked, "{kind:?}: ran dry");
+        for worker in workers.iter_mut() {
+            worker.tick(None);
+        }
+        assert_eq!(renewals_out(&workers).len(), 1, "{kind:?}: a request's own grant is not the renewal's answer");
+        // The answer lands: the lease grows and the marker is lifted.
+        let owner = workers.iter().position(|w| w.root.callouts.iter().any(|c| c.path == crate::protocol::LEASE_PATH));
+        let owner = owner.expect("a worker renewed");
+        let (status, body) = companion.answer(&out[0], workers[owner].now());
+        workers[owner].root_answer(out[0].token, status, body);
+        let lease = lease_of(&mut workers[0], "sk-a").0[0];
+        assert!(lease.remaining > 50.0 && lease.renewal_asked_ms == 0, "{kind:?}: {lease:?}");
+    }
+}
+
 /// A tenant's leases as its slot of the lease table holds them (empty if not its own).
 pub(super) fn lease_of(proxy: &mut Proxy, key: &str) -> TenantLeases {
     let config = proxy.worker.config().unwrap().clone();
