@@ -16,7 +16,7 @@ WASM_CARGO := RUSTC_BOOTSTRAP=1 RUSTC=/usr/bin/rustc /usr/bin/cargo
 WASM_FLAGS := -Zbuild-std=std,panic_abort
 endif
 
-.PHONY: help setup build wasm empty-filter floor-filter native test wasm-test fuzz fuzz-check unit integration up down demo bench soak faults accuracy capacity provider-bench lint clean
+.PHONY: help setup build wasm empty-filter floor-filter native test test-under-load wasm-test fuzz fuzz-check unit integration up down demo bench soak faults accuracy capacity provider-bench lint clean
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -47,6 +47,12 @@ test: build ## Run every test: unit (native and wasm), Lua against Redis, compan
 	$(MAKE) --no-print-directory fuzz-check
 	$(MAKE) --no-print-directory wasm-test
 	$(PY) -m pytest tests -q -p no:cacheprovider
+
+UNDER_LOAD_RUNS ?= 5
+UNDER_LOAD_CMD ?= $(MAKE) --no-print-directory test
+
+test-under-load: build ## make test UNDER_LOAD_RUNS times (5) with a busy loop on every core; the loops stopped by PID
+	scripts/test_under_load.sh $(UNDER_LOAD_RUNS) $(UNDER_LOAD_CMD)
 
 wasm-test: ## The unit tests marked for wasm, built for the filter's target and run under Node
 	CARGO_TARGET_WASM32_UNKNOWN_UNKNOWN_RUNNER=wasm-bindgen-test-runner $(WASM_CARGO) test -p llm-ratelimit-core --lib --target $(WASM_TARGET) $(WASM_FLAGS)

@@ -19,6 +19,8 @@ fi
 command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
 command -v node >/dev/null 2>&1 || missing+=(nodejs)  # runs the wasm unit tests
 command -v wrk >/dev/null 2>&1 || missing+=(wrk)
+# libfaketime: moves Redis's clock to a month's last seconds in the calendar test.
+compgen -G "/usr/lib/*-linux-gnu/faketime/libfaketime.so.1" >/dev/null || missing+=(faketime)
 
 if ((${#missing[@]})); then
   say "installing Debian packages: ${missing[*]}"

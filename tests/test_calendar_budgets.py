@@ -3,14 +3,20 @@ real Envoy, companion and Redis, spent and refused until midnight on the 1st, wh
 header, the Redis key's expiry and `llm-ratelimit usage` say. Expected values come from
 Python's zoneinfo (the system's IANA database), not from the filter's.
 
-Crossing the boundary itself needs a clock the test can move: that is pinned against a real
-Redis by tests/test_lua_calendar.py (bounds placed around Redis's own TIME) and on the fake
-host by the core's `lifecycle::calendar_tests` (both hosts); here the clocks are real."""
+The boundary itself is crossed through the same real processes with Redis's clock (and
+the companion's) moved by Debian's libfaketime: Redis's clock picks the period (the proxy
+sends the boundaries around its own, lua/limits.lua), so a Redis at 23:59:5x on the last
+day of the month, Amsterdam time, refuses the spent budget and gives it back whole at
+midnight. Envoy's clock stays real: libfaketime cannot run Envoy (see `faked_clock`).
+"""
 
 import json
+import math
 import os
 import subprocess
+import time
 from datetime import datetime, timedelta, timezone
+from pathlib import Path
 from zoneinfo import ZoneInfo
 
 import pytest
@@ -111,3 +117,96 @@ def test_a_monthly_budget_is_refused_until_midnight_on_the_1st_in_amsterdam(cale
     assert held["monthly"]["resets_at"] == following.isoformat()
     key = f"llmrl:{{llm:{tenant_of(KEY)}}}:cal:monthly"
     assert client.execute_command("PEXPIRETIME", key) == ms(end), "the key lives exactly until midnight"
+
+
+def multiarch(pattern: str) -> Path:
+    """The library `pattern` names in this machine's multiarch folder (Debian's layout)."""
+    found = sorted(Path("/").glob(pattern))
+    assert found, f"/{pattern} is missing: run make setup (it installs Debian's faketime)"
+    return found[0]
+
+
+LIBFAKETIME_PATTERN = "usr/lib/*-linux-gnu/faketime/libfaketime.so.1"
+# Debian's redis-server allocates with jemalloc, which libfaketime cannot start under: its
+# set-up calls dlsym, which allocates, and jemalloc's first allocation reads the clock
+# before libfaketime is ready, so redis-server hangs (libfaketime issue #130, unfixed).
+# glibc's own malloc-debugging library, preloaded first, takes malloc from jemalloc.
+GLIBC_MALLOC_PATTERN = "usr/lib/*-linux-gnu/libc_malloc_debug.so.0"
+
+
+def faked_clock(offset_s: float) -> dict:
+    """The environment that runs a process with its wall clock `offset_s` ahead (libfaketime,
+    installed by scripts/setup.sh); its monotonic clock stays real, so timeouts and timers
+    behave.
+
+    Envoy cannot be run so: its tcmalloc (linked in) calls poll() while it initialises,
+    libfaketime's poll() initialises libfaketime, whose dlsym allocates, which waits on
+    tcmalloc's initialisation: a deadlock before the first log line (seen with gdb on
+    Envoy 1.40). Nor can V8's clocks be told apart from Envoy's. So the proxy keeps the
+    real time and the Redis side is moved, which is the clock that decides."""
+    preload = f"{multiarch(GLIBC_MALLOC_PATTERN)}:{multiarch(LIBFAKETIME_PATTERN)}"
+    return {"LD_PRELOAD": preload, "FAKETIME": f"+{offset_s:.3f}", "DONT_FAKE_MONOTONIC": "1"}
+
+
+def test_the_budget_spent_before_midnight_is_whole_after_it_through_envoy(stack):
+    """Redis's clock (and the companion's) at 23:59:5x on the month's last day in
+    Amsterdam: three requests spend the monthly budget, the fourth is refused until
+    midnight by Redis's clock (Retry-After, RateLimit's t, OpenAI's and Anthropic's resets
+    all say the same seconds); once Redis's clock passes midnight the budget is whole
+    again, and the headers and the key's expiry say the next month's end."""
+    # Envoy and the mock first (the slow starts), on the real clock; the companion's port
+    # chosen now, the companion started last.
+    _, mock_port = stack.mock()
+    companion_port = free_port()
+    limits = [{"name": "monthly", "requests": 3, "window": AMSTERDAM_MONTH}]
+    config = filter_config(limits, token=TOKEN, headers=["provider", "anthropic", "ietf"])
+    port = free_port()
+    stack.envoy(envoy_config(listen_port=port, admin_port=free_port(), upstream_port=mock_port,
+                             companion_port=companion_port, filter_config=config))
+
+    # The boundary: the next 1st at 00:00 in Amsterdam after the real now. Redis starts
+    # LEAD seconds before it, by its clock.
+    lead_s = 8.0
+    _, midnight = this_month_in_amsterdam(datetime.now(timezone.utc))
+    _, after_next = this_month_in_amsterdam(midnight + timedelta(days=1))
+    offset = midnight.timestamp() - lead_s - time.time()
+    faked = faked_clock(offset)
+    _, redis_port = stack.redis(env=faked)
+    stack.companion(f"redis://127.0.0.1:{redis_port}", TOKEN, port=companion_port, admin_token=ADMIN, env=faked)
+    client = redis.Redis(port=redis_port)
+    before = redis_now_ms(client)
+    assert abs(before / 1000 - (time.time() + offset)) < 1, "Redis runs on the faked clock"
+    assert 0 < ms(midnight) - before <= lead_s * 1000, "Redis's clock is just before midnight on the 1st"
+
+    replies = [send(port, key=KEY) for _ in range(3)]
+    assert [r.status for r in replies] == [200] * 3, [r.body for r in replies]
+    refused = send(port, key=KEY)
+    left_ms = ms(midnight) - redis_now_ms(client)
+    assert left_ms > 0, "still before midnight by Redis's clock: the test ran too slowly to see the refusal"
+    assert refused.status == 429, refused.body
+    # Every header says the wait to midnight by Redis's clock, in its own form.
+    seconds_left = math.ceil(left_ms / 1000)
+    retry_after = int(refused.headers["retry-after"])
+    assert seconds_left <= retry_after <= seconds_left + 1, (retry_after, left_ms)
+    assert left_ms <= int(refused.headers["retry-after-ms"]) <= left_ms + 1000
+    assert f'"monthly";r=0;t={retry_after}' in refused.headers["ratelimit"]
+    assert refused.headers["x-ratelimit-remaining-requests"] == "0"
+    reset = refused.headers["x-ratelimit-reset-requests"]  # Go's form: "5.2s", "800ms"
+    reset_s = float(reset[:-2]) / 1000 if reset.endswith("ms") else float(reset.rstrip("s"))
+    assert left_ms / 1000 - 0.01 <= reset_s <= retry_after, reset
+    # Anthropic's is an instant on the proxy's (real) clock: its now plus that wait.
+    anthropic_reset = reset_instant(refused.headers["anthropic-ratelimit-requests-reset"]).timestamp()
+    assert abs(anthropic_reset - (time.time() + left_ms / 1000)) <= 2
+
+    # Midnight passes on Redis's clock: the next month's budget is whole.
+    wait_until(lambda: redis_now_ms(client) > ms(midnight) + 100, lead_s + 5, "midnight by Redis's clock")
+    again = send(port, key=KEY)
+    assert again.status == 200, again.body
+    assert again.headers["x-ratelimit-remaining-requests"] == "2", "one of the new month's three"
+    to_next_ms = ms(after_next) - redis_now_ms(client)
+    next_reset = reset_instant(again.headers["anthropic-ratelimit-requests-reset"]).timestamp()
+    assert abs(next_reset - (time.time() + to_next_ms / 1000)) <= 2, "the end of the next month"
+    assert abs(int(again.headers["ratelimit"].split('"monthly";r=2;t=')[1].split(",")[0]) - to_next_ms / 1000) <= 2
+    key = f"llmrl:{{llm:{tenant_of(KEY)}}}:cal:monthly"
+    assert client.execute_command("PEXPIRETIME", key) == ms(after_next), "the key lives until the next 1st"
+    assert float(client.hget(key, "spent")) == 1

@@ -154,6 +154,25 @@ def test_settles_each_reservation_once(single):
     assert status == 400 and "settlements[0]: tenant" in reply["error"]
 
 
+def test_a_stand_alone_adjustment_applies_once_under_a_marker_that_lives_a_minute(single):
+    """README (The companion): an adjustment without a reservation (a returned lease, what
+    was admitted locally) carries a once id; its marker `once:<id>` lives a minute, so the
+    same batch sent again within it (after a lost answer) is not applied twice."""
+    _, redis_port, port = single
+    store = redis.Redis(port=redis_port)
+    adjustment = {"domain": "llm", "tenant": "t-once", "once": "returned-1",
+                  "limits": [{"name": "tpm", "capacity": 1000, "window_ms": 366 * 86_400_000, "credit": -100}]}
+    sent = time.monotonic()
+    status, reply = call(port, {"settlements": [adjustment]}, path="/v1/settle")
+    ttl, elapsed_ms = store.pttl("t1:{llm:t-once}:once:returned-1"), (time.monotonic() - sent) * 1000
+    assert status == 200 and reply["results"] == ["applied"], reply
+    assert 60_000 - elapsed_ms - 1 <= ttl <= 60_000, (ttl, elapsed_ms)
+    assert float(store.hget("t1:{llm:t-once}:tb:tpm", "tokens")) == pytest.approx(900, abs=0.01)
+    status, reply = call(port, {"settlements": [adjustment]}, path="/v1/settle")
+    assert status == 200 and reply["results"] == ["already_settled"], reply
+    assert float(store.hget("t1:{llm:t-once}:tb:tpm", "tokens")) == pytest.approx(900, abs=0.01)
+
+
 def test_reloads_scripts_after_script_flush(single):
     _, redis_port, port = single
     redis.Redis(port=redis_port).script_flush()

@@ -172,10 +172,31 @@ def test_each_learned_figure_is_one_labelled_gauge(traffic):
     assert value(samples, "llm_ratelimit_prompt_factor_thousandths", model_rule="other") == 1000, \
         "a rule without replies keeps its configured factor"
     # A rule's label is its pattern without the wildcard: OpenAI's gpt-3.5* and gpt-4.1*
-    # as written, beside Azure's gpt-35* (README "Metrics").
-    assert {"gpt-4o", "gpt-4.1", "gpt-3.5", "gpt-35", "other"} <= set(rules), rules
+    # as written (README "Metrics"); Azure's gpt-35* is the gpt-3.5 family, no label of its own.
+    assert {"gpt-4o", "gpt-4.1", "gpt-3.5", "other"} <= set(rules), rules
+    assert not any(rule.startswith("gpt-35") for rule in rules), rules
     gauges = {name for name, _ in samples if re.search(r"prompt_factor|output_prior|lease_bound", name)}
     assert gauges == {"llm_ratelimit_prompt_factor_thousandths", "llm_ratelimit_output_prior_tokens"}, gauges
+
+
+def test_openais_and_azures_gpt_35_are_one_family_under_one_label(traffic, tiktoken_encodings):
+    """OpenAI names the model `gpt-3.5-turbo`, Azure `gpt-35-turbo`: one family, so both
+    requests count under `model_rule="gpt-3.5"` (README "Metrics"), at cl100k_base's count."""
+    port, admin_port = traffic["port"], traffic["admin_port"]
+    before = scrape(admin_port)
+    reserved = series("llm_ratelimit_tokens_total", model_rule="gpt-3.5", gen_ai_token_type="input",
+                      token_stage="reserved")
+    already = before.get((reserved[0], frozenset(reserved[1])), 0)
+    models = ["gpt-3.5-turbo", "gpt-35-turbo"]
+    replies = [send(port, key="sk-metrics-gpt-35", body=chat("count my tokens", model=model, max_tokens=50))
+               for model in models]
+    assert [r.status for r in replies] == [200, 200], [r.body for r in replies]
+    prompt = openai_chat_prompt_tokens(tiktoken_encodings["cl100k_base"], [{"role": "user", "content": "count my tokens"}])
+    samples = scrape_when(admin_port, {reserved: already + 2 * prompt})
+    assert value(samples, "llm_ratelimit_tokens_total", model_rule="gpt-3.5", gen_ai_token_type="input",
+                 token_stage="reserved") == already + 2 * prompt
+    labels = {s["model_rule"] for s in series_of(samples, "llm_ratelimit_tokens_total")}
+    assert "gpt-3.5" in labels and not any(label.startswith("gpt-35") for label in labels), labels
 
 
 def metric_types(admin_port: int) -> dict:
@@ -215,11 +236,11 @@ def test_no_label_carries_a_tenant_or_a_key(traffic):
 
 
 # README "Metrics": "5 counters per limit, 4 counters and 2 gauges per model rule, a gauge
-# per limit in lease mode: 117 for the demo's three limits and the 16 built-in rules and
+# per limit in lease mode: 111 for the demo's three limits and the 15 built-in rules and
 # catch-all, whatever the traffic".
 LABELLED = ("llm_ratelimit_decisions_total", "llm_ratelimit_tokens_total", "llm_ratelimit_lease_bound",
             "llm_ratelimit_prompt_factor_thousandths", "llm_ratelimit_output_prior_tokens")
-BUILT_IN_RULES_AND_CATCH_ALL = 16 + 1
+BUILT_IN_RULES_AND_CATCH_ALL = 15 + 1
 
 
 def labelled_series(samples: dict) -> set:
@@ -235,7 +256,7 @@ def test_the_labelled_series_are_fixed_by_the_config(traffic):
     assert len(rules) == BUILT_IN_RULES_AND_CATCH_ALL, sorted(rules)
     assert len(before) == 5 * len(LIMITS) + (4 + 2) * BUILT_IN_RULES_AND_CATCH_ALL, sorted(before)
     demo_limits = filter_config_of(yaml.safe_load((ROOT / "envoy/demo.yaml").read_text()))["limits"]
-    assert 5 * len(demo_limits) + (4 + 2) * BUILT_IN_RULES_AND_CATCH_ALL == 117, "the README's figure for the demo"
+    assert 5 * len(demo_limits) + (4 + 2) * BUILT_IN_RULES_AND_CATCH_ALL == 111, "the README's figure for the demo"
     # New tenants asking for models no rule names, and one rule's variants: admitted and
     # settled, counted under the catch-all or their rule, never as series of their own.
     for i, model in enumerate(["invented-model-1", "invented-model-2", "gpt-4o-2099-01-01", "claude-made-up"]):

@@ -429,6 +429,29 @@ def test_a_sliding_window_admits_no_double_burst_at_the_edge(client):
     assert call(client, "charge", [key], SW10, [11])[1][0] == -1  # never fits
 
 
+def test_a_sliding_windows_key_expires_a_window_and_a_second_after_its_last_entry(client):
+    """README (Capacity planning): a window's key expires a window (and a second) after its
+    last entry, so a tenant that stops leaves nothing behind, and one that goes on keeps
+    its window. Bounds measured around each call, whatever the machine's load."""
+    tag = uuid.uuid4().hex
+    key = f"test:{{{tag}}}:sw:rps"
+    full_life_ms = 100_000 + 1000
+
+    def charged_and_ttl():
+        started = time.monotonic()
+        assert call(client, "charge", [key], SW10, [1])[0] == 1
+        ttl = client.pttl(key)
+        return ttl, (time.monotonic() - started) * 1000
+
+    ttl, elapsed_ms = charged_and_ttl()
+    assert full_life_ms - elapsed_ms - 1 <= ttl <= full_life_ms, (ttl, elapsed_ms)
+    time.sleep(0.3)  # time, not state: the second entry comes 300 ms after the first
+    ttl, elapsed_ms = charged_and_ttl()
+    # Counted from the second entry: a key kept from the first would have at most
+    # full_life_ms - 300 left.
+    assert full_life_ms - elapsed_ms - 1 <= ttl <= full_life_ms, (ttl, elapsed_ms)
+
+
 def test_a_sliding_window_charges_several_costs_and_settles_at_the_charge_time(client):
     tag = uuid.uuid4().hex
     key, reservation = f"test:{{{tag}}}:sw:tpm", f"test:{{{tag}}}:res:r1"

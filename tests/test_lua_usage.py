@@ -90,7 +90,9 @@ def test_a_sliding_window_peek_leaves_expired_entries_and_agrees_with_the_next_c
     assert client.eval(SCRIPT, 1, key, charge_args(window, [6]))[0] == 1
     shift_window(client, key, 10_000)  # 10 s pass
     assert client.eval(SCRIPT, 1, key, charge_args(window, [4]))[0] == 1
-    # Full: a peek and a refused charge of one, at one time (one MULTI), say the same.
+    # Full: a peek and a refused charge of one, at one time (one MULTI), say the same,
+    # to the millisecond: each script reads Redis's TIME anew, and a loaded machine can put
+    # a millisecond boundary between the two (30000 against 29999 once, issue 24).
     pipe = client.pipeline(transaction=True)
     pipe.eval(SCRIPT, 1, key, peek_args(window))
     pipe.eval(SCRIPT, 1, key, charge_args(window, [1]))
@@ -98,7 +100,7 @@ def test_a_sliding_window_peek_leaves_expired_entries_and_agrees_with_the_next_c
     assert refused[0] == 0 and peek[1][0] == 0
     assert peek[1][2] == refused[1][2] == 0
     assert abs(peek[1][4] - refused[1][4]) <= 1 and 15_000 <= peek[1][4] <= 20_000  # until the 6 leave
-    assert peek[1][3] == refused[1][3]
+    assert abs(peek[1][3] - refused[1][3]) <= 1 and 25_000 <= peek[1][3] <= 30_000  # until all leave
     # The first charge leaves the window: the peek counts 6 free but removes nothing.
     shift_window(client, key, 25_000)
     entries = client.zcard(key)

@@ -27,8 +27,8 @@
 //!                 array, AWS event stream)
 //! providers     one leaf module per provider (openai, anthropic, gemini, azure,
 //!                 bedrock): its paths, body shapes, usage and stream shapes, error
-//!                 envelope, credential; their registration, and the one Route a path is
-//!                 read into (mod.rs)
+//!                 envelope, rate-limit header names, credential; their registration,
+//!                 and the one Route a path is read into (mod.rs)
 //! api           the shared vocabulary: Api, ReportedUsage, text of a JSON value; the
 //!                 message-counting formula (prompt); why the filter refuses (refusal);
 //!                 whose error shape answers (dialect); who a tenant is (identity)

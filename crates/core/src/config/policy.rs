@@ -9,7 +9,7 @@ use crate::accounting::reservation::{TokenCounts, UpstreamErrorCharge};
 use crate::api::dialect::ErrorFormat;
 use crate::api::identity::{IdentitySource, MissingIdentity};
 use crate::protocol::LimitKind;
-use crate::tokens::{builtin_rules, glob_match, Encoding, ModelRule};
+use crate::tokens::{builtin_families, glob_match, Encoding, ModelRule};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::fmt;
@@ -519,6 +519,9 @@ pub struct TokenPolicy {
 #[derive(Debug, Clone, PartialEq)]
 pub struct ModelPolicy {
     pub rule: ModelRule,
+    /// Other patterns the rule's models are named by (a built-in family's other spellings:
+    /// Azure's `gpt-35*` for `gpt-3.5*`); an operator's rule has none.
+    pub also: &'static [&'static str],
     /// The completion length assumed for a tenant with no history of its own (the rule's
     /// `expected_output`, else `tokens.default_expected_output`), until the proxy has
     /// learned the model's.
@@ -530,6 +533,13 @@ pub struct ModelPolicy {
     pub configured: bool,
 }
 
+impl ModelPolicy {
+    /// Whether `model` is one of the rule's: its pattern or one of its other spellings.
+    pub fn matches(&self, model: &str) -> bool {
+        glob_match(&self.rule.pattern, model) || self.also.iter().any(|pattern| glob_match(pattern, model))
+    }
+}
+
 impl TokenPolicy {
     /// The rule that applies to `model` (none: the catch-all), with its index: the
     /// operator's first match, then the built-in OpenAI families, then the catch-all.
@@ -538,7 +548,7 @@ impl TokenPolicy {
         self.rules
             .iter()
             .enumerate()
-            .find(|(_, policy)| glob_match(&policy.rule.pattern, model))
+            .find(|(_, policy)| policy.matches(model))
             .unwrap_or((self.rules.len(), &self.catch_all))
     }
 
@@ -562,19 +572,20 @@ pub(super) fn model_policies(
     default_expected_output: Option<u64>,
 ) -> (Vec<ModelPolicy>, ModelPolicy) {
     let mut labels = std::collections::BTreeSet::new();
-    let mut policy = |rule: ModelRule, expected_output: Option<u64>, configured: bool| {
-        let base = metric_label(&rule.pattern);
-        let label =
-            (1..).map(|n| if n == 1 { base.clone() } else { format!("{base}_{n}") }).find(|l| !labels.contains(l));
-        let label = label.unwrap_or(base);
-        labels.insert(label.clone());
-        ModelPolicy { rule, expected_output: expected_output.or(default_expected_output), label, configured }
-    };
+    let mut policy =
+        |rule: ModelRule, also: &'static [&'static str], expected_output: Option<u64>, configured: bool| {
+            let base = metric_label(&rule.pattern);
+            let label =
+                (1..).map(|n| if n == 1 { base.clone() } else { format!("{base}_{n}") }).find(|l| !labels.contains(l));
+            let label = label.unwrap_or(base);
+            labels.insert(label.clone());
+            ModelPolicy { rule, also, expected_output: expected_output.or(default_expected_output), label, configured }
+        };
     let mut rules: Vec<ModelPolicy> =
-        configured.into_iter().map(|(rule, expected)| policy(rule, expected, true)).collect();
-    rules.extend(builtin_rules().into_iter().map(|rule| policy(rule, None, false)));
+        configured.into_iter().map(|(rule, expected)| policy(rule, &[], expected, true)).collect();
+    rules.extend(builtin_families().into_iter().map(|family| policy(family.rule, family.also, None, false)));
     let every_model = ModelRule { pattern: "*".into(), encoding: default_encoding, factor: 1.0, max_output: None };
-    let mut catch_all = policy(every_model, None, false);
+    let mut catch_all = policy(every_model, &[], None, false);
     catch_all.label = "other".into();
     (rules, catch_all)
 }

@@ -90,10 +90,14 @@ fn model_rules_get_their_prior_and_a_metric_label_of_their_own() {
     // The built-in family the operator's gpt-4o* shadows keeps a label of its own.
     let labels: Vec<&str> = tokens.all_rules().map(|(_, r)| r.label.as_str()).collect();
     assert!(labels.contains(&"gpt-4o_2"), "{labels:?}");
-    // Built-in families read as their patterns: OpenAI's `gpt-3.5*` and Azure's `gpt-35*`.
-    for family in ["gpt-4.1", "gpt-4.5", "gpt-3.5", "gpt-35", "text-embedding-ada-002"] {
+    // Built-in families read as their patterns.
+    for family in ["gpt-4.1", "gpt-4.5", "gpt-3.5", "text-embedding-ada-002"] {
         assert!(labels.contains(&family), "{family}: {labels:?}");
     }
+    // OpenAI's `gpt-3.5*` and Azure's `gpt-35*` are one family: one rule, one label.
+    assert!(!labels.iter().any(|l| l.starts_with("gpt-35")), "{labels:?}");
+    assert_eq!(rule("gpt-35-turbo").label, "gpt-3.5");
+    assert_eq!(tokens.rule_for(Some("gpt-35-turbo")).0, tokens.rule_for(Some("gpt-3.5-turbo")).0);
     assert_eq!(labels.iter().collect::<std::collections::BTreeSet<_>>().len(), labels.len(), "unique");
     assert_eq!(labels.last(), Some(&"other"), "the catch-all, for every model no rule names");
     assert_eq!(tokens.rule_for(None).0, tokens.rules.len());

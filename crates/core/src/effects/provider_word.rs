@@ -16,6 +16,8 @@
 //! [`MAX_VALUE`] is ignored, counts and times saturate, and a body is read only up to
 //! [`MAX_ERROR_BODY`] bytes (the caller's buffer).
 
+use crate::providers::{anthropic, openai, HeaderQuota, QuotaHeaders};
+
 /// The longest header value read; a longer one is ignored.
 pub const MAX_VALUE: usize = 64;
 /// The most of a throttling error's body kept for its retry time.
@@ -64,26 +66,28 @@ impl Quota {
 
     /// OpenAI's (and Azure's) remaining and reset headers for it.
     fn openai(self) -> Option<(&'static str, &'static str)> {
-        match self {
-            Quota::Requests => Some(("x-ratelimit-remaining-requests", "x-ratelimit-reset-requests")),
-            Quota::Tokens => Some(("x-ratelimit-remaining-tokens", "x-ratelimit-reset-tokens")),
-            Quota::InputTokens | Quota::OutputTokens => None,
-        }
+        let quota = match self {
+            Quota::Requests => HeaderQuota::Requests,
+            Quota::Tokens => HeaderQuota::AnyTokens,
+            Quota::InputTokens | Quota::OutputTokens => return None,
+        };
+        remaining_and_reset(openai::RATE_LIMIT_HEADERS.of(quota)?)
     }
 
     /// Anthropic's remaining and reset headers for it.
-    fn anthropic(self) -> (&'static str, &'static str) {
-        match self {
-            Quota::Requests => ("anthropic-ratelimit-requests-remaining", "anthropic-ratelimit-requests-reset"),
-            Quota::Tokens => ("anthropic-ratelimit-tokens-remaining", "anthropic-ratelimit-tokens-reset"),
-            Quota::InputTokens => {
-                ("anthropic-ratelimit-input-tokens-remaining", "anthropic-ratelimit-input-tokens-reset")
-            }
-            Quota::OutputTokens => {
-                ("anthropic-ratelimit-output-tokens-remaining", "anthropic-ratelimit-output-tokens-reset")
-            }
-        }
+    fn anthropic(self) -> Option<(&'static str, &'static str)> {
+        let quota = match self {
+            Quota::Requests => HeaderQuota::Requests,
+            Quota::Tokens => HeaderQuota::TotalTokens,
+            Quota::InputTokens => HeaderQuota::InputTokens,
+            Quota::OutputTokens => HeaderQuota::OutputTokens,
+        };
+        remaining_and_reset(anthropic::RATE_LIMIT_HEADERS.of(quota)?)
     }
+}
+
+fn remaining_and_reset(headers: &QuotaHeaders) -> Option<(&'static str, &'static str)> {
+    Some((headers.remaining, headers.reset?))
 }
 
 /// What is left of one quota, and in how long it is whole again.
@@ -134,7 +138,7 @@ pub fn read_headers(status: u32, header: &mut dyn FnMut(&str) -> Option<String>,
             Some(Left { remaining, reset_after_ms })
         });
         let anthropic = || {
-            let (remaining, reset) = quota.anthropic();
+            let (remaining, reset) = quota.anthropic()?;
             let remaining = count(&value(remaining)?)?;
             let reset_after_ms = rfc3339_ms(&value(reset)?)?.saturating_sub(now_ms).min(MAX_WAIT_MS);
             Some(Left { remaining, reset_after_ms })

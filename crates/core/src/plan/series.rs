@@ -263,7 +263,7 @@ mod tests {
         assert_eq!(proxy.root.gauges.len(), 2 + rules, "{:?}", proxy.root.gauges.keys());
         assert_eq!(
             rules,
-            2 * (crate::tokens::builtin_rules().len() + 2),
+            2 * (crate::tokens::builtin_families().len() + 2),
             "claude-*, the built-in rules, the catch-all"
         );
     }

@@ -10,7 +10,7 @@
 //! `message_delta` its running total, and `message_stop` ends the stream. Bedrock's
 //! invoke operations carry the same bodies and events.
 
-use super::{BodyShape, ErrorEnvelope, Provider, Route};
+use super::{BodyShape, ErrorEnvelope, HeaderQuota, Provider, QuotaHeaders, RateLimitHeaders, ResetForm, Route};
 use crate::api::identity::{CredentialPlace, BEARER};
 use crate::api::prompt::{as_count, chat_messages, content, tools};
 use crate::api::refusal::Refusal;
@@ -31,6 +31,39 @@ pub(super) fn route(path: &str) -> Option<Route> {
     let api = Api::from_path(path).filter(|&api| api == Api::Messages)?;
     Some(Route::of_api(Provider::Anthropic, api))
 }
+
+/// Anthropic's `anthropic-ratelimit-*` headers: `requests`; `tokens` (limits counting
+/// input and output together); `input-tokens` and `output-tokens` (limits counting one
+/// side). Resets are the instant the quota is full again.
+pub const RATE_LIMIT_HEADERS: RateLimitHeaders = RateLimitHeaders {
+    quotas: &[
+        QuotaHeaders {
+            quota: HeaderQuota::Requests,
+            limit: "anthropic-ratelimit-requests-limit",
+            remaining: "anthropic-ratelimit-requests-remaining",
+            reset: Some("anthropic-ratelimit-requests-reset"),
+        },
+        QuotaHeaders {
+            quota: HeaderQuota::TotalTokens,
+            limit: "anthropic-ratelimit-tokens-limit",
+            remaining: "anthropic-ratelimit-tokens-remaining",
+            reset: Some("anthropic-ratelimit-tokens-reset"),
+        },
+        QuotaHeaders {
+            quota: HeaderQuota::InputTokens,
+            limit: "anthropic-ratelimit-input-tokens-limit",
+            remaining: "anthropic-ratelimit-input-tokens-remaining",
+            reset: Some("anthropic-ratelimit-input-tokens-reset"),
+        },
+        QuotaHeaders {
+            quota: HeaderQuota::OutputTokens,
+            limit: "anthropic-ratelimit-output-tokens-limit",
+            remaining: "anthropic-ratelimit-output-tokens-remaining",
+            reset: Some("anthropic-ratelimit-output-tokens-reset"),
+        },
+    ],
+    reset: ResetForm::At,
+};
 
 pub const MESSAGES: BodyShape = BodyShape {
     max_output: |body| as_count(body.at("max_tokens")),

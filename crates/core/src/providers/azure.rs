@@ -2,7 +2,9 @@
 //! (`/openai/deployments/{deployment}/chat/completions?api-version=…`, also completions,
 //! embeddings and responses) rather than a model, or, on the newer v1 paths
 //! (`/openai/v1/chat/completions`, `/openai/responses`), with the deployment's name in
-//! the body's `model`. The config's `deployments` maps a deployment to its model.
+//! the body's `model`. The config's `deployments` maps a deployment to its model. Its
+//! replies carry OpenAI's rate-limit headers (`openai::RATE_LIMIT_HEADERS`), and its callers
+//! are answered with them.
 
 use super::{PathModel, Provider, Route};
 use crate::api::identity::{CredentialPlace, BEARER};

@@ -2,9 +2,10 @@
 //! module owns what is its API's: its paths (into a `Route`), its body shapes (where the
 //! prompt is, where the output cap is and how it is rewritten, how many completions a
 //! request asks for), its usage (JSON and streamed) and how its streams end, and where
-//! its upstream reads the caller's credential. This module ties them together: the
-//! `Provider` list, the order paths are tried in, which module's shape each `Api` is,
-//! and the order usage shapes are read in. The modules import only the layers below
+//! its upstream reads the caller's credential, and the names of its rate-limit headers
+//! (which `replies` renders and `effects::provider_word` reads). This module ties them
+//! together: the `Provider` list, the order paths are tried in, which module's shape
+//! each `Api` is, and the order usage shapes are read in. The modules import only the layers below
 //! (`parse`, `tokens`, `api`) and this registry's types.
 //!
 //! | provider | paths | model |
@@ -191,6 +192,65 @@ pub fn error_envelope(
         Dialect::Anthropic => anthropic::error_envelope(refusal, message),
         Dialect::Google => gemini::error_envelope(refusal, message, retry_after_seconds),
         Dialect::Bedrock => bedrock::error_envelope(refusal, message),
+    }
+}
+
+/// What one of a provider's rate-limit headers reports on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HeaderQuota {
+    Requests,
+    /// Tokens whatever part of them a limit counts: the tightest token limit.
+    AnyTokens,
+    /// Limits that count input and output together.
+    TotalTokens,
+    InputTokens,
+    OutputTokens,
+    /// Requests in flight at once (the filter's own figure: no provider sends it).
+    Concurrency,
+}
+
+/// How a provider writes when a quota is whole again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ResetForm {
+    /// The time left, as Go prints a duration (`6m0s`, `7.2s`).
+    After,
+    /// The instant, RFC 3339 in UTC, rounded up to the second.
+    At,
+}
+
+/// One quota's headers as a provider names them: its limit, what is left of it, and when
+/// it is whole again (`None`: slots come back as requests end, not on a schedule).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QuotaHeaders {
+    pub quota: HeaderQuota,
+    pub limit: &'static str,
+    pub remaining: &'static str,
+    pub reset: Option<&'static str>,
+}
+
+/// A provider's rate-limit headers: the quotas it reports on, in the order they are sent,
+/// and how it writes their resets. The filter sends them to the provider's callers
+/// (`headers: [provider]`) and reads them on the provider's replies (`provider_limits`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RateLimitHeaders {
+    pub quotas: &'static [QuotaHeaders],
+    pub reset: ResetForm,
+}
+
+impl RateLimitHeaders {
+    /// The headers of `quota`, if the provider reports on it.
+    pub fn of(&self, quota: HeaderQuota) -> Option<&'static QuotaHeaders> {
+        self.quotas.iter().find(|q| q.quota == quota)
+    }
+}
+
+/// The rate-limit headers of `dialect`'s provider, if it sends any (Google and Bedrock
+/// send none of their own: their callers get the IETF fields).
+pub fn rate_limit_headers(dialect: Dialect) -> Option<&'static RateLimitHeaders> {
+    match dialect {
+        Dialect::OpenAi => Some(&openai::RATE_LIMIT_HEADERS),
+        Dialect::Anthropic => Some(&anthropic::RATE_LIMIT_HEADERS),
+        Dialect::Google | Dialect::Bedrock => None,
     }
 }
 
@@ -385,6 +445,32 @@ mod tests {
             Provider::Gemini => Dialect::Google,
             Provider::Bedrock => Dialect::Bedrock,
         }
+    }
+
+    #[test]
+    fn each_provider_names_its_own_rate_limit_headers() {
+        // OpenAI's (also Azure's) and Anthropic's, as their documentation spells them;
+        // Google's and Bedrock's callers get the IETF fields only.
+        for (dialect, prefix) in [(Dialect::OpenAi, "x-ratelimit-"), (Dialect::Anthropic, "anthropic-ratelimit-")] {
+            let headers = rate_limit_headers(dialect).expect("headers");
+            let mut names: Vec<&str> =
+                headers.quotas.iter().flat_map(|q| [q.limit, q.remaining].into_iter().chain(q.reset)).collect();
+            assert!(names.iter().all(|n| n.starts_with(prefix) && n.to_ascii_lowercase() == *n), "{names:?}");
+            let count = names.len();
+            names.sort_unstable();
+            names.dedup();
+            assert_eq!(names.len(), count, "one name, one header");
+        }
+        assert_eq!(rate_limit_headers(Dialect::Google), None);
+        assert_eq!(rate_limit_headers(Dialect::Bedrock), None);
+        let tokens = openai::RATE_LIMIT_HEADERS.of(HeaderQuota::AnyTokens).expect("tokens");
+        assert_eq!(
+            (tokens.remaining, tokens.reset),
+            ("x-ratelimit-remaining-tokens", Some("x-ratelimit-reset-tokens"))
+        );
+        assert_eq!(openai::RATE_LIMIT_HEADERS.of(HeaderQuota::Concurrency).map(|q| q.reset), Some(None));
+        assert_eq!(anthropic::RATE_LIMIT_HEADERS.of(HeaderQuota::AnyTokens), None, "Anthropic's tokens are a total");
+        assert_eq!(anthropic::RATE_LIMIT_HEADERS.reset, ResetForm::At);
     }
 
     #[cfg(not(target_arch = "wasm32"))]

@@ -18,7 +18,7 @@
 //! event (Responses); vLLM's `continuous_usage_stats` and Groq's `x_groq.usage` are read as
 //! OpenAI's usage.
 
-use super::{BodyShape, ErrorEnvelope, Provider, Route};
+use super::{BodyShape, ErrorEnvelope, HeaderQuota, Provider, QuotaHeaders, RateLimitHeaders, ResetForm, Route};
 use crate::api::identity::{CredentialPlace, BEARER};
 use crate::api::prompt::{as_count, chat_messages, content, inputs, tools};
 use crate::api::refusal::Refusal;
@@ -33,6 +33,33 @@ pub const CREDENTIALS: [CredentialPlace<'static>; 1] = [BEARER];
 pub const MISSING_CREDENTIAL: &str =
     "No API key provided. Send it as 'Authorization: Bearer <key>' (Azure OpenAI: the 'api-key' header) or in \
      the header the operator configured.";
+
+/// OpenAI's rate-limit headers (Azure OpenAI sends the same): `-requests`, `-tokens`
+/// (the tightest token limit, whatever part of the tokens it counts), and the filter's own
+/// `-concurrency` in the same style; resets as durations.
+pub const RATE_LIMIT_HEADERS: RateLimitHeaders = RateLimitHeaders {
+    quotas: &[
+        QuotaHeaders {
+            quota: HeaderQuota::Requests,
+            limit: "x-ratelimit-limit-requests",
+            remaining: "x-ratelimit-remaining-requests",
+            reset: Some("x-ratelimit-reset-requests"),
+        },
+        QuotaHeaders {
+            quota: HeaderQuota::AnyTokens,
+            limit: "x-ratelimit-limit-tokens",
+            remaining: "x-ratelimit-remaining-tokens",
+            reset: Some("x-ratelimit-reset-tokens"),
+        },
+        QuotaHeaders {
+            quota: HeaderQuota::Concurrency,
+            limit: "x-ratelimit-limit-concurrency",
+            remaining: "x-ratelimit-remaining-concurrency",
+            reset: None,
+        },
+    ],
+    reset: ResetForm::After,
+};
 
 /// The SSE data that ends a chat stream.
 pub const DONE: &str = "[DONE]";

@@ -1,15 +1,13 @@
 //! The shapes of what the filter answers itself, per API family (`crate::api::dialect`): a
 //! local reply in the error envelope each family's SDKs parse into their own exception
 //! classes (each provider's module has its envelope: `providers::error_envelope`), and
-//! Anthropic's rate-limit headers. What is said (the messages, which limit binds) is
+//! the RFC 3339 times Anthropic's reset headers are written in. What is said (the messages, which limit binds) is
 //! `crate::replies::decision`'s; how it is wrapped for the caller is here.
 
 use crate::api::dialect::Dialect;
 pub use crate::api::refusal::Refusal;
-use crate::config::{Dimension, Policy, TokenCount};
-use crate::protocol::LimitsReply;
 use crate::providers::{self, bedrock};
-use crate::replies::reply::{tightest, Header, LocalReply};
+use crate::replies::reply::{Header, LocalReply};
 
 /// Whether a local reply's header is part of its error (the body's type, Bedrock's error
 /// code), so it has no place on a response forwarded instead (shadow mode).
@@ -33,60 +31,6 @@ pub fn error_reply(dialect: Dialect, refusal: Refusal, message: &str, retry_afte
     let mut headers: Vec<Header> = vec![("content-type", "application/json".to_string())];
     headers.extend(envelope.header);
     LocalReply { status: refusal.status(), headers, body: envelope.body.to_string() }
-}
-
-/// Anthropic's `anthropic-ratelimit-*` headers, each for the most restrictive limit of
-/// its kind: `requests`; `tokens` (limits counting input and output together);
-/// `input-tokens` and `output-tokens` (limits counting one side). Resets are the time the
-/// limit is full again, RFC 3339 in UTC, rounded up to the second.
-pub fn anthropic_headers(reply: &LimitsReply, config: &Policy, now_ms: u64, headers: &mut Vec<Header>) {
-    let kinds: [(Dimension, Option<TokenCount>, [&'static str; 3]); 4] = [
-        (
-            Dimension::Requests,
-            None,
-            [
-                "anthropic-ratelimit-requests-limit",
-                "anthropic-ratelimit-requests-remaining",
-                "anthropic-ratelimit-requests-reset",
-            ],
-        ),
-        (
-            Dimension::Tokens,
-            Some(TokenCount::Total),
-            [
-                "anthropic-ratelimit-tokens-limit",
-                "anthropic-ratelimit-tokens-remaining",
-                "anthropic-ratelimit-tokens-reset",
-            ],
-        ),
-        (
-            Dimension::Tokens,
-            Some(TokenCount::Input),
-            [
-                "anthropic-ratelimit-input-tokens-limit",
-                "anthropic-ratelimit-input-tokens-remaining",
-                "anthropic-ratelimit-input-tokens-reset",
-            ],
-        ),
-        (
-            Dimension::Tokens,
-            Some(TokenCount::Output),
-            [
-                "anthropic-ratelimit-output-tokens-limit",
-                "anthropic-ratelimit-output-tokens-remaining",
-                "anthropic-ratelimit-output-tokens-reset",
-            ],
-        ),
-    ];
-    for (dimension, count, [limit, remaining, reset]) in kinds {
-        let of_kind =
-            |name: &str| config.limit(name).is_some_and(|l| l.dimension() == dimension && l.token_count() == count);
-        if let Some(outcome) = tightest(reply, of_kind) {
-            headers.push((limit, outcome.limit.to_string()));
-            headers.push((remaining, outcome.remaining.to_string()));
-            headers.push((reset, rfc3339(now_ms.saturating_add(outcome.reset_after_ms).div_ceil(1000))));
-        }
-    }
 }
 
 /// `seconds` since the epoch as an RFC 3339 time in UTC (`2026-12-01T15:37:00Z`). Only

@@ -3,11 +3,11 @@
 //! (`crate::replies::answers`), so existing SDKs parse them and back off.
 
 use crate::api::dialect::Dialect;
-use crate::config::{Dimension, HeaderStyle, Policy};
+use crate::config::{Dimension, HeaderStyle, Policy, TokenCount};
 use crate::duration::format_reset;
 use crate::protocol::{LimitCharge, LimitOutcome, LimitStatus, LimitsReply};
-use crate::providers;
-use crate::replies::answers::{anthropic_headers, error_reply, Caller, Refusal};
+use crate::providers::{self, HeaderQuota, RateLimitHeaders, ResetForm};
+use crate::replies::answers::{error_reply, rfc3339, Caller, Refusal};
 use crate::replies::reply::{tightest, Header, LocalReply};
 
 /// Set on responses that passed without a limiter decision (companion unavailable and
@@ -26,20 +26,19 @@ fn dimension_of(config: &Policy, outcome: &LimitOutcome) -> Dimension {
 }
 
 /// The rate-limit headers `headers` configures: the caller's provider's own
-/// (`provider`: OpenAI's `x-ratelimit-*` or Anthropic's `anthropic-ratelimit-*`), each
-/// named convention, and the IETF `RateLimit-Policy` / `RateLimit` fields listing every
-/// limit.
+/// (`provider`: OpenAI's `x-ratelimit-*` or Anthropic's `anthropic-ratelimit-*`, named by
+/// the provider's module), each named convention, and the IETF `RateLimit-Policy` /
+/// `RateLimit` fields listing every limit.
 pub fn rate_limit_headers(reply: &LimitsReply, config: &Policy, caller: Caller) -> Vec<Header> {
     let mut headers = Vec::new();
     let wants = |style: HeaderStyle, dialect: Dialect| {
         config.headers.contains(&style)
             || (config.headers.contains(&HeaderStyle::Provider) && caller.dialect == dialect)
     };
-    if wants(HeaderStyle::Openai, Dialect::OpenAi) {
-        openai_headers(reply, config, &mut headers);
-    }
-    if wants(HeaderStyle::Anthropic, Dialect::Anthropic) {
-        anthropic_headers(reply, config, caller.now_ms, &mut headers);
+    for (style, dialect) in [(HeaderStyle::Openai, Dialect::OpenAi), (HeaderStyle::Anthropic, Dialect::Anthropic)] {
+        if let Some(names) = providers::rate_limit_headers(dialect).filter(|_| wants(style, dialect)) {
+            provider_headers(names, reply, config, caller.now_ms, &mut headers);
+        }
     }
     // The IETF and classic fields describe quotas per time window: concurrency is not one.
     let windowed: Vec<_> = reply.limits.iter().filter(|o| dimension_of(config, o) != Dimension::Concurrency).collect();
@@ -61,28 +60,37 @@ pub fn rate_limit_headers(reply: &LimitsReply, config: &Policy, caller: Caller) 
     headers
 }
 
-/// OpenAI's `x-ratelimit-*-requests`, `-tokens` (the tightest token limit, whatever part
-/// of the tokens it counts) and `-concurrency`.
-fn openai_headers(reply: &LimitsReply, config: &Policy, headers: &mut Vec<Header>) {
-    // OpenAI has no header for a money budget: the IETF and classic fields cover it.
-    for dimension in [Dimension::Requests, Dimension::Tokens, Dimension::Concurrency] {
-        let of_dimension = |name: &str| config.limit(name).map_or(Dimension::Requests, |l| l.dimension()) == dimension;
-        if let Some(o) = tightest(reply, of_dimension) {
-            let (limit, remaining, reset) = match dimension {
-                Dimension::Requests => {
-                    ("x-ratelimit-limit-requests", "x-ratelimit-remaining-requests", "x-ratelimit-reset-requests")
-                }
-                Dimension::Tokens => {
-                    ("x-ratelimit-limit-tokens", "x-ratelimit-remaining-tokens", "x-ratelimit-reset-tokens")
-                }
-                // Slots come back when requests end, not on a schedule: no reset.
-                Dimension::Concurrency => ("x-ratelimit-limit-concurrency", "x-ratelimit-remaining-concurrency", ""),
-                Dimension::Cost => continue,
-            };
-            headers.push((limit, o.limit.to_string()));
-            headers.push((remaining, o.remaining.to_string()));
-            if !reset.is_empty() {
-                headers.push((reset, format_reset(o.reset_after_ms)));
+/// A provider's headers (`names`), each quota's for the most restrictive of the limits it
+/// reports on. A money budget is none of them: the IETF and classic fields cover it.
+fn provider_headers(
+    names: &RateLimitHeaders,
+    reply: &LimitsReply,
+    config: &Policy,
+    now_ms: u64,
+    headers: &mut Vec<Header>,
+) {
+    for quota in names.quotas {
+        let reports = |name: &str| {
+            let limit = config.limit(name);
+            let count = limit.and_then(|l| l.token_count());
+            match (quota.quota, limit.map_or(Dimension::Requests, |l| l.dimension())) {
+                (HeaderQuota::Requests, Dimension::Requests) | (HeaderQuota::AnyTokens, Dimension::Tokens) => true,
+                (HeaderQuota::Concurrency, Dimension::Concurrency) => true,
+                (HeaderQuota::TotalTokens, Dimension::Tokens) => count == Some(TokenCount::Total),
+                (HeaderQuota::InputTokens, Dimension::Tokens) => count == Some(TokenCount::Input),
+                (HeaderQuota::OutputTokens, Dimension::Tokens) => count == Some(TokenCount::Output),
+                _ => false,
+            }
+        };
+        if let Some(o) = tightest(reply, reports) {
+            headers.push((quota.limit, o.limit.to_string()));
+            headers.push((quota.remaining, o.remaining.to_string()));
+            if let Some(reset) = quota.reset {
+                let when = match names.reset {
+                    ResetForm::After => format_reset(o.reset_after_ms),
+                    ResetForm::At => rfc3339(now_ms.saturating_add(o.reset_after_ms).div_ceil(1000)),
+                };
+                headers.push((reset, when));
             }
         }
     }

@@ -119,9 +119,31 @@ fn one() -> f64 {
     1.0
 }
 
+/// One of OpenAI's model families as built in: its rule, and the other patterns its
+/// models are also named by. Azure spells GPT-3.5's deployments and models `gpt-35-turbo`:
+/// the same family, so one rule, one `model_rule` label and one learned figure, not two.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BuiltinFamily {
+    pub rule: ModelRule,
+    pub also: &'static [&'static str],
+}
+
+impl BuiltinFamily {
+    /// The family's patterns: its rule's first, then the other spellings.
+    pub fn patterns(&self) -> impl Iterator<Item = &str> {
+        std::iter::once(self.rule.pattern.as_str()).chain(self.also.iter().copied())
+    }
+}
+
 /// OpenAI's model families, tried after the operator's own rules.
-pub fn builtin_rules() -> Vec<ModelRule> {
-    let rule = |pattern: &str, encoding| ModelRule { pattern: pattern.into(), encoding, factor: 1.0, max_output: None };
+pub fn builtin_families() -> Vec<BuiltinFamily> {
+    let family = |pattern: &str, encoding| BuiltinFamily {
+        rule: ModelRule { pattern: pattern.into(), encoding, factor: 1.0, max_output: None },
+        also: match pattern {
+            "gpt-3.5*" => &["gpt-35*"],
+            _ => &[],
+        },
+    };
     let o200k = [
         "gpt-4o*",
         "chatgpt-4o*",
@@ -135,11 +157,11 @@ pub fn builtin_rules() -> Vec<ModelRule> {
         "gpt-realtime*",
         "gpt-audio*",
     ];
-    let cl100k = ["gpt-4*", "gpt-3.5*", "gpt-35*", "text-embedding-3*", "text-embedding-ada-002*"];
+    let cl100k = ["gpt-4*", "gpt-3.5*", "text-embedding-3*", "text-embedding-ada-002*"];
     o200k
         .iter()
-        .map(|p| rule(p, Encoding::O200kBase))
-        .chain(cl100k.iter().map(|p| rule(p, Encoding::Cl100kBase)))
+        .map(|p| family(p, Encoding::O200kBase))
+        .chain(cl100k.iter().map(|p| family(p, Encoding::Cl100kBase)))
         .collect()
 }
 
@@ -241,14 +263,19 @@ mod tests {
 
     #[test]
     fn builtin_rules_put_families_before_prefixes_they_share() {
-        let rules = builtin_rules();
-        let pick = |model: &str| rules.iter().find(|r| glob_match(&r.pattern, model)).map(|r| r.encoding);
+        let families = builtin_families();
+        let pick =
+            |model: &str| families.iter().find(|f| f.patterns().any(|p| glob_match(p, model))).map(|f| f.rule.encoding);
         assert_eq!(pick("gpt-4o-mini"), Some(Encoding::O200kBase));
         assert_eq!(pick("gpt-4.1-nano"), Some(Encoding::O200kBase));
         assert_eq!(pick("gpt-4-turbo"), Some(Encoding::Cl100kBase));
         assert_eq!(pick("o3-mini"), Some(Encoding::O200kBase));
         assert_eq!(pick("text-embedding-3-small"), Some(Encoding::Cl100kBase));
         assert_eq!(pick("claude-sonnet-4-5"), None);
+        // Azure's spelling of GPT-3.5 is that family, not a family of its own.
+        let family_of = |model: &str| families.iter().position(|f| f.patterns().any(|p| glob_match(p, model)));
+        assert_eq!(family_of("gpt-35-turbo"), family_of("gpt-3.5-turbo"));
+        assert_eq!(pick("gpt-35-turbo-16k"), Some(Encoding::Cl100kBase));
     }
 
     /// Counts from OpenAI's own tiktoken (tests/cases/make_token_counts.py) for a corpus
