@@ -349,6 +349,7 @@ mod tests {
             look_only: false,
             shadow,
             owner: Some("all".into()),
+            fair: None,
         }
     }
 

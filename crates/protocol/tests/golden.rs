@@ -27,6 +27,7 @@ fn spec(name: &str, kind: LimitKind, min_cost: Option<u64>) -> LimitCharge {
         period_bounds_ms: Vec::new(),
         provisional: false,
         look_only: false,
+        fair: None,
     }
 }
 

@@ -193,8 +193,10 @@ fn limits(
         let credentials: Vec<String> = identity.sources.iter().flatten().map(|source| source.header.clone()).collect();
         compiled.per = super::per::per(&at, entry.per.as_ref(), &credentials)?;
         compiled.shadow = super::per::shadow(entry.mode);
+        compiled.fair_share = super::per::fair_share(&at, entry.fair_share.as_ref(), &compiled)?;
         limits.push(compiled);
     }
+    super::per::fair_weights_name_tiers(&limits)?;
     Ok(limits)
 }
 
@@ -256,6 +258,7 @@ fn limit(at: &str, written: &shape::Limit, has_tier: bool, slot_ttl: Duration) -
         tiers: written.tiers.clone(),
         per: super::Per::Tenant,
         shadow: false,
+        fair_share: None,
     })
 }
 
@@ -643,7 +646,7 @@ fn header_name(field: impl Into<String>, written: &str, name: &str) -> Result<St
 
 /// `value`, if it lies in `range`; else an error quoting it and `range` as written for
 /// operators (`1ms..60s`, `(0, 10]`). NaN lies in no range.
-fn within<T: PartialOrd + Quoted>(
+pub(super) fn within<T: PartialOrd + Quoted>(
     field: impl Into<String>,
     value: T,
     range: impl RangeBounds<T>,
@@ -689,7 +692,7 @@ fn not_empty(field: impl Into<String>, value: &str) -> Result<(), ConfigError> {
 
 /// How a value out of range is quoted: durations as `Debug` shows them (`250ms`),
 /// numbers as written (`0.5`, not `0.5f64`; `1`, not `1.0`).
-trait Quoted {
+pub(super) trait Quoted {
     fn quoted(&self) -> String;
 }
 

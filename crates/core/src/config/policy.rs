@@ -268,6 +268,8 @@ pub struct Limit {
     pub per: super::Per,
     /// Charged and reported, never refusing (`limits[].mode: shadow`).
     pub shadow: bool,
+    /// A shared pool's fair shares among its tenants (`limits[].fair_share`).
+    pub fair_share: Option<super::per::FairShare>,
 }
 
 /// What a limit counts, and how much of it it allows.

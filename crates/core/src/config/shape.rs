@@ -186,6 +186,10 @@ pub struct Limit {
     /// the global `mode`.
     #[serde(default)]
     pub mode: Option<super::policy::Mode>,
+    /// A shared pool's fair shares among the tenants charging it: when it is scarce, each
+    /// active tenant is held to its weighted max-min share (see `crate::config::per`).
+    #[serde(default)]
+    pub fair_share: Option<super::per::FairShareShape>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, Serialize)]

@@ -262,6 +262,7 @@ pub fn plan(
                 && applies
                 && matches!(limit.dimension(), Dimension::Tokens | Dimension::Cost),
             look_only: !applies,
+            fair: None,
         })
         .collect();
     let unpriced = price.is_none() && config.limits.iter().any(|l| l.dimension() == Dimension::Cost && applies(l));
