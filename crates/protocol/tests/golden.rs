@@ -77,6 +77,22 @@ fn charge_request() {
 }
 
 #[test]
+fn charge_of_a_fair_pool() {
+    let claim = FairClaim { claimant: "t1".into(), weight: 3, max_claimants: 64, idle_ms: 60_000 };
+    let pool =
+        LimitCharge { owner: Some("all".into()), fair: Some(claim), ..spec("pool", LimitKind::TokenBucket, None) };
+    let request =
+        ChargeRequest { domain: "llm".into(), tenant: "t1".into(), limits: vec![pool], reservation: None, wait: None };
+    pinned(
+        &request,
+        concat!(
+            r#"{"domain":"llm","tenant":"t1","limits":[{"name":"pool","capacity":100,"window_ms":60000,"cost":7,"#,
+            r#""owner":"all","fair":{"claimant":"t1","weight":3,"max_claimants":64,"idle_ms":60000}}]}"#
+        ),
+    );
+}
+
+#[test]
 fn lease_request() {
     let lease = LeaseRequest {
         domain: "llm".into(),
