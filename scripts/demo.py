@@ -136,7 +136,7 @@ def burst() -> None:
 
     key = f"sk-demo-{secrets.token_hex(4)}"
     print(f"\n2. Long streamed completions from tenant {key[:11]}...: each reserves its prompt (counted in the")
-    print("   proxy) plus max_tokens, then the real usage from the stream is settled and the rest given back.")
+    print("   proxy) plus a completion allowance, then the real usage from the stream is settled and the rest given back.")
     stream_body = {**body, "max_tokens": 2000, "stream": True, "stream_options": {"include_usage": True}}
     for i in range(1, 10):
         status, headers, payload = post(key, stream_body, {"x-mock-completion-tokens": "1500", "x-mock-chunk-delay-ms": "0"})
