@@ -3,9 +3,7 @@
 //! How a request's limits then find their counters is `crate::plan::pools`.
 
 use super::error::{invalid, ConfigError};
-use super::policy::{tiers_named, LeaseConfig, Limit, Mode};
-use super::shape::ConfigDuration;
-use crate::protocol::LimitKind;
+use super::policy::{LeaseConfig, Limit, Mode};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -119,25 +117,6 @@ pub(super) fn combine(limits: &[Limit], lease: &LeaseConfig) -> Result<(), Confi
     Ok(())
 }
 
-/// `limits[].fair_share` as written.
-#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
-#[serde(deny_unknown_fields)]
-pub struct FairShareShape {
-    /// Tier → weight (1 to 1000): a tenant of that tier has that many shares.
-    #[serde(default)]
-    pub weights: BTreeMap<String, u32>,
-    /// The weight of a tenant whose tier `weights` does not name (default 1).
-    #[serde(default)]
-    pub default_weight: Option<u32>,
-    /// The most tenants the pool keeps shares for (default 64, 2 to 256).
-    #[serde(default)]
-    pub max_tenants: Option<u32>,
-    /// How long a tenant counts as active after its last request (default the limit's
-    /// window, 1s to 1d).
-    #[serde(default)]
-    pub idle: Option<ConfigDuration>,
-}
-
 /// A shared pool's fair shares, checked: how the Redis script holds each active tenant to
 /// its weighted max-min share (`lua/limits.lua`, "Fair shares").
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -153,68 +132,4 @@ impl FairShare {
     pub fn weight_of(&self, tier: &str) -> u32 {
         self.weights.get(tier).copied().unwrap_or(self.default_weight)
     }
-}
-
-const WEIGHTS: std::ops::RangeInclusive<u32> = 1..=1000;
-const MAX_TENANTS: std::ops::RangeInclusive<u32> = 2..=256;
-const IDLE: std::ops::RangeInclusive<Duration> = Duration::from_secs(1)..=Duration::from_secs(86_400);
-
-/// `limits[i].fair_share`, at `at`, of the limit `limit` (compiled but for it).
-pub(super) fn fair_share(
-    at: &str,
-    written: Option<&FairShareShape>,
-    limit: &Limit,
-) -> Result<Option<FairShare>, ConfigError> {
-    let Some(written) = written else { return Ok(None) };
-    let field = format!("{at}.fair_share");
-    if limit.per == Per::Tenant {
-        return Err(invalid(
-            field,
-            "shares a pool among the tenants charging it: it needs `per` (\"all\" or a header); a per-tenant \
-             limit has one tenant",
-        ));
-    }
-    if !matches!(limit.kind, LimitKind::TokenBucket | LimitKind::SlidingWindow) {
-        return Err(invalid(
-            field,
-            "needs a limit that refills (a token bucket or a sliding window): shares are of a rate, and a \
-             concurrency limit or a calendar budget has none",
-        ));
-    }
-    for (tier, weight) in &written.weights {
-        if !WEIGHTS.contains(weight) {
-            return Err(invalid(format!("{field}.weights.{tier}"), format!("{weight} is outside 1..1000")));
-        }
-    }
-    let default_weight = written.default_weight.unwrap_or(1);
-    if !WEIGHTS.contains(&default_weight) {
-        return Err(invalid(format!("{field}.default_weight"), format!("{default_weight} is outside 1..1000")));
-    }
-    let max_tenants = written.max_tenants.unwrap_or(64);
-    if !MAX_TENANTS.contains(&max_tenants) {
-        return Err(invalid(
-            format!("{field}.max_tenants"),
-            format!("{max_tenants} is outside 2..256: each charge reads every tenant's share"),
-        ));
-    }
-    let idle = match &written.idle {
-        Some(ConfigDuration(idle)) => super::compile::within(format!("{field}.idle"), *idle, IDLE, "1s..1d")?,
-        None => limit.window.clamp(*IDLE.start(), *IDLE.end()),
-    };
-    Ok(Some(FairShare { weights: written.weights.clone(), default_weight, max_tenants, idle }))
-}
-
-/// Every tier a `fair_share.weights` names is one some limit names: the only tiers a
-/// tenant can be in (a misspelt tier would weigh nobody).
-pub(super) fn fair_weights_name_tiers(limits: &[Limit]) -> Result<(), ConfigError> {
-    for (i, limit) in limits.iter().enumerate() {
-        let Some(fair) = &limit.fair_share else { continue };
-        if let Some(tier) = fair.weights.keys().find(|tier| !tiers_named(limits).any(|t| t == tier.as_str())) {
-            return Err(invalid(
-                format!("limits[{i}].fair_share.weights.{tier}"),
-                format!("{tier:?} is not a tier any limit names"),
-            ));
-        }
-    }
-    Ok(())
 }

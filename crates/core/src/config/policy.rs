@@ -269,7 +269,7 @@ pub struct Limit {
     /// Charged and reported, never refusing (`limits[].mode: shadow`).
     pub shadow: bool,
     /// A shared pool's fair shares among its tenants (`limits[].fair_share`).
-    pub fair_share: Option<super::per::FairShare>,
+    pub fair_share: Option<super::FairShare>,
 }
 
 /// What a limit counts, and how much of it it allows.
