@@ -131,6 +131,10 @@ impl Host for ProxyHost {
         hostcalls::set_map_value(MapType::HttpRequestHeaders, name, Some(value)).is_ok()
     }
 
+    fn remove_request_header(&mut self, name: &str) -> bool {
+        hostcalls::set_map_value(MapType::HttpRequestHeaders, name, None).is_ok()
+    }
+
     fn response_header(&mut self, name: &str) -> Option<String> {
         hostcalls::get_map_value(MapType::HttpResponseHeaders, name).ok().flatten()
     }

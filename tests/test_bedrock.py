@@ -205,9 +205,31 @@ def test_the_mock_refuses_a_bad_signature_through_envoy(env):
     assert refused.value.response["Error"]["Code"] == "InvalidSignatureException"
 
 
+def test_throttling_mid_stream_settles_as_billed_and_is_the_providers_refusal(env, tiktoken_encodings):
+    """A `throttlingException` event mid-stream is the provider's rate limit stopping the
+    model: charged the prompt and the one token streamed before it (" The"), not the
+    reservation; with provider_limits the credential's next request is answered here."""
+    config = env.backend.filter_config([{"name": "tpm", "tokens": BIG, "window": LONG}],
+                                       provider_limits={"enabled": True, "share": False, "default_retry": "5s"})
+    port, _ = env.backend.envoy(config, name="envoy-throttled")
+    client = bedrock(port, "AKIDMIDSTREAM", headers={"x-mock-stream-exception": "throttlingException"})
+    reply = client.converse_stream(**converse_args())
+    with pytest.raises(botocore.exceptions.EventStreamError) as broken:
+        list(reply["stream"])
+    assert broken.value.response["Error"]["Code"] == "throttlingException"
+    wait_level(env, "AKIDMIDSTREAM", BIG - (prompt_estimate(tiktoken_encodings) + 1))
+    plain = bedrock(port, "AKIDMIDSTREAM")
+    before = env.backend.upstream_received()
+    with pytest.raises(plain.exceptions.ThrottlingException) as refused:
+        plain.converse(**converse_args())
+    headers = refused.value.response["ResponseMetadata"]["HTTPHeaders"]
+    assert (headers["x-llm-ratelimit-provider"], headers["retry-after"]) == ("refused", "5"), headers
+    assert env.backend.upstream_received() == before, "not forwarded into a certain refusal"
+
+
 def test_an_exception_inside_the_stream_settles_at_no_less_than_its_reservation(env, tiktoken_encodings):
     port, _ = env.start([{"name": "tpm", "tokens": BIG, "window": LONG}])
-    headers = {"x-mock-stream-exception": "throttlingException"}
+    headers = {"x-mock-stream-exception": "modelStreamErrorException"}
     # A stream cut by an exception after its headers is an interrupted reply: the provider
     # may have generated more than it sent, so it is charged at least its reservation, part
     # by part (README "What a client cannot do"). Converse: the prompt as estimated and
@@ -216,7 +238,7 @@ def test_an_exception_inside_the_stream_settles_at_no_less_than_its_reservation(
     reply = client.converse_stream(**converse_args())
     with pytest.raises(botocore.exceptions.EventStreamError) as broken:
         list(reply["stream"])
-    assert broken.value.response["Error"]["Code"] == "throttlingException"
+    assert broken.value.response["Error"]["Code"] == "modelStreamErrorException"
     wait_level(env, "AKIDEXCCONVERSE", BIG - (prompt_estimate(tiktoken_encodings) + MAX_TOKENS))
     # Invoke: Anthropic's message_start came first, with the provider's prompt count (more
     # than the estimate counts for the input) and one output token (less than the cap).

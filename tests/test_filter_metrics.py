@@ -119,9 +119,10 @@ def test_decisions_are_labelled_by_limit_and_decision(traffic):
     for limit in ("rpm", "tpm"):
         assert value(samples, decisions, limit=limit, decision="degraded") == 0
         assert value(samples, decisions, limit=limit, decision="shadow") == 0
-    # Exactly the config's limits and the four decisions: nothing a client can add to.
+        assert value(samples, decisions, limit=limit, decision="overflowed") == 0
+    # Exactly the config's limits and the five decisions: nothing a client can add to.
     assert sorted((s["limit"], s["decision"]) for s in series_of(samples, decisions)) == sorted(
-        (limit, decision) for limit in ("rpm", "tpm") for decision in ("allowed", "limited", "degraded", "shadow"))
+        (limit, decision) for limit in ("rpm", "tpm") for decision in ("allowed", "limited", "degraded", "shadow", "overflowed"))
     # The unlabelled counters, per request whatever the limit.
     assert value(samples, "llm_ratelimit_requests_allowed_total") == 3
     assert value(samples, "llm_ratelimit_requests_limited_total") == 1
@@ -213,8 +214,8 @@ def test_no_label_carries_a_tenant_or_a_key(traffic):
             assert not any(tenant_like.search(v) for _, v in labels), (name, labels)
 
 
-# README "Metrics": "4 counters per limit, 4 counters and 2 gauges per model rule, a gauge
-# per limit in lease mode: 114 for the demo's three limits and the 16 built-in rules and
+# README "Metrics": "5 counters per limit, 4 counters and 2 gauges per model rule, a gauge
+# per limit in lease mode: 117 for the demo's three limits and the 16 built-in rules and
 # catch-all, whatever the traffic".
 LABELLED = ("llm_ratelimit_decisions_total", "llm_ratelimit_tokens_total", "llm_ratelimit_lease_bound",
             "llm_ratelimit_prompt_factor_thousandths", "llm_ratelimit_output_prior_tokens")
@@ -232,9 +233,9 @@ def test_the_labelled_series_are_fixed_by_the_config(traffic):
     before = labelled_series(traffic["samples"])
     rules = {dict(labels)["model_rule"] for name, labels in before if name == "llm_ratelimit_tokens_total"}
     assert len(rules) == BUILT_IN_RULES_AND_CATCH_ALL, sorted(rules)
-    assert len(before) == 4 * len(LIMITS) + (4 + 2) * BUILT_IN_RULES_AND_CATCH_ALL, sorted(before)
+    assert len(before) == 5 * len(LIMITS) + (4 + 2) * BUILT_IN_RULES_AND_CATCH_ALL, sorted(before)
     demo_limits = filter_config_of(yaml.safe_load((ROOT / "envoy/demo.yaml").read_text()))["limits"]
-    assert 4 * len(demo_limits) + (4 + 2) * BUILT_IN_RULES_AND_CATCH_ALL == 114, "the README's figure for the demo"
+    assert 5 * len(demo_limits) + (4 + 2) * BUILT_IN_RULES_AND_CATCH_ALL == 117, "the README's figure for the demo"
     # New tenants asking for models no rule names, and one rule's variants: admitted and
     # settled, counted under the catch-all or their rule, never as series of their own.
     for i, model in enumerate(["invented-model-1", "invented-model-2", "gpt-4o-2099-01-01", "claude-made-up"]):

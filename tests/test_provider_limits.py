@@ -8,7 +8,12 @@ shape (mock-llm/src/provider_limits.rs). With `provider_limits` on:
   retry time, and one probe (for the whole fleet) goes once that time has passed;
 - a configured limit is charged at what the provider says is left, when that is less.
 
-What the provider refused is counted by the mock itself (`throttled` in /mock/stats)."""
+Each provider's shape: OpenAI's (remaining and reset headers, a 429 without retry-after),
+Anthropic's (`anthropic-ratelimit-*` with RFC 3339 resets, `retry-after` on its 429),
+Google's (only its 429's RetryInfo) and Bedrock's (a ThrottlingException with no retry
+time: `default_retry` stands in), each credential the provider's own (an API key, or
+SigV4's access key id). What the provider refused is counted by the mock itself
+(`throttled` in /mock/stats)."""
 
 import json
 import time
@@ -16,7 +21,8 @@ import time
 import pytest
 
 from provider_bench import gemini, offer
-from stack import filter_metric, http_get, send, wait_until
+from stack import anthropic, filter_metric, http_get, send, wait_until
+from test_bedrock import bedrock, converse_args
 
 WINDOW_MS = 3000
 pytestmark = pytest.mark.backend(mock_args=["--provider-requests", "3", "--provider-window-ms", str(WINDOW_MS)])
@@ -114,3 +120,61 @@ def test_a_limit_is_lowered_to_what_the_provider_says_is_left(backend):
     assert second.status == 200
     assert second.headers["x-llm-ratelimit-provider"] == "lowered"
     assert (second.headers["x-ratelimit-limit-requests"], second.headers["x-ratelimit-remaining-requests"]) == ("2", "1")
+
+
+def messages(port: int, key: str):
+    """An Anthropic Messages request with `key` in x-api-key."""
+    return send(port, None, anthropic(), path="/v1/messages", headers={"x-api-key": key, "anthropic-version": "2023-06-01"})
+
+
+def test_anthropics_429_is_answered_by_the_fleet_in_its_shape_with_its_retry_time(backend):
+    (a, _), (b, b_admin) = fleet(backend)
+    for _ in range(3):
+        assert messages(backend.mock_port, "sk-ant-shared").status == 200
+    first = messages(a, "sk-ant-shared")
+    assert first.status == 429 and "x-llm-ratelimit-provider" not in first.headers, first
+    assert json.loads(first.body)["error"]["type"] == "rate_limit_error", "Anthropic's own refusal, forwarded"
+    assert mock_stats(backend)["throttled"] == 1
+    wait_until(lambda: counter(b_admin, "provider_fleet_words") >= 1, 10, "the fleet's word taken in by B")
+    for port in (b, a):
+        local = messages(port, "sk-ant-shared")
+        assert local.status == 429 and local.headers["x-llm-ratelimit-provider"] == "refused", local
+        body = json.loads(local.body)
+        assert (body["type"], body["error"]["type"]) == ("error", "rate_limit_error"), body
+        assert 1 <= int(local.headers["retry-after"]) <= WINDOW_MS // 1000, local.headers
+    assert mock_stats(backend)["throttled"] == 1, "no request went into a certain refusal"
+    assert messages(b, "sk-ant-other").status == 200
+
+
+def test_anthropics_remaining_headers_lower_a_limit(backend):
+    (a, _), _ = fleet(backend)
+    assert messages(a, "sk-ant-lower").status == 200
+    # anthropic-ratelimit-requests-remaining: 2, reset an RFC 3339 time: the limit's size is 2.
+    second = messages(a, "sk-ant-lower")
+    assert second.status == 200 and second.headers["x-llm-ratelimit-provider"] == "lowered"
+    limit = (second.headers["anthropic-ratelimit-requests-limit"], second.headers["anthropic-ratelimit-requests-remaining"])
+    assert limit == ("2", "1")
+
+
+def test_bedrocks_throttling_is_answered_by_the_fleet_for_default_retry(backend):
+    """Bedrock names no retry time: `default_retry` stands in. Its credential is SigV4's
+    access key id."""
+    (a, _), (b, b_admin) = fleet(backend, default_retry="2s")
+    direct = bedrock(backend.mock_port, "AKIDSHAREDBEDROCK")
+    for _ in range(3):
+        direct.converse(**converse_args())
+    through_a = bedrock(a, "AKIDSHAREDBEDROCK")
+    with pytest.raises(through_a.exceptions.ThrottlingException) as first:
+        through_a.converse(**converse_args())
+    assert "x-llm-ratelimit-provider" not in first.value.response["ResponseMetadata"]["HTTPHeaders"]
+    assert mock_stats(backend)["throttled"] == 1
+    wait_until(lambda: counter(b_admin, "provider_fleet_words") >= 1, 10, "the fleet's word taken in by B")
+    for port in (b, a):
+        client = bedrock(port, "AKIDSHAREDBEDROCK")
+        with pytest.raises(client.exceptions.ThrottlingException) as local:
+            client.converse(**converse_args())
+        headers = local.value.response["ResponseMetadata"]["HTTPHeaders"]
+        assert headers["x-llm-ratelimit-provider"] == "refused", headers
+        assert 1 <= int(headers["retry-after"]) <= 2, headers
+    assert mock_stats(backend)["throttled"] == 1, "no request went into a certain refusal"
+    bedrock(b, "AKIDOTHERBEDROCK").converse(**converse_args())

@@ -291,6 +291,17 @@ def nginx_conf(text: str, wasm_dir: Path) -> str:
     return f"pid {wasm_dir}/nginx.pid;\nerror_log stderr;\n{text}"
 
 
+def test_every_nginx_location_of_the_readme_runs_the_filter_in_the_access_phase():
+    """Each README location that loads the filter carries `proxy_wasm_request_headers_in_access
+    on;`: without it ngx_wasm_module lets a bodiless request on a reused keep-alive connection
+    run on to proxy_pass undecided (unlimited, then the worker crashes; the README's host table).
+    Checked on the text, so it holds where no nginx is installed."""
+    locations = [block for block in blocks("nginx") if "proxy_wasm llm_ratelimit" in block]
+    assert len(locations) >= 2, "the README's nginx snippets went missing"
+    for block in locations:
+        assert block.count("proxy_wasm llm_ratelimit") == block.count("proxy_wasm_request_headers_in_access on;"), block
+
+
 def test_every_nginx_snippet_of_the_readme_passes_nginx_t(tmp_path):
     snippets = blocks("nginx")
     assert len(snippets) >= 2 and any(re.search(r"^events\b", s, re.M) for s in snippets), \

@@ -202,6 +202,12 @@ impl Host for FakeHost {
         true
     }
 
+    fn remove_request_header(&mut self, name: &str) -> bool {
+        self.count_call("remove_request_header");
+        self.request_headers.retain(|(n, _)| n != name);
+        true
+    }
+
     fn response_header(&mut self, name: &str) -> Option<String> {
         self.count_call("response_header");
         self.response_headers.iter().find(|(n, _)| n == name).map(|(_, v)| v.clone())
@@ -809,8 +815,13 @@ impl Proxy {
     /// Sends a request through to a decision, answering its callout (if any).
     pub fn send(&mut self, request: Request, companion: &mut FakeCompanion) -> InFlight {
         let mut flight = self.start(request);
-        if flight.filter.phase() == crate::lifecycle::Phase::Deciding {
+        // A request that overflowed waits on a second charge, on the fallback's limits.
+        while flight.filter.phase() == crate::lifecycle::Phase::Deciding {
+            let callouts = flight.host.callouts.len();
             self.answer(&mut flight, companion);
+            if flight.host.callouts.len() == callouts {
+                break;
+            }
         }
         flight
     }

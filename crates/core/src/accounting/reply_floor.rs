@@ -88,6 +88,8 @@ pub fn floor(ending: Ending, sight: ReplySight, on_client_abort: ClientAbortChar
         _ if sight.unreadable => Some(Floor::Unreadable),
         Ending::Interrupted if sight.started => Some(Floor::Cut),
         Ending::Interrupted => (on_client_abort == ClientAbortCharge::Reservation).then_some(Floor::LeftEarly),
+        // The provider cut it and said why: nothing was generated past what it sent.
+        Ending::Throttled => None,
         Ending::Completed => (sight.stream_without_usage && sight.hidden_output_model).then_some(Floor::HiddenOutput),
     }
 }

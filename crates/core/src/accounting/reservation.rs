@@ -54,6 +54,9 @@ pub enum Ending {
     UpstreamError,
     /// The client went away or the stream broke before the end.
     Interrupted,
+    /// The provider stopped the stream for its own rate limits (Bedrock's
+    /// `throttlingException` event): the model generated nothing past what was sent.
+    Throttled,
 }
 
 /// What the request really cost. Provider-reported figures win; then what the proxy
@@ -72,8 +75,9 @@ pub fn actual_usage(
             UpstreamErrorCharge::PromptOnly => reported.output.unwrap_or(0),
             UpstreamErrorCharge::Estimate => return estimate,
         },
-        // What was generated before the end; a non-streamed reply never arrived.
-        Ending::Interrupted => reported.output.or(streamed_output).unwrap_or(0),
+        // What was generated before the end; a non-streamed reply never arrived. A stream
+        // the provider throttled stopped generating where it stopped sending.
+        Ending::Interrupted | Ending::Throttled => reported.output.or(streamed_output).unwrap_or(0),
     };
     TokenCounts { prompt, output }
 }

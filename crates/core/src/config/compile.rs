@@ -71,6 +71,7 @@ pub(super) fn compile(
         local_store_combines(written, &lease, &queue, &limits, &memory)?;
     }
     super::per::combine(&limits, &lease)?;
+    overflows(&limits, &provider_limits, &lease, written.store)?;
     deployments(&written.deployments)?;
     Ok(Policy {
         store: written.store,
@@ -323,6 +324,8 @@ fn limit(at: &str, written: &shape::Limit, has_tier: bool, slot_ttl: Duration) -
         per: super::Per::Tenant,
         shadow: false,
         fair_share: None,
+        overflow: written.overflow.clone(),
+        backend: written.backend.clone(),
     })
 }
 
@@ -469,7 +472,60 @@ fn provider_limits(written: &shape::ProviderLimits) -> Result<ProviderLimits, Co
         max_retry_ms: ms(max_retry),
         lower_limits: written.lower_limits,
         slots: within("provider_limits.slots", written.slots, 16..=1 << 16, "16..65536")?,
+        overflow: written.overflow.clone(),
     })
+}
+
+/// Overflow's backends: valid names, each fallback named by some overflow, no fallback
+/// overflowing again, and only where a refusal can be re-charged (a charge in Redis).
+fn overflows(
+    limits: &[Limit],
+    provider: &ProviderLimits,
+    lease: &LeaseConfig,
+    store: Store,
+) -> Result<(), ConfigError> {
+    let provider_overflow = provider.overflow.iter().map(|b| ("provider_limits.overflow".to_string(), b));
+    let limit_overflows =
+        limits.iter().enumerate().filter_map(|(i, l)| Some((format!("limits[{i}].overflow"), l.overflow.as_ref()?)));
+    let targets: Vec<(String, &String)> = provider_overflow.chain(limit_overflows).collect();
+    for (field, backend) in &targets {
+        name(field, backend)?;
+        if lease.enabled {
+            return Err(invalid(field, "not with leases: a request admitted or refused from a lease is decided in the proxy, with no charge to redo for the fallback"));
+        }
+        if store == Store::Local {
+            return Err(invalid(
+                field,
+                "not with the local store (overflow re-charges the fallback's limits in Redis)",
+            ));
+        }
+    }
+    if provider.overflow.is_some() && !provider.enabled {
+        return Err(invalid(
+            "provider_limits.overflow",
+            "needs provider_limits.enabled (the provider's word is what refuses)",
+        ));
+    }
+    for (i, limit) in limits.iter().enumerate() {
+        let Some(backend) = &limit.backend else { continue };
+        name(&format!("limits[{i}].backend"), backend)?;
+        if limit.overflow.is_some() {
+            return Err(invalid(
+                format!("limits[{i}].overflow"),
+                format!(
+                    "limit {:?} belongs to the fallback {backend:?}; a fallback does not overflow again",
+                    limit.name
+                ),
+            ));
+        }
+        if !targets.iter().any(|(_, target)| *target == backend) {
+            return Err(invalid(
+                format!("limits[{i}].backend"),
+                format!("no `overflow` names {backend:?}: the limit would never apply"),
+            ));
+        }
+    }
+    Ok(())
 }
 
 fn memory(written: &shape::Memory, token: &str, domain: &str) -> Result<Memory, ConfigError> {

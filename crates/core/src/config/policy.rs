@@ -61,7 +61,7 @@ pub enum Store {
 }
 
 /// What the filter does with the provider's word on its limits (`crate::effects::provider_state`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ProviderLimits {
     pub enabled: bool,
     pub share: bool,
@@ -69,6 +69,8 @@ pub struct ProviderLimits {
     pub max_retry_ms: u64,
     pub lower_limits: bool,
     pub slots: u32,
+    /// The backend a request goes to while the provider refuses, instead of a 429.
+    pub overflow: Option<String>,
 }
 
 /// Sizes of the shared-data tables (see `crate::effects::tables`).
@@ -126,6 +128,12 @@ impl Policy {
     /// learn the model a per-model limit depends on.
     pub fn reads_body(&self) -> bool {
         self.counts_tokens() || self.limits.iter().any(|l| !l.models.is_empty())
+    }
+
+    /// Whether a refusal may send a request to another backend (a limit's `overflow`, or
+    /// `provider_limits.overflow`): the client's own overflow header is then removed.
+    pub fn overflows(&self) -> bool {
+        self.provider_limits.overflow.is_some() || self.limits.iter().any(|l| l.overflow.is_some())
     }
 
     pub fn has_concurrency(&self) -> bool {
@@ -270,6 +278,10 @@ pub struct Limit {
     pub shadow: bool,
     /// A shared pool's fair shares among its tenants (`limits[].fair_share`).
     pub fair_share: Option<super::FairShare>,
+    /// The backend a request this limit refuses goes to instead of a 429.
+    pub overflow: Option<String>,
+    /// The fallback backend this limit belongs to (it applies only to requests sent there).
+    pub backend: Option<String>,
 }
 
 /// What a limit counts, and how much of it it allows.
@@ -443,6 +455,19 @@ impl Limit {
 
     /// Whether a request for `model` (empty: unknown) from a tenant of `tier` is charged
     /// against this limit.
+    /// Whether the limit counts a request bound for `backend` (`None`: the primary route).
+    /// The primary's are the limits of no fallback; a fallback's are its own and the ones
+    /// shared by every route (neither a fallback's nor overflowing: a tenant's budget), not
+    /// the limits that send requests away.
+    pub fn counts_on(&self, backend: Option<&str>) -> bool {
+        match backend {
+            None => self.backend.is_none(),
+            Some(backend) => {
+                self.backend.as_deref() == Some(backend) || (self.backend.is_none() && self.overflow.is_none())
+            }
+        }
+    }
+
     pub fn applies_to(&self, model: &str, tier: &str) -> bool {
         (self.models.is_empty() || self.models.iter().any(|pattern| glob_match(pattern, model)))
             && self.applies_to_tier(tier)

@@ -190,6 +190,15 @@ pub struct Limit {
     /// active tenant is held to its weighted max-min share (see `crate::config::per`).
     #[serde(default)]
     pub fair_share: Option<FairShareShape>,
+    /// Opt-in: a request this limit refuses goes to this backend instead of a 429, by the
+    /// request header `x-llm-ratelimit-overflow` the route table (Envoy) or a `map`
+    /// (Nginx) matches; it is charged against that backend's limits instead.
+    #[serde(default)]
+    pub overflow: Option<String>,
+    /// The fallback backend this limit belongs to: it applies only to requests overflowed
+    /// there (and to no request of the primary route).
+    #[serde(default)]
+    pub backend: Option<String>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, Serialize)]
@@ -429,6 +438,9 @@ pub struct ProviderLimits {
     pub lower_limits: bool,
     /// Entries of the shared-data table of provider words (by upstream credential and model).
     pub slots: u32,
+    /// Opt-in: while the provider refuses, a request goes to this backend instead of a
+    /// 429 (as a limit's `overflow`).
+    pub overflow: Option<String>,
 }
 
 impl Default for ProviderLimits {
@@ -440,6 +452,7 @@ impl Default for ProviderLimits {
             max_retry: ConfigDuration(Duration::from_secs(300)),
             lower_limits: true,
             slots: 1024,
+            overflow: None,
         }
     }
 }

@@ -72,6 +72,16 @@ impl HostKind {
         self == HostKind::Envoy
     }
 
+    /// Whether a request header the filter sets once the body is read can still choose the
+    /// request's route when the headers went ahead meanwhile (not held). Envoy routes on
+    /// the headers as they continue: after that, a header changes nothing. ngx_wasm_module
+    /// reads the body and runs the filter in its own content handler, and only then runs
+    /// the location's (`proxy_pass`), whose variables (a `map` of the header) are
+    /// evaluated there. Overflow needs the route open.
+    pub fn routes_after_the_body_is_read(self) -> bool {
+        self == HostKind::Nginx
+    }
+
     /// Whether `end_of_stream` on request headers can be trusted to say "no body".
     pub fn reports_end_of_stream_on_headers(self) -> bool {
         self == HostKind::Envoy
@@ -143,10 +153,13 @@ pub enum Metric {
     ProviderLowered,
     /// Provider words taken from the fleet's exchange that changed what this proxy knew.
     ProviderFleetWords,
+    /// Requests sent to `provider_limits.overflow` while the provider refused, instead of
+    /// being answered here (by limit: `decision="overflowed"` of the decisions series).
+    ProviderOverflowed,
 }
 
 impl Metric {
-    pub const ALL: [Metric; 22] = [
+    pub const ALL: [Metric; 23] = [
         Metric::Allowed,
         Metric::Limited,
         Metric::Unidentified,
@@ -169,6 +182,7 @@ impl Metric {
         Metric::ProviderProbes,
         Metric::ProviderLowered,
         Metric::ProviderFleetWords,
+        Metric::ProviderOverflowed,
     ];
 
     /// The counter's name, the same in Prometheus as in the host's own listing (Envoy's
@@ -198,6 +212,7 @@ impl Metric {
             Metric::ProviderProbes => "llm_ratelimit_provider_probes_total",
             Metric::ProviderLowered => "llm_ratelimit_provider_lowered_requests_total",
             Metric::ProviderFleetWords => "llm_ratelimit_provider_fleet_words_total",
+            Metric::ProviderOverflowed => "llm_ratelimit_provider_overflowed_requests_total",
         }
     }
 }
@@ -213,6 +228,8 @@ pub trait Host {
     /// with `,`). `request_header` gives only the first.
     fn request_header_values(&mut self, name: &str) -> Vec<String>;
     fn set_request_header(&mut self, name: &str, value: &str) -> bool;
+    /// Removes every value of a request header.
+    fn remove_request_header(&mut self, name: &str) -> bool;
     fn response_header(&mut self, name: &str) -> Option<String>;
     fn set_response_header(&mut self, name: &str, value: &str);
     fn request_body(&mut self, size: usize) -> Vec<u8>;

@@ -276,8 +276,14 @@ pub fn quota_of(limit: &Limit) -> Option<Quota> {
 /// The key of (upstream credential id, model): a keyed hash no client can steer to
 /// another key's slot, the same on every proxy of a fleet (the key derives from the
 /// companion token and the domain).
-pub fn key_of(config: &Policy, credential: &str, model: &str) -> u64 {
-    keyed_hash(config.memory.slot_key, &[credential, model, "provider"])
+/// The key of what the provider said for `credential` and `model` on the primary route,
+/// or on the fallback `backend` a request overflowed to (another provider, or another
+/// account of it: its word is its own).
+pub fn key_of(config: &Policy, credential: &str, backend: Option<&str>, model: &str) -> u64 {
+    match backend {
+        None => keyed_hash(config.memory.slot_key, &[credential, model, "provider"]),
+        Some(backend) => keyed_hash(config.memory.slot_key, &[credential, model, "provider", backend]),
+    }
 }
 
 fn key_hex(key: u64) -> String {
@@ -459,6 +465,7 @@ mod tests {
             max_retry_ms: 300_000,
             lower_limits: true,
             slots: 64,
+            overflow: None,
         }
     }
 
@@ -581,7 +588,7 @@ mod tests {
             fn what_is_kept_is_bounded(retry in proptest::option::of(any::<u64>()), reset in any::<u64>(), remaining in any::<u64>(), now in 0u64..1u64 << 50) {
                 let mut word = ProviderWord { refused: retry.is_some(), retry_after_ms: retry, ..ProviderWord::default() };
                 word.left[1] = Some(crate::effects::provider_word::Left { remaining, reset_after_ms: reset });
-                let config = ProviderLimits { enabled: true, share: true, default_retry_ms: 1000, max_retry_ms: 300_000, lower_limits: true, slots: 64 };
+                let config = ProviderLimits { enabled: true, share: true, default_retry_ms: 1000, max_retry_ms: 300_000, lower_limits: true, slots: 64, overflow: None };
                 let state = ProviderState::default().hear(&word, now, now, &config).expect("news");
                 prop_assert!(state.out_until_ms <= now + 300_000);
                 prop_assert!(state.left.iter().all(|&(_, until)| until <= now + 300_000));

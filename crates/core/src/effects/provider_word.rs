@@ -154,6 +154,13 @@ pub fn read_headers(status: u32, header: &mut dyn FnMut(&str) -> Option<String>,
     word
 }
 
+/// What an exception inside a Bedrock event stream says of the limits: its
+/// `throttlingException` (an error header names it `ThrottlingException`) is the
+/// provider's refusal, mid-stream, with no retry time; any other says nothing.
+pub fn read_stream_exception(kind: &str) -> Option<ProviderWord> {
+    kind.eq_ignore_ascii_case("throttlingException").then(|| ProviderWord { refused: true, ..ProviderWord::default() })
+}
+
 /// A throttling error's body, for the retry time Google puts there: the first
 /// `google.rpc.RetryInfo` in `error.details`, its `retryDelay` a protobuf duration
 /// (`"13s"`, `"0.5s"`).
@@ -446,6 +453,9 @@ mod tests {
         );
         assert!(throttled.refused && throttled.retry_after_ms.is_none());
         assert_eq!(throttled.out_for_ms(1000), Some(1000), "no retry time: the default");
+        let mid_stream = read_stream_exception("throttlingException").expect("a refusal");
+        assert!(mid_stream.refused && mid_stream.out_for_ms(1000) == Some(1000), "no retry time: the default");
+        assert_eq!(read_stream_exception("modelStreamErrorException"), None);
         let date = word(503, &[("retry-after", "Thu, 01 Jan 1970 00:00:30 GMT")], 10_000);
         assert!(!date.refused, "a 503 is not the provider's rate limit");
         let date = word(429, &[("retry-after", "Thu, 01 Jan 1970 00:00:30 GMT")], 10_000);

@@ -32,7 +32,7 @@ use crate::readers::request::Api;
 use crate::readers::usage::{EventStreamUsage, ReplyUsage, ReportedUsage, StreamUsage};
 use crate::replies::answers::{self, Caller};
 use crate::replies::decision::{
-    self, DEGRADED_HEADER, PROVIDER_HEADER, QUEUED_HEADER, RESERVED_TOKENS_HEADER, SHADOW_HEADER,
+    self, DEGRADED_HEADER, OVERFLOW_HEADER, PROVIDER_HEADER, QUEUED_HEADER, RESERVED_TOKENS_HEADER, SHADOW_HEADER,
 };
 use crate::replies::reply::{Header, LocalReply};
 use crate::tokens::prompt_cache::PromptCache;
@@ -126,6 +126,9 @@ enum ReplyReader {
 pub enum Verdict {
     Forward(Vec<Header>),
     Reply(LocalReply),
+    /// The request overflowed: a second charge, on the fallback's limits, is out and
+    /// decides it when it answers.
+    Recharging,
 }
 
 impl Verdict {
@@ -134,6 +137,7 @@ impl Verdict {
         match &mut self {
             Verdict::Forward(headers) => headers.push((name, value)),
             Verdict::Reply(reply) => reply.headers.push((name, value)),
+            Verdict::Recharging => {}
         }
         self
     }
@@ -176,6 +180,11 @@ pub struct RequestFilter {
     credential_refused: bool,
     /// What the provider says of its limits, for this request (`provider_limits`).
     provider: ProviderSide,
+    /// The fallback backend the request was sent to instead of a 429 (`overflow`).
+    overflow: Option<String>,
+    /// Whether a request header set now still chooses the route: not once the headers
+    /// went ahead without waiting for the decision.
+    route_open: bool,
 }
 
 /// A request's part in what the provider says of its limits.
@@ -221,6 +230,8 @@ impl RequestFilter {
             sight: ReplySight::default(),
             credential_refused: false,
             provider: ProviderSide::default(),
+            overflow: None,
+            route_open: true,
         }
     }
 
@@ -242,6 +253,11 @@ impl RequestFilter {
 
     pub fn on_request_headers(&mut self, host: &mut impl Host, worker: &mut Worker, end_of_stream: bool) -> Action {
         let Some(config) = self.config.clone() else { return Action::Continue };
+        if config.overflows() {
+            // Only the filter says where a request overflows: a client's own header would
+            // send it to the fallback, bypassed or charged on the primary's limits.
+            host.remove_request_header(OVERFLOW_HEADER);
+        }
         let raw_path = host.request_header(":path").unwrap_or_default();
         // The one reading of the path: bypass and routing both see it.
         let path = crate::parse::path::normalised(&raw_path);
@@ -295,6 +311,7 @@ impl RequestFilter {
         if self.holding_headers {
             Action::Pause
         } else {
+            self.route_open = worker.host_kind().routes_after_the_body_is_read();
             Action::Continue
         }
     }
@@ -427,13 +444,23 @@ impl RequestFilter {
             }
         }
         if end_of_stream {
-            // A Bedrock stream that carried an exception (throttling mid-stream) ended
-            // before its reply did: it is settled as interrupted, and teaches nothing.
-            let cut = matches!(&self.reply, Some(ReplyReader::EventStream(reader)) if reader.exception.is_some());
-            let ending = match (self.upstream_error, cut) {
-                (true, _) => Ending::UpstreamError,
-                (false, true) => Ending::Interrupted,
-                (false, false) => Ending::Completed,
+            // A Bedrock stream that carried an exception ended before its reply did, and
+            // teaches nothing. Throttling is the provider's rate limit stopping the model:
+            // settled at the prompt and what was streamed (all it generated), and heard
+            // as the provider's refusal. Any other is settled as an interrupted reply.
+            let exception = match &self.reply {
+                Some(ReplyReader::EventStream(reader)) => reader.exception.clone(),
+                _ => None,
+            };
+            let throttled = exception.as_deref().and_then(provider_word::read_stream_exception);
+            let ending = match (self.upstream_error, &exception, &throttled) {
+                (true, _, _) => Ending::UpstreamError,
+                (false, _, Some(word)) => {
+                    self.hear_mid_stream(host, &config, word);
+                    Ending::Throttled
+                }
+                (false, Some(_), None) => Ending::Interrupted,
+                (false, None, None) => Ending::Completed,
             };
             self.settle(host, worker, &config, ending);
         }
@@ -498,29 +525,42 @@ impl RequestFilter {
     }
 
     /// What the provider last said for this request's credential and model: a refusal
-    /// answered here, the probe taken, or the limits lowered to what is left.
+    /// answered here (or sent to `provider_limits.overflow`, and judged there), the probe
+    /// taken, or the limits lowered to what is left.
     fn consult_provider(&mut self, host: &mut impl Host, config: &Policy, now: u64) -> Option<Verdict> {
-        let plan = self.plan.as_mut()?;
-        let key = provider_state::key_of(config, &self.provider.credential, &plan.model);
+        let (key, state) = loop {
+            let plan = self.plan.as_ref()?;
+            let key = provider_state::key_of(config, &self.provider.credential, plan.backend.as_deref(), &plan.model);
+            self.provider.key = Some(key);
+            let estimate = plan.estimate.unwrap_or(TokenCounts { prompt: 0, output: 0 });
+            let needs = [1, estimate.prompt.saturating_add(estimate.output), estimate.prompt, estimate.output];
+            let (judgement, state) = provider_state::judge(host, config, key, now, needs);
+            match judgement {
+                Judgement::Refuse { wait_ms, quota } => {
+                    if let Some(backend) =
+                        config.provider_limits.overflow.as_deref().filter(|_| self.can_overflow(config))
+                    {
+                        host.add_metric(Metric::ProviderOverflowed, 1);
+                        self.overflow_to(config, backend);
+                        continue;
+                    }
+                    host.add_metric(Metric::ProviderRefusalsAnswered, 1);
+                    let left =
+                        |q: provider_word::Quota| state.and_then(|s| s.left.get(q.index()).map(|l| l.0)).unwrap_or(0);
+                    let short = quota.map(|q| (q.error_type(), q.name(), left(q)));
+                    return Some(Verdict::Reply(decision::provider_refusal(self.dialect, wait_ms, short)));
+                }
+                Judgement::Probe => {
+                    host.add_metric(Metric::ProviderProbes, 1);
+                    self.provider.mark = Some("probe");
+                    self.provider.heard = state;
+                }
+                Judgement::Forward => {}
+            }
+            break (key, state);
+        };
         self.provider.key = Some(key);
-        let estimate = plan.estimate.unwrap_or(TokenCounts { prompt: 0, output: 0 });
-        let needs = [1, estimate.prompt.saturating_add(estimate.output), estimate.prompt, estimate.output];
-        let (judgement, state) = provider_state::judge(host, config, key, now, needs);
-        match judgement {
-            Judgement::Refuse { wait_ms, quota } => {
-                host.add_metric(Metric::ProviderRefusalsAnswered, 1);
-                let left =
-                    |q: provider_word::Quota| state.and_then(|s| s.left.get(q.index()).map(|l| l.0)).unwrap_or(0);
-                let short = quota.map(|q| (q.error_type(), q.name(), left(q)));
-                return Some(Verdict::Reply(decision::provider_refusal(self.dialect, wait_ms, short)));
-            }
-            Judgement::Probe => {
-                host.add_metric(Metric::ProviderProbes, 1);
-                self.provider.mark = Some("probe");
-                self.provider.heard = state;
-            }
-            Judgement::Forward => {}
-        }
+        let plan = self.plan.as_mut()?;
         let lowered = config.provider_limits.lower_limits
             && state.is_some_and(|state| state.lower(&config.limits, &mut plan.buckets, now));
         if lowered {
@@ -528,6 +568,66 @@ impl RequestFilter {
             self.provider.mark = self.provider.mark.or(Some("lowered"));
         }
         None
+    }
+
+    /// Whether a refusal of this request may send it to a fallback instead: not in
+    /// shadow mode (nothing is refused), not twice, and only while a header still routes.
+    fn can_overflow(&self, config: &Policy) -> bool {
+        config.mode != Mode::Shadow && self.overflow.is_none() && self.route_open
+    }
+
+    /// Sends the request to `backend` instead of refusing it: charged from now on against
+    /// the fallback's limits (its own and those every route shares), not the primary's.
+    fn overflow_to(&mut self, config: &Policy, backend: &str) {
+        self.overflow = Some(backend.to_string());
+        if let Some(plan) = self.plan.as_mut() {
+            plan.route_to(config, Some(backend));
+        }
+    }
+
+    /// The backend a refusal in `reply` sends this request to: that of the first limit
+    /// that refused, when every limit that refused overflows (one that does not refuses).
+    fn overflow_target(&self, config: &Policy, reply: &LimitsReply) -> Option<String> {
+        if !self.can_overflow(config) {
+            return None;
+        }
+        let relevant = self.relevant(reply);
+        let refusing = relevant.limits.iter().filter(|o| o.status != LimitStatus::Allowed).map(|o| o.name.as_str());
+        let mut backends =
+            series::limit_indices(config, refusing).map(|i| config.limits.get(i).and_then(|l| l.overflow.clone()));
+        let first = backends.next()??;
+        backends.all(|b| b.is_some()).then_some(first)
+    }
+
+    /// Counts an overflow under each limit that refused, and charges the fallback's limits
+    /// with a second callout, after asking what the provider said of the fallback.
+    fn recharge(
+        &mut self,
+        host: &mut impl Host,
+        worker: &mut Worker,
+        config: &Policy,
+        reply: &LimitsReply,
+        backend: &str,
+        now: u64,
+    ) -> Verdict {
+        let relevant = self.relevant(reply);
+        let refusing = relevant.limits.iter().filter(|o| o.status != LimitStatus::Allowed).map(|o| o.name.as_str());
+        for limit in series::limit_indices(config, refusing) {
+            host.add_series(series::decision(limit, Decision::Overflowed), 1);
+        }
+        self.overflow_to(config, backend);
+        if config.provider_limits.enabled {
+            if let Some(verdict) = self.consult_provider(host, config, now) {
+                return verdict;
+            }
+            if let (Some(taken), Some(key)) = (self.provider.heard.take(), self.provider.key) {
+                worker.provider_words.note(config, key, taken);
+            }
+        }
+        match self.send(host, worker, config, now) {
+            Ok(()) => Verdict::Recharging,
+            Err(why) => self.callout_failed(host, worker, config, &why),
+        }
     }
 
     /// Reads what the response's headers say of the provider's limits; a throttling
@@ -555,6 +655,15 @@ impl RequestFilter {
         self.provider.heard = provider_state::hear(host, config, key, word, self.provider.sent_ms);
     }
 
+    /// The provider refused mid-stream (its reply's headers, heard already, said it
+    /// served): heard under the request's key as a refusal, for the fleet's next exchange.
+    fn hear_mid_stream(&mut self, host: &mut impl Host, config: &Policy, word: &ProviderWord) {
+        let Some(plan) = self.plan.as_ref().filter(|_| config.provider_limits.enabled) else { return };
+        let key = provider_state::key_of(config, &self.provider.credential, plan.backend.as_deref(), &plan.model);
+        self.provider.key = Some(key);
+        self.take_word(host, config, word);
+    }
+
     /// Takes in a throttling error's body read so far, and hands what was heard to the
     /// fleet's next exchange.
     fn hear_provider(&mut self, host: &mut impl Host, worker: &mut Worker, config: &Policy) {
@@ -563,7 +672,7 @@ impl RequestFilter {
             self.take_word(host, config, &word);
         }
         if let (Some(state), Some(plan)) = (self.provider.heard.take(), self.plan.as_ref()) {
-            let key = provider_state::key_of(config, &self.provider.credential, &plan.model);
+            let key = provider_state::key_of(config, &self.provider.credential, plan.backend.as_deref(), &plan.model);
             worker.provider_words.note(config, key, state);
         }
     }
@@ -903,8 +1012,11 @@ impl RequestFilter {
     ) -> Verdict {
         let now = host.now_ms();
         if !reply.allowed {
-            self.count_refusal(host, config, &reply);
             self.admission = None; // nothing was charged
+            if let Some(backend) = self.overflow_target(config, &reply) {
+                return self.recharge(host, worker, config, &reply, &backend, now);
+            }
+            self.count_refusal(host, config, &reply);
             if self.ask == Ask::Lease {
                 // Later requests that need as much are refused here until the retry time.
                 let costs = self.costs();
@@ -1086,6 +1198,14 @@ impl RequestFilter {
                 if let Some(mark) = self.provider.mark {
                     headers.push((PROVIDER_HEADER, mark.to_string()));
                 }
+                if let Some(backend) = &self.overflow {
+                    // The route table (Envoy clears its route cache on a header the filter
+                    // sets) or the config's `map` (Nginx) sends the request there.
+                    if !host.set_request_header(OVERFLOW_HEADER, backend) {
+                        host.warn_once("overflow", "llm-ratelimit: the host refused the overflow request header");
+                    }
+                    headers.push((OVERFLOW_HEADER, backend.clone()));
+                }
                 self.response_headers = headers;
                 if paused {
                     host.resume_request();
@@ -1106,6 +1226,8 @@ impl RequestFilter {
                 host.send_reply(&reply);
                 Action::Pause
             }
+            // The fallback's charge is out: its answer resumes the request or refuses it.
+            Verdict::Recharging => Action::Pause,
         }
     }
 
@@ -1413,6 +1535,8 @@ mod calendar_tests;
 mod local;
 #[cfg(test)]
 mod local_tests;
+#[cfg(test)]
+mod overflow_tests;
 #[cfg(test)]
 mod pools_tests;
 #[cfg(test)]

@@ -32,6 +32,15 @@ pub struct ChargePlan {
     /// config order: it is settled, and shown in headers, even when the request reserves
     /// nothing of it (a `cached_input` limit, an `output` limit for an embedding).
     pub applicable: Vec<bool>,
+    /// Whether each configured limit would apply to this request on any route (its model,
+    /// tier and pool), in config order: `applicable` is these on the request's route.
+    pub eligible: Vec<bool>,
+    /// With clamping, the least output allowance worth admitting the request with.
+    pub min_output: Option<u64>,
+    /// The backend the request overflowed to (`None`: the primary route).
+    pub backend: Option<String>,
+    /// Whether the body was read as its API's request (its token costs are settled).
+    pub parsed: bool,
     /// The parsed request.
     pub request: Option<LlmRequest>,
     /// The client's body, kept when it may be rewritten once the decision is known.
@@ -52,6 +61,69 @@ pub struct ChargePlan {
 }
 
 impl ChargePlan {
+    /// The bucket of `limit` for this request, charged when it `applies`; the owner,
+    /// shadow flag and period are set apart (`pools::assign`, `date`).
+    fn bucket(&self, limit: &crate::config::Limit, applies: bool) -> LimitCharge {
+        let estimate = self.estimate;
+        LimitCharge {
+            owner: None,
+            shadow: false,
+            name: limit.name.clone(),
+            capacity: limit.capacity(),
+            window_ms: limit.window_ms(),
+            // A limit for other models is still asked about, look-only (it never refuses),
+            // so every plan has one bucket per configured limit, in config order.
+            cost: match (applies, limit.measure) {
+                (false, _) => 0,
+                (true, Measure::Requests(_) | Measure::Concurrency(_)) => 1,
+                (true, Measure::Tokens { count, .. }) => estimate.map_or(0, |e| count.reserved(e)),
+                (true, Measure::Usd { .. }) => match (self.price, estimate) {
+                    (Some(price), Some(estimate)) => price.micro_usd(estimate),
+                    _ => 0,
+                },
+            },
+            // With clamping, the limits that count the output give up the same share of
+            // the output allowance (down to `min_output_tokens`) to fit.
+            min_cost: match (applies, limit.token_count(), estimate, self.min_output) {
+                (true, Some(TokenCount::Total), Some(estimate), Some(min_output)) => {
+                    Some(estimate.prompt.saturating_add(min_output))
+                }
+                (true, Some(TokenCount::Output), Some(_), Some(min_output)) => Some(min_output),
+                _ => None,
+            },
+            kind: limit.kind,
+            // Dated when the decision's clock is read (`ChargePlan::date`).
+            period_bounds_ms: Vec::new(),
+            // An unparsed request's flat cost is never settled: nothing comes back.
+            provisional: self.parsed && applies && matches!(limit.dimension(), Dimension::Tokens | Dimension::Cost),
+            look_only: !applies,
+            fair: None,
+        }
+    }
+
+    /// Charges the request on `backend`'s limits (`None`: the primary route's): each
+    /// eligible limit that counts there, every other one asked about look-only. What
+    /// owns each bucket and when its period runs stay as they were.
+    pub fn route_to(&mut self, config: &Policy, backend: Option<&str>) {
+        self.backend = backend.map(str::to_string);
+        self.applicable = config
+            .limits
+            .iter()
+            .zip(&self.eligible)
+            .map(|(limit, &eligible)| eligible && limit.counts_on(backend))
+            .collect();
+        for (i, limit) in config.limits.iter().enumerate() {
+            let applies = self.applies(i);
+            let fresh = self.bucket(limit, applies);
+            if let Some(bucket) = self.buckets.get_mut(i) {
+                bucket.cost = fresh.cost;
+                bucket.min_cost = fresh.min_cost.filter(|_| !bucket.shadow);
+                bucket.provisional = fresh.provisional;
+                bucket.look_only = fresh.look_only;
+            }
+        }
+    }
+
     /// Gives each calendar budget's bucket the period boundaries around `now_ms`, the
     /// decision's clock: what is charged is decided from the request, the period from the
     /// time (and, in Redis, from Redis's clock).
@@ -223,70 +295,38 @@ pub fn plan(
             limit.applies_to(&model, tier)
         }
     };
-    let applicable: Vec<bool> = config.limits.iter().map(applies).collect();
-    let buckets = config
-        .limits
-        .iter()
-        .zip(&applicable)
-        .map(|(limit, &applies)| LimitCharge {
-            owner: None,
-            shadow: false,
-            name: limit.name.clone(),
-            capacity: limit.capacity(),
-            window_ms: limit.window_ms(),
-            // A limit for other models is still asked about, look-only (it never refuses),
-            // so every plan has one bucket per configured limit, in config order.
-            cost: match (applies, limit.measure) {
-                (false, _) => 0,
-                (true, Measure::Requests(_) | Measure::Concurrency(_)) => 1,
-                (true, Measure::Tokens { count, .. }) => estimate.map_or(0, |e| count.reserved(e)),
-                (true, Measure::Usd { .. }) => match (price, estimate) {
-                    (Some(price), Some(estimate)) => price.micro_usd(estimate),
-                    _ => 0,
-                },
-            },
-            // With clamping, the limits that count the output give up the same share of
-            // the output allowance (down to `min_output_tokens`) to fit.
-            min_cost: match (applies, limit.token_count(), estimate, min_output) {
-                (true, Some(TokenCount::Total), Some(estimate), Some(min_output)) => {
-                    Some(estimate.prompt.saturating_add(min_output))
-                }
-                (true, Some(TokenCount::Output), Some(_), Some(min_output)) => Some(min_output),
-                _ => None,
-            },
-            kind: limit.kind,
-            // Dated when the decision's clock is read (`ChargePlan::date`).
-            period_bounds_ms: Vec::new(),
-            // An unparsed request's flat cost is never settled: nothing comes back.
-            provisional: request.is_some()
-                && applies
-                && matches!(limit.dimension(), Dimension::Tokens | Dimension::Cost),
-            look_only: !applies,
-            fair: None,
-        })
-        .collect();
-    let unpriced = price.is_none() && config.limits.iter().any(|l| l.dimension() == Dimension::Cost && applies(l));
-    // Only a body that may change is kept past the decision (see `apply_grant`).
-    let rewritable =
-        request.as_ref().is_some_and(|r| clamped || (policy.request_stream_usage && r.wants_usage_added()));
-    let rewritable_body = body.filter(|_| rewritable).map(<[u8]>::to_vec);
-    ChargePlan {
-        buckets,
+    let eligible: Vec<bool> = config.limits.iter().map(applies).collect();
+    let mut plan = ChargePlan {
+        buckets: Vec::new(),
         estimate,
         encoding: rule.encoding,
-        model,
+        model: model.clone(),
         model_from_reply: named.unmapped_deployment,
         rule: rule_index,
         counted_prompt,
-        applicable,
-        request,
-        rewritable_body,
+        applicable: Vec::new(),
+        eligible,
+        min_output,
+        backend: None,
+        parsed: request.is_some(),
+        request: None,
+        rewritable_body: None,
         clamped,
         price,
-        unpriced,
+        unpriced: false,
         charged_most: most,
         unreadable: unreadable.filter(|_| !most),
-    }
+    };
+    plan.buckets = config.limits.iter().map(|limit| plan.bucket(limit, false)).collect();
+    plan.route_to(config, None);
+    plan.unpriced = price.is_none()
+        && config.limits.iter().any(|l| l.dimension() == Dimension::Cost && applies(l) && l.counts_on(None));
+    // Only a body that may change is kept past the decision (see `apply_grant`).
+    let rewritable =
+        request.as_ref().is_some_and(|r| clamped || (policy.request_stream_usage && r.wants_usage_added()));
+    plan.rewritable_body = body.filter(|_| rewritable).map(<[u8]>::to_vec);
+    plan.request = request;
+    plan
 }
 
 /// A prompt's size that no provider's count of it exceeds, for the hard cap of clamping:

@@ -97,6 +97,9 @@ pub fn assign(config: &Policy, plan: &mut ChargePlan, counters: &[Counter], tena
                 if let Some(applies) = plan.applicable.get_mut(i) {
                     *applies = false;
                 }
+                if let Some(eligible) = plan.eligible.get_mut(i) {
+                    *eligible = false;
+                }
             }
             Some(Counter::Tenant) | None => {}
         }

@@ -34,10 +34,13 @@ pub enum Decision {
     Degraded,
     /// Refused by this limit, and let through by shadow mode.
     Shadow,
+    /// Refused by this limit, and sent to its `overflow` backend instead.
+    Overflowed,
 }
 
 impl Decision {
-    const ALL: [Decision; 4] = [Decision::Allowed, Decision::Limited, Decision::Degraded, Decision::Shadow];
+    const ALL: [Decision; 5] =
+        [Decision::Allowed, Decision::Limited, Decision::Degraded, Decision::Shadow, Decision::Overflowed];
 
     fn label(self) -> &'static str {
         match self {
@@ -45,6 +48,7 @@ impl Decision {
             Decision::Limited => "limited",
             Decision::Degraded => "degraded",
             Decision::Shadow => "shadow",
+            Decision::Overflowed => "overflowed",
         }
     }
 }
@@ -268,6 +272,6 @@ mod tests {
     fn the_count_follows_the_config_alone() {
         let config = policy();
         let rules = config.tokens.rules.len() + 1;
-        assert_eq!(names(&config).len(), 2 * 4 + rules * 4);
+        assert_eq!(names(&config).len(), 2 * 5 + rules * 4);
     }
 }

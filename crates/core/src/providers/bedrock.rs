@@ -507,22 +507,28 @@ mod tests {
         }
     }
 
-    /// A stream cut by an exception (`throttlingException` mid-stream) is an interrupted
-    /// reply: charged the output that came before it, and nothing is learned from it (a
-    /// completed one teaches the tenant's average, which shrinks the next reservation).
+    /// A stream cut by an exception teaches nothing (a completed one teaches the tenant's
+    /// average, which shrinks the next reservation). A `throttlingException` is the
+    /// provider's rate limit stopping the model: charged the prompt and the output that
+    /// came before it. Any other exception is an interrupted reply: charged at least its
+    /// reservation (the provider may have generated more than it sent, `reply_floor`).
     #[test]
-    fn an_exception_mid_stream_settles_as_an_interrupted_reply() {
+    fn an_exception_mid_stream_settles_as_the_provider_stopped_it() {
         let path = "/model/amazon.nova-lite-v1%3A0/converse-stream";
-        let throttled = encode(
-            &[(":exception-type", "throttlingException"), (":message-type", "exception")],
-            br#"{"message":"Too many tokens, please wait before trying again."}"#,
-        );
-        let cut = [converse_stream(false), throttled].concat();
+        let exception = |kind: &str| {
+            encode(
+                &[(":exception-type", kind), (":message-type", "exception")],
+                br#"{"message":"Too many tokens, please wait before trying again."}"#,
+            )
+        };
+        let throttled = [converse_stream(false), exception("throttlingException")].concat();
+        let broken = [converse_stream(false), exception("modelStreamErrorException")].concat();
         let prompt = parse(path, CONVERSE).prompt_tokens(O200K);
-        // (the stream, what it is charged, whether it teaches the average): a stream cut by
-        // an exception after its headers is charged at least its reservation (the provider
-        // may have generated more than it sent, `reply_floor`), a completed one its usage.
-        for (reply, used, teaches) in [(cut, prompt + 300, false), (converse_stream(true), 151 + 10, true)] {
+        // (the stream, what it is charged, whether it teaches the average); the cut streams
+        // sent 10 tokens before their exception.
+        let cases =
+            [(throttled, prompt + 10, false), (broken, prompt + 300, false), (converse_stream(true), 151 + 10, true)];
+        for (reply, used, teaches) in cases {
             let world = World::new(HostKind::Envoy);
             let mut proxy = Proxy::new(&world, &lifecycle_config(serde_json::json!({}), 10_000));
             let mut companion = FakeCompanion::default();
@@ -532,9 +538,40 @@ mod tests {
             proxy.tick(Some(&mut companion));
             // Nothing to give back is sent as no settlement at all.
             let credit = companion.settled.last().map_or(0, |settled| settled.limits[0].credit);
-            assert_eq!(credit, (prompt + 300) as i64 - used as i64, "teaches: {teaches}");
+            assert_eq!(credit, (prompt + 300) as i64 - used as i64, "used {used}, teaches: {teaches}");
             let next = proxy.send(signed_request("AKIDTENANT1", path, CONVERSE), &mut companion);
             assert_eq!(charge_costs(&next)[1].0 < prompt + 300, teaches, "the next reservation, teaches: {teaches}");
+        }
+    }
+
+    /// With `provider_limits`, a stream the provider throttled is its refusal: the
+    /// credential's next request is answered here, in Bedrock's shape, for `default_retry`.
+    #[test]
+    fn throttling_mid_stream_is_heard_as_the_providers_refusal() {
+        let path = "/model/amazon.nova-lite-v1%3A0/converse-stream";
+        let throttled = encode(
+            &[(":exception-type", "throttlingException"), (":message-type", "exception")],
+            br#"{"message":"Too many tokens, please wait before trying again."}"#,
+        );
+        let reply = [converse_stream(false), throttled].concat();
+        let mut config: serde_json::Value =
+            serde_json::from_str(&lifecycle_config(serde_json::json!({}), 10_000)).expect("json");
+        config["provider_limits"] = serde_json::json!({"enabled": true, "share": false, "default_retry": "4s"});
+        for kind in [HostKind::Envoy, HostKind::Nginx] {
+            let world = World::new(kind);
+            let mut proxy = Proxy::new(&world, &config.to_string());
+            let mut companion = FakeCompanion::default();
+            let mut flight = proxy.send(signed_request("AKIDTENANT1", path, CONVERSE), &mut companion);
+            proxy.reply_bytes(&mut flight, 200, EVENT_STREAM_CONTENT_TYPE, &[&reply]);
+            assert_eq!(flight.host.metric(crate::effects::host::Metric::ProviderRefusalsSeen), 1, "{kind:?}");
+            let next = proxy.send(signed_request("AKIDTENANT1", path, CONVERSE), &mut companion);
+            let answered = next.replied().expect("answered here");
+            assert_eq!(answered.status, 429, "{kind:?}");
+            let header = |name: &str| answered.headers.iter().find(|(n, _)| *n == name).map(|(_, v)| v.as_str());
+            assert_eq!(header("x-amzn-errortype").map(|v| v.starts_with("ThrottlingException")), Some(true));
+            assert_eq!(header("retry-after"), Some("4"), "{kind:?}: default_retry");
+            let other = proxy.send(signed_request("AKIDTENANT2", path, CONVERSE), &mut companion);
+            assert!(other.forwarded(), "another credential is not held up");
         }
     }
 

@@ -207,6 +207,11 @@ fn retry_headers(ms: u64) -> [Header; 2] {
 /// time, `lowered` when the request's limits were charged at what the provider said is left.
 pub const PROVIDER_HEADER: &str = "x-llm-ratelimit-provider";
 
+/// The backend a refused request was sent to instead of a 429 (`limits[].overflow`,
+/// `provider_limits.overflow`): set on the request for the route table (Envoy) or a `map`
+/// (Nginx) to match, and on its response for the client to see. A client's own is removed.
+pub const OVERFLOW_HEADER: &str = "x-llm-ratelimit-overflow";
+
 /// The 429 for a request the provider would refuse, as it said on an earlier reply: for
 /// `wait_ms` more, and, when the request does not fit in what is left of a quota,
 /// `short` names it (OpenAI's `error.type`, its name in words, what is left).
