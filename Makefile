@@ -16,7 +16,7 @@ WASM_CARGO := RUSTC_BOOTSTRAP=1 RUSTC=/usr/bin/rustc /usr/bin/cargo
 WASM_FLAGS := -Zbuild-std=std,panic_abort
 endif
 
-.PHONY: help setup build wasm empty-filter floor-filter native test test-under-load wasm-test fuzz fuzz-check unit integration up down demo bench soak faults accuracy capacity provider-bench lint clean
+.PHONY: help setup build wasm empty-filter floor-filter native test test-under-load wasm-test fuzz fuzz-check unit integration up down demo bench soak faults accuracy capacity provider-bench fairness lint clean
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -91,6 +91,12 @@ accuracy: build ## Token limits against their budget when the upstream counts pr
 
 provider-bench: build ## Requests that reached the provider only to be refused, without and with provider_limits (mock at 50% of the offered load, ~2 min, not in make test)
 	$(PY) scripts/provider_bench.py
+
+FAIRNESS_SECONDS ?= 180
+
+fairness: build ## A pool of 10,000 TPM through 3 Envoys, one tenant offering 10x, nine 5% each: with and without fair_share (~7 min, not in make test)
+	$(PY) scripts/fairness.py --cost
+	$(PY) scripts/fairness.py --seconds $(FAIRNESS_SECONDS)
 
 capacity: setup ## Redis memory per tenant for each kind of limit, and what one Redis shard sustains running the script (~3 min, not in make test)
 	$(PY) scripts/capacity.py

@@ -53,6 +53,11 @@
 --              shadow    optional, 1: the limit is tried, not enforced: charged its
 --                        cost, its status says whether it had room, but it never refuses
 --                        the call (nor clamps an elastic one)
+--              fair      optional, a shared pool's fair shares (kind "tb" or "sw"):
+--                        {id, weight, max, idle_ms}, the claimant charging it (the
+--                        tenant, a key part of at most 64 characters), its weight (> 0),
+--                        the most claimants the pool tracks (2 to 256) and how long one
+--                        stays active after its last call (ms, > 0); see "Fair shares"
 --     lease    wanted    the grant wanted (>= 0)
 --              needed    optional, default wanted: the grant needed (<= wanted)
 --              look_only optional, 1: as for charge, the grant never refused for it
@@ -136,6 +141,30 @@
 -- in the current period (a charge's time is in its reservation record); the budget of an
 -- ended period is gone. reset_after_ms is the time to the period's end, full or not (when
 -- the budget resets); a refusal retries then. Calendar budgets are not leased.
+--
+-- Fair shares: a pool many tenants charge (a team's, the upstream's quota) can be held to
+-- max-min fair shares among the tenants charging it, across every proxy, as its state is
+-- here. Beside the pool's key, a hash (key .. "|fair", same hash slot) holds one field per
+-- active claimant: "used at weight last", its admitted tokens decayed exponentially with a
+-- time constant of the pool's window (a steady rate r holds it at r x window, so it is
+-- measured in the pool's own unit, tokens per window), the time of its last call, its
+-- weight and its last call's cost. A charge of claimant t, cost c, beside the pool's own
+-- room, must fit two rules:
+-- - its allowance: t's used + c <= A_t, the water level of t when the others keep what
+--   they use: the share lambda x w_t that solves sum_j min(used_j, lambda x w_j) + lambda
+--   x w_t = capacity over the other active claimants j. What a light claimant does not
+--   use is what a heavy one may take (max-min), and a claimant is never held below its
+--   weighted share of the capacity among the active ones;
+-- - borrowing keeps a reserve: a claimant whose used + c passes its equal share g_t =
+--   capacity x w_t / (sum of active weights) may not bring the pool's level below the
+--   reserve, the sum over the other claimants under their share of min(g_j - used_j,
+--   last_j): room for each light claimant's next call, so a heavy one that drains the
+--   pool as fast as it refills does not refuse the light ones.
+-- A refusal by either rule retries when t's use has decayed to its allowance or the pool
+-- has refilled past the reserve. A settlement's credit (or debit) corrects its claimant's
+-- used too (the reservation record keeps who it was). Claimants idle for idle_ms are
+-- dropped; a new one finding the hash full takes the place of the one using least. Cost:
+-- one HGETALL of at most `max` fields, a sort of them, one HSET per charge.
 --
 -- Time is Redis's own (TIME), so every proxy shares one clock. Buckets refill
 -- continuously and hold fractional tokens. A written bucket expires when it would be full
@@ -426,6 +455,140 @@ local function place_periods(limits)
 end
 
 --------------------------------------------------------------------------------------------
+-- Fair shares (see the header). l.fair is {id, weight, max, idle_ms}; l.claimants the
+-- active claimants, by id, as fair_load found them: {used, weight, last} at now.
+--------------------------------------------------------------------------------------------
+
+local function fair_key(key)
+  return key .. '|fair'
+end
+
+local function fair_field(used, weight, last)
+  return string.format('%.17g %.17g %.17g %.17g', used, now_ms, weight, last)
+end
+
+-- The active claimants of the pool at `key`, their use decayed to now (tau: window_ms);
+-- the idle ones (and unreadable fields) are deleted. Returns them and how many there are.
+local function fair_load(key, window_ms, idle_ms)
+  local fields = redis.call('HGETALL', fair_key(key))
+  local claimants, count, gone = {}, 0, {}
+  for j = 1, #fields, 2 do
+    local used, at, weight, last = string.match(fields[j + 1], '^(%S+) (%S+) (%S+) (%S+)$')
+    used, at, weight, last = tonumber(used), tonumber(at), tonumber(weight), tonumber(last)
+    if used and at and weight and weight > 0 and last and now_ms - at <= idle_ms then
+      used = used * math.exp(-math.max(0, now_ms - at) / window_ms)
+      claimants[fields[j]] = { used = used, weight = weight, last = last, ratio = used / weight }
+      count = count + 1
+    else
+      gone[#gone + 1] = fields[j]
+    end
+  end
+  if #gone > 0 then
+    redis.call('HDEL', fair_key(key), unpack(gone))
+  end
+  return claimants, count
+end
+
+-- The water level of claimant `id` (weight w) when every other active claimant keeps
+-- what it uses: lambda x w, with sum_j min(used_j, lambda x w_j) + lambda x w = capacity.
+local function fair_allowance(claimants, id, w, capacity)
+  local others, weights = {}, w
+  for other, c in pairs(claimants) do
+    if other ~= id then
+      others[#others + 1] = c
+      weights = weights + c.weight
+    end
+  end
+  table.sort(others, function(a, b)
+    return a.ratio < b.ratio
+  end)
+  local taken = 0
+  for _, c in ipairs(others) do
+    if c.ratio > (capacity - taken) / weights then
+      break
+    end
+    taken = taken + c.used
+    weights = weights - c.weight
+  end
+  return (capacity - taken) / weights * w
+end
+
+-- Sets l.room, what claimant l.fair.id may take from the pool now (at most l.level), and
+-- l.fair_retry(needed), when `needed` would fit.
+local function fair_judge(l)
+  local f = l.fair
+  local claimants, count = fair_load(l.key, l.window_ms, f.idle_ms)
+  l.claimants, l.claimant_count = claimants, count
+  local me = claimants[f.id] or { used = 0, weight = f.weight, last = l.cost }
+  local total_weight = f.weight
+  for id, c in pairs(claimants) do
+    if id ~= f.id then
+      total_weight = total_weight + c.weight
+    end
+  end
+  local allowance = fair_allowance(claimants, f.id, f.weight, l.capacity)
+  local share = l.capacity * f.weight / total_weight
+  local reserve = 0
+  for id, c in pairs(claimants) do
+    local their_share = l.capacity * c.weight / total_weight
+    if id ~= f.id and c.used < their_share then
+      reserve = reserve + math.min(their_share - c.used, c.last)
+    end
+  end
+  local room = math.min(l.level, allowance - me.used)
+  if me.used + l.cost > share then
+    room = math.min(room, l.level - reserve)
+  end
+  l.room = room
+  l.fair_retry = function(needed)
+    local wait = 0
+    if me.used + needed > allowance then
+      -- used decays as e^(-t / window): the time until it is allowance - needed.
+      wait = allowance > needed and math.ceil(l.window_ms * math.log(me.used / (allowance - needed)))
+        or math.ceil(l.window_ms)
+    end
+    if me.used + needed > share and l.level - reserve < needed then
+      wait = math.max(wait, l.driver.retry_after(l, reserve + needed))
+    end
+    return math.max(1, wait)
+  end
+end
+
+-- Records claimant l.fair.id's call: `charged` more used, now active. A newcomer finding
+-- the hash full takes the place of the claimant using least.
+local function fair_record(l, charged)
+  local f = l.fair
+  local me = l.claimants[f.id]
+  if not me and l.claimant_count >= f.max then
+    local least, least_used = nil, nil
+    for id, c in pairs(l.claimants) do
+      if least_used == nil or c.used < least_used then
+        least, least_used = id, c.used
+      end
+    end
+    redis.call('HDEL', fair_key(l.key), least)
+  end
+  local used = (me and me.used or 0) + charged
+  redis.call('HSET', fair_key(l.key), f.id, fair_field(used, f.weight, math.max(l.cost, charged)))
+  redis.call('PEXPIRE', fair_key(l.key), math.ceil(f.idle_ms))
+end
+
+-- A settlement's credit (a debit if < 0) corrects claimant `id`'s use of the pool at
+-- `key`, if it is still active (never below zero).
+local function fair_correct(key, id, credit, window_ms)
+  local field = redis.call('HGET', fair_key(key), id)
+  if not field then
+    return
+  end
+  local used, at, weight, last = string.match(field, '^(%S+) (%S+) (%S+) (%S+)$')
+  used, at = tonumber(used), tonumber(at)
+  if used and at and tonumber(weight) and tonumber(last) then
+    used = math.max(0, used * math.exp(-math.max(0, now_ms - at) / window_ms) - credit)
+    redis.call('HSET', fair_key(key), id, fair_field(used, tonumber(weight), tonumber(last)))
+  end
+end
+
+--------------------------------------------------------------------------------------------
 -- Ops. Each names the fields it takes (true: required, false: optional; all numbers),
 -- whether it is about the tenant rather than one request (tenant_wide: no member key),
 -- checks what the fields alone cannot say, and runs over the limits, already checked:
@@ -455,6 +618,11 @@ local function admit(limits, grants, required, least)
       l.status = 0
       done = enforced and 0 or done
       l.retry = l.driver.retry_after(l, required[i])
+    elseif l.room and l.room < required[i] then
+      -- Room in the pool, but not for this claimant now (see "Fair shares").
+      l.status = 0
+      done = 0
+      l.retry = l.fair_retry(required[i])
     end
   end
   if done == 1 then
@@ -491,29 +659,36 @@ end
 -- The record a charge leaves: its time (where a sliding window's correction goes) and
 -- what it took from each limit, by the limit's key.
 -- Numbers written with %.17g (cjson would round them to 14 digits).
+-- A fair pool's claimant is kept too (`fair`, by the pool's key): its settlement corrects
+-- the claimant's use.
 local function reservation_record(limits)
-  local took = {}
+  local took, fair = {}, {}
   for i, l in ipairs(limits) do
     took[i] = cjson.encode(l.key) .. ':' .. string.format('%.17g', l.charged)
+    if l.fair then
+      fair[#fair + 1] = cjson.encode(l.key) .. ':' .. cjson.encode(l.fair.id)
+    end
   end
-  return '{"at":' .. string.format('%.17g', now_ms) .. ',"took":{' .. table.concat(took, ',') .. '}}'
+  local claimants = #fair > 0 and (',"fair":{' .. table.concat(fair, ',') .. '}') or ''
+  return '{"at":' .. string.format('%.17g', now_ms) .. ',"took":{' .. table.concat(took, ',') .. '}' .. claimants .. '}'
 end
 
--- A record's time and amounts (nil amounts: a record written before they were kept).
+-- A record's time, amounts (nil: a record written before they were kept) and fair
+-- pools' claimants (by the pool's key).
 local function read_reservation_record(record)
   if not record then
-    return now_ms, nil
+    return now_ms, nil, {}
   end
   local plain = tonumber(record)
   if plain then
-    return plain, nil
+    return plain, nil, {}
   end
   local ok, decoded = pcall(cjson.decode, record)
   if ok and type(decoded) == 'table' and type(decoded.at) == 'number' and type(decoded.took) == 'table' then
-    return decoded.at, decoded.took
+    return decoded.at, decoded.took, type(decoded.fair) == 'table' and decoded.fair or {}
   end
   -- Unreadable: nothing stands behind a credit.
-  return now_ms, {}
+  return now_ms, {}, {}
 end
 
 -- The part of l.credit that stands on a debit (see above).
@@ -550,6 +725,7 @@ local ops = {}
 ops.charge = {
   args = { reservation_ttl_ms = false },
   limit = { cost = true, min_cost = false, look_only = false, shadow = false },
+  fair = true,
   check = function(l)
     if l.cost < 0 then
       return 'cost', l.cost, 'must be >= 0'
@@ -564,11 +740,17 @@ ops.charge = {
       return redis.error_reply('CANCELLED the request was abandoned while it waited')
     end
     bring_to_now(limits)
+    -- A fair pool judged for its claimant, when it applies and is enforced.
+    for _, l in ipairs(limits) do
+      if l.fair and l.look_only ~= 1 and l.shadow ~= 1 then
+        fair_judge(l)
+      end
+    end
     -- The common reduction of the elastic limits: enough for each to fit, if it can.
     local reduction, most = 0, nil
     for _, l in ipairs(limits) do
       if l.min_cost < l.cost and l.shadow ~= 1 then
-        reduction = math.max(reduction, l.cost - math.max(l.level, 0))
+        reduction = math.max(reduction, l.cost - math.max(l.room or l.level, 0))
         most = math.min(most or (l.cost - l.min_cost), l.cost - l.min_cost)
       end
     end
@@ -579,6 +761,11 @@ ops.charge = {
       least[i] = l.min_cost
     end
     local done = admit(limits, grants, grants, least)
+    for _, l in ipairs(limits) do
+      if l.claimants then
+        fair_record(l, l.charged)
+      end
+    end
     -- A record only when there are tokens to settle (ttl > 0): slots and the queue need
     -- just the key's name. Its value is the time of the charge: where a sliding window's
     -- correction goes.
@@ -634,7 +821,7 @@ ops.settle = {
       redis.call('SET', keys.cancel_marker, '1', 'PX', 600000)
     end
     bring_to_now(limits)
-    local done, charged_at, took = 1, now_ms, nil
+    local done, charged_at, took, claimants = 1, now_ms, nil, {}
     if args.once_ttl_ms then
       -- A stand-alone adjustment: the key is its marker, set by the first application.
       if not keys.reservation or args.once_ttl_ms <= 0 then
@@ -645,7 +832,7 @@ ops.settle = {
       end
     elseif keys.reservation then
       local record = redis.call('GET', keys.reservation)
-      charged_at, took = read_reservation_record(record)
+      charged_at, took, claimants = read_reservation_record(record)
       if redis.call('DEL', keys.reservation) == 0 then
         done = 0
       end
@@ -658,6 +845,9 @@ ops.settle = {
         end
         -- What was given back (or taken): the companion counts credits cut or refused.
         l.charged = credit
+        if credit ~= 0 and type(claimants[l.key]) == 'string' then
+          fair_correct(l.key, claimants[l.key], credit, l.window_ms)
+        end
       end
       l.driver.release(l)
     end
@@ -708,6 +898,8 @@ ops.reset = {
     local deleted = 0
     for _, l in ipairs(limits) do
       deleted = deleted + redis.call('DEL', l.key)
+      -- A pool's fair shares start afresh with it (not counted: the pool's own key is).
+      redis.call('DEL', fair_key(l.key))
       l.level = l.capacity
     end
     return deleted
@@ -764,7 +956,7 @@ local function is_array(value)
 end
 
 local TOP = { op = true, limits = true }
-local PER_LIMIT = { kind = true, capacity = true, window_ms = true, bounds = true }
+local PER_LIMIT = { kind = true, capacity = true, window_ms = true, bounds = true, fair = true }
 
 -- A calendar budget's bounds (2 to 8 ascending numbers); other kinds have none. Returns
 -- a problem, or nil.
@@ -783,6 +975,44 @@ local function check_bounds(spec, where)
     if not is_number(bound) or (j > 1 and bound <= bounds[j - 1]) then
       return where .. 'bounds must be ascending numbers, got ' .. shown(bound) .. ' at ' .. (j - 1)
     end
+  end
+end
+
+local FAIR = { id = true, weight = true, max = true, idle_ms = true }
+
+-- A fair pool's claimant (charge only, a token bucket or a sliding window). Returns a
+-- problem, or nil.
+local function check_fair(spec, where, op)
+  local fair = spec.fair
+  if fair == nil then
+    return nil
+  end
+  where = where .. 'fair'
+  if not op.fair then
+    return where .. ' is for a charge only'
+  end
+  if spec.kind ~= 'tb' and spec.kind ~= 'sw' then
+    return where .. ' needs a token bucket or a sliding window (kind "tb" or "sw")'
+  end
+  if type(fair) ~= 'table' then
+    return where .. ' must be an object, got ' .. shown(fair)
+  end
+  for name in pairs(fair) do
+    if not FAIR[name] then
+      return 'unknown field ' .. where .. '.' .. tostring(name)
+    end
+  end
+  if type(fair.id) ~= 'string' or #fair.id < 1 or #fair.id > 64 or string.find(fair.id, '[^%w_.:-]') then
+    return where .. '.id must be 1 to 64 letters, digits or "_.:-", got ' .. shown(fair.id)
+  end
+  if not is_number(fair.weight) or fair.weight <= 0 then
+    return where .. '.weight must be a number > 0, got ' .. shown(fair.weight)
+  end
+  if not is_number(fair.max) or fair.max % 1 ~= 0 or fair.max < 2 or fair.max > 256 then
+    return where .. '.max must be a whole number from 2 to 256, got ' .. shown(fair.max)
+  end
+  if not is_number(fair.idle_ms) or fair.idle_ms <= 0 then
+    return where .. '.idle_ms must be a number > 0, got ' .. shown(fair.idle_ms)
   end
 end
 
@@ -822,7 +1052,7 @@ local function parse(args, keys)
     if type(spec.kind) ~= 'string' or not drivers[spec.kind] then
       return nil, nil, where .. 'kind must be "tb", "sw", "slots" or "cal", got ' .. shown(spec.kind)
     end
-    problem = check_bounds(spec, where)
+    problem = check_bounds(spec, where) or check_fair(spec, where, op)
     if problem then
       return nil, nil, problem
     end

@@ -4,7 +4,7 @@
 
 use llm_ratelimit_protocol::keys::{redis_key as key, CANCEL_KIND, ONCE_KIND, RESERVATION_KIND};
 use llm_ratelimit_protocol::{
-    ChargeRequest, LeaseRequest, LimitKind, LimitOutcome, LimitStatus, LimitUsage, LimitsReply, Settlement,
+    ChargeRequest, FairClaim, LeaseRequest, LimitKind, LimitOutcome, LimitStatus, LimitUsage, LimitsReply, Settlement,
     TenantLimits, UsageReply,
 };
 use redis::Value;
@@ -88,6 +88,25 @@ struct Limit<'a> {
     bounds: &'a [u64],
     #[serde(flatten)]
     amounts: Amounts,
+    /// charge: the pool's fair shares, the claimant charging it (see the script's "Fair
+    /// shares").
+    #[serde(skip_serializing_if = "Option::is_none")]
+    fair: Option<ScriptFair<'a>>,
+}
+
+/// A fair pool's claimant under the script's names.
+#[derive(Serialize)]
+struct ScriptFair<'a> {
+    id: &'a str,
+    weight: u32,
+    max: u32,
+    idle_ms: u64,
+}
+
+impl<'a> ScriptFair<'a> {
+    fn of(claim: &'a FairClaim) -> ScriptFair<'a> {
+        ScriptFair { id: &claim.claimant, weight: claim.weight, max: claim.max_claimants, idle_ms: claim.idle_ms }
+    }
 }
 
 impl<'a> Limit<'a> {
@@ -99,11 +118,15 @@ impl<'a> Limit<'a> {
         bounds: &'a [u64],
         amounts: Amounts,
     ) -> Limit<'a> {
-        Limit { name, owner: None, kind, capacity, window_ms, bounds, amounts }
+        Limit { name, owner: None, kind, capacity, window_ms, bounds, amounts, fair: None }
     }
 
     fn owned_by(self, owner: Option<&'a str>) -> Limit<'a> {
         Limit { owner, ..self }
+    }
+
+    fn claimed_by(self, fair: Option<&'a FairClaim>) -> Limit<'a> {
+        Limit { fair: fair.map(ScriptFair::of), ..self }
     }
 }
 
@@ -194,6 +217,7 @@ pub fn charge(prefix: &str, request: &ChargeRequest) -> Call {
                 },
             )
             .owned_by(l.owner.as_deref())
+            .claimed_by(l.fair.as_ref())
         })
         .collect();
     let arguments = Arguments {
@@ -398,6 +422,7 @@ mod tests {
                     period_bounds_ms: Vec::new(),
                     provisional: false,
                     look_only: false,
+                    fair: None,
                 },
                 LimitCharge {
                     owner: None,
@@ -411,6 +436,7 @@ mod tests {
                     period_bounds_ms: Vec::new(),
                     provisional: true,
                     look_only: false,
+                    fair: None,
                 },
             ],
             reservation: Some(Reservation { id: "r42".into(), ttl_ms: 900_000 }),

@@ -430,6 +430,7 @@ mod tests {
             look_only: false,
             shadow,
             owner: Some("all".into()),
+            fair: None,
         }
     }
 

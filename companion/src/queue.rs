@@ -253,6 +253,7 @@ mod tests {
             period_bounds_ms: Vec::new(),
             provisional,
             look_only: false,
+            fair: None,
         }
     }
 

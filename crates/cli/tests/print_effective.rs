@@ -34,14 +34,15 @@ fn printed(output: &Output) -> Value {
 
 const SECRET: &str = "print-effective-secret-0123456789";
 
-/// Every section present, so that every field has something to print.
+/// Every section present, so that every field has something to print (the first limit a
+/// pool with fair shares, so their defaults print).
 fn full_config() -> String {
     format!(
         r#"{{"companion": {{"upstream": "llm_ratelimit_companion", "token": "{SECRET}"}},
             "tier": {{"header": "x-tier", "default": "free"}},
             "tokens": {{"models": [{{"match": "claude-*", "encoding": "cl100k_base"}}]}},
             "prices": [{{"match": "gpt-4o*", "input": 2.5, "output": 10}}],
-            "limits": [{{"name": "tpm", "tokens": 100000, "window": "1m"}}, {{"name": "rpm", "requests": 20, "window": "1m", "tiers": ["free"]}}]}}"#
+            "limits": [{{"name": "tpm", "tokens": 100000, "window": "1m", "per": "all", "fair_share": {{}}}}, {{"name": "rpm", "requests": 20, "window": "1m", "tiers": ["free"]}}]}}"#
     )
 }
 
@@ -159,6 +160,11 @@ fn what_is_written_stands_and_secrets_never_print() {
         serde_json::json!({"name": "rpm", "requests": 20, "window": "1m",
         "algorithm": "token_bucket", "models": [], "tiers": ["free"], "per": "tenant", "mode": "enforce"}),
         "a requests limit: no token fields"
+    );
+    assert_eq!(
+        effective["limits"][0]["fair_share"],
+        serde_json::json!({"weights": {}, "default_weight": 1, "max_tenants": 64, "idle": "1m"}),
+        "a pool's fair shares: idle defaults to its window"
     );
     assert_eq!(effective["tokens"]["models"][0]["match"], "claude-*");
     assert_eq!(effective["tokens"]["models"][0]["factor"], 1.0);

@@ -10,12 +10,13 @@
 use crate::accounting::bucket::{self, BucketState};
 use crate::accounting::calibration::Running;
 use crate::accounting::counters::{self, Counter};
+use crate::accounting::fair_share;
 use crate::effects::host::{Action, Host, HostKind, LogLevel, Metric, Owner, SharedWriteError};
 use crate::lifecycle::RequestFilter;
 use crate::protocol::{
-    CalibrationExchange, CalibrationReply, ChargeRequest, LeaseRequest, LimitCharge, LimitKind, LimitsReply,
-    RuleFigures, RunningFigure, SettleOutcome, SettleReply, SettlementBatch, CALIBRATION_PATH, CHARGE_PATH, LEASE_PATH,
-    RELEASE_PATH, SETTLE_PATH, TOUCH_PATH,
+    CalibrationExchange, CalibrationReply, ChargeRequest, LeaseRequest, LimitCharge, LimitKind, LimitOutcome,
+    LimitStatus, LimitsReply, RuleFigures, RunningFigure, SettleOutcome, SettleReply, SettlementBatch,
+    CALIBRATION_PATH, CHARGE_PATH, LEASE_PATH, RELEASE_PATH, SETTLE_PATH, TOUCH_PATH,
 };
 use crate::replies::reply::LocalReply;
 use crate::worker::Worker;
@@ -396,6 +397,9 @@ pub struct FakeCompanion {
     pub calls: BTreeMap<String, usize>,
     /// The fleet's calibrations by rule fingerprint: prompt ratio and completion length.
     pub calibrations: BTreeMap<String, (Option<Running>, Option<Running>)>,
+    /// The claimants of each pool with fair shares, by (owner, limit name), as the script
+    /// keeps them (`accounting::fair_share`; settlements do not correct them here).
+    pub fair: HashMap<(String, String), fair_share::Claimants>,
 }
 
 impl FakeCompanion {
@@ -422,12 +426,49 @@ impl FakeCompanion {
         self.counters.entry((owner, spec.name.clone())).or_insert_with(|| Counter::new(spec.kind))
     }
 
-    /// Charges every limit or none, as the script's charge does.
+    /// Charges every limit or none, as the script's charge does, pools with fair shares
+    /// judged for their claimant first.
     fn charge(&mut self, request: &ChargeRequest, now: f64) -> LimitsReply {
         let member = request.reservation.as_ref().map(|r| r.id.as_str());
         let mut counters: Vec<Counter> =
             request.limits.iter().map(|spec| self.counter(&request.tenant, spec)).collect();
-        let reply = counters::charge(&mut counters, &request.limits, member, now);
+        let mut limits = request.limits.clone();
+        let mut judged = Vec::new();
+        for (i, spec) in request.limits.iter().enumerate() {
+            let Some(claim) = spec.fair.as_ref().filter(|_| !spec.look_only && !spec.shadow) else { continue };
+            let owner = spec.owner.clone().unwrap_or_else(|| request.tenant.clone());
+            let stored = self.fair.entry((owner.clone(), spec.name.clone())).or_default();
+            let active = fair_share::active(stored, now, spec.window_ms as f64, claim.idle_ms as f64);
+            let level = counters[i].remaining(spec, now) as f64;
+            let judgement = fair_share::judge(&active, claim, spec.cost as f64, level, spec.capacity as f64);
+            judged.push((i, owner, claim.clone(), active, judgement));
+        }
+        // The room a claimant has is one more bound on the elastic limits' common reduction.
+        let reduction = judged
+            .iter()
+            .map(|(i, .., j)| request.limits[*i].cost.saturating_sub(j.room.max(0.0) as u64))
+            .max()
+            .unwrap_or(0);
+        for spec in limits.iter_mut().filter(|s| s.min() < s.cost && !s.shadow) {
+            spec.cost = spec.cost.saturating_sub(reduction).max(spec.min());
+        }
+        let blocked =
+            judged.iter().find(|(i, .., j)| level_fits(j.level, limits[*i].cost) && j.room < limits[*i].cost as f64);
+        let reply = match blocked {
+            Some((i, .., j)) => {
+                let window_ms = limits[*i].window_ms as f64;
+                let capacity = limits[*i].capacity as f64;
+                let refill = |amount: f64| ((amount - j.level) * window_ms / capacity).ceil() as u64;
+                let retry = j.retry_after_ms(limits[*i].cost as f64, window_ms, refill);
+                refused_by_share(&limits, &counters, *i, retry, now)
+            }
+            None => counters::charge(&mut counters, &limits, member, now),
+        };
+        for (i, owner, claim, active, _) in judged {
+            let charged = if reply.allowed { reply.limits[i].charged as f64 } else { 0.0 };
+            let stored = self.fair.entry((owner, request.limits[i].name.clone())).or_default();
+            fair_share::record(stored, &active, &claim, request.limits[i].cost as f64, charged, now);
+        }
         if reply.allowed {
             for (counter, spec) in counters.into_iter().zip(&request.limits) {
                 *self.counter_mut(&request.tenant, spec) = counter;
@@ -555,7 +596,45 @@ impl FakeCompanion {
 }
 
 /// A limit as the models take it.
-fn spec(name: &str, capacity: u64, window_ms: u64, cost: u64, min_cost: Option<u64>, kind: LimitKind) -> LimitCharge {
+/// Whether a pool at `level` has room for `cost` (else the pool itself refuses).
+fn level_fits(level: f64, cost: u64) -> bool {
+    level >= cost as f64
+}
+
+/// The refusal of a charge whose limit `blocked` is a fair pool without room for its
+/// claimant now: nothing charged, that limit limited with `retry_ms`.
+fn refused_by_share(
+    limits: &[LimitCharge],
+    counters: &[Counter],
+    blocked: usize,
+    retry_ms: u64,
+    now: f64,
+) -> LimitsReply {
+    let outcomes = limits
+        .iter()
+        .zip(counters)
+        .enumerate()
+        .map(|(i, (spec, counter))| LimitOutcome {
+            name: spec.name.clone(),
+            status: if i == blocked { LimitStatus::Limited } else { LimitStatus::Allowed },
+            limit: spec.capacity,
+            remaining: counter.remaining(spec, now),
+            reset_after_ms: 0,
+            retry_after_ms: if i == blocked { retry_ms } else { 0 },
+            charged: 0,
+        })
+        .collect();
+    LimitsReply { allowed: false, waited_ms: 0, limits: outcomes }
+}
+
+pub(crate) fn spec(
+    name: &str,
+    capacity: u64,
+    window_ms: u64,
+    cost: u64,
+    min_cost: Option<u64>,
+    kind: LimitKind,
+) -> LimitCharge {
     LimitCharge {
         owner: None,
         shadow: false,
@@ -568,6 +647,7 @@ fn spec(name: &str, capacity: u64, window_ms: u64, cost: u64, min_cost: Option<u
         period_bounds_ms: Vec::new(),
         provisional: false,
         look_only: false,
+        fair: None,
     }
 }
 

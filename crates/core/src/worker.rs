@@ -588,6 +588,7 @@ pub(crate) fn limit_charge(limit: &crate::config::Limit, cost: u64) -> LimitChar
         period_bounds_ms: Vec::new(),
         provisional: false,
         look_only: false,
+        fair: None,
     }
 }
 

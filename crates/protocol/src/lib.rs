@@ -255,6 +255,26 @@ pub struct LimitCharge {
     /// place in the key. `None`: the tenant's own.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub owner: Option<String>,
+    /// A shared pool held to fair shares among its tenants (`limits[].fair_share`): who
+    /// charges it and with what weight. `None`: the pool is first come, first served.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fair: Option<FairClaim>,
+}
+
+/// A tenant's claim on a pool with fair shares (see `lua/limits.lua`, "Fair shares"):
+/// the pool's state keeps, per active claimant, its decayed use, so each is held to its
+/// max-min fair share whichever proxy sends the charge.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FairClaim {
+    /// The tenant charging the pool (its id, never a credential).
+    pub claimant: String,
+    /// Its weight (its tier's, `fair_share.weights`), 1 to 1000.
+    pub weight: u32,
+    /// The most claimants the pool tracks (`fair_share.max_tenants`).
+    pub max_claimants: u32,
+    /// How long a claimant stays active after its last charge (`fair_share.idle`).
+    pub idle_ms: u64,
 }
 
 fn is_false(b: &bool) -> bool {
@@ -539,6 +559,7 @@ mod tests {
                 period_bounds_ms: Vec::new(),
                 provisional: false,
                 look_only: false,
+                fair: None,
             }],
             reservation: None,
             wait: None,

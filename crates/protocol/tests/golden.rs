@@ -27,6 +27,7 @@ fn spec(name: &str, kind: LimitKind, min_cost: Option<u64>) -> LimitCharge {
         period_bounds_ms: Vec::new(),
         provisional: false,
         look_only: false,
+        fair: None,
     }
 }
 
@@ -71,6 +72,22 @@ fn charge_request() {
             r#"{"name":"sw","capacity":100,"window_ms":60000,"cost":7,"kind":"sliding_window"},"#,
             r#"{"name":"cc","capacity":100,"window_ms":60000,"cost":7,"kind":"slots"}],"#,
             r#""reservation":{"id":"abc1","ttl_ms":600000},"wait":{"max_ms":5000,"priority":7,"aging_ms":1000}}"#
+        ),
+    );
+}
+
+#[test]
+fn charge_of_a_fair_pool() {
+    let claim = FairClaim { claimant: "t1".into(), weight: 3, max_claimants: 64, idle_ms: 60_000 };
+    let pool =
+        LimitCharge { owner: Some("all".into()), fair: Some(claim), ..spec("pool", LimitKind::TokenBucket, None) };
+    let request =
+        ChargeRequest { domain: "llm".into(), tenant: "t1".into(), limits: vec![pool], reservation: None, wait: None };
+    pinned(
+        &request,
+        concat!(
+            r#"{"domain":"llm","tenant":"t1","limits":[{"name":"pool","capacity":100,"window_ms":60000,"cost":7,"#,
+            r#""owner":"all","fair":{"claimant":"t1","weight":3,"max_claimants":64,"idle_ms":60000}}]}"#
         ),
     );
 }

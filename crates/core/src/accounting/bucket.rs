@@ -305,6 +305,7 @@ mod tests {
                         period_bounds_ms: Vec::new(),
                         provisional: false,
                         look_only: step.looks.as_ref().and_then(|l| l.get(j).copied()).unwrap_or(false),
+                        fair: None,
                     })
                     .collect();
                 let reply = match step.op {
@@ -381,6 +382,7 @@ mod tests {
                     look_only: false,
                     shadow: false,
                     owner: None,
+                    fair: None,
                 };
                 let specs = std::slice::from_ref(&spec);
                 let reply = match step.op {
@@ -428,6 +430,7 @@ mod tests {
             look_only: false,
             shadow: false,
             owner: None,
+            fair: None,
         };
         let specs = std::slice::from_ref(&spec);
         let mut states = [None];
@@ -467,6 +470,7 @@ mod tests {
             period_bounds_ms: Vec::new(),
             provisional: false,
             look_only: false,
+            fair: None,
         };
         for gap_ms in [0.0, 1.0, 13.0, 97.0, 142.857, 400.0] {
             let mut states = [None];

@@ -228,6 +228,7 @@ mod tests {
             look_only: false,
             shadow: false,
             owner: None,
+            fair: None,
         }
     }
 

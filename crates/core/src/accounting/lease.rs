@@ -434,6 +434,7 @@ mod tests {
             period_bounds_ms: Vec::new(),
             provisional: false,
             look_only: false,
+            fair: None,
         };
         let mut leases = TenantLeases(vec![leased(5.0, 50.0, 10_000)]);
         let refused = LimitsReply {
@@ -476,6 +477,7 @@ mod tests {
             period_bounds_ms: Vec::new(),
             provisional: false,
             look_only: false,
+            fair: None,
         };
         let leases = TenantLeases(vec![Lease { remaining: 7.0, global_remaining: 50.0, ..leased(7.0, 10.0, 100) }]);
         let reply = leases.as_reply(std::slice::from_ref(&spec));

@@ -1,4 +1,4 @@
-//! Pure accounting, no host and no config: token buckets, calendar periods (a calendar
+//! Pure accounting, no host and no config: token buckets, fair shares of a pool, calendar periods (a calendar
 //! budget's window, in a time zone), leases, the breaker, the
 //! reservation and its correction, the least a reply is charged, and the calibration
 //! figures. The config is compiled from some of these types, so it sits above them.
@@ -8,6 +8,7 @@ pub mod bucket;
 pub mod calendar;
 pub mod calibration;
 pub mod counters;
+pub mod fair_share;
 pub mod lease;
 pub mod reply_floor;
 pub mod reservation;

@@ -194,9 +194,75 @@ fn limits(
         let credentials: Vec<String> = identity.sources.iter().flatten().map(|source| source.header.clone()).collect();
         compiled.per = super::per::per(&at, entry.per.as_ref(), &credentials)?;
         compiled.shadow = super::per::shadow(entry.mode);
+        compiled.fair_share = fair_share(&at, entry.fair_share.as_ref(), &compiled)?;
         limits.push(compiled);
     }
+    fair_weights_name_tiers(&limits)?;
     Ok(limits)
+}
+
+const WEIGHTS: std::ops::RangeInclusive<u32> = 1..=1000;
+const MAX_TENANTS: std::ops::RangeInclusive<u32> = 2..=256;
+const IDLE: std::ops::RangeInclusive<Duration> = Duration::from_secs(1)..=Duration::from_secs(86_400);
+
+/// `limits[i].fair_share`, at `at`, of the limit `limit` (compiled but for it).
+fn fair_share(
+    at: &str,
+    written: Option<&shape::FairShareShape>,
+    limit: &Limit,
+) -> Result<Option<super::FairShare>, ConfigError> {
+    let Some(written) = written else { return Ok(None) };
+    let field = format!("{at}.fair_share");
+    if limit.per == super::Per::Tenant {
+        return Err(invalid(
+            field,
+            "shares a pool among the tenants charging it: it needs `per` (\"all\" or a header); a per-tenant \
+             limit has one tenant",
+        ));
+    }
+    if !matches!(limit.kind, LimitKind::TokenBucket | LimitKind::SlidingWindow) {
+        return Err(invalid(
+            field,
+            "needs a limit that refills (a token bucket or a sliding window): shares are of a rate, and a \
+             concurrency limit or a calendar budget has none",
+        ));
+    }
+    for (tier, weight) in &written.weights {
+        if !WEIGHTS.contains(weight) {
+            return Err(invalid(format!("{field}.weights.{tier}"), format!("{weight} is outside 1..1000")));
+        }
+    }
+    let default_weight = written.default_weight.unwrap_or(1);
+    if !WEIGHTS.contains(&default_weight) {
+        return Err(invalid(format!("{field}.default_weight"), format!("{default_weight} is outside 1..1000")));
+    }
+    let max_tenants = written.max_tenants.unwrap_or(64);
+    if !MAX_TENANTS.contains(&max_tenants) {
+        return Err(invalid(
+            format!("{field}.max_tenants"),
+            format!("{max_tenants} is outside 2..256: each charge reads every tenant's share"),
+        ));
+    }
+    let idle = match &written.idle {
+        Some(ConfigDuration(idle)) => within(format!("{field}.idle"), *idle, IDLE, "1s..1d")?,
+        None => limit.window.clamp(*IDLE.start(), *IDLE.end()),
+    };
+    Ok(Some(super::FairShare { weights: written.weights.clone(), default_weight, max_tenants, idle }))
+}
+
+/// Every tier a `fair_share.weights` names is one some limit names: the only tiers a
+/// tenant can be in (a misspelt tier would weigh nobody).
+fn fair_weights_name_tiers(limits: &[Limit]) -> Result<(), ConfigError> {
+    for (i, limit) in limits.iter().enumerate() {
+        let Some(fair) = &limit.fair_share else { continue };
+        if let Some(tier) = fair.weights.keys().find(|tier| !tiers_named(limits).any(|t| t == tier.as_str())) {
+            return Err(invalid(
+                format!("limits[{i}].fair_share.weights.{tier}"),
+                format!("{tier:?} is not a tier any limit names"),
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// One limit, found at `at` (`limits[2]`).
@@ -257,6 +323,7 @@ fn limit(at: &str, written: &shape::Limit, has_tier: bool, slot_ttl: Duration) -
         tiers: written.tiers.clone(),
         per: super::Per::Tenant,
         shadow: false,
+        fair_share: None,
         overflow: written.overflow.clone(),
         backend: written.backend.clone(),
     })

@@ -40,8 +40,17 @@ pub fn effective(bytes: &[u8]) -> Result<(Policy, Value), ConfigError> {
         top.retain(|_, field| !field.is_null());
     }
     // A limit shows what it counts: its one kind and, for tokens, which of them.
-    for limit in top.get_mut("limits").and_then(Value::as_array_mut).into_iter().flatten() {
+    for (limit, compiled) in
+        top.get_mut("limits").and_then(Value::as_array_mut).into_iter().flatten().zip(&policy.limits)
+    {
         let Some(fields) = limit.as_object_mut() else { continue };
+        // A pool's fair shares as the script is sent them.
+        if let (Some(fair), Some(Value::Object(shown))) = (&compiled.fair_share, fields.get_mut("fair_share")) {
+            shown.insert("weights".into(), serde_json::json!(fair.weights));
+            shown.insert("default_weight".into(), serde_json::json!(fair.default_weight));
+            shown.insert("max_tenants".into(), serde_json::json!(fair.max_tenants));
+            shown.insert("idle".into(), serde_json::json!(super::shape::ConfigDuration(fair.idle)));
+        }
         fields.retain(|_, field| !field.is_null());
         if fields.contains_key("tokens") {
             fields.entry("count").or_insert_with(|| serde_json::json!(TokenCount::default()));

@@ -20,7 +20,7 @@ mod tests;
 
 pub use effective::effective;
 pub use error::ConfigError;
-pub use per::{HeaderPer, Per, PerShape};
+pub use per::{FairShare, HeaderPer, Per, PerShape};
 pub use policy::{
     Bypass, Companion, Dimension, FailureMode, Fallback, HeaderStyle, Identity, LeaseConfig, Limit, Measure, Memory,
     Mode, ModelPolicy, Policy, Price, PriceEntry, ProviderLimits, QueueConfig, Secret, Slots, Store, TierConfig,

@@ -5,6 +5,8 @@
 use super::error::{invalid, ConfigError};
 use super::policy::{LeaseConfig, Limit, Mode};
 use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::time::Duration;
 
 /// `limits[].per` as written: `"tenant"` (the default), `"all"`, or
 /// `{"header": "x-team-id", "default": "unassigned"}`.
@@ -104,6 +106,31 @@ pub(super) fn combine(limits: &[Limit], lease: &LeaseConfig) -> Result<(), Confi
         if limit.shadow {
             return Err(invalid(format!("limits[{i}].mode"), "a shadow limit cannot be leased (`lease.enabled`)"));
         }
+        if limit.fair_share.is_some() {
+            // Each tenant's share is judged by the script on every charge, against the
+            // pool's other tenants; a proxy's grant would admit past that judgement.
+            return Err(invalid(
+                format!("limits[{i}].fair_share"),
+                "a pool with fair shares is charged in Redis request by request: it cannot be leased (`lease.enabled`)",
+            ));
+        }
     }
     Ok(())
+}
+
+/// A shared pool's fair shares, checked: how the Redis script holds each active tenant to
+/// its weighted max-min share (`lua/limits.lua`, "Fair shares").
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FairShare {
+    pub weights: BTreeMap<String, u32>,
+    pub default_weight: u32,
+    pub max_tenants: u32,
+    pub idle: Duration,
+}
+
+impl FairShare {
+    /// The weight of a tenant of `tier`.
+    pub fn weight_of(&self, tier: &str) -> u32 {
+        self.weights.get(tier).copied().unwrap_or(self.default_weight)
+    }
 }

@@ -276,6 +276,8 @@ pub struct Limit {
     pub per: super::Per,
     /// Charged and reported, never refusing (`limits[].mode: shadow`).
     pub shadow: bool,
+    /// A shared pool's fair shares among its tenants (`limits[].fair_share`).
+    pub fair_share: Option<super::FairShare>,
     /// The backend a request this limit refuses goes to instead of a 429.
     pub overflow: Option<String>,
     /// The fallback backend this limit belongs to (it applies only to requests sent there).

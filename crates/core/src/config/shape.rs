@@ -186,6 +186,10 @@ pub struct Limit {
     /// the global `mode`.
     #[serde(default)]
     pub mode: Option<super::policy::Mode>,
+    /// A shared pool's fair shares among the tenants charging it: when it is scarce, each
+    /// active tenant is held to its weighted max-min share (see `crate::config::per`).
+    #[serde(default)]
+    pub fair_share: Option<FairShareShape>,
     /// Opt-in: a request this limit refuses goes to this backend instead of a 429, by the
     /// request header `x-llm-ratelimit-overflow` the route table (Envoy) or a `map`
     /// (Nginx) matches; it is charged against that backend's limits instead.
@@ -607,4 +611,23 @@ fn default_companion_timeout() -> ConfigDuration {
 
 fn default_header_styles() -> Vec<HeaderStyle> {
     vec![HeaderStyle::Provider, HeaderStyle::Ietf]
+}
+
+/// `limits[].fair_share` as written.
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct FairShareShape {
+    /// Tier → weight (1 to 1000): a tenant of that tier has that many shares.
+    #[serde(default)]
+    pub weights: BTreeMap<String, u32>,
+    /// The weight of a tenant whose tier `weights` does not name (default 1).
+    #[serde(default)]
+    pub default_weight: Option<u32>,
+    /// The most tenants the pool keeps shares for (default 64, 2 to 256).
+    #[serde(default)]
+    pub max_tenants: Option<u32>,
+    /// How long a tenant counts as active after its last request (default the limit's
+    /// window, 1s to 1d).
+    #[serde(default)]
+    pub idle: Option<ConfigDuration>,
 }

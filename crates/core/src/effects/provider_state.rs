@@ -550,6 +550,7 @@ mod tests {
             look_only: false,
             shadow: false,
             owner: None,
+            fair: None,
         };
         let mut buckets = vec![
             bucket("rpm", 100, LimitKind::TokenBucket),

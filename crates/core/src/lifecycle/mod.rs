@@ -770,7 +770,7 @@ impl RequestFilter {
         let mut plan = plan(config, self.route.as_ref(), &self.tier, body, &mut learned);
         plan.date(config, now);
         match counters {
-            Ok(counters) => crate::plan::pools::assign(config, &mut plan, &counters),
+            Ok(counters) => crate::plan::pools::assign(config, &mut plan, &counters, &self.tenant, &self.tier),
             Err(crate::plan::pools::RepeatedHeader(header)) => {
                 self.plan = Some(plan);
                 let verdict = Verdict::Reply(decision::repeated_pool_header(&header, self.dialect));

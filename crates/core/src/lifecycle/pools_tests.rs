@@ -3,7 +3,7 @@
 
 use crate::effects::host::HostKind;
 use crate::plan::pools::pool_owner;
-use crate::protocol::{ChargeRequest, LimitCharge, LimitKind};
+use crate::protocol::{ChargeRequest, FairClaim, LimitCharge, LimitKind};
 use crate::testing::{usage_reply, FakeCompanion, InFlight, Proxy, Request, World};
 use serde_json::json;
 
@@ -32,6 +32,7 @@ fn requests(name: &str, capacity: u64, owner: Option<String>) -> LimitCharge {
         look_only: false,
         shadow: false,
         owner,
+        fair: None,
     }
 }
 
@@ -298,5 +299,69 @@ fn without_the_companion_a_pool_is_counted_once_per_proxy_all_or_nothing() {
         let others: usize =
             ["sk-b", "sk-c", "sk-d", "sk-e", "sk-f"].iter().map(|k| (0..2).filter(|_| send(k)).count()).sum();
         assert_eq!(others, 8, "{what}: the pool's 10 for this proxy, less sk-a's 2, and none for sk-a's refusals");
+
+/// A pool with fair shares (`limits[].fair_share`): each request claims it as its tenant,
+/// weighted by its tier; a heavy tenant is held to what the light one leaves, and a
+/// request of the light one still finds room (the fake companion runs the script's rules,
+/// `accounting::fair_share`).
+#[test]
+fn a_fair_pool_is_claimed_by_the_tenant_and_holds_the_heavy_one_to_what_the_light_one_leaves() {
+    for kind in HOSTS {
+        let world = World::new(kind);
+        let config = super::tests::config(
+            json!([
+                {"name": "key", "requests": 100, "window": "1m", "tiers": ["free", "gold"]},
+                {"name": "pool", "requests": 10, "window": "1m", "per": "all",
+                 "fair_share": {"weights": {"gold": 3}, "max_tenants": 16, "idle": "30s"}},
+            ]),
+            json!({"tier": {"header": "x-tier", "default": "free"}}),
+        );
+        let mut proxy = Proxy::new(&world, &config);
+        let mut companion = FakeCompanion::default();
+        let light = proxy.send(Request::chat("sk-light", CHAT), &mut companion);
+        assert!(light.forwarded(), "{kind:?}");
+        let claim = charge_of(&light).limits[1].fair.clone();
+        let want = FairClaim {
+            claimant: crate::api::identity::tenant_id("sk-light"),
+            weight: 1,
+            max_claimants: 16,
+            idle_ms: 30_000,
+        };
+        assert_eq!(claim, Some(want), "{kind:?}");
+        assert_eq!(charge_of(&light).limits[0].fair, None, "{kind:?}: a tenant's own limit has no shares");
+        let mut heavy_admitted = 0;
+        for _ in 0..12 {
+            let heavy = proxy.send(Request::chat("sk-heavy", CHAT).header("x-tier", "gold"), &mut companion);
+            assert_eq!(charge_of(&heavy).limits[1].fair.as_ref().map(|f| f.weight), Some(3), "{kind:?}: gold weighs 3");
+            if heavy.forwarded() {
+                heavy_admitted += 1;
+            } else {
+                assert_eq!(heavy.replied().map(|r| r.status), Some(429), "{kind:?}");
+            }
+        }
+        // 10 in the pool, 1 the light tenant's: the heavy one stops one short of the last,
+        // the light tenant's reserve for its next request.
+        assert_eq!(heavy_admitted, 8, "{kind:?}");
+        let light = proxy.send(Request::chat("sk-light", CHAT), &mut companion);
+        assert!(light.forwarded(), "{kind:?}: the light tenant's next request found its room");
+    }
+}
+
+/// The same pool without `fair_share`: first come, first served, no claim sent.
+#[test]
+fn a_pool_without_fair_shares_is_first_come_first_served() {
+    for kind in HOSTS {
+        let world = World::new(kind);
+        let config = config(json!([{"name": "pool", "requests": 10, "window": "1m", "per": "all"}]));
+        let mut proxy = Proxy::new(&world, &config);
+        let mut companion = FakeCompanion::default();
+        assert!(proxy.send(Request::chat("sk-light", CHAT), &mut companion).forwarded());
+        for _ in 0..9 {
+            let heavy = proxy.send(Request::chat("sk-heavy", CHAT), &mut companion);
+            assert!(heavy.forwarded(), "{kind:?}");
+            assert_eq!(charge_of(&heavy).limits[0].fair, None, "{kind:?}");
+        }
+        let light = proxy.send(Request::chat("sk-light", CHAT), &mut companion);
+        assert_eq!(light.replied().map(|r| r.status), Some(429), "{kind:?}: the heavy tenant took the pool");
     }
 }

@@ -97,6 +97,7 @@ impl ChargePlan {
             // An unparsed request's flat cost is never settled: nothing comes back.
             provisional: self.parsed && applies && matches!(limit.dimension(), Dimension::Tokens | Dimension::Cost),
             look_only: !applies,
+            fair: None,
         }
     }
 

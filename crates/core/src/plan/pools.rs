@@ -9,6 +9,7 @@
 use crate::config::{Per, Policy};
 use crate::plan::charge::ChargePlan;
 use crate::protocol::keys::{ALL_OWNER, POOL_OWNER_PREFIX};
+use crate::protocol::FairClaim;
 use sha2::{Digest, Sha256};
 
 /// Where one limit of a request is counted.
@@ -74,11 +75,20 @@ pub fn counters(
 
 /// Puts each bucket of `plan` on its counter, and marks the shadow limits: a limit whose
 /// header is absent is not charged (look-only, as a limit of another model); a shadow
-/// limit is charged but never refuses or clamps.
-pub fn assign(config: &Policy, plan: &mut ChargePlan, counters: &[Counter]) {
+/// limit is charged but never refuses or clamps. A pool with fair shares is claimed by
+/// `tenant`, weighted by its `tier`.
+pub fn assign(config: &Policy, plan: &mut ChargePlan, counters: &[Counter], tenant: &str, tier: &str) {
     for (i, (bucket, limit)) in plan.buckets.iter_mut().zip(&config.limits).enumerate() {
         match counters.get(i) {
-            Some(Counter::Pool(owner)) => bucket.owner = Some(owner.clone()),
+            Some(Counter::Pool(owner)) => {
+                bucket.owner = Some(owner.clone());
+                bucket.fair = limit.fair_share.as_ref().map(|fair| FairClaim {
+                    claimant: tenant.to_string(),
+                    weight: fair.weight_of(tier),
+                    max_claimants: fair.max_tenants,
+                    idle_ms: u64::try_from(fair.idle.as_millis()).unwrap_or(u64::MAX),
+                });
+            }
             Some(Counter::Absent) => {
                 bucket.cost = 0;
                 bucket.min_cost = None;
