@@ -299,6 +299,8 @@ fn without_the_companion_a_pool_is_counted_once_per_proxy_all_or_nothing() {
         let others: usize =
             ["sk-b", "sk-c", "sk-d", "sk-e", "sk-f"].iter().map(|k| (0..2).filter(|_| send(k)).count()).sum();
         assert_eq!(others, 8, "{what}: the pool's 10 for this proxy, less sk-a's 2, and none for sk-a's refusals");
+    }
+}
 
 /// A pool with fair shares (`limits[].fair_share`): each request claims it as its tenant,
 /// weighted by its tier; a heavy tenant is held to what the light one leaves, and a
