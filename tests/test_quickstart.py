@@ -14,6 +14,7 @@ the proxy it is for.
   where $NGINX is set; skipped, saying so, otherwise.
 """
 
+import copy
 import os
 import re
 import shlex
@@ -234,6 +235,11 @@ def validate(stack, config: dict, name: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=120, env=env)
 
 
+def hcm_cluster(hcm: dict) -> str:
+    """The cluster the demo's first route sends to."""
+    return hcm["route_config"]["virtual_hosts"][0]["routes"][0]["route"]["cluster"]
+
+
 def placed(snippet: dict) -> dict:
     """The demo's bootstrap with `snippet` put where its top-level key belongs."""
     config = envoy_config(listen_port=free_port(), admin_port=free_port(), upstream_port=free_port(),
@@ -256,6 +262,16 @@ def placed(snippet: dict) -> dict:
             config["static_resources"]["clusters"] = others + value
         elif key == "stats_config":
             config["stats_config"] = value
+        elif key == "routes":
+            # The virtual host's routes; each cluster they name stands in as a copy of the
+            # demo's upstream cluster, so Envoy checks the routes themselves.
+            clusters = config["static_resources"]["clusters"]
+            known = {c["name"] for c in clusters}
+            upstream = next(c for c in clusters if c["name"] == hcm_cluster(hcm))
+            hcm["route_config"]["virtual_hosts"][0]["routes"] = value
+            for name in {r["route"]["cluster"] for r in value} - known:
+                clusters.append({**copy.deepcopy(upstream), "name": name,
+                                 "load_assignment": {**copy.deepcopy(upstream["load_assignment"]), "cluster_name": name}})
         else:
             raise AssertionError(f"a README yaml snippet with a key this test does not place: {key}")
     return config
