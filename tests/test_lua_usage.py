@@ -48,7 +48,10 @@ def test_a_peek_after_each_step_of_the_case_table_sees_what_the_charge_left(clie
         for got, after_step in zip(peek[1:], step_reply[1:]):
             status, cap, remaining, reset_after_ms, retry_after_ms, charged = got
             assert (cap, remaining, charged) == (after_step[1], after_step[2], 0), case["name"]
-            assert abs(reset_after_ms - after_step[3]) <= 1
+            # The peek runs after the step in the same MULTI, each reading Redis's clock: its
+            # reset can only be sooner, by the step's own run time (a few ms on a loaded
+            # machine), or 1 ms later by rounding.
+            assert -1 <= after_step[3] - reset_after_ms <= 5, f"{case['name']}: {reset_after_ms} vs {after_step[3]}"
             assert (status == 1) == (remaining >= 1) and (retry_after_ms > 0) == (remaining < 1)
         started = time.monotonic()
         before = snapshot(client, keys)
