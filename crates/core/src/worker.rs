@@ -13,6 +13,7 @@ use crate::effects::lease_table::{self, Holder};
 use crate::effects::provider_state::LocalProviderWords;
 use crate::effects::settle_queue::{Queued, SettleQueue};
 use crate::effects::tables::{read_own, update_slot, TenantTable};
+use crate::plan::charge::limit_charge;
 use crate::protocol::keys;
 use crate::protocol::{
     Adjustment, CalibrationReply, LeaseAsk, LeaseRequest, LimitCharge, LimitKind, LimitsReply, SettleReply, Settlement,
@@ -569,26 +570,6 @@ impl Worker {
                 }
             }
         }
-    }
-}
-
-/// A limit as charged: its identity with this request's cost.
-pub(crate) fn limit_charge(limit: &crate::config::Limit, cost: u64) -> LimitCharge {
-    LimitCharge {
-        owner: None,
-        shadow: false,
-        name: limit.name.clone(),
-        capacity: limit.capacity(),
-        window_ms: limit.window_ms(),
-        cost,
-        min_cost: None,
-        kind: limit.kind,
-        // Leases, the one use, are token buckets only (the config refuses calendar budgets
-        // with them).
-        period_bounds_ms: Vec::new(),
-        provisional: false,
-        look_only: false,
-        fair: None,
     }
 }
 

@@ -227,24 +227,43 @@ pub fn gather(host: &mut impl Host, config: &Policy, holders: &[Holder]) -> Tena
 
 /// Lifts the renewal marker of `holder`'s leases: its renewal answered, granted or not.
 pub fn renewal_answered(host: &mut impl Host, config: &Policy, holder: &Holder) {
+    update_existing(host, config, holder, |entry| {
+        for &i in &holder.indices {
+            if let Some(lease) = entry.leases.0.get_mut(i) {
+                lease.renewal_answered();
+            }
+        }
+        (true, ())
+    });
+}
+
+/// Read-modify-write of `holder`'s entry where it has one (never taking another's slot):
+/// `change` edits it and says whether to write it back, and what to answer (the default
+/// when there is no entry or the host refused the write).
+fn update_existing<R: Default>(
+    host: &mut impl Host,
+    config: &Policy,
+    holder: &Holder,
+    mut change: impl FnMut(&mut LeaseEntry) -> (bool, R),
+) -> R {
     let limits = config.limits.len();
-    update_own(
+    let done = update_own(
         host,
         config,
         TenantTable::Leases,
         &holder.name,
         |_| false,
         |payload| {
-            let Some(payload) = payload else { return (None, ()) };
+            let Some(payload) = payload else { return (None, R::default()) };
             let mut entry = LeaseEntry::decode(Some(payload), limits);
-            for &i in &holder.indices {
-                if let Some(lease) = entry.leases.0.get_mut(i) {
-                    lease.renewal_answered();
-                }
-            }
-            (Some(entry.encode()), ())
+            let (write, result) = change(&mut entry);
+            (write.then(|| entry.encode()), result)
         },
     );
+    match done {
+        Some(Ok(result)) => result,
+        _ => R::default(),
+    }
 }
 
 /// Adds a grant to the entries of `holders`: `outcome(i)` is what limit `i` was granted
@@ -314,21 +333,10 @@ pub fn credit(
 
 /// Applies `credits` to `holder`'s entry, all or none: whether they were.
 fn credit_entry(host: &mut impl Host, config: &Policy, holder: &Holder, credits: &[(usize, i64)], now: u64) -> bool {
-    let limits = config.limits.len();
-    let applied = update_own(
-        host,
-        config,
-        TenantTable::Leases,
-        &holder.name,
-        |_| false,
-        |payload| {
-            let Some(payload) = payload else { return (None, false) };
-            let mut entry = LeaseEntry::decode(Some(payload), limits);
-            let live = credits.iter().all(|&(i, credit)| entry.leases.credit(i, credit, now));
-            (live.then(|| entry.encode()), live)
-        },
-    );
-    applied == Some(Ok(true))
+    update_existing(host, config, holder, |entry| {
+        let live = credits.iter().all(|&(i, credit)| entry.leases.credit(i, credit, now));
+        (live, live)
+    })
 }
 
 /// Remembers in each holder's entry that Redis refused a lease for `costs`: a later

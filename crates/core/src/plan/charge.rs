@@ -60,17 +60,32 @@ pub struct ChargePlan {
     pub unreadable: Option<String>,
 }
 
+/// A limit as charged, with this `cost` and nothing else of a request's: no owner, not
+/// shadowed, undated, settled in full. The plan's buckets and the worker's lease asks start
+/// from it.
+pub(crate) fn limit_charge(limit: &crate::config::Limit, cost: u64) -> LimitCharge {
+    LimitCharge {
+        owner: None,
+        shadow: false,
+        name: limit.name.clone(),
+        capacity: limit.capacity(),
+        window_ms: limit.window_ms(),
+        cost,
+        min_cost: None,
+        kind: limit.kind,
+        period_bounds_ms: Vec::new(),
+        provisional: false,
+        look_only: false,
+        fair: None,
+    }
+}
+
 impl ChargePlan {
     /// The bucket of `limit` for this request, charged when it `applies`; the owner,
     /// shadow flag and period are set apart (`pools::assign`, `date`).
     fn bucket(&self, limit: &crate::config::Limit, applies: bool) -> LimitCharge {
         let estimate = self.estimate;
         LimitCharge {
-            owner: None,
-            shadow: false,
-            name: limit.name.clone(),
-            capacity: limit.capacity(),
-            window_ms: limit.window_ms(),
             // A limit for other models is still asked about, look-only (it never refuses),
             // so every plan has one bucket per configured limit, in config order.
             cost: match (applies, limit.measure) {
@@ -91,13 +106,12 @@ impl ChargePlan {
                 (true, Some(TokenCount::Output), Some(_), Some(min_output)) => Some(min_output),
                 _ => None,
             },
-            kind: limit.kind,
-            // Dated when the decision's clock is read (`ChargePlan::date`).
-            period_bounds_ms: Vec::new(),
             // An unparsed request's flat cost is never settled: nothing comes back.
             provisional: self.parsed && applies && matches!(limit.dimension(), Dimension::Tokens | Dimension::Cost),
             look_only: !applies,
-            fair: None,
+            // The rest as any charge starts: the owner, shadow flag and period (dated when
+            // the decision's clock is read) are set apart.
+            ..limit_charge(limit, 0)
         }
     }
 
