@@ -261,8 +261,8 @@ impl Worker {
                     let outcome =
                         |i: usize| holder.indices.iter().position(|&at| at == i).and_then(|k| reply.limits.get(k));
                     let holders = std::slice::from_ref(&holder);
-                    let (leases, _) = lease_table::merge(host, &config, holders, outcome, None, now);
-                    self.note_leased(&config, &holder.name, &leases, now);
+                    let merged = lease_table::merge(host, &config, holders, outcome, None, now);
+                    self.note_leased(&merged.slots, &merged.leases, now);
                 }
                 Ok(_) => {}
                 Err(why) => {
@@ -439,11 +439,11 @@ impl Worker {
             .map_err(|why| format!("callout to {:?} refused by the host: {why}", companion.upstream))
     }
 
-    /// Remembers where `tenant`'s leases sit and when the first of them expires.
-    pub(crate) fn note_leased(&mut self, config: &Policy, tenant: &str, leases: &TenantLeases, now: u64) {
+    /// Remembers that lease entries sit at `slots` and when the first of `leases` expires
+    /// (should another tenant take such a slot later, the sweep returns that one's leases).
+    pub(crate) fn note_leased(&mut self, slots: &[u32], leases: &TenantLeases, now: u64) {
         let Some(expiry) = leases.next_expiry_ms(now) else { return };
-        // Either slot may hold it; an empty slot is dropped at the next sweep.
-        for slot in TenantTable::slots(config, tenant) {
+        for &slot in slots {
             let due = self.leased.entry(slot).or_insert(expiry);
             *due = (*due).min(expiry);
         }

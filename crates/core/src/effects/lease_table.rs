@@ -20,7 +20,7 @@
 use crate::accounting::lease::{lease_asks, LeaseEntry, LeasePolicy, TenantLeases};
 use crate::config::Policy;
 use crate::effects::host::Host;
-use crate::effects::tables::{read_own, update_own, Busy, TenantTable};
+use crate::effects::tables::{read_own, update_own, update_own_at, Busy, TenantTable};
 use crate::protocol::{LeaseAsk, LimitCharge, LimitOutcome, LimitStatus, LimitsReply};
 
 /// One entry of the lease table a request draws from: whose it is (the tenant's id or a
@@ -52,8 +52,8 @@ pub fn holders(tenant: &str, owners: &[Option<String>], limits: usize) -> Vec<Ho
 pub enum Taken {
     /// Every entry covered its part, which is taken. `renew`: the entries that ran low
     /// and are now marked as renewing (the caller asks for them); `leases`: each limit's
-    /// lease after the take, from its entry, for headers.
-    Admitted { renew: Vec<Holder>, leases: TenantLeases },
+    /// lease after the take, from its entry, for headers; `slots`: where the entries sit.
+    Admitted { renew: Vec<Holder>, leases: TenantLeases, slots: Vec<u32> },
     /// An entry remembers Redis refusing as much, until its retry time: this reply.
     Refused(LimitsReply),
     /// Some entries are short: ask Redis for a lease covering their part. The others'
@@ -76,6 +76,20 @@ pub struct Hold {
     pub leases: TenantLeases,
     /// Held entries that ran low and are marked as renewing.
     pub renew: Vec<Holder>,
+    /// Where the held entries sit.
+    pub slots: Vec<u32>,
+}
+
+/// What a grant merged into the lease table did.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Merged {
+    /// Each limit's lease after the grant.
+    pub leases: TenantLeases,
+    /// The holders whose entry could not take it (another's entry holds the slot, or the
+    /// write was refused): their grant is the caller's to give back.
+    pub refused: Vec<Holder>,
+    /// Where the entries that took it sit.
+    pub slots: Vec<u32>,
 }
 
 /// One entry's part of a take.
@@ -110,6 +124,7 @@ pub fn take(
     let mut view = TenantLeases::decode(None, limits);
     let mut renew = Vec::new();
     let mut taken: Vec<Holder> = Vec::new();
+    let mut slots: Vec<u32> = Vec::new();
     let mut short: Vec<Holder> = Vec::new();
     for holder in holders {
         let part = masked(&costs, &holder.indices);
@@ -118,7 +133,7 @@ pub fn take(
         }
         let part_specs: Vec<LimitCharge> =
             specs.iter().zip(&part).map(|(s, &cost)| LimitCharge { cost, ..s.clone() }).collect();
-        let step = update_own(host, config, TenantTable::Leases, &holder.name, evictable(limits, now), |payload| {
+        let step = update_own_at(host, config, TenantTable::Leases, &holder.name, evictable(limits, now), |payload| {
             let mut entry = LeaseEntry::decode(payload, limits);
             if entry.leases.admit(&part, now) {
                 let low =
@@ -142,20 +157,21 @@ pub fn take(
             (Some(entry.encode()), Part::FirstSeen)
         });
         let outcome = match step {
-            Some(Ok(Part::Took { low, leases })) => {
+            Some(Ok((slot, Part::Took { low, leases }))) => {
                 copy_indices(&mut view, &leases, &holder.indices);
                 if low {
                     renew.push(holder.clone());
                 }
                 taken.push(holder.clone());
+                slots.push(slot);
                 continue;
             }
-            Some(Ok(Part::Short)) => {
+            Some(Ok((_, Part::Short))) => {
                 short.push(holder.clone());
                 continue;
             }
-            Some(Ok(Part::Blocked)) => None,
-            Some(Ok(Part::FirstSeen) | Err(Busy)) | None => Some(Taken::Direct),
+            Some(Ok((_, Part::Blocked))) => None,
+            Some(Ok((_, Part::FirstSeen)) | Err(Busy)) | None => Some(Taken::Direct),
         };
         put_back(host, config, &taken, &costs, now);
         return outcome.unwrap_or_else(|| {
@@ -166,9 +182,9 @@ pub fn take(
         });
     }
     if short.is_empty() {
-        return Taken::Admitted { renew, leases: view };
+        return Taken::Admitted { renew, leases: view, slots };
     }
-    Taken::Ask(Hold { held: taken, short, leases: view, renew })
+    Taken::Ask(Hold { held: taken, short, leases: view, renew, slots })
 }
 
 /// What to ask Redis for a request's `short` entries: each of their limits sized by
@@ -269,9 +285,7 @@ fn update_existing<R: Default>(
 /// Adds a grant to the entries of `holders`: `outcome(i)` is what limit `i` was granted
 /// (`None`: not asked). With `costs`, a request is admitted from the grant too: it covered
 /// at least the request's need, so the admission stands even if another worker spent the
-/// lease in between (which then runs briefly negative). Returns each limit's lease after
-/// the grant, and the holders whose entry could not take it (another's entry holds the
-/// slot, or the write was refused): their grant is the caller's to give back.
+/// lease in between (which then runs briefly negative).
 pub fn merge<'a>(
     host: &mut impl Host,
     config: &Policy,
@@ -279,35 +293,38 @@ pub fn merge<'a>(
     outcome: impl Fn(usize) -> Option<&'a LimitOutcome>,
     costs: Option<&[u64]>,
     now: u64,
-) -> (TenantLeases, Vec<Holder>) {
+) -> Merged {
     let limits = config.limits.len();
     let policy = config.lease_policy();
-    let mut view = TenantLeases::decode(None, limits);
-    let mut refused = Vec::new();
+    let mut done = Merged { leases: TenantLeases::decode(None, limits), ..Merged::default() };
     for holder in holders {
-        let merged = update_own(host, config, TenantTable::Leases, &holder.name, evictable(limits, now), |payload| {
-            let mut entry = LeaseEntry::decode(payload, limits);
-            for &i in &holder.indices {
-                if let (Some(lease), Some(granted)) = (entry.leases.0.get_mut(i), outcome(i)) {
-                    lease.add_grant(granted.charged as f64, granted.remaining as f64, &policy, now);
-                }
-            }
-            if let Some(costs) = costs {
-                let part = masked(costs, &holder.indices);
-                if !entry.leases.admit(&part, now) {
-                    for (lease, &cost) in entry.leases.0.iter_mut().zip(&part) {
-                        lease.remaining -= cost as f64;
+        let merged =
+            update_own_at(host, config, TenantTable::Leases, &holder.name, evictable(limits, now), |payload| {
+                let mut entry = LeaseEntry::decode(payload, limits);
+                for &i in &holder.indices {
+                    if let (Some(lease), Some(granted)) = (entry.leases.0.get_mut(i), outcome(i)) {
+                        lease.add_grant(granted.charged as f64, granted.remaining as f64, &policy, now);
                     }
                 }
-            }
-            (Some(entry.encode()), entry.leases)
-        });
+                if let Some(costs) = costs {
+                    let part = masked(costs, &holder.indices);
+                    if !entry.leases.admit(&part, now) {
+                        for (lease, &cost) in entry.leases.0.iter_mut().zip(&part) {
+                            lease.remaining -= cost as f64;
+                        }
+                    }
+                }
+                (Some(entry.encode()), entry.leases)
+            });
         match merged {
-            Some(Ok(leases)) => copy_indices(&mut view, &leases, &holder.indices),
-            _ => refused.push(holder.clone()),
+            Some(Ok((slot, leases))) => {
+                copy_indices(&mut done.leases, &leases, &holder.indices);
+                done.slots.push(slot);
+            }
+            _ => done.refused.push(holder.clone()),
         }
     }
-    (view, refused)
+    done
 }
 
 /// Applies a settlement's `credits` (limit index, tokens back or, if negative, taken) to

@@ -27,12 +27,12 @@ impl RequestFilter {
         let reply = match local_store::charge(host, config, &self.tenant, &specs, &holder, now) {
             Some(Ok(reply)) => reply,
             Some(Err(crate::effects::tables::Busy)) => {
-                // Both of the tenant's slots hold other tenants' live counters: no room to
+                // All of the tenant's slots hold other tenants' live counters: no room to
                 // count this one, so it is not admitted uncounted.
                 host.add_metric(Metric::SharedWritesRefused, 1);
                 host.warn_once(
                     "local-table-full",
-                    "llm-ratelimit: a tenant found both of its slots of the local store taken by other \
+                    "llm-ratelimit: a tenant found all of its slots of the local store taken by other \
                      tenants' live counters and was refused (503); raise memory.tenant_slots",
                 );
                 return Verdict::Reply(decision::limiter_unavailable(self.dialect));

@@ -195,7 +195,7 @@ fn invented_keys_fill_a_bounded_table() {
         }
         let local_keys = world.borrow().keys().iter().filter(|k| k.starts_with("llmrl.local.")).count();
         assert!(local_keys <= 16, "{kind:?}: {local_keys} entries");
-        // A tenant whose two slots hold others' live counters is refused, not let through
+        // A tenant whose slots all hold others' live counters is refused, not let through
         // uncounted; those that found room were counted.
         assert_eq!(statuses.keys().copied().collect::<Vec<_>>(), [200, 503], "{kind:?} {statuses:?}");
     }
@@ -204,7 +204,7 @@ fn invented_keys_fill_a_bounded_table() {
 #[test]
 fn an_entry_full_again_gives_its_place_to_a_newcomer() {
     // 1,000 requests a minute refill one every 60 ms: 100 ms after their last request every
-    // entry is full again, and a newcomer whose two slots they hold takes one. (Keeping
+    // entry is full again, and a newcomer whose slots they all hold takes one. (Keeping
     // them a whole window answered such newcomers 503 for that window.)
     for kind in HOSTS {
         let config =

@@ -916,12 +916,12 @@ impl RequestFilter {
         let specs = self.plan.as_ref().map(|p| p.buckets.clone()).unwrap_or_default();
         let holders = self.holders(config);
         match lease_table::take(host, config, &holders, &specs, &config.lease_policy(), now) {
-            Taken::Admitted { renew, leases } => {
+            Taken::Admitted { renew, leases, slots } => {
                 for holder in renew {
                     worker.want_renewal(holder);
                 }
                 host.add_metric(Metric::LeaseAdmissions, 1);
-                FromLease::Decided(self.admitted_from_lease(host, worker, config, &leases, now))
+                FromLease::Decided(self.admitted_from_lease(host, worker, config, &leases, &slots, now))
             }
             Taken::Refused(refusal) => {
                 self.count_refusal(host, config, &refusal);
@@ -958,12 +958,11 @@ impl RequestFilter {
         worker: &mut Worker,
         config: &Policy,
         leases: &TenantLeases,
+        slots: &[u32],
         now: u64,
     ) -> Verdict {
         self.count_admission(host, config, Decision::Allowed);
-        for holder in self.holders(config) {
-            worker.note_leased(config, &holder.name, leases, now);
-        }
+        worker.note_leased(slots, leases, now);
         self.admission = Some(Admission::Leased);
         let buckets = self.plan.as_ref().map(|p| p.buckets.clone()).unwrap_or_default();
         Verdict::Forward(self.admitted_headers(host, config, &leases.as_reply(&buckets), now))
@@ -1033,8 +1032,9 @@ impl RequestFilter {
                 let costs = self.costs();
                 let hold =
                     self.lease_hold.take().unwrap_or_else(|| Hold { short: self.holders(config), ..Hold::default() });
-                let (mut leases, refused) =
+                let lease_table::Merged { mut leases, refused, mut slots } =
                     lease_table::merge(host, config, &hold.short, |i| reply.limits.get(i), Some(&costs), now);
+                slots.extend(&hold.slots);
                 for holder in &hold.held {
                     for &i in &holder.indices {
                         if let (Some(to), Some(from)) = (leases.0.get_mut(i), hold.leases.0.get(i)) {
@@ -1043,7 +1043,7 @@ impl RequestFilter {
                     }
                 }
                 if refused.is_empty() {
-                    return self.admitted_from_lease(host, worker, config, &leases, now);
+                    return self.admitted_from_lease(host, worker, config, &leases, &slots, now);
                 }
                 // Part of the grant cannot be kept as a lease (another's lease holds the
                 // slot): what that part granted beyond this request goes back, and the
@@ -1060,7 +1060,7 @@ impl RequestFilter {
                     self.admission = Some(Admission::Charged);
                     return Verdict::Forward(self.admitted_headers(host, config, &reply, now));
                 }
-                self.admitted_from_lease(host, worker, config, &leases, now)
+                self.admitted_from_lease(host, worker, config, &leases, &slots, now)
             }
             Ask::Charge => {
                 host.add_metric(Metric::Allowed, 1);
