@@ -12,8 +12,9 @@
 -- KEYS[n+1]   optional: the reservation record of this request (a string); its key is
 --             also the request's member in slot sets, so slot limits need it.
 -- KEYS[n+2]   optional, with KEYS[n+1]: the request's cancel marker. charge: refuse if it
---             is set (the client gave up while the charge was waiting); settle: set it
---             first, so a charge still waiting can never happen after the refund; other
+--             is set (the request was given up: its client left while the charge was
+--             waiting, or the proxy stopped waiting for the answer); settle: set it
+--             first, so a charge still to come can never happen after the refund; other
 --             ops ignore it.
 --             On Redis Cluster all keys must share one hash slot (the companion puts
 --             the tenant in a hash tag). On one server the limits may be of several
@@ -32,6 +33,9 @@
 --   once_ttl_ms         settle, optional: KEYS[n+1] is not a reservation record but the
 --                       marker of a stand-alone adjustment, set (living this long, ms)
 --                       when it is first applied
+--   stand_in            settle, optional, 1: the credits (debits) stand in for the charge
+--                       of KEYS[n+1]'s reservation, sent but never answered (it may have
+--                       happened, or may yet); needs KEYS[n+2], see "settle" below
 --   limits              one object per limit, in KEYS order, with
 --     kind        "tb" (token bucket), "sw" (sliding window), "slots" (concurrency) or
 --                 "cal" (calendar budget)
@@ -83,7 +87,12 @@
 -- expired) limits do not change. So a settlement applies at most once, and a reservation
 -- never settled simply stands. A stand-alone adjustment (a returned lease, a
 -- reconciliation) with once_ttl_ms applies only if its marker was not set yet, and sets
--- it: sent again after a lost answer, it applies at most once too.
+-- it: sent again after a lost answer, it applies at most once too. A stand-in (the
+-- proxy admitted the request on its own after the charge's answer never came) sets the
+-- cancel marker, so the charge cannot happen later; if the charge did happen (its record
+-- exists), the record is dropped and the charge stands for the debits, which are not
+-- applied; else they are. Either way the request is counted once, whichever of the two
+-- reaches Redis first; and a stand-in that finds the marker set already applied before.
 -- touch: the request's slots live another window (a heartbeat for long streams); a slot
 -- that already expired is not revived.
 -- release: the request's slots are released at once, and nothing else changes (its
@@ -651,6 +660,9 @@ end
 -- How long the granted counter outlives the window of its last grant: a lease lives far
 -- less than a window, so a return never finds it gone.
 local GRANTED_GRACE_MS = 60000
+-- How long a cancel marker lives: longer than a charge can sit in a companion or a
+-- proxy's queue of settlements before reaching Redis.
+local CANCEL_MARKER_TTL_MS = 600000
 
 local function granted_key(l)
   return l.key .. '|granted'
@@ -697,6 +709,9 @@ local function backed_credit(l, args, keys, took)
   if credit <= 0 or l.kind == 'slots' then
     return credit
   end
+  if args.stand_in then
+    return 0 -- it stands in for a charge: debits only
+  end
   if keys.reservation and not args.once_ttl_ms then
     if took == nil then
       return credit
@@ -737,7 +752,7 @@ ops.charge = {
   end,
   run = function(limits, args, keys)
     if keys.cancel_marker and redis.call('EXISTS', keys.cancel_marker) == 1 then
-      return redis.error_reply('CANCELLED the request was abandoned while it waited')
+      return redis.error_reply('CANCELLED the request was given up before its charge ran')
     end
     bring_to_now(limits)
     -- A fair pool judged for its claimant, when it applies and is enforced.
@@ -814,23 +829,34 @@ ops.lease = {
 }
 
 ops.settle = {
-  args = { once_ttl_ms = false },
+  args = { once_ttl_ms = false, stand_in = false },
   limit = { credit = true },
   run = function(limits, args, keys)
-    if keys.cancel_marker then
-      redis.call('SET', keys.cancel_marker, '1', 'PX', 600000)
+    if args.stand_in and (args.stand_in ~= 1 or args.once_ttl_ms or not keys.cancel_marker) then
+      return { err = 'stand_in must be 1, without once_ttl_ms, and needs the record and cancel marker keys' }
+    end
+    if args.once_ttl_ms and (not keys.reservation or args.once_ttl_ms <= 0) then
+      return { err = 'once_ttl_ms must be > 0 and needs the marker key' }
     end
     bring_to_now(limits)
     local done, charged_at, took, claimants = 1, now_ms, nil, {}
-    if args.once_ttl_ms then
-      -- A stand-alone adjustment: the key is its marker, set by the first application.
-      if not keys.reservation or args.once_ttl_ms <= 0 then
-        return { err = 'once_ttl_ms must be > 0 and needs the marker key' }
+    if args.stand_in then
+      -- The first application sets the marker; the charge, if it happened, stands for
+      -- the debits. They stand alone, placed now.
+      if not redis.call('SET', keys.cancel_marker, '1', 'NX', 'PX', CANCEL_MARKER_TTL_MS) then
+        done = 0
+      elseif redis.call('DEL', keys.reservation) == 1 then
+        done = 0
       end
+    elseif args.once_ttl_ms then
+      -- A stand-alone adjustment: the key is its marker, set by the first application.
       if not redis.call('SET', keys.reservation, '1', 'NX', 'PX', math.floor(args.once_ttl_ms)) then
         done = 0
       end
     elseif keys.reservation then
+      if keys.cancel_marker then
+        redis.call('SET', keys.cancel_marker, '1', 'PX', CANCEL_MARKER_TTL_MS)
+      end
       local record = redis.call('GET', keys.reservation)
       charged_at, took, claimants = read_reservation_record(record)
       if redis.call('DEL', keys.reservation) == 0 then

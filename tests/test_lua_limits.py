@@ -224,6 +224,62 @@ def test_a_stand_alone_adjustment_with_a_once_marker_applies_once(client):
         client.eval(SCRIPT, 1, key, once)
 
 
+def stand_in_args(debit, **extra):
+    return json.dumps({"op": "settle", "stand_in": 1, **extra,
+                       "limits": [{"kind": "tb", "capacity": 10, "window_ms": 60_000, "credit": debit}]})
+
+
+@pytest.mark.parametrize("store", ["client", "cluster"])
+def test_a_stand_in_and_the_charge_it_stands_in_for_count_once_in_either_order(store, request):
+    """A proxy that got no answer to a charge admits the request itself and sends a debit
+    standing in for it; the charge may still run (a paused companion runs it later), before
+    or after the stand-in. Whichever comes first counts; the other does nothing. On one
+    server and on a 3-node cluster (the record and the marker share the tenant's slot)."""
+    client = request.getfixturevalue(store)
+    tag = uuid.uuid4().hex
+    key = f"test:{{{tag}}}:tpm"
+
+    def keys(request):
+        return [key, f"test:{{{tag}}}:res:{request}", f"test:{{{tag}}}:cancel:{request}"]
+
+    def charge(request, cost):
+        return client.eval(SCRIPT, 3, *keys(request), script_args("charge", RPM10, [cost], ttl_ms=60_000))
+
+    # The late charge first: it stands for the debit, whose record the stand-in drops.
+    assert charge("r1", 3)[0] == 1
+    reply = client.eval(SCRIPT, 3, *keys("r1"), stand_in_args(-3))
+    assert (reply[0], reply[1][2]) == (0, 7), reply
+    assert client.exists(keys("r1")[1]) == 0 and client.exists(keys("r1")[2]) == 1
+    # The stand-in first: applied, and the charge that comes after is refused.
+    reply = client.eval(SCRIPT, 3, *keys("r2"), stand_in_args(-2))
+    assert (reply[0], reply[1][2], reply[1][5]) == (1, 5, -2), reply
+    with pytest.raises(redis.ResponseError, match="CANCELLED"):
+        charge("r2", 2)
+    assert call(client, "charge", [key], RPM10, [0])[1][2] == 5
+    # Sent again after a lost answer: applied once.
+    assert client.eval(SCRIPT, 3, *keys("r2"), stand_in_args(-2))[0] == 0
+    assert call(client, "charge", [key], RPM10, [0])[1][2] == 5
+    # It stands in for a charge: a credit in it gives nothing back.
+    reply = client.eval(SCRIPT, 3, *keys("r3"), stand_in_args(4))
+    assert (reply[0], reply[1][2], reply[1][5]) == (1, 5, 0), reply
+
+
+@pytest.mark.parametrize(
+    "keys, extra, message",
+    [
+        (2, {}, "needs the record and cancel marker keys"),  # no cancel marker key
+        (3, {"stand_in": 2}, "stand_in must be 1"),
+        (3, {"once_ttl_ms": 60_000}, "without once_ttl_ms"),
+    ],
+)
+def test_a_malformed_stand_in_is_an_error_and_writes_nothing(client, keys, extra, message):
+    tag = uuid.uuid4().hex
+    all_keys = [f"test:{{{tag}}}:tpm", f"test:{{{tag}}}:res:r", f"test:{{{tag}}}:cancel:r"][:keys]
+    with pytest.raises(redis.ResponseError, match=message):
+        client.eval(SCRIPT, keys, *all_keys, stand_in_args(-1, **extra))
+    assert client.exists(*all_keys) == 0
+
+
 def test_a_credit_gives_back_at_most_what_its_reservation_took(client):
     tag = uuid.uuid4().hex
     key, reservation = f"test:{{{tag}}}:tpm", f"test:{{{tag}}}:res:r1"

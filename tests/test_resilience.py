@@ -3,6 +3,7 @@ within the local bound, no timeout added to every request while the breaker is o
 recovery by itself, and what was admitted locally reconciled with Redis."""
 
 import json
+import signal
 import statistics
 import time
 import urllib.request
@@ -110,7 +111,11 @@ def reconciled_exactly(env, key, expected):
         left = level(env, key)
         return left is not None and expected - 0.01 <= left <= expected + 0.02 * (time.monotonic() - started + 5)
 
-    wait_until(exact, 15, f"Redis at {expected} left (now {level(env, key)})")
+    try:
+        wait_until(exact, 15, f"Redis at {expected} left")
+    except TimeoutError:
+        # Said at the end: the level when the wait gave up, not when it began.
+        raise AssertionError(f"Redis holds {level(env, key)} left after 15 s, expected {expected}") from None
 
 
 @pytest.mark.parametrize("env", ["token_bucket", "sliding_window"], indirect=True)
@@ -158,8 +163,30 @@ def test_a_paused_redis_takes_the_timeout_path_not_a_hang(env):
     assert all(r[0] == 200 for r in results)
     assert all(r[1].get("x-llm-ratelimit-degraded") == "local" for r in results)
     assert max(r.elapsed for r in results) < 1.0, "no request waited for Redis"
-    # The pause ends (3 s after it began): Redis answers again.
+    # The pause ends (3 s after it began): Redis answers again, and runs the charges the
+    # companion gave up on (they waited in Redis's input buffer).
     wait_until(lambda: redis.Redis(port=env.redis_port, socket_timeout=0.1).ping(), 10, "Redis unpaused")
-    seconds, _ = recovery(env, "sk-p")
+    seconds, probing = recovery(env, "sk-p")
     print(f"\nRedis unpaused: decisions central again after {seconds:.2f}s")
     assert seconds < RECOVERY_BOUND
+    # Each request counted once: a charge that ran late and the local debit standing in
+    # for it do not both count.
+    reconciled_exactly(env, "sk-p", LIMIT - 1 - 20 - probing)
+
+
+def test_a_paused_companion_counts_each_request_once(env):
+    """The companion stopped (SIGSTOP) with charges on their way: the filter times out,
+    admits locally and stands in for them; resumed, the companion runs them late. Found
+    on a real Nginx: both counted (here, before the fix, 2 of the 3 charges that timed out
+    ran late and counted twice: 31 left for 33). Now each counts once, whichever came first."""
+    assert send(env.port, "sk-z")[0] == 200
+    env.companion.popen.send_signal(signal.SIGSTOP)
+    try:
+        results = [send(env.port, "sk-z") for _ in range(10)]
+    finally:
+        env.companion.popen.send_signal(signal.SIGCONT)
+    assert [r.status for r in results] == [200] * 10
+    assert all(r.headers.get("x-llm-ratelimit-degraded") == "local" for r in results)
+    seconds, probing = recovery(env, "sk-z")
+    assert seconds < RECOVERY_BOUND
+    reconciled_exactly(env, "sk-z", LIMIT - 1 - 10 - probing)

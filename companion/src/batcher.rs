@@ -254,7 +254,7 @@ impl Batcher {
     }
 }
 
-/// The error a charge gets when its request was abandoned while it waited (see the
+/// The error a charge gets when its request was given up before it ran (see the
 /// script): expected, not a script error.
 const CANCELLED: &str = "CANCELLED";
 

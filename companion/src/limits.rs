@@ -63,6 +63,9 @@ struct Arguments<'a> {
     /// settle: the record key is an at-most-once marker to create, living this long (ms).
     #[serde(skip_serializing_if = "Option::is_none")]
     once_ttl_ms: Option<u64>,
+    /// settle, 1: the debits stand in for the record's charge, which was never answered.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    stand_in: Option<u8>,
     limits: Vec<Limit<'a>>,
 }
 
@@ -189,8 +192,8 @@ fn call(prefix: &str, domain: &str, tenant: &str, arguments: &Arguments, reserva
 }
 
 impl Call {
-    /// Adds the request's cancel marker (see the script): a waiting charge checks it, a
-    /// cancelling settlement sets it.
+    /// Adds the request's cancel marker (see the script): a charge checks it, a cancelling
+    /// or standing-in settlement sets it.
     pub fn with_cancel_marker(mut self, prefix: &str, domain: &str, tenant: &str, id: &str) -> Call {
         self.keys.push(key(prefix, domain, tenant, CANCEL_KIND, id));
         self
@@ -225,9 +228,17 @@ pub fn charge(prefix: &str, request: &ChargeRequest) -> Call {
         reservation_ttl_ms: Some(reservation.map_or(0, |r| r.ttl_ms)),
         share: None,
         once_ttl_ms: None,
+        stand_in: None,
         limits,
     };
-    call(prefix, &request.domain, &request.tenant, &arguments, reservation.map(|r| r.id.as_str()))
+    let call = call(prefix, &request.domain, &request.tenant, &arguments, reservation.map(|r| r.id.as_str()));
+    // Every charge under a reservation checks its cancel marker: a proxy that stopped
+    // waiting for the answer cancels it (or stands in for it) and a charge that reaches
+    // Redis after that must not count as well.
+    match reservation {
+        Some(r) => call.with_cancel_marker(prefix, &request.domain, &request.tenant, &r.id),
+        None => call,
+    }
 }
 
 pub fn lease(prefix: &str, request: &LeaseRequest) -> Call {
@@ -247,8 +258,14 @@ pub fn lease(prefix: &str, request: &LeaseRequest) -> Call {
             .owned_by(l.owner.as_deref())
         })
         .collect();
-    let arguments =
-        Arguments { op: Op::Lease, reservation_ttl_ms: None, share: Some(request.share), once_ttl_ms: None, limits };
+    let arguments = Arguments {
+        op: Op::Lease,
+        reservation_ttl_ms: None,
+        share: Some(request.share),
+        once_ttl_ms: None,
+        stand_in: None,
+        limits,
+    };
     call(prefix, &request.domain, &request.tenant, &arguments, None)
 }
 
@@ -271,12 +288,13 @@ pub fn adjust(prefix: &str, op: Op, settlement: &Settlement) -> Call {
     // A stand-alone settlement with a once id: its marker takes the record's place.
     let once = settlement.once.as_deref().filter(|_| op == Op::Settle && settlement.reservation.is_none());
     let once_ttl_ms = once.map(|_| ONCE_TTL_MS);
-    let arguments = Arguments { op, reservation_ttl_ms: None, share: None, once_ttl_ms, limits };
+    let stand_in = (op == Op::Settle && settlement.stand_in && settlement.reservation.is_some()).then_some(1);
+    let arguments = Arguments { op, reservation_ttl_ms: None, share: None, once_ttl_ms, stand_in, limits };
     let mut call = call(prefix, domain, tenant, &arguments, settlement.reservation.as_deref());
     if let Some(once) = once {
         call.keys.push(key(prefix, domain, tenant, ONCE_KIND, once));
     }
-    match (&settlement.reservation, settlement.cancel) {
+    match (&settlement.reservation, settlement.cancel || stand_in.is_some()) {
         (Some(id), true) => call.with_cancel_marker(prefix, domain, tenant, id),
         _ => call,
     }
@@ -289,7 +307,7 @@ pub fn tenant(prefix: &str, op: Op, request: &TenantLimits) -> Call {
         .iter()
         .map(|l| Limit::of(&l.name, l.kind, l.capacity, l.window_ms, &l.period_bounds_ms, Amounts::Nothing {}))
         .collect();
-    let arguments = Arguments { op, reservation_ttl_ms: None, share: None, once_ttl_ms: None, limits };
+    let arguments = Arguments { op, reservation_ttl_ms: None, share: None, once_ttl_ms: None, stand_in: None, limits };
     call(prefix, &request.domain, &request.tenant, &arguments, None)
 }
 
@@ -455,6 +473,7 @@ mod tests {
             reservation: reservation.map(Into::into),
             once: None,
             cancel: false,
+            stand_in: false,
             limits: vec![Adjustment {
                 owner: None,
                 name: "tpm".into(),
@@ -470,9 +489,16 @@ mod tests {
     #[test]
     fn a_charge_puts_every_key_under_one_hash_tag() {
         let call = charge("llmrl:", &request());
+        // The cancel marker with every reservation: a proxy that stopped waiting for the
+        // answer may cancel the charge (or stand in for it) before it runs.
         assert_eq!(
             call.keys,
-            vec!["llmrl:{llm:abc123}:tb:rpm", "llmrl:{llm:abc123}:tb:tpm", "llmrl:{llm:abc123}:res:r42"]
+            vec![
+                "llmrl:{llm:abc123}:tb:rpm",
+                "llmrl:{llm:abc123}:tb:tpm",
+                "llmrl:{llm:abc123}:res:r42",
+                "llmrl:{llm:abc123}:cancel:r42"
+            ]
         );
         assert_eq!(
             argument(&call),
@@ -622,6 +648,7 @@ mod tests {
             reservation: None,
             once: None,
             cancel: false,
+            stand_in: false,
             limits: vec![Adjustment {
                 owner: None,
                 name: "rpm".into(),
@@ -665,6 +692,24 @@ mod tests {
     }
 
     #[test]
+    fn a_stand_in_carries_its_record_and_cancel_marker() {
+        let stand_in = Settlement { stand_in: true, ..settlement(Some("r42"), LimitKind::TokenBucket, -750) };
+        let call = adjust("llmrl:", Op::Settle, &stand_in);
+        assert_eq!(
+            call.keys,
+            vec!["llmrl:{llm:abc123}:tb:tpm", "llmrl:{llm:abc123}:res:r42", "llmrl:{llm:abc123}:cancel:r42"]
+        );
+        assert_eq!(argument(&call)["stand_in"], 1);
+        assert_eq!(argument(&call).get("once_ttl_ms"), None);
+        // Only a settlement stands in; a plain one says nothing of it.
+        assert_eq!(
+            argument(&adjust("llmrl:", Op::Settle, &settlement(Some("r42"), LimitKind::TokenBucket, 5)))
+                .get("stand_in"),
+            None
+        );
+    }
+
+    #[test]
     fn a_batch_carries_each_call_with_its_number_of_keys() {
         let settle = adjust("p:", Op::Settle, &settlement(Some("r1"), LimitKind::TokenBucket, 5));
         let plain = charge("p:", &request());
@@ -674,7 +719,7 @@ mod tests {
             serde_json::from_str::<Json>(&argument_text).expect("ARGV[1] is JSON"),
             json!({"calls": [
                 {"keys": 2, "call": argument(&settle)},
-                {"keys": 3, "call": argument(&plain)},
+                {"keys": 4, "call": argument(&plain)},
             ]})
         );
     }

@@ -206,7 +206,7 @@ impl LimitsCall for ChargeRequest {
     }
     /// Split by owner on a cluster (see `pools`).
     async fn decide(&self, app: &App) -> Result<llm_ratelimit_protocol::LimitsReply, String> {
-        pools::charge(&app.batcher, &app.key_prefix, self, false).await
+        pools::charge(&app.batcher, &app.key_prefix, self).await
     }
 }
 

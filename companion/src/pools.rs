@@ -72,17 +72,12 @@ fn tenant_only(tenant: &str, groups: &[(&str, Vec<usize>)]) -> bool {
     }
 }
 
-/// Charges `request` (with its cancel marker when it may wait): in one script call on one
-/// server or when its limits have one owner; split by owner on a cluster.
-pub async fn charge(
-    batcher: &Arc<Batcher>,
-    prefix: &str,
-    request: &ChargeRequest,
-    cancel_marker: bool,
-) -> Result<LimitsReply, String> {
+/// Charges `request`: in one script call on one server or when its limits have one
+/// owner; split by owner on a cluster (each part checks its owner's cancel marker).
+pub async fn charge(batcher: &Arc<Batcher>, prefix: &str, request: &ChargeRequest) -> Result<LimitsReply, String> {
     let groups = by_owner(&request.tenant, request.limits.iter().map(|l| l.owner.as_deref()));
     if !batcher.store().is_cluster() || tenant_only(&request.tenant, &groups) {
-        return charge_one(batcher, prefix, request, cancel_marker).await;
+        return charge_one(batcher, prefix, request).await;
     }
     let groups: Vec<(String, Vec<usize>)> = groups.into_iter().map(|(o, i)| (o.to_string(), i)).collect();
     let reservation = request
@@ -104,7 +99,7 @@ pub async fn charge(
                 reservation: Some(reservation.clone()),
                 wait: None,
             };
-            let reply = charge_one(batcher, prefix, &part, cancel_marker).await;
+            let reply = charge_one(batcher, prefix, &part).await;
             let reply = match reply {
                 Ok(reply) => reply,
                 Err(err) => {
@@ -145,16 +140,8 @@ pub async fn charge(
 }
 
 /// One script call (`request`'s keys share one slot, or there is one server).
-async fn charge_one(
-    batcher: &Arc<Batcher>,
-    prefix: &str,
-    request: &ChargeRequest,
-    cancel_marker: bool,
-) -> Result<LimitsReply, String> {
-    let mut call = limits::charge(prefix, request);
-    if let (true, Some(reservation)) = (cancel_marker, &request.reservation) {
-        call = call.with_cancel_marker(prefix, &request.domain, &request.tenant, &reservation.id);
-    }
+async fn charge_one(batcher: &Arc<Batcher>, prefix: &str, request: &ChargeRequest) -> Result<LimitsReply, String> {
+    let call = limits::charge(prefix, request);
     let value = batcher.decide(call).await.map_err(|e| format!("redis: {e}"))?;
     limits::reply(request.limits.iter().map(|l| l.name.as_str()), &value)
 }
@@ -194,6 +181,7 @@ fn giving_back<'a>(
         reservation,
         once: None,
         cancel: false,
+        stand_in: false,
         limits: limits
             .zip(&reply.limits)
             .map(|((name, capacity, window_ms, kind, bounds), o)| Adjustment {
@@ -460,6 +448,7 @@ mod tests {
             reservation: Some("r1".into()),
             once: None,
             cancel: false,
+            stand_in: false,
             limits: vec![adjustment("key", None), adjustment("team", Some("p1")), adjustment("org", Some("all"))],
         };
         let one = adjust("x:", Op::Settle, &settlement, false);

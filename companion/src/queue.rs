@@ -147,7 +147,7 @@ fn is_hopeless(request: &ChargeRequest, reply: &LimitsReply, left: Duration) -> 
 
 /// One try, with the request's cancel marker (split by owner on a cluster, see `pools`).
 async fn charge(batcher: &Arc<Batcher>, prefix: &str, request: &ChargeRequest) -> Result<LimitsReply, String> {
-    crate::pools::charge(batcher, prefix, request, true).await
+    crate::pools::charge(batcher, prefix, request).await
 }
 
 /// The answer of a waiter whose time ran out before it was first: the refusal it had.

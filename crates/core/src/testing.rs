@@ -387,6 +387,8 @@ pub struct FakeCompanion {
     reservations: BTreeMap<String, f64>,
     /// Once ids of the stand-alone adjustments applied.
     applied_once: BTreeSet<String>,
+    /// Reservations whose cancel marker is set: their charge is refused from then on.
+    cancelled: BTreeSet<String>,
     /// Settlements applied, as they arrived.
     pub settled: Vec<crate::protocol::Settlement>,
     pub touched: usize,
@@ -490,6 +492,10 @@ impl FakeCompanion {
         let body = match callout.path.as_str() {
             CHARGE_PATH => {
                 let request: ChargeRequest = serde_json::from_value(callout.body.clone()).expect("charge");
+                if request.reservation.as_ref().is_some_and(|r| self.cancelled.contains(&r.id)) {
+                    // The script's "CANCELLED ..." error, which the companion answers 500.
+                    return (500, br#"{"error":"CANCELLED the request was given up before its charge ran"}"#.to_vec());
+                }
                 serde_json::to_vec(&self.charge(&request, now))
             }
             LEASE_PATH => {
@@ -545,14 +551,26 @@ impl FakeCompanion {
                         }
                         _ => {
                             let applies = match (&settlement.reservation, &settlement.once) {
-                                (Some(id), _) => self.reservations.remove(id),
+                                // The first stand-in sets the marker; a charge that happened
+                                // stands for its debits.
+                                (Some(id), _) if settlement.stand_in => (self.cancelled.insert(id.clone())
+                                    && self.reservations.remove(id).is_none())
+                                .then_some(now),
+                                (Some(id), _) => {
+                                    if settlement.cancel {
+                                        self.cancelled.insert(id.clone());
+                                    }
+                                    self.reservations.remove(id)
+                                }
                                 (None, Some(once)) => self.applied_once.insert(once.clone()).then_some(now),
                                 (None, None) => Some(now),
                             };
                             for (spec, adjustment) in specs.iter().zip(&settlement.limits) {
                                 let counter = self.counter_mut(&settlement.tenant, spec);
-                                if let Some(charged_at) = applies.filter(|_| adjustment.credit != 0) {
-                                    counter.give_back(adjustment.credit, charged_at, spec, now);
+                                let credit =
+                                    if settlement.stand_in { adjustment.credit.min(0) } else { adjustment.credit };
+                                if let Some(charged_at) = applies.filter(|_| credit != 0) {
+                                    counter.give_back(credit, charged_at, spec, now);
                                 }
                                 // A settlement frees the request's slots whether or not it applies.
                                 member.iter().for_each(|m| counter.release(m));

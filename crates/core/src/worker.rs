@@ -581,7 +581,15 @@ pub(crate) fn settlement(
     cancel: bool,
     limits: Vec<Adjustment>,
 ) -> Settlement {
-    Settlement { domain: config.domain.clone(), tenant: tenant.to_string(), reservation, once: None, cancel, limits }
+    Settlement {
+        domain: config.domain.clone(),
+        tenant: tenant.to_string(),
+        reservation,
+        once: None,
+        cancel,
+        stand_in: false,
+        limits,
+    }
 }
 
 /// Adjustments of configured limits (by index): buckets and windows with a non-zero

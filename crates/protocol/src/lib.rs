@@ -167,10 +167,16 @@ pub struct Settlement {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub once: Option<String>,
     pub limits: Vec<Adjustment>,
-    /// The request was abandoned while its charge waited in the queue: stop that charge
-    /// (atomically with this refund) if it has not happened yet.
+    /// The request was given up while its charge was on its way (its client left while
+    /// the charge waited in the queue, or the proxy stopped waiting for the answer): stop
+    /// that charge (atomically with this refund) if it has not happened yet.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub cancel: bool,
+    /// The debits stand in for the charge of `reservation`, which the proxy sent but got
+    /// no answer to and then admitted on its own: applied only if that charge did not
+    /// happen (and it then never will), at most once.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub stand_in: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -607,6 +613,7 @@ mod tests {
             reservation: Some("r1".into()),
             once: None,
             cancel: false,
+            stand_in: false,
             limits: vec![Adjustment {
                 owner: None,
                 name: "tpm".into(),

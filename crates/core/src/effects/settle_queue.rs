@@ -101,6 +101,7 @@ mod tests {
             reservation: Some(id.into()),
             once: None,
             cancel: false,
+            stand_in: false,
             limits: vec![Adjustment {
                 owner: None,
                 name: "tpm".into(),

@@ -24,8 +24,8 @@ use crate::plan::charge::{plan, ChargePlan, Learned};
 use crate::plan::series::{self, Decision, TokenStage, TokenType};
 use crate::protocol::keys;
 use crate::protocol::{
-    ChargeRequest, LeaseRequest, LimitCharge, LimitKind, LimitStatus, LimitsReply, Reservation, SettlementBatch, Wait,
-    CHARGE_PATH, LEASE_PATH, RELEASE_PATH,
+    ChargeRequest, LeaseRequest, LimitCharge, LimitKind, LimitStatus, LimitsReply, Reservation, Settlement,
+    SettlementBatch, Wait, CHARGE_PATH, LEASE_PATH, RELEASE_PATH,
 };
 use crate::providers;
 use crate::providers::bedrock;
@@ -869,7 +869,11 @@ impl RequestFilter {
             }),
             wait,
         };
-        worker.call_companion(host, config, CHARGE_PATH, &request, timeout, Owner::Request).map(drop)
+        let sent = worker.call_companion(host, config, CHARGE_PATH, &request, timeout, Owner::Request).map(drop);
+        if sent.is_err() {
+            self.admission = None; // never sent: nothing can happen in Redis
+        }
+        sent
     }
 
     /// Takes a place in the queue, if queueing is on and this proxy's queue has room: the
@@ -1090,23 +1094,34 @@ impl RequestFilter {
         self.fail_over(host, worker, config, why)
     }
 
-    /// Decides without the companion, as `failure_mode` says.
+    /// Decides without the companion, as `failure_mode` says. A charge sent but never
+    /// answered may still happen in Redis (a companion paused, or Redis slow, runs it
+    /// later): it never counts on its own. Admitted locally, the request's debits stand
+    /// in for it (applied only if it did not happen, and it then never will); otherwise it
+    /// is cancelled (refunded if it happened).
     fn fail_over(&mut self, host: &mut impl Host, worker: &mut Worker, config: &Policy, why: &str) -> Verdict {
-        self.admission = None; // nothing was charged in Redis
+        let unanswered = match self.admission.take() {
+            Some(Admission::Reserved(id)) => Some(id),
+            _ => None,
+        };
         self.put_back_hold(host, config);
         host.log(
             LogLevel::Debug,
             &format!("llm-ratelimit: no decision from the companion ({why}); failure_mode {:?}", config.failure_mode),
         );
         host.add_metric(Metric::DegradedDecisions, 1);
-        match config.failure_mode {
-            FailureMode::Local => self.decide_locally(host, worker, config),
+        let verdict = match config.failure_mode {
+            FailureMode::Local => self.decide_locally(host, worker, config, unanswered.as_deref()),
             FailureMode::Allow => {
                 self.count_per_limit(host, config, Decision::Degraded);
                 Verdict::Forward(vec![(DEGRADED_HEADER, "companion-unavailable".to_string())])
             }
             FailureMode::Deny => Verdict::Reply(decision::limiter_unavailable(self.dialect)),
+        };
+        if let Some(id) = unanswered.filter(|_| self.admission != Some(Admission::Local)) {
+            self.give_up_charge(host, worker, config, id);
         }
+        verdict
     }
 
     /// The degraded mode: each limit divided by `fallback.instances`, as token buckets in
@@ -1116,7 +1131,13 @@ impl RequestFilter {
     /// it holds its share for this proxy whatever the number of tenants; the tenant's
     /// entry and each pool's are charged in turn, all or nothing, each given back when a
     /// later one refuses.
-    fn decide_locally(&mut self, host: &mut impl Host, worker: &mut Worker, config: &Policy) -> Verdict {
+    fn decide_locally(
+        &mut self,
+        host: &mut impl Host,
+        worker: &mut Worker,
+        config: &Policy,
+        unanswered: Option<&str>,
+    ) -> Verdict {
         let specs = self.plan.as_ref().map(|plan| local_specs(config, plan)).unwrap_or_default();
         let now_ms = host.now_ms();
         let holders = self.holders(config);
@@ -1169,7 +1190,16 @@ impl RequestFilter {
         // Redis learns of the budget spent here; slots are this proxy's alone.
         let debits = specs.iter().enumerate().filter(|(_, b)| b.kind != LimitKind::Slots);
         let debits = debits.map(|(i, b)| (i, -(b.cost as i64)));
-        worker.settle_credits(host, config, &self.tenant, None, false, &self.owners(), debits);
+        match unanswered {
+            Some(id) => {
+                // Standing in for the unanswered charge, which released its Redis slots too.
+                let releases = self.slot_releases(config);
+                let limits = adjustments(config, &self.owners(), debits.chain(releases), now_ms);
+                let stand_in = settlement(config, &self.tenant, Some(id.to_string()), false, limits);
+                worker.queue_settlement(host, Settlement { stand_in: true, ..stand_in });
+            }
+            None => worker.settle_credits(host, config, &self.tenant, None, false, &self.owners(), debits),
+        }
         self.admission = Some(Admission::Local);
         Verdict::Forward(self.admitted_headers(host, config, &reply, now_ms))
             .with_header(DEGRADED_HEADER, "local".to_string())
@@ -1341,14 +1371,26 @@ impl RequestFilter {
     /// both, so one of the two is true).
     fn cancel_queued(&mut self, host: &mut impl Host, worker: &mut Worker, config: &Policy) {
         let Some(Admission::Reserved(id)) = self.admission.take() else { return };
+        self.give_up_charge(host, worker, config, id);
+    }
+
+    /// Stops the charge of reservation `id` if it has not happened yet, and refunds
+    /// everything it took (its slots too) if it has: one script call does both.
+    fn give_up_charge(&self, host: &mut impl Host, worker: &mut Worker, config: &Policy, id: String) {
         worker.take_slots(&id);
         let costs = self.costs();
         let refunds = config.limits.iter().zip(&costs).enumerate().map(|(i, (limit, &cost))| {
             (i, if limit.kind == LimitKind::Slots { 0 } else { i64::try_from(cost).unwrap_or(i64::MAX) })
         });
         let limits = adjustments(config, &self.owners(), refunds, host.now_ms());
-        let settlement = settlement(config, &self.tenant, Some(id), true, limits);
-        worker.queue_settlement(host, settlement);
+        worker.queue_settlement(host, settlement(config, &self.tenant, Some(id), true, limits));
+    }
+
+    /// A release of each slot limit (credit 0) this request's charge would hold.
+    fn slot_releases(&self, config: &Policy) -> Vec<(usize, i64)> {
+        let costs = self.costs();
+        let slots = config.limits.iter().enumerate().filter(|(_, l)| l.kind == LimitKind::Slots);
+        slots.filter(|(i, _)| costs.get(*i).is_some_and(|&c| c > 0)).map(|(i, _)| (i, 0)).collect()
     }
 
     /// What to give back for this request (negative: to take) to each token and cost

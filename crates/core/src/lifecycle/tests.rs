@@ -1090,6 +1090,60 @@ fn a_refusal_after_a_timed_out_callout_reaches_the_client_on_every_host() {
     }
 }
 
+/// A charge whose answer never came may still run in Redis (a paused companion, Redis
+/// slow behind it, runs it later). It must never count on its own: admitted locally, the
+/// request is counted once (the stand-in debit or the late charge, whichever comes
+/// first); refused while the companion was away, not at all. Found on a real Nginx with
+/// a companion paused by SIGSTOP: both the late charges and the local debits counted.
+#[test]
+fn a_charge_answered_too_late_counts_once_whichever_reaches_redis_first() {
+    for kind in HOSTS {
+        for mode in ["local", "deny"] {
+            for late_charge_first in [true, false] {
+                let world = World::new(kind);
+                // Windows long enough that nothing refills while the test runs.
+                let limits = json!([{"name": "rph", "requests": 10, "window": "1h"},
+                                    {"name": "tpd", "tokens": 10000, "window": "1d"}]);
+                let extra = json!({"failure_mode": mode, "fallback": {"breaker_failures": 100}});
+                let mut proxy = Proxy::new(&world, &config(limits, extra));
+                let mut companion = FakeCompanion::default();
+                let mut flight = proxy.start(Request::chat("sk-a", CHAT));
+                let charge = flight.host.last_callout().clone();
+                proxy.time_out(&mut flight);
+                let case = format!("{kind:?} {mode} late charge first: {late_charge_first}");
+                if mode == "local" {
+                    assert!(flight.forwarded(), "{case}");
+                    proxy.reply(&mut flight, 200, "application/json", &[&usage_reply(9, 5)]);
+                } else {
+                    assert_eq!(flight.replied().map(|r| r.status), Some(503), "{case}");
+                    proxy.done(&mut flight);
+                }
+                let late = |companion: &mut FakeCompanion, now| companion.answer(&charge, now).0;
+                if late_charge_first {
+                    assert_eq!(late(&mut companion, proxy.now()), 200, "{case}: the late charge runs");
+                }
+                for _ in 0..3 {
+                    advance(&world, 200);
+                    proxy.tick(Some(&mut companion));
+                }
+                if !late_charge_first {
+                    assert_eq!(late(&mut companion, proxy.now()), 500, "{case}: the late charge is refused");
+                }
+                let request: ChargeRequest = serde_json::from_value(charge.body.clone()).expect("the charge");
+                let used: Vec<f64> = request
+                    .limits
+                    .iter()
+                    .map(|limit| limit.capacity as f64 - companion.level(&request.tenant, limit, proxy.now()))
+                    .collect();
+                let expected = if mode == "local" { [1.0, 14.0] } else { [0.0, 0.0] };
+                for (used, expected) in used.iter().zip(expected) {
+                    assert!((used - expected).abs() < 0.5, "{case}: used {used:?}, expected {expected}");
+                }
+            }
+        }
+    }
+}
+
 /// Issue 26 item 9: with the companion away, a tenant whose local bucket is spent
 /// alternates its requests with a key whose first slot is its own. The newcomer may not
 /// take a bucket that admitted within its window: it goes to another of its slots (or,
