@@ -87,16 +87,20 @@ class Fleet:
                 for i, port in enumerate(self.companions)]
 
 
-def pool_limits(pool: int, window_s: float, fair: bool) -> list[dict]:
+def pool_limits(pool: int, window_s: float, fair: bool, between: dict | None = None) -> list[dict]:
+    """One pool for every caller; `fair`: with fair shares (between tenants, or as
+    `between` says)."""
     limit = {"name": "pool", "tokens": pool, "window": f"{window_s:g}s", "per": "all"}
     if fair:
-        limit["fair_share"] = {}
+        limit["fair_share"] = {"between": between} if between else {}
     return [limit]
 
 
-def offer(ports: list[int], tenants: dict[str, float], seconds: float, request_tokens: float, seed: int = 1):
+def offer(ports: list[int], tenants: dict[str, float], seconds: float, request_tokens: float, seed: int = 1,
+          headers: dict[str, dict] | None = None):
     """Each tenant (key -> tokens per second offered) sends paced requests for `seconds`,
-    through the ports in turn; returns, per key, [(start time s, status, tokens used)]."""
+    through the ports in turn, with its `headers` (key -> headers, e.g. its team's);
+    returns, per key, [(start time s, status, tokens used)]."""
     results = {key: [] for key in tenants}
     lock = threading.Lock()
     rng = random.Random(seed)
@@ -122,7 +126,7 @@ def offer(ports: list[int], tenants: dict[str, float], seconds: float, request_t
                 time.sleep(delay)
             started = time.monotonic() - begin
             turn = (turn + 1) % len(ports)
-            reply = send(ports[turn], key, chat(max_tokens=COMPLETION))
+            reply = send(ports[turn], key, chat(max_tokens=COMPLETION), headers=(headers or {}).get(key))
             used = json.loads(reply.body)["usage"]["total_tokens"] if reply.status == 200 else 0
             with lock:
                 results[key].append((started, reply.status, used))

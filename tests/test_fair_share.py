@@ -6,9 +6,11 @@ on a shorter clock: a pool of 2,000 tokens per 20 s for 40 s.
 Without fair shares the heavy tenant takes the pool as fast as it refills and the light
 ones are refused (`fair=False` below shows it, the README quotes both)."""
 
+import time
+
 import pytest
 
-from fairness import Fleet, measure, pool_limits
+from fairness import COMPLETION, Fleet, measure, offer, pool_limits
 
 POOL, WINDOW_S, SECONDS = 2000, 20, 40
 
@@ -44,6 +46,45 @@ def test_without_fair_shares_the_heavy_tenant_takes_the_pool(fleet):
     m = measure(ports, POOL, WINDOW_S, heavy=10, light=9, light_share=0.05, seconds=SECONDS / 2)
     assert m["light_refused"] > 0, m
     assert m["beyond_refill"] <= POOL, m
+
+
+def teams_got(ports, seconds):
+    """Team "many" (nine keys, each offering 0.3 of the pool's refill) and team "one" (one
+    key offering 1.5 of it), each key sending its team's `x-team-id`: the tokens each team
+    got, and what the pool supplied over the run."""
+    per_second = POOL / WINDOW_S
+    tag = f"{time.monotonic_ns():x}"
+    teams = {f"sk-many-{i}-{tag}": ("many", 0.3 * per_second) for i in range(9)}
+    teams[f"sk-one-{tag}"] = ("one", 1.5 * per_second)
+    results = offer(ports, {key: rate for key, (_, rate) in teams.items()}, seconds, COMPLETION + 9,
+                    headers={key: {"x-team-id": team} for key, (team, _) in teams.items()})
+    got = {"many": 0.0, "one": 0.0}
+    for key, replies in results.items():
+        assert {status for _, status, _ in replies} <= {200, 429}, replies
+        got[teams[key][0]] += sum(used for _, _, used in replies)
+    return got, POOL + per_second * seconds
+
+
+def test_shares_between_teams_go_to_each_team_not_to_each_key(fleet):
+    """`fair_share.between` a team header: a team of nine keys and a team of one key,
+    both asking more than half the pool, each get about half (max-min between the two
+    teams: 0.5 each of what the pool supplied); between tenants (the default) the one key
+    would get a tenth, as the control below shows."""
+    ports = fleet.envoys(pool_limits(POOL, WINDOW_S, fair=True, between={"header": "x-team-id"}))
+    got, supply = teams_got(ports, SECONDS * 3 / 4)
+    print(f"\nbetween teams: team one got {got['one']:.0f}, team many {got['many']:.0f} of {supply:.0f}")
+    # Within 10% of the supply of a half each (a loaded machine's requests come late).
+    assert got["one"] >= 0.4 * supply and got["many"] >= 0.4 * supply, (got, supply)
+    assert sum(got.values()) <= supply, "never over-admitted"
+
+
+def test_shares_between_tenants_give_a_nine_key_team_nine_shares(fleet):
+    """The control: the same teams, shares between tenants: the one key is one claimant
+    of ten and gets about a tenth, so the test above fails without `between`."""
+    ports = fleet.envoys(pool_limits(POOL, WINDOW_S, fair=True))
+    got, supply = teams_got(ports, SECONDS / 2)
+    print(f"\nbetween tenants: team one got {got['one']:.0f}, team many {got['many']:.0f} of {supply:.0f}")
+    assert got["one"] <= 0.25 * supply, (got, supply)
 
 
 def test_the_measures_are_what_they_say():

@@ -194,7 +194,7 @@ fn limits(
         let credentials: Vec<String> = identity.sources.iter().flatten().map(|source| source.header.clone()).collect();
         compiled.per = super::per::per(&at, entry.per.as_ref(), &credentials)?;
         compiled.shadow = super::per::shadow(entry.mode);
-        compiled.fair_share = fair_share(&at, entry.fair_share.as_ref(), &compiled)?;
+        compiled.fair_share = fair_share(&at, entry.fair_share.as_ref(), &compiled, &credentials)?;
         limits.push(compiled);
     }
     fair_weights_name_tiers(&limits)?;
@@ -210,6 +210,7 @@ fn fair_share(
     at: &str,
     written: Option<&shape::FairShareShape>,
     limit: &Limit,
+    credentials: &[String],
 ) -> Result<Option<super::FairShare>, ConfigError> {
     let Some(written) = written else { return Ok(None) };
     let field = format!("{at}.fair_share");
@@ -247,14 +248,31 @@ fn fair_share(
         Some(ConfigDuration(idle)) => within(format!("{field}.idle"), *idle, IDLE, "1s..1d")?,
         None => limit.window.clamp(*IDLE.start(), *IDLE.end()),
     };
-    Ok(Some(super::FairShare { weights: written.weights.clone(), default_weight, max_tenants, idle }))
+    let between = super::per::per_at(&format!("{field}.between"), written.between.as_ref(), credentials)?;
+    match &between {
+        super::Per::All => {
+            return Err(invalid(
+                format!("{field}.between"),
+                "shares are between tenants (\"tenant\") or a trusted header's values ({\"header\": ...}); \
+                 \"all\" would be one claimant",
+            ))
+        }
+        super::Per::Header { name, .. } if matches!(&limit.per, super::Per::Header { name: own, .. } if own == name) => {
+            return Err(invalid(
+                format!("{field}.between.header"),
+                format!("the pool is counted per {name:?}: each of its pools has one value of it to share among"),
+            ))
+        }
+        _ => {}
+    }
+    Ok(Some(super::FairShare { between, weights: written.weights.clone(), default_weight, max_tenants, idle }))
 }
 
 /// Every tier a `fair_share.weights` names is one some limit names: the only tiers a
 /// tenant can be in (a misspelt tier would weigh nobody).
 fn fair_weights_name_tiers(limits: &[Limit]) -> Result<(), ConfigError> {
     for (i, limit) in limits.iter().enumerate() {
-        let Some(fair) = &limit.fair_share else { continue };
+        let Some(fair) = limit.fair_share.as_ref().filter(|fair| fair.between == super::Per::Tenant) else { continue };
         if let Some(tier) = fair.weights.keys().find(|tier| !tiers_named(limits).any(|t| t == tier.as_str())) {
             return Err(invalid(
                 format!("limits[{i}].fair_share.weights.{tier}"),

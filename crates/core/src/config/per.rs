@@ -53,7 +53,12 @@ const MAX_DEFAULT: usize = 256;
 /// `limits[i].per`, at `at` (`limits[2]`); `credentials`: the operator's own credential
 /// headers (`identity.sources`), lower case.
 pub(super) fn per(at: &str, written: Option<&PerShape>, credentials: &[String]) -> Result<Per, ConfigError> {
-    let field = format!("{at}.per");
+    per_at(&format!("{at}.per"), written, credentials)
+}
+
+/// A `per`-shaped field (`"tenant"`, `"all"` or a trusted header), found at `field`.
+pub(super) fn per_at(field: &str, written: Option<&PerShape>, credentials: &[String]) -> Result<Per, ConfigError> {
+    let field = field.to_string();
     match written {
         None => Ok(Per::Tenant),
         Some(PerShape::Named(name)) if name == "tenant" => Ok(Per::Tenant),
@@ -122,6 +127,10 @@ pub(super) fn combine(limits: &[Limit], lease: &LeaseConfig) -> Result<(), Confi
 /// its weighted max-min share (`lua/limits.lua`, "Fair shares").
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct FairShare {
+    /// Who the shares are between: tenants (`Per::Tenant`), or a trusted header's values
+    /// (`Per::Header`: teams), never `Per::All`.
+    pub between: Per,
+    /// By tier between tenants, by the header's value between its values.
     pub weights: BTreeMap<String, u32>,
     pub default_weight: u32,
     pub max_tenants: u32,
@@ -129,8 +138,9 @@ pub struct FairShare {
 }
 
 impl FairShare {
-    /// The weight of a tenant of `tier`.
-    pub fn weight_of(&self, tier: &str) -> u32 {
-        self.weights.get(tier).copied().unwrap_or(self.default_weight)
+    /// The weight of a claimant `weights` knows as `name` (a tenant's tier, a header's
+    /// value).
+    pub fn weight_of(&self, name: &str) -> u32 {
+        self.weights.get(name).copied().unwrap_or(self.default_weight)
     }
 }

@@ -617,10 +617,15 @@ fn default_header_styles() -> Vec<HeaderStyle> {
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct FairShareShape {
-    /// Tier → weight (1 to 1000): a tenant of that tier has that many shares.
+    /// Who the shares are between: `"tenant"` (default), or the values of a trusted
+    /// request header (`{"header": "x-team-id", "default": ...}`: teams).
+    #[serde(default)]
+    pub between: Option<super::per::PerShape>,
+    /// Tier → weight (1 to 1000): a tenant of that tier has that many shares; with
+    /// `between` a header, the header's value → weight.
     #[serde(default)]
     pub weights: BTreeMap<String, u32>,
-    /// The weight of a tenant whose tier `weights` does not name (default 1).
+    /// The weight of a claimant `weights` does not name (default 1).
     #[serde(default)]
     pub default_weight: Option<u32>,
     /// The most tenants the pool keeps shares for (default 64, 2 to 256).

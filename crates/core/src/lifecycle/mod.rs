@@ -758,7 +758,8 @@ impl RequestFilter {
         self.tier = config.tier_of(&self.tenant, tier_value.as_deref()).to_string();
         // The clock, read once for the decision.
         let now = host.now_ms();
-        let counters = crate::plan::pools::counters(config, |name| host.request_header_values(name));
+        let counters =
+            crate::plan::pools::counters(config, &self.tenant, &self.tier, |name| host.request_header_values(name));
         let mut learned = ProxyKnowledge {
             host,
             now,
@@ -770,7 +771,7 @@ impl RequestFilter {
         let mut plan = plan(config, self.route.as_ref(), &self.tier, body, &mut learned);
         plan.date(config, now);
         match counters {
-            Ok(counters) => crate::plan::pools::assign(config, &mut plan, &counters, &self.tenant, &self.tier),
+            Ok(counters) => crate::plan::pools::assign(config, &mut plan, &counters),
             Err(crate::plan::pools::RepeatedHeader(header)) => {
                 self.plan = Some(plan);
                 let verdict = Verdict::Reply(decision::repeated_pool_header(&header, self.dialect));

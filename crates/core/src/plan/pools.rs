@@ -13,12 +13,12 @@ use crate::protocol::FairClaim;
 use sha2::{Digest, Sha256};
 
 /// Where one limit of a request is counted.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum Counter {
     /// The tenant's own counter.
     Tenant,
-    /// A pool's, by its owner id.
-    Pool(String),
+    /// A pool's, by its owner id; with fair shares, who claims this request's share.
+    Pool { owner: String, fair: Option<FairClaim> },
     /// The limit's header is missing and it has no default: it does not apply.
     Absent,
 }
@@ -46,48 +46,77 @@ pub fn pool_owner(header: &str, value: &str) -> String {
 }
 
 /// Each limit's counter, in config order, from the request's header values
-/// (`header_values(name)`: every copy the request has).
+/// (`header_values(name)`: every copy the request has), for `tenant` of `tier`.
 pub fn counters(
     config: &Policy,
+    tenant: &str,
+    tier: &str,
     mut header_values: impl FnMut(&str) -> Vec<String>,
 ) -> Result<Vec<Counter>, RepeatedHeader> {
-    config
-        .limits
-        .iter()
-        .map(|limit| match &limit.per {
-            Per::Tenant => Ok(Counter::Tenant),
-            Per::All => Ok(Counter::Pool(ALL_OWNER.to_string())),
-            Per::Header { name, default } => {
-                let values = header_values(name);
-                let value = match values.as_slice() {
-                    [] => None,
-                    [one] => Some(one.trim()).filter(|v| !v.is_empty()),
-                    _ => return Err(RepeatedHeader(name.clone())),
+    let mut value_of = |name: &str, default: Option<&str>| -> Result<Option<String>, RepeatedHeader> {
+        let values = header_values(name);
+        let value = match values.as_slice() {
+            [] => None,
+            [one] => Some(one.trim()).filter(|v| !v.is_empty()),
+            _ => return Err(RepeatedHeader(name.to_string())),
+        };
+        Ok(value.or(default).map(str::to_string))
+    };
+    let mut counters = Vec::with_capacity(config.limits.len());
+    for limit in &config.limits {
+        let owner = match &limit.per {
+            Per::Tenant => None,
+            Per::All => Some(ALL_OWNER.to_string()),
+            Per::Header { name, default } => match value_of(name, default.as_deref())? {
+                Some(value) => Some(pool_owner(name, &value)),
+                None => {
+                    counters.push(Counter::Absent);
+                    continue;
+                }
+            },
+        };
+        let Some(owner) = owner else {
+            counters.push(Counter::Tenant);
+            continue;
+        };
+        let fair = match &limit.fair_share {
+            None => None,
+            Some(fair) => {
+                // Between a header's values (teams), the callers without one share one
+                // claimant; between tenants, each tenant is one, weighted by its tier.
+                let (claimant, weight) = match &fair.between {
+                    Per::Header { name, default } => {
+                        let value = value_of(name, default.as_deref())?;
+                        (
+                            pool_owner(name, value.as_deref().unwrap_or("")),
+                            fair.weight_of(value.as_deref().unwrap_or("")),
+                        )
+                    }
+                    Per::Tenant | Per::All => (tenant.to_string(), fair.weight_of(tier)),
                 };
-                Ok(match value.or(default.as_deref()) {
-                    Some(value) => Counter::Pool(pool_owner(name, value)),
-                    None => Counter::Absent,
+                Some(FairClaim {
+                    claimant,
+                    weight,
+                    max_claimants: fair.max_tenants,
+                    idle_ms: u64::try_from(fair.idle.as_millis()).unwrap_or(u64::MAX),
                 })
             }
-        })
-        .collect()
+        };
+        counters.push(Counter::Pool { owner, fair });
+    }
+    Ok(counters)
 }
 
 /// Puts each bucket of `plan` on its counter, and marks the shadow limits: a limit whose
 /// header is absent is not charged (look-only, as a limit of another model); a shadow
-/// limit is charged but never refuses or clamps. A pool with fair shares is claimed by
-/// `tenant`, weighted by its `tier`.
-pub fn assign(config: &Policy, plan: &mut ChargePlan, counters: &[Counter], tenant: &str, tier: &str) {
+/// limit is charged but never refuses or clamps. A pool with fair shares is claimed as
+/// its counter says.
+pub fn assign(config: &Policy, plan: &mut ChargePlan, counters: &[Counter]) {
     for (i, (bucket, limit)) in plan.buckets.iter_mut().zip(&config.limits).enumerate() {
         match counters.get(i) {
-            Some(Counter::Pool(owner)) => {
+            Some(Counter::Pool { owner, fair }) => {
                 bucket.owner = Some(owner.clone());
-                bucket.fair = limit.fair_share.as_ref().map(|fair| FairClaim {
-                    claimant: tenant.to_string(),
-                    weight: fair.weight_of(tier),
-                    max_claimants: fair.max_tenants,
-                    idle_ms: u64::try_from(fair.idle.as_millis()).unwrap_or(u64::MAX),
-                });
+                bucket.fair = fair.clone();
             }
             Some(Counter::Absent) => {
                 bucket.cost = 0;
@@ -126,6 +155,14 @@ mod tests {
         Policy::from_json(json.as_bytes()).expect("config")
     }
 
+    fn config_with_tiers(limits: &str) -> Policy {
+        let json = format!(
+            r#"{{"companion": {{"upstream": "c", "token": "test-token-0123456789"}},
+                "tier": {{"header": "x-tier", "default": "free"}}, "limits": {limits}}}"#
+        );
+        Policy::from_json(json.as_bytes()).expect("config")
+    }
+
     #[test]
     fn each_limit_is_counted_per_what_it_says() {
         let config = config(
@@ -138,19 +175,62 @@ mod tests {
             "x-team-id" => vec!["team-a".to_string()],
             _ => vec![],
         };
-        let counters = counters(&config, headers).expect("no repeated header");
+        let counters = counters(&config, "t1", "", headers).expect("no repeated header");
+        let pool = |owner: String| Counter::Pool { owner, fair: None };
         assert_eq!(
             counters,
             [
                 Counter::Tenant,
-                Counter::Pool(pool_owner("x-team-id", "team-a")),
-                Counter::Pool(pool_owner("x-org", "none")),
-                Counter::Pool("all".into())
+                pool(pool_owner("x-team-id", "team-a")),
+                pool(pool_owner("x-org", "none")),
+                pool("all".into())
             ]
         );
-        let absent = super::counters(&config, |_| vec![]).expect("nothing repeated");
+        let absent = super::counters(&config, "t1", "", |_| vec![]).expect("nothing repeated");
         assert_eq!(absent[1], Counter::Absent, "no header, no default: the team limit does not apply");
-        let twice = super::counters(&config, |name| vec![name.to_string(), "b".into()]);
+        let twice = super::counters(&config, "t1", "", |name| vec![name.to_string(), "b".into()]);
+        assert_eq!(twice, Err(RepeatedHeader("x-team-id".into())));
+    }
+
+    /// Fair shares between tenants (each weighted by its tier) or between a trusted
+    /// header's values (teams, weighted by the value): who claims a request's share.
+    #[test]
+    fn a_fair_pool_is_claimed_by_the_tenant_or_by_its_team() {
+        let config = config_with_tiers(
+            r#"[{"name": "by-tenant", "tokens": 5000, "window": "1m", "per": "all",
+                 "fair_share": {"weights": {"gold": 3}}},
+                {"name": "by-team", "tokens": 5000, "window": "1m", "per": "all",
+                 "fair_share": {"between": {"header": "X-Team-Id"}, "weights": {"research": 4}}},
+                {"name": "tier-rpm", "requests": 100, "window": "1m", "tiers": ["gold", "free"]}]"#,
+        );
+        let claim = |team: Option<&str>, tenant: &str, tier: &str| {
+            let headers = |name: &str| match (name, team) {
+                ("x-team-id", Some(team)) => vec![team.to_string()],
+                _ => vec![],
+            };
+            let counters = counters(&config, tenant, tier, headers).expect("one value each");
+            counters
+                .into_iter()
+                .take(2)
+                .map(|c| match c {
+                    Counter::Pool { fair: Some(fair), .. } => (fair.claimant, fair.weight),
+                    other => panic!("a fair pool, not {other:?}"),
+                })
+                .collect::<Vec<_>>()
+        };
+        let research = pool_owner("x-team-id", "research");
+        assert_eq!(claim(Some("research"), "t1", "gold"), [("t1".into(), 3), (research.clone(), 4)]);
+        // Another key of the same team claims the team's share, at the team's weight.
+        assert_eq!(claim(Some("research"), "t2", "")[1], (research, 4));
+        assert_eq!(claim(Some("ops"), "t2", "")[1], (pool_owner("x-team-id", "ops"), 1));
+        // Callers without a team share one claimant, at the default weight.
+        assert_eq!(claim(None, "t3", "")[1], claim(None, "t4", "")[1]);
+        assert_eq!(claim(None, "t3", "")[1].1, 1);
+        // Two values of the team header: refused, as for a `per` header.
+        let twice = counters(&config, "t1", "", |name| match name {
+            "x-team-id" => vec!["a".into(), "b".into()],
+            _ => vec![],
+        });
         assert_eq!(twice, Err(RepeatedHeader("x-team-id".into())));
     }
 
