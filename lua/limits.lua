@@ -35,7 +35,9 @@
 --                       when it is first applied
 --   stand_in            settle, optional, 1: the credits (debits) stand in for the charge
 --                       of KEYS[n+1]'s reservation, sent but never answered (it may have
---                       happened, or may yet); needs KEYS[n+2], see "settle" below
+--                       happened, or may yet) or never sent; needs KEYS[n+2] and
+--                       reservation_ttl_ms (> 0: how long the record of what the debits
+--                       took lives), see "settle" below
 --   limits              one object per limit, in KEYS order, with
 --     kind        "tb" (token bucket), "sw" (sliding window), "slots" (concurrency) or
 --                 "cal" (calendar budget)
@@ -88,11 +90,12 @@
 -- never settled simply stands. A stand-alone adjustment (a returned lease, a
 -- reconciliation) with once_ttl_ms applies only if its marker was not set yet, and sets
 -- it: sent again after a lost answer, it applies at most once too. A stand-in (the
--- proxy admitted the request on its own after the charge's answer never came) sets the
--- cancel marker, so the charge cannot happen later; if the charge did happen (its record
--- exists), the record is dropped and the charge stands for the debits, which are not
--- applied; else they are. Either way the request is counted once, whichever of the two
--- reaches Redis first; and a stand-in that finds the marker set already applied before.
+-- proxy admitted the request on its own, the companion away) sets the cancel marker, so
+-- the charge cannot happen later; if the charge did happen (its record exists), the
+-- charge and its record stand for the debits, which are not applied; else they are, and
+-- write the record a charge would have (what they took, for the request's settlement to
+-- be made against). Either way the request is counted once, whichever of the two reaches
+-- Redis first; and a stand-in that finds the marker set already applied before.
 -- touch: the request's slots live another window (a heartbeat for long streams); a slot
 -- that already expired is not revived.
 -- release: the request's slots are released at once, and nothing else changes (its
@@ -673,10 +676,11 @@ end
 -- Numbers written with %.17g (cjson would round them to 14 digits).
 -- A fair pool's claimant is kept too (`fair`, by the pool's key): its settlement corrects
 -- the claimant's use.
-local function reservation_record(limits)
+-- `sign`: 1 for a charge (l.charged is what it took), -1 for a stand-in (its debits).
+local function reservation_record(limits, sign)
   local took, fair = {}, {}
   for i, l in ipairs(limits) do
-    took[i] = cjson.encode(l.key) .. ':' .. string.format('%.17g', l.charged)
+    took[i] = cjson.encode(l.key) .. ':' .. string.format('%.17g', sign * l.charged)
     if l.fair then
       fair[#fair + 1] = cjson.encode(l.key) .. ':' .. cjson.encode(l.fair.id)
     end
@@ -785,7 +789,7 @@ ops.charge = {
     -- just the key's name. Its value is the time of the charge: where a sliding window's
     -- correction goes.
     if done == 1 and keys.reservation and (args.reservation_ttl_ms or 0) > 0 then
-      redis.call('SET', keys.reservation, reservation_record(limits), 'PX', math.floor(args.reservation_ttl_ms))
+      redis.call('SET', keys.reservation, reservation_record(limits, 1), 'PX', math.floor(args.reservation_ttl_ms))
     end
     return done
   end,
@@ -829,11 +833,14 @@ ops.lease = {
 }
 
 ops.settle = {
-  args = { once_ttl_ms = false, stand_in = false },
+  args = { once_ttl_ms = false, stand_in = false, reservation_ttl_ms = false },
   limit = { credit = true },
   run = function(limits, args, keys)
     if args.stand_in and (args.stand_in ~= 1 or args.once_ttl_ms or not keys.cancel_marker) then
       return { err = 'stand_in must be 1, without once_ttl_ms, and needs the record and cancel marker keys' }
+    end
+    if (args.reservation_ttl_ms ~= nil) ~= (args.stand_in ~= nil) or (args.reservation_ttl_ms or 1) <= 0 then
+      return { err = 'reservation_ttl_ms (> 0) goes with stand_in, and only with it' }
     end
     if args.once_ttl_ms and (not keys.reservation or args.once_ttl_ms <= 0) then
       return { err = 'once_ttl_ms must be > 0 and needs the marker key' }
@@ -845,7 +852,7 @@ ops.settle = {
       -- the debits. They stand alone, placed now.
       if not redis.call('SET', keys.cancel_marker, '1', 'NX', 'PX', CANCEL_MARKER_TTL_MS) then
         done = 0
-      elseif redis.call('DEL', keys.reservation) == 1 then
+      elseif redis.call('EXISTS', keys.reservation) == 1 then
         done = 0
       end
     elseif args.once_ttl_ms then
@@ -876,6 +883,9 @@ ops.settle = {
         end
       end
       l.driver.release(l)
+    end
+    if done == 1 and args.stand_in then
+      redis.call('SET', keys.reservation, reservation_record(limits, -1), 'PX', math.floor(args.reservation_ttl_ms))
     end
     return done
   end,

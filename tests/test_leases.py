@@ -188,8 +188,8 @@ class SlowLeaseForwarder:
         self.server.server_close()
 
 
-# Not strict: the two workers' renewals meet in most runs (2 in flight in 4 of 5 here),
-# not in every one, so a pass is luck, not a fix.
+# Before the fix the two workers' renewals met in most runs (2 in flight in 4 of 5), not
+# in every one: a failure then was likely, a pass not proof; since, it passes every run.
 def test_never_more_than_one_renewal_in_flight_per_tenant(backend):
     """However slow the companion answers (here 1.5 s, within the callout timeout of 2 s),
     a proxy has at most one background renewal of a tenant's lease out at a time: a

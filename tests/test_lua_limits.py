@@ -225,7 +225,7 @@ def test_a_stand_alone_adjustment_with_a_once_marker_applies_once(client):
 
 
 def stand_in_args(debit, **extra):
-    return json.dumps({"op": "settle", "stand_in": 1, **extra,
+    return json.dumps({"op": "settle", "stand_in": 1, "reservation_ttl_ms": 60_000, **extra,
                        "limits": [{"kind": "tb", "capacity": 10, "window_ms": 60_000, "credit": debit}]})
 
 
@@ -233,8 +233,9 @@ def stand_in_args(debit, **extra):
 def test_a_stand_in_and_the_charge_it_stands_in_for_count_once_in_either_order(store, request):
     """A proxy that got no answer to a charge admits the request itself and sends a debit
     standing in for it; the charge may still run (a paused companion runs it later), before
-    or after the stand-in. Whichever comes first counts; the other does nothing. On one
-    server and on a 3-node cluster (the record and the marker share the tenant's slot)."""
+    or after the stand-in. Whichever comes first counts; the other does nothing; and the
+    request's settlement is made against whichever record stands. On one server and on a
+    3-node cluster (the record and the marker share the tenant's slot)."""
     client = request.getfixturevalue(store)
     tag = uuid.uuid4().hex
     key = f"test:{{{tag}}}:tpm"
@@ -245,23 +246,34 @@ def test_a_stand_in_and_the_charge_it_stands_in_for_count_once_in_either_order(s
     def charge(request, cost):
         return client.eval(SCRIPT, 3, *keys(request), script_args("charge", RPM10, [cost], ttl_ms=60_000))
 
-    # The late charge first: it stands for the debit, whose record the stand-in drops.
+    def settle(request, credit):
+        return call(client, "settle", [key], RPM10, [credit], keys(request)[1])
+
+    # The late charge first: it and its record stand for the debit.
     assert charge("r1", 3)[0] == 1
     reply = client.eval(SCRIPT, 3, *keys("r1"), stand_in_args(-3))
     assert (reply[0], reply[1][2]) == (0, 7), reply
-    assert client.exists(keys("r1")[1]) == 0 and client.exists(keys("r1")[2]) == 1
+    assert client.exists(keys("r1")[2]) == 1
     # The stand-in first: applied, and the charge that comes after is refused.
     reply = client.eval(SCRIPT, 3, *keys("r2"), stand_in_args(-2))
     assert (reply[0], reply[1][2], reply[1][5]) == (1, 5, -2), reply
+    assert 59_000 < client.pttl(keys("r2")[1]) <= 60_000, "its record, as a charge's"
     with pytest.raises(redis.ResponseError, match="CANCELLED"):
         charge("r2", 2)
     assert call(client, "charge", [key], RPM10, [0])[1][2] == 5
+    # Each request settles against the record that stands: r2 used 1 of its 2 (a credit
+    # of 9 gives back what the stand-in took, no more); r1 used all 3.
+    reply = settle("r2", 9)
+    assert (reply[0], reply[1][2], reply[1][5]) == (1, 7, 2), reply
+    assert settle("r1", 0)[0] == 1 and client.exists(keys("r1")[1]) == 0
+    reply = settle("r2", 1)
+    assert reply[0] == 0, "settled once"
     # Sent again after a lost answer: applied once.
     assert client.eval(SCRIPT, 3, *keys("r2"), stand_in_args(-2))[0] == 0
-    assert call(client, "charge", [key], RPM10, [0])[1][2] == 5
+    assert call(client, "charge", [key], RPM10, [0])[1][2] == 7
     # It stands in for a charge: a credit in it gives nothing back.
     reply = client.eval(SCRIPT, 3, *keys("r3"), stand_in_args(4))
-    assert (reply[0], reply[1][2], reply[1][5]) == (1, 5, 0), reply
+    assert (reply[0], reply[1][2], reply[1][5]) == (1, 7, 0), reply
 
 
 @pytest.mark.parametrize(
@@ -270,6 +282,7 @@ def test_a_stand_in_and_the_charge_it_stands_in_for_count_once_in_either_order(s
         (2, {}, "needs the record and cancel marker keys"),  # no cancel marker key
         (3, {"stand_in": 2}, "stand_in must be 1"),
         (3, {"once_ttl_ms": 60_000}, "without once_ttl_ms"),
+        (3, {"reservation_ttl_ms": 0}, "reservation_ttl_ms \\(> 0\\) goes with stand_in"),
     ],
 )
 def test_a_malformed_stand_in_is_an_error_and_writes_nothing(client, keys, extra, message):
@@ -365,7 +378,7 @@ TB5 = {"kind": "tb", "capacity": 5, "window_ms": 1000}
         (["charge 1 0 tb 5 1000 1 1"], "ARGV[1] must be a JSON object"),
         ([argv_of({**TB5, "cost": 1, "min": 1})], "unknown field limits[0].min for op charge"),
         ([argv_of({**TB5, "cost": 1}, share=0.5)], "unknown field share for op charge"),
-        ([argv_of({**TB5, "credit": 1}, op="settle", reservation_ttl_ms=1000)], "unknown field reservation_ttl_ms for op settle"),
+        ([argv_of({**TB5, "credit": 1}, op="settle", reservation_ttl_ms=1000)], "reservation_ttl_ms (> 0) goes with stand_in, and only with it"),
         ([argv_of({**TB5, "wanted": 1})], "unknown field limits[0].wanted for op charge"),
         ([argv_of({**TB5, "credit": 1, "look_only": 1}, op="settle")], "unknown field limits[0].look_only for op settle"),
         ([argv_of(op="lease", share=0.5)], "limits must be a non-empty array"),

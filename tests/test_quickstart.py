@@ -300,8 +300,11 @@ def test_envoy_validate_does_refuse_a_bad_snippet(stack):
 
 def nginx_conf(text: str, wasm_dir: Path) -> str:
     """A README nginx snippet made loadable here: the wasm's path, an `events` block for a
-    fragment, the provider's name (which `nginx -t` would resolve) as a loopback address."""
+    fragment, an `http` block around a fragment of its directives (the overflow `map`),
+    the provider's name (which `nginx -t` would resolve) as a loopback address."""
     text = text.replace("/path/to/llm_ratelimit.wasm", str(WASM)).replace(f"{PROVIDER}:443", "127.0.0.1:443")
+    if not re.search(r"^(http|wasm|events)\b", text, re.M):
+        text = f"http {{\n{text}\n}}"
     if not re.search(r"^events\b", text, re.M):
         text = "events {}\n" + text
     return f"pid {wasm_dir}/nginx.pid;\nerror_log stderr;\n{text}"

@@ -190,3 +190,50 @@ def test_a_paused_companion_counts_each_request_once(env):
     seconds, probing = recovery(env, "sk-z")
     assert seconds < RECOVERY_BOUND
     reconciled_exactly(env, "sk-z", LIMIT - 1 - 10 - probing)
+
+
+def test_tokens_admitted_locally_settle_at_their_usage(backend):
+    """A request admitted locally while the companion was away settles in Redis at what
+    its reply says it used. Found on a real Nginx: such requests were charged their
+    reservation, because their settlement's credit was a stand-alone credit with no debit
+    behind it, which the companion refuses. The stand-in's record now backs it."""
+    budget = 100_000
+    config = backend.filter_config([{"name": "tpm30", "tokens": budget, "window": "30d"}],
+                                   companion_timeout="250ms", failure_mode="local",
+                                   fallback={"instances": 1, "breaker_failures": 3, "breaker_cooldown": "300ms"})
+    port, _ = backend.envoy(config)
+
+    def used(reply):
+        assert reply.status == 200, reply
+        return json.loads(reply.body)["usage"]["total_tokens"]
+
+    spent = used(send(port, "sk-tok"))
+    backend.companion_proc.popen.send_signal(signal.SIGSTOP)
+    try:
+        local = [send(port, "sk-tok") for _ in range(6)]
+    finally:
+        backend.companion_proc.popen.send_signal(signal.SIGCONT)
+    assert all(r.headers.get("x-llm-ratelimit-degraded") == "local" for r in local)
+    reserved = sum(int(r.headers["x-llm-ratelimit-reserved-tokens"]) for r in local)
+    used_locally = sum(used(r) for r in local)
+    assert reserved >= used_locally + 6, "the reservations are above the usage, so the two tell apart"
+    spent += used_locally
+    # Central again, then every settlement applied: Redis at the budget less the usage.
+    deadline = time.monotonic() + 10
+    while "x-llm-ratelimit-degraded" in (reply := send(port, "sk-tok")).headers:
+        spent += used(reply)
+        assert time.monotonic() < deadline, "still local 10 s after the companion resumed"
+        time.sleep(0.05)
+    spent += used(reply)
+    store = redis.Redis(port=backend.redis_port)
+
+    def left():
+        raw = store.hget(bucket_key("sk-tok", "tpm30"), "tokens")
+        return None if raw is None else float(raw)
+
+    # 100,000 per 30 days refill 0.04 a second: nothing to speak of in the test's time.
+    try:
+        wait_until(lambda: left() is not None and abs(left() - (budget - spent)) < 1, 15, "settled")
+    except TimeoutError:
+        raise AssertionError(f"Redis holds {left()} left, expected {budget - spent} (reserved {reserved})") from None
+

@@ -54,7 +54,8 @@ impl Op {
 struct Arguments<'a> {
     #[serde(serialize_with = "op_name")]
     op: Op,
-    /// charge: how long the reservation record lives (ms); absent: no record.
+    /// charge, and settle with stand_in: how long the reservation record lives (ms);
+    /// absent: no record.
     #[serde(skip_serializing_if = "Option::is_none")]
     reservation_ttl_ms: Option<u64>,
     /// lease: the share of what is left that one grant may take.
@@ -288,8 +289,15 @@ pub fn adjust(prefix: &str, op: Op, settlement: &Settlement) -> Call {
     // A stand-alone settlement with a once id: its marker takes the record's place.
     let once = settlement.once.as_deref().filter(|_| op == Op::Settle && settlement.reservation.is_none());
     let once_ttl_ms = once.map(|_| ONCE_TTL_MS);
-    let stand_in = (op == Op::Settle && settlement.stand_in && settlement.reservation.is_some()).then_some(1);
-    let arguments = Arguments { op, reservation_ttl_ms: None, share: None, once_ttl_ms, stand_in, limits };
+    let stand_in = settlement.stand_in.as_ref().filter(|_| op == Op::Settle && settlement.reservation.is_some());
+    let arguments = Arguments {
+        op,
+        reservation_ttl_ms: stand_in.map(|s| s.record_ttl_ms),
+        share: None,
+        once_ttl_ms,
+        stand_in: stand_in.map(|_| 1),
+        limits,
+    };
     let mut call = call(prefix, domain, tenant, &arguments, settlement.reservation.as_deref());
     if let Some(once) = once {
         call.keys.push(key(prefix, domain, tenant, ONCE_KIND, once));
@@ -473,7 +481,7 @@ mod tests {
             reservation: reservation.map(Into::into),
             once: None,
             cancel: false,
-            stand_in: false,
+            stand_in: None,
             limits: vec![Adjustment {
                 owner: None,
                 name: "tpm".into(),
@@ -648,7 +656,7 @@ mod tests {
             reservation: None,
             once: None,
             cancel: false,
-            stand_in: false,
+            stand_in: None,
             limits: vec![Adjustment {
                 owner: None,
                 name: "rpm".into(),
@@ -693,13 +701,17 @@ mod tests {
 
     #[test]
     fn a_stand_in_carries_its_record_and_cancel_marker() {
-        let stand_in = Settlement { stand_in: true, ..settlement(Some("r42"), LimitKind::TokenBucket, -750) };
+        let stand_in = Settlement {
+            stand_in: Some(llm_ratelimit_protocol::StandIn { record_ttl_ms: 900_000 }),
+            ..settlement(Some("r42"), LimitKind::TokenBucket, -750)
+        };
         let call = adjust("llmrl:", Op::Settle, &stand_in);
         assert_eq!(
             call.keys,
             vec!["llmrl:{llm:abc123}:tb:tpm", "llmrl:{llm:abc123}:res:r42", "llmrl:{llm:abc123}:cancel:r42"]
         );
         assert_eq!(argument(&call)["stand_in"], 1);
+        assert_eq!(argument(&call)["reservation_ttl_ms"], 900_000);
         assert_eq!(argument(&call).get("once_ttl_ms"), None);
         // Only a settlement stands in; a plain one says nothing of it.
         assert_eq!(

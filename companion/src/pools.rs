@@ -181,7 +181,7 @@ fn giving_back<'a>(
         reservation,
         once: None,
         cancel: false,
-        stand_in: false,
+        stand_in: None,
         limits: limits
             .zip(&reply.limits)
             .map(|((name, capacity, window_ms, kind, bounds), o)| Adjustment {
@@ -448,7 +448,7 @@ mod tests {
             reservation: Some("r1".into()),
             once: None,
             cancel: false,
-            stand_in: false,
+            stand_in: None,
             limits: vec![adjustment("key", None), adjustment("team", Some("p1")), adjustment("org", Some("all"))],
         };
         let one = adjust("x:", Op::Settle, &settlement, false);

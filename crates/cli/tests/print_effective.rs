@@ -163,8 +163,8 @@ fn what_is_written_stands_and_secrets_never_print() {
     );
     assert_eq!(
         effective["limits"][0]["fair_share"],
-        serde_json::json!({"weights": {}, "default_weight": 1, "max_tenants": 64, "idle": "1m"}),
-        "a pool's fair shares: idle defaults to its window"
+        serde_json::json!({"between": "tenant", "weights": {}, "default_weight": 1, "max_tenants": 64, "idle": "1m"}),
+        "a pool's fair shares: idle defaults to its window, shares are between tenants"
     );
     assert_eq!(effective["tokens"]["models"][0]["match"], "claude-*");
     assert_eq!(effective["tokens"]["models"][0]["factor"], 1.0);

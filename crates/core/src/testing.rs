@@ -389,6 +389,9 @@ pub struct FakeCompanion {
     applied_once: BTreeSet<String>,
     /// Reservations whose cancel marker is set: their charge is refused from then on.
     cancelled: BTreeSet<String>,
+    /// What lease grants gave of each (owner, limit), as the script's `|granted` counter:
+    /// what backs a stand-alone credit (a returned lease); a credit beyond it is refused.
+    granted: HashMap<(String, String), f64>,
     /// Settlements applied, as they arrived.
     pub settled: Vec<crate::protocol::Settlement>,
     pub touched: usize,
@@ -514,8 +517,10 @@ impl FakeCompanion {
                     specs.iter().map(|s| self.counter(&request.tenant, s).as_bucket(s, now)).collect();
                 let reply: LimitsReply = bucket::lease(&mut states, &specs, request.share, now);
                 if reply.allowed {
-                    for (spec, state) in specs.iter().zip(states) {
+                    for ((spec, state), outcome) in specs.iter().zip(states).zip(&reply.limits) {
                         *self.counter_mut(&request.tenant, spec) = Counter::Bucket(state);
+                        let owner = spec.owner.clone().unwrap_or_else(|| request.tenant.clone());
+                        *self.granted.entry((owner, spec.name.clone())).or_default() += outcome.charged as f64;
                     }
                 }
                 serde_json::to_vec(&reply)
@@ -552,10 +557,15 @@ impl FakeCompanion {
                         _ => {
                             let applies = match (&settlement.reservation, &settlement.once) {
                                 // The first stand-in sets the marker; a charge that happened
-                                // stands for its debits.
-                                (Some(id), _) if settlement.stand_in => (self.cancelled.insert(id.clone())
-                                    && self.reservations.remove(id).is_none())
-                                .then_some(now),
+                                // stands for its debits, its record for theirs.
+                                (Some(id), _) if settlement.stand_in.is_some() => {
+                                    let applies =
+                                        self.cancelled.insert(id.clone()) && !self.reservations.contains_key(id);
+                                    if applies {
+                                        self.reservations.insert(id.clone(), now);
+                                    }
+                                    applies.then_some(now)
+                                }
                                 (Some(id), _) => {
                                     if settlement.cancel {
                                         self.cancelled.insert(id.clone());
@@ -565,10 +575,21 @@ impl FakeCompanion {
                                 (None, Some(once)) => self.applied_once.insert(once.clone()).then_some(now),
                                 (None, None) => Some(now),
                             };
+                            let stand_alone = settlement.reservation.is_none();
                             for (spec, adjustment) in specs.iter().zip(&settlement.limits) {
+                                let mut credit = if settlement.stand_in.is_some() {
+                                    adjustment.credit.min(0)
+                                } else {
+                                    adjustment.credit
+                                };
+                                if stand_alone && credit > 0 && applies.is_some() {
+                                    // No credit without a debit: a grant backs it, up to what it gave.
+                                    let owner = spec.owner.clone().unwrap_or_else(|| settlement.tenant.clone());
+                                    let granted = self.granted.entry((owner, spec.name.clone())).or_default();
+                                    credit = credit.min(*granted as i64).max(0);
+                                    *granted -= credit as f64;
+                                }
                                 let counter = self.counter_mut(&settlement.tenant, spec);
-                                let credit =
-                                    if settlement.stand_in { adjustment.credit.min(0) } else { adjustment.credit };
                                 if let Some(charged_at) = applies.filter(|_| credit != 0) {
                                     counter.give_back(credit, charged_at, spec, now);
                                 }

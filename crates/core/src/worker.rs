@@ -587,7 +587,7 @@ pub(crate) fn settlement(
         reservation,
         once: None,
         cancel,
-        stand_in: false,
+        stand_in: None,
         limits,
     }
 }

@@ -172,11 +172,20 @@ pub struct Settlement {
     /// that charge (atomically with this refund) if it has not happened yet.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub cancel: bool,
-    /// The debits stand in for the charge of `reservation`, which the proxy sent but got
-    /// no answer to and then admitted on its own: applied only if that charge did not
-    /// happen (and it then never will), at most once.
-    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
-    pub stand_in: bool,
+    /// The debits of a request the proxy admitted on its own (the companion away) stand
+    /// in for its charge under `reservation` (sent but never answered, or never sent):
+    /// applied only if that charge did not happen (and it then never will), at most once,
+    /// leaving a record of what they took that the request's settlement is made against.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stand_in: Option<StandIn>,
+}
+
+/// How a stand-in's record is kept.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StandIn {
+    /// How long the record of what the debits took lives (ms, > 0), as a charge's.
+    pub record_ttl_ms: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -613,7 +622,7 @@ mod tests {
             reservation: Some("r1".into()),
             once: None,
             cancel: false,
-            stand_in: false,
+            stand_in: None,
             limits: vec![Adjustment {
                 owner: None,
                 name: "tpm".into(),

@@ -178,7 +178,7 @@ fn settle_request_and_reply() {
                 once: None,
                 limits: vec![adjustment(LimitKind::TokenBucket), adjustment(LimitKind::Slots)],
                 cancel: true,
-                stand_in: false,
+                stand_in: None,
             },
             Settlement {
                 domain: "llm".into(),
@@ -187,7 +187,7 @@ fn settle_request_and_reply() {
                 once: Some("f00d1".into()),
                 limits: vec![adjustment(LimitKind::SlidingWindow)],
                 cancel: false,
-                stand_in: false,
+                stand_in: None,
             },
         ],
     };

@@ -50,6 +50,14 @@ pub fn effective(bytes: &[u8]) -> Result<(Policy, Value), ConfigError> {
             shown.insert("default_weight".into(), serde_json::json!(fair.default_weight));
             shown.insert("max_tenants".into(), serde_json::json!(fair.max_tenants));
             shown.insert("idle".into(), serde_json::json!(super::shape::ConfigDuration(fair.idle)));
+            let between = match &fair.between {
+                super::Per::Header { name, default: Some(default) } => {
+                    serde_json::json!({"header": name, "default": default})
+                }
+                super::Per::Header { name, default: None } => serde_json::json!({"header": name}),
+                super::Per::Tenant | super::Per::All => Value::String("tenant".into()),
+            };
+            shown.insert("between".into(), between);
         }
         fields.retain(|_, field| !field.is_null());
         if fields.contains_key("tokens") {

@@ -101,7 +101,7 @@ mod tests {
             reservation: Some(id.into()),
             once: None,
             cancel: false,
-            stand_in: false,
+            stand_in: None,
             limits: vec![Adjustment {
                 owner: None,
                 name: "tpm".into(),

@@ -25,7 +25,7 @@ use crate::plan::series::{self, Decision, TokenStage, TokenType};
 use crate::protocol::keys;
 use crate::protocol::{
     ChargeRequest, LeaseRequest, LimitCharge, LimitKind, LimitStatus, LimitsReply, Reservation, Settlement,
-    SettlementBatch, Wait, CHARGE_PATH, LEASE_PATH, RELEASE_PATH,
+    SettlementBatch, StandIn, Wait, CHARGE_PATH, LEASE_PATH, RELEASE_PATH,
 };
 use crate::providers;
 use crate::providers::bedrock;
@@ -89,8 +89,10 @@ enum Admission {
     Reserved(String),
     /// Taken from this proxy's lease.
     Leased,
-    /// Decided locally while the companion was away; reconciled with Redis later.
-    Local,
+    /// Decided locally while the companion was away; reconciled with Redis later by a
+    /// stand-in for the charge under this reservation, whose record the request's
+    /// settlement is made against.
+    Local(String),
     /// Charged in this proxy's local store (`"store": "local"`) at this time (ms), under
     /// this reservation id (its slots' holder).
     Stored { id: String, charged_at_ms: u64 },
@@ -857,17 +859,7 @@ impl RequestFilter {
             domain: config.domain.clone(),
             tenant: self.tenant.clone(),
             limits,
-            // Tokens are settled against the record within `tokens.reservation_ttl`; a
-            // waiting charge's refund (its client gave up) within its wait; anything else
-            // only ever settles a refund, decided by the reply's status.
-            reservation: Some(Reservation {
-                id,
-                ttl_ms: match (plan.estimate, &wait) {
-                    (Some(_), _) => config.tokens.reservation_ttl.as_millis() as u64,
-                    (None, Some(wait)) => wait.max_ms + CANCEL_WINDOW_MS,
-                    (None, None) => REFUND_WINDOW_MS,
-                },
-            }),
+            reservation: Some(Reservation { id, ttl_ms: self.record_ttl_ms(config, wait.as_ref()) }),
             wait,
         };
         let sent = worker.call_companion(host, config, CHARGE_PATH, &request, timeout, Owner::Request).map(drop);
@@ -875,6 +867,18 @@ impl RequestFilter {
             self.admission = None; // never sent: nothing can happen in Redis
         }
         sent
+    }
+
+    /// How long a charge's (or a stand-in's) record lives: tokens are settled against it
+    /// within `tokens.reservation_ttl`; a waiting charge's refund (its client gave up)
+    /// within its wait; anything else only ever settles a refund, decided by the reply's
+    /// status.
+    fn record_ttl_ms(&self, config: &Policy, wait: Option<&Wait>) -> u64 {
+        match (self.plan.as_ref().and_then(|p| p.estimate), wait) {
+            (Some(_), _) => config.tokens.reservation_ttl.as_millis() as u64,
+            (None, Some(wait)) => wait.max_ms + CANCEL_WINDOW_MS,
+            (None, None) => REFUND_WINDOW_MS,
+        }
     }
 
     /// Takes a place in the queue, if queueing is on and this proxy's queue has room: the
@@ -1119,7 +1123,7 @@ impl RequestFilter {
             }
             FailureMode::Deny => Verdict::Reply(decision::limiter_unavailable(self.dialect)),
         };
-        if let Some(id) = unanswered.filter(|_| self.admission != Some(Admission::Local)) {
+        if let Some(id) = unanswered.filter(|_| !matches!(self.admission, Some(Admission::Local(_)))) {
             self.give_up_charge(host, worker, config, id);
         }
         verdict
@@ -1191,17 +1195,18 @@ impl RequestFilter {
         // Redis learns of the budget spent here; slots are this proxy's alone.
         let debits = specs.iter().enumerate().filter(|(_, b)| b.kind != LimitKind::Slots);
         let debits = debits.map(|(i, b)| (i, -(b.cost as i64)));
-        match unanswered {
-            Some(id) => {
-                // Standing in for the unanswered charge, which released its Redis slots too.
-                let releases = self.slot_releases(config);
-                let limits = adjustments(config, &self.owners(), debits.chain(releases), now_ms);
-                let stand_in = settlement(config, &self.tenant, Some(id.to_string()), false, limits);
-                worker.queue_settlement(host, Settlement { stand_in: true, ..stand_in });
-            }
-            None => worker.settle_credits(host, config, &self.tenant, None, false, &self.owners(), debits),
+        // Standing in for the charge (unanswered, or never sent while the breaker is
+        // open), which the stand-in stops; an unanswered one may hold Redis slots, which
+        // it releases.
+        let releases = if unanswered.is_some() { self.slot_releases(config) } else { Vec::new() };
+        let id = unanswered.map_or_else(|| worker.new_reservation_id(host), str::to_string);
+        let limits = adjustments(config, &self.owners(), debits.chain(releases), now_ms);
+        if !limits.is_empty() {
+            let stand_in = Some(StandIn { record_ttl_ms: self.record_ttl_ms(config, None) });
+            let queued = settlement(config, &self.tenant, Some(id.clone()), false, limits);
+            worker.queue_settlement(host, Settlement { stand_in, ..queued });
         }
-        self.admission = Some(Admission::Local);
+        self.admission = Some(Admission::Local(id));
         Verdict::Forward(self.admitted_headers(host, config, &reply, now_ms))
             .with_header(DEGRADED_HEADER, "local".to_string())
     }
@@ -1328,12 +1333,15 @@ impl RequestFilter {
                 }
                 Some(id)
             }
-            Admission::Local => {
-                // This proxy's own slots go back at once; the credits go to Redis.
+            Admission::Local(id) => {
+                // This proxy's own slots go back at once; the credits go to Redis, against
+                // the stand-in's record (or the late charge's, if it came first).
                 if !slot_limits.is_empty() {
                     self.release_local_slots(host, config, &slot_limits);
                 }
-                None
+                let credits = credits.into_iter();
+                worker.settle_credits(host, config, &self.tenant, Some(id), false, &self.owners(), credits);
+                return;
             }
             Admission::Leased => {
                 let now = host.now_ms();
