@@ -106,6 +106,12 @@ def back_credits(pipe, case, step, keys):
                 pipe.incrbyfloat(f"{key}|granted", credit)
 
 
+# The keys are aged to the case's clock by Redis's clock, then the script reads Redis's
+# clock again: a busy machine can pause Redis between the two (2 ms seen with a busy loop
+# on each core), so a reset or retry may be that much sooner than the table's, never later.
+LATE_MS = 25
+
+
 def check_step(case, i, step, reply, keys, written_at, clock, tolerance_ms=1):
     what = f"{case['name']} / step {i}"
     # One outcome per limit, in the table and in the reply: zip alone would pass a reply
@@ -124,8 +130,10 @@ def check_step(case, i, step, reply, keys, written_at, clock, tolerance_ms=1):
         assert STATUS[status] == want[0], what
         assert cap == limit["capacity"], what
         assert remaining == want[1], what
-        assert abs(reset_after_ms - want[2]) <= tolerance_ms, f"{what}: reset {reset_after_ms} vs {want[2]}"
-        assert abs(retry_after_ms - want[3]) <= tolerance_ms, f"{what}: retry {retry_after_ms} vs {want[3]}"
+        for name, got_ms, want_ms in (("reset", reset_after_ms, want[2]), ("retry", retry_after_ms, want[3])):
+            earliest = want_ms - LATE_MS if want_ms > 0 else 0
+            assert earliest - tolerance_ms <= got_ms <= want_ms + tolerance_ms, \
+                f"{what}: {name} {got_ms} vs {want_ms}"
 
 
 def case_keys(case):
