@@ -65,19 +65,18 @@ pub fn counters(
     let mut counters = Vec::with_capacity(config.limits.len());
     for limit in &config.limits {
         let owner = match &limit.per {
-            Per::Tenant => None,
-            Per::All => Some(ALL_OWNER.to_string()),
+            Per::Tenant => {
+                counters.push(Counter::Tenant);
+                continue;
+            }
+            Per::All => ALL_OWNER.to_string(),
             Per::Header { name, default } => match value_of(name, default.as_deref())? {
-                Some(value) => Some(pool_owner(name, &value)),
+                Some(value) => pool_owner(name, &value),
                 None => {
                     counters.push(Counter::Absent);
                     continue;
                 }
             },
-        };
-        let Some(owner) = owner else {
-            counters.push(Counter::Tenant);
-            continue;
         };
         let fair = match &limit.fair_share {
             None => None,
@@ -86,11 +85,8 @@ pub fn counters(
                 // claimant; between tenants, each tenant is one, weighted by its tier.
                 let (claimant, weight) = match &fair.between {
                     Per::Header { name, default } => {
-                        let value = value_of(name, default.as_deref())?;
-                        (
-                            pool_owner(name, value.as_deref().unwrap_or("")),
-                            fair.weight_of(value.as_deref().unwrap_or("")),
-                        )
+                        let value = value_of(name, default.as_deref())?.unwrap_or_default();
+                        (pool_owner(name, &value), fair.weight_of(&value))
                     }
                     Per::Tenant | Per::All => (tenant.to_string(), fair.weight_of(tier)),
                 };
