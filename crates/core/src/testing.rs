@@ -33,6 +33,9 @@ pub struct World {
     pub now_ms: u64,
     /// Every key lands on one slot, as keys with the same CRC32 do in ngx_wasm_module.
     pub colliding_keys: bool,
+    /// Every write of a new key is refused, as ngx_wasm_module refuses one when its
+    /// `shm_kv` zone has no room (and eviction is off).
+    pub full: bool,
     shared: HashMap<String, (Vec<u8>, u32)>,
     next_cas: u32,
     next_token: u32,
@@ -49,6 +52,7 @@ impl World {
             kind,
             now_ms: 1_000_000,
             colliding_keys: false,
+            full: false,
             shared: HashMap::new(),
             next_cas: 1,
             next_token: 1,
@@ -265,6 +269,9 @@ impl Host for FakeHost {
         if !allowed {
             return Err(SharedWriteError::CasMismatch);
         }
+        if world.full && current.is_none() {
+            return Err(SharedWriteError::Refused("NoMemory".into()));
+        }
         let next = world.next_cas;
         world.next_cas += 1;
         world.shared.insert(slot, (value.to_vec(), next));
@@ -398,6 +405,11 @@ pub struct FakeCompanion {
     pub released: usize,
     /// Answer every call with this status instead (a failing companion).
     pub failing: Option<u32>,
+    /// Fields this companion does not know (an older release): a message carrying one is
+    /// refused 400, as serde's `deny_unknown_fields` makes the companion refuse it.
+    pub unknown_fields: Vec<&'static str>,
+    /// Paths this companion does not serve (an older release): answered 404.
+    pub unknown_paths: Vec<&'static str>,
     /// Every call answered, by path.
     pub calls: BTreeMap<String, usize>,
     /// The fleet's calibrations by rule fingerprint: prompt ratio and completion length.
@@ -490,6 +502,12 @@ impl FakeCompanion {
         *self.calls.entry(callout.path.clone()).or_default() += 1;
         if let Some(status) = self.failing {
             return (status, b"{}".to_vec());
+        }
+        if self.unknown_paths.contains(&callout.path.as_str()) {
+            return (404, br#"{"error":"not found"}"#.to_vec());
+        }
+        if let Some(field) = self.unknown_fields.iter().find(|field| carries_field(&callout.body, field)) {
+            return (400, format!(r#"{{"error":"unknown field `{field}`"}}"#).into_bytes());
         }
         let now = now_ms as f64;
         let body = match callout.path.as_str() {
@@ -634,7 +652,15 @@ impl FakeCompanion {
     }
 }
 
-/// A limit as the models take it.
+/// Whether `field` is a key anywhere in `value`.
+fn carries_field(value: &Value, field: &str) -> bool {
+    match value {
+        Value::Object(map) => map.iter().any(|(key, inner)| key == field || carries_field(inner, field)),
+        Value::Array(items) => items.iter().any(|item| carries_field(item, field)),
+        _ => false,
+    }
+}
+
 /// Whether a pool at `level` has room for `cost` (else the pool itself refuses).
 fn level_fits(level: f64, cost: u64) -> bool {
     level >= cost as f64

@@ -228,3 +228,79 @@ fn another_error_says_nothing_of_the_providers_limits() {
         assert_eq!(header(&next, "retry-after"), Some("5"));
     }
 }
+
+/// A shared `"all"` pool of a quota is lowered like a tenant's own limit (README,
+/// "Listening to the provider": the lowering takes the request's buckets, whatever made
+/// them), for every tenant the provider's quota serves (here two tenants named by the
+/// operator's header, behind one upstream key).
+#[test]
+fn a_shared_pool_is_charged_lowered_to_what_the_provider_says_is_left() {
+    for kind in HOSTS {
+        let world = World::new(kind);
+        let config = json!({"companion": {"upstream": "companion", "token": "test-token-0123456789"},
+            "failure_mode": "deny", "provider_limits": {"enabled": true, "share": false},
+            "identity": {"sources": [{"header": "x-team-key"}]},
+            "limits": [{"name": "tpm", "tokens": 100000, "window": "1m"},
+                       {"name": "upstream_tpm", "tokens": 50000, "window": "1m", "per": "all"}]});
+        let mut proxy = Proxy::new(&world, &config.to_string());
+        let mut companion = FakeCompanion::default();
+        let as_team = |team: &str| Request::chat("sk-upstream", BODY).header("x-team-key", team);
+        let mut first = proxy.send(as_team("team-a"), &mut companion);
+        ok(&mut proxy, &mut first, &[("x-ratelimit-remaining-tokens", "4000"), ("x-ratelimit-reset-tokens", "30s")]);
+        for key in ["team-a", "team-b"] {
+            let next = proxy.send(as_team(key), &mut companion);
+            assert!(next.forwarded(), "{kind:?}");
+            let charge: ChargeRequest = serde_json::from_value(next.host.last_callout().body.clone()).expect("charge");
+            let pool = charge.limits.iter().find(|l| l.name == "upstream_tpm").expect("the pool");
+            assert_eq!(pool.owner.as_deref(), Some(crate::protocol::keys::ALL_OWNER), "{kind:?}");
+            // 4,000 left of a quota refilled at 50,000 a minute: a 4,000 bucket full in 4.8 s.
+            assert_eq!((pool.capacity, pool.window_ms), (4_000, 4_800), "{kind:?} {key}: the pool lowered");
+            let own = charge.limits.iter().find(|l| l.name == "tpm").expect("tpm");
+            assert_eq!((own.capacity, own.window_ms), (4_000, 2_400), "{kind:?} {key}: and the tenant's own");
+        }
+    }
+}
+
+/// The fleet exchange's pace (README: "about every 200 ms when it heard something, once a
+/// second otherwise"): counted on the worker's tick with the clock moved by hand.
+#[test]
+fn the_fleet_exchange_goes_every_200_ms_after_news_and_every_second_otherwise() {
+    for kind in HOSTS {
+        let world = World::new(kind);
+        let mut proxy = Proxy::new(&world, &config(true));
+        let mut companion = FakeCompanion::default();
+        // Moves the clock, ticks, and answers the exchanges that went out: their times.
+        let step = |proxy: &mut Proxy, ms: u64| -> Vec<u64> {
+            advance(&world, ms);
+            let before = proxy.root.callouts.len();
+            proxy.tick(None);
+            let exchanges: Vec<u32> =
+                proxy.root.callouts[before..].iter().filter(|c| c.path == PROVIDER_PATH).map(|c| c.token).collect();
+            let empty = serde_json::to_vec(&ProviderReply { entries: Vec::new() }).expect("json");
+            exchanges.iter().for_each(|token| proxy.root_answer(*token, 200, empty.clone()));
+            exchanges.iter().map(|_| proxy.now()).collect()
+        };
+        let start = proxy.now();
+        let mut sent_at = step(&mut proxy, 0);
+        for _ in 0..60 {
+            sent_at.extend(step(&mut proxy, 50));
+        }
+        // Nothing heard for 3 s: once a second.
+        let quiet: Vec<u64> = sent_at.iter().map(|t| t - start).collect();
+        assert_eq!(quiet, [0, 1_000, 2_000, 3_000], "{kind:?}");
+        // Each request's reply now says how much is left: every 200 ms.
+        let busy = proxy.now();
+        let mut sent_at = Vec::new();
+        for _ in 0..20 {
+            let mut flight = proxy.send(Request::chat("sk-a", BODY), &mut companion);
+            ok(
+                &mut proxy,
+                &mut flight,
+                &[("x-ratelimit-remaining-tokens", "90000"), ("x-ratelimit-reset-tokens", "6s")],
+            );
+            sent_at.extend(step(&mut proxy, 50));
+        }
+        let heard: Vec<u64> = sent_at.iter().map(|t| t - busy).collect();
+        assert_eq!(heard, [200, 400, 600, 800, 1_000], "{kind:?}");
+    }
+}

@@ -129,3 +129,27 @@ fn a_settlement_after_the_boundary_leaves_the_new_period_whole() {
         assert_eq!(level, (1000 - taken) as f64, "{kind:?}: the credit of 2026-12-31 is not 2027-01-01's");
     }
 }
+
+/// With the companion away (`failure_mode: "local"`), a calendar budget is held per proxy
+/// at its share (`fallback.instances`), by the proxy's clock, full again at the same
+/// boundary (README, "Calendar budgets").
+#[test]
+fn without_the_companion_a_calendar_budget_is_held_at_the_proxys_share_until_its_boundary() {
+    for kind in HOSTS {
+        let world = World::new(kind);
+        // 23:59:50 on 1 March 2027 in Amsterdam (CET): the day ends in 10 s.
+        world.borrow_mut().now_ms = ms("2027-03-01T22:59:50Z");
+        let limits = json!([{"name": "daily", "requests": 6,
+                             "window": {"calendar": "day", "time_zone": "Europe/Amsterdam"}}]);
+        let extra = json!({"failure_mode": "local", "fallback": {"instances": 2}});
+        let mut proxy = Proxy::new(&world, &config(limits, extra));
+        let mut away = FakeCompanion::failing(503);
+        let mut admitted =
+            || (0..5).filter(|_| proxy.send(Request::get("sk-a", "/v1/models"), &mut away).forwarded()).count();
+        assert_eq!(admitted(), 3, "{kind:?}: half of the day's 6");
+        advance(&world, 9_000);
+        assert_eq!(admitted(), 0, "{kind:?}: still the same day by the proxy's clock");
+        advance(&world, 1_000);
+        assert_eq!(admitted(), 3, "{kind:?}: a new day at midnight in Amsterdam, whole again");
+    }
+}

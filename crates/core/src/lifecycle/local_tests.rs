@@ -201,6 +201,32 @@ fn invented_keys_fill_a_bounded_table() {
     }
 }
 
+/// A host that refuses a write (Nginx's `shm_kv` zone with no room left) answers the
+/// request 503, counted in `shared_writes_refused`: never admitted uncounted (README,
+/// "Limits without Redis").
+#[test]
+fn a_refused_write_is_answered_503_and_counted() {
+    for kind in HOSTS {
+        let (world, mut workers) =
+            workers(kind, &local(json!([{"name": "rpm", "requests": 5, "window": "1m"}]), json!({})));
+        assert!(send(&mut workers[0], Request::chat("sk-a", CHAT)).forwarded(), "{kind:?}");
+        world.borrow_mut().full = true;
+        let refused = send(&mut workers[1], Request::chat("sk-new", CHAT));
+        assert_eq!(refused.replied().map(|r| r.status), Some(503), "{kind:?}");
+        assert_eq!(refused.host.metric(Metric::SharedWritesRefused), 1, "{kind:?}");
+        assert_eq!(refused.host.metric(Metric::Allowed), 0, "{kind:?}");
+        assert!(
+            refused.host.logs.iter().any(|(_, m)| m.contains("the host refused a shared data write (NoMemory)")),
+            "{kind:?}: {:?}",
+            refused.host.logs
+        );
+        // A tenant whose entry exists is still counted in it.
+        let mut known = send(&mut workers[1], Request::chat("sk-a", CHAT));
+        workers[1].reply(&mut known, 200, "application/json", &[&usage_reply(9, 41)]);
+        assert_eq!(header(&known, "x-ratelimit-remaining-requests").as_deref(), Some("3"), "{kind:?}");
+    }
+}
+
 #[test]
 fn an_entry_full_again_gives_its_place_to_a_newcomer() {
     // 1,000 requests a minute refill one every 60 ms: 100 ms after their last request every

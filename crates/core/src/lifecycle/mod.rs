@@ -1667,6 +1667,8 @@ mod pools_tests;
 mod request_tests;
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod upgrade_tests;
 
 /// Whether a request's `x-request-id` may be echoed in a reply: short, and only the
 /// characters ids are made of (a client may send anything).

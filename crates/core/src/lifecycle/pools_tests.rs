@@ -367,3 +367,79 @@ fn a_pool_without_fair_shares_is_first_come_first_served() {
         assert_eq!(light.replied().map(|r| r.status), Some(429), "{kind:?}: the heavy tenant took the pool");
     }
 }
+
+/// What a proxy admitted on its own under an `"all"` pool reaches the pool's counter in
+/// Redis once the companion is back, each admission once (README, "Shared pools": "Local
+/// admissions are queued as debits on the pool's counter, as for a tenant's").
+#[test]
+fn what_was_admitted_locally_under_a_pool_is_debited_from_the_pools_counter_once() {
+    for kind in HOSTS {
+        let world = World::new(kind);
+        let mut value: serde_json::Value = serde_json::from_str(&config(json!([
+            {"name": "key", "requests": 100, "window": "1h"},
+            {"name": "upstream", "requests": 50, "window": "1h", "per": "all"},
+        ])))
+        .expect("json");
+        value["failure_mode"] = json!("local");
+        value["fallback"] = json!({"breaker_failures": 1, "breaker_cooldown": "1s"});
+        let mut proxy = Proxy::new(&world, &value.to_string());
+        let mut companion = FakeCompanion::failing(500);
+        for key in ["sk-a", "sk-b", "sk-a"] {
+            let mut flight = proxy.send(Request::get(key, "/v1/models"), &mut companion);
+            assert!(flight.forwarded(), "{kind:?}: admitted locally");
+            proxy.reply(&mut flight, 200, "application/json", &["{}"]);
+        }
+        crate::testing::advance(&world, 1_001);
+        companion.failing = None;
+        let mut probe = proxy.send(Request::get("sk-c", "/v1/models"), &mut companion);
+        assert!(probe.forwarded(), "{kind:?}: the probe closes the breaker");
+        proxy.reply(&mut probe, 200, "application/json", &["{}"]);
+        for _ in 0..5 {
+            crate::testing::advance(&world, 1_000);
+            proxy.tick(Some(&mut companion));
+        }
+        let now = proxy.now();
+        let hourly = |name: &str, capacity: u64, owner: Option<String>| LimitCharge {
+            window_ms: 3_600_000,
+            ..requests(name, capacity, owner)
+        };
+        let pool = hourly("upstream", 50, Some(crate::protocol::keys::ALL_OWNER.to_string()));
+        // 50 less the probe's charge and the three local admissions, each once.
+        assert_eq!(companion.level("sk-c", &pool, now).round(), 46.0, "{kind:?}");
+        let own =
+            |key: &str| companion.level(&crate::api::identity::tenant_id(key), &hourly("key", 100, None), now).round();
+        assert_eq!((own("sk-a"), own("sk-b"), own("sk-c")), (98.0, 99.0, 99.0), "{kind:?}: and each tenant's own");
+        // Sent again (a lost answer), nothing is applied twice.
+        for _ in 0..5 {
+            crate::testing::advance(&world, 1_000);
+            proxy.tick(Some(&mut companion));
+        }
+        assert_eq!(companion.level("sk-c", &pool, proxy.now()).round(), 46.0, "{kind:?}");
+    }
+}
+
+/// The degraded mode decides a pool with fair shares at the proxy's share of it, first
+/// come first served: it keeps no claimants (README: "the degraded mode knows no shares").
+#[test]
+fn without_the_companion_a_fair_pool_is_first_come_first_served_at_the_proxys_share() {
+    for kind in HOSTS {
+        let world = World::new(kind);
+        let mut value: serde_json::Value = serde_json::from_str(&config(json!([
+            {"name": "pool", "requests": 10, "window": "1h", "per": "all",
+             "fair_share": {"max_tenants": 16, "idle": "30s"}},
+        ])))
+        .expect("json");
+        value["failure_mode"] = json!("local");
+        value["fallback"] = json!({"instances": 2});
+        let mut proxy = Proxy::new(&world, &value.to_string());
+        let mut away = FakeCompanion::failing(503);
+        assert!(proxy.send(Request::get("sk-light", "/v1/models"), &mut away).forwarded(), "{kind:?}");
+        // The proxy's share is 5: with shares the heavy tenant would stop short of the
+        // light one's reserve; here it takes all that is left.
+        let heavy =
+            (0..6).filter(|_| proxy.send(Request::get("sk-heavy", "/v1/models"), &mut away).forwarded()).count();
+        assert_eq!(heavy, 4, "{kind:?}");
+        let light = proxy.send(Request::get("sk-light", "/v1/models"), &mut away);
+        assert_eq!(light.replied().map(|r| r.status), Some(429), "{kind:?}: no reserve kept for the light tenant");
+    }
+}

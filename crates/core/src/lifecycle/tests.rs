@@ -531,6 +531,35 @@ fn the_queue_is_joined_left_and_cancelled() {
     assert_eq!(next.host.metric(Metric::QueueWaitSeconds), 1, "234 ms carried + 800 ms");
 }
 
+/// On Nginx a client that leaves while its charge waits in the queue is not seen until the
+/// wait ends (ngx_wasm_module does not watch the connection during a pause): the charge
+/// is taken, never cancelled, and the request settles when nginx ends it, as one whose
+/// client left before any reply (`tokens.on_client_abort`: its reservation stands).
+#[test]
+fn on_nginx_a_client_leaving_a_queued_charge_is_charged_and_settled_when_nginx_ends_it() {
+    let world = World::new(HostKind::Nginx);
+    let mut proxy = Proxy::new(&world, &rpm_tpm(json!({"queue": {"max_wait": "5s"}})));
+    let mut companion = FakeCompanion::default();
+    let mut waiting = proxy.start(Request::chat("sk-a", CHAT));
+    assert!(charge_of(&waiting).wait.is_some(), "the charge may wait");
+    // The client leaves now; the host says nothing until the charge's answer.
+    let (_, body) = companion.answer(waiting.host.last_callout(), proxy.now());
+    let mut reply: LimitsReply = serde_json::from_slice(&body).unwrap();
+    reply.waited_ms = 2_000;
+    proxy.answer_with(&mut waiting, 200, serde_json::to_vec(&reply).unwrap());
+    assert!(waiting.forwarded(), "admitted after its wait");
+    let charge = charge_of(&waiting);
+    proxy.done(&mut waiting);
+    // Nothing goes back (no cancel, no credit): no settlement is even sent.
+    assert!(settle(&mut proxy, &mut companion).is_empty());
+    let used: Vec<f64> = charge
+        .limits
+        .iter()
+        .map(|limit| (limit.capacity as f64 - companion.level(&charge.tenant, limit, proxy.now())).round())
+        .collect();
+    assert_eq!(used, [1.0, CHAT_RESERVES as f64], "the request and its reservation stay charged");
+}
+
 #[test]
 fn clamping_rewrites_the_output_cap_to_the_grant() {
     let world = World::new(HostKind::Envoy);
