@@ -2,6 +2,10 @@
 loading and NOSCRIPT recovery, Redis outages, and Redis Cluster."""
 
 import json
+import math
+import os
+import selectors
+import signal
 import socket
 import subprocess
 import time
@@ -320,3 +324,229 @@ def test_a_charge_goes_before_a_backlog_of_settlements(pausable):
         assert status == 200 and reply["allowed"], reply
         assert settled.result() == (200, {"results": ["applied"] * 1000})
     assert answered["charge"] < answered["settlements"]
+
+
+# A window of 366 days: a bucket refills 0.003 tokens of 1,000 in 100 s, so the levels
+# below are the writes and credits alone, however slowly a loaded machine runs.
+YEAR_MS = 366 * 86_400_000
+
+
+def redis_now_ms(store):
+    seconds, micros = store.time()
+    return seconds * 1000 + micros / 1000
+
+
+def as_an_old_companion_charged(store, key, capacity, level):
+    """A token bucket as a companion of the release before capped credits left it after a
+    charge or a lease grant (`git show 2196772^:lua/limits.lua`): the same hash {tokens, ts}
+    and expiry as today, and nothing beside it: no `|granted` counter for a grant."""
+    store.hset(key, mapping={"tokens": f"{level:.17g}", "ts": f"{redis_now_ms(store):.17g}"})
+    store.pexpire(key, math.ceil((capacity - level) * YEAR_MS / capacity))
+
+
+def test_a_reservation_record_written_by_an_old_companion_caps_nothing(single):
+    """README (Upgrading to two credentials and capped credits): "a record written by an
+    old companion caps nothing when a new one settles it". The old record is the charge's
+    time alone; settled here with a credit beyond what that charge took (100), the whole
+    credit comes back, where a record of this companion's would cap it at 100."""
+    _, redis_port, port = single
+    store = redis.Redis(port=redis_port)
+    key = "t1:{llm:old-record}:tb:tpm"
+    # The old companion charged 100 under r-old, another request 500: 400 left.
+    as_an_old_companion_charged(store, key, 1000, 400)
+    store.set("t1:{llm:old-record}:res:r-old", f"{redis_now_ms(store):.17g}", px=60_000)
+    batch = {"settlements": [settlement("old-record", "r-old", 300, window_ms=YEAR_MS)]}
+    assert call(port, batch, path="/v1/settle") == (200, {"results": ["applied"]})
+    assert float(store.hget(key, "tokens")) == pytest.approx(400 + 300, abs=0.01)
+
+
+def test_a_lease_granted_by_an_old_companion_gives_nothing_back_when_returned_here(single):
+    """README (Upgrading to two credentials and capped credits): "a lease granted by an
+    old companion and returned to a new one gives nothing back (no grant was recorded):
+    its remainder stays charged until its window refills". The return is applied (its
+    once marker set) but credits nothing, and is counted as a credit refused `unbacked`."""
+    _, redis_port, port = single
+    store = redis.Redis(port=redis_port)
+    key = "t1:{llm:old-lease}:tb:tpm"
+    as_an_old_companion_charged(store, key, 1000, 800)  # an old grant of 200
+    before = store.hgetall(key)
+    returned = {"domain": "llm", "tenant": "old-lease", "once": "returned-old",
+                "limits": [{"name": "tpm", "capacity": 1000, "window_ms": YEAR_MS, "credit": 150}]}
+    assert call(port, {"settlements": [returned]}, path="/v1/settle") == (200, {"results": ["applied"]})
+    assert store.hgetall(key) == before, "the bucket was written: something was given back"
+    # Where this companion sees the tenant: the 200 still charged, full again only when
+    # the window has refilled them (200 of 1,000: a fifth of the window).
+    status, reply = call(port, {"domain": "llm", "tenant": "old-lease",
+                                "limits": [{"name": "tpm", "capacity": 1000, "window_ms": YEAR_MS, "cost": 801}]})
+    assert status == 200 and not reply["allowed"], reply
+    assert reply["limits"][0]["remaining"] == 800
+    assert YEAR_MS / 5 - 60_000 <= reply["limits"][0]["reset_after_ms"] <= YEAR_MS / 5
+    metrics = http_get(f"http://127.0.0.1:{port}/metrics")[1].decode()
+    assert 'llm_ratelimit_companion_credits_refused_total{outcome="unbacked"} 1' in metrics
+
+
+def fair_pool_charge(tenant, cost, reservation, wait_ms=None):
+    """A charge of an every-caller pool of 1,000 tokens held to fair shares, claimed by
+    `tenant`, under a reservation; with `wait_ms`, one that may wait in the queue (its
+    token limit `provisional`, as the filter sends it)."""
+    charge = {"domain": "llm", "tenant": tenant, "reservation": {"id": reservation, "ttl_ms": 60_000},
+              "limits": [{"name": "pool", "owner": "all", "capacity": 1000, "window_ms": YEAR_MS, "cost": cost,
+                          "provisional": wait_ms is not None,
+                          "fair": {"claimant": tenant, "weight": 1, "max_claimants": 8, "idle_ms": 3_600_000}}]}
+    if wait_ms:
+        charge["wait"] = {"max_ms": wait_ms, "priority": 0, "aging_ms": 100}
+    return charge
+
+
+def fair_use(store, claimant):
+    """The claimant's field of the pool's `|fair` hash: (used, time it was written), or None."""
+    field = store.hget("t1:{llm:all}:tb:pool|fair", claimant)
+    if field is None:
+        return None
+    used, at, _weight, _last = field.decode().split()
+    return float(used), float(at)
+
+
+def test_a_charge_retried_from_the_queue_adds_nothing_to_the_tenants_fair_use_until_admitted(single):
+    """README (Fair shares of a scarce pool): "a charge retried from the queue adds
+    nothing to the tenant's use until it is admitted". Tenant b's charge of 300 finds 100
+    left and waits; each retry rewrites its field of the pool's `|fair` hash (its time
+    moves), its use staying 0; once a settlement of a's gives 500 back it is admitted,
+    and its use is its cost, once."""
+    _, redis_port, port = single
+    store = redis.Redis(port=redis_port)
+    status, reply = call(port, fair_pool_charge("a", 900, "ra"))
+    assert status == 200 and reply["allowed"], reply
+    waiting = send_only(port, fair_pool_charge("b", 300, "rb", wait_ms=30_000))
+    uses, times = [], set()
+
+    def retried():
+        use = fair_use(store, "b")
+        if use is not None and store.zcard("t1:{llm:b}:queue:waiters") == 1:
+            uses.append(use[0])
+            times.add(use[1])
+        return len(times) >= 3
+
+    wait_until(retried, 20, "three retries of b's charge from the queue")
+    assert set(uses) == {0.0}, f"b's use moved while its charge waited: {uses}"
+    settle_a = {"domain": "llm", "tenant": "a", "reservation": "ra",
+                "limits": [{"name": "pool", "owner": "all", "capacity": 1000, "window_ms": YEAR_MS, "credit": 500}]}
+    assert call(port, {"settlements": [settle_a]}, path="/v1/settle") == (200, {"results": ["applied"]})
+    status, reply = answer(waiting)
+    assert status == 200 and reply["allowed"] and reply["waited_ms"] > 0, reply
+    assert fair_use(store, "b")[0] == pytest.approx(300, abs=0.01)
+    assert fair_use(store, "a")[0] == pytest.approx(900 - 500, abs=0.01)
+
+
+ADMIN_TOKEN = "companion-test-admin-token"
+
+
+def usage(port, tenant, limit):
+    """Where `tenant` (a key, or a pool's owner) stands on `limit`, as a companion's
+    peek sees it: its remaining."""
+    spec = {name: limit[name] for name in ("name", "capacity", "window_ms")}
+    status, reply = call(port, {"domain": "llm", "tenant": tenant, "limits": [spec]}, token=ADMIN_TOKEN,
+                         path="/v1/usage")
+    assert status == 200, reply
+    return reply["limits"][0]["remaining"]
+
+
+def test_a_companion_killed_between_a_parts_charge_and_its_rollback_leaves_that_part_charged_for_a_window(stack):
+    """README (Shared pools, on Redis Cluster): "If the companion dies in that window,
+    what the part took stays charged until the counter refills (at most one request's
+    cost per counter, for one window)". A request of 100 against its key's limit, its
+    team's pool and the upstream's (exhausted) quota: the key's and the team's parts are
+    charged, the upstream's part blocks in its paused node, and the companion is killed
+    (SIGKILL) there, before the refusal and the rollback. Each charged counter is then
+    short by exactly the request's 100, and full again a window later (the key's limit is
+    100 per 4 s, the team's 400 per 16 s: both refill 100 in 4 s); the upstream's is as
+    it was."""
+    ports = stack.redis_cluster(3)
+    url = "redis+cluster://" + ",".join(f"127.0.0.1:{p}" for p in ports)
+    # A Redis timeout far above the test's: the blocked part must not time out (and be
+    # rolled back) before the kill.
+    dying, port = stack.companion(url, TOKEN, redis_timeout="30s")
+    _, after = stack.companion(url, TOKEN, name="companion-after", admin_token=ADMIN_TOKEN)
+    cluster = redis.RedisCluster(host="127.0.0.1", port=ports[0])
+
+    def node_of(key):
+        return cluster.nodes_manager.get_node_from_slot(cluster.keyslot(key)).port
+
+    upstream = {"name": "upstream-tpm", "owner": "all", "capacity": 1000, "window_ms": YEAR_MS}
+    paused = node_of("llmrl:{llm:all}:tb:upstream-tpm")
+    tenant = next(t for t in (f"crash{i}" for i in range(64)) if node_of(f"llmrl:{{llm:{t}}}:tb:key-tpm") != paused)
+    team = next(o for o in (f"pteam{i}" for i in range(64)) if node_of(f"llmrl:{{llm:{o}}}:tb:team-tpm") != paused)
+    key_limit = {"name": "key-tpm", "capacity": 100, "window_ms": 4_000}
+    team_limit = {"name": "team-tpm", "owner": team, "capacity": 400, "window_ms": 16_000}
+    key_bucket, team_bucket = f"llmrl:{{llm:{tenant}}}:tb:key-tpm", f"llmrl:{{llm:{team}}}:tb:team-tpm"
+    try:
+        status, reply = call(port, {"domain": "llm", "tenant": "filler", "limits": [{**upstream, "cost": 1000}]})
+        assert status == 200 and reply["allowed"], reply
+        upstream_before = cluster.hgetall("llmrl:{llm:all}:tb:upstream-tpm")
+        paused_node = redis.Redis(port=paused)
+        pause(paused_node)
+        try:
+            request = {"domain": "llm", "tenant": tenant,
+                       "limits": [{**l, "cost": 100} for l in (key_limit, team_limit, upstream)]}
+            sock = send_only(port, request)
+            wait_until(lambda: cluster.exists(team_bucket) and blocked_in_redis(paused_node), 30,
+                       "the key's and the team's parts charged, the upstream's blocked")
+            dying.kill()
+            sock.close()
+        finally:
+            paused_node.execute_command("CLIENT", "UNPAUSE")
+        # Short by exactly the request's cost, and no rollback ran: each part's record stands.
+        assert float(cluster.hget(key_bucket, "tokens")) == 100 - 100
+        assert float(cluster.hget(team_bucket, "tokens")) == 400 - 100
+        assert cluster.hgetall("llmrl:{llm:all}:tb:upstream-tpm") == upstream_before
+        for owner in (tenant, team):
+            assert len(list(cluster.scan_iter(match=f"llmrl:{{llm:{owner}}}:res:*"))) == 1, owner
+        assert usage(after, tenant, key_limit) < 100 and usage(after, team, team_limit) < 400
+        # Full again one window after the charge (which came before the kill), with 1.5 s
+        # for a loaded machine's polling.
+        wait_until(lambda: usage(after, tenant, key_limit) == 100 and usage(after, team, team_limit) == 400,
+                   4 + 1.5, "the key's and the team's counters full again")
+    finally:
+        cluster.close()
+
+
+def answered_at(sockets):
+    """Each call written by `send_only`: its status and body, and when its answer began to
+    come (monotonic), watching all of them at once."""
+    selector = selectors.DefaultSelector()
+    for i, sock in enumerate(sockets):
+        selector.register(sock, selectors.EVENT_READ, i)
+    came, deadline = {}, time.monotonic() + 60
+    while len(came) < len(sockets) and time.monotonic() < deadline:
+        for key, _ in selector.select(timeout=1):
+            came[key.data] = time.monotonic()
+            selector.unregister(key.fileobj)
+    selector.close()
+    return [(*answer(sock), came.get(i)) for i, sock in enumerate(sockets)]
+
+
+def test_with_redis_stalled_a_charge_is_answered_within_twice_the_redis_timeout(stack):
+    """README (The companion, `--redis-timeout`; Troubleshooting): `companion.timeout`
+    must be above twice `--redis-timeout`, as a call may wait one timeout for its turn and
+    then run for another. With the companion's Redis stopped (SIGSTOP), 250 charges sent
+    at once: the first goes out and times out, the next 100 go together after it and time
+    out, the rest, a timeout late when their turn comes, fail unsent. Each is answered (503,
+    Redis failed) within 2 x 1 s, plus 0.5 s for a loaded machine (a VM stalled for 0.8 s
+    once here), and some waited their turn and then ran (over one timeout)."""
+    timeout_s, slack_s = 1.0, 0.5
+    redis_proc, redis_port = stack.redis()
+    _, port = stack.companion(f"redis://127.0.0.1:{redis_port}", TOKEN, redis_timeout="1s")
+    assert call(port, bucket_request("before"))[0] == 200
+    os.kill(redis_proc.pid, signal.SIGSTOP)
+    try:
+        sockets, sent = [], []
+        for i in range(250):
+            sockets.append(send_only(port, bucket_request(f"stalled{i}")))
+            sent.append(time.monotonic())
+        answers = answered_at(sockets)
+    finally:
+        os.kill(redis_proc.pid, signal.SIGCONT)
+    assert all(status == 503 and body["error"].startswith("redis:") for status, body, _ in answers), answers[:3]
+    took = [came - at for (_, _, came), at in zip(answers, sent)]
+    assert max(took) <= 2 * timeout_s + slack_s, sorted(took)[-5:]
+    assert max(took) > timeout_s, sorted(took)[-5:]
