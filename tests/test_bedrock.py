@@ -16,7 +16,7 @@ import redis
 from botocore.config import Config
 
 from conftest import openai_chat_prompt_tokens
-from stack import bucket_key, filter_metric, wait_until
+from stack import bucket_key, filter_metric, tenant_of, wait_until
 
 BIG = 1_000_000
 LONG = "366d"
@@ -248,3 +248,60 @@ def test_an_exception_inside_the_stream_settles_at_no_less_than_its_reservation(
         list(reply["body"])
     prompt = int(reply["ResponseMetadata"]["HTTPHeaders"]["x-mock-prompt-tokens"])
     wait_level(env, "AKIDEXCINVOKE", BIG - (max(prompt, prompt_estimate(tiktoken_encodings)) + MAX_TOKENS))
+
+
+# Other models' own invoke bodies (README "AWS Bedrock"), each with its cap in its own
+# field, and the completion allowance README says is reserved for it: "from `max_tokens`
+# where the body has it", else `tokens.default_max_output` (4096, README `tokens`).
+DEFAULT_MAX_OUTPUT = 4096
+TITAN = "amazon.titan-text-express-v1"
+OTHER_BODIES = {
+    TITAN: ({"inputText": STORY, "textGenerationConfig": {"maxTokenCount": MAX_TOKENS}}, DEFAULT_MAX_OUTPUT),
+    "meta.llama3-8b-instruct-v1:0": ({"prompt": STORY, "max_gen_len": MAX_TOKENS}, DEFAULT_MAX_OUTPUT),
+    "mistral.mistral-7b-instruct-v0:2": ({"prompt": f"<s>[INST] {STORY} [/INST]", "max_tokens": MAX_TOKENS}, MAX_TOKENS),
+}
+
+
+def other_invoke_args(model):
+    return {"modelId": model, "body": json.dumps(OTHER_BODIES[model][0]), "contentType": "application/json",
+            "accept": "application/json"}
+
+
+def open_reservations(env, key):
+    """The tenant's reservation records in Redis: a settlement deletes its request's."""
+    return list(env.redis.scan_iter(match=f"llmrl:{{llm:{tenant_of(key)}}}:res:*"))
+
+
+@pytest.mark.parametrize("model", OTHER_BODIES)
+def test_another_models_invoke_reserves_no_prompt_and_settles_at_that_estimate(env, model):
+    """README "AWS Bedrock": other models' invoke bodies "are not parsed: their prompt is
+    estimated at 0 (the completion allowance is reserved as usual, from `max_tokens` where
+    the body has it); their JSON replies settle at that estimate (their usage fields are
+    not read)". Titan's `maxTokenCount` and Llama's `max_gen_len` are not `max_tokens`.
+    The concurrency limit makes the filter send a settlement (to free the slot), whose
+    record's removal from Redis says it was applied; with nothing to correct and no slot,
+    none is sent and the reservation simply stands."""
+    port, _ = env.start([{"name": "tpm", "tokens": BIG, "window": LONG}, {"name": "inflight", "concurrency": 4}])
+    key = f"AKIDOTHER{model.split('.')[0].upper()}"
+    reply = bedrock(port, key).invoke_model(**other_invoke_args(model))
+    headers = reply["ResponseMetadata"]["HTTPHeaders"]
+    assert reply["ResponseMetadata"]["HTTPStatusCode"] == 200 and json.loads(reply["body"].read())
+    allowance = OTHER_BODIES[model][1]
+    assert int(headers["x-llm-ratelimit-reserved-tokens"]) == 0 + allowance
+    reported = int(headers["x-mock-prompt-tokens"]) + int(headers["x-mock-completion-tokens"])
+    assert reported < allowance, "settling at the reply's usage would show"
+    wait_until(lambda: not open_reservations(env, key), 10, "the settlement")
+    assert level(env, key) == pytest.approx(BIG - allowance, abs=1)
+
+
+def test_another_models_stream_settles_at_its_invocation_metrics(env):
+    """README "AWS Bedrock": other models' streams settle "at the
+    `amazon-bedrock-invocationMetrics` of the last chunk" (a Titan stream as boto3 reads it)."""
+    port, _ = env.start([{"name": "tpm", "tokens": BIG, "window": LONG}])
+    client = bedrock(port, "AKIDTITANSTREAM", headers={"x-mock-chunk-delay-ms": "5"})
+    reply = client.invoke_model_with_response_stream(**other_invoke_args(TITAN))
+    chunks = [json.loads(event["chunk"]["bytes"]) for event in reply["body"]]
+    assert "".join(c["outputText"] for c in chunks) == " The quick brown fox jumps over the lazy dog." * 2
+    assert int(reply["ResponseMetadata"]["HTTPHeaders"]["x-llm-ratelimit-reserved-tokens"]) == DEFAULT_MAX_OUTPUT
+    metrics = chunks[-1]["amazon-bedrock-invocationMetrics"]
+    wait_level(env, "AKIDTITANSTREAM", BIG - metrics["inputTokenCount"] - metrics["outputTokenCount"])

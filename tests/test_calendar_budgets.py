@@ -13,6 +13,7 @@ midnight. Envoy's clock stays real: libfaketime cannot run Envoy (see `faked_clo
 import json
 import math
 import os
+import re
 import subprocess
 import time
 from datetime import datetime, timedelta, timezone
@@ -54,14 +55,15 @@ def calendar(stack, tmp_path):
     stack.envoy(envoy_config(listen_port=port, admin_port=free_port(), upstream_port=mock_port,
                              companion_port=companion_port, filter_config=config))
 
-    def usage():
+    def usage(as_json=True):
+        """`llm-ratelimit usage` for KEY: its `--json` limits by name, or (`as_json=False`) its table."""
         done = subprocess.run(
             [str(CLI), "usage", "--config", str(config_file), "--companion", f"http://127.0.0.1:{companion_port}",
-             "--json"],
+             *(["--json"] if as_json else [])],
             capture_output=True, text=True, timeout=60,
             env={**os.environ, "LLMRL_API_KEY": KEY, "LLMRL_ADMIN_TOKEN": ADMIN})
         assert done.returncode == 0, done.stderr
-        return {limit["name"]: limit for limit in json.loads(done.stdout)["limits"]}
+        return {limit["name"]: limit for limit in json.loads(done.stdout)["limits"]} if as_json else done.stdout
 
     return {"port": port, "redis": redis.Redis(port=redis_port), "usage": usage}
 
@@ -117,6 +119,26 @@ def test_a_monthly_budget_is_refused_until_midnight_on_the_1st_in_amsterdam(cale
     assert held["monthly"]["resets_at"] == following.isoformat()
     key = f"llmrl:{{llm:{tenant_of(KEY)}}}:cal:monthly"
     assert client.execute_command("PEXPIRETIME", key) == ms(end), "the key lives exactly until midnight"
+
+
+def test_usage_tables_full_in_is_the_local_time_of_the_periods_end_and_counts_names_the_period(calendar):
+    """README "Calendar budgets": `llm-ratelimit usage` "shows the local time in its `full
+    in` column, `counts` names the period (`tokens (calendar month (Europe/Amsterdam))`)".
+    The local time is midnight on the 1st in Amsterdam by zoneinfo, written as the CLI
+    writes local times (`2026-04-01 00:00 +02:00`, to the minute with the offset)."""
+    now = datetime.fromtimestamp(redis_now_ms(calendar["redis"]) / 1000, timezone.utc)
+    _, following = this_month_in_amsterdam(now)
+    if following - now < timedelta(minutes=2):
+        pytest.skip("the month ends within two minutes: the expected values would move under the test")
+    assert send(calendar["port"], key=KEY).status == 200
+    lines = [re.split(r" {2,}", line.strip()) for line in calendar["usage"](as_json=False).splitlines()]
+    header = next(cells for cells in lines if cells[0] == "limit")
+    rows = {cells[0]: dict(zip(header, cells)) for cells in lines if cells[0] in ("monthly", "monthly-tokens")}
+    offset = int(following.utcoffset().total_seconds()) // 60
+    local = f"{following:%Y-%m-%d %H:%M} {'+' if offset >= 0 else '-'}{abs(offset) // 60:02d}:{abs(offset) % 60:02d}"
+    for name, unit in (("monthly", "requests"), ("monthly-tokens", "tokens")):
+        assert rows[name]["counts"] == f"{unit} (calendar month (Europe/Amsterdam))", rows[name]
+        assert local in rows[name]["full in"], rows[name]
 
 
 def multiarch(pattern: str) -> Path:

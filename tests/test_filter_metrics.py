@@ -3,6 +3,7 @@ envoy/demo.yaml (whose `stats_config.stats_tags` is the bootstrap snippet the RE
 gives), then `/stats/prometheus` scraped from its admin port. Also checks that every
 metric the Grafana dashboard queries exists (the filter's against this scrape)."""
 
+import itertools
 import json
 import re
 import time
@@ -218,6 +219,83 @@ def test_the_filters_metrics_follow_prometheus_naming(traffic):
         else:
             assert kind == "gauge" and not name.endswith("_total"), (name, kind)
     assert "llm_ratelimit_queue_wait_seconds_total" in types
+
+
+def readme_table(heading: str) -> list[list[str]]:
+    """The body rows of the first table under README's `heading`, each a list of cells."""
+    section = (ROOT / "README.md").read_text().split(f"\n{heading}\n", 1)[1]
+    table = list(itertools.takewhile(lambda line: line.startswith("|"), section[section.index("\n|") + 1:].split("\n")))
+    return [[cell.strip() for cell in line.strip("|").split("|")] for line in table[2:]]
+
+
+def first_name(cell: str) -> str:
+    """The metric name a cell starts with (`llm_ratelimit_lease_bound{limit}` -> its name)."""
+    return re.match(r"`(llm_ratelimit_[a-z0-9_]+)", cell).group(1)
+
+
+def readme_metrics() -> list[tuple[str, str]]:
+    """(name, type) of every row of README's "All counters and gauges", then of the
+    labelled families of "Labelled" (which that table says are listed there)."""
+    listed = [(first_name(name), kind) for name, kind, _ in readme_table("#### All counters and gauges")]
+    return listed + [(first_name(name), "gauge" if counts.startswith("Gauge") else "counter")
+                     for name, _, counts in readme_table("#### Labelled: decisions per limit, tokens by kind")]
+
+
+@pytest.fixture(scope="module")
+def scraped_types(traffic):
+    """The filter's `# TYPE` lines of the traffic Envoy and of one more in lease mode (the
+    only mode with `lease_bound`), once every name README lists shows (10 s at most)."""
+    backend = traffic["backend"]
+    lease_admin = free_port()
+    lease_port = backend.envoy(backend.filter_config(LIMITS, lease={"enabled": True}), name="envoy-lease",
+                               admin_port=lease_admin)[0]
+    assert send(lease_port, key="sk-metrics-lease").status == 200
+    listed = {name for name, _ in readme_metrics()}
+    deadline = time.monotonic() + 10
+    while not listed <= set(types := {**metric_types(traffic["admin_port"]), **metric_types(lease_admin)}) \
+            and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return {name: kind for name, kind in types.items() if name.startswith("llm_ratelimit_")}, lease_admin
+
+
+def test_every_metric_the_readme_lists_is_scraped_with_its_type_and_no_other(traffic, scraped_types):
+    """README "All counters and gauges" (with the labelled families): each name in a real
+    Envoy's `/stats/prometheus` with the type and the labels the table states, and no
+    other `llm_ratelimit_*` name."""
+    types, lease_admin = scraped_types
+    listed = readme_metrics()
+    assert len(listed) >= 20, listed
+    assert [(name, types.get(name)) for name, _ in listed] == listed
+    assert sorted(set(types) - {name for name, _ in listed}) == [], "scraped, but not in README's table"
+    samples = {**traffic["samples"], **scrape(lease_admin)}
+    for cell, _, _ in readme_table("#### All counters and gauges"):
+        stated = set(re.findall(r"[a-z_]+", cell.split("{")[1])) if "{" in cell else set()
+        found = series_of(samples, first_name(cell))
+        assert found and all(set(labels) == stated for labels in found), (cell, found)
+
+
+def test_the_upgrade_tables_new_names_are_scraped_and_its_old_ones_are_gone(traffic, scraped_types):
+    """README "Upgrading: metric names": every right-hand name is scraped, no left-hand
+    one is (a `<limit>` or `<rule>` in it stands for each of the config's limits and
+    rules, the rule also as the old names spelt it, `.` as `_`); and `/stats` has
+    `wasmcustom.llm_ratelimit_<name>_total`, never `wasmcustom.llm_ratelimit.<name>`."""
+    types, lease_admin = scraped_types
+    rows = [(old, new) for old, new in readme_table("#### Upgrading: metric names") if old.startswith("`llm_ratelimit_")]
+    assert len(rows) >= 19, rows
+    assert sorted({first_name(new) for _, new in rows} - set(types)) == []
+    rules = {s["model_rule"] for s in series_of(traffic["samples"], "llm_ratelimit_tokens_total")}
+    stand_ins = {"<limit>": [limit["name"] for limit in LIMITS], "<rule>": rules | {r.replace(".", "_") for r in rules}}
+    old_names = set()
+    for old, _ in rows:
+        name = old.strip("`")
+        placeholder = next((p for p in stand_ins if p in name), None)
+        old_names |= {name.replace(placeholder, value) for value in stand_ins[placeholder]} if placeholder else {name}
+    scraped = {name for name, _ in traffic["samples"]} | set(types)
+    assert sorted(old_names & scraped) == []
+    for admin in (traffic["admin_port"], lease_admin):
+        stats = http_get(f"http://127.0.0.1:{admin}/stats?filter=llm_ratelimit", timeout=5)[1].decode()
+        assert "wasmcustom.llm_ratelimit." not in stats
+        assert "wasmcustom.llm_ratelimit_requests_allowed_total: " in stats
 
 
 def test_the_readmes_bootstrap_snippet_is_the_demos():

@@ -15,7 +15,7 @@ import time
 import pytest
 import redis
 
-from stack import chat, envoy_config, free_port, redis_key, send, tenant_of, wait_until
+from stack import chat, envoy_config, filter_metric, free_port, redis_key, send, tenant_of, wait_until
 
 TOKEN = "pools-test-token-0123"
 ADMIN = "pools-admin-credential"
@@ -47,7 +47,8 @@ class Setup:
         ]
         _, self.mock_port = stack.mock()
 
-    def envoy(self, limits: list[dict], name: str = "envoy", companion: int = 0, **options) -> int:
+    def envoy(self, limits: list[dict], name: str = "envoy", companion: int = 0, admin: int | None = None,
+              **options) -> int:
         config = {
             "companion": {"upstream": "llm_ratelimit_companion", "token": TOKEN, "timeout": "2s"},
             "failure_mode": "deny",
@@ -56,7 +57,7 @@ class Setup:
         }
         port = free_port()
         self.stack.envoy(
-            envoy_config(listen_port=port, admin_port=free_port(), upstream_port=self.mock_port,
+            envoy_config(listen_port=port, admin_port=admin or free_port(), upstream_port=self.mock_port,
                          companion_port=self.companion_ports[companion], filter_config=config),
             name=name,
         )
@@ -141,10 +142,28 @@ def test_a_shadow_limit_is_charged_and_counted_but_refuses_nothing(setup):
         {"name": "key", "requests": 10, "window": WINDOW},
         {"name": "trial", "requests": 2, "window": WINDOW, "per": "all", "mode": "shadow"},
     ]
-    port = setup.envoy(limits)
+    admin = free_port()
+    port = setup.envoy(limits, admin=admin)
     assert [send(port, key="sk-shadow").status for _ in range(4)] == [200] * 4
     assert setup.level(tenant_of("sk-shadow"), "key") == pytest.approx(6, abs=0.05)
     assert setup.level("all", "trial") == pytest.approx(-2, abs=0.05), "charged as if enforced"
+    # README "Shared pools": `decision="shadow"` counts the requests it would have
+    # refused, the two past its 2; each of the four counts once under the limit.
+    trial = lambda decision: filter_metric(admin, "llm_ratelimit_decisions_total", limit="trial", decision=decision) or 0
+    wait_until(lambda: trial("allowed") + trial("shadow") == 4, 5, "the four requests counted under trial")
+    assert (trial("allowed"), trial("shadow"), trial("limited")) == (2, 2, 0)
+
+
+def test_a_shadow_output_limit_does_not_clamp_max_tokens(stack):
+    """README "Shared pools" / `limits[].mode`: a shadow limit "refuses nothing (nor clamps
+    a completion allowance)". With clamping on and a shadow output limit of 100, a request
+    asking 600 reaches the upstream with its 600 (the mock completes min(asked, max_tokens))."""
+    setup = Setup(stack, "single")
+    limits = [{"name": "otpm-trial", "tokens": 100, "window": WINDOW, "count": "output", "mode": "shadow"}]
+    port = setup.envoy(limits, tokens={"clamp_max_tokens": True, "min_output_tokens": 10})
+    reply = send(port, key="sk-shadow-clamp", body=chat(max_tokens=600), headers={"x-mock-completion-tokens": "600"})
+    assert reply.status == 200, reply.body
+    assert reply.headers["x-mock-completion-tokens"] == "600", "max_tokens reached the upstream unclamped"
 
 
 RACE_LIMITS = [

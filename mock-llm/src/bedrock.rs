@@ -11,6 +11,12 @@
 //!   `x-amzn-bedrock-*-token-count` headers;
 //! - `POST /model/{modelId}/invoke-with-response-stream`: `chunk` events whose `bytes` is
 //!   an Anthropic streaming event, base64-encoded; the last adds
+//!   `amazon-bedrock-invocationMetrics`;
+//! - invoke and invoke-with-response-stream for other models, by the family the model id
+//!   names (`Family`): Amazon Titan's `inputText` (cap `textGenerationConfig.maxTokenCount`),
+//!   Meta Llama's `prompt` (cap `max_gen_len`), Mistral's `prompt` (cap `max_tokens`),
+//!   answered in that model's own JSON (Titan's `inputTextTokenCount` and `results`, Llama's
+//!   `generation` and token counts, Mistral's `outputs`) and stream chunks, the last with
 //!   `amazon-bedrock-invocationMetrics`.
 //!
 //! Every event-stream message carries `:event-type`, `:content-type` and `:message-type`
@@ -57,6 +63,47 @@ impl Operation {
             "invoke-with-response-stream" => Operation::InvokeStream,
             _ => return None,
         })
+    }
+}
+
+/// Whose body an invoke carries, by the model id: Anthropic's messages, or another
+/// provider's own body, which Bedrock passes to the model as it is.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Family {
+    Anthropic,
+    Titan,
+    Llama,
+    Mistral,
+}
+
+impl Family {
+    fn of(model: &str) -> Family {
+        if model.contains("amazon.titan-text") {
+            Family::Titan
+        } else if model.contains("meta.llama") {
+            Family::Llama
+        } else if model.contains("mistral.") {
+            Family::Mistral
+        } else {
+            Family::Anthropic
+        }
+    }
+
+    /// The field holding the prompt's text (Anthropic's: its messages).
+    fn prompt_field(self) -> &'static str {
+        match self {
+            Family::Titan => "inputText",
+            Family::Anthropic => "messages",
+            Family::Llama | Family::Mistral => "prompt",
+        }
+    }
+
+    fn max_tokens(self, request: &Value) -> Option<u64> {
+        match self {
+            Family::Anthropic | Family::Mistral => request["max_tokens"].as_u64(),
+            Family::Titan => request["textGenerationConfig"]["maxTokenCount"].as_u64(),
+            Family::Llama => request["max_gen_len"].as_u64(),
+        }
     }
 }
 
@@ -112,23 +159,31 @@ pub async fn handle(
             )
         }
     };
-    let anthropic = matches!(operation, Operation::Invoke | Operation::InvokeStream);
-    if anthropic && (request.get("model").is_some() || !request["anthropic_version"].is_string()) {
+    let invoke = matches!(operation, Operation::Invoke | Operation::InvokeStream);
+    let family = if invoke { Family::of(&model) } else { Family::Anthropic };
+    if invoke
+        && family == Family::Anthropic
+        && (request.get("model").is_some() || !request["anthropic_version"].is_string())
+    {
         return error(StatusCode::BAD_REQUEST, "ValidationException", "Malformed input request: #: required key [anthropic_version] not found, or extraneous key [model] is not permitted, please reformat your input and try again.");
     }
-    if !request["messages"].is_array() {
+    let field = family.prompt_field();
+    let has_prompt = if family == Family::Anthropic { request[field].is_array() } else { request[field].is_string() };
+    if !has_prompt {
         return error(
             StatusCode::BAD_REQUEST,
             "ValidationException",
-            "Malformed input request: #: required key [messages] not found, please reformat your input and try again.",
+            &format!("Malformed input request: #: required key [{field}] not found, please reformat your input and try again."),
         );
     }
     if let Some(status) = forced_error(&headers) {
         return error(status, error_type_of(status), "The mock was asked to fail this request.");
     }
     let max_tokens =
-        if anthropic { request["max_tokens"].as_u64() } else { request["inferenceConfig"]["maxTokens"].as_u64() };
-    let mut plan = mock.plan(&headers, &request, body.len(), max_tokens);
+        if invoke { family.max_tokens(&request) } else { request["inferenceConfig"]["maxTokens"].as_u64() };
+    // Another family's prompt is one text: counted as one message's would be.
+    let counted = if family == Family::Anthropic { request.clone() } else { json!({"messages": [request[field]]}) };
+    let mut plan = mock.plan(&headers, &counted, body.len(), max_tokens);
     plan.model = model;
     let exception = headers.get("x-mock-stream-exception").and_then(|v| v.to_str().ok()).map(str::to_string);
     let response = match operation {
@@ -139,9 +194,12 @@ pub async fn handle(
         Operation::ConverseStream => paced(converse_events(&plan, exception.as_deref()), &plan),
         Operation::Invoke => {
             pause(plan.first_delay).await;
-            invoke_reply(&plan)
+            invoke_reply(&plan, family)
         }
-        Operation::InvokeStream => paced(invoke_events(&plan, exception.as_deref()), &plan),
+        Operation::InvokeStream if family == Family::Anthropic => {
+            paced(invoke_events(&plan, exception.as_deref()), &plan)
+        }
+        Operation::InvokeStream => paced(other_invoke_events(family, &plan, exception.as_deref()), &plan),
     };
     with_usage(response, &plan)
 }
@@ -176,13 +234,33 @@ fn anthropic_usage(plan: &Plan, output: u64) -> Value {
     json!({"input_tokens": plan.prompt_tokens, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0, "output_tokens": output})
 }
 
-fn invoke_reply(plan: &Plan) -> Response {
-    let body = json!({
-        "id": format!("msg_bdrk_mock{:012}", plan.id), "type": "message", "role": "assistant", "model": plan.model,
-        "content": [{"type": "text", "text": completion_text(plan.completion_tokens).concat()}],
-        "stop_reason": stop_reason(plan), "stop_sequence": null,
-        "usage": anthropic_usage(plan, plan.completion_tokens)
-    });
+/// The stop reason as each other family spells it: Titan's `completionReason`, Llama's
+/// and Mistral's `stop_reason`.
+fn other_stop_reason(family: Family, plan: &Plan) -> &'static str {
+    match (family, plan.truncated) {
+        (Family::Titan, true) => "LENGTH",
+        (Family::Titan, false) => "FINISHED",
+        (_, true) => "length",
+        (_, false) => "stop",
+    }
+}
+
+fn invoke_reply(plan: &Plan, family: Family) -> Response {
+    let text = completion_text(plan.completion_tokens).concat();
+    let (prompt, completion) = (plan.prompt_tokens, plan.completion_tokens);
+    let body = match family {
+        Family::Anthropic => json!({
+            "id": format!("msg_bdrk_mock{:012}", plan.id), "type": "message", "role": "assistant", "model": plan.model,
+            "content": [{"type": "text", "text": text}],
+            "stop_reason": stop_reason(plan), "stop_sequence": null,
+            "usage": anthropic_usage(plan, plan.completion_tokens)
+        }),
+        Family::Titan => json!({"inputTextTokenCount": prompt, "results": [
+            {"tokenCount": completion, "outputText": text, "completionReason": other_stop_reason(family, plan)}]}),
+        Family::Llama => json!({"generation": text, "prompt_token_count": prompt,
+            "generation_token_count": completion, "stop_reason": other_stop_reason(family, plan)}),
+        Family::Mistral => json!({"outputs": [{"text": text, "stop_reason": other_stop_reason(family, plan)}]}),
+    };
     let mut response = (
         StatusCode::OK,
         [("content-type", "application/json"), ("x-amzn-requestid", "mock-request")],
@@ -296,6 +374,34 @@ fn invoke_events(plan: &Plan, exception_type: Option<&str>) -> Vec<Bytes> {
         "invocationLatency": 1, "firstByteLatency": 1}}),
         5,
     ));
+    events
+}
+
+/// invoke-with-response-stream for another family: a chunk per token in the model's own
+/// shape (`first` carries the prompt's count where the model reports it), then a last
+/// chunk with the stop reason and `amazon-bedrock-invocationMetrics`.
+fn other_invoke_events(family: Family, plan: &Plan, exception_type: Option<&str>) -> Vec<Bytes> {
+    let piece = |text: &str, generated: u64, stop: Option<&str>| match family {
+        Family::Titan => json!({"outputText": text, "index": 0,
+            "totalOutputTextTokenCount": stop.map(|_| plan.completion_tokens), "completionReason": stop,
+            "inputTextTokenCount": (generated <= 1).then_some(plan.prompt_tokens)}),
+        Family::Llama => json!({"generation": text,
+            "prompt_token_count": (generated <= 1).then_some(plan.prompt_tokens),
+            "generation_token_count": generated, "stop_reason": stop}),
+        _ => json!({"outputs": [{"text": text, "stop_reason": stop}]}),
+    };
+    let mut events = Vec::new();
+    for (i, word) in completion_text(plan.completion_tokens).into_iter().enumerate() {
+        events.push(chunk(piece(word, i as u64 + 1, None), i));
+        if let Some(kind) = exception_type {
+            events.push(exception(kind));
+            return events;
+        }
+    }
+    let mut last = piece("", plan.completion_tokens, Some(other_stop_reason(family, plan)));
+    last["amazon-bedrock-invocationMetrics"] = json!({"inputTokenCount": plan.prompt_tokens,
+        "outputTokenCount": plan.completion_tokens, "invocationLatency": 1, "firstByteLatency": 1});
+    events.push(chunk(last, events.len()));
     events
 }
 

@@ -183,6 +183,9 @@ pub struct RequestFilter {
     /// Whether a request header set now still chooses the route: not once the headers
     /// went ahead without waiting for the decision.
     route_open: bool,
+    /// Shadow mode: enforcement would have sent this refused request to its limits'
+    /// overflow backend instead (what its shadow header says).
+    shadow_overflow: bool,
 }
 
 /// A request's part in what the provider says of its limits.
@@ -231,6 +234,7 @@ impl RequestFilter {
             provider: ProviderSide::default(),
             overflow: None,
             route_open: true,
+            shadow_overflow: false,
         }
     }
 
@@ -598,6 +602,11 @@ impl RequestFilter {
         if !self.can_overflow(config) {
             return None;
         }
+        self.overflow_backend(config, reply)
+    }
+
+    /// The backend of the limits that refused in `reply`, if every one of them overflows.
+    fn overflow_backend(&self, config: &Policy, reply: &LimitsReply) -> Option<String> {
         let relevant = self.relevant(reply);
         let refusing = relevant.limits.iter().filter(|o| o.status != LimitStatus::Allowed).map(|o| o.name.as_str());
         let mut backends =
@@ -1027,6 +1036,10 @@ impl RequestFilter {
             if let Some(backend) = self.overflow_target(config, &reply) {
                 return self.recharge(host, worker, config, &reply, &backend, now);
             }
+            self.shadow_overflow = config.mode == Mode::Shadow
+                && self.overflow.is_none()
+                && self.route_open
+                && self.overflow_backend(config, &reply).is_some();
             self.count_refusal(host, config, &reply);
             if self.ask == Ask::Lease {
                 // Later requests that need as much are refused here until the retry time.
@@ -1255,7 +1268,8 @@ impl RequestFilter {
                     .into_iter()
                     .filter(|(name, _)| *name != "retry-after" && !answers::belongs_to_the_error(name))
                     .collect();
-                headers.push((SHADOW_HEADER, reply.status.to_string()));
+                let would = if self.shadow_overflow { "overflow".to_string() } else { reply.status.to_string() };
+                headers.push((SHADOW_HEADER, would));
                 Verdict::Forward(headers)
             }
             other => other,

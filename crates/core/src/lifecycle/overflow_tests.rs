@@ -166,3 +166,29 @@ fn while_the_provider_refuses_a_request_goes_to_its_overflow_and_hears_the_fallb
     let other = proxy.send(Request::chat("sk-b", BODY), &mut companion);
     assert_eq!(request_header(&other, HEADER), None);
 }
+
+/// Shadow mode refuses nothing, so nothing overflows; a request enforcement would have
+/// sent to its overflow backend says so in its shadow header (`overflow`, not the 429 it
+/// never would have got), one with no overflow to go to says 429.
+#[test]
+fn in_shadow_mode_nothing_overflows_and_the_shadow_header_says_where_it_would_have_gone() {
+    for kind in [HostKind::Envoy, HostKind::Nginx] {
+        let world = World::new(kind);
+        let mut proxy = Proxy::new(&world, &config(json!({"mode": "shadow"})));
+        let mut companion = FakeCompanion::default();
+        let shadow = |proxy: &mut Proxy, companion: &mut FakeCompanion, body: &str| {
+            let mut flight = proxy.send(Request::chat("sk-a", body), companion);
+            assert!(flight.forwarded(), "{kind:?}");
+            assert_eq!(request_header(&flight, HEADER), None, "{kind:?}: nothing overflows");
+            proxy.reply(&mut flight, 200, "application/json", &[&usage_reply(5, 5)]);
+            flight.host.response_header_value("x-llm-ratelimit-shadow").map(str::to_string)
+        };
+        let marks: Vec<Option<String>> = (0..4).map(|_| shadow(&mut proxy, &mut companion, BODY)).collect();
+        assert_eq!(marks, [None, None, Some("overflow".into()), Some("overflow".into())], "{kind:?}");
+        // A limit without an overflow: enforcement would have answered 429.
+        let limits = json!([{"name": "rpm", "requests": 1, "window": "1m"}]);
+        let mut proxy = Proxy::new(&world, &super::tests::config(limits, json!({"mode": "shadow"})));
+        let marks: Vec<Option<String>> = (0..2).map(|_| shadow(&mut proxy, &mut companion, BODY)).collect();
+        assert_eq!(marks, [None, Some("429".into())], "{kind:?}");
+    }
+}
