@@ -596,17 +596,13 @@ impl RequestFilter {
         }
     }
 
-    /// The backend a refusal in `reply` sends this request to: that of the first limit
-    /// that refused, when every limit that refused overflows (one that does not refuses).
+    /// The backend a refusal in `reply` sends this request to (in shadow mode: would send
+    /// it to): that of the first limit that refused, when every limit that refused
+    /// overflows (one that does not refuses), and the route can still change.
     fn overflow_target(&self, config: &Policy, reply: &LimitsReply) -> Option<String> {
-        if !self.can_overflow(config) {
+        if self.overflow.is_some() || !self.route_open {
             return None;
         }
-        self.overflow_backend(config, reply)
-    }
-
-    /// The backend of the limits that refused in `reply`, if every one of them overflows.
-    fn overflow_backend(&self, config: &Policy, reply: &LimitsReply) -> Option<String> {
         let relevant = self.relevant(reply);
         let refusing = relevant.limits.iter().filter(|o| o.status != LimitStatus::Allowed).map(|o| o.name.as_str());
         let mut backends =
@@ -1034,12 +1030,11 @@ impl RequestFilter {
         if !reply.allowed {
             self.admission = None; // nothing was charged
             if let Some(backend) = self.overflow_target(config, &reply) {
-                return self.recharge(host, worker, config, &reply, &backend, now);
+                if config.mode != Mode::Shadow {
+                    return self.recharge(host, worker, config, &reply, &backend, now);
+                }
+                self.shadow_overflow = true; // refused nothing: only its mark says so
             }
-            self.shadow_overflow = config.mode == Mode::Shadow
-                && self.overflow.is_none()
-                && self.route_open
-                && self.overflow_backend(config, &reply).is_some();
             self.count_refusal(host, config, &reply);
             if self.ask == Ask::Lease {
                 // Later requests that need as much are refused here until the retry time.
