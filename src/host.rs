@@ -79,7 +79,7 @@ pub fn set_tick_period(period: Duration) {
 // this call: it is declared here to handle every answer.
 #[link(wasm_import_module = "env")]
 extern "C" {
-    pub(crate) fn proxy_set_effective_context(context_id: u32) -> u32;
+    fn proxy_set_effective_context(context_id: u32) -> u32;
 }
 
 // The VM's environment, through WASI as both hosts offer it to proxy-wasm modules (Envoy
@@ -113,10 +113,6 @@ fn read_environment() -> Vec<(String, String)> {
 }
 
 impl Host for ProxyHost {
-    fn context_id(&self) -> u32 {
-        self.context_id
-    }
-
     fn environment_variables(&mut self) -> Vec<(String, String)> {
         read_environment()
     }

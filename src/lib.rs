@@ -8,13 +8,12 @@ mod host;
 
 use host::{HostState, ProxyHost};
 use llm_ratelimit_core::effects::host::Action as CoreAction;
-use llm_ratelimit_core::lifecycle::{Phase, RequestFilter};
+use llm_ratelimit_core::lifecycle::RequestFilter;
 use llm_ratelimit_core::worker::{Worker, TICK};
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, ContextType, LogLevel};
 use std::cell::RefCell;
-use std::collections::HashMap;
-use std::rc::{Rc, Weak};
+use std::rc::Rc;
 
 proxy_wasm::main! {{
     proxy_wasm::set_log_level(LogLevel::Info);
@@ -23,7 +22,6 @@ proxy_wasm::main! {{
             context_id,
             worker: Rc::new(RefCell::new(Worker::new())),
             state: Rc::new(RefCell::new(HostState::default())),
-            waiting: Rc::new(RefCell::new(HashMap::new())),
         })
     });
 }}
@@ -35,16 +33,11 @@ fn action(action: CoreAction) -> Action {
     }
 }
 
-/// The requests of this VM waiting for a lease grant another asked for, by context: the
-/// worker says when each is due, and it is resumed from whichever callback learns it.
-type Waiting = Rc<RefCell<HashMap<u32, Weak<RefCell<RequestFilter>>>>>;
-
 /// One per VM: holds the worker every request of this VM borrows.
 struct Root {
     context_id: u32,
     worker: Rc<RefCell<Worker>>,
     state: Rc<RefCell<HostState>>,
-    waiting: Waiting,
 }
 
 impl Root {
@@ -53,50 +46,11 @@ impl Root {
     }
 }
 
-/// Resumes the waiting requests the worker says are due, each as the effective context
-/// (only hosts that honour the switch let requests wait: `HostKind::resumes_other_contexts`),
-/// then makes `current`'s context effective again.
-fn wake_waiters(worker: &mut Worker, waiting: &Waiting, current: &ProxyHost) {
-    let due = worker.waiters_due();
-    if due.is_empty() {
-        return;
-    }
-    let mut not_now = Vec::new();
-    for context_id in due {
-        let Some(filter) = waiting.borrow_mut().remove(&context_id).and_then(|weak| weak.upgrade()) else {
-            continue; // its stream is gone
-        };
-        // Busy (a re-entrant callback) or not switchable to now: due again at the
-        // next callback or tick, never dropped (it would wait until the stream's timeout).
-        let Ok(mut waiter) = filter.try_borrow_mut() else {
-            waiting.borrow_mut().insert(context_id, Rc::downgrade(&filter));
-            not_now.push(context_id);
-            continue;
-        };
-        // SAFETY: a plain host call taking an integer; any status is handled.
-        if unsafe { host::proxy_set_effective_context(context_id) } != 0 {
-            drop(waiter);
-            waiting.borrow_mut().insert(context_id, Rc::downgrade(&filter));
-            not_now.push(context_id);
-            continue;
-        }
-        let mut host = ProxyHost { context_id, root_id: current.root_id, state: current.state.clone() };
-        waiter.on_lease_news(&mut host, worker);
-        if waiter.phase() == Phase::AwaitingLease {
-            waiting.borrow_mut().insert(context_id, Rc::downgrade(&filter));
-        }
-    }
-    // SAFETY: as above.
-    unsafe { host::proxy_set_effective_context(current.context_id) };
-    worker.due_again(not_now);
-}
-
 impl Context for Root {
     fn on_http_call_response(&mut self, token: u32, _headers: usize, body_size: usize, _trailers: usize) {
         let mut host = self.host();
         if let Ok(mut worker) = self.worker.try_borrow_mut() {
             worker.on_callout_response(&mut host, token, body_size);
-            wake_waiters(&mut worker, &self.waiting, &host);
         }
     }
 }
@@ -128,7 +82,6 @@ impl RootContext for Root {
         let mut host = self.host();
         if let Ok(mut worker) = self.worker.try_borrow_mut() {
             worker.on_tick(&mut host);
-            wake_waiters(&mut worker, &self.waiting, &host);
         }
         self.state.borrow_mut().flush_metrics();
     }
@@ -137,8 +90,7 @@ impl RootContext for Root {
         // The SDK panics on None; a VM whose config was refused gets pass-through contexts.
         let filter = self.worker.try_borrow().map_or_else(|_| RequestFilter::pass_through(), |w| RequestFilter::on(&w));
         let host = ProxyHost { context_id, root_id: self.context_id, state: self.state.clone() };
-        let filter = Rc::new(RefCell::new(filter));
-        Some(Box::new(Http { filter, host, worker: self.worker.clone(), waiting: self.waiting.clone() }))
+        Some(Box::new(Http { filter, host, worker: self.worker.clone() }))
     }
 
     fn get_type(&self) -> Option<ContextType> {
@@ -147,34 +99,17 @@ impl RootContext for Root {
 }
 
 struct Http {
-    /// Shared with `Waiting` while the request waits for a lease grant.
-    filter: Rc<RefCell<RequestFilter>>,
+    filter: RequestFilter,
     host: ProxyHost,
     worker: Rc<RefCell<Worker>>,
-    waiting: Waiting,
 }
 
 impl Http {
-    /// Runs `f` with the worker, then resumes the waiters it made due; a re-entrant
-    /// callback (the worker or the filter already borrowed) passes the stream on rather
-    /// than panic.
+    /// Runs `f` with the worker; a re-entrant callback (the worker already borrowed)
+    /// passes the stream on rather than panic.
     fn with_worker(&mut self, f: impl FnOnce(&mut RequestFilter, &mut ProxyHost, &mut Worker) -> CoreAction) -> Action {
-        let worker = self.worker.clone();
-        let (Ok(mut worker), Ok(mut filter)) = (worker.try_borrow_mut(), self.filter.try_borrow_mut()) else {
-            return Action::Continue;
-        };
-        let next = f(&mut filter, &mut self.host, &mut worker);
-        if filter.phase() == Phase::AwaitingLease {
-            self.waiting.borrow_mut().insert(self.host.context_id, Rc::downgrade(&self.filter));
-        }
-        drop(filter);
-        wake_waiters(&mut worker, &self.waiting, &self.host);
-        action(next)
-    }
-
-    fn with_filter(&mut self, f: impl FnOnce(&mut RequestFilter, &mut ProxyHost) -> CoreAction) -> Action {
-        match self.filter.try_borrow_mut() {
-            Ok(mut filter) => action(f(&mut filter, &mut self.host)),
+        match self.worker.clone().try_borrow_mut() {
+            Ok(mut worker) => action(f(&mut self.filter, &mut self.host, &mut worker)),
             Err(_) => Action::Continue,
         }
     }
@@ -199,11 +134,11 @@ impl HttpContext for Http {
     }
 
     fn on_http_request_trailers(&mut self, _trailers: usize) -> Action {
-        self.with_filter(|filter, _| filter.on_request_trailers())
+        action(self.filter.on_request_trailers())
     }
 
     fn on_http_response_headers(&mut self, _headers: usize, _end_of_stream: bool) -> Action {
-        self.with_filter(|filter, host| filter.on_response_headers(host))
+        action(self.filter.on_response_headers(&mut self.host))
     }
 
     fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
@@ -215,6 +150,5 @@ impl HttpContext for Http {
             filter.on_done(host, worker);
             CoreAction::Continue
         });
-        self.waiting.borrow_mut().remove(&self.host.context_id);
     }
 }

@@ -166,24 +166,27 @@ def redis_contents(store) -> bytes:
     return b"\n".join(parts)
 
 
-def test_api_keys_never_reach_redis_or_logs(backend):
+def test_api_keys_and_pool_header_values_never_reach_redis_or_logs(backend):
     secret = "sk-live-SECRET-0123456789"
     # The kinds of key the companion writes: buckets, a sliding window, slots,
     # reservations (a token limit), the queue, a lease.
     limits = [{"name": "rpm", "requests": 2, "window": "1m"}, {"name": "tpm", "tokens": 100_000, "window": "1m"},
               {"name": "rps", "requests": 100, "window": "1s", "algorithm": "sliding_window"},
-              {"name": "inflight", "concurrency": 5}]
+              {"name": "inflight", "concurrency": 5},
+              {"name": "team-rpm", "requests": 100, "window": "1m", "per": {"header": "x-team-id"}}]
+    team = "team-SECRET-4242"  # a pool's header value: never in clear either
     port = backend.envoy(backend.filter_config(limits, queue={"max_wait": "200ms"}))[0]
     leased = backend.envoy(backend.filter_config([{"name": "rph", "requests": 100, "window": "1h"}],
                                                  lease={"enabled": True}), name="envoy-lease")[0]
-    assert [send(port, key=secret)[0] for _ in range(3)] == [200, 200, 429]
+    assert [send(port, key=secret, headers={"x-team-id": team})[0] for _ in range(3)] == [200, 200, 429]
     assert send(port, key=None, path="/v1/messages", body=anthropic("hi", max_tokens=16),
-                headers={"x-api-key": secret + "-ant"})[0] == 200
+                headers={"x-api-key": secret + "-ant", "x-team-id": team})[0] == 200
     assert [send(leased, key=secret)[0] for _ in range(3)] == [200] * 3
     contents = redis_contents(redis.Redis(port=backend.redis_port))
     assert b":tb:" in contents and b":sw:" in contents
     assert secret.encode() not in contents and secret[3:].encode() not in contents
-    assert TOKEN.encode() not in contents
+    assert TOKEN.encode() not in contents and team.encode() not in contents
     for proc in backend.stack.processes:
         assert secret not in proc.log_path.read_text(errors="replace"), proc.name
+        assert team not in proc.log_path.read_text(errors="replace"), proc.name
         assert TOKEN not in proc.log_path.read_text(errors="replace"), proc.name

@@ -702,3 +702,40 @@ fn main() -> std::process::ExitCode {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::Args;
+    use clap::CommandFactory;
+
+    /// The README's table of the companion's flags (`| flag | environment | default | … |`):
+    /// each flag's environment variable and default are the ones the companion parses.
+    #[test]
+    fn the_readme_flag_table_states_the_defaults_and_variables_the_companion_parses() {
+        let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../README.md")).expect("README");
+        let table =
+            readme.split("| flag | environment | default | meaning |").nth(1).expect("the companion's flag table");
+        let command = Args::command();
+        let mut checked = 0;
+        for row in table.lines().skip(2).take_while(|l| l.starts_with('|')) {
+            let cells: Vec<&str> = row.split('|').map(str::trim).collect();
+            let (flags, env, default) = (cells[1], cells[2], cells[3]);
+            for (flag, env) in flags.split(", ").zip(env.split(", ")).filter(|(f, _)| !f.is_empty()) {
+                let name = flag.trim_matches('`').trim_start_matches("--");
+                let arg =
+                    command.get_arguments().find(|a| a.get_long() == Some(name)).unwrap_or_else(|| panic!("{flag}"));
+                assert_eq!(arg.get_env().and_then(|e| e.to_str()), Some(env.trim_matches('`')), "{flag}");
+                let parsed: Vec<String> =
+                    arg.get_default_values().iter().map(|v| v.to_string_lossy().into_owned()).collect();
+                match default.strip_prefix('`').and_then(|d| d.strip_suffix('`')) {
+                    Some(stated) => assert_eq!(parsed, [stated], "{flag}"),
+                    None => {
+                        assert!(parsed.is_empty(), "{flag}: the README states no default, the companion has {parsed:?}")
+                    }
+                }
+                checked += 1;
+            }
+        }
+        assert!(checked >= 15, "{checked} flags checked");
+    }
+}

@@ -23,7 +23,7 @@ use crate::protocol::{ProviderReply, PROVIDER_PATH};
 use crate::tokens::prompt_cache::PromptCache;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, HashMap};
 use std::rc::Rc;
 use std::time::Duration;
 
@@ -49,9 +49,6 @@ pub struct Worker {
     /// Lease entries (a tenant's, a pool's) this VM saw running low, with the limits each
     /// holds: renewed on the next tick.
     renewals: BTreeMap<String, Vec<usize>>,
-    /// What requests waiting for a renewal in `renewals` need of it, by config limit: the
-    /// renewal asks for at least that.
-    renewal_needs: BTreeMap<String, Vec<u64>>,
     /// Slots of the lease table this VM granted leases into, each with the time its first
     /// lease expires: what expires is returned. Bounded by the table's size.
     leased: BTreeMap<u32, u64>,
@@ -65,12 +62,6 @@ pub struct Worker {
     settling: Option<(u32, Vec<Queued>)>,
     /// Lease renewals out, by token: the entry and what was asked.
     renewing: HashMap<u32, (Holder, Vec<LeaseAsk>)>,
-    /// Requests of this VM waiting for a lease grant another asked for, by context, with
-    /// the entry each waits on. At most one per request in flight.
-    lease_waiters: BTreeMap<u32, String>,
-    /// Waiting requests to take from the lease again now: the host's glue resumes each in
-    /// its own context (`waiters_due`).
-    waiters_due: Vec<u32>,
     /// Token counts of long prompt texts this VM counted (bounded).
     pub(crate) prompt_cache: PromptCache,
     /// Tenant ids of the credentials this VM saw last (bounded).
@@ -117,7 +108,6 @@ impl Worker {
             host_kind: HostKind::default(),
             settlements: SettleQueue::new(SETTLE_QUEUE_CAPACITY),
             renewals: BTreeMap::new(),
-            renewal_needs: BTreeMap::new(),
             leased: BTreeMap::new(),
             slots: HashMap::new(),
             ids: ReservationIds::default(),
@@ -125,8 +115,6 @@ impl Worker {
             warmed_up: false,
             settling: None,
             renewing: HashMap::new(),
-            lease_waiters: BTreeMap::new(),
-            waiters_due: Vec::new(),
             prompt_cache: PromptCache::new(0),
             tenant_ids: TenantIds::new(TENANT_ID_CACHE_SLOTS),
             calibrations: LocalCalibrations::default(),
@@ -219,7 +207,6 @@ impl Worker {
         self.ticks = self.ticks.wrapping_add(1);
         let now = host.now_ms();
         if config.lease.enabled {
-            self.wake_stale_waiters(host, &config, now);
             self.renew_leases(host, &config, now);
             if self.ticks % EXPIRY_TICKS == 0 {
                 self.return_expired_leases(host, &config, now);
@@ -264,10 +251,8 @@ impl Worker {
             return;
         }
         if let Some((holder, asked)) = self.renewing.remove(&token) {
-            // Answered (or failed): the next renewal of this entry may be asked, and
-            // whoever waits for it takes again once this callback is over.
+            // Answered (or failed): the next renewal of this entry may be asked.
             lease_table::renewal_answered(host, &config, &holder);
-            self.lease_news(&holder.name);
             match callout_reply::<LimitsReply>(host, body_size) {
                 Ok(reply) if reply.allowed && reply.limits.len() == asked.len() => {
                     self.callout_succeeded(host, &config);
@@ -278,12 +263,6 @@ impl Worker {
                     let holders = std::slice::from_ref(&holder);
                     let merged = lease_table::merge(host, &config, holders, outcome, None, now);
                     self.note_leased(&merged.slots, &merged.leases, now);
-                }
-                Ok(reply) if !reply.allowed && reply.limits.len() == asked.len() => {
-                    // Refused what waiting requests need: they, and later requests needing
-                    // as much, are refused here until the retry time.
-                    let now = host.now_ms();
-                    lease_table::block_renewal(host, &config, &holder, &reply, &asked, now);
                 }
                 Ok(_) => {}
                 Err(why) => {
@@ -369,71 +348,6 @@ impl Worker {
 
     pub(crate) fn take_slots(&mut self, id: &str) -> Option<Settlement> {
         self.slots.remove(id)
-    }
-
-    /// `context` waits for the grant out for the lease entry `entry`.
-    pub(crate) fn await_lease(&mut self, context: u32, entry: String) {
-        self.lease_waiters.insert(context, entry);
-    }
-
-    /// `context` is over: it waits for nothing.
-    pub(crate) fn stop_waiting(&mut self, context: u32) {
-        self.lease_waiters.remove(&context);
-    }
-
-    /// A grant for `entry` answered: every request of this VM waiting for it is due.
-    pub(crate) fn lease_news(&mut self, entry: &str) {
-        let due: Vec<u32> = self.lease_waiters.iter().filter(|(_, e)| e.as_str() == entry).map(|(&c, _)| c).collect();
-        for context in due {
-            self.lease_waiters.remove(&context);
-            self.waiters_due.push(context);
-        }
-    }
-
-    /// The requests to resume now, each with `RequestFilter::on_lease_news` in its own
-    /// context: their grant answered (here, or in another worker, seen on the tick).
-    pub fn waiters_due(&mut self) -> Vec<u32> {
-        std::mem::take(&mut self.waiters_due)
-    }
-
-    /// Waiters the glue could not resume just now: due at its next chance.
-    pub fn due_again(&mut self, contexts: Vec<u32>) {
-        self.waiters_due.extend(contexts);
-    }
-
-    /// Waiters whose entry has no grant out any more: another worker's grant landed (its
-    /// answer wakes only that worker's waiters), or the one asked can no longer answer.
-    fn wake_stale_waiters(&mut self, host: &mut impl Host, config: &Policy, now: u64) {
-        if self.lease_waiters.is_empty() {
-            return;
-        }
-        let policy = config.lease_policy();
-        let entries: BTreeSet<String> = self.lease_waiters.values().cloned().collect();
-        for entry in entries {
-            if !lease_table::grant_out(host, config, &entry, &policy, now) {
-                self.lease_news(&entry);
-            }
-        }
-    }
-
-    /// `want_renewal`, asking at least `costs` (one per configured limit, summed over the
-    /// requests waiting) for the limits `holder` holds.
-    pub(crate) fn want_renewal_for(&mut self, holder: Holder, costs: &[u64]) {
-        let needs = self.renewal_needs.entry(holder.name.clone()).or_insert_with(|| vec![0; costs.len()]);
-        for &i in &holder.indices {
-            if let (Some(need), Some(cost)) = (needs.get_mut(i), costs.get(i)) {
-                *need = need.saturating_add(*cost);
-            }
-        }
-        self.want_renewal(holder);
-    }
-
-    /// Adds `costs` to what this VM's renewal of `entry` asks, if one waits for the next
-    /// tick (nothing if none does: a grant out is not resized).
-    pub(crate) fn add_to_pending_renewal(&mut self, entry: &str, costs: &[u64]) {
-        if let Some(indices) = self.renewals.get(entry).cloned() {
-            self.want_renewal_for(Holder { name: entry.to_string(), indices }, costs);
-        }
     }
 
     pub(crate) fn want_renewal(&mut self, holder: Holder) {
@@ -600,50 +514,29 @@ impl Worker {
         if self.renewals.is_empty() || !self.breaker(host, config).is_closed() {
             return;
         }
+        let policy = config.lease_policy();
         for (name, indices) in std::mem::take(&mut self.renewals) {
-            self.renew(host, config, Holder { name, indices }, now);
-        }
-    }
-
-    /// Hands the renewal of `entry` this VM holds for its next tick to a request that
-    /// found the entry dry: the request asks for it now, as its own callout (whose answer
-    /// comes back to it: the SDK routes an answer to the context that dispatched it), and
-    /// lifts the marker the renewal set when it answers.
-    pub(crate) fn take_renewal(&mut self, entry: &str) -> Option<Holder> {
-        let (name, indices) = self.renewals.remove_entry(entry)?;
-        self.renewal_needs.remove(entry);
-        Some(Holder { name, indices })
-    }
-
-    fn renew(&mut self, host: &mut impl Host, config: &Policy, holder: Holder, now: u64) {
-        if self.renewing.values().any(|(h, _)| h.name == holder.name) {
-            return;
-        }
-        let stored = read_own(host, config, TenantTable::Leases, &holder.name);
-        let entry = LeaseEntry::decode(stored.as_deref(), config.limits.len());
-        let held = TenantLeases(holder.indices.iter().filter_map(|&i| entry.leases.0.get(i).copied()).collect());
-        // A renewal charges nothing itself; it sizes the grant by how the lease was used,
-        // and never below what the requests waiting for it need.
-        let needs = self.renewal_needs.remove(&holder.name).unwrap_or_default();
-        let need = |i: usize| needs.get(i).copied().unwrap_or(0);
-        let charges: Vec<LimitCharge> =
-            holder.indices.iter().filter_map(|&i| Some(limit_charge(config.limits.get(i)?, need(i)))).collect();
-        let request = LeaseRequest {
-            domain: config.domain.clone(),
-            tenant: holder.name.clone(),
-            limits: lease_asks(&held, &charges, &config.lease_policy(), now),
-            share: config.lease.share,
-        };
-        match self.call_companion(host, config, LEASE_PATH, &request, config.companion.timeout, Owner::Root) {
-            Ok(token) => {
-                host.add_metric(Metric::LeaseCallouts, 1);
-                self.renewing.insert(token, (holder, request.limits));
+            if self.renewing.values().any(|(h, _)| h.name == name) {
+                continue;
             }
-            Err(why) => {
-                host.log(LogLevel::Warn, &format!("llm-ratelimit: cannot renew a lease: {why}"));
-                // None is out: whoever waits for it asks.
-                lease_table::renewal_answered(host, config, &holder);
-                self.lease_news(&holder.name);
+            let stored = read_own(host, config, TenantTable::Leases, &name);
+            let entry = LeaseEntry::decode(stored.as_deref(), config.limits.len());
+            let held = TenantLeases(indices.iter().filter_map(|&i| entry.leases.0.get(i).copied()).collect());
+            // A renewal charges nothing itself; it sizes the grant by how the lease was used.
+            let unused: Vec<LimitCharge> =
+                indices.iter().filter_map(|&i| config.limits.get(i)).map(|limit| limit_charge(limit, 0)).collect();
+            let request = LeaseRequest {
+                domain: config.domain.clone(),
+                tenant: name.clone(),
+                limits: lease_asks(&held, &unused, &policy, now),
+                share: config.lease.share,
+            };
+            match self.call_companion(host, config, LEASE_PATH, &request, config.companion.timeout, Owner::Root) {
+                Ok(token) => {
+                    host.add_metric(Metric::LeaseCallouts, 1);
+                    self.renewing.insert(token, (Holder { name, indices }, request.limits));
+                }
+                Err(why) => host.log(LogLevel::Warn, &format!("llm-ratelimit: cannot renew a lease: {why}")),
             }
         }
     }

@@ -116,17 +116,6 @@ impl Lease {
             .then(|| self.blocked_until_ms - now_ms)
     }
 
-    /// Remembers Redis refusing `cost` of this limit (`outcome`): a request needing as much
-    /// is refused here until the retry time. Whether it was refused.
-    pub fn block(&mut self, outcome: &LimitOutcome, cost: u64, now_ms: u64) -> bool {
-        let refused = outcome.status == LimitStatus::Limited && outcome.retry_after_ms > 0;
-        if refused {
-            self.blocked_until_ms = now_ms + outcome.retry_after_ms;
-            self.blocked_cost = cost as f64;
-        }
-        refused
-    }
-
     fn to_bytes(self, out: &mut Vec<u8>) {
         for value in [self.remaining, self.granted, self.global_remaining] {
             out.extend_from_slice(&value.to_le_bytes());
@@ -298,7 +287,10 @@ impl TenantLeases {
     /// limited, until its retry time.
     pub fn block(&mut self, reply: &LimitsReply, costs: &[u64], now_ms: u64) {
         for ((lease, outcome), &cost) in self.0.iter_mut().zip(&reply.limits).zip(costs) {
-            lease.block(outcome, cost, now_ms);
+            if outcome.status == LimitStatus::Limited && outcome.retry_after_ms > 0 {
+                lease.blocked_until_ms = now_ms + outcome.retry_after_ms;
+                lease.blocked_cost = cost as f64;
+            }
         }
     }
 

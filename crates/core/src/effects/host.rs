@@ -63,15 +63,6 @@ impl HostKind {
         self == HostKind::Envoy
     }
 
-    /// Whether one request's callback (or the root's) may resume another request, by making
-    /// it the effective context first. Envoy switches contexts; ngx_wasm_module's
-    /// `proxy_set_effective_context` does nothing, and a resume there acts on the request
-    /// whose callback runs. Only where this holds does a request wait for a lease grant
-    /// another request asked for (see `lease_table::DryOut`).
-    pub fn resumes_other_contexts(self) -> bool {
-        self == HostKind::Envoy
-    }
-
     /// Whether a request with a body may be decided, and resumed, before its body has been
     /// read. ngx_wasm_module starts reading the body when the headers are paused; a resume
     /// that comes first runs the content handler anyway, and the upstream gets the headers
@@ -228,9 +219,6 @@ impl Metric {
 
 /// The host, as the core sees it.
 pub trait Host {
-    /// The proxy-wasm context this host acts for (a request's, or the root's).
-    fn context_id(&self) -> u32;
-
     /// Nanoseconds since the epoch by the host's clock (0 if it will not say).
     fn now_nanos(&mut self) -> u128;
 

@@ -441,6 +441,21 @@ mod tests {
         assert_eq!(past.left[1], Some(Left { remaining: 5, reset_after_ms: 0 }), "a reset already past");
     }
 
+    /// The README: "a header value longer than 64 bytes is ignored … an error body is read
+    /// up to 16 KiB": at the edges, one byte in and one byte over.
+    #[test]
+    fn header_values_and_error_bodies_are_read_up_to_their_bounds_exactly() {
+        let padded = |len: usize| format!("{:0>len$}", "1500");
+        let waits = |len: usize| word(429, &[("retry-after-ms", &padded(len))], 0).retry_after_ms;
+        assert_eq!(waits(64), Some(1500), "64 bytes are read");
+        assert_eq!(waits(65), None, "65 bytes are ignored");
+        let json =
+            r#"{"error": {"details": [{"@type": "type.googleapis.com/google.rpc.RetryInfo", "retryDelay": "2s"}]}}"#;
+        let body = |len: usize| format!("{}{json}", " ".repeat(len - json.len())).into_bytes();
+        assert_eq!(retry_info_ms(&body(16 * 1024)), Some(2000), "a body of 16 KiB is read whole");
+        assert_eq!(retry_info_ms(&body(16 * 1024 + 1)), None, "one byte more: its end is not read");
+    }
+
     #[test]
     fn google_retry_info_and_bedrock_throttling() {
         let body = br#"{"error": {"code": 429, "message": "Resource has been exhausted (e.g. check quota).",

@@ -304,3 +304,45 @@ fn a_calendar_budget_is_kept_locally_and_full_again_at_its_boundary() {
         assert_eq!(send(&mut workers[0], Request::chat("sk-a", CHAT)).replied().map(|r| r.status), Some(429));
     }
 }
+
+/// The README: "a settlement that arrives after its tenant's entry was replaced is
+/// dropped". A long request's entry is full again (its window refilled) while the request
+/// is in flight, so a newcomer may take its place; the request's settlement then charges
+/// nobody: neither the newcomer whose entry sits there now, nor a fresh entry of its own.
+#[test]
+fn a_settlement_after_its_entry_was_replaced_is_dropped() {
+    use crate::effects::tables::{read_own, TenantTable};
+    use crate::lifecycle::tests::tenant;
+    for kind in HOSTS {
+        let config =
+            local(json!([{"name": "tps", "tokens": 10_000, "window": "1s"}]), json!({"memory": {"tenant_slots": 16}}));
+        let (world, mut workers) = workers(kind, &config);
+        let policy = workers[0].worker.config().expect("config").clone();
+        let mut long = send(&mut workers[0], Request::chat("sk-long", CHAT));
+        assert!(long.forwarded(), "{kind:?}");
+        advance(&world, 1_100); // its bucket is full again: its entry holds nothing
+        let own =
+            |workers: &mut [Proxy; 2]| read_own(&mut workers[0].root, &policy, TenantTable::Local, &tenant("sk-long"));
+        let mut newcomers = 0;
+        while own(&mut workers).is_some() {
+            let mut flight = send(&mut workers[newcomers % 2], Request::chat(&format!("sk-new-{newcomers}"), CHAT));
+            workers[newcomers % 2].reply(&mut flight, 200, "application/json", &[&usage_reply(9, 41)]);
+            advance(&world, 100);
+            newcomers += 1;
+            assert!(newcomers < 500, "{kind:?}: the long request's entry was never replaced");
+        }
+        let slots = TenantTable::slots(&policy, &tenant("sk-long"));
+        let stored = |workers: &mut [Proxy; 2]| -> Vec<Option<Vec<u8>>> {
+            slots
+                .iter()
+                .map(|&slot| workers[0].root.shared_value(&TenantTable::Local.slot_key(&policy, slot)))
+                .collect()
+        };
+        let before = stored(&mut workers);
+        // Its reply reports far more than it reserved: a settlement that landed would show.
+        workers[0].reply(&mut long, 200, "application/json", &[&usage_reply(9, 5_000)]);
+        workers[0].tick(None);
+        assert_eq!(stored(&mut workers), before, "{kind:?}: nobody's entry changed");
+        assert!(own(&mut workers).is_none(), "{kind:?}: nor was an entry made for it");
+    }
+}

@@ -15,7 +15,7 @@ use crate::api::identity::{read_credential, tenant_id, Credential, IdentitySourc
 use crate::config::{FailureMode, Measure, MissingIdentity, Mode, Policy, Store, UnknownPaths, UnreadableBody};
 use crate::effects::calibration_store::LocalCalibrations;
 use crate::effects::host::{shared_update, Action, Host, LogLevel, Metric, Owner};
-use crate::effects::lease_table::{self, DryOut, Hold, Holder, Taken};
+use crate::effects::lease_table::{self, Hold, Holder, Taken};
 use crate::effects::provider_state::{self, Judgement, ProviderState};
 use crate::effects::provider_word::{self, ProviderWord};
 use crate::effects::tables::{queued_slot, read_average, update_average, update_own, TenantTable};
@@ -67,9 +67,6 @@ pub enum Phase {
     ReadingBody,
     /// A callout is out; the request waits.
     Deciding,
-    /// Lease mode: the lease ran dry while a grant for it is out (another request's, or
-    /// a renewal); the request waits for it, then takes from the lease again.
-    AwaitingLease,
     /// Admitted and sent upstream.
     Forwarded,
     /// Answered by the filter.
@@ -104,23 +101,11 @@ enum Admission {
     Charged,
 }
 
-/// Where a request is decided from.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Resumed {
-    /// In one of its own callbacks: it may send callouts, whose answers come back to it.
-    InOwnCallback,
-    /// Woken while waiting for a lease grant, from another context's callback: it is
-    /// paused, and may send no callout (see `wait_for_renewal`).
-    Woken,
-}
-
 /// What the lease has to say about a request (lease mode).
 enum FromLease {
     Decided(Verdict),
     AskForLease,
     ChargeDirectly,
-    /// Wait for the grant out for this entry.
-    Await(String),
 }
 
 /// Reads the reply for its usage.
@@ -176,9 +161,6 @@ pub struct RequestFilter {
     /// Lease mode: the parts of the request its covered lease entries gave, held while a
     /// grant for the short ones is asked.
     lease_hold: Option<Hold>,
-    /// Lease mode: until when the request may wait for a grant another asked for, set
-    /// when it first waits: no longer than such a grant can be out; then it asks itself.
-    lease_wait_until: Option<u64>,
     /// Whether the headers are held while the body is read.
     holding_headers: bool,
     /// What the request's `:path` says, read once when its headers arrive; `None` for a
@@ -243,7 +225,6 @@ impl RequestFilter {
             body_len: 0,
             queued: false,
             lease_hold: None,
-            lease_wait_until: None,
             holding_headers: false,
             route: None,
             dialect: Dialect::default(),
@@ -368,14 +349,14 @@ impl RequestFilter {
             // Envoy with `allow_on_headers_stop_iteration` delivers the body while the
             // headers are held, and a Continue here would send both upstream before the
             // decision.
-            Phase::Deciding | Phase::AwaitingLease => Action::Pause,
+            Phase::Deciding => Action::Pause,
             _ => Action::Continue,
         }
     }
 
     pub fn on_request_trailers(&mut self) -> Action {
         match self.phase {
-            Phase::ReadingBody | Phase::Deciding | Phase::AwaitingLease => Action::Pause,
+            Phase::ReadingBody | Phase::Deciding => Action::Pause,
             _ => Action::Continue,
         }
     }
@@ -394,17 +375,6 @@ impl RequestFilter {
             other => other,
         };
         self.carry_out(host, verdict, true);
-    }
-
-    /// The lease grant this request waits for answered, or may no longer be out: the
-    /// request takes from the lease again, and is admitted, refused, waits on, or asks.
-    pub fn on_lease_news(&mut self, host: &mut impl Host, worker: &mut Worker) {
-        let Some(config) = self.config.clone() else { return };
-        if self.phase != Phase::AwaitingLease {
-            return;
-        }
-        let now = host.now_ms();
-        self.admit_or_ask(host, worker, &config, now, Resumed::Woken);
     }
 
     pub fn on_response_headers(&mut self, host: &mut impl Host) -> Action {
@@ -510,10 +480,6 @@ impl RequestFilter {
             self.cancel_queued(host, worker, &config);
         }
         self.leave_queue(host, &config);
-        if self.phase == Phase::AwaitingLease {
-            worker.stop_waiting(host.context_id());
-        }
-        self.lift_marks(host, worker, &config); // its grant will not be merged
         self.put_back_hold(host, &config); // the client left while a grant was asked
         self.hear_provider(host, worker, &config);
         let ending = if self.upstream_error { Ending::UpstreamError } else { Ending::Interrupted };
@@ -842,58 +808,16 @@ impl RequestFilter {
             let verdict = self.decide_in_store(host, worker, config, now);
             return self.apply(host, config, verdict, false);
         }
-        self.admit_or_ask(host, worker, config, now, Resumed::InOwnCallback)
-    }
-
-    /// Decides from the lease where it can, or sends the callout the mode calls for.
-    fn admit_or_ask(
-        &mut self,
-        host: &mut impl Host,
-        worker: &mut Worker,
-        config: &Policy,
-        now: u64,
-        run: Resumed,
-    ) -> Action {
-        let paused = run == Resumed::Woken;
         if config.lease.enabled {
             match self.admit_from_lease(host, worker, config, now) {
-                FromLease::Decided(verdict) => return self.apply(host, config, verdict, paused),
-                FromLease::AskForLease | FromLease::ChargeDirectly if run == Resumed::Woken => {
-                    return self.wait_for_renewal(host, worker, config, now);
-                }
+                FromLease::Decided(verdict) => return self.apply(host, config, verdict, false),
                 FromLease::AskForLease => self.ask = Ask::Lease,
                 FromLease::ChargeDirectly => self.ask = Ask::Charge,
-                FromLease::Await(_) if !worker.breaker(host, config).is_closed() => {
-                    // No grant can be asked while the breaker is open: nothing to wait for.
-                    self.lease_wait_until = Some(now);
-                    return self.admit_or_ask(host, worker, config, now, run);
-                }
-                FromLease::Await(entry) if run == Resumed::Woken => {
-                    // Another waiter's need set this VM's renewal of the entry going:
-                    // it asks for this request's need too.
-                    worker.add_to_pending_renewal(&entry, &self.costs());
-                    self.await_lease(worker, host.context_id(), entry, now, config);
-                    return Action::Pause;
-                }
-                FromLease::Await(entry) => match worker.take_renewal(&entry) {
-                    // The grant it would wait for is this VM's renewal, not sent yet: the
-                    // request asks for it now instead, and its answer is the renewal's.
-                    Some(renewal) => {
-                        self.ask = Ask::Lease;
-                        self.lease_hold =
-                            Some(Hold { short: self.holders(config), marked: vec![renewal], ..Hold::default() });
-                    }
-                    None => {
-                        self.await_lease(worker, host.context_id(), entry, now, config);
-                        return Action::Pause;
-                    }
-                },
             }
         }
         if worker.dispatch(host, config, now) == Dispatch::Local {
-            self.lift_marks(host, worker, config);
             let verdict = self.fail_over(host, worker, config, "circuit breaker open");
-            return self.apply(host, config, verdict, paused);
+            return self.apply(host, config, verdict, false);
         }
         match self.send(host, worker, config, now) {
             Ok(()) => {
@@ -901,58 +825,9 @@ impl RequestFilter {
                 Action::Pause
             }
             Err(why) => {
-                self.lift_marks(host, worker, config);
                 let verdict = self.callout_failed(host, worker, config, &why);
-                self.apply(host, config, verdict, paused)
+                self.apply(host, config, verdict, false)
             }
-        }
-    }
-
-    fn await_lease(&mut self, worker: &mut Worker, context: u32, entry: String, now: u64, config: &Policy) {
-        self.phase = Phase::AwaitingLease;
-        self.lease_wait_until.get_or_insert(now.saturating_add(config.lease_policy().renewal_wait_ms));
-        worker.await_lease(context, entry);
-    }
-
-    /// A woken request that its lease does not cover. It cannot send a callout of its own:
-    /// the SDK files a callout under the context whose callback runs (the root's, or the
-    /// request's whose answer woke it), so the answer would never come back to it. It has
-    /// the entries it found dry renewed for what it needs, by the root on its next tick,
-    /// and waits for that grant; past its wait, or with nothing it could wait for, it is
-    /// decided as a callout that failed.
-    fn wait_for_renewal(&mut self, host: &mut impl Host, worker: &mut Worker, config: &Policy, now: u64) -> Action {
-        let costs = self.costs();
-        let hold = self.lease_hold.take().unwrap_or_default();
-        lease_table::put_back(host, config, &hold.held, &costs, now);
-        let waited_out = self.lease_wait_until.is_some_and(|until| now >= until);
-        let first = hold.marked.first().map(|h| h.name.clone());
-        match first {
-            Some(entry) if !waited_out => {
-                for holder in hold.marked {
-                    // Its marker stays: the renewal's answer lifts it.
-                    worker.want_renewal_for(holder, &costs);
-                }
-                self.await_lease(worker, host.context_id(), entry, now, config);
-                Action::Pause
-            }
-            _ => {
-                for holder in &hold.marked {
-                    lease_table::renewal_answered(host, config, holder);
-                    worker.lease_news(&holder.name);
-                }
-                let verdict = self.callout_failed(host, worker, config, "no lease grant while the request waited");
-                self.apply(host, config, verdict, true)
-            }
-        }
-    }
-
-    /// Lifts the markers this request set on the lease entries it asks a grant for, once
-    /// that grant answers or never will: whoever waits for them takes again.
-    fn lift_marks(&mut self, host: &mut impl Host, worker: &mut Worker, config: &Policy) {
-        let Some(hold) = self.lease_hold.as_mut() else { return };
-        for holder in std::mem::take(&mut hold.marked) {
-            lease_table::renewal_answered(host, config, &holder);
-            worker.lease_news(&holder.name);
         }
     }
 
@@ -1054,13 +929,7 @@ impl RequestFilter {
     fn admit_from_lease(&mut self, host: &mut impl Host, worker: &mut Worker, config: &Policy, now: u64) -> FromLease {
         let specs = self.plan.as_ref().map(|p| p.buckets.clone()).unwrap_or_default();
         let holders = self.holders(config);
-        let policy = config.lease_policy();
-        let dry_out = if worker.host_kind().resumes_other_contexts() {
-            DryOut::Coalesce { may_wait: self.lease_wait_until.is_none_or(|until| now < until) }
-        } else {
-            DryOut::AskEach
-        };
-        match lease_table::take(host, config, &holders, &specs, &policy, dry_out, now) {
+        match lease_table::take(host, config, &holders, &specs, &config.lease_policy(), now) {
             Taken::Admitted { renew, leases, slots } => {
                 for holder in renew {
                     worker.want_renewal(holder);
@@ -1080,7 +949,6 @@ impl RequestFilter {
                 FromLease::AskForLease
             }
             Taken::Direct => FromLease::ChargeDirectly,
-            Taken::Await(entry) => FromLease::Await(entry),
         }
     }
 
@@ -1130,9 +998,6 @@ impl RequestFilter {
     }
 
     fn decide(&mut self, host: &mut impl Host, worker: &mut Worker, config: &Policy, body_size: usize) -> Verdict {
-        // Its grant answered, as whatever it answered: those waiting for it take again
-        // once it is merged (they run after this callback).
-        self.lift_marks(host, worker, config);
         let expected = self.plan.as_ref().map_or(0, |p| p.buckets.len());
         let reply = match callout_reply::<LimitsReply>(host, body_size) {
             Ok(reply) if reply.limits.len() == expected => reply,

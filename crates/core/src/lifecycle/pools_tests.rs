@@ -243,11 +243,16 @@ fn a_shared_pool_is_leased_once_per_proxy_and_charged_all_or_nothing_with_each_t
         // All or nothing: a tenant past its own limit is refused, and the pool's lease
         // gives nothing for the refusals, nor does Redis's pool counter.
         let mut admitted = 0;
+        let mut pool_left = pool_lease(&mut proxy, "all").0[1].remaining;
         while proxy.send(Request::get("sk-0", "/v1/models"), &mut companion).forwarded() {
             admitted += 1;
             assert!(admitted <= 190, "{kind:?}: sk-0 had 190 of its 200 left");
+            pool_left = pool_lease(&mut proxy, "all").0[1].remaining;
         }
         assert_eq!(admitted, 190, "{kind:?}");
+        // The first refusal was a grant asked for sk-0's lease with the pool's part held:
+        // refused, that part went back.
+        assert_eq!(pool_lease(&mut proxy, "all").0[1].remaining, pool_left, "{kind:?}: the held part given back");
         let now = proxy.now();
         let (pool_before, redis_before) =
             (pool_lease(&mut proxy, "all").0[1].remaining, companion.level("any", &upstream, now));
