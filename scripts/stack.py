@@ -93,7 +93,7 @@ def _free_ports_below_ephemeral(span: int) -> int:
     take ports below that range, so there only other listeners can collide."""
     ephemeral_low, _ = _ephemeral_range()
     high = min(ephemeral_low, 65_536) - 1 - span
-    low = 10_000 if high > 12_000 else 1_024
+    low = 10_100 if high > 12_000 else 1_024  # above the demo's fixed ports (10000 and below)
     rng = random.Random()
     for _ in range(500):
         port = rng.randint(low, high)

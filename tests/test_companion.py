@@ -550,3 +550,25 @@ def test_with_redis_stalled_a_charge_is_answered_within_twice_the_redis_timeout(
     took = [came - at for (_, _, came), at in zip(answers, sent)]
     assert max(took) <= 2 * timeout_s + slack_s, sorted(took)[-5:]
     assert max(took) > timeout_s, sorted(took)[-5:]
+
+
+def test_the_fleets_provider_words_stay_within_256_keys_whatever_is_reported(single):
+    """README (Listening to the provider): the fleet's provider words are "one Redis hash of
+    at most 256 fields". Through the companion's own endpoint, 6 exchanges of 64 reports
+    for 384 different keys leave 256 fields, and the reply names no more."""
+    from stack import redis_key
+
+    _, redis_port, port = single
+    store = redis.Redis(port=redis_port)
+    now = int(time.time() * 1000)
+    keys = [f"{i:016x}" for i in range(6 * 64)]
+    for batch in range(6):
+        reports = [{"key": key, "said_ms": now, "out_until_ms": now + 600_000, "refused": True, "probing": False,
+                    "left": [[0, 0]] * 4} for key in keys[batch * 64:(batch + 1) * 64]]
+        status, reply = call(port, {"domain": "llm", "proxy": "aaaaaaaaaaaaaaaa", "reports": reports},
+                             path="/v1/provider")
+        assert status == 200, reply
+        assert len(reply["entries"]) == min(256, (batch + 1) * 64)
+    assert store.hlen(redis_key("t1:", "llm", "provider", "prov", "words")) == 256
+    # What came first is kept; the keys beyond the bound were dropped.
+    assert {e["key"] for e in reply["entries"]} == set(keys[:256])

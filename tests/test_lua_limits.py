@@ -728,3 +728,47 @@ def test_windows_and_slots_case_table(client, case):
             assert [STATUS[status], remaining] == want[:2], f"{what}: {got}"
             assert abs(reset_after_ms - want[2]) <= 1, f"{what}: reset {reset_after_ms} vs {want[2]}"
             assert abs(retry_after_ms - want[3]) <= 1, f"{what}: retry {retry_after_ms} vs {want[3]}"
+
+
+def test_a_sliding_window_charge_reads_only_the_entries_that_expired(client):
+    """README (A complete policy): a sliding window keeps a running sum, "so a call costs
+    only the entries that expired, never a scan". With 5,000 entries in the window and 3
+    just expired, the commands an admitted charge runs (as Redis's MONITOR shows them)
+    read no range but the expired one: nothing that visits the live entries."""
+    tag = uuid.uuid4().hex
+    key = f"test:{{{tag}}}:sw:tpm"
+    window = [{"kind": "sw", "capacity": 1_000_000, "window_ms": 100_000}]
+    pipe = client.pipeline(transaction=False)
+    for _ in range(5_000):
+        pipe.eval(SCRIPT, 1, key, script_args("charge", window, [1]))
+    assert all(reply[0] == 1 for reply in pipe.execute())
+    # The three oldest entries left the window 100 s ago.
+    oldest = client.zrangebyscore(key, "(0", "+inf", start=0, num=3, withscores=True)
+    for member, score in oldest:
+        client.zadd(key, {member: score - 200_000}, xx=True)
+    marker = f"end-of-{tag}"
+    with client.monitor() as monitor:
+        other = redis.Redis(port=client.connection_pool.connection_kwargs["port"])
+        started_ms = time.time() * 1000
+        reply = other.eval(SCRIPT, 1, key, script_args("charge", window, [1]))
+        other.echo(marker)
+        commands = []
+        while True:
+            seen = monitor.next_command()
+            if marker in seen["command"]:
+                break
+            if seen.get("client_type") == "lua":
+                commands.append(seen["command"].split())
+    assert reply[0] == 1 and reply[1][2] == 1_000_000 - (5_000 - 3 + 1), reply  # the 3 expired no longer count
+    names = [c[0].upper() for c in commands]
+    assert "ZRANGEBYSCORE" in names and "ZREMRANGEBYSCORE" in names, commands
+    for command in commands:
+        name = command[0].upper()
+        assert name not in ("ZREVRANGE", "ZSCAN", "ZCOUNT", "ZCARD", "SCAN", "KEYS", "ZRANGESTORE"), command
+        if name == "ZRANGE":  # the newest entry alone (when the window is full again)
+            assert command[2:4] == ["-1", "-1"], command
+        if name in ("ZRANGEBYSCORE", "ZREMRANGEBYSCORE"):
+            # From the oldest possible entry to the window's start: only what expired.
+            low, high = command[2], float(command[3])
+            assert low == "0" and high <= started_ms - 100_000 + 5_000, command
+    assert client.zcount(key, "(0", "+inf") == 5_000 - 3 + 1

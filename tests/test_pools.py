@@ -221,3 +221,37 @@ def test_a_race_on_the_cluster_never_admits_more_than_a_pool_holds(stack, topolo
     # Refusals a race adds (a request refused while a rolled-back part held capacity):
     # with 96 requests for 30 upstream units, the upstream is spent by the end.
     assert total >= 28, f"admitted {total}: rollbacks refused more than a race should"
+
+
+def script_calls(setup) -> int:
+    """Script calls Redis has run (on every node of a cluster)."""
+    nodes = (setup.redis.get_nodes() if isinstance(setup.redis, redis.RedisCluster) else [setup.redis])
+    total = 0
+    for node in nodes:
+        client = redis.Redis(host=node.host, port=node.port) if isinstance(setup.redis, redis.RedisCluster) else node
+        stats = client.info("commandstats")
+        total += sum(stats.get(f"cmdstat_{name}", {}).get("calls", 0) for name in ("eval", "evalsha"))
+    return total
+
+
+def test_in_direct_mode_a_pool_every_request_touches_costs_no_script_call_of_its_own(setup):
+    """README (Shared pools): "In direct mode a pool every request touches costs no round
+    trip of its own": on one Redis server the key's and the pool's counters are charged in
+    the request's one script call; on a cluster the pool's hash slot takes a call of its
+    own per batch (here, one request at a time, one per request)."""
+    only_key = setup.envoy([{"name": "key", "requests": 1000, "window": WINDOW}], name="envoy-key")
+    with_pool = setup.envoy([{"name": "key", "requests": 1000, "window": WINDOW},
+                             {"name": "upstream", "requests": 1000, "window": WINDOW, "per": "all"}], name="envoy-pool")
+
+    def calls_per_request(port, key):
+        before = script_calls(setup)
+        for _ in range(10):
+            assert send(port, key=key).status == 200
+        return (script_calls(setup) - before) / 10
+
+    alone = calls_per_request(only_key, "sk-direct-alone")
+    pooled = calls_per_request(with_pool, "sk-direct-pooled")
+    assert alone == 1, alone
+    cluster = isinstance(setup.redis, redis.RedisCluster)
+    assert pooled == (2 if cluster else 1), pooled
+    assert setup.level("all", "upstream") == pytest.approx(990, abs=0.05)

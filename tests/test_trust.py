@@ -315,3 +315,71 @@ def test_the_companion_works_against_a_tls_redis_cluster_with_auth(stack, tmp_pa
                            extra=["--redis-ca-file", str(other / "ca.pem"), *tls[2:]])
     assert result.returncode != 0 and "cannot connect to Redis" in result.stderr, result.stderr
     assert "waiting for Redis" not in result.stderr
+
+
+def test_the_admin_credential_and_the_redis_password_rotate_as_the_readme_says(stack):
+    """README (Rotating credentials), each step run: the admin list holds the old and the
+    new credential while operators switch; an ACL user's second password (`ACL SETUSER
+    <user> >new`) lets companions started with either work, and once the old one is
+    removed (`<old`) a companion with it is refused at start with a clear message while
+    those on the new one go on. Every credential is read at start: each step is a restart."""
+    import redis as redis_client
+
+    acl = redis_with(stack, "--user", "default", "off",
+                     "--user", "llmrl", "on", ">old-redis-password-0123", "~llmrl:*", "+@all")
+    url = f"redis://llmrl@127.0.0.1:{acl}"
+    new_admin = "rotated-admin-credential-0123"
+    usage = {"domain": "llm", "tenant": "f" * 32, "limits": [limit(capacity=10)]}
+    # Step 1: the new admin credential added beside the old; both are served.
+    _, before = stack.companion(url, DATA, admin_token=f"{new_admin},{ADMIN}", name="companion-old-password",
+                                env={"LLMRL_REDIS_PASSWORD": "old-redis-password-0123"})
+    assert post(before, "/v1/usage", usage, ADMIN)[0] == 200
+    assert post(before, "/v1/usage", usage, new_admin)[0] == 200
+    assert charge(before, "f" * 32, 1)[1]["allowed"]
+    # The Redis password: a second one added; a companion started with the new one works
+    # beside the one still on the old.
+    operator = redis_client.Redis(port=acl, username="llmrl", password="old-redis-password-0123")
+    operator.execute_command("ACL", "SETUSER", "llmrl", ">new-redis-password-0123")
+    _, after = stack.companion(url, DATA, admin_token=new_admin, name="companion-new-password",
+                               env={"LLMRL_REDIS_PASSWORD": "new-redis-password-0123"})
+    assert charge(after, "f" * 32, 1)[1]["allowed"]
+    assert charge(before, "f" * 32, 1)[1]["allowed"]
+    # Step 3: the old admin credential is gone from the new companion's list; the old
+    # Redis password removed: a companion started with it is refused, clearly.
+    assert post(after, "/v1/usage", usage, ADMIN)[0] == 401
+    assert post(after, "/v1/usage", usage, new_admin)[1]["limits"][0]["used"] == 3
+    operator.execute_command("ACL", "SETUSER", "llmrl", "<old-redis-password-0123")
+    refused = run_companion(url, env={"LLMRL_REDIS_PASSWORD": "old-redis-password-0123"})
+    assert refused.returncode != 0 and "Redis refused the companion's credentials" in refused.stderr, refused.stderr
+    assert charge(after, "f" * 32, 1)[1]["allowed"]
+
+
+def test_the_redis_ca_rotates_through_a_bundle_of_both(stack, tmp_path):
+    """README (Rotating credentials): "put the new CA in the bundle beside the old
+    (`--redis-ca-file`), roll the companions, then switch the server's certificate". A
+    companion with the bundle trusts the server before and after the switch; one with the
+    old CA alone is refused by the new certificate, saying why."""
+    old = make_certificates((tmp_path / "old").resolve()) if (tmp_path / "old").mkdir() is None else None
+    new = make_certificates((tmp_path / "new").resolve()) if (tmp_path / "new").mkdir() is None else None
+    bundle = tmp_path / "bundle.pem"
+    bundle.write_text((old / "ca.pem").read_text() + (new / "ca.pem").read_text())
+    port = tls_redis(stack, old, "--tls-auth-clients", "no")
+    _, companion = stack.companion(f"rediss://127.0.0.1:{port}", DATA, extra=["--redis-ca-file", str(bundle)],
+                                   name="companion-bundle")
+    assert charge(companion, "a" * 32, 1)[1]["allowed"]
+    # The server switches to the certificate the new CA signed (a restart on the same port).
+    for proc in [p for p in stack.processes if p.name == f"redis-tls-{port}"]:
+        proc.stop()
+        stack.processes.remove(proc)
+    proc = stack.spawn(f"redis-tls-new-{port}", [
+        "redis-server", "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--port", "0",
+        "--tls-port", str(port), "--tls-cert-file", str(new / "server.pem"), "--tls-key-file", str(new / "server.key"),
+        "--tls-ca-cert-file", str(new / "ca.pem"), "--tls-auth-clients", "no"])
+    wait_until(lambda: socket.create_connection(("127.0.0.1", port), 1).close() is None, 10, "redis tls", proc)
+    # The companion reconnects to the new certificate without a restart of its own.
+    wait_until(lambda: charge(companion, "a" * 32, 1)[1].get("allowed"), 20, "a charge after the switch")
+    old_only = run_companion(f"rediss://127.0.0.1:{port}", extra=["--redis-ca-file", str(old / "ca.pem")])
+    assert old_only.returncode != 0 and "cannot connect to Redis" in old_only.stderr, old_only.stderr
+    bundled = stack.companion(f"rediss://127.0.0.1:{port}", DATA, extra=["--redis-ca-file", str(bundle)],
+                              name="companion-bundle-restarted")[1]
+    assert charge(bundled, "a" * 32, 1)[1]["allowed"]

@@ -69,6 +69,11 @@ impl World {
     }
 
     /// The sizes of the values stored under keys starting with `prefix`, without repeats.
+    /// How many shared-data keys start with `prefix`.
+    pub fn key_count(&self, prefix: &str) -> usize {
+        self.shared.keys().filter(|k| k.starts_with(prefix)).count()
+    }
+
     pub fn value_sizes(&self, prefix: &str) -> std::collections::BTreeSet<usize> {
         self.shared.iter().filter(|(k, _)| k.starts_with(prefix)).map(|(_, (v, _))| v.len()).collect()
     }

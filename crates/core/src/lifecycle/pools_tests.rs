@@ -307,6 +307,45 @@ fn without_the_companion_a_pool_is_counted_once_per_proxy_all_or_nothing() {
     }
 }
 
+/// README (When Redis or the companion fails): "Leases still valid keep admitting during an
+/// outage (they were paid for in Redis), a pool's lease included". With the companion
+/// away, a tenant whose own lease and the pool's are live is admitted from them, not
+/// decided locally, and the pool's lease gives what it admitted.
+#[test]
+fn a_live_pool_lease_keeps_admitting_while_the_companion_is_away() {
+    for kind in HOSTS {
+        let world = World::new(kind);
+        let mut value: serde_json::Value = serde_json::from_str(&config(json!([
+            {"name": "key", "requests": 1000, "window": "1m"},
+            {"name": "upstream", "requests": 10_000, "window": "1m", "per": "all"},
+        ])))
+        .expect("json");
+        value["failure_mode"] = json!("local");
+        value["lease"] = json!({"enabled": true, "ttl": "10s", "initial_fraction": 0.1, "max_fraction": 0.1});
+        let mut proxy = Proxy::new(&world, &value.to_string());
+        let mut companion = FakeCompanion::default();
+        // Seen once (a direct charge), then leased: the key's lease and the pool's.
+        for _ in 0..3 {
+            assert!(proxy.send(Request::get("sk-a", "/v1/models"), &mut companion).forwarded(), "{kind:?}");
+        }
+        let pool_before = pool_lease(&mut proxy, "all").0[1].remaining;
+        assert!(pool_before >= 10.0, "{kind:?}: the pool leased ({pool_before})");
+        let mut away = FakeCompanion::failing(503);
+        for i in 0..10 {
+            let flight = proxy.send(Request::get("sk-a", "/v1/models"), &mut away);
+            assert!(flight.forwarded(), "{kind:?}: request {i} during the outage");
+            assert!(flight.host.callouts.is_empty(), "{kind:?}: admitted from the leases, no callout");
+            assert_eq!(
+                flight.host.metric(crate::effects::host::Metric::DegradedDecisions),
+                0,
+                "{kind:?}: not degraded"
+            );
+        }
+        let pool_after = pool_lease(&mut proxy, "all").0[1].remaining;
+        assert!((pool_before - pool_after - 10.0).abs() < 1e-9, "{kind:?}: {pool_before} -> {pool_after}");
+    }
+}
+
 /// A pool with fair shares (`limits[].fair_share`): each request claims it as its tenant,
 /// weighted by its tier; a heavy tenant is held to what the light one leaves, and a
 /// request of the light one still finds room (the fake companion runs the script's rules,

@@ -713,6 +713,45 @@ fn what_one_proxy_learned_reaches_another_through_the_companion() {
 }
 
 #[test]
+fn calibrations_are_exchanged_on_the_first_tick_each_second_while_learning_and_every_30_s_idle() {
+    // The README's cadence (tokens.share_calibration), in its own figures: the exchanges
+    // a worker ticking every 50 ms sends, counted over simulated time.
+    for kind in HOSTS {
+        let world = World::new(kind);
+        let mut proxy = Proxy::new(&world, &rpm_tpm(json!({})));
+        let mut companion = FakeCompanion::default();
+        let exchanges = |c: &FakeCompanion| c.calls.get(CALIBRATION_PATH).copied().unwrap_or(0);
+        let tick_ms = crate::worker::TICK.as_millis() as u64;
+        assert_eq!(tick_ms, 50);
+        // Idle for 61 s: the first tick, then 30 s and 60 s.
+        let mut sent_at = Vec::new();
+        for step in 0..=(61_000 / tick_ms) {
+            let before = exchanges(&companion);
+            proxy.tick(Some(&mut companion));
+            if exchanges(&companion) > before {
+                sent_at.push(step * tick_ms);
+            }
+            advance(&world, tick_ms);
+        }
+        assert_eq!(sent_at, [0, 30_000, 60_000], "{kind:?}: idle");
+        // Learning (a settled reply every tick) for 3 s: one exchange a second.
+        let mut sent_at = Vec::new();
+        for step in 0..(3_000 / tick_ms) {
+            let mut flight = proxy.send(Request::chat(&format!("sk-{step}"), CHAT), &mut companion);
+            proxy.reply(&mut flight, 200, "application/json", &[&usage_reply(21, 41)]);
+            let before = exchanges(&companion);
+            proxy.tick(Some(&mut companion));
+            if exchanges(&companion) > before {
+                sent_at.push(step * tick_ms);
+            }
+            advance(&world, tick_ms);
+        }
+        // The last idle exchange went at 60 s; learning starts at 61.05 s (step 0).
+        assert_eq!(sent_at, [0, 1_000, 2_000], "{kind:?}: learning, from 61.05 s");
+    }
+}
+
+#[test]
 fn workers_reading_the_same_time_draw_different_reservation_ids() {
     // ngx_wasm_module's clock has millisecond resolution: two workers may start their
     // first requests at the same reading. Their ids must still differ, or one request's
@@ -1276,6 +1315,23 @@ fn one_tenant_holds_only_its_share_of_the_queue() {
     }
 }
 
+/// README, `queue.tenant_share`: "Tenants are counted in a fixed table of 1,024 counters
+/// (keyed hash, no key per tenant)". However many tenants queue, the proxy keeps at most
+/// 1,024 counter keys, and tenants spread over them.
+#[test]
+fn tenants_in_the_queue_are_counted_in_1024_counters_whatever_their_number() {
+    let world = World::new(HostKind::Envoy);
+    let extra = json!({"queue": {"max_wait": "5s", "max_length": 100_000, "tenant_share": 1.0}});
+    let mut proxy = Proxy::new(&world, &rpm_tpm(extra));
+    let mut waiting: Vec<_> = (0..5_000).map(|i| proxy.start(Request::chat(&format!("sk-queued-{i}"), CHAT))).collect();
+    assert!(waiting.iter().all(|f| charge_of(f).wait.is_some()), "every tenant found a place");
+    let counters = world.borrow().key_count("llmrl.queued.llm.");
+    assert!((1_000..=1_024).contains(&counters), "{counters} counter keys for 5,000 tenants");
+    for flight in &mut waiting {
+        proxy.done(flight);
+    }
+}
+
 /// A request through `proxy` answered by `companion`: whether it went upstream, and the
 /// `retry-after` of its refusal. A forwarded request is left in flight (its slot held).
 fn admit(proxy: &mut Proxy, companion: &mut FakeCompanion, key: &str) -> (crate::testing::InFlight, Option<String>) {
@@ -1445,5 +1501,22 @@ fn calls_the_filter_does_not_recognise_cost_the_unparsed_cost_or_what_the_reply_
                 assert_eq!(credits, settled_credit.into_iter().collect::<Vec<_>>(), "{kind:?} {path} {reply}");
             }
         }
+        // Gemini's Live API: a websocket opened by a GET with `Upgrade`, no body to read, and
+        // a 101 with nothing the filter reads after it: one request and the unparsed cost,
+        // never settled.
+        let world = World::new(kind);
+        let mut proxy = Proxy::new(&world, &rpm_tpm(json!({})));
+        let mut companion = FakeCompanion::default();
+        let mut live =
+            Request::get("sk-a", "/ws/google.ai.generativelanguage.v1beta.GenerativeService.BidiGenerateContent");
+        live.headers.extend([
+            ("upgrade".to_string(), "websocket".to_string()),
+            ("connection".to_string(), "Upgrade".to_string()),
+        ]);
+        let mut flight = proxy.send(live, &mut companion);
+        assert!(flight.forwarded(), "{kind:?}: the Live API");
+        assert_eq!(charge_of(&flight).limits.iter().map(|l| l.cost).collect::<Vec<_>>(), [1, 1000], "{kind:?}");
+        proxy.reply(&mut flight, 101, "", &[]);
+        assert!(settle(&mut proxy, &mut companion).is_empty(), "{kind:?}: nothing settled after a 101");
     }
 }
