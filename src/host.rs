@@ -1,16 +1,19 @@
 //! [`Host`] over the proxy-wasm ABI. Every call handles the host's status: failures are
-//! logged or surface as values, never as a panic (the SDK's trait helpers unwrap).
+//! logged or surface as values, never as a panic. What carries client or upstream bytes
+//! (header values, bodies) and the shared data go through `abi`, not the SDK's wrappers,
+//! which panic on a value that is not UTF-8 or a status they do not expect.
 
+use crate::abi::{self, HeaderPairs, SharedWrite};
 use llm_ratelimit_core::config::Policy;
 use llm_ratelimit_core::effects::host::{Host, LogLevel, Metric, Owner, SharedWriteError};
 use llm_ratelimit_core::plan::series;
 use llm_ratelimit_core::replies::reply::LocalReply;
 use proxy_wasm::hostcalls;
-use proxy_wasm::types::{BufferType, MapType, MetricType, Status};
+use proxy_wasm::types::{BufferType, MapType, MetricType};
 use std::cell::RefCell;
 use std::collections::{BTreeMap, BTreeSet};
 use std::rc::Rc;
-use std::time::{Duration, UNIX_EPOCH};
+use std::time::Duration;
 
 /// What the glue keeps per VM for the host adapter: metric ids and warnings already given.
 #[derive(Default)]
@@ -58,15 +61,61 @@ impl HostState {
     }
 }
 
-/// The host as seen from one context (a request's, or the root's).
+/// The host as seen from one context (a request's, or the root's), with what one callback
+/// has read of it: the clock, and each header map as one read. A request's lifecycle reads
+/// several headers and the time several times per callback; each read is a call into the
+/// host, which costs more than the lookup itself.
 pub struct ProxyHost {
     pub context_id: u32,
     pub root_id: u32,
     pub state: Rc<RefCell<HostState>>,
+    now: Option<u128>,
+    request_headers: Option<HeaderPairs>,
+    response_headers: Option<HeaderPairs>,
+}
+
+impl ProxyHost {
+    pub fn new(context_id: u32, root_id: u32, state: Rc<RefCell<HostState>>) -> ProxyHost {
+        ProxyHost { context_id, root_id, state, now: None, request_headers: None, response_headers: None }
+    }
+
+    /// A new callback: what was read in the last may have changed (the time has; another
+    /// filter may have changed headers in between).
+    pub fn begin_callback(&mut self) {
+        self.now = None;
+        self.request_headers = None;
+        self.response_headers = None;
+    }
+
+    /// The first value of `name`: pseudo-headers (`:path`, `:status`) read on their own,
+    /// as every host serves them; the rest from the map read once per callback.
+    fn header(&mut self, map: MapType, name: &str) -> Option<String> {
+        if name.starts_with(':') {
+            return abi::header_value(map, name).map(abi::text);
+        }
+        let pairs = self.pairs(map);
+        pairs.values(name).next().map(|value| abi::text(value.to_vec()))
+    }
+
+    fn pairs(&mut self, map: MapType) -> &HeaderPairs {
+        let slot = match map {
+            MapType::HttpResponseHeaders => &mut self.response_headers,
+            _ => &mut self.request_headers,
+        };
+        slot.get_or_insert_with(|| abi::header_pairs(map))
+    }
+
+    /// Our own write to a map: its next read asks the host again.
+    fn forget(&mut self, map: MapType) {
+        match map {
+            MapType::HttpResponseHeaders => self.response_headers = None,
+            _ => self.request_headers = None,
+        }
+    }
 }
 
 pub fn plugin_configuration() -> Vec<u8> {
-    hostcalls::get_buffer(BufferType::PluginConfiguration, 0, usize::MAX).ok().flatten().unwrap_or_default()
+    abi::buffer(BufferType::PluginConfiguration, 0, usize::MAX)
 }
 
 pub fn set_tick_period(period: Duration) {
@@ -118,61 +167,64 @@ impl Host for ProxyHost {
     }
 
     fn now_nanos(&mut self) -> u128 {
-        hostcalls::get_current_time().ok().and_then(|t| t.duration_since(UNIX_EPOCH).ok()).map_or(0, |d| d.as_nanos())
+        *self.now.get_or_insert_with(|| u128::from(abi::now_nanos()))
     }
 
     fn request_header(&mut self, name: &str) -> Option<String> {
-        hostcalls::get_map_value(MapType::HttpRequestHeaders, name).ok().flatten()
+        self.header(MapType::HttpRequestHeaders, name)
     }
 
     fn request_header_values(&mut self, name: &str) -> Vec<String> {
-        let headers = hostcalls::get_map(MapType::HttpRequestHeaders).unwrap_or_default();
-        headers.into_iter().filter(|(n, _)| n.eq_ignore_ascii_case(name)).map(|(_, v)| v).collect()
+        let pairs = self.pairs(MapType::HttpRequestHeaders);
+        pairs.values(name).map(|value| abi::text(value.to_vec())).collect()
     }
 
     fn set_request_header(&mut self, name: &str, value: &str) -> bool {
-        hostcalls::set_map_value(MapType::HttpRequestHeaders, name, Some(value)).is_ok()
+        self.forget(MapType::HttpRequestHeaders);
+        abi::replace_header(MapType::HttpRequestHeaders, name, value).is_ok()
     }
 
     fn remove_request_header(&mut self, name: &str) -> bool {
-        hostcalls::set_map_value(MapType::HttpRequestHeaders, name, None).is_ok()
+        self.forget(MapType::HttpRequestHeaders);
+        abi::remove_header(MapType::HttpRequestHeaders, name).is_ok()
     }
 
     fn response_header(&mut self, name: &str) -> Option<String> {
-        hostcalls::get_map_value(MapType::HttpResponseHeaders, name).ok().flatten()
+        self.header(MapType::HttpResponseHeaders, name)
     }
 
     fn set_response_header(&mut self, name: &str, value: &str) {
-        if let Err(status) = hostcalls::set_map_value(MapType::HttpResponseHeaders, name, Some(value)) {
-            log::warn!("llm-ratelimit: cannot set response header {name}: {status:?}");
+        self.forget(MapType::HttpResponseHeaders);
+        if let Err(status) = abi::replace_header(MapType::HttpResponseHeaders, name, value) {
+            log::warn!("llm-ratelimit: cannot set response header {name}: status {status}");
         }
     }
 
     fn request_body(&mut self, size: usize) -> Vec<u8> {
-        hostcalls::get_buffer(BufferType::HttpRequestBody, 0, size).ok().flatten().unwrap_or_default()
+        abi::buffer(BufferType::HttpRequestBody, 0, size)
     }
 
     fn replace_request_body(&mut self, size: usize, body: &[u8]) -> bool {
-        hostcalls::set_buffer(BufferType::HttpRequestBody, 0, size, body).is_ok()
+        abi::set_buffer(BufferType::HttpRequestBody, 0, size, body).is_ok()
     }
 
     fn response_body(&mut self, size: usize) -> Vec<u8> {
-        hostcalls::get_buffer(BufferType::HttpResponseBody, 0, size).ok().flatten().unwrap_or_default()
+        abi::buffer(BufferType::HttpResponseBody, 0, size)
     }
 
     fn replace_response_body(&mut self, size: usize, body: &[u8]) -> bool {
-        hostcalls::set_buffer(BufferType::HttpResponseBody, 0, size, body).is_ok()
+        abi::set_buffer(BufferType::HttpResponseBody, 0, size, body).is_ok()
     }
 
     fn shared_get(&mut self, key: &str) -> (Option<Vec<u8>>, Option<u32>) {
-        hostcalls::get_shared_data(key).unwrap_or((None, None))
+        abi::shared_data(key)
     }
 
     fn shared_set(&mut self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), SharedWriteError> {
-        match hostcalls::set_shared_data(key, Some(value), cas) {
-            Ok(()) => Ok(()),
-            Err(Status::CasMismatch) => Err(SharedWriteError::CasMismatch),
-            Err(status) => Err(SharedWriteError::Refused(format!("{status:?}"))),
+        match abi::set_shared_data(key, value, cas) {
+            SharedWrite::Written => Ok(()),
+            SharedWrite::CasMismatch => Err(SharedWriteError::CasMismatch),
+            SharedWrite::Refused(status) => Err(SharedWriteError::Refused(format!("status {status}"))),
         }
     }
 
@@ -204,24 +256,23 @@ impl Host for ProxyHost {
     }
 
     fn callout_status(&mut self) -> Option<u32> {
-        hostcalls::get_map_value(MapType::HttpCallResponseHeaders, ":status").ok().flatten()?.parse().ok()
+        abi::text(abi::header_value(MapType::HttpCallResponseHeaders, ":status")?).parse().ok()
     }
 
     fn callout_body(&mut self, size: usize) -> Vec<u8> {
-        hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, size).ok().flatten().unwrap_or_default()
+        abi::buffer(BufferType::HttpCallResponseBody, 0, size)
     }
 
     fn resume_request(&mut self) {
-        if let Err(status) = hostcalls::resume_http_request() {
-            log::warn!("llm-ratelimit: cannot resume the request: {status:?}");
+        if let Err(status) = abi::continue_request() {
+            log::warn!("llm-ratelimit: cannot resume the request: status {status}");
         }
     }
 
     fn send_reply(&mut self, reply: &LocalReply) {
         let headers: Vec<(&str, &str)> = reply.headers.iter().map(|(n, v)| (*n, v.as_str())).collect();
-        let body = (!reply.body.is_empty()).then_some(reply.body.as_bytes());
-        if let Err(status) = hostcalls::send_http_response(reply.status, headers, body) {
-            log::warn!("llm-ratelimit: cannot send the local reply: {status:?}");
+        if let Err(status) = abi::send_local_response(reply.status, &headers, reply.body.as_bytes()) {
+            log::warn!("llm-ratelimit: cannot send the local reply: status {status}");
         }
     }
 

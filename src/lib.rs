@@ -4,6 +4,7 @@
 //! here: the request lifecycle is `lifecycle::RequestFilter`, the VM's state and
 //! background work `worker::Worker`, both tested natively on the core's fake host.
 
+mod abi;
 mod host;
 
 use host::{HostState, ProxyHost};
@@ -42,7 +43,7 @@ struct Root {
 
 impl Root {
     fn host(&self) -> ProxyHost {
-        ProxyHost { context_id: self.context_id, root_id: self.context_id, state: self.state.clone() }
+        ProxyHost::new(self.context_id, self.context_id, self.state.clone())
     }
 }
 
@@ -89,7 +90,7 @@ impl RootContext for Root {
     fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {
         // The SDK panics on None; a VM whose config was refused gets pass-through contexts.
         let filter = self.worker.try_borrow().map_or_else(|_| RequestFilter::pass_through(), |w| RequestFilter::on(&w));
-        let host = ProxyHost { context_id, root_id: self.context_id, state: self.state.clone() };
+        let host = ProxyHost::new(context_id, self.context_id, self.state.clone());
         Some(Box::new(Http { filter, host, worker: self.worker.clone() }))
     }
 
@@ -108,6 +109,7 @@ impl Http {
     /// Runs `f` with the worker; a re-entrant callback (the worker already borrowed)
     /// passes the stream on rather than panic.
     fn with_worker(&mut self, f: impl FnOnce(&mut RequestFilter, &mut ProxyHost, &mut Worker) -> CoreAction) -> Action {
+        self.host.begin_callback();
         match self.worker.clone().try_borrow_mut() {
             Ok(mut worker) => action(f(&mut self.filter, &mut self.host, &mut worker)),
             Err(_) => Action::Continue,
@@ -138,6 +140,7 @@ impl HttpContext for Http {
     }
 
     fn on_http_response_headers(&mut self, _headers: usize, _end_of_stream: bool) -> Action {
+        self.host.begin_callback();
         action(self.filter.on_response_headers(&mut self.host))
     }
 

@@ -64,11 +64,13 @@ def tenant_keys(client: redis.Redis, key: str) -> list:
     return client.keys(f"*{tenant_of(key)}*")
 
 
-def raw(port: int, head: str, body: bytes = b"") -> tuple[int, bytes]:
+def raw(port: int, head: str | bytes, body: bytes = b"") -> tuple[int, bytes]:
     """Sends this request line and these headers exactly as written (nothing normalised or
-    merged by a client library); returns the status and the body."""
+    merged by a client library; bytes when a value is not text); returns the status and
+    the body."""
+    head = head if isinstance(head, bytes) else head.encode()
     with socket.create_connection(("127.0.0.1", port), timeout=15) as sock:
-        sock.sendall(f"{head}Host: x\r\ncontent-length: {len(body)}\r\nconnection: close\r\n\r\n".encode() + body)
+        sock.sendall(head + f"Host: x\r\ncontent-length: {len(body)}\r\nconnection: close\r\n\r\n".encode() + body)
         received = b""
         while chunk := sock.recv(65536):
             received += chunk
@@ -284,3 +286,33 @@ def test_batch_and_realtime_are_refused_by_default(backend, path):
     assert reply.status == 400 and error_code(reply) == "unsupported_path", reply
     assert backend.upstream_received() == before
     assert tenant_keys(redis.Redis(port=backend.redis_port), "sk-batch") == []
+
+
+def test_header_values_that_are_not_utf8_are_read_and_kill_no_worker(backend):
+    """A header value is bytes, and HTTP/1.1 lets a client send any byte above 0x7F in one.
+    Old filter: the SDK's header read panicked on the first such value (a credential, an
+    `x-request-id`, a reply's `content-encoding`), killing the worker's VM: two requests
+    made Envoy answer 503 to every later request on both workers. Now such a value is read
+    lossily (its bad bytes become U+FFFD): the credential is a tenant whose limit holds,
+    and every worker goes on serving."""
+    port, _ = backend.envoy_for([{"name": "rpm", "requests": 3, "window": LONG}, *TPM])
+    body = json.dumps(chat()).encode()
+    head = b"POST /v1/chat/completions HTTP/1.1\r\ncontent-type: application/json\r\n"
+    # One credential with bytes that are not UTF-8, on six connections (both workers).
+    bad_key = b"Authorization: Bearer sk-\xff\xfe" + uuid.uuid4().hex.encode() + b"\r\n"
+    statuses = [raw(port, head + bad_key, body)[0] for _ in range(6)]
+    # Forwarded three times (the mock refuses such a key: 401), then refused by its limit.
+    assert statuses == [401, 401, 401, 429, 429, 429], statuses
+    # A request id, and a reply header the filter reads (`content-encoding`, set by the
+    # mock from `x-mock-set-content-encoding`), neither of them UTF-8.
+    for extra in (b"x-request-id: \xff\xff\r\n", b"x-mock-set-content-encoding: \xfe\xff\r\n"):
+        for _ in range(4):
+            key = f"Authorization: Bearer {random_key()}\r\n".encode()
+            status, reply = raw(port, head + key + extra, body)
+            assert status == 200, (extra, status, reply)
+    # Every worker still decides: fresh tenants are served, one past its limit refused.
+    assert [send(port, key=random_key(), body=chat()).status for _ in range(10)] == [200] * 10
+    key = random_key()
+    assert [send(port, key=key, body=chat()).status for _ in range(4)] == [200, 200, 200, 429]
+    log = "".join(p.log_path.read_text(errors="replace") for p in backend.stack.processes if p.name == "envoy")
+    assert "panicked" not in log, [line for line in log.splitlines() if "panicked" in line][:3]

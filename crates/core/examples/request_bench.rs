@@ -1,6 +1,7 @@
 //! The core's per-request path on the fake host, without a proxy: where a request's cycles
 //! go (body parse, tokenization, lease bookkeeping, reply reading) shows here without V8.
-//! Usage: cargo run --release --features testing --example request_bench -- [lease|direct] [small|chat|turns] [N] [TENANTS]
+//! Usage: cargo run --release --features testing --example request_bench -- [lease|direct] [small|chat|turns|idle] [N] [TENANTS]
+//! (`idle`: N ticks of a VM at rest after serving its tenants once each.)
 //! (TENANTS: API keys the requests rotate over, 1,000 by default; `scripts/bench_instructions.py` uses 10.)
 //! Prints one JSON line: requests, microseconds per request. Run it under
 //! `valgrind --tool=callgrind` for a repeatable per-function profile.
@@ -63,7 +64,8 @@ fn main() {
         ],
         "chat" => vec![chat(3)],
         "turns" => (0..20).map(chat).collect(),
-        other => panic!("body small, chat or turns, not {other}"),
+        "idle" => vec![chat(0)],
+        other => panic!("body small, chat, turns or idle, not {other}"),
     };
     let reply = json!({"id": "c1", "object": "chat.completion", "model": "gpt-4o-mini",
         "choices": [{"index": 0, "message": {"role": "assistant", "content": "Hello there, how can I help?"}, "finish_reason": "stop"}],
@@ -76,6 +78,20 @@ fn main() {
     let tenants: usize = args.get(3).and_then(|n| n.parse().ok()).unwrap_or(1000).max(1);
     let keys: Vec<String> = (0..tenants).map(|i| format!("sk-bench-{i}")).collect();
     let started = Instant::now();
+    if body_kind == "idle" {
+        // The VM at rest after its tenants were served: `n` ticks, 50 ms apart.
+        for key in &keys {
+            let mut flight = proxy.send(Request::chat(key, &bodies[0]), &mut companion);
+            proxy.reply(&mut flight, 200, "application/json", &[&reply]);
+        }
+        let started = Instant::now();
+        for _ in 0..n {
+            advance(&world, 50);
+            proxy.tick(Some(&mut companion));
+        }
+        println!("{{\"idle_ticks\": {n}, \"us_per_tick\": {:.2}}}", started.elapsed().as_secs_f64() * 1e6 / n as f64);
+        return;
+    }
     for i in 0..n {
         let request = Request::chat(&keys[i % keys.len()], &bodies[i % bodies.len()]);
         let mut flight = proxy.send(request, &mut companion);

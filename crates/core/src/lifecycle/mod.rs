@@ -382,12 +382,20 @@ impl RequestFilter {
         if let (Some(config), true) = (self.config.clone(), self.provider.key.is_some()) {
             self.read_provider_headers(host, &config);
         }
+        if self.admission.is_some() {
+            self.read_reply_headers(host);
+        }
+        // Last, so that every read above sees the upstream's own headers: the filter's
+        // replace those of the same name.
         for (name, value) in self.response_headers.drain(..) {
             host.set_response_header(name, &value);
         }
-        if self.admission.is_none() {
-            return Action::Continue;
-        }
+        Action::Continue
+    }
+
+    /// How the reply is to be read: its status, and for a request with tokens reserved
+    /// its encoding and framing.
+    fn read_reply_headers(&mut self, host: &mut impl Host) {
         // Read once: each read is a call into the host.
         let status: u32 = host.response_header(":status").and_then(|s| s.parse().ok()).unwrap_or(0);
         self.credential_refused = matches!(status, 401 | 403);
@@ -413,7 +421,6 @@ impl RequestFilter {
                 ReplyReader::Json(ReplyUsage::new())
             });
         }
-        Action::Continue
     }
 
     pub fn on_response_body(
