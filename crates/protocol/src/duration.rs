@@ -34,7 +34,9 @@ pub fn format_reset(ms: u64) -> String {
         return "0s".to_string();
     }
     if ms < 1_000 {
-        return format!("{ms}ms");
+        // The common case (a bucket that refills continuously resets within a second),
+        // without `format!`.
+        return itoa::Buffer::new().format(ms).to_string() + "ms";
     }
     let hours = ms / 3_600_000;
     let minutes = (ms % 3_600_000) / 60_000;

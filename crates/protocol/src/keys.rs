@@ -39,15 +39,27 @@ pub const PROVIDER_TENANT: &str = "provider";
 pub const PROVIDER_KIND: &str = "prov";
 pub const PROVIDER_NAME: &str = "words";
 
+/// Shared data: `llmrl.<table>.<domain>.<slot>`. Built without `format!`: a request names
+/// two or three of these, and formatting costs several times the copying.
+fn slot_key(table: &str, domain: &str, slot: u32) -> String {
+    let mut digits = itoa::Buffer::new();
+    let slot = digits.format(slot);
+    let mut key = String::with_capacity(8 + table.len() + domain.len() + slot.len());
+    for part in ["llmrl.", table, ".", domain, ".", slot] {
+        key.push_str(part);
+    }
+    key
+}
+
 /// Shared data: slot `slot` of the table of leases (the tenant is stored in the value;
 /// tables are bounded, see the filter's `memory` config).
 pub fn lease_key(domain: &str, slot: u32) -> String {
-    format!("llmrl.lease.{domain}.{slot}")
+    slot_key("lease", domain, slot)
 }
 
 /// Shared data: slot `slot` of the table of local buckets (the degraded mode).
 pub fn local_key(domain: &str, slot: u32) -> String {
-    format!("llmrl.local.{domain}.{slot}")
+    slot_key("local", domain, slot)
 }
 
 /// Shared data: how many requests this proxy has waiting in the queue.
@@ -58,7 +70,7 @@ pub fn queued_key(domain: &str) -> String {
 /// Shared data: how many requests of the tenants at `slot` (a fixed table, see the
 /// core's `tables::queued_slot`) wait in this proxy's queue.
 pub fn queued_tenant_key(domain: &str, slot: u32) -> String {
-    format!("llmrl.queued.{domain}.{slot}")
+    slot_key("queued", domain, slot)
 }
 
 /// Shared data: the local store's secret for the tables' slot hash (see the filter's
@@ -81,23 +93,39 @@ pub fn vm_numbers_key(domain: &str) -> String {
 /// Shared data: slot `slot` of the table of running completion averages (by tenant and
 /// model; model names are hashed, never part of a key).
 pub fn average_key(domain: &str, slot: u32) -> String {
-    format!("llmrl.avg.{domain}.{slot}")
+    slot_key("avg", domain, slot)
 }
 
 /// Shared data: what the filter learned from settled replies about the models of rule
 /// `rule` (its index among the configured and built-in model rules; bounded by the config).
 pub fn calibration_key(domain: &str, rule: u32) -> String {
-    format!("llmrl.cal.{domain}.{rule}")
+    slot_key("cal", domain, rule)
 }
 
 /// Shared data: slot `slot` of the table of provider words (by upstream credential and
 /// model, hashed; the owner's hash is stored in the value).
 pub fn provider_key(domain: &str, slot: u32) -> String {
-    format!("llmrl.prov.{domain}.{slot}")
+    slot_key("prov", domain, slot)
 }
 
 /// Shared data: this proxy's id in the fleet's exchange of provider words (written once
 /// by the first VM, read by the others).
 pub fn proxy_id_key(domain: &str) -> String {
     format!("llmrl.proxy.{domain}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The shared-data keys as operators see them in Envoy's stats and the README.
+    #[test]
+    fn slot_keys_name_their_table_domain_and_slot() {
+        assert_eq!(lease_key("llm", 0), "llmrl.lease.llm.0");
+        assert_eq!(average_key("my-domain", 16_383), "llmrl.avg.my-domain.16383");
+        assert_eq!(queued_tenant_key("llm", 1023), "llmrl.queued.llm.1023");
+        assert_eq!(calibration_key("llm", 4_294_967_295), "llmrl.cal.llm.4294967295");
+        assert_eq!(local_key("x", 7), "llmrl.local.x.7");
+        assert_eq!(provider_key("llm", 12), "llmrl.prov.llm.12");
+    }
 }

@@ -266,13 +266,13 @@ impl RequestFilter {
         let path = crate::parse::path::normalised(&raw_path);
         self.request_id = match host.request_header("x-request-id") {
             Some(id) if is_request_id(&id) => id,
-            _ => format!("llmrl-{}", worker.new_reservation_id(host)),
+            _ => "llmrl-".to_string() + &worker.new_reservation_id(host),
         };
         if !config.bypass.paths.is_empty() && config.bypass.path(&path) {
             host.add_metric(Metric::Bypassed, 1);
             return Action::Continue;
         }
-        self.route = providers::route(&path);
+        self.route = providers::route_normalised(&path);
         // Known before any body, so every answer, even one that never reads it, is in the
         // caller's shape.
         self.dialect = config.error_format.dialect(self.route.as_ref().map_or(Dialect::OpenAi, |route| route.dialect));
@@ -999,7 +999,7 @@ impl RequestFilter {
         if self.plan.as_ref().is_some_and(|p| p.estimate.is_some()) {
             let reserved = self.reserved_tokens();
             host.add_metric(Metric::TokensReserved, reserved);
-            headers.push((RESERVED_TOKENS_HEADER, reserved.to_string()));
+            headers.push((RESERVED_TOKENS_HEADER, decision::decimal(reserved)));
         }
         headers
     }

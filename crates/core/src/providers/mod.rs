@@ -127,8 +127,12 @@ pub enum PathModel {
 /// Recognises the provider and API by the path (normalised by `crate::parse::path`); `None` for
 /// a path no provider's API is recognised in.
 pub fn route(path: &str) -> Option<Route> {
-    let normalised = crate::parse::path::normalised(path);
-    let path = normalised.as_str();
+    route_normalised(&crate::parse::path::normalised(path))
+}
+
+/// `route` of a path already `parse::path::normalised` (the lifecycle reads the path once
+/// and routes, bypasses and refuses on the same reading).
+pub fn route_normalised(path: &str) -> Option<Route> {
     bedrock::route(path)
         .or_else(|| gemini::route(path))
         .or_else(|| azure::route(path))

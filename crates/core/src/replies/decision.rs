@@ -52,9 +52,9 @@ pub fn rate_limit_headers(reply: &LimitsReply, config: &Policy, caller: Caller) 
             share(a).total_cmp(&share(b))
         });
         if let Some(o) = tightest {
-            headers.push(("x-ratelimit-limit", o.limit.to_string()));
-            headers.push(("x-ratelimit-remaining", o.remaining.to_string()));
-            headers.push(("x-ratelimit-reset", o.reset_after_ms.div_ceil(1000).to_string()));
+            headers.push(("x-ratelimit-limit", decimal(o.limit)));
+            headers.push(("x-ratelimit-remaining", decimal(o.remaining)));
+            headers.push(("x-ratelimit-reset", decimal(o.reset_after_ms.div_ceil(1000))));
         }
     }
     headers
@@ -83,8 +83,8 @@ fn provider_headers(
             }
         };
         if let Some(o) = tightest(reply, reports) {
-            headers.push((quota.limit, o.limit.to_string()));
-            headers.push((quota.remaining, o.remaining.to_string()));
+            headers.push((quota.limit, decimal(o.limit)));
+            headers.push((quota.remaining, decimal(o.remaining)));
             if let Some(reset) = quota.reset {
                 let when = match names.reset {
                     ResetForm::After => format_reset(o.reset_after_ms),
@@ -96,23 +96,36 @@ fn provider_headers(
     }
 }
 
+/// A number as header text (every admitted request writes several).
+pub fn decimal(n: u64) -> String {
+    itoa::Buffer::new().format(n).to_string()
+}
+
 fn ietf_headers(windowed: &[&LimitOutcome], config: &Policy, now_ms: u64, headers: &mut Vec<Header>) {
-    use std::fmt::Write;
     if windowed.is_empty() {
         return;
     }
     let seconds = |ms: u64| ms.div_ceil(1000);
-    // Each field written in one string as it goes (every response carries both).
+    // Each field written in one string as it goes (every response carries both), by
+    // pieces rather than `write!`: this runs for every admitted request.
     let (mut policy, mut state) = (String::with_capacity(64), String::with_capacity(64));
+    let mut digits = itoa::Buffer::new();
     for (i, o) in windowed.iter().enumerate() {
         let separator = if i == 0 { "" } else { ", " };
         let window = config.limit(&o.name).map_or(0, |l| l.window_ms_at(now_ms));
-        let _ = write!(policy, "{separator}\"{}\";q={};w={}", o.name, o.limit, seconds(window));
         // `t` says when `r` is worth asking again: with nothing left, when a request fits
         // again (what `retry-after` says), not when the whole window has refilled, which
         // would keep a client that follows this header waiting many times too long.
         let wait = if o.remaining == 0 && o.retry_after_ms > 0 { o.retry_after_ms } else { o.reset_after_ms };
-        let _ = write!(state, "{separator}\"{}\";r={};t={}", o.name, o.remaining, seconds(wait));
+        for (field, first, second) in [
+            (&mut policy, ("\";q=", o.limit), (";w=", seconds(window))),
+            (&mut state, ("\";r=", o.remaining), (";t=", seconds(wait))),
+        ] {
+            for part in [separator, "\"", o.name.as_str(), first.0, digits.format(first.1), second.0] {
+                field.push_str(part);
+            }
+            field.push_str(digits.format(second.1));
+        }
     }
     headers.push(("ratelimit-policy", policy));
     headers.push(("ratelimit", state));

@@ -192,7 +192,7 @@ pub fn glob_match(pattern: &str, text: &str) -> bool {
         if part.is_empty() {
             continue;
         }
-        match rest.windows(part.len()).position(|window| window == part) {
+        match memchr::memmem::find(rest, part) {
             Some(at) => rest = rest.get(at + part.len()..).unwrap_or_default(),
             None => return false,
         }
