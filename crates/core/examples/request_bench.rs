@@ -1,6 +1,6 @@
 //! The core's per-request path on the fake host, without a proxy: where a request's cycles
 //! go (body parse, tokenization, lease bookkeeping, reply reading) shows here without V8.
-//! Usage: cargo run --release --features testing --example request_bench -- [lease|direct] [small|chat|turns|idle] [N] [TENANTS]
+//! Usage: cargo run --release --features testing --example request_bench -- [lease|direct|local|local-requests] [small|chat|turns|idle] [N] [TENANTS]
 //! (`idle`: N ticks of a VM at rest after serving its tenants once each.)
 //! (TENANTS: API keys the requests rotate over, 1,000 by default; `scripts/bench_instructions.py` uses 10.)
 //! Prints one JSON line: requests, microseconds per request. Run it under
@@ -44,16 +44,18 @@ fn main() {
     let mode = args.first().map_or("lease", String::as_str);
     let body_kind = args.get(1).map_or("chat", String::as_str);
     let n: usize = args.get(2).and_then(|n| n.parse().ok()).unwrap_or(20_000);
-    let lease = match mode {
-        "lease" => json!({"enabled": true}),
-        "direct" => json!({"enabled": false}),
-        other => panic!("mode lease or direct, not {other}"),
-    };
-    let config = json!({
-        "companion": {"upstream": "companion", "token": "test-token-0123456789"}, "failure_mode": "deny", "lease": lease,
-        "limits": [{"name": "rpm", "requests": 1_000_000_000u64, "window": "1m"},
-                   {"name": "tpm", "tokens": 1_000_000_000_000u64, "window": "1m"}]
-    })
+    let limits = json!([{"name": "rpm", "requests": 1_000_000_000u64, "window": "1m"},
+                        {"name": "tpm", "tokens": 1_000_000_000_000u64, "window": "1m"}]);
+    let companion = json!({"upstream": "companion", "token": "test-token-0123456789"});
+    let config = match mode {
+        "lease" | "direct" => json!({
+            "companion": companion, "failure_mode": "deny", "lease": {"enabled": mode == "lease"}, "limits": limits
+        }),
+        // Every limit in the proxy's shared data: no companion at all.
+        "local" => json!({"store": "local", "limits": limits}),
+        "local-requests" => json!({"store": "local", "limits": [limits[0].clone()]}),
+        other => panic!("mode lease, direct, local or local-requests, not {other}"),
+    }
     .to_string();
     // Bodies built before timing; "turns" is a conversation growing by one exchange per
     // request, as a client resends the whole chat each turn.
@@ -84,12 +86,18 @@ fn main() {
             let mut flight = proxy.send(Request::chat(key, &bodies[0]), &mut companion);
             proxy.reply(&mut flight, 200, "application/json", &[&reply]);
         }
+        let before = world.borrow().host_calls.clone();
         let started = Instant::now();
         for _ in 0..n {
             advance(&world, 50);
             proxy.tick(Some(&mut companion));
         }
-        println!("{{\"idle_ticks\": {n}, \"us_per_tick\": {:.2}}}", started.elapsed().as_secs_f64() * 1e6 / n as f64);
+        let elapsed = started.elapsed();
+        println!(
+            "{{\"idle_ticks\": {n}, \"us_per_tick\": {:.2}, \"host_calls_per_tick\": {{{}}}}}",
+            elapsed.as_secs_f64() * 1e6 / n as f64,
+            calls_per(&world, before, n)
+        );
         return;
     }
     for i in 0..n {
@@ -108,15 +116,26 @@ fn main() {
         }
     }
     let elapsed = started.elapsed();
-    let calls: Vec<String> = world
-        .borrow()
-        .host_calls
-        .iter()
-        .map(|(name, count)| format!("\"{name}\": {:.2}", *count as f64 / n as f64))
-        .collect();
     println!(
         "{{\"mode\": \"{mode}\", \"body\": \"{body_kind}\", \"requests\": {n}, \"us_per_request\": {:.2}, \"host_calls_per_request\": {{{}}}}}",
         elapsed.as_secs_f64() * 1e6 / n as f64,
-        calls.join(", ")
+        calls_per(&world, Default::default(), n)
     );
+}
+
+/// The host calls made since `before`, per request (or tick), as JSON members.
+fn calls_per(
+    world: &std::rc::Rc<std::cell::RefCell<World>>,
+    before: std::collections::BTreeMap<&'static str, u64>,
+    n: usize,
+) -> String {
+    let world = world.borrow();
+    let calls: Vec<String> = world
+        .host_calls
+        .iter()
+        .map(|(name, count)| (name, count - before.get(name).copied().unwrap_or(0)))
+        .filter(|(_, count)| *count > 0)
+        .map(|(name, count)| format!("\"{name}\": {:.2}", count as f64 / n as f64))
+        .collect();
+    calls.join(", ")
 }

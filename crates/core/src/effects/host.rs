@@ -275,7 +275,10 @@ pub trait Host {
 
     /// Milliseconds since the epoch.
     fn now_ms(&mut self) -> u64 {
-        (self.now_nanos() / 1_000_000) as u64
+        // Divided as a u64 (a clock fits one until 2554): a u128 division is a library
+        // call costing hundreds of instructions, and the lifecycle reads the time often.
+        let nanos = self.now_nanos();
+        u64::try_from(nanos).map_or((nanos / 1_000_000) as u64, |nanos| nanos / 1_000_000)
     }
 }
 

@@ -985,8 +985,8 @@ impl RequestFilter {
         self.count_admission(host, config, Decision::Allowed);
         worker.note_leased(slots, leases, now);
         self.admission = Some(Admission::Leased);
-        let buckets = self.plan.as_ref().map(|p| p.buckets.clone()).unwrap_or_default();
-        Verdict::Forward(self.admitted_headers(host, config, &leases.as_reply(&buckets), now))
+        let reply = leases.as_reply(self.plan.as_ref().map_or(&[][..], |p| &p.buckets));
+        Verdict::Forward(self.admitted_headers(host, config, &reply, now))
     }
 
     fn admitted_headers(&self, host: &mut impl Host, config: &Policy, reply: &LimitsReply, now: u64) -> Vec<Header> {

@@ -85,7 +85,11 @@ impl BedrockRoute {
     /// may hold unencoded `/` (an ARN as some clients send it). `None` for other paths
     /// and for model ids past Bedrock's length bound.
     pub fn from_path(path: &str) -> Option<BedrockRoute> {
-        let path = crate::parse::path::normalised(path);
+        Self::from_normalised(&crate::parse::path::normalised(path))
+    }
+
+    /// [`from_path`](Self::from_path) of a path already normalised, as the lifecycle routes it.
+    fn from_normalised(path: &str) -> Option<BedrockRoute> {
         let (rest, operation) = path.rsplit_once('/')?;
         let operation = Operation::BY_PATH.iter().find(|(name, _)| *name == operation)?.1;
         let encoded = rest.get(rest.find("/model/")? + "/model/".len()..)?;
@@ -103,7 +107,7 @@ impl BedrockRoute {
 /// The route of a Bedrock Runtime path: the operation's body shape, the path's model,
 /// the operation's streaming, and a signed body.
 pub(super) fn route(path: &str) -> Option<Route> {
-    let bedrock = BedrockRoute::from_path(path)?;
+    let bedrock = BedrockRoute::from_normalised(path)?;
     Some(Route {
         provider: Provider::Bedrock,
         api: Some(bedrock.operation.api()),

@@ -79,6 +79,9 @@ impl PathKey {
     }
 }
 
+/// Long enough for the longest key that matters (`usageMetadata`): a key is kept up to
+/// one byte more, so a longer key never reads as one that matters.
+const KEPT_KEY_BYTES: usize = 13;
 /// A usage object is a few hundred bytes; a larger one is not what it claims.
 const MAX_USAGE_OBJECT: usize = 16 * 1024;
 /// Containers whose kind (object or array) is tracked: usage sits at depth 3 at most.
@@ -127,14 +130,23 @@ impl ReplyUsage {
     pub fn feed(&mut self, chunk: &[u8]) {
         let mut at = 0;
         while at < chunk.len() {
-            if self.in_string && !self.escaped && !self.reading_key {
-                // Skip string text up to the next quote or escape in one search.
+            if self.in_string && !self.escaped {
+                // Skip string text up to the next quote or escape in one search; a key
+                // keeps what `byte` would have kept of it.
                 let rest = chunk.get(at..).unwrap_or(&[]);
                 let skip = memchr::memchr2(b'"', b'\\', rest).unwrap_or(rest.len());
+                let text = rest.get(..skip).unwrap_or(&[]);
                 if let Some((_, bytes)) = self.capture.as_mut() {
-                    bytes.extend_from_slice(rest.get(..skip).unwrap_or(&[]));
+                    bytes.extend_from_slice(text);
+                    if bytes.len() > MAX_USAGE_OBJECT {
+                        self.capture = None;
+                    }
                 }
-                self.keep_model_text(rest.get(..skip).unwrap_or(&[]));
+                if self.reading_key {
+                    let room = (KEPT_KEY_BYTES + 1).saturating_sub(self.key.len());
+                    self.key.extend_from_slice(text.get(..room.min(text.len())).unwrap_or(&[]));
+                }
+                self.keep_model_text(text);
                 at += skip;
                 if at >= chunk.len() {
                     break;
@@ -189,8 +201,7 @@ impl ReplyUsage {
                 }
                 return;
             }
-            // Long enough for the longest key that matters (`usageMetadata`).
-            if self.reading_key && self.key.len() <= 13 {
+            if self.reading_key && self.key.len() <= KEPT_KEY_BYTES {
                 self.key.push(byte);
             }
             return;

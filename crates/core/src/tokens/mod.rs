@@ -173,25 +173,20 @@ pub fn builtin_families() -> Vec<BuiltinFamily> {
 /// UTF-8 starts and ends on character boundaries.
 pub fn glob_match(pattern: &str, text: &str) -> bool {
     let (pattern, text) = (pattern.as_bytes(), text.as_bytes());
-    if !pattern.contains(&b'*') {
+    // Most patterns (`gpt-4o*`, `o1*`) turn most models away on their first part: that
+    // test comes first and alone, before any of the pattern's other parts is looked for.
+    let Some(first_star) = memchr::memchr(b'*', pattern) else {
         return pattern == text; // no `*`: exact match
-    }
-    let mut parts = pattern.split(|&b| b == b'*');
-    let first = parts.next().unwrap_or_default();
-    let last = pattern.rsplit(|&b| b == b'*').next().unwrap_or_default();
+    };
+    let first = pattern.get(..first_star).unwrap_or_default();
+    let Some(rest) = text.strip_prefix(first) else { return false };
+    let last_star = memchr::memrchr(b'*', pattern).unwrap_or(first_star);
+    let last = pattern.get(last_star + 1..).unwrap_or_default();
     // The first part opens the text and the last ends it; the middle parts are found,
     // leftmost first (which leaves the most room for the parts after), in between.
-    let Some(mut rest) = text.strip_prefix(first).and_then(|rest| rest.strip_suffix(last)) else {
-        return false;
-    };
-    let mut middle = parts.peekable();
-    while let Some(part) = middle.next() {
-        if middle.peek().is_none() {
-            break; // the last part, matched above
-        }
-        if part.is_empty() {
-            continue;
-        }
+    let Some(mut rest) = rest.strip_suffix(last) else { return false };
+    let middle = pattern.get(first_star + 1..last_star).unwrap_or_default();
+    for part in middle.split(|&b| b == b'*').filter(|part| !part.is_empty()) {
         match memchr::memmem::find(rest, part) {
             Some(at) => rest = rest.get(at + part.len()..).unwrap_or_default(),
             None => return false,
