@@ -15,7 +15,11 @@ Under callgrind Envoy serves some tens of requests a second, so requests rotate 
 keys, not bench.py's 1,000: each tenant comes back within its lease, as each of the 1,000
 does at bench.py's rates. Start-up takes minutes under valgrind.
 
-Usage: scripts/bench_instructions.py [--rows passthrough,empty,floor,lease] [--wasm PATH] [--rounds 2]
+Usage: scripts/bench_instructions.py [--rows passthrough,empty,floor,lease] [--wasm PATH] [--rounds 2] [--keep]
+
+With --keep the dumps stay: `callgrind_annotate --inclusive=yes` on a body's window shows
+where its instructions went by Envoy function (the module's own code, compiled by V8, shows
+as addresses without names; the host calls it makes show by name).
 """
 
 import argparse
@@ -114,6 +118,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="runs per body; each figure is their median")
     parser.add_argument("--seconds", type=int, default=8, help="duration of each run")
     parser.add_argument("--startup-only", action="store_true", help="only the instructions to /ready")
+    parser.add_argument("--keep", action="store_true",
+                        help="keep the callgrind dumps (one per window, by row) for callgrind_annotate; prints where")
     args = parser.parse_args()
     if not shutil.which("valgrind"):
         sys.exit("bench_instructions: valgrind is missing")
@@ -134,7 +140,10 @@ def main() -> None:
             print(f"{row:<8}{r['startup']:>14,}{r.get('idle_per_s', 0):>12,.0f}{cells}", flush=True)
     finally:
         bench_.stack.stop_all()
-        shutil.rmtree(workdir, ignore_errors=True)
+        if args.keep:
+            print(f"callgrind dumps kept in {workdir}", flush=True)
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
 
 
 if __name__ == "__main__":

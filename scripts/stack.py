@@ -123,6 +123,13 @@ def free_cluster_port() -> int:
     return _free_ports_below_ephemeral(10_000)
 
 
+def after_a_tick():
+    """Waits until the workers have taken in what the last reply taught (a completion's
+    length, the provider's prompt count): lessons are gathered per worker and written on
+    its 50 ms tick, read by the others a tick later."""
+    time.sleep(0.15)
+
+
 def wait_until(check, timeout: float, what: str, proc: "Process | None" = None):
     deadline = time.monotonic() + timeout
     last = None

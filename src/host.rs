@@ -28,9 +28,10 @@ pub struct HostState {
     series_ids: Vec<Option<u32>>,
     series_pending: Vec<u64>,
     warned: BTreeSet<&'static str>,
-    /// Gauge ids by name, defined once each: the names come from the config (its limits
-    /// and model rules), so this stays as small as the config.
-    gauge_ids: BTreeMap<String, u32>,
+    /// Gauge ids by name, defined once each, with the value this VM last recorded: the
+    /// names come from the config (its limits and model rules), so this stays as small as
+    /// the config.
+    gauge_ids: BTreeMap<String, (u32, u64)>,
 }
 
 impl HostState {
@@ -72,11 +73,21 @@ pub struct ProxyHost {
     now: Option<u128>,
     request_headers: Option<HeaderPairs>,
     response_headers: Option<HeaderPairs>,
+    /// Pseudo-headers the map's pairs did not hold, as read on their own this callback.
+    pseudo: Vec<(MapType, String, Option<String>)>,
 }
 
 impl ProxyHost {
     pub fn new(context_id: u32, root_id: u32, state: Rc<RefCell<HostState>>) -> ProxyHost {
-        ProxyHost { context_id, root_id, state, now: None, request_headers: None, response_headers: None }
+        ProxyHost {
+            context_id,
+            root_id,
+            state,
+            now: None,
+            request_headers: None,
+            response_headers: None,
+            pseudo: Vec::new(),
+        }
     }
 
     /// A new callback: what was read in the last may have changed (the time has; another
@@ -85,16 +96,27 @@ impl ProxyHost {
         self.now = None;
         self.request_headers = None;
         self.response_headers = None;
+        self.pseudo.clear();
     }
 
-    /// The first value of `name`: pseudo-headers (`:path`, `:status`) read on their own,
-    /// as every host serves them; the rest from the map read once per callback.
+    /// The first value of `name`, from the map read once per callback. A pseudo-header
+    /// (`:path`, `:status`) the pairs do not hold is read on its own, once per callback:
+    /// Envoy's pairs hold them all, ngx_wasm_module's the request's but not `:status`.
+    /// Each read that returns a value costs the host a call back into this VM to allocate
+    /// it, several times the lookup.
     fn header(&mut self, map: MapType, name: &str) -> Option<String> {
-        if name.starts_with(':') {
-            return abi::header_value(map, name).map(abi::text);
+        if let Some(value) = self.pairs(map).values(name).next() {
+            return Some(abi::text(value.to_vec()));
         }
-        let pairs = self.pairs(map);
-        pairs.values(name).next().map(|value| abi::text(value.to_vec()))
+        if !name.starts_with(':') {
+            return None;
+        }
+        if let Some((_, _, value)) = self.pseudo.iter().find(|(m, n, _)| *m == map && n == name) {
+            return value.clone();
+        }
+        let value = abi::header_value(map, name).map(abi::text);
+        self.pseudo.push((map, name.to_string(), value.clone()));
+        value
     }
 
     fn pairs(&mut self, map: MapType) -> &HeaderPairs {
@@ -111,6 +133,7 @@ impl ProxyHost {
             MapType::HttpResponseHeaders => self.response_headers = None,
             _ => self.request_headers = None,
         }
+        self.pseudo.retain(|(m, _, _)| *m != map);
     }
 }
 
@@ -293,10 +316,15 @@ impl Host for ProxyHost {
             return;
         }
         let mut state = self.state.borrow_mut();
-        let id = match state.gauge_ids.get(name) {
-            Some(id) => *id,
+        let id = match state.gauge_ids.get_mut(name) {
+            // The tick shows what it learned each time; a value unchanged costs no host call.
+            Some((_, last)) if *last == value => return,
+            Some((id, last)) => {
+                *last = value;
+                *id
+            }
             None => match hostcalls::define_metric(MetricType::Gauge, name) {
-                Ok(id) => *state.gauge_ids.entry(name.to_string()).or_insert(id),
+                Ok(id) => state.gauge_ids.entry(name.to_string()).or_insert((id, value)).0,
                 Err(_) => return,
             },
         };

@@ -9,12 +9,11 @@ proxy that has learned nothing reserves for the prompt shows its own count."""
 
 import concurrent.futures
 import json
-import time
 
 import pytest
 import redis
 
-from stack import chat, filter_metric, send, wait_until
+from stack import after_a_tick, chat, filter_metric, send, wait_until
 
 BIG = 1_000_000
 LONG = "366d"
@@ -36,12 +35,6 @@ def start(backend):
 
     start_envoy.backend = backend
     return start_envoy
-
-
-def after_a_tick():
-    """Waits until the workers have taken in what the last reply taught: lessons are
-    gathered per worker and applied on its 50 ms tick, read by the others a tick later."""
-    time.sleep(0.15)
 
 
 def test_the_reservation_learns_the_providers_prompt_count(start):

@@ -1,8 +1,10 @@
 //! The core's per-request path on the fake host, without a proxy: where a request's cycles
 //! go (body parse, tokenization, lease bookkeeping, reply reading) shows here without V8.
-//! Usage: cargo run --release --features testing --example request_bench -- [lease|direct|local|local-requests] [small|chat|turns|idle] [N] [TENANTS]
+//! Usage: cargo run --release --features testing --example request_bench -- [lease|direct|local|local-requests] [small|chat|turns|idle] [N] [TENANTS] [PER_TICK]
 //! (`idle`: N ticks of a VM at rest after serving its tenants once each.)
 //! (TENANTS: API keys the requests rotate over, 1,000 by default; `scripts/bench_instructions.py` uses 10.)
+//! (PER_TICK: requests between two ticks, 250 by default, a proxy at 5,000 requests a second;
+//! Envoy under callgrind serves about 4 a tick, where the tick's work weighs more per request.)
 //! Prints one JSON line: requests, microseconds per request. Run it under
 //! `valgrind --tool=callgrind` for a repeatable per-function profile.
 
@@ -79,6 +81,7 @@ fn main() {
     let mut companion = FakeCompanion::default();
     let tenants: usize = args.get(3).and_then(|n| n.parse().ok()).unwrap_or(1000).max(1);
     let keys: Vec<String> = (0..tenants).map(|i| format!("sk-bench-{i}")).collect();
+    let per_tick: usize = args.get(4).and_then(|n| n.parse().ok()).unwrap_or(250).max(1);
     let started = Instant::now();
     if body_kind == "idle" {
         // The VM at rest after its tenants were served: `n` ticks, 50 ms apart.
@@ -107,11 +110,11 @@ fn main() {
             panic!("request {i} was not forwarded: {:?}", flight.replied());
         }
         proxy.reply(&mut flight, 200, "application/json", &[&reply]);
-        // The clock of a proxy serving 5,000 requests a second, ticking every 50 ms.
-        if i % 5 == 4 {
-            advance(&world, 1);
+        // The clock of a proxy serving `per_tick` requests every 50 ms, ticking every 50 ms.
+        if (i + 1) * 50 / per_tick > i * 50 / per_tick {
+            advance(&world, ((i + 1) * 50 / per_tick - i * 50 / per_tick) as u64);
         }
-        if i % 250 == 249 {
+        if i % per_tick == per_tick - 1 {
             proxy.tick(Some(&mut companion));
         }
     }

@@ -7,6 +7,7 @@ use crate::accounting::breaker::{Breaker, Dispatch};
 use crate::accounting::lease::{lease_asks, LeaseEntry, TenantLeases};
 use crate::api::identity::TenantIds;
 use crate::config::{Policy, Store};
+use crate::effects::average_store::LocalAverages;
 use crate::effects::calibration_store::LocalCalibrations;
 use crate::effects::host::{detect_kind, shared_read, shared_update, Host, HostKind, LogLevel, Metric, Owner};
 use crate::effects::lease_table::{self, Holder};
@@ -68,6 +69,8 @@ pub struct Worker {
     pub(crate) tenant_ids: TenantIds,
     /// What settled replies teach, gathered for the tick, and the calibrations as read.
     pub(crate) calibrations: LocalCalibrations,
+    /// The completion averages as read, and what replies taught them, for the tick.
+    pub(crate) averages: LocalAverages,
     /// What providers said of their limits, for the fleet's exchange.
     pub(crate) provider_words: LocalProviderWords,
     /// Queue waits not yet counted in `queue_wait_seconds_total`: host counters take whole
@@ -118,6 +121,7 @@ impl Worker {
             prompt_cache: PromptCache::new(0),
             tenant_ids: TenantIds::new(TENANT_ID_CACHE_SLOTS),
             calibrations: LocalCalibrations::default(),
+            averages: LocalAverages::default(),
             provider_words: LocalProviderWords::default(),
             queue_wait_ms_uncounted: 0,
         }
@@ -183,6 +187,11 @@ impl Worker {
                 crate::effects::calibration_store::show(host, model, learned);
             }
         }
+        // What the old config's replies taught is written under it; the new one reads afresh.
+        if let Some(old) = self.config.clone() {
+            self.averages.flush(host, &old);
+        }
+        self.averages.forget();
         self.config = Some(Rc::new(config));
         self.warmed_up = false;
         Ok(())
@@ -213,6 +222,7 @@ impl Worker {
             }
         }
         self.calibrations.flush(host, &config, now);
+        self.averages.flush(host, &config);
         // The local store has no companion: nothing to exchange or send.
         if config.store == Store::Redis {
             self.exchange_calibrations(host, &config, now);

@@ -50,10 +50,11 @@ fn tpm_credit(proxy: &mut Proxy, companion: &mut FakeCompanion) -> i64 {
     settled.iter().flat_map(|s| &s.limits).filter(|l| l.name == "tpm").map(|l| l.credit).sum()
 }
 
+/// Whether the worker knows an average for (`key`, `model`): stored, or taught since its tick.
 fn has_average(proxy: &mut Proxy, key: &str, model: &str) -> bool {
     let config = proxy.worker.config().expect("configured").clone();
-    crate::effects::tables::read_average(&mut proxy.root, &config, &crate::api::identity::tenant_id(key), model)
-        .is_some()
+    let tenant = crate::api::identity::tenant_id(key);
+    proxy.worker.averages.get(&mut proxy.root, &config, &tenant, model).is_some()
 }
 
 #[test]

@@ -15,8 +15,8 @@
 //!
 //! Who may replace whose entry is the caller's rule: a tenant's lease entry only once its
 //! leases have expired and been returned; a local bucket only once it has admitted
-//! nothing for a whole window (else a newcomer would hand its owner a fresh budget); a
-//! running average at once (an estimate).
+//! nothing for a whole window (else a newcomer would hand its owner a fresh budget). (The
+//! running averages, a table of their own, are in `average_store`.)
 //!
 //! Slots come from a keyed hash (SipHash-2-4) whose key is derived from the companion
 //! token, which clients never see: a client cannot grind credentials offline for one
@@ -30,8 +30,6 @@ use crate::protocol::keys;
 /// its owner id, at most 33 characters (`plan::pools::pool_owner`). Stored padded to this
 /// many bytes.
 pub const TENANT_BYTES: usize = 33;
-/// The owner of an average: a hash of (tenant, model), so model names are never stored.
-const OWNER_HASH_BYTES: usize = 8;
 
 /// The per-tenant tables.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -207,38 +205,6 @@ pub fn update_slot<R>(
         None => (None, None),
     })
     .flatten()
-}
-
-/// The running average of `tenant`'s completions for `model`, from its slot.
-pub fn read_average(host: &mut impl Host, config: &Policy, tenant: &str, model: &str) -> Option<Vec<u8>> {
-    let (key, owner) = average_slot(config, tenant, model);
-    let stored = shared_read(host, &key)?;
-    let (hash, payload) = stored.split_at_checked(OWNER_HASH_BYTES)?;
-    (hash == owner).then(|| payload.to_vec())
-}
-
-/// Replaces the average of (`tenant`, `model`) with `change` of it; whoever held the slot
-/// before loses theirs.
-pub fn update_average(
-    host: &mut impl Host,
-    config: &Policy,
-    tenant: &str,
-    model: &str,
-    change: impl Fn(Option<&[u8]>) -> Vec<u8>,
-) {
-    let (key, owner) = average_slot(config, tenant, model);
-    shared_update(host, &key, |stored| {
-        let own = stored.and_then(|s| s.split_at_checked(OWNER_HASH_BYTES)).filter(|(h, _)| *h == owner);
-        let mut next = owner.to_vec();
-        next.extend_from_slice(&change(own.map(|(_, payload)| payload)));
-        (Some(next), ())
-    });
-}
-
-fn average_slot(config: &Policy, tenant: &str, model: &str) -> (String, [u8; OWNER_HASH_BYTES]) {
-    let hash = keyed_hash(config.memory.slot_key, &[tenant, model]);
-    let slot = (hash % u64::from(config.memory.average_slots.max(1))) as u32;
-    (keys::average_key(&config.domain, slot), hash.rotate_left(17).to_le_bytes())
 }
 
 /// Counters of waiters per tenant in the queue: a fixed table, so a tenant's share of the

@@ -13,12 +13,13 @@ use crate::accounting::reservation::{actual_usage, credit, Ending, OutputAverage
 use crate::api::dialect::Dialect;
 use crate::api::identity::{read_credential, tenant_id, Credential, IdentitySource, TenantIds, ANONYMOUS_TENANT};
 use crate::config::{FailureMode, Measure, MissingIdentity, Mode, Policy, Store, UnknownPaths, UnreadableBody};
+use crate::effects::average_store::LocalAverages;
 use crate::effects::calibration_store::LocalCalibrations;
 use crate::effects::host::{shared_update, Action, Host, LogLevel, Metric, Owner};
 use crate::effects::lease_table::{self, Hold, Holder, Taken};
 use crate::effects::provider_state::{self, Judgement, ProviderState};
 use crate::effects::provider_word::{self, ProviderWord};
-use crate::effects::tables::{queued_slot, read_average, update_average, update_own, TenantTable};
+use crate::effects::tables::{queued_slot, update_own, TenantTable};
 use crate::parse::sse::UsageChunkRemover;
 use crate::plan::charge::{plan, ChargePlan, Learned};
 use crate::plan::series::{self, Decision, TokenStage, TokenType};
@@ -294,13 +295,15 @@ impl RequestFilter {
             host.add_metric(Metric::Bypassed, 1);
             return Action::Continue;
         }
+        // Read before the filter writes a request header: a host reads a map whose
+        // headers it changed afresh, all of it.
+        let no_body = end_of_stream || has_no_body(host, worker);
         if config.counts_tokens() {
             // A compressed reply hides its usage from the filter: ask for it plain (the
             // reply then costs the client more bandwidth; one the upstream compresses
             // all the same is charged at least its reservation, `reply_floor`).
             host.set_request_header("accept-encoding", "identity");
         }
-        let no_body = end_of_stream || has_no_body(host, worker);
         if !config.reads_body() && (no_body || worker.host_kind().decides_before_the_body_is_read()) {
             return self.charge(host, worker, &config, None);
         }
@@ -781,6 +784,7 @@ impl RequestFilter {
             tenant: &self.tenant,
             prompt_cache: &mut worker.prompt_cache,
             calibrations: &mut worker.calibrations,
+            averages: &mut worker.averages,
         };
         let mut plan = plan(config, self.route.as_ref(), &self.tier, body, &mut learned);
         plan.date(config, now);
@@ -1452,7 +1456,10 @@ impl RequestFilter {
         let forwarded = self.phase == Phase::Forwarded;
         // A request that never went upstream cost nothing.
         self.sight.stream_without_usage = streamed_output.is_some() && reported.output.is_none();
-        self.sight.hidden_output_model = reply_floor::hides_output(&config.tokens.hidden_output_models, &plan.model);
+        // Matched only where it can matter (a stream that ended without its usage): the
+        // patterns are many (13 by default) and most replies report their usage.
+        self.sight.hidden_output_model = self.sight.stream_without_usage
+            && reply_floor::hides_output(&config.tokens.hidden_output_models, &plan.model);
         let floor = reply_floor::floor(ending, self.sight, config.tokens.on_client_abort).filter(|_| forwarded);
         let used = if forwarded {
             let used = actual_usage(estimate, ending, reported, streamed_output, config.tokens.on_upstream_error);
@@ -1471,10 +1478,7 @@ impl RequestFilter {
         if ending == Ending::Completed && forwarded && floor.is_none() {
             let output = reported.output.or(streamed_output).filter(|_| plan.produces_output());
             if let Some(output) = output {
-                update_average(host, config, &self.tenant, &plan.model, |stored| {
-                    let average = stored.and_then(OutputAverage::from_bytes);
-                    average.map_or(OutputAverage::first(output), |a| a.update(output)).to_bytes().to_vec()
-                });
+                worker.averages.teach(host, config, &self.tenant, &plan.model, output);
             }
             // What the provider counted against what the proxy did, for the next reservations.
             let prompt = reported.input.map(|input| (plan.counted_prompt, input));
@@ -1508,9 +1512,9 @@ impl RequestFilter {
     }
 }
 
-/// What this proxy knows for one request's plan: the tenant's completion averages (in
-/// shared data), the calibrations as this worker last read them, and the counts this VM
-/// remembers.
+/// What this proxy knows for one request's plan: the tenant's completion averages and the
+/// calibrations as this worker last read them (with what it learned since), and the
+/// counts this VM remembers.
 struct ProxyKnowledge<'a, H> {
     host: &'a mut H,
     now: u64,
@@ -1518,11 +1522,12 @@ struct ProxyKnowledge<'a, H> {
     tenant: &'a str,
     prompt_cache: &'a mut PromptCache,
     calibrations: &'a mut LocalCalibrations,
+    averages: &'a mut LocalAverages,
 }
 
 impl<H: Host> Learned for ProxyKnowledge<'_, H> {
     fn average(&mut self, model: &str) -> Option<OutputAverage> {
-        read_average(self.host, self.config, self.tenant, model).and_then(|b| OutputAverage::from_bytes(&b))
+        self.averages.get(self.host, self.config, self.tenant, model)
     }
 
     fn calibration(&mut self, rule: usize) -> Calibration {

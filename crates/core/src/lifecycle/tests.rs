@@ -69,14 +69,16 @@ fn a_chat_is_charged_forwarded_and_settled_from_the_reported_usage() {
         assert_eq!(settled[0].reservation.as_deref(), Some(id.as_str()));
         assert_eq!(settled[0].limits.len(), 1, "only the token limit has a credit");
         assert_eq!(settled[0].limits[0].credit, CHAT_RESERVES - 50);
-        // The running average of completions moved, on every host (on Nginx only a CAS
-        // write can update an existing key).
+        // The running average of completions moved in shared data by the tick, on every
+        // host (on Nginx only a CAS write can update an existing key).
         let mut second = proxy.send(Request::chat("sk-a", CHAT), &mut companion);
         proxy.reply(&mut second, 200, "application/json", &[&usage_reply(9, 11)]);
         let config = proxy.worker.config().unwrap().clone();
-        let stored = crate::effects::tables::read_average(&mut proxy.root, &config, &tenant("sk-a"), "gpt-4o");
-        let average =
-            crate::accounting::reservation::OutputAverage::from_bytes(&stored.expect("average")).expect("decodes");
+        use crate::effects::average_store::stored_average;
+        let samples = stored_average(&mut proxy.root, &config, &tenant("sk-a"), "gpt-4o").map(|a| a.samples);
+        assert_eq!(samples, Some(1), "{kind:?}: the second reply's lesson waits for the tick");
+        proxy.tick(Some(&mut companion));
+        let average = stored_average(&mut proxy.root, &config, &tenant("sk-a"), "gpt-4o").expect("average");
         assert_eq!(average.samples, 2, "{kind:?}");
     }
 }
