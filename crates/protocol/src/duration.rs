@@ -36,7 +36,10 @@ pub fn format_reset(ms: u64) -> String {
     if ms < 1_000 {
         // The common case (a bucket that refills continuously resets within a second),
         // without `format!`.
-        return itoa::Buffer::new().format(ms).to_string() + "ms";
+        let mut text = String::with_capacity(5);
+        text.push_str(itoa::Buffer::new().format(ms));
+        text.push_str("ms");
+        return text;
     }
     let hours = ms / 3_600_000;
     let minutes = (ms % 3_600_000) / 60_000;

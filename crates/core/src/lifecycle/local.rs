@@ -52,7 +52,7 @@ impl RequestFilter {
         if !slots.is_empty() {
             worker.hold_slots(id, settlement(config, &self.tenant, Some(holder), false, slots));
         }
-        Verdict::Forward(self.admitted_headers(host, config, &reply, now))
+        Verdict::Forward(self.admitted_headers(host, config, reply, now))
     }
 
     /// Settles a request the local store charged at `charged_at_ms` (reservation `id`):

@@ -938,9 +938,9 @@ impl RequestFilter {
     /// else (and when another's lease holds the slot) a direct charge. Marks the entries
     /// that run low for renewal.
     fn admit_from_lease(&mut self, host: &mut impl Host, worker: &mut Worker, config: &Policy, now: u64) -> FromLease {
-        let specs = self.plan.as_ref().map(|p| p.buckets.clone()).unwrap_or_default();
         let holders = self.holders(config);
-        match lease_table::take(host, config, &holders, &specs, &config.lease_policy(), now) {
+        let specs = self.plan.as_ref().map_or(&[][..], |p| &p.buckets);
+        match lease_table::take(host, config, &holders, specs, &config.lease_policy(), now) {
             Taken::Admitted { renew, leases, slots } => {
                 for holder in renew {
                     worker.want_renewal(holder);
@@ -990,11 +990,15 @@ impl RequestFilter {
         worker.note_leased(slots, leases, now);
         self.admission = Some(Admission::Leased);
         let reply = leases.as_reply(self.plan.as_ref().map_or(&[][..], |p| &p.buckets));
-        Verdict::Forward(self.admitted_headers(host, config, &reply, now))
+        Verdict::Forward(self.admitted_headers(host, config, reply, now))
     }
 
-    fn admitted_headers(&self, host: &mut impl Host, config: &Policy, reply: &LimitsReply, now: u64) -> Vec<Header> {
-        let mut headers = decision::rate_limit_headers(&self.relevant(reply), config, self.caller(now));
+    fn admitted_headers(&self, host: &mut impl Host, config: &Policy, reply: LimitsReply, now: u64) -> Vec<Header> {
+        let reply = match self.plan.as_ref() {
+            Some(plan) => plan.into_relevant(reply),
+            None => reply,
+        };
+        let mut headers = decision::rate_limit_headers(&reply, config, self.caller(now));
         if let Some(plan) = self.plan.as_ref() {
             if let Some(estimate) = plan.estimate {
                 count_tokens(host, config, plan.rule, TokenStage::Reserved, estimate);
@@ -1086,7 +1090,7 @@ impl RequestFilter {
                 if hold.held.is_empty() && refused.len() == hold.short.len() {
                     self.count_admission(host, config, Decision::Allowed);
                     self.admission = Some(Admission::Charged);
-                    return Verdict::Forward(self.admitted_headers(host, config, &reply, now));
+                    return Verdict::Forward(self.admitted_headers(host, config, reply, now));
                 }
                 self.admitted_from_lease(host, worker, config, &leases, &slots, now)
             }
@@ -1106,7 +1110,7 @@ impl RequestFilter {
                     let slots = settlement(config, &self.tenant, Some(id.clone()), false, held);
                     worker.hold_slots(id.clone(), slots);
                 }
-                Verdict::Forward(self.admitted_headers(host, config, &reply, now))
+                Verdict::Forward(self.admitted_headers(host, config, reply, now))
             }
         }
     }
@@ -1226,7 +1230,7 @@ impl RequestFilter {
             worker.queue_settlement(host, Settlement { stand_in, ..queued });
         }
         self.admission = Some(Admission::Local(id));
-        Verdict::Forward(self.admitted_headers(host, config, &reply, now_ms))
+        Verdict::Forward(self.admitted_headers(host, config, reply, now_ms))
             .with_header(DEGRADED_HEADER, "local".to_string())
     }
 

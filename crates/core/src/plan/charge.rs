@@ -80,12 +80,35 @@ pub(crate) fn limit_charge(limit: &crate::config::Limit, cost: u64) -> LimitChar
     }
 }
 
+/// The parts of a bucket that depend on the request (see `ChargePlan::terms`).
+struct BucketTerms {
+    cost: u64,
+    min_cost: Option<u64>,
+    provisional: bool,
+    look_only: bool,
+}
+
 impl ChargePlan {
     /// The bucket of `limit` for this request, charged when it `applies`; the owner,
     /// shadow flag and period are set apart (`pools::assign`, `date`).
     fn bucket(&self, limit: &crate::config::Limit, applies: bool) -> LimitCharge {
-        let estimate = self.estimate;
+        let terms = self.terms(limit, applies);
         LimitCharge {
+            cost: terms.cost,
+            min_cost: terms.min_cost,
+            provisional: terms.provisional,
+            look_only: terms.look_only,
+            // The rest as any charge starts: the owner, shadow flag and period (dated when
+            // the decision's clock is read) are set apart.
+            ..limit_charge(limit, 0)
+        }
+    }
+
+    /// What this request takes of `limit`'s bucket when it `applies` (no name copied: a
+    /// re-route reads these for every limit).
+    fn terms(&self, limit: &crate::config::Limit, applies: bool) -> BucketTerms {
+        let estimate = self.estimate;
+        BucketTerms {
             // A limit for other models is still asked about, look-only (it never refuses),
             // so every plan has one bucket per configured limit, in config order.
             cost: match (applies, limit.measure) {
@@ -109,9 +132,6 @@ impl ChargePlan {
             // An unparsed request's flat cost is never settled: nothing comes back.
             provisional: self.parsed && applies && matches!(limit.dimension(), Dimension::Tokens | Dimension::Cost),
             look_only: !applies,
-            // The rest as any charge starts: the owner, shadow flag and period (dated when
-            // the decision's clock is read) are set apart.
-            ..limit_charge(limit, 0)
         }
     }
 
@@ -128,7 +148,7 @@ impl ChargePlan {
             .collect();
         for (i, limit) in config.limits.iter().enumerate() {
             let applies = self.applies(i);
-            let fresh = self.bucket(limit, applies);
+            let fresh = self.terms(limit, applies);
             if let Some(bucket) = self.buckets.get_mut(i) {
                 bucket.cost = fresh.cost;
                 bucket.min_cost = fresh.min_cost.filter(|_| !bucket.shadow);
@@ -209,6 +229,14 @@ impl ChargePlan {
             .map(|(o, _)| o.clone())
             .collect();
         LimitsReply { allowed: reply.allowed, waited_ms: reply.waited_ms, limits }
+    }
+
+    /// [`ChargePlan::relevant`], keeping `reply`'s outcomes rather than copying them (each
+    /// carries its limit's name: an admission's headers are written from it).
+    pub fn into_relevant(&self, mut reply: LimitsReply) -> LimitsReply {
+        let mut applies = self.applicable.iter();
+        reply.limits.retain(|_| applies.next().copied().unwrap_or(false));
+        reply
     }
 }
 

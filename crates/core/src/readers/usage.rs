@@ -84,6 +84,7 @@ impl PathKey {
 const KEPT_KEY_BYTES: usize = 13;
 /// A usage object is a few hundred bytes; a larger one is not what it claims.
 const MAX_USAGE_OBJECT: usize = 16 * 1024;
+const USUAL_USAGE_OBJECT: usize = 512;
 /// Containers whose kind (object or array) is tracked: usage sits at depth 3 at most.
 const TRACKED_DEPTH: u32 = 64;
 
@@ -120,7 +121,8 @@ pub struct ReplyUsage {
 
 impl ReplyUsage {
     pub fn new() -> ReplyUsage {
-        ReplyUsage::default()
+        // The key is kept up to one byte past the longest that matters: never grown.
+        ReplyUsage { key: Vec::with_capacity(KEPT_KEY_BYTES + 1), ..ReplyUsage::default() }
     }
 
     fn in_object(&self) -> bool {
@@ -213,7 +215,7 @@ impl ReplyUsage {
         match byte {
             b'"' => {
                 if after_colon && self.depth == 1 && self.in_object() && self.path[0] == Some(PathKey::Model) {
-                    self.model_text = Some(Vec::new());
+                    self.model_text = Some(Vec::with_capacity(32));
                 }
                 self.in_string = true;
                 self.reading_key = self.expect_key && self.depth <= 2;
@@ -229,7 +231,10 @@ impl ReplyUsage {
                     _ => None,
                 };
                 if let Some(path) = usage_path {
-                    self.capture = Some((path, vec![b'{']));
+                    // A usage object is a few hundred bytes: room for one, not grown by halves.
+                    let mut bytes = Vec::with_capacity(USUAL_USAGE_OBJECT);
+                    bytes.push(b'{');
+                    self.capture = Some((path, bytes));
                 }
                 self.open(true);
             }

@@ -30,7 +30,7 @@ fn dimension_of(config: &Policy, outcome: &LimitOutcome) -> Dimension {
 /// the provider's module), each named convention, and the IETF `RateLimit-Policy` /
 /// `RateLimit` fields listing every limit.
 pub fn rate_limit_headers(reply: &LimitsReply, config: &Policy, caller: Caller) -> Vec<Header> {
-    let mut headers = Vec::new();
+    let mut headers = Vec::with_capacity(12);
     let wants = |style: HeaderStyle, dialect: Dialect| {
         config.headers.contains(&style)
             || (config.headers.contains(&HeaderStyle::Provider) && caller.dialect == dialect)
