@@ -27,6 +27,8 @@ pub struct HostState {
     /// increments not yet given to the host, in the same way.
     series_ids: Vec<Option<u32>>,
     series_pending: Vec<u64>,
+    /// Whether any count waits: an idle tick then walks none of the counters.
+    anything_pending: bool,
     warned: BTreeSet<&'static str>,
     /// Gauge ids by name, defined once each, with the value this VM last recorded: the
     /// names come from the config (its limits and model rules), so this stays as small as
@@ -51,6 +53,9 @@ impl HostState {
 
     /// Gives the host the counts gathered since the last flush.
     pub fn flush_metrics(&mut self) {
+        if !std::mem::take(&mut self.anything_pending) {
+            return;
+        }
         let counters = self.metric_ids.iter().zip(self.pending.iter_mut());
         let series = self.series_ids.iter().zip(self.series_pending.iter_mut());
         for (id, pending) in counters.chain(series) {
@@ -300,14 +305,18 @@ impl Host for ProxyHost {
     }
 
     fn add_metric(&mut self, metric: Metric, amount: u64) {
-        if let Some(pending) = self.state.borrow_mut().pending.get_mut(metric as usize) {
+        let mut state = self.state.borrow_mut();
+        if let Some(pending) = state.pending.get_mut(metric as usize) {
             *pending = pending.saturating_add(amount);
+            state.anything_pending = true;
         }
     }
 
     fn add_series(&mut self, series: usize, amount: u64) {
-        if let Some(pending) = self.state.borrow_mut().series_pending.get_mut(series) {
+        let mut state = self.state.borrow_mut();
+        if let Some(pending) = state.series_pending.get_mut(series) {
             *pending = pending.saturating_add(amount);
+            state.anything_pending = true;
         }
     }
 
