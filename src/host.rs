@@ -110,11 +110,17 @@ impl ProxyHost {
     /// Each read that returns a value costs the host a call back into this VM to allocate
     /// it, several times the lookup.
     fn header(&mut self, map: MapType, name: &str) -> Option<String> {
-        if let Some(value) = self.pairs(map).values(name).next() {
-            return Some(abi::text(value.to_vec()));
-        }
-        if !name.starts_with(':') {
-            return None;
+        let pseudo = name.starts_with(':');
+        let (first, again) = {
+            let mut values = self.pairs(map).values(name);
+            (values.next().map(<[u8]>::to_vec), values.next().is_some())
+        };
+        match first {
+            None if !pseudo => return None,
+            // A pseudo-header twice in the pairs is not the host's alone (a client's line
+            // that got through): the host's own reading decides, as it always did.
+            Some(value) if !pseudo || !again => return Some(abi::text(value)),
+            _ => {}
         }
         if let Some((_, _, value)) = self.pseudo.iter().find(|(m, n, _)| *m == map && n == name) {
             return value.clone();
