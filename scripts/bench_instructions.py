@@ -2,8 +2,8 @@
 stay put on a loaded machine, where req/s and CPU time move with whatever else runs.
 
 For each row (no filter, the empty filter, the ABI floor filter, llm-ratelimit with RPM +
-TPM in lease mode, optionally from another .wasm) Envoy (--concurrency 1) runs under
-`valgrind --tool=callgrind`; the script reads the instructions Envoy ran up to /ready
+TPM in lease mode or in the local store, optionally from another .wasm) Envoy
+(--concurrency 1) runs under `valgrind --tool=callgrind`; the script reads the instructions Envoy ran up to /ready
 (start-up: mostly V8 compiling the module), its instructions per second while idle (the
 filter's tick, Envoy's timers), then per body the instructions of a run of requests at one
 connection, less the idle rate over the run's time, per request. Counts are user space
@@ -15,7 +15,7 @@ Under callgrind Envoy serves some tens of requests a second, so requests rotate 
 keys, not bench.py's 1,000: each tenant comes back within its lease, as each of the 1,000
 does at bench.py's rates. Start-up takes minutes under valgrind.
 
-Usage: scripts/bench_instructions.py [--rows passthrough,empty,floor,lease] [--wasm PATH] [--rounds 2] [--keep]
+Usage: scripts/bench_instructions.py [--rows passthrough,empty,floor,lease,local] [--wasm PATH] [--rounds 2] [--keep]
 
 With --keep the dumps stay: `callgrind_annotate --inclusive=yes` on a body's window shows
 where its instructions went by Envoy function (the module's own code, compiled by V8, shows
@@ -40,7 +40,9 @@ import stack
 # with 503s; a callout's instructions do not depend on its timeout.
 SLOW_COMPANION = {**bench.COMPANION, "timeout": "30s"}
 ROWS = {"passthrough": (None, None), "empty": (None, bench.EMPTY_WASM), "floor": (None, bench.FLOOR_WASM),
-        "lease": ({**bench.LEASED_TOKENS, "companion": SLOW_COMPANION}, None)}
+        "lease": ({**bench.LEASED_TOKENS, "companion": SLOW_COMPANION}, None),
+        # RPM + TPM in the proxy's own shared data: no companion, no callout.
+        "local": (bench.LOCAL_STORE_TOKENS, None)}
 BODIES = {
     "tiny": {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "Say hello"}], "max_tokens": 8},
     "realistic": bench.conversation(3),
@@ -114,8 +116,8 @@ def measure(bench_: bench.Bench, workdir: Path, name: str, config, wasm, scripts
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rows", default="empty,floor,lease", help="comma-separated: passthrough, empty, floor, lease")
-    parser.add_argument("--wasm", type=Path, help="llm-ratelimit .wasm for the lease row (default: make wasm's)")
+    parser.add_argument("--rows", default="empty,floor,lease", help="comma-separated: passthrough, empty, floor, lease, local")
+    parser.add_argument("--wasm", type=Path, help="llm-ratelimit .wasm for the lease and local rows (default: make wasm's)")
     parser.add_argument("--rounds", type=int, default=2, help="runs per body; each figure is their median")
     parser.add_argument("--seconds", type=int, default=8, help="duration of each run")
     parser.add_argument("--startup-only", action="store_true", help="only the instructions to /ready")
@@ -133,7 +135,7 @@ def main() -> None:
     try:
         for row in args.rows.split(","):
             config, wasm = ROWS[row]
-            if row == "lease" and args.wasm:
+            if row in ("lease", "local") and args.wasm:
                 wasm = args.wasm
             r = measure(bench_, workdir, row, config, wasm, scripts, args.seconds, args.rounds)
             cells = "".join(f"{statistics.median(c for c, _ in r[b]):>14,.0f} {statistics.median(t for _, t in r[b]):>6.2f}"
