@@ -3,27 +3,39 @@ stay put on a loaded machine, where req/s and CPU time move with whatever else r
 
 For each row (no filter, the empty filter, the ABI floor filter, llm-ratelimit with RPM +
 TPM in lease mode or in the local store, optionally from another .wasm) Envoy
-(--concurrency 1) runs under `valgrind --tool=callgrind`; the script reads the instructions Envoy ran up to /ready
-(start-up: mostly V8 compiling the module), its instructions per second while idle (the
-filter's tick, Envoy's timers), then per body the instructions of a run of requests at one
-connection, less the idle rate over the run's time, per request. Counts are user space
-only: the kernel's share of a request (sockets, epoll) is the same for every filter and
-is not in them. The companion's Redis round trips per request are printed alongside: a
-callout costs instructions too.
+(--concurrency 1) runs under `valgrind --tool=callgrind`; the script reads the
+instructions Envoy ran up to /ready (start-up: mostly V8 compiling the module), its
+instructions per second while idle (the filter's tick, Envoy's timers), then per body the
+instructions of a run of requests at one connection, less the idle rate over the run's
+time, per request. Counts are user space only: the kernel's share of a request (sockets,
+epoll) is the same for every filter and is not in them. The companion's Redis round trips
+per request are printed alongside: a callout costs instructions too.
 
-Under callgrind Envoy serves some tens of requests a second, so requests rotate over 10 API
-keys, not bench.py's 1,000: each tenant comes back within its lease, as each of the 1,000
-does at bench.py's rates. Start-up takes minutes under valgrind.
+Each VM's tick (every 50 ms) does the work of the requests since the last (renewals,
+averages and calibrations written): at the hundred or so requests a second Envoy serves
+under callgrind, a tick's work falls on a handful of requests, where at thousands a second
+it falls on hundreds. So each row also prints its figures without the ticks, and what the
+ticks cost a second while serving. A tick is told apart in the dump as an entry into the
+module called as often as ticks come (about 20 a second for each VM) and not once or a few
+times a request; where that cannot be told (a request rate near the tick rate) the line
+is left out.
 
-Usage: scripts/bench_instructions.py [--rows passthrough,empty,floor,lease,local] [--wasm PATH] [--rounds 2] [--keep]
+Requests rotate over 10 API keys, not bench.py's 1,000: each tenant comes back within its
+lease, as each of the 1,000 does at bench.py's rates. Start-up takes minutes under
+valgrind.
 
-With --keep the dumps stay: `callgrind_annotate --inclusive=yes` on a body's window shows
-where its instructions went by Envoy function (the module's own code, compiled by V8, shows
-as addresses without names; the host calls it makes show by name).
+Usage: scripts/bench_instructions.py [--rows passthrough,empty,floor,lease,local] [--wasm PATH]
+                                     [--rounds 2] [--keep]
+
+With --keep the dumps stay, for `callgrind_annotate --inclusive=yes` on a body's window. The
+module's code, compiled by V8, shows as addresses without names (so do Envoy's own
+functions in a stripped build, such as PyPI's); the host calls still tell apart by their
+callee's count per request against the floor filter's known calls.
 """
 
 import argparse
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -51,6 +63,62 @@ BODIES = {
 TENANTS = 10
 
 
+# The filter's tick (`worker::TICK`): each VM's root is called this often.
+TICKS_PER_SECOND = 20
+
+
+def _is_compiled_wasm(name: str) -> bool:
+    """V8's compiled code has no symbols: callgrind names it by address, and it lives above
+    4 GiB, where this Envoy's own code (mapped low, named or not) is not."""
+    address = name.split("'", 1)[0]  # callgrind marks recursion levels with 'N
+    return address.startswith("0x") and int(address, 16) > 1 << 32
+
+
+def module_entries(dump: Path) -> dict:
+    """Calls from Envoy into the module's compiled code, by callee: (calls, inclusive
+    instructions). Callgrind's format: `fn=` and `cfn=` name the caller and the callee (as
+    `(id) name` the first time, `(id)` after), `calls=` counts the call whose cost is on the
+    next line."""
+    names, caller, callee, pending, found = {}, None, None, None, {}
+
+    def name(value: str) -> str:
+        m = re.match(r"\((\d+)\)(?: (.*))?", value)
+        if not m:
+            return value
+        if m.group(2) is not None:
+            names[m.group(1)] = m.group(2)
+        return names.get(m.group(1), m.group(1))
+
+    for line in dump.read_text(errors="replace").splitlines():
+        if line.startswith("fn="):
+            caller = name(line[3:])
+        elif line.startswith("cfn="):
+            callee = name(line[4:])
+        elif line.startswith("calls="):
+            pending = int(line[6:].split()[0])
+        elif pending is not None and (line[:1].isdigit() or line[:1] in "+-*"):
+            parts = line.split()
+            if caller and callee and not _is_compiled_wasm(caller) and _is_compiled_wasm(callee):
+                calls, total = found.get(callee, (0, 0))
+                found[callee] = (calls + pending, total + (int(parts[1]) if len(parts) > 1 else 0))
+            pending = None
+    return found
+
+
+def tick_instructions(dump: Path, seconds: float, requests: int) -> "int | None":
+    """The instructions of the VMs' ticks in a window (the worker's and the main thread's),
+    or None when they cannot be told from the request callbacks. A tick is an entry into the
+    module called about as often as ticks came (every 50 ms per VM; a slow Envoy fires
+    fewer), and not as often as a request callback is (once or a few times a request)."""
+    expected = TICKS_PER_SECOND * seconds
+    if requests and 0.4 * expected <= requests <= 1.2 * expected:
+        return None
+    ticks = [total for calls, total in module_entries(dump).values()
+             if 0.5 * expected <= calls <= 1.1 * expected
+             and all(abs(calls - k * requests) > 0.05 * max(requests, 1) for k in (1, 2, 3, 4))]
+    return sum(ticks) if 1 <= len(ticks) <= 2 else None
+
+
 def total_instructions(dump: Path) -> int:
     for line in dump.read_text(errors="replace").splitlines():
         if line.startswith(("summary:", "totals:")):
@@ -70,7 +138,8 @@ class Callgrind:
     def dump(self) -> int:
         self.control("-d")
         dumps = self.workdir.glob(f"callgrind.{self.name}.{self.pid}.out.*")
-        return total_instructions(max(dumps, key=lambda p: int(p.name.rsplit(".", 1)[1])))
+        self.last = max(dumps, key=lambda p: int(p.name.rsplit(".", 1)[1]))
+        return total_instructions(self.last)
 
     def window(self, action):
         self.control("-z")
@@ -101,6 +170,9 @@ def measure(bench_: bench.Bench, workdir: Path, name: str, config, wasm, scripts
         bench.wrk(url, script, 2, 5)  # every tenant leased, V8's code warm
     idle, idle_seconds, _ = grind.window(lambda: time.sleep(5))
     result["idle_per_s"] = idle / idle_seconds
+    idle_ticks = tick_instructions(grind.last, idle_seconds, 0)
+    # What Envoy does at rest besides the filter's ticks (its own timers, the main thread).
+    untick_idle_per_s = None if idle_ticks is None else (idle - idle_ticks) / idle_seconds
     for _ in range(rounds):
         for body, script in scripts.items():
             trips = bench.redis_round_trips(bench_.redis_port)
@@ -109,6 +181,10 @@ def measure(bench_: bench.Bench, workdir: Path, name: str, config, wasm, scripts
             per_request = (counted - result["idle_per_s"] * run_seconds) / run["requests"]
             result.setdefault(body, []).append((per_request, trips))
             result.setdefault("rates", []).append(f"{body} {run['requests'] / run_seconds:.0f}/s")
+            ticks = tick_instructions(grind.last, run_seconds, run["requests"])
+            if ticks is not None and untick_idle_per_s is not None:
+                without = (counted - ticks - untick_idle_per_s * run_seconds) / run["requests"]
+                result.setdefault("untick:" + body, []).append((without, ticks / run_seconds))
     proc.stop()
     bench_.stack.processes.remove(proc)
     return result
@@ -146,6 +222,11 @@ def main() -> None:
             # requests share a tick's work, and the more of it each request's figure holds.
             if r.get("rates"):
                 print(f"{'':<8}requests a second under callgrind: {', '.join(r['rates'])}", flush=True)
+            split = [(b, r["untick:" + b]) for b in scripts if r.get("untick:" + b)]
+            if split:
+                cells = ", ".join(f"{b} {statistics.median(w for w, _ in v):,.0f}/req" for b, v in split)
+                rates = ", ".join(f"{b} {statistics.median(t for _, t in v):,.0f}/s" for b, v in split)
+                print(f"{'':<8}without the ticks: {cells}; the ticks while serving: {rates}", flush=True)
     finally:
         bench_.stack.stop_all()
         if args.keep:
