@@ -211,6 +211,12 @@ fn a_refused_write_is_answered_503_and_counted() {
             workers(kind, &local(json!([{"name": "rpm", "requests": 5, "window": "1m"}]), json!({})));
         assert!(send(&mut workers[0], Request::chat("sk-a", CHAT)).forwarded(), "{kind:?}");
         world.borrow_mut().full = true;
+        if kind == HostKind::Envoy {
+            // Envoy's table is made whole at load (`local_store::create_table`): a full host
+            // refuses no write of it.
+            assert!(send(&mut workers[1], Request::chat("sk-new", CHAT)).forwarded());
+            continue;
+        }
         let refused = send(&mut workers[1], Request::chat("sk-new", CHAT));
         assert_eq!(refused.replied().map(|r| r.status), Some(503), "{kind:?}");
         assert_eq!(refused.host.metric(Metric::SharedWritesRefused), 1, "{kind:?}");
@@ -274,8 +280,10 @@ fn an_entry_is_at_most_the_stated_size() {
             }
         }
         assert_eq!(admitted, 64, "{kind:?}");
-        let key = world.borrow().keys().into_iter().find(|k| k.starts_with("llmrl.local.")).expect("an entry");
-        let stored = workers[0].root.shared_value(&key).expect("its value");
+        // On Envoy the table's keys are made, empty, at load: the one holding the entry.
+        let keys = world.borrow().keys();
+        let mut entries = keys.iter().filter(|k| k.starts_with("llmrl.local."));
+        let stored = entries.find_map(|key| workers[0].root.shared_value(key)).expect("an entry");
         assert_eq!(stored.len(), 33 + 1 + 3 + 16 * 64, "{kind:?}");
     }
 }
@@ -345,4 +353,31 @@ fn a_settlement_after_its_entry_was_replaced_is_dropped() {
         assert_eq!(stored(&mut workers), before, "{kind:?}: nobody's entry changed");
         assert!(own(&mut workers).is_none(), "{kind:?}: nor was an entry made for it");
     }
+}
+
+/// Envoy makes a key on a write without a CAS whether or not another worker just made it:
+/// two workers charging a new tenant at once both succeeded, one charge lost (three
+/// streams admitted under a concurrency limit of 3 counted two, and a fourth request got
+/// in; e2e `test_concurrency_holds_exactly_across_two_workers_and_slots_come_back` failed
+/// one run in four). The table is made at load, so the second of two such writes fails its
+/// CAS and is retried on the first's.
+#[test]
+fn two_workers_charging_a_new_tenant_at_once_never_overwrite_each_other_on_envoy() {
+    use crate::effects::host::Host;
+    use crate::effects::tables::TenantTable;
+    let config = local(json!([{"name": "inflight", "concurrency": 3}]), json!({}));
+    let (_world, mut workers) = workers(HostKind::Envoy, &config);
+    let policy = workers[0].worker.config().expect("configured").clone();
+    let tenant = crate::api::identity::tenant_id("sk-new");
+    let key = TenantTable::Local.slot_key(&policy, TenantTable::slots(&policy, &tenant)[0]);
+    let [first, second] = &mut workers;
+    let (_, cas_a) = first.root.shared_get(&key);
+    let (_, cas_b) = second.root.shared_get(&key);
+    assert!(cas_a.is_some(), "the slot's key exists before any charge");
+    assert!(first.root.shared_set(&key, b"a", cas_a).is_ok());
+    assert!(second.root.shared_set(&key, b"b", cas_b).is_err(), "the second write fails its CAS");
+    // Three charges of another new tenant, on both workers, all count.
+    let flights: Vec<InFlight> = (0..3).map(|i| send(&mut workers[i % 2], Request::chat("sk-race", CHAT))).collect();
+    assert!(flights.iter().all(InFlight::forwarded));
+    assert!(!send(&mut workers[1], Request::chat("sk-race", CHAT)).forwarded(), "the fourth is refused");
 }
