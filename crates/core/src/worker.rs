@@ -153,12 +153,15 @@ impl Worker {
         let mut config = Policy::from_json_in(bytes, &variable).map_err(|e| e.to_string())?;
         if config.store == Store::Local {
             config.memory.slot_key = crate::effects::local_store::slot_key(host, &config.domain);
-            crate::effects::local_store::create_table(host, &config, self.host_kind);
         }
         if self.ids.vm == 0 {
             self.ids.vm = take_vm_number(host, &config.domain);
         }
         check_for_host(&config, self.host_kind)?;
+        if config.store == Store::Local {
+            // After the checks: a config this host refuses makes no table.
+            crate::effects::local_store::create_table(host, &config, self.host_kind);
+        }
         host.log(
             LogLevel::Info,
             &format!(

@@ -709,7 +709,16 @@ impl RequestFilter {
 
     /// The reply as it concerns this request: the limits that apply to it.
     fn relevant(&self, reply: &LimitsReply) -> LimitsReply {
-        self.plan.as_ref().map_or_else(|| reply.clone(), |plan| plan.relevant(reply))
+        self.keep_relevant(reply.clone())
+    }
+
+    /// [`RequestFilter::relevant`] of a reply the caller is done with (see
+    /// `ChargePlan::keep_relevant`).
+    fn keep_relevant(&self, reply: LimitsReply) -> LimitsReply {
+        match self.plan.as_ref() {
+            Some(plan) => plan.keep_relevant(reply),
+            None => reply,
+        }
     }
 
     /// The counter each limit of this request is charged on (see `crate::plan::pools`).
@@ -994,11 +1003,7 @@ impl RequestFilter {
     }
 
     fn admitted_headers(&self, host: &mut impl Host, config: &Policy, reply: LimitsReply, now: u64) -> Vec<Header> {
-        let reply = match self.plan.as_ref() {
-            Some(plan) => plan.into_relevant(reply),
-            None => reply,
-        };
-        let mut headers = decision::rate_limit_headers(&reply, config, self.caller(now));
+        let mut headers = decision::rate_limit_headers(&self.keep_relevant(reply), config, self.caller(now));
         if let Some(plan) = self.plan.as_ref() {
             if let Some(estimate) = plan.estimate {
                 count_tokens(host, config, plan.rule, TokenStage::Reserved, estimate);

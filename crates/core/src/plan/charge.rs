@@ -221,19 +221,12 @@ impl ChargePlan {
     /// The reply's outcomes for the limits that apply to this request: what headers and
     /// 429s should speak of.
     pub fn relevant(&self, reply: &LimitsReply) -> LimitsReply {
-        let limits = reply
-            .limits
-            .iter()
-            .zip(&self.applicable)
-            .filter(|(_, applies)| **applies)
-            .map(|(o, _)| o.clone())
-            .collect();
-        LimitsReply { allowed: reply.allowed, waited_ms: reply.waited_ms, limits }
+        self.keep_relevant(reply.clone())
     }
 
-    /// [`ChargePlan::relevant`], keeping `reply`'s outcomes rather than copying them (each
-    /// carries its limit's name: an admission's headers are written from it).
-    pub fn into_relevant(&self, mut reply: LimitsReply) -> LimitsReply {
+    /// [`ChargePlan::relevant`] of a reply the caller is done with: its outcomes kept, not
+    /// copied (each carries its limit's name; an admission's headers are written from it).
+    pub fn keep_relevant(&self, mut reply: LimitsReply) -> LimitsReply {
         let mut applies = self.applicable.iter();
         reply.limits.retain(|_| applies.next().copied().unwrap_or(false));
         reply

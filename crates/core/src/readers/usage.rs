@@ -84,6 +84,7 @@ impl PathKey {
 const KEPT_KEY_BYTES: usize = 13;
 /// A usage object is a few hundred bytes; a larger one is not what it claims.
 const MAX_USAGE_OBJECT: usize = 16 * 1024;
+/// Room a usage object is first given: most fit, so the capture is not grown by halves.
 const USUAL_USAGE_OBJECT: usize = 512;
 /// Containers whose kind (object or array) is tracked: usage sits at depth 3 at most.
 const TRACKED_DEPTH: u32 = 64;
@@ -231,7 +232,6 @@ impl ReplyUsage {
                     _ => None,
                 };
                 if let Some(path) = usage_path {
-                    // A usage object is a few hundred bytes: room for one, not grown by halves.
                     let mut bytes = Vec::with_capacity(USUAL_USAGE_OBJECT);
                     bytes.push(b'{');
                     self.capture = Some((path, bytes));
