@@ -11,7 +11,7 @@ use llm_ratelimit_core::replies::reply::LocalReply;
 use proxy_wasm::hostcalls;
 use proxy_wasm::types::{BufferType, MapType, MetricType};
 use std::cell::RefCell;
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::rc::Rc;
 use std::time::Duration;
 
@@ -29,6 +29,11 @@ pub struct HostState {
     series_pending: Vec<u64>,
     /// Whether any count waits: an idle tick then walks none of the counters.
     anything_pending: bool,
+    /// Callouts sent by requests the root woke (see `ProxyHost::acting_for`), by token,
+    /// with the request each answers: the SDK hands their answers to the root.
+    pub routed: HashMap<u32, u32>,
+    /// Whether the root ticks every `WAIT_TICK` (requests wait for a lease grant).
+    pub fast_ticks: bool,
     warned: BTreeSet<&'static str>,
     /// Gauge ids by name, defined once each, with the value this VM last recorded: the
     /// names come from the config (its limits and model rules), so this stays as small as
@@ -80,6 +85,9 @@ pub struct ProxyHost {
     response_headers: Option<HeaderPairs>,
     /// Pseudo-headers the map's pairs did not hold, as read on their own this callback.
     pseudo: Vec<(MapType, String, Option<String>)>,
+    /// Acting for a request from the root's callback: a callout the request sends is filed
+    /// by the SDK under the root, which hands its answer on (`HostState::routed`).
+    for_root: bool,
 }
 
 impl ProxyHost {
@@ -92,7 +100,14 @@ impl ProxyHost {
             request_headers: None,
             response_headers: None,
             pseudo: Vec::new(),
+            for_root: false,
         }
+    }
+
+    /// The host of request `context_id` as the root's callback acts for it, with the
+    /// request's context made effective (`make_effective`).
+    pub fn acting_for(context_id: u32, root_id: u32, state: Rc<RefCell<HostState>>) -> ProxyHost {
+        ProxyHost { for_root: true, ..ProxyHost::new(context_id, root_id, state) }
     }
 
     /// A new callback: what was read in the last may have changed (the time has; another
@@ -152,6 +167,12 @@ pub fn plugin_configuration() -> Vec<u8> {
     abi::buffer(BufferType::PluginConfiguration, 0, usize::MAX)
 }
 
+/// Makes `context_id` the context later host calls act on. Whether the host did.
+pub fn make_effective(context_id: u32) -> bool {
+    // SAFETY: a plain host call taking an integer; any status is handled.
+    unsafe { proxy_set_effective_context(context_id) == 0 }
+}
+
 pub fn set_tick_period(period: Duration) {
     if let Err(status) = hostcalls::set_tick_period(period) {
         log::warn!("llm-ratelimit: cannot set the tick period: {status:?}");
@@ -162,7 +183,7 @@ pub fn set_tick_period(period: Duration) {
 // this call: it is declared here to handle every answer.
 #[link(wasm_import_module = "env")]
 extern "C" {
-    fn proxy_set_effective_context(context_id: u32) -> u32;
+    pub(crate) fn proxy_set_effective_context(context_id: u32) -> u32;
 }
 
 // The VM's environment, through WASI as both hosts offer it to proxy-wasm modules (Envoy
@@ -196,6 +217,10 @@ fn read_environment() -> Vec<(String, String)> {
 }
 
 impl Host for ProxyHost {
+    fn context_id(&self) -> u32 {
+        self.context_id
+    }
+
     fn environment_variables(&mut self) -> Vec<(String, String)> {
         read_environment()
     }
@@ -286,7 +311,11 @@ impl Host for ProxyHost {
             unsafe { proxy_set_effective_context(self.context_id) };
             return sent;
         }
-        send()
+        let sent = send();
+        if let (Ok(token), true) = (&sent, self.for_root) {
+            self.state.borrow_mut().routed.insert(*token, self.context_id);
+        }
+        sent
     }
 
     fn callout_status(&mut self) -> Option<u32> {

@@ -9,12 +9,14 @@ mod host;
 
 use host::{HostState, ProxyHost};
 use llm_ratelimit_core::effects::host::Action as CoreAction;
-use llm_ratelimit_core::lifecycle::RequestFilter;
-use llm_ratelimit_core::worker::{Worker, TICK};
+use llm_ratelimit_core::effects::host::Host as _;
+use llm_ratelimit_core::lifecycle::{Phase, RequestFilter};
+use llm_ratelimit_core::worker::{Worker, TICK, WAIT_TICK};
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, ContextType, LogLevel};
 use std::cell::RefCell;
-use std::rc::Rc;
+use std::collections::HashMap;
+use std::rc::{Rc, Weak};
 
 proxy_wasm::main! {{
     proxy_wasm::set_log_level(LogLevel::Info);
@@ -23,6 +25,8 @@ proxy_wasm::main! {{
             context_id,
             worker: Rc::new(RefCell::new(Worker::new())),
             state: Rc::new(RefCell::new(HostState::default())),
+            acted_for: Rc::new(RefCell::new(HashMap::new())),
+            full_tick_ms: 0,
         })
     });
 }}
@@ -34,11 +38,21 @@ fn action(action: CoreAction) -> Action {
     }
 }
 
+/// The requests of this VM the root acts for, by context: those waiting for a lease grant
+/// another asked for (`Phase::AwaitingLease`), and those it woke that then asked a grant of
+/// their own. Each is woken, and handed the answer to its ask, from the root's callbacks.
+/// Entries leave when their request is decided or ends.
+type ActedFor = Rc<RefCell<HashMap<u32, Weak<RefCell<RequestFilter>>>>>;
+
 /// One per VM: holds the worker every request of this VM borrows.
 struct Root {
     context_id: u32,
     worker: Rc<RefCell<Worker>>,
     state: Rc<RefCell<HostState>>,
+    acted_for: ActedFor,
+    /// When the last full tick ran (ms by the host's clock): while requests wait the root
+    /// ticks every `WAIT_TICK`, and the full tick's work still runs every `TICK`.
+    full_tick_ms: u64,
 }
 
 impl Root {
@@ -47,12 +61,88 @@ impl Root {
     }
 }
 
+/// Whether a request is still the root's to act for after a callback from it.
+fn still_acted_for(filter: &RequestFilter) -> bool {
+    matches!(filter.phase(), Phase::AwaitingLease | Phase::Deciding)
+}
+
+/// Runs `f` for the request `context_id` the root acts for, with its context effective
+/// (only hosts that honour the switch let requests wait: `HostKind::resumes_other_contexts`),
+/// then makes the root's context effective again. False if it cannot now (its filter is
+/// in a callback of its own, or the host refused the switch); a request that is gone is
+/// dropped.
+fn act_for(
+    acted_for: &ActedFor,
+    root: &ProxyHost,
+    context_id: u32,
+    f: impl FnOnce(&mut RequestFilter, &mut ProxyHost),
+) -> bool {
+    let Some(filter) = acted_for.borrow().get(&context_id).and_then(Weak::upgrade) else {
+        acted_for.borrow_mut().remove(&context_id);
+        return true;
+    };
+    let Ok(mut request) = filter.try_borrow_mut() else { return false };
+    if !host::make_effective(context_id) {
+        return false;
+    }
+    let mut host = ProxyHost::acting_for(context_id, root.root_id, root.state.clone());
+    f(&mut request, &mut host);
+    if !still_acted_for(&request) {
+        acted_for.borrow_mut().remove(&context_id);
+    }
+    host::make_effective(root.context_id);
+    true
+}
+
+/// Resumes the waiting requests the worker says are due, each in its own context, from a
+/// root callback: a callout a woken request sends is the root's to the SDK, whose answer
+/// `Root::on_http_call_response` hands back to it. One that cannot be resumed now is due
+/// again at the next tick, never dropped (it would wait until its stream's timeout).
+fn wake_waiters(worker: &mut Worker, acted_for: &ActedFor, root: &ProxyHost) {
+    let mut not_now = Vec::new();
+    for context_id in worker.waiters_due() {
+        if !act_for(acted_for, root, context_id, |request, host| request.on_lease_news(host, worker)) {
+            not_now.push(context_id);
+        }
+    }
+    worker.due_again(not_now);
+}
+
+/// Ticks every `WAIT_TICK` while requests of the VM wait for a lease grant, every `TICK`
+/// otherwise.
+fn tick_for(worker: &Worker, state: &RefCell<HostState>, root_id: u32, context_id: u32) {
+    let fast = worker.has_waiters();
+    if state.borrow().fast_ticks == fast {
+        return;
+    }
+    state.borrow_mut().fast_ticks = fast;
+    // The tick is the root's: set as the root, whichever callback asks.
+    let switch = context_id != root_id;
+    if switch {
+        host::make_effective(root_id);
+    }
+    host::set_tick_period(if fast { WAIT_TICK } else { TICK });
+    if switch {
+        host::make_effective(context_id);
+    }
+}
+
 impl Context for Root {
     fn on_http_call_response(&mut self, token: u32, _headers: usize, body_size: usize, _trailers: usize) {
         let mut host = self.host();
-        if let Ok(mut worker) = self.worker.try_borrow_mut() {
-            worker.on_callout_response(&mut host, token, body_size);
+        let Ok(mut worker) = self.worker.try_borrow_mut() else { return };
+        let routed = self.state.borrow_mut().routed.remove(&token);
+        match routed {
+            // A woken request's own ask: its answer is that request's.
+            Some(context_id) => {
+                act_for(&self.acted_for, &host, context_id, |request, host| {
+                    request.on_callout_response(host, &mut worker, body_size)
+                });
+            }
+            None => worker.on_callout_response(&mut host, token, body_size),
         }
+        wake_waiters(&mut worker, &self.acted_for, &host);
+        tick_for(&worker, &self.state, self.context_id, self.context_id);
     }
 }
 
@@ -81,17 +171,32 @@ impl RootContext for Root {
 
     fn on_tick(&mut self) {
         let mut host = self.host();
-        if let Ok(mut worker) = self.worker.try_borrow_mut() {
+        let Ok(mut worker) = self.worker.try_borrow_mut() else { return };
+        let now = host.now_ms();
+        // A tick of WAIT_TICK only wakes waiters; the full one runs every TICK (a timer
+        // may fire a little early or late).
+        let full = !self.state.borrow().fast_ticks
+            || now.saturating_sub(self.full_tick_ms) + WAIT_TICK.as_millis() as u64 >= TICK.as_millis() as u64;
+        if full {
+            self.full_tick_ms = now;
             worker.on_tick(&mut host);
+        } else {
+            worker.on_wait_tick(&mut host);
         }
-        self.state.borrow_mut().flush_metrics();
+        wake_waiters(&mut worker, &self.acted_for, &host);
+        tick_for(&worker, &self.state, self.context_id, self.context_id);
+        drop(worker);
+        if full {
+            self.state.borrow_mut().flush_metrics();
+        }
     }
 
     fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {
         // The SDK panics on None; a VM whose config was refused gets pass-through contexts.
         let filter = self.worker.try_borrow().map_or_else(|_| RequestFilter::pass_through(), |w| RequestFilter::on(&w));
         let host = ProxyHost::new(context_id, self.context_id, self.state.clone());
-        Some(Box::new(Http { filter, host, worker: self.worker.clone() }))
+        let filter = Rc::new(RefCell::new(filter));
+        Some(Box::new(Http { filter, host, worker: self.worker.clone(), acted_for: self.acted_for.clone() }))
     }
 
     fn get_type(&self) -> Option<ContextType> {
@@ -100,18 +205,35 @@ impl RootContext for Root {
 }
 
 struct Http {
-    filter: RequestFilter,
+    /// Shared with the root's `ActedFor` while the root acts for the request.
+    filter: Rc<RefCell<RequestFilter>>,
     host: ProxyHost,
     worker: Rc<RefCell<Worker>>,
+    acted_for: ActedFor,
 }
 
 impl Http {
-    /// Runs `f` with the worker; a re-entrant callback (the worker already borrowed)
-    /// passes the stream on rather than panic.
+    /// Runs `f` with the worker; a re-entrant callback (the worker or the filter already
+    /// borrowed) passes the stream on rather than panic. A request left waiting for a lease
+    /// grant is the root's to wake.
     fn with_worker(&mut self, f: impl FnOnce(&mut RequestFilter, &mut ProxyHost, &mut Worker) -> CoreAction) -> Action {
         self.host.begin_callback();
-        match self.worker.clone().try_borrow_mut() {
-            Ok(mut worker) => action(f(&mut self.filter, &mut self.host, &mut worker)),
+        let worker = self.worker.clone();
+        let (Ok(mut worker), Ok(mut filter)) = (worker.try_borrow_mut(), self.filter.try_borrow_mut()) else {
+            return Action::Continue;
+        };
+        let next = f(&mut filter, &mut self.host, &mut worker);
+        if filter.phase() == Phase::AwaitingLease {
+            self.acted_for.borrow_mut().insert(self.host.context_id, Rc::downgrade(&self.filter));
+            tick_for(&worker, &self.host.state, self.host.root_id, self.host.context_id);
+        }
+        action(next)
+    }
+
+    fn with_filter(&mut self, f: impl FnOnce(&mut RequestFilter, &mut ProxyHost) -> CoreAction) -> Action {
+        self.host.begin_callback();
+        match self.filter.try_borrow_mut() {
+            Ok(mut filter) => action(f(&mut filter, &mut self.host)),
             Err(_) => Action::Continue,
         }
     }
@@ -136,12 +258,11 @@ impl HttpContext for Http {
     }
 
     fn on_http_request_trailers(&mut self, _trailers: usize) -> Action {
-        action(self.filter.on_request_trailers())
+        self.with_filter(|filter, _| filter.on_request_trailers())
     }
 
     fn on_http_response_headers(&mut self, _headers: usize, _end_of_stream: bool) -> Action {
-        self.host.begin_callback();
-        action(self.filter.on_response_headers(&mut self.host))
+        self.with_filter(|filter, host| filter.on_response_headers(host))
     }
 
     fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
@@ -153,5 +274,8 @@ impl HttpContext for Http {
             filter.on_done(host, worker);
             CoreAction::Continue
         });
+        let context_id = self.host.context_id;
+        self.acted_for.borrow_mut().remove(&context_id);
+        self.host.state.borrow_mut().routed.retain(|_, routed_to| *routed_to != context_id);
     }
 }

@@ -39,6 +39,7 @@ pub struct World {
     shared: HashMap<String, (Vec<u8>, u32)>,
     next_cas: u32,
     next_token: u32,
+    next_context: u32,
     /// Host calls made, by name: each is a crossing into the proxy, which costs far more
     /// in a real host than here.
     pub host_calls: BTreeMap<&'static str, u64>,
@@ -56,6 +57,7 @@ impl World {
             shared: HashMap::new(),
             next_cas: 1,
             next_token: 1,
+            next_context: 1,
             host_calls: BTreeMap::new(),
             environment: Vec::new(),
         }))
@@ -107,6 +109,8 @@ pub struct Callout {
 /// One worker's view of the host, for one request (or for the root).
 pub struct FakeHost {
     world: Rc<RefCell<World>>,
+    /// This host's context, unique in its world.
+    pub context_id: u32,
     pub request_headers: Vec<(String, String)>,
     pub request_body: Vec<u8>,
     pub response_headers: Vec<(String, String)>,
@@ -135,8 +139,14 @@ pub struct FakeHost {
 
 impl FakeHost {
     pub fn new(world: &Rc<RefCell<World>>) -> FakeHost {
+        let context_id = {
+            let mut w = world.borrow_mut();
+            w.next_context += 1;
+            w.next_context
+        };
         FakeHost {
             world: world.clone(),
+            context_id,
             request_headers: Vec::new(),
             request_body: Vec::new(),
             response_headers: Vec::new(),
@@ -187,6 +197,10 @@ impl FakeHost {
 }
 
 impl Host for FakeHost {
+    fn context_id(&self) -> u32 {
+        self.context_id
+    }
+
     fn now_nanos(&mut self) -> u128 {
         self.count_call("now_nanos");
         u128::from(self.world.borrow().now_ms) * 1_000_000
@@ -951,6 +965,20 @@ impl Proxy {
             let (status, body) = companion.answer(&callout, self.now());
             self.root_answer(callout.token, status, body);
         }
+    }
+
+    /// Resumes the waiting requests among `flights` the worker says are due, each in its
+    /// own host, as the glue does after every callback on a host that resumes other
+    /// contexts. Returns how many it resumed.
+    pub fn wake(&mut self, flights: &mut [&mut InFlight]) -> usize {
+        let mut woken = 0;
+        for context in self.worker.waiters_due() {
+            if let Some(flight) = flights.iter_mut().find(|f| f.host.context_id == context) {
+                flight.filter.on_lease_news(&mut flight.host, &mut self.worker);
+                woken += 1;
+            }
+        }
+        woken
     }
 
     /// Delivers a root-owned callout's answer.

@@ -24,11 +24,11 @@ use crate::protocol::{ProviderReply, PROVIDER_PATH};
 use crate::tokens::prompt_cache::PromptCache;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::rc::Rc;
 use std::time::Duration;
 
-pub use crate::effects::host::TICK;
+pub use crate::effects::host::{TICK, WAIT_TICK};
 /// How often expired leases are looked for, in ticks.
 const EXPIRY_TICKS: u32 = 10;
 /// Most settlements in one callout: all a call may carry. The companion applies them in
@@ -63,6 +63,12 @@ pub struct Worker {
     settling: Option<(u32, Vec<Queued>)>,
     /// Lease renewals out, by token: the entry and what was asked.
     renewing: HashMap<u32, (Holder, Vec<LeaseAsk>)>,
+    /// Requests of this VM waiting for a lease grant another asked for, by context, with
+    /// the entry each waits on and until when. At most one per request in flight.
+    lease_waiters: BTreeMap<u32, (String, u64)>,
+    /// Waiting requests to take from the lease again now: the glue resumes each in its own
+    /// context from the root's next callback (`waiters_due`).
+    waiters_due: Vec<u32>,
     /// Token counts of long prompt texts this VM counted (bounded).
     pub(crate) prompt_cache: PromptCache,
     /// Tenant ids of the credentials this VM saw last (bounded).
@@ -118,6 +124,8 @@ impl Worker {
             warmed_up: false,
             settling: None,
             renewing: HashMap::new(),
+            lease_waiters: BTreeMap::new(),
+            waiters_due: Vec::new(),
             prompt_cache: PromptCache::new(0),
             tenant_ids: TenantIds::new(TENANT_ID_CACHE_SLOTS),
             calibrations: LocalCalibrations::default(),
@@ -220,6 +228,7 @@ impl Worker {
         self.ticks = self.ticks.wrapping_add(1);
         let now = host.now_ms();
         if config.lease.enabled {
+            self.wake_stale_waiters(host, &config, now);
             self.renew_leases(host, &config, now);
             if self.ticks % EXPIRY_TICKS == 0 {
                 self.return_expired_leases(host, &config, now);
@@ -265,8 +274,10 @@ impl Worker {
             return;
         }
         if let Some((holder, asked)) = self.renewing.remove(&token) {
-            // Answered (or failed): the next renewal of this entry may be asked.
+            // Answered (or failed): the next renewal of this entry may be asked, and
+            // whoever waits for it takes again once this callback is over.
             lease_table::renewal_answered(host, &config, &holder);
+            self.lease_news(&holder.name);
             match callout_reply::<LimitsReply>(host, body_size) {
                 Ok(reply) if reply.allowed && reply.limits.len() == asked.len() => {
                     self.callout_succeeded(host, &config);
@@ -362,6 +373,74 @@ impl Worker {
 
     pub(crate) fn take_slots(&mut self, id: &str) -> Option<Settlement> {
         self.slots.remove(id)
+    }
+
+    /// `context` waits, until `until` at the latest, for the grant out for the lease entry
+    /// `entry`.
+    pub(crate) fn await_lease(&mut self, context: u32, entry: String, until: u64) {
+        self.lease_waiters.insert(context, (entry, until));
+    }
+
+    /// `context` is over: it waits for nothing.
+    pub(crate) fn stop_waiting(&mut self, context: u32) {
+        self.lease_waiters.remove(&context);
+        self.waiters_due.retain(|&c| c != context);
+    }
+
+    /// A grant for `entry` answered: every request of this VM waiting for it is due.
+    pub(crate) fn lease_news(&mut self, entry: &str) {
+        self.wake_waiters(|waited, _| waited == entry);
+    }
+
+    fn wake_waiters(&mut self, mut due: impl FnMut(&str, u64) -> bool) {
+        let waiters_due = &mut self.waiters_due;
+        self.lease_waiters.retain(|&context, (entry, until)| {
+            let wake = due(entry, *until);
+            if wake {
+                waiters_due.push(context);
+            }
+            !wake
+        });
+    }
+
+    /// Whether requests of this VM wait for a lease grant: the glue then ticks the root
+    /// every `WAIT_TICK`, which wakes them (`on_wait_tick`) soon after their grant lands.
+    pub fn has_waiters(&self) -> bool {
+        !self.lease_waiters.is_empty() || !self.waiters_due.is_empty()
+    }
+
+    /// The requests to resume now, each with `RequestFilter::on_lease_news` in its own
+    /// context, from the root's callback: their grant answered (here, or in another
+    /// worker), or they waited their longest.
+    pub fn waiters_due(&mut self) -> Vec<u32> {
+        std::mem::take(&mut self.waiters_due)
+    }
+
+    /// Waiters the glue could not resume just now: due at its next chance.
+    pub fn due_again(&mut self, contexts: Vec<u32>) {
+        self.waiters_due.extend(contexts);
+    }
+
+    /// The short tick between two full ones while requests wait (`has_waiters`): wakes those
+    /// whose grant is no longer out.
+    pub fn on_wait_tick(&mut self, host: &mut impl Host) {
+        let Some(config) = self.config.clone() else { return };
+        let now = host.now_ms();
+        self.wake_stale_waiters(host, &config, now);
+    }
+
+    /// Waiters whose entry has no grant out any more (another worker's grant landed: its
+    /// answer wakes only that worker's waiters; or the one asked can no longer answer), and
+    /// those that waited their longest.
+    fn wake_stale_waiters(&mut self, host: &mut impl Host, config: &Policy, now: u64) {
+        if self.lease_waiters.is_empty() {
+            return;
+        }
+        let policy = config.lease_policy();
+        let entries: BTreeSet<String> = self.lease_waiters.values().map(|(entry, _)| entry.clone()).collect();
+        let landed: BTreeSet<String> =
+            entries.into_iter().filter(|entry| !lease_table::grant_out(host, config, entry, &policy, now)).collect();
+        self.wake_waiters(|entry, until| now >= until || landed.contains(entry));
     }
 
     pub(crate) fn want_renewal(&mut self, holder: Holder) {
@@ -528,29 +607,46 @@ impl Worker {
         if self.renewals.is_empty() || !self.breaker(host, config).is_closed() {
             return;
         }
-        let policy = config.lease_policy();
         for (name, indices) in std::mem::take(&mut self.renewals) {
-            if self.renewing.values().any(|(h, _)| h.name == name) {
-                continue;
+            self.renew(host, config, Holder { name, indices }, now);
+        }
+    }
+
+    /// Hands the renewal of `entry` this VM holds for its next tick to a request that
+    /// found the entry dry: the request asks for it now, as its own callout (whose answer
+    /// comes back to it: the SDK routes an answer to the context that dispatched it), and
+    /// lifts the marker the renewal set when it answers.
+    pub(crate) fn take_renewal(&mut self, entry: &str) -> Option<Holder> {
+        let (name, indices) = self.renewals.remove_entry(entry)?;
+        Some(Holder { name, indices })
+    }
+
+    fn renew(&mut self, host: &mut impl Host, config: &Policy, holder: Holder, now: u64) {
+        if self.renewing.values().any(|(h, _)| h.name == holder.name) {
+            return;
+        }
+        let stored = read_own(host, config, TenantTable::Leases, &holder.name);
+        let entry = LeaseEntry::decode(stored.as_deref(), config.limits.len());
+        let held = TenantLeases(holder.indices.iter().filter_map(|&i| entry.leases.0.get(i).copied()).collect());
+        // A renewal charges nothing itself; it sizes the grant by how the lease was used.
+        let unused: Vec<LimitCharge> =
+            holder.indices.iter().filter_map(|&i| config.limits.get(i)).map(|limit| limit_charge(limit, 0)).collect();
+        let request = LeaseRequest {
+            domain: config.domain.clone(),
+            tenant: holder.name.clone(),
+            limits: lease_asks(&held, &unused, &config.lease_policy(), now),
+            share: config.lease.share,
+        };
+        match self.call_companion(host, config, LEASE_PATH, &request, config.companion.timeout, Owner::Root) {
+            Ok(token) => {
+                host.add_metric(Metric::LeaseCallouts, 1);
+                self.renewing.insert(token, (holder, request.limits));
             }
-            let stored = read_own(host, config, TenantTable::Leases, &name);
-            let entry = LeaseEntry::decode(stored.as_deref(), config.limits.len());
-            let held = TenantLeases(indices.iter().filter_map(|&i| entry.leases.0.get(i).copied()).collect());
-            // A renewal charges nothing itself; it sizes the grant by how the lease was used.
-            let unused: Vec<LimitCharge> =
-                indices.iter().filter_map(|&i| config.limits.get(i)).map(|limit| limit_charge(limit, 0)).collect();
-            let request = LeaseRequest {
-                domain: config.domain.clone(),
-                tenant: name.clone(),
-                limits: lease_asks(&held, &unused, &policy, now),
-                share: config.lease.share,
-            };
-            match self.call_companion(host, config, LEASE_PATH, &request, config.companion.timeout, Owner::Root) {
-                Ok(token) => {
-                    host.add_metric(Metric::LeaseCallouts, 1);
-                    self.renewing.insert(token, (Holder { name, indices }, request.limits));
-                }
-                Err(why) => host.log(LogLevel::Warn, &format!("llm-ratelimit: cannot renew a lease: {why}")),
+            Err(why) => {
+                host.log(LogLevel::Warn, &format!("llm-ratelimit: cannot renew a lease: {why}"));
+                // None is out: whoever waits for it asks.
+                lease_table::renewal_answered(host, config, &holder);
+                self.lease_news(&holder.name);
             }
         }
     }

@@ -13,6 +13,12 @@ use std::time::Duration;
 /// counts as fresh.
 pub const TICK: Duration = Duration::from_millis(50);
 
+/// The root timer's period while requests of the VM wait for a lease grant another asked
+/// for (`Worker::has_waiters`): each such tick wakes those whose grant landed, so a waiter
+/// waits about this long more than the grant itself. The full tick's work still runs
+/// every `TICK`.
+pub const WAIT_TICK: Duration = Duration::from_millis(1);
+
 /// What the host does with the stream after a callback.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Action {
@@ -60,6 +66,15 @@ impl HostKind {
     /// an empty reply, and a debug build aborts the worker (see the README's host notes).
     /// There, such a reply goes out without its body: status and headers say it all.
     pub fn replies_after_an_empty_callout(self) -> bool {
+        self == HostKind::Envoy
+    }
+
+    /// Whether one request's callback (or the root's) may resume another request, by making
+    /// it the effective context first. Envoy switches contexts; ngx_wasm_module's
+    /// `proxy_set_effective_context` does nothing, and a resume there acts on the request
+    /// whose callback runs. Only where this holds does a request wait for a lease grant
+    /// another request asked for (see `lease_table::DryOut`).
+    pub fn resumes_other_contexts(self) -> bool {
         self == HostKind::Envoy
     }
 
@@ -219,6 +234,9 @@ impl Metric {
 
 /// The host, as the core sees it.
 pub trait Host {
+    /// The proxy-wasm context this host acts for (a request's, or the root's).
+    fn context_id(&self) -> u32;
+
     /// Nanoseconds since the epoch by the host's clock (0 if it will not say).
     fn now_nanos(&mut self) -> u128;
 

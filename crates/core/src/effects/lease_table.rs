@@ -63,6 +63,21 @@ pub enum Taken {
     /// tenant or pool costs no lease), another's entry holds its slot, or a write was
     /// refused.
     Direct,
+    /// This entry ran dry while a grant for it is out (a renewal, or another request's
+    /// ask): wait for it rather than ask Redis too. Nothing is taken meanwhile.
+    Await(String),
+}
+
+/// What a take does with an entry that ran dry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DryOut {
+    /// Every request that finds it dry asks Redis: the host cannot resume one request from
+    /// another's callback (ngx_wasm_module), so none could wait for another's grant.
+    AskEach,
+    /// One request asks and marks the entry; while that grant is out the others wait for
+    /// it, then take again (`may_wait`: this request has not waited yet; a request waits
+    /// once, then asks for itself).
+    Coalesce { may_wait: bool },
 }
 
 /// A request's take while it asks Redis for what its short entries lack.
@@ -78,6 +93,9 @@ pub struct Hold {
     pub renew: Vec<Holder>,
     /// Where the held entries sit.
     pub slots: Vec<u32>,
+    /// Short entries this request marked as asked for: their marker is lifted when its
+    /// grant answers (or it ends unanswered), and whoever waits for them takes again.
+    pub marked: Vec<Holder>,
 }
 
 /// What a grant merged into the lease table did.
@@ -94,9 +112,17 @@ pub struct Merged {
 
 /// One entry's part of a take.
 enum Part {
-    Took { low: bool, leases: TenantLeases },
+    Took {
+        low: bool,
+        leases: TenantLeases,
+    },
     Blocked,
-    Short,
+    /// `marked`: this request marked the entry as asked for (it asks for the others).
+    Short {
+        marked: bool,
+    },
+    /// Dry, and a grant for it is out.
+    Awaits,
     FirstSeen,
 }
 
@@ -117,6 +143,7 @@ pub fn take(
     holders: &[Holder],
     specs: &[LimitCharge],
     policy: &LeasePolicy,
+    dry_out: DryOut,
     now: u64,
 ) -> Taken {
     let limits = config.limits.len();
@@ -126,6 +153,7 @@ pub fn take(
     let mut taken: Vec<Holder> = Vec::new();
     let mut slots: Vec<u32> = Vec::new();
     let mut short: Vec<Holder> = Vec::new();
+    let mut marked: Vec<Holder> = Vec::new();
     for holder in holders {
         let part = masked(&costs, &holder.indices);
         if part.iter().all(|&c| c == 0) {
@@ -151,7 +179,20 @@ pub fn take(
                 return (None, Part::Blocked);
             }
             if entry.repeats(policy.ttl_ms, now) {
-                return (None, Part::Short);
+                let DryOut::Coalesce { may_wait } = dry_out else { return (None, Part::Short { marked: false }) };
+                let asked = |i: &usize| entry.leases.0.get(*i).is_some_and(|l| l.renewal_in_flight(policy, now));
+                match (holder.indices.iter().any(asked), may_wait) {
+                    (true, true) => return (None, Part::Awaits),
+                    (true, false) => return (None, Part::Short { marked: false }),
+                    (false, _) => {
+                        for &i in &holder.indices {
+                            if let Some(lease) = entry.leases.0.get_mut(i) {
+                                lease.renewal_asked_ms = now;
+                            }
+                        }
+                        return (Some(entry.encode()), Part::Short { marked: true });
+                    }
+                }
             }
             entry.seen_ms = now;
             (Some(entry.encode()), Part::FirstSeen)
@@ -166,14 +207,22 @@ pub fn take(
                 slots.push(slot);
                 continue;
             }
-            Some(Ok((_, Part::Short))) => {
+            Some(Ok((_, Part::Short { marked: was_marked }))) => {
+                if was_marked {
+                    marked.push(holder.clone());
+                }
                 short.push(holder.clone());
                 continue;
             }
+            Some(Ok((_, Part::Awaits))) => Some(Taken::Await(holder.name.clone())),
             Some(Ok((_, Part::Blocked))) => None,
             Some(Ok((_, Part::FirstSeen)) | Err(Busy)) | None => Some(Taken::Direct),
         };
         put_back(host, config, &taken, &costs, now);
+        // Nobody asks for these now: a later request (or tick) may.
+        for holder in marked.iter().chain(&renew) {
+            renewal_answered(host, config, holder);
+        }
         return outcome.unwrap_or_else(|| {
             let seen = gather(host, config, holders);
             // Not refused after all (a grant came in between): ask for every entry.
@@ -184,7 +233,7 @@ pub fn take(
     if short.is_empty() {
         return Taken::Admitted { renew, leases: view, slots };
     }
-    Taken::Ask(Hold { held: taken, short, leases: view, renew, slots })
+    Taken::Ask(Hold { held: taken, short, leases: view, renew, slots, marked })
 }
 
 /// What to ask Redis for a request's `short` entries: each of their limits sized by
@@ -239,6 +288,14 @@ pub fn gather(host: &mut impl Host, config: &Policy, holders: &[Holder]) -> Tena
         copy_indices(&mut view, &entry.leases, &holder.indices);
     }
     view
+}
+
+/// Whether a grant for `name`'s entry is out (a renewal, or a request's ask): what a
+/// request waiting for it waits on.
+pub fn grant_out(host: &mut impl Host, config: &Policy, name: &str, policy: &LeasePolicy, now: u64) -> bool {
+    let stored = read_own(host, config, TenantTable::Leases, name);
+    let entry = LeaseEntry::decode(stored.as_deref(), config.limits.len());
+    entry.leases.0.iter().any(|l| l.renewal_in_flight(policy, now))
 }
 
 /// Lifts the renewal marker of `holder`'s leases: its renewal answered, granted or not.

@@ -16,7 +16,7 @@ use crate::config::{FailureMode, Measure, MissingIdentity, Mode, Policy, Store, 
 use crate::effects::average_store::LocalAverages;
 use crate::effects::calibration_store::LocalCalibrations;
 use crate::effects::host::{shared_update, Action, Host, LogLevel, Metric, Owner};
-use crate::effects::lease_table::{self, Hold, Holder, Taken};
+use crate::effects::lease_table::{self, DryOut, Hold, Holder, Taken};
 use crate::effects::provider_state::{self, Judgement, ProviderState};
 use crate::effects::provider_word::{self, ProviderWord};
 use crate::effects::tables::{queued_slot, update_own, TenantTable};
@@ -68,6 +68,9 @@ pub enum Phase {
     ReadingBody,
     /// A callout is out; the request waits.
     Deciding,
+    /// Lease mode: the lease ran dry while a grant for it is out (another request's, or
+    /// a renewal); the request waits for it, then takes from the lease again.
+    AwaitingLease,
     /// Admitted and sent upstream.
     Forwarded,
     /// Answered by the filter.
@@ -102,11 +105,24 @@ enum Admission {
     Charged,
 }
 
+/// Where a request is decided from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Resumed {
+    /// In one of its own callbacks.
+    InOwnCallback,
+    /// Woken, paused, from the root's callback after waiting for a lease grant another
+    /// asked for. A callout it sends there is the root's to the SDK, which hands the answer
+    /// to the root: the glue passes it on to this request (see `src/lib.rs`).
+    ByRoot,
+}
+
 /// What the lease has to say about a request (lease mode).
 enum FromLease {
     Decided(Verdict),
     AskForLease,
     ChargeDirectly,
+    /// Wait for the grant out for this entry.
+    Await(String),
 }
 
 /// Reads the reply for its usage.
@@ -162,6 +178,10 @@ pub struct RequestFilter {
     /// Lease mode: the parts of the request its covered lease entries gave, held while a
     /// grant for the short ones is asked.
     lease_hold: Option<Hold>,
+    /// Lease mode: until when the request waits for a grant another asked for, set when
+    /// it waits: no longer than such a grant can be out. A request waits once; woken, it
+    /// takes from the lease again and, if that falls short, asks for itself.
+    lease_wait_until: Option<u64>,
     /// Whether the headers are held while the body is read.
     holding_headers: bool,
     /// What the request's `:path` says, read once when its headers arrive; `None` for a
@@ -226,6 +246,7 @@ impl RequestFilter {
             body_len: 0,
             queued: false,
             lease_hold: None,
+            lease_wait_until: None,
             holding_headers: false,
             route: None,
             dialect: Dialect::default(),
@@ -352,14 +373,14 @@ impl RequestFilter {
             // Envoy with `allow_on_headers_stop_iteration` delivers the body while the
             // headers are held, and a Continue here would send both upstream before the
             // decision.
-            Phase::Deciding => Action::Pause,
+            Phase::Deciding | Phase::AwaitingLease => Action::Pause,
             _ => Action::Continue,
         }
     }
 
     pub fn on_request_trailers(&mut self) -> Action {
         match self.phase {
-            Phase::ReadingBody | Phase::Deciding => Action::Pause,
+            Phase::ReadingBody | Phase::Deciding | Phase::AwaitingLease => Action::Pause,
             _ => Action::Continue,
         }
     }
@@ -378,6 +399,20 @@ impl RequestFilter {
             other => other,
         };
         self.carry_out(host, verdict, true);
+    }
+
+    /// The lease grant this request waits for answered, or can no longer be out: the
+    /// request takes from the lease again and is admitted, refused, or asks for itself.
+    /// Called from the root's callback (the tick, or a root callout's answer) with this
+    /// request's context made effective.
+    pub fn on_lease_news(&mut self, host: &mut impl Host, worker: &mut Worker) {
+        let Some(config) = self.config.clone() else { return };
+        if self.phase != Phase::AwaitingLease {
+            return;
+        }
+        self.phase = Phase::Deciding;
+        let now = host.now_ms();
+        self.admit_or_ask(host, worker, &config, now, Resumed::ByRoot);
     }
 
     pub fn on_response_headers(&mut self, host: &mut impl Host) -> Action {
@@ -490,6 +525,10 @@ impl RequestFilter {
             self.cancel_queued(host, worker, &config);
         }
         self.leave_queue(host, &config);
+        if self.phase == Phase::AwaitingLease {
+            worker.stop_waiting(host.context_id());
+        }
+        self.lift_marks(host, worker, &config); // its grant will not be merged
         self.put_back_hold(host, &config); // the client left while a grant was asked
         self.hear_provider(host, worker, &config);
         let ending = if self.upstream_error { Ending::UpstreamError } else { Ending::Interrupted };
@@ -828,16 +867,51 @@ impl RequestFilter {
             let verdict = self.decide_in_store(host, worker, config, now);
             return self.apply(host, config, verdict, false);
         }
+        self.admit_or_ask(host, worker, config, now, Resumed::InOwnCallback)
+    }
+
+    /// Decides from the lease where it can, or sends the callout the mode calls for.
+    fn admit_or_ask(
+        &mut self,
+        host: &mut impl Host,
+        worker: &mut Worker,
+        config: &Policy,
+        now: u64,
+        run: Resumed,
+    ) -> Action {
+        let paused = run == Resumed::ByRoot;
         if config.lease.enabled {
             match self.admit_from_lease(host, worker, config, now) {
-                FromLease::Decided(verdict) => return self.apply(host, config, verdict, false),
+                FromLease::Decided(verdict) => return self.apply(host, config, verdict, paused),
                 FromLease::AskForLease => self.ask = Ask::Lease,
                 FromLease::ChargeDirectly => self.ask = Ask::Charge,
+                FromLease::Await(_) if !worker.breaker(host, config).is_closed() => {
+                    // No grant can be asked while the breaker is open: nothing to wait for.
+                    self.lease_wait_until = Some(now);
+                    return self.admit_or_ask(host, worker, config, now, run);
+                }
+                FromLease::Await(entry) => match worker.take_renewal(&entry) {
+                    // The grant it would wait for is this VM's renewal, not sent yet: the
+                    // request asks for it now instead, and its answer is the renewal's.
+                    Some(renewal) => {
+                        self.ask = Ask::Lease;
+                        self.lease_hold =
+                            Some(Hold { short: self.holders(config), marked: vec![renewal], ..Hold::default() });
+                    }
+                    None => {
+                        self.phase = Phase::AwaitingLease;
+                        let until = now.saturating_add(config.lease_policy().renewal_wait_ms);
+                        self.lease_wait_until = Some(until);
+                        worker.await_lease(host.context_id(), entry, until);
+                        return Action::Pause;
+                    }
+                },
             }
         }
         if worker.dispatch(host, config, now) == Dispatch::Local {
+            self.lift_marks(host, worker, config);
             let verdict = self.fail_over(host, worker, config, "circuit breaker open");
-            return self.apply(host, config, verdict, false);
+            return self.apply(host, config, verdict, paused);
         }
         match self.send(host, worker, config, now) {
             Ok(()) => {
@@ -845,9 +919,20 @@ impl RequestFilter {
                 Action::Pause
             }
             Err(why) => {
+                self.lift_marks(host, worker, config);
                 let verdict = self.callout_failed(host, worker, config, &why);
-                self.apply(host, config, verdict, false)
+                self.apply(host, config, verdict, paused)
             }
+        }
+    }
+
+    /// Lifts the markers this request set on the lease entries it asks a grant for, once
+    /// that grant answers or never will: whoever waits for them takes again.
+    fn lift_marks(&mut self, host: &mut impl Host, worker: &mut Worker, config: &Policy) {
+        let Some(hold) = self.lease_hold.as_mut() else { return };
+        for holder in std::mem::take(&mut hold.marked) {
+            lease_table::renewal_answered(host, config, &holder);
+            worker.lease_news(&holder.name);
         }
     }
 
@@ -948,8 +1033,14 @@ impl RequestFilter {
     /// that run low for renewal.
     fn admit_from_lease(&mut self, host: &mut impl Host, worker: &mut Worker, config: &Policy, now: u64) -> FromLease {
         let holders = self.holders(config);
+        let policy = config.lease_policy();
+        let dry_out = if worker.host_kind().resumes_other_contexts() {
+            DryOut::Coalesce { may_wait: self.lease_wait_until.is_none() }
+        } else {
+            DryOut::AskEach
+        };
         let specs = self.plan.as_ref().map_or(&[][..], |p| &p.buckets);
-        match lease_table::take(host, config, &holders, specs, &config.lease_policy(), now) {
+        match lease_table::take(host, config, &holders, specs, &policy, dry_out, now) {
             Taken::Admitted { renew, leases, slots } => {
                 for holder in renew {
                     worker.want_renewal(holder);
@@ -969,6 +1060,7 @@ impl RequestFilter {
                 FromLease::AskForLease
             }
             Taken::Direct => FromLease::ChargeDirectly,
+            Taken::Await(entry) => FromLease::Await(entry),
         }
     }
 
@@ -1018,6 +1110,9 @@ impl RequestFilter {
     }
 
     fn decide(&mut self, host: &mut impl Host, worker: &mut Worker, config: &Policy, body_size: usize) -> Verdict {
+        // Its grant answered, as whatever it answered: those waiting for it take again
+        // once it is merged (they run after this callback).
+        self.lift_marks(host, worker, config);
         let expected = self.plan.as_ref().map_or(0, |p| p.buckets.len());
         let reply = match callout_reply::<LimitsReply>(host, body_size) {
             Ok(reply) if reply.limits.len() == expected => reply,

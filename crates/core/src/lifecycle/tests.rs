@@ -418,6 +418,10 @@ fn one_renewal_of_a_lease_is_out_at_a_time_per_proxy_however_slow_the_companion(
             let out = workers.iter().flat_map(|w| w.root.callouts.iter());
             out.filter(|c| c.path == crate::protocol::LEASE_PATH).cloned().collect()
         };
+        let renewing_worker = |workers: &[Proxy; 2]| -> usize {
+            let renewing = |w: &Proxy| w.root.callouts.iter().any(|c| c.path == crate::protocol::LEASE_PATH);
+            workers.iter().position(renewing).expect("a worker renewed")
+        };
         let spend = |workers: &mut [Proxy; 2], n: usize, companion: &mut FakeCompanion| {
             for i in 0..n {
                 let flight = workers[i % 2].send(Request::get("sk-a", "/v1/models"), companion);
@@ -436,24 +440,69 @@ fn one_renewal_of_a_lease_is_out_at_a_time_per_proxy_however_slow_the_companion(
         spend(&mut workers, 10, &mut companion);
         let out = renewals_out(&workers);
         assert_eq!(out.len(), 1, "{kind:?}: {} renewals of one lease out at once", out.len());
-        // Requests that find the lease dry ask grants of their own: those do not answer the
-        // renewal out, so no worker asks another meanwhile.
         let asked = companion.calls.get(crate::protocol::LEASE_PATH).copied().unwrap_or(0);
-        for _ in 0..10 {
-            assert!(workers[1].send(Request::get("sk-a", "/v1/models"), &mut companion).forwarded(), "{kind:?}");
+        if kind.resumes_other_contexts() {
+            // Requests that find the lease dry wait for the renewal out, on both workers,
+            // rather than each asking Redis (issue 28: one grant out per tenant per proxy).
+            // What is left of the lease first (the grant of 100 less what was spent).
+            let left = lease_of(&mut workers[0], "sk-a").0[0].remaining as usize;
+            assert!((1..10).contains(&left), "{kind:?}: {left} left");
+            for i in 0..left {
+                assert!(workers[i % 2].send(Request::get("sk-a", "/v1/models"), &mut companion).forwarded());
+            }
+            let mut waiting: Vec<Vec<crate::testing::InFlight>> = vec![Vec::new(), Vec::new()];
+            for i in 0..10 {
+                let flight = workers[i % 2].send(Request::get("sk-a", "/v1/models"), &mut companion);
+                assert_eq!(flight.filter.phase(), crate::lifecycle::Phase::AwaitingLease, "{kind:?}: request {i}");
+                assert!(flight.host.callouts.is_empty(), "{kind:?}: a waiting request asks nothing");
+                waiting[i % 2].push(flight);
+            }
+            for worker in workers.iter_mut() {
+                worker.tick(None);
+            }
+            assert_eq!(companion.calls.get(crate::protocol::LEASE_PATH).copied().unwrap_or(0), asked, "{kind:?}");
+            assert_eq!(renewals_out(&workers).len(), 1, "{kind:?}: still the one renewal");
+            // The answer lands on the worker that asked: its waiters take from the grant at
+            // once; the other worker's see the marker lifted on their next tick.
+            let owner = renewing_worker(&workers);
+            let (status, body) = companion.answer(&out[0], workers[owner].now());
+            workers[owner].root_answer(out[0].token, status, body);
+            let other = 1 - owner;
+            let [first, second] = &mut waiting[..] else { unreachable!() };
+            let (owners, others) = if owner == 0 { (first, second) } else { (second, first) };
+            let mut owners_refs: Vec<&mut crate::testing::InFlight> = owners.iter_mut().collect();
+            assert_eq!(workers[owner].wake(&mut owners_refs), 5, "{kind:?}: woken by the answer");
+            let mut others_refs: Vec<&mut crate::testing::InFlight> = others.iter_mut().collect();
+            assert_eq!(workers[other].wake(&mut others_refs), 0, "{kind:?}: not before its tick");
+            workers[other].tick(None);
+            assert_eq!(workers[other].wake(&mut others_refs), 5, "{kind:?}: woken by the tick");
+            for flight in owners.iter().chain(others.iter()) {
+                assert!(flight.forwarded() && flight.host.resumed == 1, "{kind:?}: admitted from the renewal, resumed");
+                assert!(flight.host.callouts.is_empty(), "{kind:?}: without a grant of its own");
+            }
+            assert_eq!(companion.calls.get(crate::protocol::LEASE_PATH).copied().unwrap_or(0), asked + 1, "{kind:?}");
+        } else {
+            // ngx_wasm_module cannot resume one request from another's callback: requests
+            // that find the lease dry ask grants of their own, which do not answer the
+            // renewal out, so no worker asks another meanwhile.
+            for _ in 0..10 {
+                assert!(workers[1].send(Request::get("sk-a", "/v1/models"), &mut companion).forwarded(), "{kind:?}");
+            }
+            assert!(
+                companion.calls.get(crate::protocol::LEASE_PATH).copied().unwrap_or(0) > asked,
+                "{kind:?}: ran dry"
+            );
+            for worker in workers.iter_mut() {
+                worker.tick(None);
+            }
+            assert_eq!(renewals_out(&workers).len(), 1, "{kind:?}: a request's own grant is not the renewal's answer");
+            let owner = renewing_worker(&workers);
+            let (status, body) = companion.answer(&out[0], workers[owner].now());
+            workers[owner].root_answer(out[0].token, status, body);
         }
-        assert!(companion.calls.get(crate::protocol::LEASE_PATH).copied().unwrap_or(0) > asked, "{kind:?}: ran dry");
-        for worker in workers.iter_mut() {
-            worker.tick(None);
-        }
-        assert_eq!(renewals_out(&workers).len(), 1, "{kind:?}: a request's own grant is not the renewal's answer");
-        // The answer lands: the lease grows and the marker is lifted.
-        let owner = workers.iter().position(|w| w.root.callouts.iter().any(|c| c.path == crate::protocol::LEASE_PATH));
-        let owner = owner.expect("a worker renewed");
-        let (status, body) = companion.answer(&out[0], workers[owner].now());
-        workers[owner].root_answer(out[0].token, status, body);
+        // The answer landed: the lease grew and the marker is lifted.
         let lease = lease_of(&mut workers[0], "sk-a").0[0];
-        assert!(lease.remaining > 50.0 && lease.renewal_asked_ms == 0, "{kind:?}: {lease:?}");
+        assert!(lease.remaining > 40.0 && lease.renewal_asked_ms == 0, "{kind:?}: {lease:?}");
     }
 }
 
@@ -1521,4 +1570,128 @@ fn calls_the_filter_does_not_recognise_cost_the_unparsed_cost_or_what_the_reply_
         proxy.reply(&mut flight, 101, "", &[]);
         assert!(settle(&mut proxy, &mut companion).is_empty(), "{kind:?}: nothing settled after a 101");
     }
+}
+
+/// Issue 28: when a tenant's lease runs dry under parallel load, one request asks Redis
+/// for a grant and the others wait for it and take from it (on Envoy: ngx_wasm_module
+/// cannot resume one request from another's callback, see the test above). A request waits
+/// once, no longer than a grant can be out: woken, what the grant does not cover asks for
+/// itself, from the root's callback (the glue hands that answer back to it).
+#[test]
+fn a_dry_lease_is_asked_for_once_and_the_other_requests_wait_for_that_grant() {
+    use crate::lifecycle::Phase;
+    use crate::protocol::LEASE_PATH;
+    use crate::testing::InFlight;
+    let world = World::new(HostKind::Envoy);
+    let limits = json!([{"name": "tpd", "tokens": 100_000, "window": "1d"}]);
+    // Grants of 1,000 tokens, renewed only when almost empty: a CHAT (309) finds the lease
+    // dry with no renewal out.
+    let lease =
+        json!({"enabled": true, "ttl": "30s", "initial_fraction": 0.01, "max_fraction": 0.01, "low_water": 0.01});
+    let companion_config = json!({"upstream": "companion", "token": "test-token-0123456789", "timeout": "1s"});
+    let mut proxy = Proxy::new(&world, &config(limits, json!({"companion": companion_config, "lease": lease})));
+    let mut companion = FakeCompanion::default();
+    let grants = |c: &FakeCompanion| c.calls.get(LEASE_PATH).copied().unwrap_or(0);
+    let spend_until_dry = |proxy: &mut Proxy, companion: &mut FakeCompanion| {
+        for _ in 0..10 {
+            let granted = lease_of(proxy, "sk-a").0[0].granted > 0.0;
+            if granted && lease_of(proxy, "sk-a").0[0].remaining < CHAT_RESERVES as f64 {
+                return;
+            }
+            assert!(proxy.send(Request::chat("sk-a", CHAT), companion).forwarded());
+        }
+        panic!("the lease never ran dry");
+    };
+    let dry_burst = |proxy: &mut Proxy, n: usize| -> Vec<InFlight> {
+        let flights: Vec<InFlight> = (0..n).map(|_| proxy.start(Request::chat("sk-a", CHAT))).collect();
+        assert_eq!(flights[0].filter.phase(), Phase::Deciding, "the first to find it dry asks");
+        assert_eq!(flights[0].host.last_callout().path, LEASE_PATH);
+        for waiter in &flights[1..] {
+            assert_eq!(waiter.filter.phase(), Phase::AwaitingLease);
+            assert!(waiter.host.callouts.is_empty(), "a waiter asks nothing");
+        }
+        flights
+    };
+    let wake_all = |proxy: &mut Proxy, flights: &mut [InFlight]| {
+        let mut waiting: Vec<&mut InFlight> = flights.iter_mut().collect();
+        proxy.wake(&mut waiting)
+    };
+    // Answers each woken request's own ask; every request is then admitted, resumed once.
+    let answer_the_rest = |proxy: &mut Proxy, companion: &mut FakeCompanion, flights: &mut [InFlight]| {
+        for flight in flights.iter_mut().filter(|f| f.filter.phase() == Phase::Deciding) {
+            assert_eq!(flight.host.callouts.len(), 1, "a woken request asks once, for itself");
+            proxy.answer(flight, companion);
+        }
+        for flight in flights.iter() {
+            assert!(flight.forwarded() && flight.host.resumed == 1, "admitted and resumed once");
+        }
+    };
+
+    // Six at once: one grant out; woken by its answer, the waiters take from it, and those
+    // it does not cover ask for themselves.
+    spend_until_dry(&mut proxy, &mut companion);
+    let before = grants(&companion);
+    let mut flights = dry_burst(&mut proxy, 6);
+    let renewals = |proxy: &Proxy| proxy.root.callouts.iter().filter(|c| c.path == LEASE_PATH).count();
+    let renewed = renewals(&proxy);
+    proxy.tick(Some(&mut companion));
+    assert_eq!(wake_all(&mut proxy, &mut flights), 0, "nobody wakes while the grant is out");
+    let asked: usize = flights.iter().map(|f| f.host.callouts.len()).sum::<usize>() + renewals(&proxy) - renewed;
+    assert_eq!(asked, 1, "one grant asked for six requests");
+    proxy.answer(&mut flights[0], &mut companion);
+    assert_eq!(wake_all(&mut proxy, &mut flights[1..]), 5, "its answer wakes every waiter");
+    let covered = flights[1..].iter().filter(|f| f.forwarded()).count();
+    // The grant (1,000 tokens, less the asker's 309) covers two more CHATs.
+    assert_eq!(covered, 2, "taken from the grant");
+    answer_the_rest(&mut proxy, &mut companion, &mut flights[1..]);
+    assert_eq!(grants(&companion) - before, 1 + (5 - covered));
+
+    // The asker's client leaves: its waiters take again and, the lease still dry, ask.
+    spend_until_dry(&mut proxy, &mut companion);
+    let mut flights = dry_burst(&mut proxy, 3);
+    proxy.done(&mut flights[0]);
+    assert_eq!(wake_all(&mut proxy, &mut flights[1..]), 2, "both waiters take again");
+    answer_the_rest(&mut proxy, &mut companion, &mut flights[1..]);
+
+    // The asker's grant never answers: the waiters wait no longer than it can be out (the
+    // companion's 1 s timeout and a margin), then ask for themselves.
+    spend_until_dry(&mut proxy, &mut companion);
+    let mut flights = dry_burst(&mut proxy, 3);
+    advance(&world, 1_000);
+    proxy.tick(None);
+    assert_eq!(wake_all(&mut proxy, &mut flights[1..]), 0, "the grant may still be out");
+    advance(&world, 101);
+    proxy.tick(None);
+    assert_eq!(wake_all(&mut proxy, &mut flights[1..]), 2, "woken once it can no longer answer");
+    answer_the_rest(&mut proxy, &mut companion, &mut flights[1..]);
+    proxy.answer(&mut flights[0], &mut companion);
+
+    // A waiter whose client leaves is not resumed.
+    spend_until_dry(&mut proxy, &mut companion);
+    let mut flights = dry_burst(&mut proxy, 3);
+    proxy.done(&mut flights[2]);
+    proxy.answer(&mut flights[0], &mut companion);
+    assert_eq!(wake_all(&mut proxy, &mut flights), 1, "only the waiter still there");
+    assert!(flights[1].forwarded() && flights[2].host.resumed == 0);
+
+    // Near the limit the asker's grant is refused: the refusal is remembered until its retry
+    // time, and the waiters it wakes are refused with it, without asking.
+    let world = World::new(HostKind::Envoy);
+    let limits = json!([{"name": "tpd", "tokens": 1_000, "window": "1d"}]);
+    let mut proxy = Proxy::new(&world, &config(limits, json!({"companion": companion_config, "lease": lease})));
+    let mut companion = FakeCompanion::default();
+    // Three CHATs (927 tokens), the first charged directly, each later one by a grant of
+    // what it needs: 73 tokens are left, and the lease is dry.
+    for _ in 0..3 {
+        assert!(proxy.send(Request::chat("sk-a", CHAT), &mut companion).forwarded());
+    }
+    let mut flights = dry_burst(&mut proxy, 3);
+    proxy.answer(&mut flights[0], &mut companion);
+    let before = grants(&companion);
+    assert_eq!(flights[0].replied().map(|r| r.status), Some(429));
+    assert_eq!(wake_all(&mut proxy, &mut flights[1..]), 2);
+    let statuses: Vec<Option<u32>> = flights[1..].iter().map(|f| f.replied().map(|r| r.status)).collect();
+    assert_eq!(statuses, [Some(429), Some(429)], "refused with the grant");
+    assert!(flights[1..].iter().all(|f| f.host.callouts.is_empty()), "without asking");
+    assert_eq!(grants(&companion), before);
 }
