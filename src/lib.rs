@@ -135,9 +135,14 @@ impl Context for Root {
         match routed {
             // A woken request's own ask: its answer is that request's.
             Some(context_id) => {
-                act_for(&self.acted_for, &host, context_id, |request, host| {
+                let handed = act_for(&self.acted_for, &host, context_id, |request, host| {
                     request.on_callout_response(host, &mut worker, body_size)
                 });
+                if !handed {
+                    // Not seen: a request is never in a callback of its own while the root's
+                    // runs. Said, since the request then waits for its stream's timeout.
+                    log::warn!("llm-ratelimit: the answer to a woken request's ask could not be handed to it");
+                }
             }
             None => worker.on_callout_response(&mut host, token, body_size),
         }

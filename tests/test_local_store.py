@@ -108,7 +108,10 @@ def test_a_request_limit_holds_exactly_across_two_workers(stack, mock):
 def test_tokens_are_settled_from_json_and_sse_replies_across_two_workers(stack, mock):
     port, admin = local_envoy(stack, mock, [{"name": "tpd", "tokens": 5000, "window": "24h"}])
     used = 0
-    for i in range(8):
+    # 16 requests, each on a new connection, which the kernel spreads over the workers at
+    # random: 8 landed on one worker in one run of make test (a 1-in-128 chance; 16, 1 in
+    # 32,768).
+    for i in range(16):
         streamed = i % 2 == 1
         body = chat(f"request {i}: how many tokens is this?", max_tokens=200, stream=streamed)
         reply = send(port, "sk-tokens", body, headers={"x-mock-completion-tokens": str(10 + i)})
