@@ -11,7 +11,7 @@ use llm_ratelimit_core::replies::reply::LocalReply;
 use proxy_wasm::hostcalls;
 use proxy_wasm::types::{BufferType, MapType, MetricType};
 use std::cell::RefCell;
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet};
 use std::rc::Rc;
 use std::time::Duration;
 
@@ -29,9 +29,10 @@ pub struct HostState {
     series_pending: Vec<u64>,
     /// Whether any count waits: an idle tick then walks none of the counters.
     anything_pending: bool,
-    /// Callouts sent by requests the root woke (see `ProxyHost::acting_for`), by token,
-    /// with the request each answers: the SDK hands their answers to the root.
-    pub routed: HashMap<u32, u32>,
+    /// Callouts sent by requests the root woke (see `ProxyHost::acting_for`): each one's
+    /// token and the request it answers. The SDK hands their answers to the root. As many
+    /// as woken requests asking at once.
+    pub routed: Vec<(u32, u32)>,
     /// Whether the root ticks every `WAIT_TICK` (requests wait for a lease grant).
     pub fast_ticks: bool,
     warned: BTreeSet<&'static str>,
@@ -54,6 +55,12 @@ impl HostState {
         let names = series::names(config);
         self.series_ids = names.iter().map(|name| hostcalls::define_metric(MetricType::Counter, name).ok()).collect();
         self.series_pending = vec![0; names.len()];
+    }
+
+    /// The request the answer to callout `token` is for, if a woken request sent it.
+    pub fn take_routed(&mut self, token: u32) -> Option<u32> {
+        let at = self.routed.iter().position(|(t, _)| *t == token)?;
+        Some(self.routed.swap_remove(at).1)
     }
 
     /// Gives the host the counts gathered since the last flush.
@@ -313,7 +320,7 @@ impl Host for ProxyHost {
         }
         let sent = send();
         if let (Ok(token), true) = (&sent, self.for_root) {
-            self.state.borrow_mut().routed.insert(*token, self.context_id);
+            self.state.borrow_mut().routed.push((*token, self.context_id));
         }
         sent
     }

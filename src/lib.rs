@@ -15,7 +15,6 @@ use llm_ratelimit_core::worker::{Worker, TICK, WAIT_TICK};
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, ContextType, LogLevel};
 use std::cell::RefCell;
-use std::collections::HashMap;
 use std::rc::{Rc, Weak};
 
 proxy_wasm::main! {{
@@ -25,7 +24,7 @@ proxy_wasm::main! {{
             context_id,
             worker: Rc::new(RefCell::new(Worker::new())),
             state: Rc::new(RefCell::new(HostState::default())),
-            acted_for: Rc::new(RefCell::new(HashMap::new())),
+            acted_for: Rc::new(RefCell::new(Vec::new())),
             full_tick_ms: 0,
         })
     });
@@ -42,7 +41,7 @@ fn action(action: CoreAction) -> Action {
 /// another asked for (`Phase::AwaitingLease`), and those it woke that then asked a grant of
 /// their own. Each is woken, and handed the answer to its ask, from the root's callbacks.
 /// Entries leave when their request is decided or ends.
-type ActedFor = Rc<RefCell<HashMap<u32, Weak<RefCell<RequestFilter>>>>>;
+type ActedFor = Rc<RefCell<Vec<(u32, Weak<RefCell<RequestFilter>>)>>>;
 
 /// One per VM: holds the worker every request of this VM borrows.
 struct Root {
@@ -77,8 +76,9 @@ fn act_for(
     context_id: u32,
     f: impl FnOnce(&mut RequestFilter, &mut ProxyHost),
 ) -> bool {
-    let Some(filter) = acted_for.borrow().get(&context_id).and_then(Weak::upgrade) else {
-        acted_for.borrow_mut().remove(&context_id);
+    let found = acted_for.borrow().iter().find(|(c, _)| *c == context_id).and_then(|(_, f)| f.upgrade());
+    let Some(filter) = found else {
+        forget(acted_for, context_id);
         return true;
     };
     let Ok(mut request) = filter.try_borrow_mut() else { return false };
@@ -88,10 +88,15 @@ fn act_for(
     let mut host = ProxyHost::acting_for(context_id, root.root_id, root.state.clone());
     f(&mut request, &mut host);
     if !still_acted_for(&request) {
-        acted_for.borrow_mut().remove(&context_id);
+        forget(acted_for, context_id);
     }
     host::make_effective(root.context_id);
     true
+}
+
+/// The root no longer acts for `context_id`.
+fn forget(acted_for: &ActedFor, context_id: u32) {
+    acted_for.borrow_mut().retain(|(c, _)| *c != context_id);
 }
 
 /// Resumes the waiting requests the worker says are due, each in its own context, from a
@@ -131,7 +136,7 @@ impl Context for Root {
     fn on_http_call_response(&mut self, token: u32, _headers: usize, body_size: usize, _trailers: usize) {
         let mut host = self.host();
         let Ok(mut worker) = self.worker.try_borrow_mut() else { return };
-        let routed = self.state.borrow_mut().routed.remove(&token);
+        let routed = self.state.borrow_mut().take_routed(token);
         match routed {
             // A woken request's own ask: its answer is that request's.
             Some(context_id) => {
@@ -229,7 +234,9 @@ impl Http {
         };
         let next = f(&mut filter, &mut self.host, &mut worker);
         if filter.phase() == Phase::AwaitingLease {
-            self.acted_for.borrow_mut().insert(self.host.context_id, Rc::downgrade(&self.filter));
+            let context_id = self.host.context_id;
+            forget(&self.acted_for, context_id);
+            self.acted_for.borrow_mut().push((context_id, Rc::downgrade(&self.filter)));
             tick_for(&worker, &self.host.state, self.host.root_id, self.host.context_id);
         }
         action(next)
@@ -280,7 +287,7 @@ impl HttpContext for Http {
             CoreAction::Continue
         });
         let context_id = self.host.context_id;
-        self.acted_for.borrow_mut().remove(&context_id);
-        self.host.state.borrow_mut().routed.retain(|_, routed_to| *routed_to != context_id);
+        forget(&self.acted_for, context_id);
+        self.host.state.borrow_mut().routed.retain(|(_, routed_to)| *routed_to != context_id);
     }
 }

@@ -24,7 +24,7 @@ use crate::protocol::{ProviderReply, PROVIDER_PATH};
 use crate::tokens::prompt_cache::PromptCache;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, HashMap};
 use std::rc::Rc;
 use std::time::Duration;
 
@@ -63,9 +63,10 @@ pub struct Worker {
     settling: Option<(u32, Vec<Queued>)>,
     /// Lease renewals out, by token: the entry and what was asked.
     renewing: HashMap<u32, (Holder, Vec<LeaseAsk>)>,
-    /// Requests of this VM waiting for a lease grant another asked for, by context, with
-    /// the entry each waits on and until when. At most one per request in flight.
-    lease_waiters: BTreeMap<u32, (String, u64)>,
+    /// Requests of this VM waiting for a lease grant another asked for: each one's context,
+    /// the entry it waits on and until when. At most one per request in flight, and only
+    /// while a dry-out lasts: a list, which also keeps the module's code small.
+    lease_waiters: Vec<(u32, String, u64)>,
     /// Waiting requests to take from the lease again now: the glue resumes each in its own
     /// context from the root's next callback (`waiters_due`).
     waiters_due: Vec<u32>,
@@ -124,7 +125,7 @@ impl Worker {
             warmed_up: false,
             settling: None,
             renewing: HashMap::new(),
-            lease_waiters: BTreeMap::new(),
+            lease_waiters: Vec::new(),
             waiters_due: Vec::new(),
             prompt_cache: PromptCache::new(0),
             tenant_ids: TenantIds::new(TENANT_ID_CACHE_SLOTS),
@@ -378,12 +379,13 @@ impl Worker {
     /// `context` waits, until `until` at the latest, for the grant out for the lease entry
     /// `entry`.
     pub(crate) fn await_lease(&mut self, context: u32, entry: String, until: u64) {
-        self.lease_waiters.insert(context, (entry, until));
+        self.lease_waiters.retain(|(c, _, _)| *c != context);
+        self.lease_waiters.push((context, entry, until));
     }
 
     /// `context` is over: it waits for nothing.
     pub(crate) fn stop_waiting(&mut self, context: u32) {
-        self.lease_waiters.remove(&context);
+        self.lease_waiters.retain(|(c, _, _)| *c != context);
         self.waiters_due.retain(|&c| c != context);
     }
 
@@ -394,10 +396,10 @@ impl Worker {
 
     fn wake_waiters(&mut self, mut due: impl FnMut(&str, u64) -> bool) {
         let waiters_due = &mut self.waiters_due;
-        self.lease_waiters.retain(|&context, (entry, until)| {
+        self.lease_waiters.retain(|(context, entry, until)| {
             let wake = due(entry, *until);
             if wake {
-                waiters_due.push(context);
+                waiters_due.push(*context);
             }
             !wake
         });
@@ -437,10 +439,14 @@ impl Worker {
             return;
         }
         let policy = config.lease_policy();
-        let entries: BTreeSet<String> = self.lease_waiters.values().map(|(entry, _)| entry.clone()).collect();
-        let landed: BTreeSet<String> =
-            entries.into_iter().filter(|entry| !lease_table::grant_out(host, config, entry, &policy, now)).collect();
-        self.wake_waiters(|entry, until| now >= until || landed.contains(entry));
+        // Each entry waited on is read once, however many wait on it: whether its grant landed.
+        let mut waited_on: Vec<(String, bool)> = Vec::new();
+        for (_, entry, _) in &self.lease_waiters {
+            if !waited_on.iter().any(|(seen, _)| seen == entry) {
+                waited_on.push((entry.clone(), !lease_table::grant_out(host, config, entry, &policy, now)));
+            }
+        }
+        self.wake_waiters(|entry, until| now >= until || waited_on.iter().any(|(e, landed)| *landed && e == entry));
     }
 
     pub(crate) fn want_renewal(&mut self, holder: Holder) {
