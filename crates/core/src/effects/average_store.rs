@@ -16,7 +16,7 @@ use crate::config::Policy;
 use crate::effects::host::{shared_read, shared_update, Host};
 use crate::effects::tables::keyed_hash;
 use crate::protocol::keys;
-use std::collections::HashMap;
+use rustc_hash::FxHashMap;
 
 /// The owner tag of a stored average: a hash of (tenant, model).
 const OWNER_HASH_BYTES: usize = 8;
@@ -80,10 +80,11 @@ fn write(host: &mut impl Host, config: &Policy, pair: Pair, outputs: &[u64]) -> 
 /// One VM's side of the averages (see the module's comment).
 #[derive(Debug, Default)]
 pub struct LocalAverages {
-    /// Each pair's stored average as read or written since the last tick.
-    known: HashMap<Pair, Option<OutputAverage>>,
+    /// Each pair's stored average as read or written since the last tick. (A pair is a
+    /// keyed hash already: FxHash only spreads it.)
+    known: FxHashMap<Pair, Option<OutputAverage>>,
     /// What replies taught since the last tick, by pair, in order.
-    pending: HashMap<Pair, Vec<u64>>,
+    pending: FxHashMap<Pair, Vec<u64>>,
 }
 
 impl LocalAverages {

@@ -89,7 +89,7 @@ const MAX_PENDING_LESSONS: usize = 256;
 pub struct LocalCalibrations {
     pending: Vec<(usize, Lesson)>,
     /// Each rule's value as last read or written, and when (bounded by the config's rules).
-    known: std::collections::HashMap<usize, (Calibration, u64)>,
+    known: rustc_hash::FxHashMap<usize, (Calibration, u64)>,
     /// Samples for the next exchange with the other proxies, by rule (bounded by the
     /// config's rules and `MAX_SAMPLES_PER_EXCHANGE`).
     outbox: std::collections::BTreeMap<usize, RuleSamples>,
