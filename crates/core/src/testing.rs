@@ -70,14 +70,16 @@ impl World {
         self.shared.keys().cloned().collect()
     }
 
-    /// The sizes of the values stored under keys starting with `prefix`, without repeats.
     /// How many shared-data keys start with `prefix`.
     pub fn key_count(&self, prefix: &str) -> usize {
         self.shared.keys().filter(|k| k.starts_with(prefix)).count()
     }
 
+    /// The sizes of the values stored under keys starting with `prefix`, without repeats,
+    /// but for empty ones (a key made ahead, holding no entry yet).
     pub fn value_sizes(&self, prefix: &str) -> std::collections::BTreeSet<usize> {
-        self.shared.iter().filter(|(k, _)| k.starts_with(prefix)).map(|(_, (v, _))| v.len()).collect()
+        let values = self.shared.iter().filter(|(k, (v, _))| k.starts_with(prefix) && !v.is_empty());
+        values.map(|(_, (v, _))| v.len()).collect()
     }
 
     fn slot<'a>(&self, key: &'a str) -> &'a str {

@@ -6,14 +6,14 @@
 use crate::accounting::breaker::{Breaker, Dispatch};
 use crate::accounting::lease::{lease_asks, LeaseEntry, TenantLeases};
 use crate::api::identity::TenantIds;
-use crate::config::{Policy, Store};
+use crate::config::{FailureMode, Policy, Store};
 use crate::effects::average_store::LocalAverages;
 use crate::effects::calibration_store::LocalCalibrations;
 use crate::effects::host::{detect_kind, shared_read, shared_update, Host, HostKind, LogLevel, Metric, Owner};
 use crate::effects::lease_table::{self, Holder};
 use crate::effects::provider_state::LocalProviderWords;
 use crate::effects::settle_queue::{Queued, SettleQueue};
-use crate::effects::tables::{read_own, update_slot, TenantTable};
+use crate::effects::tables::{self, read_own, update_slot, TenantTable};
 use crate::plan::charge::limit_charge;
 use crate::protocol::keys;
 use crate::protocol::{
@@ -31,6 +31,10 @@ use std::time::Duration;
 pub use crate::effects::host::{TICK, WAIT_TICK};
 /// How often expired leases are looked for, in ticks.
 const EXPIRY_TICKS: u32 = 10;
+
+/// Keys of a tenant table made per tick (see `Worker::make_tables`): 16,384 slots in 16
+/// ticks, under a second, at two host calls a key.
+const TABLE_KEYS_PER_TICK: u32 = 1_024;
 /// Most settlements in one callout: all a call may carry. The companion applies them in
 /// script calls of a hundred, so a large batch costs few round trips; with one batch out
 /// at a time, a smaller one capped what a worker could settle (200 per 50 ms tick fell
@@ -63,6 +67,11 @@ pub struct Worker {
     settling: Option<(u32, Vec<Queued>)>,
     /// Lease renewals out, by token: the entry and what was asked.
     renewing: HashMap<u32, (Holder, Vec<LeaseAsk>)>,
+    /// Tenant tables whose keys this VM still makes, empty, a share each tick, with the next
+    /// slot to make (see `tables::made_ahead`): the lease table and the degraded mode's
+    /// local table, used from a tenant's second request and from an outage on, so made in
+    /// the first second rather than before the VM serves. The local store's is made at load.
+    tables_to_make: Vec<(TenantTable, u32)>,
     /// Requests of this VM waiting for a lease grant another asked for: each one's context,
     /// the entry it waits on and until when. At most one per request in flight, and only
     /// while a dry-out lasts: a list, which also keeps the module's code small.
@@ -125,6 +134,7 @@ impl Worker {
             warmed_up: false,
             settling: None,
             renewing: HashMap::new(),
+            tables_to_make: Vec::new(),
             lease_waiters: Vec::new(),
             waiters_due: Vec::new(),
             prompt_cache: PromptCache::new(0),
@@ -167,9 +177,18 @@ impl Worker {
             self.ids.vm = take_vm_number(host, &config.domain);
         }
         check_for_host(&config, self.host_kind)?;
+        // After the checks: a config this host refuses makes no table.
         if config.store == Store::Local {
-            // After the checks: a config this host refuses makes no table.
             crate::effects::local_store::create_table(host, &config, self.host_kind);
+        }
+        self.tables_to_make.clear();
+        if tables::made_ahead(&config, self.host_kind) {
+            let degraded = config.store == Store::Redis && config.failure_mode == FailureMode::Local;
+            for (table, used) in [(TenantTable::Leases, config.lease.enabled), (TenantTable::Local, degraded)] {
+                if used && !tables::table_made(host, &config, table) {
+                    self.tables_to_make.push((table, 0));
+                }
+            }
         }
         host.log(
             LogLevel::Info,
@@ -235,6 +254,7 @@ impl Worker {
                 self.return_expired_leases(host, &config, now);
             }
         }
+        self.make_tables(host, &config);
         self.calibrations.flush(host, &config, now);
         self.averages.flush(host, &config);
         // The local store has no companion: nothing to exchange or send.
@@ -374,6 +394,22 @@ impl Worker {
 
     pub(crate) fn take_slots(&mut self, id: &str) -> Option<Settlement> {
         self.slots.remove(id)
+    }
+
+    /// Makes the next `TABLE_KEYS_PER_TICK` keys of the first table still to make. Not while
+    /// this VM decides locally (the breaker open): the degraded mode's entries are written
+    /// then, and a write landing between a key's read and its empty write would be lost.
+    fn make_tables(&mut self, host: &mut impl Host, config: &Policy) {
+        let Some(&(table, next)) = self.tables_to_make.first() else { return };
+        if !self.breaker(host, config).is_closed() {
+            return;
+        }
+        match (tables::make_keys(host, config, table, next, TABLE_KEYS_PER_TICK), self.tables_to_make.first_mut()) {
+            (Some(next), Some(making)) => making.1 = next,
+            _ => {
+                self.tables_to_make.remove(0);
+            }
+        }
     }
 
     /// `context` waits, until `until` at the latest, for the grant out for the lease entry

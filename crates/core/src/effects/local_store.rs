@@ -226,35 +226,17 @@ fn update_existing(
     );
 }
 
-/// The most slots whose keys are made ahead (see `create_table`): 65,536 empty keys cost
-/// the first VM's start two host calls each; a larger table is made by its charges.
-const MOST_SLOTS_MADE_AHEAD: u32 = 65_536;
-
-/// Makes every slot's key of the local table, empty, when a VM loads its config, where a
-/// write without a CAS overwrites (Envoy). A key is made by a write without a CAS, and two
-/// workers making one at once both succeed: the first tenant requests on two workers
-/// could then lose one's charge (a concurrency slot uncounted, a request not debited:
-/// seen as three streams admitted with one slot counted twice). Made ahead, every write
-/// carries the key's CAS. A key is only made where none is, and the table's last key says
-/// it is made, so a later VM reads one key. ngx_wasm_module makes a key only where none is
-/// (a write without a CAS on an existing key fails): nothing to do there.
+/// Makes every slot's key of the local table, empty, when a VM loads its config (see
+/// `tables::make_keys` for why). The local store charges from the first request, so its
+/// table is made before the VM serves; the degraded mode's is made over the first ticks
+/// (`Worker`).
 pub fn create_table(host: &mut impl Host, config: &Policy, kind: crate::effects::host::HostKind) {
-    if kind != crate::effects::host::HostKind::Envoy || config.memory.tenant_slots > MOST_SLOTS_MADE_AHEAD {
+    if !crate::effects::tables::made_ahead(config, kind)
+        || crate::effects::tables::table_made(host, config, TenantTable::Local)
+    {
         return;
     }
-    let slots = config.memory.tenant_slots.max(1);
-    let last = TenantTable::Local.slot_key(config, slots - 1);
-    if host.shared_get(&last).0.is_some() {
-        return;
-    }
-    for slot in 0..slots {
-        let key = TenantTable::Local.slot_key(config, slot);
-        if host.shared_get(&key).0.is_none() {
-            // Refused (the host's memory is full) or overwritten meanwhile: the slot is
-            // then made by its first charge, as before.
-            let _ = host.shared_set(&key, &[], None);
-        }
-    }
+    crate::effects::tables::make_keys(host, config, TenantTable::Local, 0, config.memory.tenant_slots);
 }
 
 /// The local store's key for the tables' slot hash. There is no companion token to derive

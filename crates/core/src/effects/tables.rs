@@ -187,6 +187,46 @@ pub fn update_own_at<R>(
     })
 }
 
+/// The most slots whose keys are made ahead (`make_keys`): 65,536 empty keys cost two host
+/// calls each; a larger table is made by its writes.
+pub const MOST_SLOTS_MADE_AHEAD: u32 = 65_536;
+
+/// Whether the tenant tables' keys are made ahead on this host (each has
+/// `memory.tenant_slots` slots). Envoy makes a key on any write
+/// without a CAS, and two workers making one at once both succeed: the first writes of a
+/// new tenant's entry on two workers could then lose one (a charge or a concurrency slot
+/// uncounted, a lease grant parked nowhere). With the keys made, empty, every write
+/// carries the key's CAS. ngx_wasm_module makes a key only where none is (a write
+/// without a CAS on an existing key fails): nothing to do there.
+pub fn made_ahead(config: &Policy, kind: crate::effects::host::HostKind) -> bool {
+    kind == crate::effects::host::HostKind::Envoy && config.memory.tenant_slots <= MOST_SLOTS_MADE_AHEAD
+}
+
+/// Whether `table`'s keys are all made: its last key is made last.
+pub fn table_made(host: &mut impl Host, config: &Policy, table: TenantTable) -> bool {
+    let last = table.slot_key(config, config.memory.tenant_slots.max(1) - 1);
+    host.shared_get(&last).0.is_some()
+}
+
+/// Makes the keys of `table`'s slots `from..from + count` (at most to its end) where none
+/// is, empty, in order; the next slot to make, or `None` once the last is made. A key is
+/// made only where none is, so a live entry is never touched (but a write landing between
+/// the read and the empty write would be: made before the table is used, or while it is
+/// not yet used).
+pub fn make_keys(host: &mut impl Host, config: &Policy, table: TenantTable, from: u32, count: u32) -> Option<u32> {
+    let slots = config.memory.tenant_slots.max(1);
+    let until = from.saturating_add(count).min(slots);
+    for slot in from..until {
+        let key = table.slot_key(config, slot);
+        if host.shared_get(&key).0.is_none() {
+            // Refused (the host's memory is full) or overwritten meanwhile: the slot is
+            // then made by its first write, as it would be without this.
+            let _ = host.shared_set(&key, &[], None);
+        }
+    }
+    (until < slots).then_some(until)
+}
+
 /// Read-modify-write of whatever entry slot `slot` of `table` holds: `change` gets its
 /// owner and payload and returns the payload to write back (or `None`) and a result.
 /// `None` when the slot is empty or the host refused the write.

@@ -1506,6 +1506,10 @@ fn a_leased_reply_reads_its_status_once_and_an_idle_tick_reads_no_shared_data() 
         // `:status`, `content-encoding` and `content-type`, each once.
         assert_eq!(calls("response_header") - before, 3, "{kind:?}");
         proxy.tick(Some(&mut companion)); // the reply's lesson taken into the calibration
+                                          // Envoy's lease table is made over the VM's first 16 ticks (1,024 keys each).
+        for _ in 0..16 {
+            proxy.tick(Some(&mut companion));
+        }
         let before = (calls("shared_get"), calls("shared_set"));
         for _ in 0..20 {
             proxy.tick(Some(&mut companion));
@@ -1694,4 +1698,55 @@ fn a_dry_lease_is_asked_for_once_and_the_other_requests_wait_for_that_grant() {
     assert_eq!(statuses, [Some(429), Some(429)], "refused with the grant");
     assert!(flights[1..].iter().all(|f| f.host.callouts.is_empty()), "without asking");
     assert_eq!(grants(&companion), before);
+}
+
+/// On Envoy the lease table and the degraded mode's local table are made, empty, over a
+/// VM's first ticks (1,024 keys a tick, the lease table first), so the first writes of a
+/// new tenant's entry on two workers carry the key's CAS and one cannot overwrite the
+/// other (Envoy makes a key on any write). Nginx makes a key only where none is: nothing
+/// is made there. A VM that finds the tables made makes nothing.
+#[test]
+fn the_lease_and_degraded_tables_are_made_over_the_first_ticks_on_envoy() {
+    use crate::effects::host::Host;
+    use crate::effects::tables::TenantTable;
+    for kind in HOSTS {
+        let world = World::new(kind);
+        let policy_json = config(
+            json!([{"name": "rpm", "requests": 100, "window": "1m"}]),
+            json!({"failure_mode": "local", "lease": {"enabled": true}, "memory": {"tenant_slots": 2048}}),
+        );
+        let mut proxy = Proxy::new(&world, &policy_json);
+        let policy = proxy.worker.config().expect("configured").clone();
+        let prefix = |table: TenantTable| table.slot_key(&policy, 0).trim_end_matches('0').to_string();
+        let made = |table: TenantTable| world.borrow().key_count(&prefix(table));
+        assert_eq!((made(TenantTable::Leases), made(TenantTable::Local)), (0, 0), "{kind:?}: nothing made at load");
+        let mut after_each_tick = Vec::new();
+        for _ in 0..5 {
+            proxy.tick(None);
+            after_each_tick.push((made(TenantTable::Leases), made(TenantTable::Local)));
+        }
+        if kind == HostKind::Nginx {
+            assert_eq!(after_each_tick, [(0, 0); 5], "{kind:?}");
+            continue;
+        }
+        assert_eq!(after_each_tick, [(1024, 0), (2048, 0), (2048, 1024), (2048, 2048), (2048, 2048)], "{kind:?}");
+        // Two workers' first writes of a new tenant's lease entry: the second fails its CAS.
+        let tenant = crate::api::identity::tenant_id("sk-new");
+        let key = TenantTable::Leases.slot_key(&policy, TenantTable::slots(&policy, &tenant)[0]);
+        let mut second = Proxy::new(&world, &policy_json);
+        let (_, cas_a) = proxy.root.shared_get(&key);
+        let (_, cas_b) = second.root.shared_get(&key);
+        assert!(cas_a.is_some(), "the slot's key exists before any write");
+        assert!(proxy.root.shared_set(&key, b"a", cas_a).is_ok());
+        assert!(second.root.shared_set(&key, b"b", cas_b).is_err(), "the second write fails its CAS");
+        // The second VM found the tables made: its ticks write no key.
+        let writes = world.borrow().host_calls.get("shared_set").copied().unwrap_or(0);
+        second.tick(None);
+        let after = world.borrow().host_calls.get("shared_set").copied().unwrap_or(0);
+        assert!(
+            after - writes < 16,
+            "{kind:?}: {} writes on a tick of a VM that found the tables made",
+            after - writes
+        );
+    }
 }
