@@ -560,7 +560,9 @@ mod tests {
     pub const GROQ_STREAM: &str = include_str!("../../../../tests/cases/streams/groq_chat_x_groq.sse");
     pub const OLLAMA_STREAM: &str = include_str!("../../../../tests/cases/streams/ollama_chat_usage.sse");
     pub const AZURE_STREAM: &str = include_str!("../../../../tests/cases/streams/azure_chat_usage.sse");
-    /// Every SSE transcript, for the tests that run them all.
+    /// Every SSE transcript, for the tests that run them all (the property tests, which do
+    /// not run under wasm).
+    #[cfg(not(target_arch = "wasm32"))]
     const SSE_STREAMS: [&str; 9] = [
         OPENAI_STREAM,
         OPENAI_STREAM_NO_USAGE,
