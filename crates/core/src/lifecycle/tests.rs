@@ -1749,4 +1749,28 @@ fn the_lease_and_degraded_tables_are_made_over_the_first_ticks_on_envoy() {
             after - writes
         );
     }
+    // While the VM decides locally (its breaker open) nothing is made: a degraded charge
+    // landing between a key's read and its empty write would be lost. Closed again, the
+    // making goes on.
+    let world = World::new(HostKind::Envoy);
+    let extra = json!({"failure_mode": "local", "fallback": {"breaker_failures": 1, "breaker_cooldown": "1s"},
+                       "memory": {"tenant_slots": 2048}});
+    let mut proxy = Proxy::new(&world, &config(json!([{"name": "rpm", "requests": 100, "window": "1m"}]), extra));
+    let policy = proxy.worker.config().expect("configured").clone();
+    let prefix = TenantTable::Local.slot_key(&policy, 0).trim_end_matches('0').to_string();
+    let made = |world: &std::rc::Rc<std::cell::RefCell<World>>| world.borrow().key_count(&prefix);
+    let mut failing = FakeCompanion::failing(503);
+    assert!(proxy.send(Request::get("sk-a", "/v1/models"), &mut failing).forwarded(), "decided locally");
+    let opened = made(&world);
+    assert!(opened <= 1, "only the degraded charge's own key: {opened}");
+    for _ in 0..3 {
+        proxy.tick(None);
+    }
+    assert_eq!(made(&world), opened, "nothing made while the breaker is open");
+    advance(&world, 1_001);
+    let mut companion = FakeCompanion::default();
+    let probe = proxy.send(Request::get("sk-a", "/v1/models"), &mut companion);
+    assert_eq!(probe.host.callouts.len(), 1, "the probe closes the breaker");
+    proxy.tick(Some(&mut companion));
+    assert!(made(&world) >= 1024, "made again once closed: {}", made(&world));
 }
