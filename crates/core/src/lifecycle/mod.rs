@@ -178,10 +178,10 @@ pub struct RequestFilter {
     /// Lease mode: the parts of the request its covered lease entries gave, held while a
     /// grant for the short ones is asked.
     lease_hold: Option<Hold>,
-    /// Lease mode: until when the request waits for a grant another asked for, set when
-    /// it waits: no longer than such a grant can be out. A request waits once; woken, it
-    /// takes from the lease again and, if that falls short, asks for itself.
-    lease_wait_until: Option<u64>,
+    /// Lease mode: whether the request has waited for a grant another asked for (the
+    /// worker keeps until when: no longer than such a grant can be out). A request waits
+    /// once; woken, it takes from the lease again and, if that falls short, asks for itself.
+    waited_for_lease: bool,
     /// Whether the headers are held while the body is read.
     holding_headers: bool,
     /// What the request's `:path` says, read once when its headers arrive; `None` for a
@@ -246,7 +246,7 @@ impl RequestFilter {
             body_len: 0,
             queued: false,
             lease_hold: None,
-            lease_wait_until: None,
+            waited_for_lease: false,
             holding_headers: false,
             route: None,
             dialect: Dialect::default(),
@@ -886,8 +886,9 @@ impl RequestFilter {
                 FromLease::AskForLease => self.ask = Ask::Lease,
                 FromLease::ChargeDirectly => self.ask = Ask::Charge,
                 FromLease::Await(_) if !worker.breaker(host, config).is_closed() => {
-                    // No grant can be asked while the breaker is open: nothing to wait for.
-                    self.lease_wait_until = Some(now);
+                    // No grant can be asked while the breaker is open: nothing to wait for,
+                    // so take again as a request that may not wait.
+                    self.waited_for_lease = true;
                     return self.admit_or_ask(host, worker, config, now, run);
                 }
                 FromLease::Await(entry) => match worker.take_renewal(&entry) {
@@ -900,8 +901,8 @@ impl RequestFilter {
                     }
                     None => {
                         self.phase = Phase::AwaitingLease;
+                        self.waited_for_lease = true;
                         let until = now.saturating_add(config.lease_policy().renewal_wait_ms);
-                        self.lease_wait_until = Some(until);
                         worker.await_lease(host.context_id(), entry, until);
                         return Action::Pause;
                     }
@@ -1035,7 +1036,7 @@ impl RequestFilter {
         let holders = self.holders(config);
         let policy = config.lease_policy();
         let dry_out = if worker.host_kind().resumes_other_contexts() {
-            DryOut::Coalesce { may_wait: self.lease_wait_until.is_none() }
+            DryOut::Coalesce { may_wait: !self.waited_for_lease }
         } else {
             DryOut::AskEach
         };
