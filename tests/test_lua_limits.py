@@ -10,20 +10,21 @@ from pathlib import Path
 
 import pytest
 import redis
+from lua_clock import clock_arg, pinned, redis_now_ms
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = (ROOT / "lua/limits.lua").read_text()
+# The script with its clock pinned (tests/lua_clock.py): the case tables run each step's
+# MULTI at one instant, ARGV[2], so the keys' ages are exact whatever the machine's load.
+PINNED_SCRIPT = pinned(SCRIPT)
 CASES = json.loads((ROOT / "tests/cases/token_bucket.json").read_text())["cases"]
 STATUS = {1: "allowed", 0: "limited", -1: "never"}
 
-# Moves a bucket's stored `ts` to Redis's TIME minus ARGV[1] ms: "this bucket was last
-# written that long ago". Run in the same MULTI as the call under test, so no real time
-# passes between the two and the table's virtual clock is exact.
+# Moves a bucket's stored `ts` to ARGV[1] ms before ARGV[2], the pinned clock of the call
+# under test (in the same MULTI): "this bucket was last written that long ago".
 SET_AGE = """
 if redis.call('EXISTS', KEYS[1]) == 1 then
-  local t = redis.call('TIME')
-  local now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
-  redis.call('HSET', KEYS[1], 'ts', string.format('%.17g', now - tonumber(ARGV[1])))
+  redis.call('HSET', KEYS[1], 'ts', string.format('%.17g', tonumber(ARGV[2]) - tonumber(ARGV[1])))
 end
 """
 
@@ -89,11 +90,12 @@ def step_args(case, step):
     )
 
 
-def age_keys(pipe, keys, written_at, clock):
-    """Queues, in `pipe`, the ageing of every written key to the case's virtual clock."""
+def age_keys(pipe, keys, written_at, clock, now):
+    """Queues, in `pipe`, the ageing of every written key to the case's virtual clock, for
+    a call pinned at `now` (clock_arg)."""
     for key in keys:
         if key in written_at:
-            pipe.eval(SET_AGE, 1, key, clock - written_at[key])
+            pipe.eval(SET_AGE, 1, key, clock - written_at[key], now)
 
 
 def back_credits(pipe, case, step, keys):
@@ -104,12 +106,6 @@ def back_credits(pipe, case, step, keys):
         for key, credit in zip(keys, step["amounts"]):
             if credit > 0:
                 pipe.incrbyfloat(f"{key}|granted", credit)
-
-
-# The keys are aged to the case's clock by Redis's clock, then the script reads Redis's
-# clock again: a busy machine can pause Redis between the two (2 ms seen with a busy loop
-# on each core), so a reset or retry may be that much sooner than the table's, never later.
-LATE_MS = 25
 
 
 def check_step(case, i, step, reply, keys, written_at, clock, tolerance_ms=1):
@@ -131,9 +127,7 @@ def check_step(case, i, step, reply, keys, written_at, clock, tolerance_ms=1):
         assert cap == limit["capacity"], what
         assert remaining == want[1], what
         for name, got_ms, want_ms in (("reset", reset_after_ms, want[2]), ("retry", retry_after_ms, want[3])):
-            earliest = want_ms - LATE_MS if want_ms > 0 else 0
-            assert earliest - tolerance_ms <= got_ms <= want_ms + tolerance_ms, \
-                f"{what}: {name} {got_ms} vs {want_ms}"
+            assert abs(got_ms - want_ms) <= tolerance_ms, f"{what}: {name} {got_ms} vs {want_ms}"
 
 
 def case_keys(case):
@@ -149,10 +143,11 @@ def run_case(client, case):
     clock = 0
     for i, step in enumerate(case["steps"]):
         clock += step["advance_ms"]
+        now = clock_arg(redis_now_ms(client))
         pipe = client.pipeline(transaction=True)
-        age_keys(pipe, keys, written_at, clock)
+        age_keys(pipe, keys, written_at, clock, now)
         back_credits(pipe, case, step, keys)
-        pipe.eval(SCRIPT, len(keys), *keys, step_args(case, step))
+        pipe.eval(PINNED_SCRIPT, len(keys), *keys, step_args(case, step), now)
         check_step(case, i, step, pipe.execute()[-1], keys, written_at, clock)
     return keys
 
@@ -555,16 +550,17 @@ def test_the_case_table_holds_for_calls_batched_together(client):
     runs = [{"case": case, "keys": case_keys(case), "written_at": {}, "clock": 0} for case in CASES]
     for i in range(max(len(case["steps"]) for case in CASES)):
         due = [run for run in runs if i < len(run["case"]["steps"])]
+        now = clock_arg(redis_now_ms(client))
         pipe = client.pipeline(transaction=True)
         keys, calls = [], []
         for run in due:
             step = run["case"]["steps"][i]
             run["clock"] += step["advance_ms"]
-            age_keys(pipe, run["keys"], run["written_at"], run["clock"])
+            age_keys(pipe, run["keys"], run["written_at"], run["clock"], now)
             back_credits(pipe, run["case"], step, run["keys"])
             keys += run["keys"]
             calls.append((len(run["keys"]), step_args(run["case"], step)))
-        pipe.eval(SCRIPT, len(keys), *keys, batch_args(calls))
+        pipe.eval(PINNED_SCRIPT, len(keys), *keys, batch_args(calls), now)
         replies = pipe.execute()[-1]
         assert len(replies) == len(due)
         for run, reply in zip(due, replies):
@@ -668,12 +664,11 @@ def test_a_batch_runs_on_a_cluster_within_one_hash_slot(cluster):
 # model (the fake companion of crates/core/src/testing.rs) is tested with too. Time moves
 # by moving every stored time back: window entries and slot expiries (scores > 0; the
 # window's bookkeeping members score below 0) and the reservation records (the time of
-# their charge), all by the step's advance less the real time since the last step, in the
-# same MULTI as the call.
+# their charge), all by the step's advance less the time since the last step by the
+# pinned clock (ARGV[2], the call's), in the same MULTI as the call.
 WS_CASES = json.loads((ROOT / "tests/cases/windows_and_slots.json").read_text())["cases"]
 SHIFT_TIMES = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
+local now = tonumber(ARGV[2])
 local last = tonumber(redis.call('GET', KEYS[1])) or now
 local shift = (now - last) - tonumber(ARGV[1])
 for i = 2, #KEYS do
@@ -715,9 +710,10 @@ def test_windows_and_slots_case_table(client, case):
         argument = json.loads(script_args(op, case["limits"], step["amounts"], ttl_ms=60_000))
         pipe = client.pipeline(transaction=True)
         stored = [clock, *keys, *records.values()]
-        pipe.eval(SHIFT_TIMES, len(stored), *stored, step["advance_ms"])
+        now = clock_arg(redis_now_ms(client))
+        pipe.eval(SHIFT_TIMES, len(stored), *stored, step["advance_ms"], now)
         call_keys = keys + [records[step["request"]]]
-        pipe.eval(SCRIPT, len(call_keys), *call_keys, json.dumps(argument))
+        pipe.eval(PINNED_SCRIPT, len(call_keys), *call_keys, json.dumps(argument), now)
         reply = pipe.execute()[-1]
         assert reply[0] == int(step["done"]), f"{what}: {reply}"
         if op != "charge":

@@ -11,8 +11,9 @@ import redis
 
 # The redis-server fixture too (the three-node cluster is conftest's).
 from test_lua_limits import (  # noqa: F401
-    CASES, SCRIPT, age_keys, back_credits, case_keys, check_step, client, shift_window, step_args,
+    CASES, PINNED_SCRIPT, SCRIPT, age_keys, back_credits, case_keys, check_step, client, shift_window, step_args,
 )
+from lua_clock import clock_arg, redis_now_ms
 
 
 def peek_args(limits, op="peek"):
@@ -35,14 +36,15 @@ def test_a_peek_after_each_step_of_the_case_table_sees_what_the_charge_left(clie
     written_at, clock = {}, 0
     for i, step in enumerate(case["steps"]):
         clock += step["advance_ms"]
+        # The step and its peek at one instant (tests/lua_clock.py): a loaded machine's
+        # pause between the two scripts moves neither.
+        now = clock_arg(redis_now_ms(client))
         pipe = client.pipeline(transaction=True)
-        age_keys(pipe, keys, written_at, clock)
+        age_keys(pipe, keys, written_at, clock, now)
         back_credits(pipe, case, step, keys)
-        pipe.eval(SCRIPT, len(keys), *keys, step_args(case, step))
-        pipe.eval(SCRIPT, len(keys), *keys, peek_args(case["limits"]))
-        sent = time.monotonic()
+        pipe.eval(PINNED_SCRIPT, len(keys), *keys, step_args(case, step), now)
+        pipe.eval(PINNED_SCRIPT, len(keys), *keys, peek_args(case["limits"]), now)
         replies = pipe.execute()
-        multi_ms = (time.monotonic() - sent) * 1000
         step_reply, peek = replies[-2], replies[-1]
         check_step(case, i, step, step_reply, keys, written_at, clock)
         assert peek[0] == 1
@@ -50,12 +52,8 @@ def test_a_peek_after_each_step_of_the_case_table_sees_what_the_charge_left(clie
         for got, after_step in zip(peek[1:], step_reply[1:]):
             status, cap, remaining, reset_after_ms, retry_after_ms, charged = got
             assert (cap, remaining, charged) == (after_step[1], after_step[2], 0), case["name"]
-            # The peek runs after the step in the same MULTI, each reading Redis's clock: its
-            # reset can only be sooner, by at most the time between the two clock readings
-            # (both inside the MULTI's round trip, which a loaded machine stretches past 5 ms),
-            # or 1 ms later by rounding.
-            gap = after_step[3] - reset_after_ms
-            assert -1 <= gap <= multi_ms + 1, f"{case['name']}: {reset_after_ms} vs {after_step[3]} ({multi_ms:.1f} ms MULTI)"
+            # The same instant: the peek's reset is the step's own.
+            assert reset_after_ms == after_step[3], f"{case['name']}: {reset_after_ms} vs {after_step[3]}"
             assert (status == 1) == (remaining >= 1) and (retry_after_ms > 0) == (remaining < 1)
         started = time.monotonic()
         before = snapshot(client, keys)
