@@ -2,13 +2,13 @@
 case table the Rust model is tested with (tests/cases/calendar.json,
 crates/core/src/bucket.rs); and on a three-node Redis Cluster.
 
-The table's times are a virtual clock from the case's start. Redis's clock cannot be
-set, so each step places the period boundaries around Redis's own time (read just before
-the call: what a proxy whose clock agrees with Redis's would send) and moves what the
-earlier steps stored to the virtual clock: a budget's period end (`ends`) and a
-reservation's charge time, in the same MULTI as the call, so no real time passes between
-the two. Redis's clock runs on by the call's own duration (under a millisecond here,
-allowed TOLERANCE_MS): the table keeps every step 1 s or more from a boundary, or on it."""
+The table's times are a virtual clock from the case's start. Each step places the period
+boundaries around Redis's own time (read just before the call, to the whole ms: what a
+proxy whose clock agrees with Redis's would send), pins the script's clock to that time
+(tests/lua_clock.py) and moves what the earlier steps stored to the virtual clock: a
+budget's period end (`ends`) and a reservation's charge time, in the same MULTI as the
+call. So the table's resets and retries hold to the millisecond, however long the machine
+takes between the calls. The other tests run on Redis's real clock (TOLERANCE_MS)."""
 
 import json
 import math
@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import redis
+from lua_clock import clock_arg, pinned, redis_now_ms
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = (ROOT / "lua/limits.lua").read_text()
@@ -24,21 +25,22 @@ CASES = json.loads((ROOT / "tests/cases/calendar.json").read_text())["cases"]
 STATUS = {1: "allowed", 0: "limited", -1: "never"}
 TOLERANCE_MS = 250
 
-# The budget's stored period ends ARGV[1] ms after Redis's TIME (<= 0: it has ended).
+PINNED_SCRIPT = pinned(SCRIPT)
+
+# The budget's stored period ends ARGV[1] ms after ARGV[2], the call's pinned clock (<= 0:
+# it has ended).
 SET_ENDS = """
 if redis.call('EXISTS', KEYS[1]) == 1 then
-  local t = redis.call('TIME')
-  local now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
-  redis.call('HSET', KEYS[1], 'ends', string.format('%.17g', now + tonumber(ARGV[1])))
+  redis.call('HSET', KEYS[1], 'ends', string.format('%.17g', tonumber(ARGV[2]) + tonumber(ARGV[1])))
 end
 """
 
-# The reservation record's charge was made ARGV[1] ms before Redis's TIME.
+# The reservation record's charge was made ARGV[1] ms before ARGV[2], the call's pinned
+# clock.
 SET_CHARGED_AGO = """
 local record = redis.call('GET', KEYS[1])
 if record then
-  local t = redis.call('TIME')
-  local now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
+  local now = tonumber(ARGV[2])
   local rest = string.match(record, '^{"at":[^,]*(,.*)$')
   redis.call('SET', KEYS[1], '{"at":' .. string.format('%.17g', now - tonumber(ARGV[1])) .. rest, 'KEEPTTL')
 end
@@ -49,14 +51,6 @@ end
 def client(module_stack):
     _, port = module_stack.redis()
     return redis.Redis(port=port)
-
-
-def redis_now_ms(client) -> float:
-    time = client.time()
-    if isinstance(time, dict):  # a cluster client asks every node: one machine, one clock
-        time = next(iter(time.values()))
-    seconds, micros = time
-    return seconds * 1000 + micros / 1000
 
 
 def budget(capacity, bounds, **amounts):
@@ -81,22 +75,23 @@ def run_case(client, case):
         what = f"{case['name']} / step {i}"
         clock += step["advance_ms"]
         op, amount, reservation = step.get("op", "charge"), step["amount"], step.get("reservation")
-        base = redis_now_ms(client) - clock
-        # Floored, not rounded: a step on a boundary must find Redis's clock at or past it
-        # (rounded, the boundary could land up to 0.5 ms after Redis's time at the call).
-        bounds = [math.floor(base + b) for b in case["bounds_ms"]]
+        # The whole ms of Redis's clock, the script's for this step: the boundaries fall on
+        # it exactly, and a step on a boundary is in the period it starts.
+        now_ms = math.floor(redis_now_ms(client))
+        now, base = clock_arg(now_ms), now_ms - clock
+        bounds = [base + b for b in case["bounds_ms"]]
         pipe = client.pipeline(transaction=True)
         if ends_at is not None:
-            pipe.eval(SET_ENDS, 1, key, ends_at - clock)
+            pipe.eval(SET_ENDS, 1, key, ends_at - clock, now)
         keys = [key]
         if op == "charge":
             keys += [record(reservation)] if reservation else []
             args = charge_args(budget(case["capacity"], bounds), amount, ttl_ms=600_000 if reservation else 0)
         else:
             keys.append(record(reservation))
-            pipe.eval(SET_CHARGED_AGO, 1, record(reservation), clock - charged_at.get(reservation, clock))
+            pipe.eval(SET_CHARGED_AGO, 1, record(reservation), clock - charged_at.get(reservation, clock), now)
             args = json.dumps({"op": "settle", "limits": [budget(case["capacity"], bounds, credit=amount)]})
-        pipe.eval(SCRIPT, len(keys), *keys, args)
+        pipe.eval(PINNED_SCRIPT, len(keys), *keys, args, now)
         reply = pipe.execute()[-1]
         assert reply[0] == int(step["done"]), f"{what}: {reply}"
         if op == "charge" and step["done"] and reservation:
@@ -109,8 +104,8 @@ def run_case(client, case):
         status, capacity, remaining, reset_after_ms, retry_after_ms, charged = reply[1]
         want = step["outcome"]
         assert (STATUS[status], capacity, remaining) == (want[0], case["capacity"], want[1]), what
-        assert abs(reset_after_ms - want[2]) <= TOLERANCE_MS, f"{what}: reset {reset_after_ms} vs {want[2]}"
-        assert abs(retry_after_ms - want[3]) <= TOLERANCE_MS, f"{what}: retry {retry_after_ms} vs {want[3]}"
+        assert abs(reset_after_ms - want[2]) <= 1, f"{what}: reset {reset_after_ms} vs {want[2]}"
+        assert abs(retry_after_ms - want[3]) <= 1, f"{what}: retry {retry_after_ms} vs {want[3]}"
         if "charged" in step:
             assert charged == step["charged"], what
     return key
