@@ -112,6 +112,44 @@ def test_a_reply_cut_before_its_usage_is_charged_at_least_its_reservation(backen
     assert meter.charged() >= meter.reserved() > 20000
 
 
+def test_a_json_reply_cut_after_its_text_is_charged_at_least_the_text_that_passed(backend, tiktoken_encodings):
+    """Issue 43 item 3: a client teaches its running average that completions are short
+    (its next reservation is then a few tokens), asks for a long completion with no cap,
+    reads the reply's text and resets the connection before the usage object at the end
+    of the JSON. It was charged its small reservation while it had received ~200 KB of
+    text; it is now charged at least the tokens of what passed."""
+    port, admin = backend.envoy_for(LIMITS)
+    key = "sk-cut-text"
+    taught = 0
+    for _ in range(4):
+        status, headers, _ = send(port, key, chat("hi"), headers={"x-mock-completion-tokens": "8"})
+        assert status == 200
+        taught += int(headers["x-mock-prompt-tokens"]) + int(headers["x-mock-completion-tokens"])
+    level = lambda: float(redis.Redis(port=backend.redis_port).hget(bucket_key(key, "tpm"), "tokens") or 0)
+    wait_until(lambda: abs(BIG - level() - taught) < 1.5, 15, f"the four settlements (level {level()})")
+    meter = Meter(admin)
+    controls = {"x-mock-completion-tokens": "60000", "x-mock-cut-after-bytes": "200000", "x-mock-cut-pause-ms": "5000"}
+    sock = raw_request(port, key, chat("hi"), controls)
+    received = b""
+    while len(received.split(b"\r\n\r\n", 1)[-1]) < 190_000:
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        received += chunk
+    assert received.startswith(b"HTTP/1.1 200"), received[:200]
+    body = received.split(b"\r\n\r\n", 1)[1]
+    assert b'"usage"' not in body
+    reset(sock)
+    # The text that reached the client, as OpenAI's tokenizer counts it.
+    text = body.split(b'"content":"', 1)[1].decode("utf-8", "replace")
+    passed = len(tiktoken_encodings["o200k_base"].encode_ordinary(text))
+    charged = meter.charged()
+    reserved = meter.reserved()
+    print(f"\nreserved {reserved}, received {len(body)} bytes ({passed} tokens of text), charged {charged}")
+    assert 0 < reserved < 1_000, "the history made the reservation small"
+    assert charged >= passed > 20_000, "charged at least the text that passed"
+
+
 def test_a_client_who_leaves_before_the_reply_starts_is_charged_its_reservation(backend):
     port, admin = backend.envoy_for(LIMITS)
     meter = Meter(admin)

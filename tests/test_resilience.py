@@ -2,9 +2,11 @@
 within the local bound, no timeout added to every request while the breaker is open,
 recovery by itself, and what was admitted locally reconciled with Redis."""
 
+import itertools
 import json
 import signal
 import statistics
+import threading
 import time
 import urllib.request
 from types import SimpleNamespace
@@ -237,3 +239,53 @@ def test_tokens_admitted_locally_settle_at_their_usage(backend):
     except TimeoutError:
         raise AssertionError(f"Redis holds {left()} left, expected {budget - spent} (reserved {reserved})") from None
 
+
+
+def test_new_tenants_arriving_while_redis_is_down_are_all_decided_locally(backend):
+    """Issue 43 item 1: a gateway sees new users arrive all the time. With a day's limit no
+    local entry was ever idle for a whole window, so once a newcomer found all its places
+    in the proxy's table taken it was answered 503 (the demo: 18 to 281 of ~20,000
+    requests, 1.9 to 3.6 s into a 4 s outage). A small table here fills in a fraction of a
+    second. Four clients send a new API key on every request, Redis is stopped mid-load
+    and started again: no 5xx at all, every request during the outage decided locally."""
+    config = backend.filter_config(
+        [{"name": "rpm", "requests": 20, "window": "1m"}, {"name": "rpd", "requests": 1000, "window": "1d"}],
+        companion_timeout="250ms", failure_mode="local", memory={"tenant_slots": 64},
+        fallback={"instances": 1, "breaker_failures": 3, "breaker_cooldown": "300ms"})
+    port, _ = backend.envoy(config)
+    phase = {"name": "before"}
+    replies: list[tuple[str, int, str | None]] = []
+    stop = threading.Event()
+
+    def client(n: int):
+        for i in itertools.count():
+            if stop.is_set():
+                return
+            name = phase["name"]
+            reply = send(port, f"sk-new-{n}-{i}", timeout=10)
+            replies.append((name, reply.status, reply.headers.get("x-llm-ratelimit-degraded")))
+
+    threads = [threading.Thread(target=client, args=(n,)) for n in range(4)]
+    for thread in threads:
+        thread.start()
+    try:
+        time.sleep(1)
+        phase["name"] = "outage"
+        backend.redis_proc.kill()
+        time.sleep(3)
+        phase["name"] = "after"
+        backend.stack.redis(backend.redis_port, name="redis-again")
+        time.sleep(2)
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(15)
+    outage = [r for r in replies if r[0] == "outage"]
+    failed = [r for r in replies if r[1] >= 500]
+    print(f"\n{len(replies)} requests, {len(outage)} during the outage, "
+          f"{sum(1 for r in outage if r[2] == 'local')} of them decided locally, {len(failed)} 5xx")
+    assert len(outage) > 200, "enough new tenants to fill the 64-slot table several times"
+    assert not failed, f"{len(failed)} answered 5xx: {failed[:5]}"
+    assert all(r[1] == 200 for r in replies), "a new tenant's first request is within every limit"
+    # Past the first few (before the breaker opened), each was decided locally.
+    assert sum(1 for r in outage[20:] if r[2] != "local") == 0

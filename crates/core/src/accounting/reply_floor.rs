@@ -100,6 +100,15 @@ pub fn at_least_reserved(estimate: TokenCounts, used: TokenCounts) -> TokenCount
     TokenCounts { prompt: used.prompt.max(estimate.prompt), output: used.output.max(estimate.output) }
 }
 
+/// The output tokens a non-streamed reply cut before its usage object is charged at
+/// least: as many as the bytes of text that already passed to the client (a token is at
+/// least a byte; the stream readers count their text instead), but no more than the
+/// request asked for at most (`asked`: its output cap times its choices), which the
+/// provider honours. The bound is the most that text can cost, not a guess at it.
+pub fn passed_output(text_bytes: u64, asked: Option<u64>) -> u64 {
+    asked.map_or(text_bytes, |most| text_bytes.min(most))
+}
+
 /// Whether `model` can spend tokens the client does not see, by the configured patterns.
 pub fn hides_output(patterns: &[String], model: &str) -> bool {
     patterns.iter().any(|pattern| glob_match(pattern, model))
@@ -143,6 +152,13 @@ mod tests {
         assert_eq!(at_least_reserved(EST, counted), EST);
         let long = TokenCounts { prompt: 90, output: 6_000_000 };
         assert_eq!(at_least_reserved(EST, long), TokenCounts { prompt: 100, output: 6_000_000 });
+    }
+
+    #[test]
+    fn a_cut_reply_is_charged_the_text_that_passed_up_to_what_was_asked() {
+        assert_eq!(passed_output(262_144, None), 262_144);
+        assert_eq!(passed_output(262_144, Some(4_000)), 4_000);
+        assert_eq!(passed_output(120, Some(4_000)), 120);
     }
 
     #[test]

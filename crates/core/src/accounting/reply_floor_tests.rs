@@ -173,3 +173,40 @@ fn the_hidden_output_patterns_are_bounded_at_load() {
         assert!(error.to_string().contains(field), "{bad}: {error}");
     }
 }
+
+/// Issue 43 item 3: a JSON reply cut after its text and before its usage object is charged
+/// at least the text that passed to the client (a token per byte at most, up to the
+/// request's cap), not the small reservation a history of short completions set.
+#[test]
+fn a_json_reply_cut_after_its_text_is_charged_at_least_the_text_that_passed() {
+    for kind in HOSTS {
+        let world = World::new(kind);
+        let mut proxy = Proxy::new(&world, &config(json!({})));
+        let mut companion = FakeCompanion::default();
+        let uncapped = json!({"model": "gpt-4o", "messages": [{"role": "user", "content": "hello world"}]}).to_string();
+        let headers = [(":status", "200"), ("content-type", "application/json")];
+        let text = "word ".repeat(2_000);
+        let head = format!(
+            r#"{{"id":"c1","object":"chat.completion","model":"gpt-4o","choices":[{{"index":0,"message":{{"role":"assistant","content":"{text}"}},"finish_reason":"stop"}}],"#
+        );
+        let mut flight = proxy.send(Request::chat("sk-cut", &uncapped), &mut companion);
+        assert!(flight.forwarded(), "{kind:?}");
+        let first = reserved(&flight);
+        assert!(first < 5_000, "{kind:?}: reserved {first}");
+        // The client resets the connection before the usage object.
+        reply(&mut proxy, &mut flight, &headers, &[&head], false);
+        let charged = first - tpm_credit(&mut proxy, &mut companion);
+        let passed = (text.len() + "assistant".len() + "stop".len()) as i64;
+        assert!(charged >= 10_000, "{kind:?}: charged {charged} for 10,000 bytes of text");
+        assert!(charged <= passed + first, "{kind:?}: charged {charged}, the bound is {passed} bytes");
+        // With a cap asked for, no more than it: the provider stops there.
+        let capped =
+            json!({"model": "gpt-4o", "messages": [{"role": "user", "content": "hello world"}], "max_tokens": 300})
+                .to_string();
+        let mut flight = proxy.send(Request::chat("sk-cut", &capped), &mut companion);
+        let second = reserved(&flight);
+        reply(&mut proxy, &mut flight, &headers, &[&head], false);
+        let charged = second - tpm_credit(&mut proxy, &mut companion);
+        assert_eq!(charged, second, "{kind:?}: held to its reservation, which covers its cap of 300");
+    }
+}

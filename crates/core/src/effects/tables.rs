@@ -15,7 +15,9 @@
 //!
 //! Who may replace whose entry is the caller's rule: a tenant's lease entry only once its
 //! leases have expired and been returned; a local bucket only once it has admitted
-//! nothing for a whole window (else a newcomer would hand its owner a fresh budget). (The
+//! nothing for a whole window (else a newcomer would hand its owner a fresh budget), except
+//! that in the degraded mode a newcomer finding all its slots held takes the one written
+//! longest ago rather than be refused service (`update_own_or_oldest`). (The
 //! running averages, a table of their own, are in `average_store`.)
 //!
 //! Slots come from a keyed hash (SipHash-2-4) whose key is derived from the companion
@@ -157,35 +159,90 @@ pub fn update_own_at<R>(
     table: TenantTable,
     tenant: &str,
     evictable: impl Fn(&[u8]) -> bool,
+    change: impl FnMut(Option<&[u8]>) -> (Option<Vec<u8>>, R),
+) -> Option<Result<(u32, R), Busy>> {
+    update_own_choosing(host, config, table, tenant, evictable, |_| None, change)
+}
+
+/// [`update_own`] for a table that must find every tenant a place (the degraded mode,
+/// where a newcomer refused a place would be refused service): when each of its slots
+/// holds another tenant's entry that `evictable` keeps, the one that `left_at` says was
+/// last written longest ago takes the newcomer's entry instead (`None`: never, as an
+/// entry holding a concurrency slot). Its tenant's next request starts afresh.
+pub fn update_own_or_oldest<R>(
+    host: &mut impl Host,
+    config: &Policy,
+    table: TenantTable,
+    tenant: &str,
+    evictable: impl Fn(&[u8]) -> bool,
+    left_at: impl Fn(&[u8]) -> Option<u64>,
+    change: impl FnMut(Option<&[u8]>) -> (Option<Vec<u8>>, R),
+) -> Option<Result<R, Busy>> {
+    update_own_choosing(host, config, table, tenant, evictable, left_at, change).map(|done| done.map(|(_, r)| r))
+}
+
+fn update_own_choosing<R>(
+    host: &mut impl Host,
+    config: &Policy,
+    table: TenantTable,
+    tenant: &str,
+    evictable: impl Fn(&[u8]) -> bool,
+    left_at: impl Fn(&[u8]) -> Option<u64>,
     mut change: impl FnMut(Option<&[u8]>) -> (Option<Vec<u8>>, R),
 ) -> Option<Result<(u32, R), Busy>> {
-    let mut first_usable: Option<(u32, SharedRead)> = None;
-    let mut own = None;
-    for slot in TenantTable::slots(config, tenant) {
-        let read = shared_get_read(host, table.slot_key(config, slot));
-        match entry(read.value(), tenant) {
-            Entry::Own(_) => {
-                own = Some((slot, read));
-                break;
+    // A newcomer replacing the oldest entry may lose that slot to another worker's
+    // newcomer between its read and its write: it then chooses again among fresh reads.
+    for _ in 0..REPLACEMENT_ATTEMPTS {
+        let mut first_usable: Option<(u32, SharedRead)> = None;
+        let mut oldest: Option<(u64, u32, SharedRead)> = None;
+        let mut own = None;
+        for slot in TenantTable::slots(config, tenant) {
+            let read = shared_get_read(host, table.slot_key(config, slot));
+            match entry(read.value(), tenant) {
+                Entry::Own(_) => {
+                    own = Some((slot, read));
+                    break;
+                }
+                // Not taken yet: the tenant's entry may sit at a later slot.
+                Entry::Vacant => first_usable = first_usable.or(Some((slot, read))),
+                Entry::Other { payload, .. } if evictable(payload) => {
+                    first_usable = first_usable.or(Some((slot, read)));
+                }
+                Entry::Other { payload, .. } => {
+                    if let Some(at) = left_at(payload).filter(|&at| oldest.as_ref().is_none_or(|(o, ..)| at < *o)) {
+                        oldest = Some((at, slot, read));
+                    }
+                }
             }
-            // Not taken yet: the tenant's entry may sit at a later slot.
-            Entry::Vacant => first_usable = first_usable.or(Some((slot, read))),
-            Entry::Other { payload, .. } if evictable(payload) => first_usable = first_usable.or(Some((slot, read))),
-            Entry::Other { .. } => {}
+        }
+        let replacing = own.is_none() && first_usable.is_none() && oldest.is_some();
+        let oldest = oldest.map(|(_, slot, read)| (slot, read));
+        let Some((slot, chosen)) = own.or(first_usable).or(oldest) else { return Some(Err(Busy)) };
+        let mut first_try = true;
+        let done = shared_update_from(host, chosen, |stored| {
+            let mine = match entry(stored, tenant) {
+                Entry::Own(payload) => Some(payload),
+                Entry::Vacant => None,
+                Entry::Other { payload, .. } if evictable(payload) => None,
+                // The entry chosen as the oldest, unless another write came first.
+                Entry::Other { .. } if replacing && first_try => None,
+                Entry::Other { .. } => return (None, Err(Busy)),
+            };
+            first_try = false;
+            let (next, result) = change(mine);
+            (next.map(|payload| encode_entry(tenant, &payload)), Ok((slot, result)))
+        });
+        match done {
+            Some(Err(Busy)) if replacing => continue,
+            done => return done,
         }
     }
-    let Some((slot, chosen)) = own.or(first_usable) else { return Some(Err(Busy)) };
-    shared_update_from(host, chosen, |stored| {
-        let mine = match entry(stored, tenant) {
-            Entry::Own(payload) => Some(payload),
-            Entry::Vacant => None,
-            Entry::Other { payload, .. } if evictable(payload) => None,
-            Entry::Other { .. } => return (None, Err(Busy)),
-        };
-        let (next, result) = change(mine);
-        (next.map(|payload| encode_entry(tenant, &payload)), Ok((slot, result)))
-    })
+    Some(Err(Busy))
 }
+
+/// How many times a newcomer chooses an entry to replace when others' writes keep taking
+/// the one it chose.
+const REPLACEMENT_ATTEMPTS: usize = 4;
 
 /// The most slots whose keys are made ahead (`make_keys`): 65,536 empty keys cost two host
 /// calls each; a larger table is made by its writes.

@@ -5,7 +5,7 @@
 //! The worker ([`Worker`]) holds what outlives a request; each callback borrows it.
 
 use crate::accounting::breaker::Dispatch;
-use crate::accounting::bucket::{check_and_charge, decode_states, encode_states};
+use crate::accounting::bucket::{check_and_charge, decode_states, encode_states, level_at, BucketState};
 use crate::accounting::calibration::{Calibration, Lesson};
 use crate::accounting::lease::TenantLeases;
 use crate::accounting::reply_floor::{self, ReplySight};
@@ -19,7 +19,7 @@ use crate::effects::host::{shared_update, Action, Host, LogLevel, Metric, Owner}
 use crate::effects::lease_table::{self, DryOut, Hold, Holder, Taken};
 use crate::effects::provider_state::{self, Judgement, ProviderState};
 use crate::effects::provider_word::{self, ProviderWord};
-use crate::effects::tables::{queued_slot, update_own, TenantTable};
+use crate::effects::tables::{queued_slot, update_own, update_own_or_oldest, TenantTable};
 use crate::parse::sse::UsageChunkRemover;
 use crate::plan::charge::{plan, ChargePlan, Learned};
 use crate::plan::series::{self, Decision, TokenStage, TokenType};
@@ -1543,8 +1543,13 @@ impl RequestFilter {
         if plan.charged_most {
             return Vec::new();
         }
+        // Of a JSON reply, the bytes of text that passed to the client, for a cut one.
+        let mut passed_text_bytes = None;
         let (reported, streamed_output, reply_model) = match self.reply.as_mut() {
-            Some(ReplyReader::Json(reader)) => (reader.finish(), None, reader.model()),
+            Some(ReplyReader::Json(reader)) => {
+                passed_text_bytes = Some(reader.value_bytes());
+                (reader.finish(), None, reader.model())
+            }
             Some(ReplyReader::Stream(reader)) => {
                 reader.finish();
                 (reader.reported(), Some(reader.output_tokens()), reader.model())
@@ -1568,10 +1573,18 @@ impl RequestFilter {
         let floor = reply_floor::floor(ending, self.sight, config.tokens.on_client_abort).filter(|_| forwarded);
         let used = if forwarded {
             let used = actual_usage(estimate, ending, reported, streamed_output, config.tokens.on_upstream_error);
-            if floor.is_some() {
-                reply_floor::at_least_reserved(estimate, used)
-            } else {
-                used
+            match floor {
+                // Cut after its text and before its usage: a reservation set by a history
+                // the client chose may be far below what it already received.
+                Some(reply_floor::Floor::Cut) if reported.output.is_none() => {
+                    let asked =
+                        plan.request.as_ref().and_then(|r| r.max_output.map(|most| most.saturating_mul(r.choices)));
+                    let passed = reply_floor::passed_output(passed_text_bytes.unwrap_or(0), asked);
+                    let floored = reply_floor::at_least_reserved(estimate, used);
+                    TokenCounts { output: floored.output.max(passed), ..floored }
+                }
+                Some(_) => reply_floor::at_least_reserved(estimate, used),
+                None => used,
             }
         } else {
             TokenCounts { prompt: 0, output: 0 }
@@ -1724,10 +1737,33 @@ fn charge_local(
         let states = decode_states(Some(payload), specs.len());
         states.iter().zip(specs).all(|(state, spec)| state.is_none_or(|s| now - s.updated_ms >= spec.window_ms as f64))
     };
-    let reply = update_own(host, config, TenantTable::Local, name, idle, |payload| {
+    // Failing that, when all its slots are held, the entry written longest ago that holds
+    // no concurrency slot: an outage must not refuse a newcomer service because the
+    // table remembers older tenants (a day's limit keeps every entry for a day). What
+    // that tenant spent here is in Redis's debits all the same; only its local share
+    // starts afresh (see `tables`).
+    let left_at = |payload: &[u8]| {
+        let states = decode_states(Some(payload), specs.len());
+        let holds_slot = states.iter().zip(specs).any(|(state, spec)| {
+            spec.kind == LimitKind::Slots && state.is_some_and(|s| s.tokens < spec.capacity as f64)
+        });
+        (!holds_slot).then(|| states.iter().flatten().map(|s| s.updated_ms as u64).max().unwrap_or(0))
+    };
+    let reply = update_own_or_oldest(host, config, TenantTable::Local, name, idle, left_at, |payload| {
         let mut states = decode_states(payload, specs.len());
         let reply = check_and_charge(&mut states, specs, now);
-        (reply.allowed.then(|| encode_states(&states)), reply)
+        if !reply.allowed {
+            // Its own entry is written as of now (the same levels): a tenant refused here
+            // is still in use, so its spent entry is never the one a newcomer takes as
+            // written longest ago. A newcomer refused takes no place.
+            if payload.is_none() {
+                return (None, reply);
+            }
+            for (state, spec) in states.iter_mut().zip(specs) {
+                *state = state.map(|s| BucketState { tokens: level_at(spec, Some(s), now), updated_ms: now });
+            }
+        }
+        (Some(encode_states(&states)), reply)
     });
     reply.and_then(Result::ok)
 }

@@ -106,6 +106,8 @@ pub struct ReplyUsage {
     expect_key: bool,
     /// The string being read is a key at depth 1 or 2, collected into `key`.
     reading_key: bool,
+    /// The string being read is a key, at any depth.
+    in_key: bool,
     key: Vec<u8>,
     /// The keys leading to the current position at depths 1 and 2.
     path: [Option<PathKey>; 2],
@@ -118,12 +120,28 @@ pub struct ReplyUsage {
     /// The top-level `model` string being read (its raw JSON text), and the last one read.
     model_text: Option<Vec<u8>>,
     model: Option<String>,
+    /// Bytes of the string values read below the top level (the completion's text among
+    /// them), escapes included: a bound on the tokens of what passed to the client, since
+    /// a token is at least a byte of text and an escape at least as long as what it
+    /// stands for.
+    value_bytes: u64,
 }
 
 impl ReplyUsage {
     pub fn new() -> ReplyUsage {
         // The key is kept up to one byte past the longest that matters: never grown.
         ReplyUsage { key: Vec::with_capacity(KEPT_KEY_BYTES + 1), ..ReplyUsage::default() }
+    }
+
+    /// Inside a string that is a value (not a key) below the top level.
+    #[inline]
+    fn in_value_below_top(&self) -> bool {
+        !self.in_key && self.depth >= 2
+    }
+
+    /// See `value_bytes`: read only when the reply was cut before its usage.
+    pub fn value_bytes(&self) -> u64 {
+        self.value_bytes
     }
 
     fn in_object(&self) -> bool {
@@ -139,6 +157,9 @@ impl ReplyUsage {
                 let rest = chunk.get(at..).unwrap_or(&[]);
                 let skip = memchr::memchr2(b'"', b'\\', rest).unwrap_or(rest.len());
                 let text = rest.get(..skip).unwrap_or(&[]);
+                if self.in_value_below_top() {
+                    self.value_bytes += text.len() as u64;
+                }
                 if let Some((_, bytes)) = self.capture.as_mut() {
                     bytes.extend_from_slice(text);
                     if bytes.len() > MAX_USAGE_OBJECT {
@@ -175,6 +196,9 @@ impl ReplyUsage {
                 }
             } else {
                 self.keep_model_text(&[byte]);
+                if self.in_value_below_top() {
+                    self.value_bytes += 1;
+                }
             }
             if closes_string(&mut self.escaped, byte) {
                 self.in_string = false;
@@ -219,6 +243,7 @@ impl ReplyUsage {
                     self.model_text = Some(Vec::with_capacity(32));
                 }
                 self.in_string = true;
+                self.in_key = self.expect_key;
                 self.reading_key = self.expect_key && self.depth <= 2;
                 self.expect_key = false;
                 self.key.clear();
