@@ -1,5 +1,5 @@
-"""Starts and stops the processes of an llm-ratelimit stack: Redis (single or cluster),
-the companion, the mock LLM upstream and Envoy with the filter; and talks to it as a
+"""Starts and stops the processes of an llm-ratelimit stack: Redis (single, cluster, or a
+primary and replica watched by Sentinels), the companion, the mock LLM upstream and Envoy with the filter; and talks to it as a
 client would (`send`, with the request bodies `chat` and `anthropic`).
 
 Used by the tests, `make up`/`make down`, the demo and the benchmark, so every one of them
@@ -297,7 +297,10 @@ class Stack:
 
     # Redis -------------------------------------------------------------------------
     def redis(self, port: int | None = None, *, cluster: bool = False, name: str | None = None,
-              env: dict | None = None) -> tuple[Process, int]:
+              env: dict | None = None, extra: list[str] | None = None,
+              password: str | None = None) -> tuple[Process, int]:
+        """A redis-server on a free port (`extra`: more of its options; `password`: its
+        `requirepass`, given in `extra`, for the readiness check)."""
         port = port or (free_cluster_port() if cluster else free_port())
         data = self.workdir / f"redis-{port}"
         data.mkdir(exist_ok=True)
@@ -307,8 +310,8 @@ class Stack:
         ]
         if cluster:
             args += ["--cluster-enabled", "yes", "--cluster-config-file", str(data / "nodes.conf")]
-        proc = self.spawn(name or f"redis-{port}", args, env)
-        wait_until(lambda: _redis_ping(port), 10, f"redis on {port}", proc)
+        proc = self.spawn(name or f"redis-{port}", [*args, *(extra or [])], env)
+        wait_until(lambda: _redis_ping(port, password), 10, f"redis on {port}", proc)
         return proc, port
 
     def redis_cluster(self, nodes: int = 3) -> list[int]:
@@ -325,6 +328,51 @@ class Stack:
             )
         wait_until(ready, 20, "redis cluster")
         return ports
+
+    def redis_sentinel(self, *, master: str = "mymaster", password: str | None = None,
+                       sentinel_password: str | None = None, down_after_ms: int = 1000,
+                       failover_timeout_ms: int = 3000) -> "SentinelGroup":
+        """A primary, one replica of it and three `redis-sentinel`s monitoring it as
+        `master` (quorum 2), each on a free port, their configs in the workdir (Sentinel
+        rewrites its own). `password`: the data nodes' `requirepass` and `masterauth` (and the
+        Sentinels' `auth-pass`); `sentinel_password`: the Sentinels' own `requirepass` (and
+        `sentinel-pass`, which they use among themselves). Returns once every Sentinel sees
+        the replica and the two other Sentinels, so that a failover can happen."""
+        auth = ["--requirepass", password, "--masterauth", password] if password else []
+        primary, primary_port = self.redis(name="redis-primary", extra=auth, password=password)
+        replica, replica_port = self.redis(name="redis-replica", password=password,
+                                           extra=[*auth, "--replicaof", "127.0.0.1", str(primary_port)])
+        sentinels = []
+        for n in range(3):
+            port = free_port()
+            conf = self.workdir / f"sentinel-{port}.conf"
+            lines = [
+                f"port {port}", "bind 127.0.0.1", "daemonize no", f"dir {self.workdir}",
+                f"sentinel monitor {master} 127.0.0.1 {primary_port} 2",
+                f"sentinel down-after-milliseconds {master} {down_after_ms}",
+                f"sentinel failover-timeout {master} {failover_timeout_ms}",
+                f"sentinel parallel-syncs {master} 1",
+            ]
+            if password:
+                lines.append(f"sentinel auth-pass {master} {password}")
+            if sentinel_password:
+                lines += [f"requirepass {sentinel_password}", f"sentinel sentinel-pass {sentinel_password}"]
+            conf.write_text("\n".join(lines) + "\n")
+            proc = self.spawn(f"sentinel-{n}", ["redis-sentinel", str(conf)])
+            sentinels.append((proc, port))
+        group = SentinelGroup(master, (primary, primary_port), (replica, replica_port), sentinels, password,
+                              sentinel_password)
+
+        def ready():
+            for _, port in sentinels:
+                info = group.sentinel_cli(port, "SENTINEL", "MASTER", master).split("\n")
+                fields = dict(zip(info[::2], info[1::2]))
+                if fields.get("num-slaves") != "1" or fields.get("num-other-sentinels") != "2":
+                    return False
+            return True
+
+        wait_until(ready, 30, "sentinels seeing the replica and each other", sentinels[0][0])
+        return group
 
     # Companion and mock -------------------------------------------------------------
     def companion(self, redis_url: str, token: str | None, port: int | None = None, extra: list[str] | None = None,
@@ -364,6 +412,37 @@ class Stack:
         if wait:
             wait_until(lambda: http_get(f"http://127.0.0.1:{admin_port}/ready")[0] == 200, 60, name, proc)
         return proc, admin_port
+
+
+class SentinelGroup:
+    """What `Stack.redis_sentinel` started: `primary` and `replica` as (process, port), the
+    `sentinels`' too, and how to reach them (`url`, `cli`, `sentinel_cli`)."""
+
+    def __init__(self, master, primary, replica, sentinels, password, sentinel_password):
+        self.master, self.primary, self.replica, self.sentinels = master, primary, replica, sentinels
+        self.password, self.sentinel_password = password, sentinel_password
+
+    def url(self, scheme: str = "redis+sentinel", master: str | None = None) -> str:
+        """The companion's URL for it, without a password (pass them in the environment)."""
+        hosts = ",".join(f"127.0.0.1:{port}" for _, port in self.sentinels)
+        return f"{scheme}://{hosts}/{master or self.master}"
+
+    def cli(self, port: int, *command: str) -> str:
+        """A command on a data node, by redis-cli (the password in its environment)."""
+        return _redis_cli(port, self.password, command)
+
+    def sentinel_cli(self, port: int, *command: str) -> str:
+        return _redis_cli(port, self.sentinel_password, command)
+
+    def role(self, port: int) -> str:
+        """`master` or `slave`, as the node on `port` says."""
+        return self.cli(port, "ROLE").split("\n")[0]
+
+
+def _redis_cli(port: int, password: str | None, command) -> str:
+    result = subprocess.run(["redis-cli", "-p", str(port), *command], capture_output=True, text=True, timeout=5,
+                            env={**os.environ, **({"REDISCLI_AUTH": password} if password else {})})
+    return result.stdout.strip()
 
 
 def filter_config(limits: list[dict], *, token: str, companion_timeout: str = "2s", **options) -> dict:
@@ -478,7 +557,11 @@ def send(port: int, key: str | None = "sk-test", body=_CHAT, *, path: str = CHAT
         conn.close()
 
 
-def _redis_ping(port: int) -> bool:
+def _redis_ping(port: int, password: str | None = None) -> bool:
     with socket.create_connection(("127.0.0.1", port), timeout=1) as s:
+        if password:
+            s.sendall(f"AUTH {password}\r\n".encode())
+            if not s.recv(64).startswith(b"+OK"):
+                return False
         s.sendall(b"PING\r\n")
         return s.recv(64).startswith(b"+PONG")

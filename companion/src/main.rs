@@ -1,5 +1,6 @@
 //! The companion: a small stateless HTTP service through which llm-ratelimit's proxy-wasm
-//! filter runs its Lua scripts in Redis, Valkey or Redis Cluster. The filter cannot open
+//! filter runs its Lua scripts in Redis, Valkey, Redis Cluster or Redis behind Sentinel.
+//! The filter cannot open
 //! TCP connections to Redis itself (proxy-wasm offers HTTP callouts only), so it calls
 //! this service through a proxy upstream.
 //!
@@ -23,6 +24,7 @@ mod provider;
 mod queue;
 mod refusals;
 mod reservations;
+mod sentinel;
 mod store;
 
 use axum::body::Bytes;
@@ -54,11 +56,14 @@ struct Args {
     /// Address to listen on.
     #[arg(long, env = "LLMRL_LISTEN", default_value = "127.0.0.1:8081")]
     listen: String,
-    /// redis://host:port/db, rediss://..., or redis+cluster://host:port,host:port for a cluster.
-    /// A password in the URL (redis://user:password@host) works, but prefer
-    /// LLMRL_REDIS_PASSWORD or --redis-password-file: there is no password flag, as a
-    /// command line is visible to every user of the machine.
-    #[arg(long, env = "LLMRL_REDIS_URL", default_value = "redis://127.0.0.1:6379")]
+    /// redis://host:port/db, rediss://..., redis+cluster://host:port,host:port for a cluster,
+    /// or redis+sentinel://host:port,host:port/master-name[/db] (rediss+sentinel:// for TLS to
+    /// the Sentinels and the data nodes) for the primary the Sentinels name, followed across
+    /// failovers. A password in the URL (redis://user:password@host) works (on a Sentinel
+    /// URL it is the data nodes'), but prefer LLMRL_REDIS_PASSWORD or --redis-password-file:
+    /// there is no password flag, as a command line is visible to every user of the machine.
+    /// Logged with its password masked.
+    #[arg(long, env = "LLMRL_REDIS_URL", default_value = "redis://127.0.0.1:6379", hide_env_values = true)]
     redis_url: String,
     /// The Redis ACL user (default: the URL's, else Redis's `default`).
     #[arg(long, env = "LLMRL_REDIS_USERNAME")]
@@ -67,6 +72,15 @@ struct Args {
     /// LLMRL_REDIS_PASSWORD.
     #[arg(long, env = "LLMRL_REDIS_PASSWORD_FILE", value_name = "FILE")]
     redis_password_file: Option<std::path::PathBuf>,
+    /// redis+sentinel://: the Sentinels' ACL user, if they have one (the data nodes' is
+    /// --redis-username).
+    #[arg(long, env = "LLMRL_REDIS_SENTINEL_USERNAME")]
+    redis_sentinel_username: Option<String>,
+    /// redis+sentinel://: file holding the Sentinels' password (their `requirepass`;
+    /// trailing whitespace ignored); or set LLMRL_REDIS_SENTINEL_PASSWORD. The data nodes'
+    /// is LLMRL_REDIS_PASSWORD or --redis-password-file.
+    #[arg(long, env = "LLMRL_REDIS_SENTINEL_PASSWORD_FILE", value_name = "FILE")]
+    redis_sentinel_password_file: Option<std::path::PathBuf>,
     /// rediss://: the CA bundle (PEM) that signed the servers' certificates; default the
     /// system's trust store.
     #[arg(long, env = "LLMRL_REDIS_CA_FILE", value_name = "FILE")]
@@ -502,25 +516,41 @@ fn read_file(flag: &str, path: &std::path::Path) -> Result<Vec<u8>, String> {
     std::fs::read(path).map_err(|e| format!("cannot read {flag} {}: {e}", path.display()))
 }
 
-/// How to authenticate to Redis and, for rediss://, what TLS to use.
-fn redis_access(args: &Args, target: &Target) -> Result<Access, String> {
-    let password = match (std::env::var("LLMRL_REDIS_PASSWORD").ok(), &args.redis_password_file) {
-        (Some(_), Some(_)) => return Err("give LLMRL_REDIS_PASSWORD or --redis-password-file, not both".into()),
+/// A password from the environment variable `env` or the file of `flag`, not both.
+fn secret(env: &str, flag: &str, file: Option<&std::path::Path>) -> Result<Option<String>, String> {
+    let password = match (std::env::var(env).ok(), file) {
+        (Some(_), Some(_)) => return Err(format!("give {env} or {flag}, not both")),
         (Some(password), None) => Some(password),
         (None, Some(path)) => Some(
-            String::from_utf8(read_file("--redis-password-file", path)?)
-                .map_err(|_| "--redis-password-file: not UTF-8 text".to_string())?
+            String::from_utf8(read_file(flag, path)?)
+                .map_err(|_| format!("{flag}: not UTF-8 text"))?
                 .trim_end()
                 .to_string(),
         ),
         (None, None) => None,
     };
     if password.as_deref() == Some("") {
-        return Err("the Redis password is empty (LLMRL_REDIS_PASSWORD or --redis-password-file)".into());
+        return Err(format!("the password is empty ({env} or {flag})"));
+    }
+    Ok(password)
+}
+
+/// How to authenticate to Redis (and to its Sentinels) and, for rediss://, what TLS to use.
+fn redis_access(args: &Args, target: &Target) -> Result<Access, String> {
+    let password = secret("LLMRL_REDIS_PASSWORD", "--redis-password-file", args.redis_password_file.as_deref())?;
+    let sentinel_password = secret(
+        "LLMRL_REDIS_SENTINEL_PASSWORD",
+        "--redis-sentinel-password-file",
+        args.redis_sentinel_password_file.as_deref(),
+    )?;
+    let sentinel = matches!(target, Target::Sentinel(_));
+    if !sentinel && (sentinel_password.is_some() || args.redis_sentinel_username.is_some()) {
+        return Err("the Sentinel user and password need a redis+sentinel:// URL".into());
     }
     let tls = match target {
         Target::Single(url) => url.starts_with("rediss://"),
         Target::Cluster(nodes) => nodes.iter().any(|n| n.starts_with("rediss://")),
+        Target::Sentinel(sentinels) => sentinels.tls,
     };
     let wants_tls = args.redis_ca_file.is_some() || args.redis_client_cert.is_some();
     if wants_tls && !tls {
@@ -539,7 +569,13 @@ fn redis_access(args: &Args, target: &Target) -> Result<Access, String> {
     } else {
         None
     };
-    Ok(Access { username: args.redis_username.clone(), password, certificates })
+    Ok(Access {
+        username: args.redis_username.clone(),
+        password,
+        sentinel_username: args.redis_sentinel_username.clone(),
+        sentinel_password,
+        certificates,
+    })
 }
 
 /// Redis may come up after us (a fresh stack, a restart): keep trying for a while. What
@@ -556,11 +592,20 @@ async fn connect(target: &Target, access: &Access, args: &Args) -> Result<Store,
         };
         match connected {
             Ok(store) => return Ok(store),
+            Err(err) if store::is_auth_failure(&err) && err.to_string().contains("Sentinels refused") => {
+                return Err(format!(
+                    "{err}: check the Sentinels' user and password (LLMRL_REDIS_SENTINEL_USERNAME, \
+                     LLMRL_REDIS_SENTINEL_PASSWORD or --redis-sentinel-password-file)"
+                ))
+            }
             Err(err) if store::is_auth_failure(&err) => {
                 return Err(format!(
                     "Redis refused the companion's credentials ({err}): check the user and password \
                      (LLMRL_REDIS_USERNAME, LLMRL_REDIS_PASSWORD or --redis-password-file, the URL's user:password@)"
                 ))
+            }
+            Err(err) if err.to_string().contains("no Sentinel monitors") => {
+                return Err(format!("{err}: check the master name at the end of the redis+sentinel:// URL"))
             }
             Err(err) if store::is_fatal(&err) => {
                 return Err(format!(
@@ -608,7 +653,11 @@ async fn serve(args: Args) -> Result<(), String> {
     let mode = match &target {
         Target::Single(_) => "single server".to_string(),
         Target::Cluster(nodes) => format!("cluster, {} seed node(s)", nodes.len()),
+        Target::Sentinel(sentinels) => {
+            format!("primary of {:?} named by {} Sentinel(s)", sentinels.master, sentinels.addresses.len())
+        }
     };
+    let mode = format!("{mode}, {}", store::redacted(&args.redis_url));
     let metrics = Arc::new(Metrics::new());
     let store = store.counting_reloads_in(metrics.noscript_reloads.clone());
     let batcher = Batcher::new(store, script, args.redis_timeout, metrics.clone());

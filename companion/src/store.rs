@@ -1,6 +1,7 @@
-//! Redis, Valkey or Redis Cluster behind one small interface: run a script by SHA (loading
-//! it again and retrying once on NOSCRIPT, as after a restart or `SCRIPT FLUSH`), and ping.
-//! Every call is bounded by the configured timeout.
+//! Redis, Valkey, Redis Cluster or Redis behind Sentinel behind one small interface: run a
+//! script by SHA (loading it again and retrying once on NOSCRIPT, as after a restart,
+//! `SCRIPT FLUSH` or a failover to a replica), and ping. Every call is bounded by the
+//! configured timeout.
 
 use prometheus_client::metrics::counter::Counter;
 use redis::aio::ConnectionManager;
@@ -8,17 +9,23 @@ use redis::cluster_async::ClusterConnection;
 use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, Slot, SlotAddr};
 use redis::io::tcp::TcpSettings;
 use redis::{Cmd, ErrorKind, IntoConnectionInfo, RedisError, ServerErrorKind, TlsCertificates, Value};
+use std::sync::Arc;
 use std::time::Duration;
 
 /// How the companion proves itself to Redis and checks Redis: ACL user and password (from
-/// the environment or a file, or the URL's `user:password@`), and for `rediss://` the CA
-/// bundle to trust and the client certificate to show. TLS is rustls (with ring): no
+/// the environment or a file, or the URL's `user:password@`), those for the Sentinels
+/// (`redis+sentinel://`), and for `rediss://` the CA bundle to trust and the client
+/// certificate to show (the same for the Sentinels and the data nodes). TLS is rustls (with ring): no
 /// system OpenSSL in the image, and one implementation on every platform the companion is
 /// built for.
 #[derive(Default, Clone)]
 pub struct Access {
     pub username: Option<String>,
     pub password: Option<String>,
+    /// The Sentinels' own ACL user and password (`requirepass` in sentinel.conf); the
+    /// data nodes' are `username` and `password`.
+    pub sentinel_username: Option<String>,
+    pub sentinel_password: Option<String>,
     /// `rediss://` only; `None`: the system's trust store, no client certificate.
     pub certificates: Option<TlsCertificates>,
 }
@@ -66,6 +73,8 @@ impl Script {
 enum Connection {
     Single(ConnectionManager),
     Cluster(ClusterConnection),
+    /// The primary the Sentinels name, followed across failovers (see `sentinel`).
+    Sentinel(Arc<crate::sentinel::Primary>),
 }
 
 #[derive(Clone)]
@@ -76,17 +85,97 @@ pub struct Store {
     noscript_reloads: Counter,
 }
 
-/// Where Redis is: one server, or the seed nodes of a cluster.
+/// Where Redis is: one server, the seed nodes of a cluster, or the Sentinels that name a
+/// primary.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Target {
     Single(String),
     Cluster(Vec<String>),
+    Sentinel(Sentinels),
+}
+
+/// `redis+sentinel://[user:password@]host:port,host:port/master-name[/db]`: the Sentinels
+/// (port 26379 unless given) and the master name they monitor; the URL's user and password
+/// are the data nodes' (the Sentinels' have a setting of their own, see `Access`).
+#[derive(Clone, PartialEq)]
+pub struct Sentinels {
+    pub addresses: Vec<(String, u16)>,
+    pub master: String,
+    pub db: i64,
+    /// `rediss+sentinel://`: TLS to the Sentinels and to the data nodes.
+    pub tls: bool,
+    pub username: Option<String>,
+    pub password: Option<String>,
+}
+
+impl std::fmt::Debug for Sentinels {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Sentinels")
+            .field("addresses", &self.addresses)
+            .field("master", &self.master)
+            .field("db", &self.db)
+            .field("tls", &self.tls)
+            .field("username", &self.username)
+            .field("password", &self.password.as_ref().map(|_| "***"))
+            .finish()
+    }
+}
+
+const DEFAULT_SENTINEL_PORT: u16 = 26379;
+
+impl Sentinels {
+    fn parse(rest: &str, tls: bool) -> Result<Sentinels, String> {
+        let (auth, rest) = match rest.rsplit_once('@') {
+            Some((auth, rest)) => (Some(auth), rest),
+            None => (None, rest),
+        };
+        let (hosts, path) = rest.split_once('/').unwrap_or((rest, ""));
+        let (master, db) = match path.trim_end_matches('/').split_once('/') {
+            Some((master, db)) => {
+                (master, db.parse::<i64>().map_err(|_| format!("the database {db:?} is not a number"))?)
+            }
+            None => (path.trim_end_matches('/'), 0),
+        };
+        if master.is_empty() {
+            return Err("the Sentinel URL names no master: redis+sentinel://host:port,host:port/<master-name>".into());
+        }
+        let mut addresses = Vec::new();
+        for host in hosts.split(',').map(str::trim).filter(|h| !h.is_empty()) {
+            let (name, port) = match host.rsplit_once(':') {
+                Some((name, port)) if !name.ends_with(':') => {
+                    (name, port.parse::<u16>().map_err(|_| format!("the Sentinel {host:?} has no valid port"))?)
+                }
+                _ => (host, DEFAULT_SENTINEL_PORT),
+            };
+            addresses.push((name.trim_start_matches('[').trim_end_matches(']').to_string(), port));
+        }
+        if addresses.is_empty() {
+            return Err("the Sentinel URL lists no Sentinels".into());
+        }
+        // The user and password as the crate reads a URL's (percent-decoded).
+        let (username, password) = match auth {
+            Some(auth) => {
+                let info = format!("redis://{auth}@localhost").into_connection_info().map_err(|e| e.to_string())?;
+                let settings = info.redis_settings();
+                (settings.username().map(str::to_string), settings.password().map(str::to_string))
+            }
+            None => (None, None),
+        };
+        Ok(Sentinels { addresses, master: master.to_string(), db, tls, username, password })
+    }
 }
 
 impl Target {
     /// `redis://host:port/db` (or `rediss://`, `unix://`) is one server;
     /// `redis+cluster://h1:p1,h2:p2` (or `rediss+cluster://`) is a cluster's seed list.
+    /// `redis+sentinel://h1:p1,h2:p2/master` (or `rediss+sentinel://`) is Redis behind
+    /// Sentinel (see `Sentinels`).
     pub fn parse(url: &str) -> Result<Target, String> {
+        for (scheme, tls) in [("redis+sentinel://", false), ("rediss+sentinel://", true)] {
+            if let Some(rest) = url.strip_prefix(scheme) {
+                return Sentinels::parse(rest, tls).map(Target::Sentinel);
+            }
+        }
         for (cluster_scheme, node_scheme) in [("redis+cluster://", "redis://"), ("rediss+cluster://", "rediss://")] {
             if let Some(rest) = url.strip_prefix(cluster_scheme) {
                 let (auth, hosts) = match rest.rsplit_once('@') {
@@ -108,9 +197,36 @@ impl Target {
         if ["redis://", "rediss://", "unix://", "redis+unix://"].iter().any(|s| url.starts_with(s)) {
             Ok(Target::Single(url.to_string()))
         } else {
-            Err("the Redis URL must start with redis://, rediss://, unix://, redis+cluster:// or rediss+cluster://"
+            Err("the Redis URL must start with redis://, rediss://, unix://, redis+cluster://, rediss+cluster://, \
+                 redis+sentinel:// or rediss+sentinel://"
                 .into())
         }
+    }
+}
+
+/// The URL as it may be logged: its password, if any, replaced by `***`.
+pub fn redacted(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else { return url.to_string() };
+    match rest.rsplit_once('@') {
+        Some((auth, hosts)) => match auth.split_once(':') {
+            Some((user, _)) => format!("{scheme}://{user}:***@{hosts}"),
+            None => url.to_string(),
+        },
+        None => url.to_string(),
+    }
+}
+
+/// `call`, or a timeout error once `timeout` has passed without its answer.
+pub async fn bounded(
+    timeout: Duration,
+    call: impl std::future::Future<Output = Result<Value, RedisError>>,
+) -> Result<Value, RedisError> {
+    match tokio::time::timeout(timeout, call).await {
+        Ok(result) => result,
+        Err(_) => Err(RedisError::from(std::io::Error::new(
+            std::io::ErrorKind::TimedOut,
+            format!("Redis did not answer within {timeout:?}"),
+        ))),
     }
 }
 
@@ -162,6 +278,9 @@ impl Store {
                     .build()?;
                 Connection::Cluster(client.get_async_connection().await?)
             }
+            Target::Sentinel(sentinels) => {
+                Connection::Sentinel(crate::sentinel::Primary::connect(sentinels, access, timeout).await?)
+            }
         };
         Ok(Store { connection, timeout, noscript_reloads: Counter::default() })
     }
@@ -172,13 +291,12 @@ impl Store {
     }
 
     pub async fn query(&self, cmd: &Cmd) -> Result<Value, RedisError> {
-        let call = async {
-            match &self.connection {
-                Connection::Single(c) => cmd.query_async(&mut c.clone()).await,
-                Connection::Cluster(c) => cmd.query_async(&mut c.clone()).await,
-            }
-        };
-        self.bounded(call).await
+        match &self.connection {
+            Connection::Single(c) => bounded(self.timeout, cmd.query_async(&mut c.clone())).await,
+            Connection::Cluster(c) => bounded(self.timeout, cmd.query_async(&mut c.clone())).await,
+            // Bounded there: a call's failure (a timeout too) may send it to the Sentinels.
+            Connection::Sentinel(primary) => primary.query(cmd, self.timeout).await,
+        }
     }
 
     /// Runs a command that names no key (SCAN) on the server holding `key`'s hash slot:
@@ -187,20 +305,7 @@ impl Store {
         let Connection::Cluster(cluster) = &self.connection else { return self.query(cmd).await };
         let route = Route::with_key(key, SlotAddr::Master);
         let routing = RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(route));
-        self.bounded(cluster.clone().route_command(cmd.clone(), routing)).await
-    }
-
-    async fn bounded(
-        &self,
-        call: impl std::future::Future<Output = Result<Value, RedisError>>,
-    ) -> Result<Value, RedisError> {
-        match tokio::time::timeout(self.timeout, call).await {
-            Ok(result) => result,
-            Err(_) => Err(RedisError::from(std::io::Error::new(
-                std::io::ErrorKind::TimedOut,
-                format!("Redis did not answer within {:?}", self.timeout),
-            ))),
-        }
+        bounded(self.timeout, cluster.clone().route_command(cmd.clone(), routing)).await
     }
 
     /// SCRIPT LOAD; on a cluster the client sends it to every primary.
@@ -241,7 +346,7 @@ impl Store {
     /// same hash slot, as every key of a script call must be in one slot.
     pub fn lane(&self, key: &str) -> Lane {
         match &self.connection {
-            Connection::Single(_) => None,
+            Connection::Single(_) | Connection::Sentinel(_) => None,
             Connection::Cluster(_) => Some(Slot::for_key(key)),
         }
     }
@@ -273,6 +378,33 @@ mod tests {
         );
         assert!(Target::parse("redis+cluster://").is_err());
         assert!(Target::parse("http://localhost:6379").is_err());
+    }
+
+    #[test]
+    fn parses_sentinel_urls() {
+        let Ok(Target::Sentinel(s)) = Target::parse("redis+sentinel://:s3cret@10.0.0.1:26380, 10.0.0.2/mymaster")
+        else {
+            panic!("not a Sentinel target")
+        };
+        assert_eq!(s.addresses, [("10.0.0.1".to_string(), 26380), ("10.0.0.2".to_string(), 26379)]);
+        assert_eq!((s.master.as_str(), s.db, s.tls), ("mymaster", 0, false));
+        assert_eq!((s.username, s.password.as_deref()), (None, Some("s3cret")));
+        assert!(!format!("{:?}", Target::parse("redis+sentinel://u:s3cret@h:1/m").unwrap()).contains("s3cret"));
+        let Ok(Target::Sentinel(s)) = Target::parse("rediss+sentinel://app:p%40ss@h:1/cache/3/") else { panic!() };
+        assert_eq!((s.master.as_str(), s.db, s.tls), ("cache", 3, true));
+        assert_eq!((s.username.as_deref(), s.password.as_deref()), (Some("app"), Some("p@ss")));
+        assert!(Target::parse("redis+sentinel://h:1").is_err(), "no master name");
+        assert!(Target::parse("redis+sentinel://h:1/").is_err(), "no master name");
+        assert!(Target::parse("redis+sentinel:///m").is_err(), "no Sentinels");
+        assert!(Target::parse("redis+sentinel://h:x/m").is_err(), "bad port");
+        assert!(Target::parse("redis+sentinel://h:1/m/x").is_err(), "bad db");
+    }
+
+    #[test]
+    fn redacts_the_password_of_any_url() {
+        assert_eq!(redacted("redis+sentinel://:pw@h1:1,h2:2/m"), "redis+sentinel://:***@h1:1,h2:2/m");
+        assert_eq!(redacted("rediss://user:pw@h:1/0"), "rediss://user:***@h:1/0");
+        assert_eq!(redacted("redis://h:1"), "redis://h:1");
     }
 
     #[test]
