@@ -297,10 +297,7 @@ class Stack:
 
     # Redis -------------------------------------------------------------------------
     def redis(self, port: int | None = None, *, cluster: bool = False, name: str | None = None,
-              env: dict | None = None, extra: list[str] | None = None,
-              password: str | None = None) -> tuple[Process, int]:
-        """A redis-server on a free port (`extra`: more of its options; `password`: its
-        `requirepass`, given in `extra`, for the readiness check)."""
+              env: dict | None = None) -> tuple[Process, int]:
         port = port or (free_cluster_port() if cluster else free_port())
         data = self.workdir / f"redis-{port}"
         data.mkdir(exist_ok=True)
@@ -310,8 +307,8 @@ class Stack:
         ]
         if cluster:
             args += ["--cluster-enabled", "yes", "--cluster-config-file", str(data / "nodes.conf")]
-        proc = self.spawn(name or f"redis-{port}", [*args, *(extra or [])], env)
-        wait_until(lambda: _redis_ping(port, password), 10, f"redis on {port}", proc)
+        proc = self.spawn(name or f"redis-{port}", args, env)
+        wait_until(lambda: _redis_ping(port), 10, f"redis on {port}", proc)
         return proc, port
 
     def redis_cluster(self, nodes: int = 3) -> list[int]:
@@ -331,18 +328,37 @@ class Stack:
 
     def redis_sentinel(self, *, master: str = "mymaster", password: str | None = None,
                        sentinel_password: str | None = None, down_after_ms: int = 1000,
-                       failover_timeout_ms: int = 3000) -> "SentinelGroup":
+                       failover_timeout_ms: int = 3000, tls: Path | None = None) -> "SentinelGroup":
         """A primary, one replica of it and three `redis-sentinel`s monitoring it as
         `master` (quorum 2), each on a free port, their configs in the workdir (Sentinel
         rewrites its own). `password`: the data nodes' `requirepass` and `masterauth` (and the
         Sentinels' `auth-pass`); `sentinel_password`: the Sentinels' own `requirepass` (and
         `sentinel-pass`, which they use among themselves). Returns once every Sentinel sees
-        the replica and the two other Sentinels, so that a failover can happen."""
+        the replica and the two other Sentinels, so that a failover can happen. `tls`: a
+        directory with `ca.pem`, `server.pem`/`server.key` (which the Sentinels and the
+        replica also show as client certificates) and `client.pem`/`client.key` (for
+        `redis-cli`): then every one of them speaks TLS only, and requires a client
+        certificate."""
         auth = ["--requirepass", password, "--masterauth", password] if password else []
-        primary, primary_port = self.redis(name="redis-primary", extra=auth, password=password)
-        replica, replica_port = self.redis(name="redis-replica", password=password,
-                                           extra=[*auth, "--replicaof", "127.0.0.1", str(primary_port)])
-        sentinels = []
+        tls_options = [] if tls is None else [
+            "--port", "0", "--tls-cert-file", str(tls / "server.pem"), "--tls-key-file", str(tls / "server.key"),
+            "--tls-ca-cert-file", str(tls / "ca.pem"), "--tls-replication", "yes"]
+        group = SentinelGroup(master, None, None, [], password, sentinel_password, tls)
+
+        def data_node(name, *extra):
+            port = free_port()
+            data = self.workdir / f"redis-{port}"
+            data.mkdir(exist_ok=True)
+            proc = self.spawn(name, [
+                "redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                "--dir", str(data), *auth, *tls_options, *(["--tls-port", str(port)] if tls else []), *extra])
+            wait_until(lambda: group.cli(port, "PING") == "PONG", 10, f"{name} on {port}", proc)
+            return proc, port
+
+        group.primary = data_node("redis-primary")
+        primary_port = group.primary[1]
+        group.replica = data_node("redis-replica", "--replicaof", "127.0.0.1", str(primary_port))
+        sentinels = group.sentinels
         for n in range(3):
             port = free_port()
             conf = self.workdir / f"sentinel-{port}.conf"
@@ -353,6 +369,10 @@ class Stack:
                 f"sentinel failover-timeout {master} {failover_timeout_ms}",
                 f"sentinel parallel-syncs {master} 1",
             ]
+            if tls:
+                lines = [f"tls-port {port}", "port 0", f"tls-cert-file {tls / 'server.pem'}",
+                         f"tls-key-file {tls / 'server.key'}", f"tls-ca-cert-file {tls / 'ca.pem'}",
+                         "tls-replication yes", *lines[1:]]
             if password:
                 lines.append(f"sentinel auth-pass {master} {password}")
             if sentinel_password:
@@ -360,8 +380,6 @@ class Stack:
             conf.write_text("\n".join(lines) + "\n")
             proc = self.spawn(f"sentinel-{n}", ["redis-sentinel", str(conf)])
             sentinels.append((proc, port))
-        group = SentinelGroup(master, (primary, primary_port), (replica, replica_port), sentinels, password,
-                              sentinel_password)
 
         def ready():
             for _, port in sentinels:
@@ -418,29 +436,32 @@ class SentinelGroup:
     """What `Stack.redis_sentinel` started: `primary` and `replica` as (process, port), the
     `sentinels`' too, and how to reach them (`url`, `cli`, `sentinel_cli`)."""
 
-    def __init__(self, master, primary, replica, sentinels, password, sentinel_password):
+    def __init__(self, master, primary, replica, sentinels, password, sentinel_password, tls):
         self.master, self.primary, self.replica, self.sentinels = master, primary, replica, sentinels
         self.password, self.sentinel_password = password, sentinel_password
+        self.tls_args = [] if tls is None else [
+            "--tls", "--cacert", str(tls / "ca.pem"), "--cert", str(tls / "client.pem"), "--key", str(tls / "client.key")]
 
-    def url(self, scheme: str = "redis+sentinel", master: str | None = None) -> str:
+    def url(self, master: str | None = None) -> str:
         """The companion's URL for it, without a password (pass them in the environment)."""
         hosts = ",".join(f"127.0.0.1:{port}" for _, port in self.sentinels)
+        scheme = "rediss+sentinel" if self.tls_args else "redis+sentinel"
         return f"{scheme}://{hosts}/{master or self.master}"
 
     def cli(self, port: int, *command: str) -> str:
         """A command on a data node, by redis-cli (the password in its environment)."""
-        return _redis_cli(port, self.password, command)
+        return _redis_cli(port, self.password, [*self.tls_args, "-p", str(port), *command])
 
     def sentinel_cli(self, port: int, *command: str) -> str:
-        return _redis_cli(port, self.sentinel_password, command)
+        return _redis_cli(port, self.sentinel_password, [*self.tls_args, "-p", str(port), *command])
 
     def role(self, port: int) -> str:
         """`master` or `slave`, as the node on `port` says."""
         return self.cli(port, "ROLE").split("\n")[0]
 
 
-def _redis_cli(port: int, password: str | None, command) -> str:
-    result = subprocess.run(["redis-cli", "-p", str(port), *command], capture_output=True, text=True, timeout=5,
+def _redis_cli(port: int, password: str | None, args) -> str:
+    result = subprocess.run(["redis-cli", *args], capture_output=True, text=True, timeout=5,
                             env={**os.environ, **({"REDISCLI_AUTH": password} if password else {})})
     return result.stdout.strip()
 
@@ -557,11 +578,7 @@ def send(port: int, key: str | None = "sk-test", body=_CHAT, *, path: str = CHAT
         conn.close()
 
 
-def _redis_ping(port: int, password: str | None = None) -> bool:
+def _redis_ping(port: int) -> bool:
     with socket.create_connection(("127.0.0.1", port), timeout=1) as s:
-        if password:
-            s.sendall(f"AUTH {password}\r\n".encode())
-            if not s.recv(64).startswith(b"+OK"):
-                return False
         s.sendall(b"PING\r\n")
         return s.recv(64).startswith(b"+PONG")

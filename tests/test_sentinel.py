@@ -167,3 +167,25 @@ def test_a_manual_failover_moves_the_companion_off_the_old_primary_at_once(stack
     assert [charge(port) for _ in range(3)] == [200] * 3
     assert float(group.cli(new, "HGET", KEY, "tokens")) == pytest.approx(on_new - 3, abs=1)
     assert float(group.cli(old, "HGET", KEY, "tokens")) == pytest.approx(on_old, abs=0.5)
+
+
+def test_rediss_sentinel_speaks_tls_to_the_sentinels_and_the_data_nodes(stack, tmp_path):
+    """Every process TLS only, client certificates required: the companion shows its own,
+    checks theirs against the CA, and follows a failover."""
+    from test_trust import make_certificates
+
+    certs = make_certificates(tmp_path)
+    group = stack.redis_sentinel(password=DATA_PASSWORD, sentinel_password=SENTINEL_PASSWORD, tls=certs)
+    assert group.url().startswith("rediss+sentinel://")
+    tls = ["--redis-ca-file", str(certs / "ca.pem"), "--redis-client-cert", str(certs / "client.pem"),
+           "--redis-client-key", str(certs / "client.key")]
+    _, port = stack.companion(group.url(), TOKEN, redis_timeout="100ms", extra=tls, env=PASSWORDS)
+    assert charge(port) == 200 and group.cli(group.primary[1], "EXISTS", KEY) == "1"
+    group.primary[0].kill()
+    wait_until(lambda: charge(port) == 200 and group.role(group.replica[1]) == "master", 20, "served after failover")
+    # A CA that did not sign their certificates: refused at once.
+    (tmp_path / "other").mkdir()
+    other = make_certificates((tmp_path / "other").resolve())
+    result = run_companion(group.url(), PASSWORDS, extra=["--redis-ca-file", str(other / "ca.pem"), *tls[2:]])
+    assert result.returncode != 0 and "waiting for Redis" not in result.stderr, result.stderr
+    assert "cannot connect to Redis" in result.stderr and "certificate" in result.stderr, result.stderr
