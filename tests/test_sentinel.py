@@ -189,3 +189,55 @@ def test_rediss_sentinel_speaks_tls_to_the_sentinels_and_the_data_nodes(stack, t
     result = run_companion(group.url(), PASSWORDS, extra=["--redis-ca-file", str(other / "ca.pem"), *tls[2:]])
     assert result.returncode != 0 and "waiting for Redis" not in result.stderr, result.stderr
     assert "cannot connect to Redis" in result.stderr and "certificate" in result.stderr, result.stderr
+
+
+def test_through_envoy_a_failover_costs_no_5xx_and_decisions_turn_central_again(stack, group):
+    """The filter's degraded mode over a failover: while the companion fails, requests are
+    decided locally (`failure_mode: local`), none answered 5xx; once the companion serves
+    from the new primary, decisions are central again."""
+    from stack import envoy_config, filter_config, send
+
+    _, companion = stack.companion(group.url(), TOKEN, redis_timeout="40ms", env=PASSWORDS)
+    _, mock = stack.mock()
+    config = filter_config([{"name": "rph", "requests": 1_000_000, "window": "1h"}], token=TOKEN,
+                           companion_timeout="250ms", failure_mode="local",
+                           fallback={"instances": 1, "breaker_failures": 3, "breaker_cooldown": "300ms"})
+    port = free_port()
+    stack.envoy(envoy_config(listen_port=port, admin_port=free_port(), upstream_port=mock, companion_port=companion,
+                             filter_config=config))
+    assert send(port, "sk-sentinel").status == 200
+
+    replies, stop = [], threading.Event()
+
+    def client():
+        while not stop.is_set():
+            replies.append(send(port, "sk-sentinel", timeout=10))
+            time.sleep(0.01)
+
+    clients = [threading.Thread(target=client) for _ in range(3)]
+    for thread in clients:
+        thread.start()
+    try:
+        time.sleep(1.0)
+        killed = time.monotonic()
+        group.primary[0].kill()
+        switched = wait_until(
+            lambda: any(group.sentinel_cli(p, "SENTINEL", "GET-MASTER-ADDR-BY-NAME", "mymaster").endswith(
+                str(group.replica[1])) for _, p in group.sentinels) and time.monotonic(),
+            30, "the Sentinels naming the new primary")
+        central = wait_until(lambda: next((r.done for r in replies if r.started > switched
+                                           and "x-llm-ratelimit-degraded" not in r.headers), None), 15,
+                             "a central decision after the switch")
+        time.sleep(0.5)
+    finally:
+        stop.set()
+        for thread in clients:
+            thread.join()
+    statuses = [r.status for r in replies]
+    degraded = [r for r in replies if r.started > killed and r.headers.get("x-llm-ratelimit-degraded") == "local"]
+    print(f"\nthrough Envoy: {len(replies)} requests, {len(degraded)} decided locally; central again "
+          f"{central - switched:.2f} s after the switch ({central - killed:.2f} s after the kill)")
+    assert not [s for s in statuses if s >= 500], f"5xx across the failover: {sorted(set(statuses))}"
+    assert set(statuses) == {200}, sorted(set(statuses))
+    assert degraded, "the failover went unnoticed: the test tests nothing"
+    assert central - switched < 10
