@@ -60,6 +60,7 @@ extern "C" {
         value_size: usize,
         cas: u32,
     ) -> u32;
+    fn proxy_set_property(path_data: *const u8, path_size: usize, value_data: *const u8, value_size: usize) -> u32;
     fn proxy_get_current_time_nanoseconds(return_time: *mut u64) -> u32;
     fn proxy_continue_stream(stream_type: u32) -> u32;
     fn proxy_send_local_response(
@@ -182,6 +183,17 @@ pub fn set_shared_data(key: &str, value: &[u8], cas: Option<u32>) -> SharedWrite
         OK => SharedWrite::Written,
         CAS_MISMATCH => SharedWrite::CasMismatch,
         status => SharedWrite::Refused(status),
+    }
+}
+
+/// Sets a property of the current request (`path`'s segments joined by NUL, as the ABI
+/// has it): the host's status on refusal (an unknown or read-only property).
+pub fn set_property(path: &[&str], value: &[u8]) -> Result<(), u32> {
+    let joined = path.join("\0");
+    // SAFETY: path and value are live for the call.
+    match unsafe { proxy_set_property(joined.as_ptr(), joined.len(), value.as_ptr(), value.len()) } {
+        OK => Ok(()),
+        status => Err(status),
     }
 }
 

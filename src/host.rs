@@ -346,6 +346,10 @@ impl Host for ProxyHost {
         }
     }
 
+    fn set_property(&mut self, path: &[&str], value: &[u8]) -> bool {
+        abi::set_property(path, value).is_ok()
+    }
+
     fn add_metric(&mut self, metric: Metric, amount: u64) {
         let mut state = self.state.borrow_mut();
         if let Some(pending) = state.pending.get_mut(metric as usize) {

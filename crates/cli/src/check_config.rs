@@ -7,8 +7,9 @@
 //! fail too, and likely mistakes are warned about (failures with `--strict`).
 
 use crate::lint::{self, Plugin};
-use llm_ratelimit_core::config::{Policy, Store};
+use llm_ratelimit_core::config::{Policy, RecordMode, Store};
 use llm_ratelimit_core::effects::host::HostKind;
+use llm_ratelimit_core::lifecycle::record::{FIELD_PROPERTIES, RECORD_PROPERTY};
 use llm_ratelimit_core::worker::{check_for_host, holds_request_headers};
 use serde_json::Value;
 use std::path::PathBuf;
@@ -143,6 +144,9 @@ struct Report {
     warnings: Vec<String>,
     /// The config with every default filled in, for this host (when it loads).
     effective: Option<Value>,
+    /// The request record's properties the config publishes (when it loads).
+    record: Option<Vec<String>>,
+    record_mode: RecordMode,
 }
 
 /// Finds every filter config in `text` and checks each; an error when there is none.
@@ -156,7 +160,46 @@ fn check_text(text: &str, strict_json: bool, all_wasm: bool, host: HostKind) -> 
     if found.is_empty() {
         return Err("no llm-ratelimit filter config found (use --all-wasm to check every Wasm filter)".into());
     }
-    Ok(found.into_iter().map(|embedded| check(embedded, host)).collect())
+    let mut reports: Vec<Report> = found.into_iter().map(|embedded| check(embedded, host)).collect();
+    let referenced = record_names_referenced(text);
+    for report in &mut reports {
+        if let Some(published) = &report.record {
+            for name in referenced.iter().filter(|name| !published.contains(name)) {
+                report.warnings.push(format!(
+                    "the access log reads the record property {name}, which this config does not publish \
+                     (record: {:?} publishes {})",
+                    report.record_mode,
+                    if published.is_empty() { "none".to_string() } else { published.join(", ") }
+                ));
+            }
+        }
+    }
+    Ok(reports)
+}
+
+/// The request record's property names an access-log format in `text` reads: Envoy's
+/// `%FILTER_STATE(wasm.llm_ratelimit…)%` and Nginx's `$llm_ratelimit…`.
+fn record_names_referenced(text: &str) -> Vec<String> {
+    let mut names = Vec::new();
+    for marker in ["wasm.llm_ratelimit", "$llm_ratelimit"] {
+        let prefix_len = marker.len() - RECORD_PROPERTY.len();
+        for (at, _) in text.match_indices(marker) {
+            let rest = &text[at + prefix_len..];
+            let end = rest.find(|c: char| !(c.is_ascii_alphanumeric() || c == '_')).unwrap_or(rest.len());
+            let name = rest[..end].to_string();
+            if !names.contains(&name) {
+                names.push(name);
+            }
+        }
+    }
+    names
+}
+
+/// The record properties `mode` publishes.
+fn record_names_published(mode: RecordMode) -> Vec<String> {
+    let json = matches!(mode, RecordMode::Json | RecordMode::Both).then(|| RECORD_PROPERTY.to_string());
+    let fields = FIELD_PROPERTIES.iter().filter(|_| matches!(mode, RecordMode::Fields | RecordMode::Both));
+    json.into_iter().chain(fields.map(|name| name.to_string())).collect()
 }
 
 fn check(embedded: Embedded, host: HostKind) -> Report {
@@ -192,15 +235,29 @@ fn check(embedded: Embedded, host: HostKind) -> Report {
             ));
         }
     }
+    let record_mode = outcome.as_ref().map_or(RecordMode::default(), |policy| policy.record);
+    let record = outcome.is_ok().then(|| record_names_published(record_mode));
     let outcome = outcome.map(|policy| {
         let names: Vec<&str> = policy.limits.iter().map(|l| l.name.as_str()).collect();
         let store = match policy.store {
             Store::Redis => format!("companion {:?}", policy.companion.upstream),
             Store::Local => "local store (no companion)".to_string(),
         };
-        format!("{} limit(s): {}; {store}", names.len(), names.join(", "))
+        let published = record_names_published(policy.record);
+        let record = match host {
+            _ if published.is_empty() => "no request record".to_string(),
+            HostKind::Envoy => format!(
+                "request record as filter state {}",
+                published.iter().map(|n| format!("wasm.{n}")).collect::<Vec<_>>().join(", ")
+            ),
+            HostKind::Nginx => format!(
+                "request record as variables {} (declare each with `set $name \"\";`)",
+                published.iter().map(|n| format!("${n}")).collect::<Vec<_>>().join(", ")
+            ),
+        };
+        format!("{} limit(s): {}; {store}; {record}", names.len(), names.join(", "))
     });
-    Report { place: embedded.place, outcome, failures, warnings, effective }
+    Report { place: embedded.place, outcome, failures, warnings, effective, record, record_mode }
 }
 
 /// The config as the filter runs it on `host`: `config::effective`, with the one default
@@ -599,5 +656,24 @@ spec:
         let reports = check_envoy(&std::fs::read_to_string(path).unwrap()).unwrap();
         assert_eq!(reports.len(), 1);
         assert!(reports[0].outcome.as_ref().unwrap().starts_with("3 limit(s): rpm, rpd, tpm"), "{reports:?}");
+        assert!(reports[0].outcome.as_ref().unwrap().ends_with("request record as filter state wasm.llm_ratelimit"));
+        assert!(reports[0].warnings.is_empty(), "the demo's access log reads what it publishes: {reports:?}");
+    }
+
+    #[test]
+    fn an_access_log_reading_a_record_property_not_published_is_warned_about() {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../envoy/demo.yaml");
+        let demo = std::fs::read_to_string(path).unwrap();
+        let off = demo.replace(r#""failure_mode": "local","#, r#""failure_mode": "local", "record": "off","#);
+        let reports = check_envoy(&off).unwrap();
+        assert!(reports[0].outcome.as_ref().unwrap().ends_with("no request record"), "{reports:?}");
+        assert_eq!(reports[0].warnings.len(), 1, "{reports:?}");
+        assert!(reports[0].warnings[0].contains("llm_ratelimit, which this config does not publish"));
+        let fields = demo.replace(r#""failure_mode": "local","#, r#""failure_mode": "local", "record": "fields","#)
+            + "\n# %FILTER_STATE(wasm.llm_ratelimit_output_tokens:PLAIN)% %FILTER_STATE(wasm.llm_ratelimit_tokens:PLAIN)%\n";
+        let reports = check_envoy(&fields).unwrap();
+        let warned: Vec<&String> = reports[0].warnings.iter().collect();
+        assert_eq!(warned.len(), 2, "the JSON record and a misspelt field, not the real field: {warned:?}");
+        assert!(warned.iter().any(|w| w.contains("llm_ratelimit_tokens,")), "{warned:?}");
     }
 }

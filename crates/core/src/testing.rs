@@ -137,6 +137,8 @@ pub struct FakeHost {
     answering_a_callout_with_a_body: bool,
     /// The request body has been read by the host and delivered to the filter.
     pub body_read: bool,
+    /// Properties set, by their path's segments joined with `.`, in the order set.
+    pub properties: Vec<(String, Vec<u8>)>,
 }
 
 impl FakeHost {
@@ -165,6 +167,7 @@ impl FakeHost {
             in_response_phases: false,
             answering_a_callout_with_a_body: false,
             body_read: false,
+            properties: Vec::new(),
         }
     }
 
@@ -397,6 +400,12 @@ impl Host for FakeHost {
     fn environment_variables(&mut self) -> Vec<(String, String)> {
         self.count_call("environment_variables");
         self.world.borrow().environment.clone()
+    }
+
+    fn set_property(&mut self, path: &[&str], value: &[u8]) -> bool {
+        self.count_call("set_property");
+        self.properties.push((path.join("."), value.to_vec()));
+        true
     }
 
     fn warn_once(&mut self, topic: &'static str, message: &str) {

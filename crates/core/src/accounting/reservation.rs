@@ -135,7 +135,7 @@ mod tests {
     const EST: TokenCounts = TokenCounts { prompt: 100, output: 500 };
 
     fn reported(input: Option<u64>, output: Option<u64>) -> ReportedUsage {
-        ReportedUsage { input, output, cached_input: None }
+        ReportedUsage { input, output, cached_input: None, reasoning: None }
     }
 
     #[test]

@@ -64,6 +64,9 @@ pub struct ReportedUsage {
     /// Of the input, tokens read from the provider's prompt cache (billed at a lower
     /// price by most providers).
     pub cached_input: Option<u64>,
+    /// Of the output, tokens the model spent reasoning (OpenAI's `reasoning_tokens`,
+    /// Gemini's `thoughtsTokenCount`): reported, not charged apart.
+    pub reasoning: Option<u64>,
 }
 
 impl ReportedUsage {
@@ -71,6 +74,7 @@ impl ReportedUsage {
         self.input = later.input.or(self.input);
         self.output = later.output.or(self.output);
         self.cached_input = later.cached_input.or(self.cached_input);
+        self.reasoning = later.reasoning.or(self.reasoning);
     }
 
     pub fn is_empty(self) -> bool {

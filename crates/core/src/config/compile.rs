@@ -96,6 +96,7 @@ pub(super) fn compile(
         hold_request_headers: written.hold_request_headers,
         unknown_paths: written.unknown_paths,
         deployments: written.deployments.clone(),
+        record: written.record,
     })
 }
 

@@ -23,8 +23,8 @@ pub use error::ConfigError;
 pub use per::{FairShare, HeaderPer, Per, PerShape};
 pub use policy::{
     Bypass, Companion, Dimension, FailureMode, Fallback, HeaderStyle, Identity, LeaseConfig, Limit, Measure, Memory,
-    Mode, ModelPolicy, Policy, Price, PriceEntry, ProviderLimits, QueueConfig, Secret, Slots, Store, TierConfig,
-    TokenCount, TokenPolicy, UnknownPaths, UnreadableBody, REDACTED,
+    Mode, ModelPolicy, Policy, Price, PriceEntry, ProviderLimits, QueueConfig, RecordMode, Secret, Slots, Store,
+    TierConfig, TokenCount, TokenPolicy, UnknownPaths, UnreadableBody, REDACTED,
 };
 // Types of the policy's fields that belong to the modules that act on them.
 pub use crate::accounting::reservation::UpstreamErrorCharge;

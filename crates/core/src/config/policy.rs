@@ -46,6 +46,22 @@ pub struct Policy {
     pub hold_request_headers: Option<bool>,
     /// Azure OpenAI deployment → model (see `providers`).
     pub deployments: BTreeMap<String, String>,
+    pub record: RecordMode,
+}
+
+/// How each request's record is published to the host (`lifecycle::record`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RecordMode {
+    /// One property holding the record as a JSON object (one host call per request).
+    #[default]
+    Json,
+    /// One property per field, for access-log formats and CEL that read fields apart.
+    Fields,
+    /// Both.
+    Both,
+    /// None.
+    Off,
 }
 
 /// Where the limits' counters live.

@@ -88,6 +88,10 @@ pub struct Document {
     /// v1 paths' `model`, so per-model limits, prices and model rules apply.
     #[serde(default)]
     pub deployments: BTreeMap<String, String>,
+    /// What each request's record (who, what it used and cost, how it was decided) is
+    /// published as, for the host's access log: see `lifecycle::record`.
+    #[serde(default)]
+    pub record: super::policy::RecordMode,
 }
 
 impl Document {

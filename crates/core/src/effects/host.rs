@@ -276,6 +276,9 @@ pub trait Host {
 
     fn resume_request(&mut self);
     fn send_reply(&mut self, reply: &LocalReply);
+    /// Sets a property of the request (`path`'s segments), for the host's access log to
+    /// read: false when the host refused it.
+    fn set_property(&mut self, path: &[&str], value: &[u8]) -> bool;
 
     fn add_metric(&mut self, metric: Metric, amount: u64);
     /// Adds to a labelled counter: `series` indexes `series::names(config)`.

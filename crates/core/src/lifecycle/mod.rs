@@ -12,10 +12,12 @@ use crate::accounting::reply_floor::{self, ReplySight};
 use crate::accounting::reservation::{actual_usage, credit, Ending, OutputAverage, TokenCounts};
 use crate::api::dialect::Dialect;
 use crate::api::identity::{read_credential, tenant_id, Credential, IdentitySource, TenantIds, ANONYMOUS_TENANT};
-use crate::config::{FailureMode, Measure, MissingIdentity, Mode, Policy, Store, UnknownPaths, UnreadableBody};
+use crate::config::{
+    FailureMode, Measure, MissingIdentity, Mode, Policy, RecordMode, Store, UnknownPaths, UnreadableBody,
+};
 use crate::effects::average_store::LocalAverages;
 use crate::effects::calibration_store::LocalCalibrations;
-use crate::effects::host::{shared_update, Action, Host, LogLevel, Metric, Owner};
+use crate::effects::host::{shared_update, Action, Host, HostKind, LogLevel, Metric, Owner};
 use crate::effects::lease_table::{self, DryOut, Hold, Holder, Taken};
 use crate::effects::provider_state::{self, Judgement, ProviderState};
 use crate::effects::provider_word::{self, ProviderWord};
@@ -207,6 +209,21 @@ pub struct RequestFilter {
     /// Shadow mode: enforcement would have sent this refused request to its limits'
     /// overflow backend instead (what its shadow header says).
     shadow_overflow: bool,
+    /// What the request's record says that the rest of its state does not (`record`).
+    recorded: RecordState,
+    host_kind: HostKind,
+}
+
+/// What goes into a request's record besides what the filter keeps anyway.
+#[derive(Debug, Default)]
+struct RecordState {
+    how: record::How,
+    used: record::Used,
+    refused_by: Option<String>,
+    queued_ms: u64,
+    shadow: bool,
+    /// Published: a request's record is published once.
+    published: bool,
 }
 
 /// A request's part in what the provider says of its limits.
@@ -230,7 +247,7 @@ struct ProviderSide {
 }
 
 impl RequestFilter {
-    pub(crate) fn new(config: Option<Rc<Policy>>) -> RequestFilter {
+    pub(crate) fn new(config: Option<Rc<Policy>>, host_kind: HostKind) -> RequestFilter {
         RequestFilter {
             config,
             phase: Phase::Starting,
@@ -257,17 +274,19 @@ impl RequestFilter {
             overflow: None,
             route_open: true,
             shadow_overflow: false,
+            recorded: RecordState::default(),
+            host_kind,
         }
     }
 
     /// A request's state on `worker`; pass-through when it has no config.
     pub fn on(worker: &Worker) -> RequestFilter {
-        RequestFilter::new(worker.config().cloned())
+        RequestFilter::new(worker.config().cloned(), worker.host_kind())
     }
 
     /// A request the filter lets through untouched (no config).
     pub fn pass_through() -> RequestFilter {
-        RequestFilter::new(None)
+        RequestFilter::new(None, HostKind::default())
     }
 
     pub fn phase(&self) -> Phase {
@@ -533,6 +552,7 @@ impl RequestFilter {
         self.hear_provider(host, worker, &config);
         let ending = if self.upstream_error { Ending::UpstreamError } else { Ending::Interrupted };
         self.settle(host, worker, &config, ending);
+        self.publish_record(host, &config);
     }
 
     // ---- deciding ----
@@ -794,10 +814,16 @@ impl RequestFilter {
 
     /// A refusal: counted in `requests_limited` and under each limit that had no room
     /// (as `shadow` when shadow mode lets it through).
-    fn count_refusal(&self, host: &mut impl Host, config: &Policy, reply: &LimitsReply) {
+    fn count_refusal(&mut self, host: &mut impl Host, config: &Policy, reply: &LimitsReply) {
         host.add_metric(Metric::Limited, 1);
         let decision = if config.mode == Mode::Shadow { Decision::Shadow } else { Decision::Limited };
         let relevant = self.relevant(reply);
+        // The limit the 429 names: one that can never fit, else the one binding longest.
+        let never = relevant.limits.iter().find(|o| o.status == LimitStatus::Never);
+        let binding = never.or_else(|| {
+            relevant.limits.iter().filter(|o| o.status == LimitStatus::Limited).max_by_key(|o| o.retry_after_ms)
+        });
+        self.recorded.refused_by = binding.map(|o| o.name.clone());
         let refusing = relevant.limits.iter().filter(|o| o.status != LimitStatus::Allowed).map(|o| o.name.as_str());
         for limit in series::limit_indices(config, refusing) {
             // A shadow limit with no room refused nothing: the others did.
@@ -1127,6 +1153,7 @@ impl RequestFilter {
         let waited = reply.waited_ms;
         if waited > 0 {
             worker.count_queue_wait(host, waited);
+            self.recorded.queued_ms = waited;
         }
         let verdict = self.decide_reply(host, worker, config, reply);
         if waited == 0 {
@@ -1242,6 +1269,7 @@ impl RequestFilter {
         let verdict = match config.failure_mode {
             FailureMode::Local => self.decide_locally(host, worker, config, unanswered.as_deref()),
             FailureMode::Allow => {
+                self.recorded.how = record::How::DegradedAllowed;
                 self.count_per_limit(host, config, Decision::Degraded);
                 Verdict::Forward(vec![(DEGRADED_HEADER, "companion-unavailable".to_string())])
             }
@@ -1370,10 +1398,11 @@ impl RequestFilter {
     }
 
     /// In shadow mode a refusal is forwarded instead, marked with what it would have been.
-    fn shadow(&self, host: &mut impl Host, config: &Policy, verdict: Verdict) -> Verdict {
+    fn shadow(&mut self, host: &mut impl Host, config: &Policy, verdict: Verdict) -> Verdict {
         match verdict {
             Verdict::Reply(reply) if config.mode == Mode::Shadow && matches!(reply.status, 403 | 413 | 429 | 503) => {
                 host.add_metric(Metric::ShadowRefusals, 1);
+                self.recorded.shadow = true;
                 let mut headers: Vec<Header> = reply
                     .headers
                     .into_iter()
@@ -1411,6 +1440,7 @@ impl RequestFilter {
             }
             Verdict::Reply(mut reply) => {
                 self.phase = Phase::Replied;
+                self.recorded.how = record::How::Refused;
                 // Nothing goes upstream: nothing will be heard.
                 self.provider.key = None;
                 self.response_headers.clear();
@@ -1433,7 +1463,55 @@ impl RequestFilter {
     /// Settles this request, once: the difference between what it reserved and what it
     /// cost (in tokens, and in money for budgets) goes back where the reservation came
     /// from, and its slots are released.
+    /// Settles the request as it `ending`, then publishes its record.
     fn settle(&mut self, host: &mut impl Host, worker: &mut Worker, config: &Policy, ending: Ending) {
+        if let Some(admission) = &self.admission {
+            self.recorded.how = match admission {
+                Admission::Reserved(_) | Admission::Charged => record::How::Charged,
+                Admission::Leased => record::How::Leased,
+                Admission::Local(_) => record::How::Degraded,
+                Admission::Stored { .. } => record::How::LocalStore,
+            };
+        }
+        self.settle_admission(host, worker, config, ending);
+        self.publish_record(host, config);
+    }
+
+    /// Publishes the request's record, once (`record`).
+    fn publish_record(&mut self, host: &mut impl Host, config: &Policy) {
+        if self.recorded.published || config.record == RecordMode::Off {
+            return;
+        }
+        self.recorded.published = true;
+        let owners = self.owners();
+        let owners = config
+            .limits
+            .iter()
+            .zip(&owners)
+            .filter_map(|(limit, owner)| Some((limit.name.as_str(), owner.as_deref()?)));
+        let route = self.route.as_ref();
+        let record = record::Record {
+            tenant: &self.tenant,
+            owners: owners.collect(),
+            provider: route.map(|r| r.provider),
+            api: self
+                .plan
+                .as_ref()
+                .and_then(|p| p.request.as_ref())
+                .map(|r| r.api)
+                .or_else(|| route.and_then(|r| r.api)),
+            model: self.plan.as_ref().map_or("", |p| p.model.as_str()),
+            used: self.recorded.used,
+            how: self.recorded.how,
+            refused_by: self.recorded.refused_by.as_deref(),
+            queued_ms: self.recorded.queued_ms,
+            overflow: self.overflow.as_deref(),
+            shadow: self.recorded.shadow,
+        };
+        record::publish(host, self.host_kind, config.record, &record);
+    }
+
+    fn settle_admission(&mut self, host: &mut impl Host, worker: &mut Worker, config: &Policy, ending: Ending) {
         let Some(admission) = self.admission.take() else { return };
         let credits = if self.credential_refused && self.phase == Phase::Forwarded {
             self.refund_everything(config)
@@ -1603,6 +1681,13 @@ impl RequestFilter {
             worker.calibrations.note(config, plan.rule, Lesson { prompt, output });
         }
         let cached = if forwarded { reported.cached_input.unwrap_or(0) } else { 0 };
+        self.recorded.used = record::Used {
+            input: used.prompt,
+            output: used.output,
+            cached,
+            reasoning: if forwarded { reported.reasoning.unwrap_or(0) } else { 0 },
+            cost_micro_usd: price.map_or(0, |price| price.micro_usd_cached(used, cached)),
+        };
         let credits = config.limits.iter().zip(&plan.buckets).enumerate().filter(|(i, _)| plan.applies(*i));
         credits
             .filter_map(|(i, (limit, bucket))| match limit.measure {
@@ -1825,6 +1910,9 @@ mod local_tests;
 mod overflow_tests;
 #[cfg(test)]
 mod pools_tests;
+pub mod record;
+#[cfg(test)]
+mod record_tests;
 #[cfg(test)]
 mod request_tests;
 #[cfg(test)]

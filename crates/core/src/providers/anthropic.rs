@@ -82,7 +82,12 @@ pub(crate) fn usage(usage: &Json) -> ReportedUsage {
         let cache_parts = [field("cache_creation_input_tokens"), field("cache_read_input_tokens")];
         cache_parts.into_iter().flatten().fold(base, u64::saturating_add)
     });
-    ReportedUsage { input, output: field("output_tokens"), cached_input: field("cache_read_input_tokens") }
+    ReportedUsage {
+        input,
+        output: field("output_tokens"),
+        cached_input: field("cache_read_input_tokens"),
+        reasoning: None,
+    }
 }
 
 /// Whether a streamed event of type `kind` ends the stream.

@@ -150,7 +150,7 @@ pub(crate) fn converse_usage(usage: &Json) -> Option<ReportedUsage> {
     let input = field("inputTokens").map(|input| {
         input.saturating_add(cache_read.unwrap_or(0)).saturating_add(field("cacheWriteInputTokens").unwrap_or(0))
     });
-    Some(ReportedUsage { input, output: field("outputTokens"), cached_input: cache_read })
+    Some(ReportedUsage { input, output: field("outputTokens"), cached_input: cache_read, reasoning: None })
 }
 
 /// What Bedrock adds to the last event of an invoke stream:
@@ -163,7 +163,7 @@ pub(crate) fn invocation_metrics(event: &Json) -> ReportedUsage {
     let input = field("inputTokenCount").map(|input| {
         input.saturating_add(cache_read.unwrap_or(0)).saturating_add(field("cacheWriteInputTokenCount").unwrap_or(0))
     });
-    ReportedUsage { input, output: field("outputTokenCount"), cached_input: cache_read }
+    ReportedUsage { input, output: field("outputTokenCount"), cached_input: cache_read, reasoning: None }
 }
 
 /// What one message of a Bedrock event stream says.
@@ -384,12 +384,12 @@ mod tests {
     #[cfg_attr(not(target_arch = "wasm32"), test)]
     #[cfg_attr(target_arch = "wasm32", wasm_bindgen_test::wasm_bindgen_test)]
     fn reads_usage_from_each_stream() {
-        let converse = ReportedUsage { input: Some(151), output: Some(10), cached_input: Some(100) };
+        let converse = ReportedUsage { input: Some(151), output: Some(10), cached_input: Some(100), reasoning: None };
         assert_eq!(read(&converse_stream(true), &[]), (converse, 10, true, None));
         // Without the metadata event: the text, counted (10 tokens in o200k_base).
         assert_eq!(read(&converse_stream(false), &[]), (ReportedUsage::default(), 10, false, None));
         // The invocation metrics, last, override what Anthropic's events said.
-        let invoke = ReportedUsage { input: Some(26), output: Some(5), cached_input: None };
+        let invoke = ReportedUsage { input: Some(26), output: Some(5), cached_input: None, reasoning: None };
         assert_eq!(read(&invoke_stream(), &[]), (invoke, 5, true, None));
     }
 
@@ -438,7 +438,10 @@ mod tests {
         let body = r#"{"output":{"message":{"role":"assistant","content":[{"text":"Hi"}]}},"stopReason":"end_turn","usage":{"inputTokens":12,"outputTokens":3,"totalTokens":15,"cacheReadInputTokens":0,"cacheWriteInputTokens":4},"metrics":{"latencyMs":200}}"#;
         let mut reply = crate::readers::usage::ReplyUsage::new();
         reply.feed(body.as_bytes());
-        assert_eq!(reply.finish(), ReportedUsage { input: Some(16), output: Some(3), cached_input: Some(0) });
+        assert_eq!(
+            reply.finish(),
+            ReportedUsage { input: Some(16), output: Some(3), cached_input: Some(0), reasoning: None }
+        );
     }
 
     /// A Bedrock request as boto3 sends it: SigV4-signed, the model in the path.

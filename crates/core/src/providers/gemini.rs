@@ -129,6 +129,7 @@ pub(crate) fn usage_from_metadata(metadata: &Json) -> ReportedUsage {
         input: sum(field("promptTokenCount"), field("toolUsePromptTokenCount")),
         output: sum(field("candidatesTokenCount"), field("thoughtsTokenCount")),
         cached_input: field("cachedContentTokenCount"),
+        reasoning: field("thoughtsTokenCount"),
     }
 }
 
@@ -293,15 +294,15 @@ mod tests {
             usage(
                 r#"{"promptTokenCount":12,"candidatesTokenCount":9,"thoughtsTokenCount":20,"cachedContentTokenCount":4,"toolUsePromptTokenCount":3,"totalTokenCount":44}"#
             ),
-            ReportedUsage { input: Some(15), output: Some(29), cached_input: Some(4) }
+            ReportedUsage { input: Some(15), output: Some(29), cached_input: Some(4), reasoning: Some(20) }
         );
         assert_eq!(
             usage(r#"{"promptTokenCount":12,"totalTokenCount":12}"#),
-            ReportedUsage { input: Some(12), output: None, cached_input: None }
+            ReportedUsage { input: Some(12), output: None, cached_input: None, reasoning: None }
         );
         assert_eq!(
             usage(r#"{"thoughtsTokenCount":7}"#),
-            ReportedUsage { input: None, output: Some(7), cached_input: None }
+            ReportedUsage { input: None, output: Some(7), cached_input: None, reasoning: Some(7) }
         );
         assert_eq!(usage(r#"{"trafficType":"ON_DEMAND"}"#), ReportedUsage::default());
     }

@@ -281,7 +281,12 @@ pub fn usage_object(usage: &Json) -> ReportedUsage {
     let input = openai.input.or(anthropic.input);
     let output =
         openai.output.or(anthropic.output).or_else(|| (input.is_some() && openai::has_total(usage)).then_some(0));
-    ReportedUsage { input, output, cached_input: openai.cached_input.or(anthropic.cached_input) }
+    ReportedUsage {
+        input,
+        output,
+        cached_input: openai.cached_input.or(anthropic.cached_input),
+        reasoning: openai.reasoning,
+    }
 }
 
 /// Usage from Gemini's `usageMetadata`.

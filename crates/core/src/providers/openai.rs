@@ -125,6 +125,11 @@ pub(crate) fn usage(usage: &Json) -> ReportedUsage {
         input: usage.at("prompt_tokens").as_u64(),
         output: usage.at("completion_tokens").as_u64(),
         cached_input,
+        reasoning: usage
+            .at("completion_tokens_details")
+            .at("reasoning_tokens")
+            .as_u64()
+            .or_else(|| usage.at("output_tokens_details").at("reasoning_tokens").as_u64()),
     }
 }
 

@@ -634,23 +634,43 @@ mod tests {
     #[cfg_attr(target_arch = "wasm32", wasm_bindgen_test::wasm_bindgen_test)]
     fn reads_each_providers_streamed_usage() {
         let cases = [
-            (OPENAI_STREAM, ReportedUsage { input: Some(19), output: Some(10), cached_input: Some(0) }, 10),
-            (ANTHROPIC_STREAM, ReportedUsage { input: Some(472), output: Some(15), cached_input: Some(0) }, 15),
-            (RESPONSES_STREAM, ReportedUsage { input: Some(37), output: Some(11), cached_input: Some(0) }, 11),
+            (
+                OPENAI_STREAM,
+                ReportedUsage { input: Some(19), output: Some(10), cached_input: Some(0), reasoning: Some(0) },
+                10,
+            ),
+            (
+                ANTHROPIC_STREAM,
+                ReportedUsage { input: Some(472), output: Some(15), cached_input: Some(0), reasoning: None },
+                15,
+            ),
+            (
+                RESPONSES_STREAM,
+                ReportedUsage { input: Some(37), output: Some(11), cached_input: Some(0), reasoning: Some(0) },
+                11,
+            ),
             // Cumulative usageMetadata, thinking counted as output, the cached part of the prompt.
-            (GEMINI_SSE, ReportedUsage { input: Some(12), output: Some(29), cached_input: Some(4) }, 29),
+            (
+                GEMINI_SSE,
+                ReportedUsage { input: Some(12), output: Some(29), cached_input: Some(4), reasoning: Some(20) },
+                29,
+            ),
             // Usage on every chunk (continuous_usage_stats), the last one's counts.
-            (VLLM_STREAM, ReportedUsage { input: Some(23), output: Some(5), cached_input: None }, 5),
+            (VLLM_STREAM, ReportedUsage { input: Some(23), output: Some(5), cached_input: None, reasoning: None }, 5),
             // Usage only in the last chunk's `x_groq`.
-            (GROQ_STREAM, ReportedUsage { input: Some(41), output: Some(5), cached_input: None }, 5),
-            (OLLAMA_STREAM, ReportedUsage { input: Some(17), output: Some(9), cached_input: None }, 9),
+            (GROQ_STREAM, ReportedUsage { input: Some(41), output: Some(5), cached_input: None, reasoning: None }, 5),
+            (OLLAMA_STREAM, ReportedUsage { input: Some(17), output: Some(9), cached_input: None, reasoning: None }, 9),
             // A first chunk with empty choices and no usage (the prompt's filter results).
-            (AZURE_STREAM, ReportedUsage { input: Some(14), output: Some(5), cached_input: Some(0) }, 5),
+            (
+                AZURE_STREAM,
+                ReportedUsage { input: Some(14), output: Some(5), cached_input: Some(0), reasoning: Some(0) },
+                5,
+            ),
         ];
         for (stream, usage, output) in cases {
             assert_eq!(run(stream, &[]), (usage, output, true), "{}", &stream[..80]);
         }
-        let gemini = ReportedUsage { input: Some(12), output: Some(29), cached_input: Some(4) };
+        let gemini = ReportedUsage { input: Some(12), output: Some(29), cached_input: Some(4), reasoning: Some(20) };
         assert_eq!(run_array(GEMINI_ARRAY, &[]), (gemini, 29, true));
     }
 
@@ -699,18 +719,27 @@ mod tests {
         let azure = "{\n  \"choices\": [{\"message\": {\"content\": \"a \\\"model\\\": \\\"x\\\"\"}}],\n  \"model\" : \"gpt-4o-2024-11-20\",\n  \"usage\": {\n    \"prompt_tokens\": 14,\n    \"completion_tokens\": 5\n  }\n}";
         assert_eq!(
             read(azure),
-            (ReportedUsage { input: Some(14), output: Some(5), cached_input: None }, Some("gpt-4o-2024-11-20".into()))
+            (
+                ReportedUsage { input: Some(14), output: Some(5), cached_input: None, reasoning: None },
+                Some("gpt-4o-2024-11-20".into())
+            )
         );
         // Gemini's pretty-printed reply: usage at `usageMetadata`, no `model` (it is in the path).
         let gemini = "{\r\n  \"candidates\": [],\r\n  \"usageMetadata\": {\r\n    \"promptTokenCount\": 8,\r\n    \"candidatesTokenCount\": 3,\r\n    \"thoughtsTokenCount\": 2\r\n  },\r\n  \"modelVersion\": \"gemini-2.5-flash\"\r\n}";
-        assert_eq!(read(gemini), (ReportedUsage { input: Some(8), output: Some(5), cached_input: None }, None));
+        assert_eq!(
+            read(gemini),
+            (ReportedUsage { input: Some(8), output: Some(5), cached_input: None, reasoning: Some(2) }, None)
+        );
         for odd in [r#"{"model":""}"#, r#"{"model":7}"#, r#"{"x":{"model":"inner"}}"#] {
             assert_eq!(read(odd).1, None, "{odd}");
         }
         let escaped = r#"{"model":"a\"b\u00e9"}"#;
         assert_eq!(read(escaped).1.as_deref(), Some("a\"b\u{e9}"));
         let long = format!(r#"{{"model":"{}","usage":{{"prompt_tokens":1}}}}"#, "m".repeat(10_000));
-        assert_eq!(read(&long), (ReportedUsage { input: Some(1), output: None, cached_input: None }, None));
+        assert_eq!(
+            read(&long),
+            (ReportedUsage { input: Some(1), output: None, cached_input: None, reasoning: None }, None)
+        );
     }
 
     /// Higress #2187: a stream without a usage chunk must still be charged.
@@ -761,7 +790,7 @@ mod tests {
                 reply.feed(body.as_bytes());
                 reply.finish()
             };
-            assert_eq!(whole, ReportedUsage { input, output, cached_input }, "{body}");
+            assert_eq!(whole, ReportedUsage { input, output, cached_input, reasoning: None }, "{body}");
             for at in 0..=body.len() {
                 let mut reply = ReplyUsage::new();
                 reply.feed(&body.as_bytes()[..at]);
@@ -782,7 +811,10 @@ mod tests {
         for chunk in body.as_bytes().chunks(1000) {
             reply.feed(chunk);
         }
-        assert_eq!(reply.finish(), ReportedUsage { input: Some(77), output: Some(0), cached_input: None });
+        assert_eq!(
+            reply.finish(),
+            ReportedUsage { input: Some(77), output: Some(0), cached_input: None, reasoning: None }
+        );
     }
 
     /// An object of fields from a reply's vocabulary: random JSON, usage objects at the

@@ -1,0 +1,224 @@
+//! Each request's record, published to the host once the request is settled or refused,
+//! so the proxy's own access log can say who used what and how it was decided: on Envoy
+//! as filter state (`%FILTER_STATE(wasm.llm_ratelimit:PLAIN)%`, CEL
+//! `filter_state['wasm.llm_ratelimit']`), on ngx_wasm_module as Nginx variables
+//! (`$llm_ratelimit`, declared with `set`). Through the standard `proxy_set_property`.
+//!
+//! The tenant is its id (a hash of the key, never the key); the token counts are the ones
+//! the settlement charged (the reply's usage, or the least a reply the filter could not
+//! read is charged), the cost what a cost limit was charged for them.
+
+use crate::api::Api;
+use crate::config::RecordMode;
+use crate::effects::host::{Host, HostKind};
+use crate::providers::Provider;
+use std::fmt::Write;
+
+/// The JSON record's property, and the prefix of each field's own.
+pub const RECORD_PROPERTY: &str = "llm_ratelimit";
+
+/// Every field's property name (`RecordMode::Fields`), for `check-config` and the docs.
+pub const FIELD_PROPERTIES: [&str; 15] = [
+    "llm_ratelimit_tenant",
+    "llm_ratelimit_owners",
+    "llm_ratelimit_provider",
+    "llm_ratelimit_api",
+    "llm_ratelimit_model",
+    "llm_ratelimit_input_tokens",
+    "llm_ratelimit_output_tokens",
+    "llm_ratelimit_cached_tokens",
+    "llm_ratelimit_reasoning_tokens",
+    "llm_ratelimit_cost_micro_usd",
+    "llm_ratelimit_decision",
+    "llm_ratelimit_refused_by",
+    "llm_ratelimit_queued_ms",
+    "llm_ratelimit_overflow",
+    "llm_ratelimit_shadow",
+];
+
+/// How a request was decided.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum How {
+    /// No limit applied to it (a path no limit reads, a bypassed request).
+    #[default]
+    Unlimited,
+    /// Charged in Redis through the companion.
+    Charged,
+    /// Taken from this proxy's lease of a budget.
+    Leased,
+    /// Charged in this proxy's local store (`store: local`).
+    LocalStore,
+    /// Decided by the degraded mode's local share while the companion was away.
+    Degraded,
+    /// Let through unlimited while the companion was away (`failure_mode: allow`).
+    DegradedAllowed,
+    /// Refused (by `refused_by`, when a limit refused it).
+    Refused,
+}
+
+impl How {
+    pub fn name(self) -> &'static str {
+        match self {
+            How::Unlimited => "unlimited",
+            How::Charged => "charge",
+            How::Leased => "lease",
+            How::LocalStore => "local_store",
+            How::Degraded => "degraded",
+            How::DegradedAllowed => "degraded_allow",
+            How::Refused => "refused",
+        }
+    }
+}
+
+/// What one request used and cost, as settled.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Used {
+    pub input: u64,
+    pub output: u64,
+    pub cached: u64,
+    pub reasoning: u64,
+    pub cost_micro_usd: u64,
+}
+
+/// One request's record.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Record<'a> {
+    pub tenant: &'a str,
+    /// Each pool's claimant charged (`per` header values), by limit name.
+    pub owners: Vec<(&'a str, &'a str)>,
+    pub provider: Option<Provider>,
+    pub api: Option<Api>,
+    pub model: &'a str,
+    pub used: Used,
+    pub how: How,
+    /// The limit that refused it (or, in shadow mode, would have).
+    pub refused_by: Option<&'a str>,
+    pub queued_ms: u64,
+    /// The backend it overflowed to.
+    pub overflow: Option<&'a str>,
+    /// Refused, and let through by shadow mode.
+    pub shadow: bool,
+}
+
+fn provider_name(provider: Provider) -> &'static str {
+    match provider {
+        Provider::OpenAi => "openai",
+        Provider::Anthropic => "anthropic",
+        Provider::Gemini => "gemini",
+        Provider::Azure => "azure",
+        Provider::Bedrock => "bedrock",
+    }
+}
+
+fn api_name(api: Api) -> &'static str {
+    match api {
+        Api::ChatCompletions => "chat_completions",
+        Api::Completions => "completions",
+        Api::Responses => "responses",
+        Api::Embeddings => "embeddings",
+        Api::Messages => "messages",
+        Api::Converse => "converse",
+        Api::GenerateContent => "generate_content",
+        Api::StreamGenerateContent => "stream_generate_content",
+        Api::CountTokens => "count_tokens",
+    }
+}
+
+impl Record<'_> {
+    /// The owners as `limit=value` pairs joined by `,`.
+    fn owners_text(&self) -> String {
+        let mut text = String::new();
+        for (i, (limit, owner)) in self.owners.iter().enumerate() {
+            if i > 0 {
+                text.push(',');
+            }
+            let _ = write!(text, "{limit}={owner}");
+        }
+        text
+    }
+
+    /// Each field's property name and value, in `FIELD_PROPERTIES`' order.
+    pub fn fields(&self) -> [(&'static str, String); 15] {
+        let text = |value: Option<&str>| value.unwrap_or("").to_string();
+        let [tenant, owners, provider, api, model, input, output, cached, reasoning, cost, decision, refused_by, queued, overflow, shadow] =
+            FIELD_PROPERTIES;
+        [
+            (tenant, self.tenant.to_string()),
+            (owners, self.owners_text()),
+            (provider, text(self.provider.map(provider_name))),
+            (api, text(self.api.map(api_name))),
+            (model, self.model.to_string()),
+            (input, self.used.input.to_string()),
+            (output, self.used.output.to_string()),
+            (cached, self.used.cached.to_string()),
+            (reasoning, self.used.reasoning.to_string()),
+            (cost, self.used.cost_micro_usd.to_string()),
+            (decision, self.how.name().to_string()),
+            (refused_by, text(self.refused_by)),
+            (queued, self.queued_ms.to_string()),
+            (overflow, text(self.overflow)),
+            (shadow, self.shadow.to_string()),
+        ]
+    }
+
+    /// The record as one JSON object (fields named without the prefix).
+    pub fn json(&self) -> String {
+        let owners: serde_json::Map<String, serde_json::Value> =
+            self.owners.iter().map(|(limit, owner)| (limit.to_string(), serde_json::Value::from(*owner))).collect();
+        serde_json::json!({
+            "tenant": self.tenant,
+            "owners": owners,
+            "provider": self.provider.map(provider_name),
+            "api": self.api.map(api_name),
+            "model": self.model,
+            "input_tokens": self.used.input,
+            "output_tokens": self.used.output,
+            "cached_tokens": self.used.cached,
+            "reasoning_tokens": self.used.reasoning,
+            "cost_micro_usd": self.used.cost_micro_usd,
+            "decision": self.how.name(),
+            "refused_by": self.refused_by,
+            "queued_ms": self.queued_ms,
+            "overflow": self.overflow,
+            "shadow": self.shadow,
+        })
+        .to_string()
+    }
+}
+
+/// Where a property named `name` lives on `kind`: Envoy keeps it as filter state
+/// (`wasm.<name>`); ngx_wasm_module sets the Nginx variable `$<name>` for `ngx.<name>`.
+fn path(kind: HostKind, name: &str) -> Vec<&str> {
+    match kind {
+        HostKind::Envoy => vec![name],
+        HostKind::Nginx => vec!["ngx", name],
+    }
+}
+
+/// Publishes `record` as `mode` says; says once in the log when the host refuses (on
+/// Nginx, a variable the config does not declare with `set`).
+pub fn publish(host: &mut impl Host, kind: HostKind, mode: RecordMode, record: &Record) {
+    let mut refused = None;
+    if matches!(mode, RecordMode::Json | RecordMode::Both)
+        && !host.set_property(&path(kind, RECORD_PROPERTY), record.json().as_bytes())
+    {
+        refused = Some(RECORD_PROPERTY);
+    }
+    if matches!(mode, RecordMode::Fields | RecordMode::Both) {
+        for (name, value) in record.fields() {
+            if !host.set_property(&path(kind, name), value.as_bytes()) {
+                refused = refused.or(Some(name));
+            }
+        }
+    }
+    if let Some(name) = refused {
+        let hint = match kind {
+            HostKind::Nginx => format!(" (declare it: `set ${name} \"\";` where the filter runs)"),
+            HostKind::Envoy => String::new(),
+        };
+        host.warn_once(
+            "record",
+            &format!("llm-ratelimit: the host refused the request record's property {name}{hint}"),
+        );
+    }
+}
