@@ -138,6 +138,37 @@ fn googles_retry_time_is_read_from_the_error_body() {
     }
 }
 
+/// Issue 46: whether Google's RetryInfo is read from a throttling body is the provider's
+/// business (the path says Gemini), not the answer's shape: with `error_format: openai` in
+/// front of Gemini it was never read, and the next request went upstream to be refused.
+#[test]
+fn googles_retry_time_is_read_whatever_shape_the_answers_take() {
+    for kind in HOSTS {
+        let world = World::new(kind);
+        let mut written: Value = serde_json::from_str(&config(false)).expect("json");
+        written["error_format"] = json!("openai");
+        let mut proxy = Proxy::new(&world, &written.to_string());
+        let mut companion = FakeCompanion::default();
+        let gemini = || {
+            let body = r#"{"contents":[{"role":"user","parts":[{"text":"hi"}]}]}"#;
+            let mut request = Request::chat("g", body);
+            request.headers.retain(|(n, _)| n != "authorization" && n != ":path");
+            request
+                .header(":path", "/v1beta/models/gemini-2.5-flash:generateContent")
+                .header("x-goog-api-key", "AIza-test")
+        };
+        let mut first = proxy.send(gemini(), &mut companion);
+        assert!(first.forwarded());
+        let error = r#"{"error":{"code":429,"message":"Resource has been exhausted","status":"RESOURCE_EXHAUSTED","details":[{"@type":"type.googleapis.com/google.rpc.RetryInfo","retryDelay":"22s"}]}}"#;
+        proxy.reply_with_headers(&mut first, 429, "application/json", &[], &[error.as_bytes()]);
+        let second = proxy.send(gemini(), &mut companion);
+        let answered = second.replied().expect("answered here, from the provider's retry time");
+        let body: Value = serde_json::from_str(&answered.body).expect("json");
+        assert_eq!(body["error"]["code"], "rate_limit_exceeded", "{kind:?}: OpenAI's shape, as configured");
+        assert_eq!(header(&second, "retry-after"), Some("22"), "{kind:?}");
+    }
+}
+
 #[test]
 fn a_limit_is_charged_lowered_to_what_the_provider_says_is_left() {
     for kind in HOSTS {

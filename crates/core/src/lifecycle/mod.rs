@@ -721,7 +721,10 @@ impl RequestFilter {
             // Another error (the upstream down, a bad request) says nothing of the limits.
             return;
         }
-        if word.refused && word.retry_after_ms.is_none() && self.dialect == Dialect::Google {
+        // Google's throttling bodies carry their retry time (RetryInfo): read by the
+        // provider the path names, whatever shape `error_format` gives our own answers.
+        let google = self.route.as_ref().is_some_and(|route| route.provider == providers::Provider::Gemini);
+        if word.refused && word.retry_after_ms.is_none() && google {
             self.provider.pending = Some((word, Vec::new()));
             return;
         }
