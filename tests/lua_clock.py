@@ -18,6 +18,8 @@ the real one) with locals, which the script's own code then sees.
     pipe.execute_command("EVAL", pinned(SCRIPT), len(keys), *keys, argument, clock_arg(now_ms))
 """
 
+import math
+
 PIN_TIME = """
 local pinned_us = math.floor(tonumber(ARGV[#ARGV]) * 1000 + 0.5)
 local ARGV = { unpack(ARGV, 1, #ARGV - 1) }
@@ -50,3 +52,21 @@ def redis_now_ms(client) -> float:
         time = next(iter(time.values()))
     seconds, micros = time
     return seconds * 1000 + micros / 1000
+
+
+# How far ahead of Redis's clock `clock_ahead` starts a pinned clock.
+AHEAD_MS = 3_600_000
+
+
+def clock_ahead(client) -> int:
+    """A pinned clock's start an hour ahead of Redis's own, in whole ms (so the times a
+    test computes from it are exact): for a test of expiry.
+
+    The script sets its keys' expiry from its clock (PEXPIREAT now + window), but Redis
+    expires keys by its real one. Pinned at Redis's time, a short-lived key (a 200 ms slot)
+    is deleted by Redis if the machine pauses the test that long between two calls, and
+    the later call then sees an empty key instead of the script's own judgement of what
+    is live. An hour ahead, nothing the test writes expires for real while it runs: what
+    is live is decided by the pinned clock alone, and PEXPIRETIME reads the deadline the
+    script set, exactly."""
+    return math.floor(redis_now_ms(client)) + AHEAD_MS

@@ -3,6 +3,7 @@ models are tested with (token buckets: crates/core/src/accounting/bucket.rs; sli
 slots: the fake companion of crates/core/src/testing.rs); and on a three-node Redis Cluster."""
 
 import json
+import math
 import re
 import time
 import uuid
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import redis
-from lua_clock import clock_arg, pinned, redis_now_ms
+from lua_clock import clock_ahead, clock_arg, pinned, redis_now_ms
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = (ROOT / "lua/limits.lua").read_text()
@@ -421,14 +422,26 @@ def test_slots_are_taken_released_and_renewed(client):
 
 
 def test_a_slot_expires_when_its_proxy_stops_renewing_it(client):
+    # Pinned (tests/lua_clock.py, clock_ahead): the slot lives 200 ms of the script's
+    # clock, whatever the machine's pauses between the calls; Redis's real expiry of the
+    # set, an hour away, cannot empty it under the test.
     tag = uuid.uuid4().hex
+    key = f"test:{{{tag}}}:slots:cc"
     short = [{"kind": "slots", "capacity": 1, "window_ms": 200}]
-    assert slot_call(client, "charge", tag, "crashed", short)[0] == 1
-    assert slot_call(client, "charge", tag, "next", short)[0] == 0
-    time.sleep(0.25)
-    assert slot_call(client, "charge", tag, "next", short)[0] == 1
-    # The set itself expires with its last slot.
-    assert 0 < client.pttl(f"test:{{{tag}}}:slots:cc") <= 201  # expiry rounded up to whole ms
+    start = clock_ahead(client)
+
+    def charge(request, at_ms):
+        reservation = f"test:{{{tag}}}:res:{request}"
+        return client.eval(PINNED_SCRIPT, 2, key, reservation, script_args("charge", short, [1], 60_000),
+                           clock_arg(start + at_ms))
+
+    assert charge("crashed", 0)[0] == 1
+    assert charge("next", 199)[0] == 0, "the crashed proxy's slot is live for its whole window"
+    assert charge("next", 250)[0] == 1, "and no longer once the window has passed unrenewed"
+    assert client.zscore(key, f"test:{{{tag}}}:res:crashed") is None, "the expired slot is dropped"
+    # The set itself expires with its last slot: the key's deadline is that slot's.
+    assert client.zscore(key, f"test:{{{tag}}}:res:next") == start + 250 + 200
+    assert client.execute_command("PEXPIRETIME", key) == math.ceil(start + 250 + 200)  # rounded up to whole ms
 
 
 def test_slots_and_buckets_are_charged_together(client):

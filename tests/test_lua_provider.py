@@ -3,16 +3,22 @@ wins, past a 429's retry time the probe goes to the first proxy that asks and to
 until the probe's reply (or its offer lapses), and the hash stays bounded."""
 
 import json
+import math
 import time
 from pathlib import Path
 
 import pytest
 import redis
 
+from lua_clock import clock_arg, pinned, redis_now_ms
 from stack import redis_key
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = (ROOT / "lua/provider.lua").read_text()
+# The script with its clock pinned (tests/lua_clock.py): a test that times an exchange
+# against a retry time or an offer passes the script's time, so a loaded machine's pause
+# between two exchanges moves nothing. (The key's expiry, PEXPIRE ttl_ms, is relative.)
+PINNED_SCRIPT = pinned(SCRIPT)
 KEY = redis_key("llmrl:", "llm", "provider", "prov", "words")
 A, B = "aaaaaaaaaaaaaaaa", "bbbbbbbbbbbbbbbb"
 K = "00112233aabbccdd"
@@ -29,10 +35,15 @@ def now_ms():
     return int(time.time() * 1000)
 
 
-def exchange(client, proxy, reports=(), key=KEY, offer_ms=2000, hold_ms=10000, max_entries=256):
+def exchange(client, proxy, reports=(), key=KEY, offer_ms=2000, hold_ms=10000, max_entries=256, at=None):
+    """One proxy's exchange; `at` (ms since the epoch): the script's clock, pinned
+    (None: Redis's own TIME)."""
     call = {"proxy": proxy, "offer_ms": offer_ms, "hold_ms": hold_ms, "ttl_ms": 60_000, "max_entries": max_entries,
             "reports": list(reports)}
-    lines = client.eval(SCRIPT, 1, key, json.dumps(call))
+    if at is None:
+        lines = client.eval(SCRIPT, 1, key, json.dumps(call))
+    else:
+        lines = client.eval(PINNED_SCRIPT, 1, key, json.dumps(call), clock_arg(at))
     entries = {}
     for line in lines:
         f = line.decode().split(" ")
@@ -66,32 +77,38 @@ def test_later_news_wins_and_the_other_proxy_hears_it(fresh):
 
 
 def past_its_retry_time(client, key=KEY):
-    """A reports a 429 whose retry time passes 300 ms later; returns when it has."""
-    now = now_ms()
-    assert exchange(client, A, [report(now - 1000, now + 300)], key=key)[K]["probe"] == "nobody"
-    time.sleep(0.35)
+    """A reports, at `now`, a 429 whose retry time is 300 ms later; returns `now`. The
+    exchanges after it pass the retry time by the pinned clock (`now + PAST`), not by
+    sleeping: a pause of the machine's can neither make A's exchange land past the retry
+    time nor stretch the later ones past an offer."""
+    now = math.floor(redis_now_ms(client))
+    assert exchange(client, A, [report(now - 1000, now + 300)], key=key, at=now)[K]["probe"] == "nobody"
     return now
+
+
+PAST = 350  # ms after the report: its retry time (300 ms) has passed
 
 
 def test_past_the_retry_time_one_proxy_is_given_the_probe(fresh):
     now = past_its_retry_time(fresh)
-    first = exchange(fresh, B)[K]
+    at = now + PAST
+    first = exchange(fresh, B, at=at)[K]
     assert first["probe"] == "you" and first["probe_until"] >= now + 1500
-    assert exchange(fresh, A)[K]["probe"] == "another", "the probe is B's"
-    assert exchange(fresh, B)[K]["probe"] == "you", "and stays B's while offered"
+    assert exchange(fresh, A, at=at + 1)[K]["probe"] == "another", "the probe is B's"
+    assert exchange(fresh, B, at=at + 2)[K]["probe"] == "you", "and stays B's while offered"
     # B sent it: held longer; its reply (later news) ends it and clears the refusal.
-    held = exchange(fresh, B, [report(now - 1000, now + 300, probing=True)])[K]
+    held = exchange(fresh, B, [report(now - 1000, now + 300, probing=True)], at=at + 3)[K]
     assert held["probe"] == "you" and held["probe_until"] >= now + 9000
-    assert exchange(fresh, A)[K]["probe"] == "another"
-    back = exchange(fresh, B, [report(now + 50, 0, refused=False, left=[[2, now + 60000]] + NOTHING[1:])])[K]
+    assert exchange(fresh, A, at=at + 4)[K]["probe"] == "another"
+    back = exchange(fresh, B, [report(now + 50, 0, refused=False, left=[[2, now + 60000]] + NOTHING[1:])], at=at + 5)[K]
     assert (back["out"], back["probe"]) == (0, "nobody")
 
 
 def test_an_offer_that_lapses_goes_to_another_proxy(fresh):
-    past_its_retry_time(fresh)
-    assert exchange(fresh, A, offer_ms=1)[K]["probe"] == "you"
-    time.sleep(0.01)  # the 1 ms offer lapses (the script reads Redis's clock)
-    assert exchange(fresh, B)[K]["probe"] == "you"
+    now = past_its_retry_time(fresh)
+    assert exchange(fresh, A, offer_ms=1, at=now + PAST)[K]["probe"] == "you"
+    # The 1 ms offer lapses: 10 ms later by the script's clock.
+    assert exchange(fresh, B, at=now + PAST + 10)[K]["probe"] == "you"
 
 
 def test_a_spent_quota_needs_no_probe(fresh):
@@ -117,9 +134,9 @@ def test_on_a_cluster(cluster):
     cluster.delete(key)
     client = cluster.get_node_from_key(key)
     node = redis.Redis(host=client.host, port=client.port)
-    past_its_retry_time(node, key=key)
-    assert exchange(node, B, key=key)[K]["probe"] == "you"
-    assert exchange(node, A, key=key)[K]["probe"] == "another"
+    now = past_its_retry_time(node, key=key)
+    assert exchange(node, B, key=key, at=now + PAST)[K]["probe"] == "you"
+    assert exchange(node, A, key=key, at=now + PAST + 1)[K]["probe"] == "another"
 
 
 def test_bad_calls_are_refused(client):

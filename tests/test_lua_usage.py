@@ -13,7 +13,7 @@ import redis
 from test_lua_limits import (  # noqa: F401
     CASES, PINNED_SCRIPT, SCRIPT, age_keys, back_credits, case_keys, check_step, client, shift_window, step_args,
 )
-from lua_clock import clock_arg, redis_now_ms
+from lua_clock import clock_ahead, clock_arg, redis_now_ms
 
 
 def peek_args(limits, op="peek"):
@@ -118,18 +118,23 @@ def test_a_sliding_window_peek_leaves_expired_entries_and_agrees_with_the_next_c
 
 
 def test_slots_peek_counts_live_slots_only_and_removes_none(client):
+    # Pinned (tests/lua_clock.py, clock_ahead): the slots live 1 s of the script's clock,
+    # whatever the machine's pauses, and Redis's own expiry of the set is an hour away, so
+    # the expired slots are certainly still stored when the second peek looks.
     tag = uuid.uuid4().hex
     key = f"test:{{{tag}}}:slots:cc"
     short = [{"kind": "slots", "capacity": 2, "window_ms": 1000}]
+    start = clock_ahead(client)
     for request in ("a", "b"):
         reservation = f"test:{{{tag}}}:res:{request}"
-        assert client.eval(SCRIPT, 2, key, reservation, charge_args(short, [1]))[0] == 1
-    peek = client.eval(SCRIPT, 1, key, peek_args(short))
-    assert peek[1][:3] == [0, 2, 0] and 1 <= peek[1][4] <= 1000
-    time.sleep(1.05)  # both slots expired, still stored until a charge drops them
-    assert client.zcard(key) in (0, 2)  # the set's own expiry may have removed it
-    peek = client.eval(SCRIPT, 1, key, peek_args(short))
+        assert client.eval(PINNED_SCRIPT, 2, key, reservation, charge_args(short, [1]), clock_arg(start))[0] == 1
+    peek = client.eval(PINNED_SCRIPT, 1, key, peek_args(short), clock_arg(start))
+    assert peek[1][:3] == [0, 2, 0] and peek[1][4] == 1000  # the oldest slot's whole second
+    # 1.05 s later: both slots expired, still stored until a charge drops them.
+    assert client.zcard(key) == 2
+    peek = client.eval(PINNED_SCRIPT, 1, key, peek_args(short), clock_arg(start + 1050))
     assert peek[1][:3] == [1, 2, 2] and peek[1][4] == 0
+    assert client.zcard(key) == 2, "the peek removed nothing"
 
 
 def test_a_reset_deletes_the_counters_and_the_tenant_is_fresh(client):
