@@ -8,7 +8,10 @@ import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from stack import anthropic, chat, http_get, send
+import redis
+
+from stack import anthropic, chat, http_get, send, tenant_of
+from test_queue import waiters
 
 
 def wait_until(condition, timeout=10.0, what="condition"):
@@ -112,7 +115,12 @@ def test_one_tenant_holds_only_its_share_of_the_queue_and_its_waiters_do_not_eac
     before = queue_calls(backend.companion_port)
     with ThreadPoolExecutor(max_workers=13) as pool:
         flood = [pool.submit(send, port, "sk-flood", None, path="/v1/models") for _ in range(12)]
-        time.sleep(0.3)  # the flood's places are taken first (their charges are in flight)
+        # The flood's places are taken first: each of its requests is answered or waits in
+        # its queue in Redis. (A fixed 300 ms was this on a fast machine; on a loaded one
+        # "other" could come first and find a place the flood had not yet tried to take.)
+        flood_queue = redis.Redis(port=backend.redis_port)
+        wait_until(lambda: sum(f.done() for f in flood) + waiters(flood_queue, tenant_of("sk-flood")) == 12, 10,
+                   "each of the flood's requests answered or queued")
         other = pool.submit(send, port, "sk-other", None, path="/v1/models")
         flood = [f.result() for f in flood]
         other = other.result()

@@ -5,7 +5,6 @@ a stream lives, and expiring after the TTL when a proxy dies."""
 import concurrent.futures
 import json
 import socket
-import time
 
 import pytest
 import redis
@@ -114,9 +113,14 @@ def test_a_long_stream_keeps_its_slot_and_a_dead_proxys_slot_expires(env):
         # 4 s of streaming, twice the slot TTL: heartbeats keep the slot.
         long = pool.submit(stream, port_b, "sk-long", 80, 50)
         wait_held(env, "sk-long", 1)
-        taken = time.monotonic()
-        while time.monotonic() < taken + 3:  # time, not state: past the TTL
-            time.sleep(0.05)
+        slots = redis_key("llmrl:", "llm", tenant_of("sk-long"), "slots", "inflight")
+        [(member, first_expiry)] = env.redis.zrange(slots, 0, -1, withscores=True)
+        # Past the slot's expiry as first seen held (a TTL after it was taken, or after a
+        # renewal), by Redis's clock, which the script expires slots by: unrenewed, it would
+        # be gone. Waiting for that instant, rather than 3 s by the test's clock, leaves the
+        # 4 s stream its most time to still be running when the refusal below is asked.
+        wait_until(lambda: redis_now_ms(env.redis) > first_expiry, 10, "Redis's clock past the slot's first expiry")
+        assert env.redis.zscore(slots, member) > first_expiry, "renewed by a heartbeat"
         assert not long.done(), "still streaming"
         assert quick(port_a, "sk-long")[0] == 429, "the slot outlived its TTL thanks to heartbeats"
         assert long.result()[0] == 200
