@@ -327,7 +327,7 @@ impl Worker {
                     Ok(reply) if reply.results.len() == batch.len() => self.requeue(host, batch, Some(&reply.results)),
                     _ => self.requeue(host, batch, None),
                 }
-                if full {
+                if full && self.host_kind().dispatches_from_callout_replies() {
                     self.send_settlements(host, &config);
                 }
             }

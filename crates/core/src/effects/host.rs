@@ -97,6 +97,24 @@ impl HostKind {
         self == HostKind::Nginx
     }
 
+    /// Whether the access log is written after the filter's last callback (`on_log`), so
+    /// that what the filter sets there reaches it. ngx_wasm_module calls `on_log` in
+    /// Nginx's log phase after the log module wrote the line (its handler runs first):
+    /// there, a request's record is published as soon as it is known, and once more when
+    /// the response begins with what a reply cut off then would be charged.
+    pub fn logs_after_on_log(self) -> bool {
+        self == HostKind::Envoy
+    }
+
+    /// Whether the root may dispatch a callout from another callout's response. On
+    /// ngx_wasm_module that response runs in a temporary context freed when it returns: a
+    /// callout dispatched there whose body cannot be sent at once resumes into the freed
+    /// context and the worker dies (signal 11, seen with a 267 KB settlement batch sent on
+    /// after an outage). There, the next batch waits for the tick.
+    pub fn dispatches_from_callout_replies(self) -> bool {
+        self == HostKind::Envoy
+    }
+
     /// Whether `end_of_stream` on request headers can be trusted to say "no body".
     pub fn reports_end_of_stream_on_headers(self) -> bool {
         self == HostKind::Envoy

@@ -442,6 +442,11 @@ impl RequestFilter {
         if self.admission.is_some() {
             self.read_reply_headers(host);
         }
+        if !self.host_kind.logs_after_on_log() {
+            if let Some(config) = self.config.clone() {
+                self.publish_provisional_record(host, &config);
+            }
+        }
         // Last, so that every read above sees the upstream's own headers: the filter's
         // replace those of the same name.
         for (name, value) in self.response_headers.drain(..) {
@@ -1444,6 +1449,10 @@ impl RequestFilter {
             Verdict::Reply(mut reply) => {
                 self.phase = Phase::Replied;
                 self.recorded.how = record::How::Refused;
+                // Final now, and before the log phase, whatever the host.
+                if let Some(config) = self.config.clone() {
+                    self.publish_record(host, &config);
+                }
                 // Nothing goes upstream: nothing will be heard.
                 self.provider.key = None;
                 self.response_headers.clear();
@@ -1468,6 +1477,13 @@ impl RequestFilter {
     /// from, and its slots are released.
     /// Settles the request as it `ending`, then publishes its record.
     fn settle(&mut self, host: &mut impl Host, worker: &mut Worker, config: &Policy, ending: Ending) {
+        self.note_how_admitted();
+        self.settle_admission(host, worker, config, ending);
+        self.publish_record(host, config);
+    }
+
+    /// How the request was admitted, for its record (while it holds its admission).
+    fn note_how_admitted(&mut self) {
         if let Some(admission) = &self.admission {
             self.recorded.how = match admission {
                 Admission::Reserved(_) | Admission::Charged => record::How::Charged,
@@ -1476,16 +1492,41 @@ impl RequestFilter {
                 Admission::Stored { .. } => record::How::LocalStore,
             };
         }
-        self.settle_admission(host, worker, config, ending);
-        self.publish_record(host, config);
+    }
+
+    /// Where the access log is written before `on_log` (`HostKind::logs_after_on_log`):
+    /// the record as the response begins, at what the request is charged if it is cut off
+    /// now (its reservation; an upstream error its prompt), published again when settled
+    /// before the log phase.
+    fn publish_provisional_record(&mut self, host: &mut impl Host, config: &Policy) {
+        self.note_how_admitted();
+        let Some(plan) = self.plan.as_ref() else { return self.publish_record_now(host, config) };
+        if let (Some(estimate), Some(_)) = (plan.estimate, &self.admission) {
+            let used = if self.upstream_error { TokenCounts { output: 0, ..estimate } } else { estimate };
+            let price = plan.settlement_price(config, None);
+            self.recorded.used = record::Used {
+                input: used.prompt,
+                output: used.output,
+                cost_micro_usd: price.map_or(0, |price| price.micro_usd_cached(used, 0)),
+                ..record::Used::default()
+            };
+        }
+        self.publish_record_now(host, config);
     }
 
     /// Publishes the request's record, once (`record`).
     fn publish_record(&mut self, host: &mut impl Host, config: &Policy) {
-        if self.recorded.published || config.record == RecordMode::Off {
+        if self.recorded.published {
             return;
         }
+        self.publish_record_now(host, config);
         self.recorded.published = true;
+    }
+
+    fn publish_record_now(&mut self, host: &mut impl Host, config: &Policy) {
+        if config.record == RecordMode::Off {
+            return;
+        }
         let owners = self.owners();
         let owners = config
             .limits

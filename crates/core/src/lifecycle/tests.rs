@@ -1028,6 +1028,39 @@ fn a_settlement_backlog_goes_out_batch_after_batch_without_waiting_for_ticks() {
     assert_eq!(settle(&mut proxy, &mut companion).len(), 1);
 }
 
+/// On ngx_wasm_module a callout dispatched from another callout's response whose body is not
+/// sent at once resumes into a freed context and kills the worker (signal 11 on a real
+/// Nginx, a 267 KB batch sent on after an outage): there, the backlog goes a batch a tick.
+#[test]
+fn on_nginx_a_settlement_backlog_goes_a_batch_a_tick() {
+    let world = World::new(HostKind::Nginx);
+    let mut proxy = Proxy::new(&world, &rpm_tpm(json!({})));
+    let mut companion = FakeCompanion::default();
+    let max = crate::protocol::MAX_SETTLEMENTS_PER_CALL;
+    let total = max + 500;
+    for i in 0..total {
+        let mut flight = proxy.send(Request::chat(&format!("sk-{}", i % 50), CHAT), &mut companion);
+        proxy.reply(&mut flight, 200, "application/json", &[&usage_reply(9, 41)]);
+    }
+    let mut sizes = Vec::new();
+    for _ in 0..2 {
+        let mut answered = proxy.root.callouts.len();
+        proxy.worker.on_tick(&mut proxy.root);
+        let mut this_tick = Vec::new();
+        while let Some(callout) = proxy.root.callouts.get(answered).cloned() {
+            answered += 1;
+            if callout.path == SETTLE_PATH {
+                this_tick.push(callout.body["settlements"].as_array().map_or(0, Vec::len));
+            }
+            let (status, body) = companion.answer(&callout, proxy.now());
+            proxy.root_answer(callout.token, status, body);
+        }
+        sizes.push(this_tick);
+    }
+    assert_eq!(sizes, [vec![max], vec![500]], "one batch a tick, none from a callout's answer");
+    assert_eq!(companion.settled.len(), total);
+}
+
 #[test]
 fn the_host_is_told_apart_by_its_shared_data_semantics() {
     for kind in HOSTS {
