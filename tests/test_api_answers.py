@@ -210,19 +210,21 @@ def test_input_output_and_cached_limits_are_charged_and_settled_apart(backend):
     wait_level(r, key, "ctpm", BIG - 5)
 
     # The output limit has 200 left; the next request needs 300 of it: a 429 naming it,
-    # while the input limit had plenty.
+    # while the input limit had plenty. Refilling over 366 days, the 100 missing take
+    # weeks: past the retry horizon, so a spent quota (issue 45), not a rate limit.
     refused = send(port, key, body, path="/v1/messages")
     assert refused.status == 429
     error = json.loads(refused.body)["error"]
-    assert error["type"] == "rate_limit_error"
-    assert 'Rate limit reached for output tokens: limit "otpm"' in error["message"]
-    assert "this request needs 300 (its completion allowance)" in error["message"]
+    assert error["type"] == "billing_error"
+    assert 'Budget spent: limit "otpm" allows 500 output tokens' in error["message"]
+    assert "this request needs 300 output tokens (its completion allowance)" in error["message"]
     assert refused.headers["anthropic-ratelimit-output-tokens-remaining"] == "200"
+    assert refused.headers["x-should-retry"] == "false"
 
     # An OpenAI caller of the same tenant: refused by the same limit, in OpenAI's words.
     refused = send(port, key, chat("hi", max_tokens=300))
     assert refused.status == 429
-    assert json.loads(refused.body)["error"]["type"] == "output_tokens"
+    assert json.loads(refused.body)["error"]["code"] == "insufficient_quota"
     assert refused.headers["x-ratelimit-remaining-tokens"] == "200", "the tightest token limit"
 
 

@@ -100,7 +100,9 @@ def test_a_request_limit_holds_exactly_across_two_workers(stack, mock):
     assert 449 <= int(refused.headers["retry-after"]) <= 450
     assert refused.headers["x-ratelimit-limit-requests"] == "8"
     assert "x-llm-ratelimit-degraded" not in refused.headers
-    assert json.loads(refused.body)["error"]["code"] == "rate_limit_exceeded"
+    # 450 s is past the retry horizon (60 s): a spent quota, Retry-After kept (issue 45).
+    assert json.loads(refused.body)["error"]["code"] == "insufficient_quota"
+    assert refused.headers["x-should-retry"] == "false"
     # Another tenant has its own budget.
     assert send(port, "sk-other").status == 200
 

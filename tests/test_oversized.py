@@ -177,7 +177,8 @@ def test_requests_under_the_limits_still_pass(backend, size):
 
 def test_other_local_replies_are_not_rewritten(backend):
     """The mapper touches Envoy's 413 only: the filter's 429 keeps its JSON and headers."""
-    port = backend.envoy(policy(backend, [{"name": "rpm", "requests": 1, "window": "1h"}]))[0]
+    # Per minute: a retryable 429 (an hour's would be a spent quota's, issue 45).
+    port = backend.envoy(policy(backend, [{"name": "rpm", "requests": 1, "window": "1m"}]))[0]
     assert send(port, key="sk-limited").status == 200
     status, headers, payload = send(port, key="sk-limited")
     assert status == 429 and headers["content-type"] == "application/json" and "retry-after" in headers

@@ -163,8 +163,10 @@ def test_a_cost_budget_charges_real_usage_and_rejects_once_spent(start):
         after_a_tick()  # the running average, for whichever worker takes the next request
     assert statuses == [200] * 4 + [429]
     assert spent == 4 * 2_020
+    # Refilling at 0.12 micro-dollars a second, the 1,160 missing take hours: past the
+    # retry horizon, a spent quota (issue 45).
     error = json.loads(body)["error"]
-    assert error["type"] == "cost" and "$0.01" in error["message"]
+    assert error["type"] == "insufficient_quota" and "$0.01" in error["message"]
     # A model with no price is refused explicitly while a budget applies to it.
     status, _, body = spend(model="mystery-model")
     assert status == 403 and json.loads(body)["error"]["code"] == "model_not_priced"

@@ -170,7 +170,9 @@ def test_a_client_that_disconnects_mid_stream_is_charged_its_reservation(env, ti
 
 
 def test_a_token_limit_rejects_with_its_own_429(env):
-    port = env.start([{"name": "rpm", "requests": 100, "window": "1m"}, {"name": "tpm", "tokens": 1000, "window": "1h"}])
+    # An hour's window, retried within the horizon: the retryable 429 (issue 45).
+    port = env.start([{"name": "rpm", "requests": 100, "window": "1m"}, {"name": "tpm", "tokens": 1000, "window": "1h"}],
+                     refusals={"retry_horizon": "1h"})
     status, headers, _ = send(port, "sk-tokens", chat(STORY, max_tokens=600), headers={"x-mock-completion-tokens": "600"})
     assert status == 200
     wait_level(env, "sk-tokens", 1000 - 600 - int(headers["x-mock-prompt-tokens"]))
@@ -204,10 +206,11 @@ def test_clamping_shrinks_max_tokens_to_what_is_left(env):
     assert 50 <= granted < 600
     assert int(headers["x-ratelimit-remaining-tokens"]) == 0
     assert reserved == 1000 - first  # exactly what was left
-    # Nothing useful is left now: a 429, not a uselessly small grant.
+    # Nothing useful is left now: a 429, not a uselessly small grant; refilling over 366
+    # days, a spent quota (issue 45).
     wait_level(env, "sk-clamp", 1000 - first - int(headers["x-mock-prompt-tokens"]) - granted)
     status, _, payload = send(port, "sk-clamp", chat(STORY, max_tokens=600))
-    assert status == 429 and json.loads(payload)["error"]["type"] == "tokens"
+    assert status == 429 and json.loads(payload)["error"]["code"] == "insufficient_quota"
 
 
 @pytest.mark.parametrize("clamp", [False, True], ids=["reserve", "reserve-and-clamp"])

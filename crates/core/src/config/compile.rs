@@ -12,7 +12,7 @@ use super::error::{invalid, ConfigError};
 use super::policy::Secret;
 use super::policy::{
     model_policies, tiers_named, Bypass, Companion, Dimension, Fallback, Identity, LeaseConfig, Limit, Measure, Memory,
-    Policy, PriceEntry, ProviderLimits, QueueConfig, Slots, Store, TierConfig, TokenPolicy,
+    Policy, PriceEntry, ProviderLimits, QueueConfig, Refusals, Slots, Store, TierConfig, TokenPolicy,
 };
 use super::shape::{self, Algorithm, ConfigDuration, Document};
 use crate::accounting::calendar::Calendar;
@@ -61,6 +61,7 @@ pub(super) fn compile(
     let lease = lease(&written.lease)?;
     let memory = memory(&written.memory, companion.token.expose(), &written.domain)?;
     let provider_limits = provider_limits(&written.provider_limits)?;
+    let refusals = refusals(&written.refusals)?;
     let bypass = bypass(&written.bypass)?;
     let prices = prices(&written.prices)?;
     budgets_are_priced(&limits, &prices)?;
@@ -93,6 +94,7 @@ pub(super) fn compile(
         lease,
         memory,
         provider_limits,
+        refusals,
         hold_request_headers: written.hold_request_headers,
         unknown_paths: written.unknown_paths,
         deployments: written.deployments.clone(),
@@ -493,6 +495,24 @@ fn provider_limits(written: &shape::ProviderLimits) -> Result<ProviderLimits, Co
         slots: within("provider_limits.slots", written.slots, 16..=1 << 16, "16..65536")?,
         overflow: written.overflow.clone(),
     })
+}
+
+fn refusals(written: &shape::Refusals) -> Result<Refusals, ConfigError> {
+    let horizon = within(
+        "refusals.retry_horizon",
+        written.retry_horizon.0,
+        Duration::from_secs(1)..=Duration::from_secs(86_400),
+        "1s..1d",
+    )?;
+    let spent_status = match written.spent_status {
+        status @ (429 | 403) => u32::from(status),
+        other => return Err(invalid("refusals.spent_status", format!("{other} is neither 429 nor 403"))),
+    };
+    let warn_below = written
+        .warn_below
+        .map(|fraction| within("refusals.warn_below", fraction, (Excluded(0.0), Excluded(1.0)), "(0, 1)"))
+        .transpose()?;
+    Ok(Refusals { retry_horizon_ms: horizon.as_millis().min(u128::from(u64::MAX)) as u64, spent_status, warn_below })
 }
 
 /// Overflow's backends: valid names, each fallback named by some overflow, no fallback

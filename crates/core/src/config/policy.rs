@@ -42,6 +42,7 @@ pub struct Policy {
     pub lease: LeaseConfig,
     pub memory: Memory,
     pub provider_limits: ProviderLimits,
+    pub refusals: Refusals,
     /// As written: unset means "where the host can" (see `Worker::holds_request_headers`).
     pub hold_request_headers: Option<bool>,
     /// Azure OpenAI deployment → model (see `providers`).
@@ -87,6 +88,17 @@ pub struct ProviderLimits {
     pub slots: u32,
     /// The backend a request goes to while the provider refuses, instead of a 429.
     pub overflow: Option<String>,
+}
+
+/// How refusals tell a client whether waiting helps (`refusals`, see `super::shape::Refusals`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Refusals {
+    /// A refusal whose wait is longer than this is answered as a spent budget.
+    pub retry_horizon_ms: u64,
+    /// The status of a spent budget's refusal: 429 or 403.
+    pub spent_status: u32,
+    /// Warn while a budget has less than this fraction of its capacity left.
+    pub warn_below: Option<f64>,
 }
 
 /// Sizes of the shared-data tables (see `crate::effects::tables`).

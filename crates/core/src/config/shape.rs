@@ -77,6 +77,10 @@ pub struct Document {
     /// Reading the provider's own word on its limits (its rate-limit headers and 429s).
     #[serde(default)]
     pub provider_limits: ProviderLimits,
+    /// How a refusal tells a client whether waiting helps, and the warning of a budget
+    /// running low.
+    #[serde(default)]
+    pub refusals: Refusals,
     /// Hold the request headers while the body is read and the decision made (Envoy, with
     /// `allow_on_headers_stop_iteration: true`). Unset: held where the host can deliver
     /// the body meanwhile (Envoy), not elsewhere (Nginx), where the body alone waits for
@@ -458,6 +462,38 @@ impl Default for ProviderLimits {
             slots: 1024,
             overflow: None,
         }
+    }
+}
+
+/// Refusals a program can act on: a 429 that a short wait fixes stays retryable, with
+/// `Retry-After`; one that it cannot (a request larger than a limit, a budget spent until
+/// its period ends) says so with `x-should-retry: false` and the API's code for a spent
+/// quota.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Refusals {
+    /// A limit that frees a request only after longer than this is answered as spent, not
+    /// rate-limited: `x-should-retry: false`, OpenAI's `insufficient_quota` (each API's
+    /// counterpart in its shape), and `spent_status`. Default 60s: every per-minute limit
+    /// frees within it, so each stays a retryable 429, as the providers' own are; and the
+    /// official SDKs are no fit for longer waits (openai-python 1.x followed a
+    /// `Retry-After` only up to 60 s and then retried on its own backoff of at most 8 s,
+    /// into the same refusal; 2.x and later, up to 120 s; the Anthropic SDK sleeps however
+    /// long `Retry-After` says, an hour or a month, holding the caller that long).
+    pub retry_horizon: ConfigDuration,
+    /// The status of a spent budget's refusal: 429 (the default, as OpenAI answers a
+    /// spent quota) or 403 (Azure API Management's convention for a spent quota).
+    pub spent_status: u16,
+    /// Warn a client whose budget runs low: on an admitted response,
+    /// `x-llm-ratelimit-budget-low` names each budget (a cost limit, a calendar budget, a
+    /// limit whose window is longer than `retry_horizon`) with less than this fraction of
+    /// its capacity left. Unset (the default): no warning.
+    pub warn_below: Option<f64>,
+}
+
+impl Default for Refusals {
+    fn default() -> Self {
+        Refusals { retry_horizon: ConfigDuration(Duration::from_secs(60)), spent_status: 429, warn_below: None }
     }
 }
 

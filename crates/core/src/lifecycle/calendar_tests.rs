@@ -97,6 +97,55 @@ fn a_monthly_budget_is_spent_settled_and_full_again_at_local_midnight_on_the_1st
     }
 }
 
+/// Spent in mid-month, a calendar budget is refused for good (issue 45): a spent quota
+/// that says not to retry, with the status `refusals.spent_status` sets and `Retry-After`
+/// the month's end; before that, admitted responses warned of it once below
+/// `refusals.warn_below` of the budget.
+#[test]
+fn a_budget_spent_for_the_rest_of_the_month_says_not_to_retry_and_was_warned_of() {
+    for kind in HOSTS {
+        let world = World::new(kind);
+        world.borrow_mut().now_ms = ms("2027-02-15T12:00:00Z");
+        let limits = json!([{"name": "monthly", "tokens": 1000,
+                             "window": {"calendar": "month", "time_zone": "Europe/Amsterdam"}}]);
+        let refusals = json!({"refusals": {"warn_below": 0.5, "spent_status": 403}});
+        let mut proxy = Proxy::new(&world, &config(limits, refusals));
+        let mut companion = FakeCompanion::default();
+        let mut warned = Vec::new();
+        let refused = loop {
+            let mut flight = proxy.send(Request::chat("sk-a", CHAT), &mut companion);
+            if !flight.forwarded() {
+                break flight;
+            }
+            proxy.reply(&mut flight, 200, "application/json", &[&usage_reply(9, 300)]);
+            warned.push(header(&flight, "x-llm-ratelimit-budget-low").map(str::to_string));
+            assert!(warned.len() < 10, "{kind:?}: a budget of 1000 tokens is spent by 10 requests");
+        };
+        // 309 reserved each: 691 left after the first, then less than half.
+        assert_eq!(warned[0], None, "{kind:?}");
+        assert!(
+            warned.len() >= 2 && warned[1..].iter().all(|w| w.as_deref() == Some("monthly")),
+            "{kind:?}: {warned:?}"
+        );
+        let reply = refused.replied().expect("a local reply");
+        assert_eq!(reply.status, 403, "{kind:?}");
+        assert_eq!(header(&refused, "x-should-retry"), Some("false"), "{kind:?}");
+        // Midnight in Amsterdam on 1 March: 13 days and 11 hours away.
+        assert_eq!(header(&refused, "retry-after"), Some("1162800"), "{kind:?}");
+        assert_eq!(header(&refused, "retry-after-ms"), None, "{kind:?}");
+        let body: serde_json::Value = serde_json::from_str(&reply.body).expect("a JSON body");
+        assert_eq!(
+            (body["error"]["type"].as_str(), body["error"]["code"].as_str()),
+            (Some("insufficient_quota"), Some("insufficient_quota"))
+        );
+        let message = body["error"]["message"].as_str().unwrap_or_default();
+        assert!(
+            message.contains("full again when the calendar month (Europe/Amsterdam) ends, at 2027-02-28T23:00:00Z"),
+            "{message}"
+        );
+    }
+}
+
 /// A reply settled after the period it was charged in ended corrects nothing: that
 /// budget is gone, and the new one owes nothing for it.
 #[test]

@@ -1130,7 +1130,9 @@ impl RequestFilter {
     }
 
     fn admitted_headers(&self, host: &mut impl Host, config: &Policy, reply: LimitsReply, now: u64) -> Vec<Header> {
-        let mut headers = decision::rate_limit_headers(&self.keep_relevant(reply), config, self.caller(now));
+        let reply = self.keep_relevant(reply);
+        let mut headers = decision::rate_limit_headers(&reply, config, self.caller(now));
+        headers.extend(decision::budget_low(&reply, config, now));
         if let Some(plan) = self.plan.as_ref() {
             if let Some(estimate) = plan.estimate {
                 count_tokens(host, config, plan.rule, TokenStage::Reserved, estimate);

@@ -114,7 +114,12 @@ pub(super) fn error_envelope(refusal: Refusal, message: &str) -> ErrorEnvelope {
 /// with 529 `overloaded_error`; the filter's 503 says the same: retry shortly.
 fn error_type(refusal: Refusal) -> &'static str {
     match refusal {
-        Refusal::RateLimited(_) => "rate_limit_error",
+        Refusal::RateLimited(_) | Refusal::NeverFits(_) => "rate_limit_error",
+        // Anthropic's error for a spent balance or billing limit (its own status is 402,
+        // "an issue with your billing"): the counterpart of OpenAI's `insufficient_quota`.
+        // Its SDK picks the exception class by status (429: `RateLimitError`, 403:
+        // `PermissionDeniedError`), and a program reads this type to tell it apart.
+        Refusal::QuotaSpent { .. } => "billing_error",
         Refusal::TooLarge => "request_too_large",
         Refusal::Unavailable => "overloaded_error",
         Refusal::Unidentified => "authentication_error",

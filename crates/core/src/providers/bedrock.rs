@@ -219,7 +219,11 @@ pub(super) fn error_envelope(refusal: Refusal, message: &str) -> ErrorEnvelope {
 /// Bedrock runtime's error code (its API reference's "Errors").
 fn error_code(refusal: Refusal) -> &'static str {
     match refusal {
-        Refusal::RateLimited(_) => "ThrottlingException",
+        Refusal::RateLimited(_) | Refusal::NeverFits(_) => "ThrottlingException",
+        // Bedrock runtime's error for a request over an account's quota ("Your request
+        // exceeds the service quota for your account"), not one of the throttling codes
+        // AWS SDKs retry.
+        Refusal::QuotaSpent { .. } => "ServiceQuotaExceededException",
         Refusal::TooLarge => "ValidationException",
         Refusal::Unavailable => "ServiceUnavailableException",
         Refusal::Unidentified | Refusal::NotPriced => "AccessDeniedException",

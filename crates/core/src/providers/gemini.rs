@@ -169,7 +169,11 @@ pub(super) fn error_envelope(refusal: Refusal, message: &str, retry_after_second
 /// Google's canonical status name (google.rpc.Code) for the HTTP status.
 fn error_status(refusal: Refusal) -> &'static str {
     match refusal {
-        Refusal::RateLimited(_) => "RESOURCE_EXHAUSTED",
+        // Google answers a spent quota (a per-day one too) with RESOURCE_EXHAUSTED, as a
+        // per-minute one; answered with 403 (`refusals.spent_status`), its status name is
+        // the one HTTP 403 maps to.
+        Refusal::RateLimited(_) | Refusal::NeverFits(_) | Refusal::QuotaSpent { status: 429 } => "RESOURCE_EXHAUSTED",
+        Refusal::QuotaSpent { .. } => "PERMISSION_DENIED",
         Refusal::TooLarge => "INVALID_ARGUMENT",
         Refusal::Unavailable => "UNAVAILABLE",
         Refusal::Unidentified => "UNAUTHENTICATED",

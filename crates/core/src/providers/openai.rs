@@ -184,7 +184,14 @@ pub(super) fn error_envelope(refusal: Refusal, message: &str) -> ErrorEnvelope {
 /// OpenAI's `error.type` and `error.code`.
 fn error_codes(refusal: Refusal) -> (&'static str, &'static str) {
     match refusal {
-        Refusal::RateLimited(kind) => (kind, "rate_limit_exceeded"),
+        // A request larger than a limit: OpenAI's own answer to one larger than its
+        // tokens-per-minute limit ("Request too large for ... on tokens per min") is this
+        // same 429; what fixes it is a smaller request, not the billing page.
+        Refusal::RateLimited(kind) | Refusal::NeverFits(kind) => (kind, "rate_limit_exceeded"),
+        // OpenAI's own for a spent quota (a 429 its SDK raises as `RateLimitError`, with
+        // this `code`): "You exceeded your current quota, please check your plan and
+        // billing details".
+        Refusal::QuotaSpent { .. } => ("insufficient_quota", "insufficient_quota"),
         Refusal::TooLarge => ("invalid_request_error", "request_too_large"),
         Refusal::Unavailable => ("server_error", "rate_limiter_unavailable"),
         Refusal::Unidentified => ("invalid_request_error", "missing_api_key"),

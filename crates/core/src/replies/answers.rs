@@ -9,10 +9,16 @@ pub use crate::api::refusal::Refusal;
 use crate::providers::{self, bedrock};
 use crate::replies::reply::{Header, LocalReply};
 
+/// On a refusal that no wait a client's retries would take gets past (`Refusal::lasts`):
+/// `false`. Not a standard header: the official OpenAI and Anthropic SDKs (and others
+/// generated alike) read it before the status and then do not retry a 429.
+pub const SHOULD_RETRY_HEADER: &str = "x-should-retry";
+
 /// Whether a local reply's header is part of its error (the body's type, Bedrock's error
-/// code), so it has no place on a response forwarded instead (shadow mode).
+/// code, whether to retry it), so it has no place on a response forwarded instead (shadow
+/// mode), where it would stop a client retrying the upstream's own 429.
 pub fn belongs_to_the_error(name: &str) -> bool {
-    name == "content-type" || name == bedrock::ERROR_HEADER
+    name == "content-type" || name == bedrock::ERROR_HEADER || name == SHOULD_RETRY_HEADER
 }
 
 /// Who is answered, and when: the shape, and the time reset headers count from.
@@ -25,11 +31,15 @@ pub struct Caller {
 
 /// The local reply for `refusal` in `dialect`'s shape, saying `message`;
 /// `retry_after_seconds` is when to try again, if that is known. The rate-limit headers
-/// and `retry-after` are the caller's to add.
+/// and `retry-after` are the caller's to add; `x-should-retry: false` is here, on every
+/// refusal that lasts.
 pub fn error_reply(dialect: Dialect, refusal: Refusal, message: &str, retry_after_seconds: Option<u64>) -> LocalReply {
     let envelope = providers::error_envelope(dialect, refusal, message, retry_after_seconds);
     let mut headers: Vec<Header> = vec![("content-type", "application/json".to_string())];
     headers.extend(envelope.header);
+    if refusal.lasts() {
+        headers.push((SHOULD_RETRY_HEADER, "false".to_string()));
+    }
     LocalReply { status: refusal.status(), headers, body: envelope.body.to_string() }
 }
 

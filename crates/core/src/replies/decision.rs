@@ -20,6 +20,9 @@ pub const RESERVED_TOKENS_HEADER: &str = "x-llm-ratelimit-reserved-tokens";
 pub const SHADOW_HEADER: &str = "x-llm-ratelimit-shadow";
 /// How long the request waited in the queue for capacity (ms).
 pub const QUEUED_HEADER: &str = "x-llm-ratelimit-queued-ms";
+/// On an admitted response, with `refusals.warn_below`: the budgets running low, by name
+/// (`"monthly", "usd-day"` as `monthly, usd-day`).
+pub const BUDGET_LOW_HEADER: &str = "x-llm-ratelimit-budget-low";
 
 fn dimension_of(config: &Policy, outcome: &LimitOutcome) -> Dimension {
     config.limit(&outcome.name).map_or(Dimension::Requests, |l| l.dimension())
@@ -132,8 +135,11 @@ fn ietf_headers(windowed: &[&LimitOutcome], config: &Policy, now_ms: u64, header
 }
 
 /// The 429 for a reply that was not allowed. It names the limit that binds longest; when
-/// a limit can never fit the request it says so and gives no `Retry-After`. `charged` is
-/// what the request asked of each limit (its plan's buckets).
+/// a limit can never fit the request it says so, gives no `Retry-After` and tells clients
+/// not to retry (`Refusal::NeverFits`); when the limit frees the request only past the
+/// retry horizon (`refusals.retry_horizon`: a budget spent until its period ends), it is
+/// answered as a spent quota (`spent_refusal`). `charged` is what the request asked of
+/// each limit (its plan's buckets).
 pub fn rejection(reply: &LimitsReply, config: &Policy, charged: &[LimitCharge], caller: Caller) -> LocalReply {
     let never = reply.limits.iter().find(|o| o.status == LimitStatus::Never);
     let binding = never
@@ -151,6 +157,14 @@ pub fn rejection(reply: &LimitsReply, config: &Policy, charged: &[LimitCharge], 
     let (name, limit) = (&outcome.name, outcome.limit);
     let needs = charged.iter().find(|b| b.name == *name).map_or(0, |b| b.cost);
     let retry = (outcome.status != LimitStatus::Never).then_some(outcome.retry_after_ms);
+    // A slot frees when some request ends, however long the guess: concurrency is never spent.
+    if outcome.status == LimitStatus::Limited
+        && dimension != Dimension::Concurrency
+        && outcome.retry_after_ms > config.refusals.retry_horizon_ms
+    {
+        let spent = Spent { outcome, limit: limit_config, dimension, count, window: &window, needs };
+        return spent_refusal(&spent, config, caller, headers);
+    }
     let message = match (outcome.status, dimension) {
         (LimitStatus::Never, Dimension::Tokens) => format!(
             "Request too large for limit \"{name}\": it needs {needs} {} ({}), but the limit allows {limit}{window}, so \
@@ -197,7 +211,95 @@ pub fn rejection(reply: &LimitsReply, config: &Policy, charged: &[LimitCharge], 
         ),
     };
     let kind = if dimension == Dimension::Tokens { count.error_type() } else { dimension.name() };
-    refuse(caller.dialect, Refusal::RateLimited(kind), &message, retry, headers)
+    let refusal =
+        if outcome.status == LimitStatus::Never { Refusal::NeverFits(kind) } else { Refusal::RateLimited(kind) };
+    refuse(caller.dialect, refusal, &message, retry, headers)
+}
+
+/// The limit a spent refusal names, and what the request asked of it.
+struct Spent<'a> {
+    outcome: &'a LimitOutcome,
+    limit: Option<&'a crate::config::Limit>,
+    dimension: Dimension,
+    count: TokenCount,
+    /// ` per 1d`, ` per calendar month (Europe/Amsterdam)`, or empty.
+    window: &'a str,
+    needs: u64,
+}
+
+/// The refusal of a request a limit frees only past the retry horizon: a budget spent
+/// until its period ends, or one that refills too slowly for a retry to be worth it. It
+/// says when the request fits again (a calendar budget: its period's end) and that
+/// retrying sooner will not help; `x-should-retry: false` stops the SDKs' retries, and
+/// the API's code for a spent quota tells a program apart from a per-minute limit. The
+/// status is `refusals.spent_status`.
+///
+/// `Retry-After` stays, in whole seconds: it is true (when the request fits again), it is
+/// HTTP's field for it on a 429 or 503, and a client that schedules by it learns when to
+/// come back. `retry-after-ms`, which only times an SDK's retry, and Google's `RetryInfo`,
+/// which asks its clients to retry, are left off.
+fn spent_refusal(spent: &Spent, config: &Policy, caller: Caller, headers: Vec<Header>) -> LocalReply {
+    let Spent { outcome, limit, dimension, count, window, needs } = *spent;
+    let (name, wait_ms) = (&outcome.name, outcome.retry_after_ms);
+    let frees_at = caller.now_ms.saturating_add(wait_ms);
+    // A calendar budget frees at its period's boundary: the one nearest to the wait Redis
+    // counted (by its clock, which may stand a little apart from the proxy's).
+    let boundary = limit
+        .map(|l| l.period_bounds_ms(caller.now_ms))
+        .and_then(|bounds| bounds.into_iter().min_by_key(|b| b.abs_diff(frees_at)));
+    let at = rfc3339(boundary.unwrap_or(frees_at).div_ceil(1000));
+    let wait = format_reset(wait_ms);
+    let amount = |n: u64| match dimension {
+        Dimension::Cost => usd(n),
+        Dimension::Tokens => format!("{n} {}", count.name()),
+        Dimension::Requests | Dimension::Concurrency => format!("{n} requests"),
+    };
+    // A request needs one of a request limit: only other measures say what it asked.
+    let asked = match (needs, dimension) {
+        (0, _) | (_, Dimension::Requests | Dimension::Concurrency) => String::new(),
+        (needs, Dimension::Tokens) => format!(", and this request needs {} ({})", amount(needs), count.reservation()),
+        (needs, _) => format!(", and this request needs {}", amount(needs)),
+    };
+    let frees = match limit.and_then(|l| l.calendar.as_ref().map(|_| l.window_name())) {
+        Some(period) => format!("It is full again when the {period} ends, at {at} (in {wait})"),
+        None => format!("It has room for this request again at {at} (in {wait})"),
+    };
+    let message = format!(
+        "Budget spent: limit \"{name}\" allows {}{window}, {} left{asked}. {frees}; retrying sooner will not help.",
+        amount(outcome.limit),
+        amount(outcome.remaining),
+    );
+    let refusal = Refusal::QuotaSpent { status: config.refusals.spent_status };
+    let mut reply = error_reply(caller.dialect, refusal, &message, None);
+    let retry_after = ("retry-after", retry_after_seconds(wait_ms).to_string());
+    reply.headers.splice(0..0, headers.into_iter().chain([retry_after]));
+    reply
+}
+
+/// Warns the client on an admitted response (`refusals.warn_below`): the names of the
+/// budgets that have less than that fraction of their capacity left, in one
+/// `x-llm-ratelimit-budget-low` header. A budget is a cost limit, a calendar budget, or
+/// any other limit (not concurrency) whose window is longer than the retry horizon: one
+/// that, once spent, stays spent past what a retry waits.
+pub fn budget_low(reply: &LimitsReply, config: &Policy, now_ms: u64) -> Option<Header> {
+    let fraction = config.refusals.warn_below?;
+    let low: Vec<&str> = reply
+        .limits
+        .iter()
+        .filter(|o| {
+            let Some(limit) = config.limit(&o.name) else { return false };
+            let budget = match limit.dimension() {
+                Dimension::Concurrency => false,
+                Dimension::Cost => true,
+                Dimension::Requests | Dimension::Tokens => {
+                    limit.calendar.is_some() || limit.window_ms_at(now_ms) > config.refusals.retry_horizon_ms
+                }
+            };
+            budget && (o.remaining as f64) < fraction * o.limit as f64
+        })
+        .map(|o| o.name.as_str())
+        .collect();
+    (!low.is_empty()).then(|| (BUDGET_LOW_HEADER, low.join(", ")))
 }
 
 /// A 429 in `dialect`'s shape with the rate-limit headers and, when a wait helps (`retry_ms`),
@@ -711,5 +813,188 @@ mod tests {
         let reply = rejection(&refused("rpm", LimitStatus::Limited), &config, &charged, bedrock);
         assert_eq!(header(&reply.headers, "x-amzn-errortype"), Some("ThrottlingException"));
         assert_eq!(header(&reply.headers, "retry-after"), Some("3"));
+    }
+
+    fn refusals_config(refusals: serde_json::Value) -> Policy {
+        let json = serde_json::json!({"companion": {"upstream": "c", "token": "test-token-0123456789"}, "limits": [
+            {"name": "rpm", "requests": 20, "window": "1m"},
+            {"name": "rpd", "requests": 1000, "window": "1d"},
+            {"name": "tpd", "tokens": 100_000, "window": "1d"},
+            {"name": "usd-day", "usd": 5, "window": "1d"},
+            {"name": "monthly", "requests": 300, "window": {"calendar": "month", "time_zone": "Europe/Amsterdam"}},
+            {"name": "inflight", "concurrency": 3}],
+            "prices": [{"match": "*", "input": 1, "output": 1}], "refusals": refusals});
+        Policy::from_json(json.to_string().as_bytes()).expect("config")
+    }
+
+    const DIALECTS: [Dialect; 4] = [Dialect::OpenAi, Dialect::Anthropic, Dialect::Google, Dialect::Bedrock];
+
+    /// The error's kind as each shape names it: OpenAI's `error.code`, Anthropic's
+    /// `error.type`, Google's `error.status`, Bedrock's `x-amzn-errortype`.
+    fn kind_of(reply: &LocalReply, dialect: Dialect) -> String {
+        let body: serde_json::Value = serde_json::from_str(&reply.body).expect("json body");
+        match dialect {
+            Dialect::OpenAi => format!(
+                "{}/{}",
+                body["error"]["type"].as_str().unwrap_or(""),
+                body["error"]["code"].as_str().unwrap_or("")
+            ),
+            Dialect::Anthropic => body["error"]["type"].as_str().unwrap_or("").to_string(),
+            Dialect::Google => format!("{} {}", body["error"]["code"], body["error"]["status"].as_str().unwrap_or("")),
+            Dialect::Bedrock => header(&reply.headers, "x-amzn-errortype").unwrap_or("").to_string(),
+        }
+    }
+
+    fn message_of(reply: &LocalReply) -> String {
+        let body: serde_json::Value = serde_json::from_str(&reply.body).expect("json body");
+        let message = body["error"]["message"].as_str().or(body["message"].as_str());
+        message.unwrap_or("").to_string()
+    }
+
+    #[test]
+    fn a_request_that_can_never_fit_says_not_to_retry_in_every_shape() {
+        let config = refusals_config(serde_json::json!({}));
+        let reply = replied(false, vec![outcome("tpd", LimitStatus::Never, 100_000, 100_000, 0, 0)]);
+        let expected =
+            ["tokens/rate_limit_exceeded", "rate_limit_error", "429 RESOURCE_EXHAUSTED", "ThrottlingException"];
+        for (dialect, kind) in DIALECTS.into_iter().zip(expected) {
+            let refused = rejection(&reply, &config, &[charge("tpd", 120_000)], Caller { dialect, now_ms: 0 });
+            assert_eq!(refused.status, 429, "{dialect:?}");
+            assert_eq!(header(&refused.headers, "x-should-retry"), Some("false"), "{dialect:?}");
+            assert_eq!(header(&refused.headers, "retry-after"), None, "{dialect:?}");
+            assert_eq!(header(&refused.headers, "retry-after-ms"), None, "{dialect:?}");
+            assert_eq!(kind_of(&refused, dialect), kind, "{dialect:?}");
+            assert!(message_of(&refused).contains("can never be admitted"), "{dialect:?}");
+            assert!(!refused.body.contains("RetryInfo"), "{dialect:?}: Google's clients retry on it");
+        }
+    }
+
+    #[test]
+    fn a_spent_calendar_budget_is_a_spent_quota_in_every_shape() {
+        let config = refusals_config(serde_json::json!({}));
+        // 2026-12-01T15:37:00Z; the month ends in Amsterdam at 2026-12-31T23:00:00Z.
+        let now_ms = 1_796_139_420_000;
+        let wait_ms = 1_798_758_000_000 - now_ms;
+        let reply = replied(
+            false,
+            vec![
+                outcome("rpm", LimitStatus::Allowed, 20, 19, 3_000, 0),
+                outcome("monthly", LimitStatus::Limited, 300, 0, wait_ms, wait_ms),
+            ],
+        );
+        let expected = [
+            "insufficient_quota/insufficient_quota",
+            "billing_error",
+            "429 RESOURCE_EXHAUSTED",
+            "ServiceQuotaExceededException",
+        ];
+        for (dialect, kind) in DIALECTS.into_iter().zip(expected) {
+            let refused = rejection(&reply, &config, &[charge("monthly", 1)], Caller { dialect, now_ms });
+            assert_eq!(refused.status, 429, "{dialect:?}");
+            assert_eq!(kind_of(&refused, dialect), kind, "{dialect:?}");
+            assert_eq!(header(&refused.headers, "x-should-retry"), Some("false"), "{dialect:?}");
+            // When it frees, in HTTP's field; nothing that times an SDK's retry.
+            assert_eq!(header(&refused.headers, "retry-after"), Some("2618580"), "{dialect:?}");
+            assert_eq!(header(&refused.headers, "retry-after-ms"), None, "{dialect:?}");
+            assert!(!refused.body.contains("RetryInfo"), "{dialect:?}");
+            let message = message_of(&refused);
+            assert!(
+                message.contains(
+                    "Budget spent: limit \"monthly\" allows 300 requests per calendar month (Europe/Amsterdam), \
+                     0 requests left. It is full again when the calendar month \
+                     (Europe/Amsterdam) ends, at 2026-12-31T23:00:00Z"
+                ) && message.ends_with("retrying sooner will not help."),
+                "{dialect:?}: {message}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_limit_that_frees_past_the_horizon_is_spent_and_one_within_it_is_unchanged() {
+        let config = refusals_config(serde_json::json!({}));
+        let refused_by = |name: &str, retry_ms: u64, config: &Policy| {
+            let reply = replied(false, vec![outcome(name, LimitStatus::Limited, 100_000, 10, retry_ms, retry_ms)]);
+            rejection(&reply, config, &[charge(name, 500)], Caller { dialect: Dialect::OpenAi, now_ms: 0 })
+        };
+        // A day's token budget that lets this request in only in an hour: spent.
+        let spent = refused_by("tpd", 3_600_000, &config);
+        assert_eq!(kind_of(&spent, Dialect::OpenAi), "insufficient_quota/insufficient_quota");
+        let message = message_of(&spent);
+        assert!(
+            message.starts_with("Budget spent: limit \"tpd\" allows 100000 tokens per 24h0m0s, 10 tokens left, and this request needs 500 tokens (prompt and completion allowance). It has room for this request again at 1970-01-01T01:00:00Z (in 1h0m0s)"),
+            "{message}"
+        );
+        assert_eq!(header(&spent.headers, "retry-after"), Some("3600"));
+        // In dollars for a money budget.
+        let money = refused_by("usd-day", 120_000, &config);
+        let message = message_of(&money);
+        assert!(
+            message.contains("allows $0.1 per 24h0m0s, $0.00001 left, and this request needs $0.0005"),
+            "{message}"
+        );
+        // The horizon itself and anything within it: the retryable 429 of old, to the byte.
+        for retry_ms in [1, 59_999, 60_000] {
+            let within = refused_by("tpd", retry_ms, &config);
+            assert_eq!(kind_of(&within, Dialect::OpenAi), "tokens/rate_limit_exceeded", "{retry_ms}");
+            assert_eq!(header(&within.headers, "x-should-retry"), None, "{retry_ms}");
+            assert_eq!(header(&within.headers, "retry-after-ms"), Some(retry_ms.to_string().as_str()));
+        }
+        // A longer horizon keeps an hour's wait retryable.
+        let patient = refusals_config(serde_json::json!({"retry_horizon": "2h"}));
+        assert_eq!(kind_of(&refused_by("tpd", 3_600_000, &patient), Dialect::OpenAi), "tokens/rate_limit_exceeded");
+        // A concurrency slot frees when a request ends, whatever the guess: never spent.
+        let reply = replied(false, vec![outcome("inflight", LimitStatus::Limited, 3, 0, 0, 600_000)]);
+        let slots = rejection(&reply, &config, &[], Caller::default());
+        assert_eq!(kind_of(&slots, Dialect::OpenAi), "concurrency/rate_limit_exceeded");
+        assert_eq!(header(&slots.headers, "x-should-retry"), None);
+    }
+
+    #[test]
+    fn a_spent_budget_may_be_a_403() {
+        let config = refusals_config(serde_json::json!({"spent_status": 403}));
+        let reply = replied(false, vec![outcome("rpd", LimitStatus::Limited, 1000, 0, 86_000_000, 86_000_000)]);
+        let expected = [
+            "insufficient_quota/insufficient_quota",
+            "billing_error",
+            "403 PERMISSION_DENIED",
+            "ServiceQuotaExceededException",
+        ];
+        for (dialect, kind) in DIALECTS.into_iter().zip(expected) {
+            let refused = rejection(&reply, &config, &[], Caller { dialect, now_ms: 0 });
+            assert_eq!((refused.status, kind_of(&refused, dialect)), (403, kind.to_string()), "{dialect:?}");
+            assert_eq!(header(&refused.headers, "x-should-retry"), Some("false"), "{dialect:?}");
+        }
+        // A per-minute limit stays a 429; a request that never fits too.
+        let reply = replied(false, vec![outcome("rpm", LimitStatus::Limited, 20, 0, 60_000, 3_000)]);
+        assert_eq!(rejection(&reply, &config, &[], Caller::default()).status, 429);
+        let reply = replied(false, vec![outcome("tpd", LimitStatus::Never, 100_000, 0, 0, 0)]);
+        assert_eq!(rejection(&reply, &config, &[], Caller::default()).status, 429);
+    }
+
+    #[test]
+    fn budgets_running_low_are_named_on_an_admission() {
+        let admitted = replied(
+            true,
+            vec![
+                // Per minute and concurrency: not budgets, however low.
+                outcome("rpm", LimitStatus::Allowed, 20, 0, 60_000, 0),
+                outcome("inflight", LimitStatus::Allowed, 3, 0, 0, 0),
+                // A day's window, past the horizon: a budget, 9.9% left.
+                outcome("rpd", LimitStatus::Allowed, 1000, 99, 86_000_000, 0),
+                // 10% left exactly: not below.
+                outcome("tpd", LimitStatus::Allowed, 100_000, 10_000, 86_000_000, 0),
+                outcome("usd-day", LimitStatus::Allowed, 100_000, 1, 86_000_000, 0),
+                outcome("monthly", LimitStatus::Allowed, 300, 29, 86_000_000, 0),
+            ],
+        );
+        let config = refusals_config(serde_json::json!({"warn_below": 0.1}));
+        assert_eq!(budget_low(&admitted, &config, 0), Some((BUDGET_LOW_HEADER, "rpd, usd-day, monthly".to_string())));
+        // Off by default; and nothing said while every budget has enough.
+        assert_eq!(budget_low(&admitted, &refusals_config(serde_json::json!({})), 0), None);
+        let config = refusals_config(serde_json::json!({"warn_below": 0.01}));
+        assert_eq!(budget_low(&admitted, &config, 0), Some((BUDGET_LOW_HEADER, "usd-day".to_string())));
+        // A horizon longer than a day: a day's window is no budget, the calendar month still is.
+        let config = refusals_config(serde_json::json!({"warn_below": 0.1, "retry_horizon": "1d"}));
+        assert_eq!(budget_low(&admitted, &config, 0), Some((BUDGET_LOW_HEADER, "usd-day, monthly".to_string())));
     }
 }
