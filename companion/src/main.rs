@@ -17,6 +17,7 @@
 mod batcher;
 mod calibration;
 mod credentials;
+mod ledger;
 mod limits;
 mod metrics;
 mod pools;
@@ -39,6 +40,7 @@ use clap::Parser;
 use credentials::{Credentials, Right};
 use limits::Op;
 use llm_ratelimit_protocol::duration::parse_duration;
+use llm_ratelimit_protocol::ledger::{LedgerBatch, LEDGER_PATH, SPEND_PATH};
 use llm_ratelimit_protocol::{
     CalibrationExchange, ChargeRequest, LeaseRequest, ProviderExchange, ResetReply, SettleOutcome, SettleReply,
     SettlementBatch, TenantLimits, CALIBRATION_PATH, CHARGE_PATH, HEALTH_PATH, LEASE_PATH, PROVIDER_PATH, RELEASE_PATH,
@@ -124,6 +126,14 @@ struct Args {
     /// the Prometheus scraper reaches. Unset: on --listen, like /healthz, without the token.
     #[arg(long, env = "LLMRL_METRICS_LISTEN")]
     metrics_listen: Option<String>,
+    /// How long the spend ledger keeps an owner's day after its last addition.
+    #[arg(long, env = "LLMRL_LEDGER_RETENTION", default_value = "366d", value_parser = parse_duration)]
+    ledger_retention: Duration,
+    /// The models an owner's day in the ledger counts apart; further models are counted
+    /// together as `other`.
+    #[arg(long, env = "LLMRL_LEDGER_MAX_MODELS", default_value_t = 64,
+          value_parser = clap::value_parser!(u64).range(1..=10_000))]
+    ledger_max_models: u64,
 }
 
 /// The path Prometheus scrapes.
@@ -139,6 +149,9 @@ struct App {
     calibration: Script,
     /// `lua/provider.lua`, run alone (see `provider`).
     provider: Script,
+    /// `lua/ledger.lua`, once per owner of a batch (see `ledger`).
+    ledger: Script,
+    keeping: ledger::Keeping,
     refusals: refusals::RefusalLog,
     /// This companion's waiters, by tenant (see `queue`).
     lines: Arc<queue::Lines>,
@@ -329,6 +342,12 @@ async fn run_reset(State(app): State<Arc<App>>, headers: HeaderMap, body: Bytes)
 /// An operator's request about one tenant, authorised and checked; or the answer saying
 /// why not.
 fn tenant_request(app: &App, headers: &HeaderMap, body: &[u8]) -> Result<TenantLimits, Box<Response>> {
+    admin_only(app, headers)?;
+    parse_body(body, TenantLimits::validate).map_err(|message| Box::new(error(StatusCode::BAD_REQUEST, message)))
+}
+
+/// Whether the call carries an admin credential; or the answer saying why not.
+fn admin_only(app: &App, headers: &HeaderMap) -> Result<(), Box<Response>> {
     if !app.credentials.has_admin() {
         app.metrics.auth_failures.inc();
         return Err(Box::new(error(
@@ -342,7 +361,55 @@ fn tenant_request(app: &App, headers: &HeaderMap, body: &[u8]) -> Result<TenantL
             format!("missing or wrong {TOKEN_HEADER}: this endpoint takes an admin credential"),
         )));
     }
-    parse_body(body, TenantLimits::validate).map_err(|message| Box::new(error(StatusCode::BAD_REQUEST, message)))
+    Ok(())
+}
+
+/// Adds a proxy worker's ledger batch, each owner's part at most once (see `ledger`).
+async fn run_ledger(State(app): State<Arc<App>>, headers: HeaderMap, body: Bytes) -> Response {
+    if !authorised(&app, &headers, Right::DataPlane) {
+        return unauthorised();
+    }
+    let batch = match parse_body(&body, LedgerBatch::validate) {
+        Ok(batch) => batch,
+        Err(message) => return error(StatusCode::BAD_REQUEST, message),
+    };
+    let started = std::time::Instant::now();
+    let result = ledger::add(app.batcher.store(), &app.ledger, &app.key_prefix, app.keeping, &batch).await;
+    app.metrics.redis_call(MetricOp::Ledger, started.elapsed());
+    match result {
+        Ok(reply) => decided(&app, MetricOp::Ledger, true, reply),
+        Err(err) => failed(&app, MetricOp::Ledger, StatusCode::SERVICE_UNAVAILABLE, err),
+    }
+}
+
+/// The spend ledger for a date range, grouped as asked: `GET SPEND_PATH?domain=llm&
+/// from=2026-11-01&to=2026-11-30&by=team,model` (admin credential).
+async fn run_spend(State(app): State<Arc<App>>, headers: HeaderMap, uri: axum::http::Uri) -> Response {
+    if let Err(response) = admin_only(&app, &headers) {
+        return *response;
+    }
+    let query = uri.query().unwrap_or("");
+    let param = |name: &str| {
+        query.split('&').find_map(|pair| {
+            let (key, value) = pair.split_once('=')?;
+            (key == name).then(|| value.replace("%2C", ",").replace("%2c", ","))
+        })
+    };
+    let domain = param("domain").unwrap_or_else(|| "llm".to_string());
+    if !llm_ratelimit_protocol::is_key_part(&domain) {
+        return error(StatusCode::BAD_REQUEST, "domain must be 1-64 of [A-Za-z0-9_.-]");
+    }
+    let day = |name: &str| param(name).as_deref().and_then(llm_ratelimit_protocol::ledger::parse_day);
+    let (Some(from), Some(to)) = (day("from"), day("to")) else {
+        return error(StatusCode::BAD_REQUEST, "from and to are required, as YYYY-MM-DD");
+    };
+    let by: Vec<String> =
+        param("by").map(|by| by.split(',').filter(|d| !d.is_empty()).map(str::to_string).collect()).unwrap_or_default();
+    match ledger::spend(app.batcher.store(), &app.key_prefix, &domain, from, to, &by).await {
+        Ok(reply) => decided(&app, MetricOp::Spend, true, reply),
+        Err((false, message)) => error(StatusCode::BAD_REQUEST, message),
+        Err((true, message)) => failed(&app, MetricOp::Spend, StatusCode::SERVICE_UNAVAILABLE, message),
+    }
 }
 
 /// Settles the reservations of a batch (of any tenants), each at most once.
@@ -638,9 +705,10 @@ async fn serve(args: Args) -> Result<(), String> {
     let script = Script::new("limits", limits::SOURCE);
     let calibration = Script::new("calibration", calibration::SOURCE);
     let provider = Script::new("provider", provider::SOURCE);
+    let ledger_script = Script::new("ledger", ledger::SOURCE);
     // Both loaded now, so a NOSCRIPT reload later means Redis lost them (the metric's alert).
     let deadline = tokio::time::Instant::now() + args.startup_wait;
-    for script in [&script, &calibration, &provider] {
+    for script in [&script, &calibration, &provider, &ledger_script] {
         while let Err(err) = store.load(script).await {
             if store::is_fatal(&err) || tokio::time::Instant::now() >= deadline {
                 return Err(format!("cannot load {}: {err}", script.name));
@@ -670,6 +738,11 @@ async fn serve(args: Args) -> Result<(), String> {
         metrics: metrics.clone(),
         calibration,
         provider,
+        ledger: ledger_script,
+        keeping: ledger::Keeping {
+            retention_s: args.ledger_retention.as_secs().max(1),
+            max_models: args.ledger_max_models,
+        },
         refusals: refusals::RefusalLog::new(),
         lines: Arc::default(),
     });
@@ -684,6 +757,8 @@ async fn serve(args: Args) -> Result<(), String> {
         .route(PROVIDER_PATH, post(run_provider))
         .route(USAGE_PATH, post(run_usage))
         .route(RESET_PATH, post(run_reset))
+        .route(LEDGER_PATH, post(run_ledger))
+        .route(SPEND_PATH, get(run_spend))
         .route(HEALTH_PATH, get(healthz))
         .with_state(app);
     let (router, metrics_server) = match &args.metrics_listen {

@@ -29,10 +29,12 @@ pub enum MetricOp {
     Reset,
     Calibration,
     Provider,
+    Ledger,
+    Spend,
 }
 
 impl MetricOp {
-    const ALL: [MetricOp; 10] = [
+    const ALL: [MetricOp; 12] = [
         MetricOp::Charge,
         MetricOp::Queue,
         MetricOp::Lease,
@@ -43,6 +45,8 @@ impl MetricOp {
         MetricOp::Reset,
         MetricOp::Calibration,
         MetricOp::Provider,
+        MetricOp::Ledger,
+        MetricOp::Spend,
     ];
 
     fn label(self) -> &'static str {
@@ -57,6 +61,8 @@ impl MetricOp {
             MetricOp::Reset => "reset",
             MetricOp::Calibration => "calibration",
             MetricOp::Provider => "provider",
+            MetricOp::Ledger => "ledger",
+            MetricOp::Spend => "spend",
         }
     }
 

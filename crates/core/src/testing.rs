@@ -13,6 +13,7 @@ use crate::accounting::counters::{self, Counter};
 use crate::accounting::fair_share;
 use crate::effects::host::{Action, Host, HostKind, LogLevel, Metric, Owner, SharedWriteError};
 use crate::lifecycle::RequestFilter;
+use crate::protocol::ledger::{LedgerBatch, LedgerReply, Spent, LEDGER_PATH};
 use crate::protocol::{
     CalibrationExchange, CalibrationReply, ChargeRequest, LeaseRequest, LimitCharge, LimitKind, LimitOutcome,
     LimitStatus, LimitsReply, RuleFigures, RunningFigure, SettleOutcome, SettleReply, SettlementBatch,
@@ -452,6 +453,12 @@ pub struct FakeCompanion {
     /// The claimants of each pool with fair shares, by (owner, limit name), as the script
     /// keeps them (`accounting::fair_share`; settlements do not correct them here).
     pub fair: HashMap<(String, String), fair_share::Claimants>,
+    /// The spend ledger as `lua/ledger.lua` keeps it: sums by (owner, label, model, day).
+    pub ledger: BTreeMap<(String, String, String, u32), Spent>,
+    /// The last batch added per (worker id, owner), as the script's markers.
+    pub ledger_marks: BTreeMap<(String, String), u64>,
+    /// Every ledger batch received (resent ones too).
+    pub ledger_batches: Vec<LedgerBatch>,
 }
 
 impl FakeCompanion {
@@ -680,6 +687,27 @@ impl FakeCompanion {
                     })
                     .collect();
                 serde_json::to_vec(&CalibrationReply { rules })
+            }
+            LEDGER_PATH => {
+                let batch: LedgerBatch = serde_json::from_value(callout.body.clone()).expect("a ledger batch");
+                batch.validate().expect("a valid ledger batch");
+                let owners: BTreeSet<String> = batch.rows.iter().map(|row| row.owner.clone()).collect();
+                let mut reply = LedgerReply::default();
+                for owner in owners {
+                    let mark = self.ledger_marks.entry((batch.vm.clone(), owner.clone())).or_default();
+                    if batch.seq <= *mark {
+                        reply.already += 1;
+                        continue;
+                    }
+                    *mark = batch.seq;
+                    reply.added += 1;
+                    for row in batch.rows.iter().filter(|row| row.owner == owner) {
+                        let key = (row.owner.clone(), row.label.clone(), row.model.clone(), row.day);
+                        self.ledger.entry(key).or_default().add(&row.used);
+                    }
+                }
+                self.ledger_batches.push(batch);
+                serde_json::to_vec(&reply)
             }
             other => panic!("unknown companion path {other}"),
         };

@@ -5,6 +5,7 @@
 
 use crate::accounting::breaker::{Breaker, Dispatch};
 use crate::accounting::lease::{lease_asks, LeaseEntry, TenantLeases};
+use crate::accounting::ledger::{Ledger, MAX_ROWS as LEDGER_ROWS};
 use crate::api::identity::TenantIds;
 use crate::config::{FailureMode, Policy, Store};
 use crate::effects::average_store::LocalAverages;
@@ -16,6 +17,7 @@ use crate::effects::settle_queue::{Queued, SettleQueue};
 use crate::effects::tables::{self, read_own, update_slot, TenantTable};
 use crate::plan::charge::limit_charge;
 use crate::protocol::keys;
+use crate::protocol::ledger::{LedgerReply, LEDGER_PATH};
 use crate::protocol::{
     Adjustment, CalibrationReply, LeaseAsk, LeaseRequest, LimitCharge, LimitKind, LimitsReply, SettleReply, Settlement,
     SettlementBatch, CALIBRATION_PATH, LEASE_PATH, SETTLE_PATH, TOKEN_HEADER, TOUCH_PATH,
@@ -44,6 +46,9 @@ const SETTLE_QUEUE_CAPACITY: usize = 20_000;
 /// Credentials whose tenant ids a VM keeps: 1,024 clients returning in turn are hashed
 /// once each; at most ~300 KB (slots of 32 B, each credential at most 256 B and its id).
 const TENANT_ID_CACHE_SLOTS: usize = 1024;
+/// How often the ledger's aggregate goes to the companion, in ticks (a second), and how
+/// often a batch the companion did not acknowledge is sent again.
+const LEDGER_TICKS: u32 = 20;
 /// Settlement batches and slot heartbeats wait at least this long for the companion.
 const BACKGROUND_TIMEOUT: Duration = Duration::from_secs(1);
 
@@ -92,6 +97,8 @@ pub struct Worker {
     /// Queue waits not yet counted in `queue_wait_seconds_total`: host counters take whole
     /// numbers, so the milliseconds short of a second wait here for the next wait.
     queue_wait_ms_uncounted: u64,
+    /// What this VM's requests used, for the spend ledger (`store: redis` only).
+    pub(crate) ledger: Ledger,
 }
 
 impl Default for Worker {
@@ -143,6 +150,7 @@ impl Worker {
             averages: LocalAverages::default(),
             provider_words: LocalProviderWords::default(),
             queue_wait_ms_uncounted: 0,
+            ledger: Ledger::default(),
         }
     }
 
@@ -262,6 +270,7 @@ impl Worker {
             self.exchange_calibrations(host, &config, now);
             self.exchange_provider_words(host, &config, now);
             self.send_settlements(host, &config);
+            self.send_ledger(host, &config);
         }
         if config.has_concurrency() {
             let every = (config.slots.ttl.as_millis() / 3 / TICK.as_millis()).max(1) as u32;
@@ -274,6 +283,14 @@ impl Worker {
     /// A callout the root owns has answered.
     pub fn on_callout_response(&mut self, host: &mut impl Host, token: u32, body_size: usize) {
         let Some(config) = self.config.clone() else { return };
+        if self.ledger.is_sending(token) {
+            let answer = callout_reply::<LedgerReply>(host, body_size);
+            if let Err(why) = &answer {
+                host.log(LogLevel::Debug, &format!("llm-ratelimit: ledger batch not acknowledged, kept: {why}"));
+            }
+            self.ledger.answered(answer.is_ok());
+            return;
+        }
         if self.calibrations.is_exchange(token) {
             match callout_reply::<CalibrationReply>(host, body_size) {
                 Ok(reply) => {
@@ -606,6 +623,30 @@ impl Worker {
         }
     }
 
+    /// Seals the ledger's aggregate as the next batch every second (sooner when it fills
+    /// up) and sends the batch out, the same one until the companion acknowledges it;
+    /// none while the companion is known to be away, when the aggregate keeps growing
+    /// (bounded, see `accounting::ledger`).
+    fn send_ledger(&mut self, host: &mut impl Host, config: &Policy) {
+        if self.ledger.is_empty() {
+            return;
+        }
+        if self.ticks % LEDGER_TICKS != 0 && self.ledger.rows() < LEDGER_ROWS / 2 {
+            return;
+        }
+        self.ledger.seal();
+        if self.ledger.out().is_none_or(|out| out.token.is_some()) || !self.breaker(host, config).is_closed() {
+            return;
+        }
+        let vm = self.ids.ledger_id(host);
+        let Some(batch) = self.ledger.to_send(&config.domain, &vm) else { return };
+        let timeout = config.companion.timeout.max(BACKGROUND_TIMEOUT);
+        match self.call_companion(host, config, LEDGER_PATH, &batch, timeout, Owner::Root) {
+            Ok(token) => self.ledger.sent(token),
+            Err(why) => host.log(LogLevel::Warn, &format!("llm-ratelimit: cannot send the ledger batch: {why}")),
+        }
+    }
+
     fn requeue(
         &mut self,
         host: &mut impl Host,
@@ -819,6 +860,18 @@ impl ReservationIds {
         push_hex(&mut id, mix(nonce ^ self.counter), 16);
         let digits = (64 - self.counter.leading_zeros()).div_ceil(4).max(1) as usize;
         push_hex(&mut id, self.counter, digits);
+        id
+    }
+}
+
+impl ReservationIds {
+    /// This VM's id in the spend ledger (16 hex digits): its batches are numbered apart
+    /// from every other VM's.
+    fn ledger_id(&mut self, host: &mut impl Host) -> String {
+        let vm = self.vm;
+        let nonce = *self.nonce.get_or_insert_with(|| mix(host.now_nanos() as u64 ^ mix(vm)));
+        let mut id = String::with_capacity(16);
+        push_hex(&mut id, mix(nonce ^ 0x6c65_6467_6572), 16);
         id
     }
 }

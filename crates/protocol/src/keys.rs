@@ -39,6 +39,17 @@ pub const PROVIDER_TENANT: &str = "provider";
 pub const PROVIDER_KIND: &str = "prov";
 pub const PROVIDER_NAME: &str = "words";
 
+/// Kind of an owner's ledger hash for a day (`name`: the day, `YYYYMMDD`): fields
+/// `<model>|<part>` (see `ledger::Spent::parts`), `~label` and `~models`.
+pub const LEDGER_KIND: &str = "ledger";
+/// Kind of the marker of the last ledger batch added for an owner from one proxy worker
+/// (`name`: the worker's id).
+pub const LEDGER_SEQ_KIND: &str = "ledger-seq";
+/// Tenant and kind of a day's index of the owners in the ledger (`name`: the day). No
+/// tenant id is six letters long, and a pool's owner id starts with `p`.
+pub const LEDGER_INDEX_TENANT: &str = "ledger";
+pub const LEDGER_INDEX_KIND: &str = "owners";
+
 /// Shared data: `llmrl.<table>.<domain>.<slot>`. Built without `format!`: a request names
 /// two or three of these, and formatting costs several times the copying.
 fn slot_key(table: &str, domain: &str, slot: u32) -> String {

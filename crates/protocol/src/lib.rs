@@ -6,6 +6,7 @@ use serde::{Deserialize, Serialize};
 pub mod credential;
 pub mod duration;
 pub mod keys;
+pub mod ledger;
 pub mod provider;
 mod tenant_ops;
 

@@ -10,5 +10,6 @@ pub mod calibration;
 pub mod counters;
 pub mod fair_share;
 pub mod lease;
+pub mod ledger;
 pub mod reply_floor;
 pub mod reservation;

@@ -222,8 +222,12 @@ struct RecordState {
     refused_by: Option<String>,
     queued_ms: u64,
     shadow: bool,
+    /// Each pool's claimant charged (`per` a header): its owner id and `<header>=<value>`.
+    pools: Vec<(String, String)>,
     /// Published: a request's record is published once.
     published: bool,
+    /// Added to the worker's spend ledger: once.
+    in_ledger: bool,
 }
 
 /// A request's part in what the provider says of its limits.
@@ -558,6 +562,7 @@ impl RequestFilter {
         let ending = if self.upstream_error { Ending::UpstreamError } else { Ending::Interrupted };
         self.settle(host, worker, &config, ending);
         self.publish_record(host, &config);
+        self.add_to_ledger(host, worker, &config);
     }
 
     // ---- deciding ----
@@ -871,7 +876,11 @@ impl RequestFilter {
         let mut plan = plan(config, self.route.as_ref(), &self.tier, body, &mut learned);
         plan.date(config, now);
         match counters {
-            Ok(counters) => crate::plan::pools::assign(config, &mut plan, &counters),
+            Ok(counters) => {
+                crate::plan::pools::assign(config, &mut plan, &counters);
+                self.recorded.pools =
+                    crate::plan::pools::claimants(config, &counters, |name| host.request_header_values(name));
+            }
             Err(crate::plan::pools::RepeatedHeader(header)) => {
                 self.plan = Some(plan);
                 let verdict = Verdict::Reply(decision::repeated_pool_header(&header, self.dialect));
@@ -1482,6 +1491,7 @@ impl RequestFilter {
         self.note_how_admitted();
         self.settle_admission(host, worker, config, ending);
         self.publish_record(host, config);
+        self.add_to_ledger(host, worker, config);
     }
 
     /// How the request was admitted, for its record (while it holds its admission).
@@ -1555,6 +1565,39 @@ impl RequestFilter {
             shadow: self.recorded.shadow,
         };
         record::publish(host, self.host_kind, config.record, &record);
+    }
+
+    /// Adds what the request's record says it used to the worker's ledger aggregate, under
+    /// its tenant and each pool's claimant: every request with a tenant but a refused one
+    /// (which used nothing), with exactly the record's counts. Only with the companion
+    /// (`store: redis`): the local store keeps no ledger.
+    fn add_to_ledger(&mut self, host: &mut impl Host, worker: &mut Worker, config: &Policy) {
+        if std::mem::replace(&mut self.recorded.in_ledger, true) {
+            return;
+        }
+        if config.store != crate::config::Store::Redis
+            || self.tenant.is_empty()
+            || self.recorded.how == record::How::Refused
+        {
+            return;
+        }
+        let used = self.recorded.used;
+        let mut owners = vec![(self.tenant.as_str(), crate::protocol::ledger::TENANT_LABEL)];
+        owners.extend(self.recorded.pools.iter().map(|(owner, label)| (owner.as_str(), label.as_str())));
+        let entry = crate::accounting::ledger::Entry {
+            owners,
+            model: self.plan.as_ref().map_or("", |p| p.model.as_str()),
+            day: crate::protocol::ledger::day_of_ms(host.now_ms()),
+            used: crate::protocol::ledger::Spent {
+                requests: 1,
+                input_tokens: used.input,
+                output_tokens: used.output,
+                cached_tokens: used.cached,
+                reasoning_tokens: used.reasoning,
+                cost_micro_usd: used.cost_micro_usd,
+            },
+        };
+        worker.ledger.add(&entry);
     }
 
     fn settle_admission(&mut self, host: &mut impl Host, worker: &mut Worker, config: &Policy, ending: Ending) {
@@ -1949,6 +1992,8 @@ fn count_tokens(host: &mut impl Host, config: &Policy, rule: usize, stage: Token
 mod answers_tests;
 #[cfg(test)]
 mod calendar_tests;
+#[cfg(test)]
+mod ledger_tests;
 mod local;
 #[cfg(test)]
 mod local_tests;

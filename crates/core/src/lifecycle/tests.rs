@@ -1598,8 +1598,9 @@ fn a_leased_reply_reads_its_status_once_and_an_idle_tick_reads_no_shared_data() 
         // `:status`, `content-encoding` and `content-type`, each once.
         assert_eq!(calls("response_header") - before, 3, "{kind:?}");
         proxy.tick(Some(&mut companion)); // the reply's lesson taken into the calibration
-                                          // Envoy's lease table is made over the VM's first 16 ticks (1,024 keys each).
-        for _ in 0..16 {
+                                          // Envoy's lease table is made over the VM's first 16 ticks (1,024 keys each);
+                                          // the ledger's aggregate goes out once a second (20 ticks).
+        for _ in 0..40 {
             proxy.tick(Some(&mut companion));
         }
         let before = (calls("shared_get"), calls("shared_set"));
