@@ -7,12 +7,13 @@
 //! Endpoints: `POST /v1/token_bucket` (a charge, of any kind of limit: the path predates
 //! sliding windows and slots), `POST /v1/lease`, `POST /v1/settle`, `POST /v1/touch` and
 //! `POST /v1/release`, `POST /v1/calibration` (JSON in and out, see
-//! `llm_ratelimit_protocol`); for operators, `POST /v1/usage` (where a tenant stands,
-//! charging nothing) and `POST /v1/admin/reset`; `GET /healthz` and `GET /metrics`
+//! `llm_ratelimit_protocol`), `POST /v1/ledger` (a worker's spend-ledger batch, see
+//! `ledger`); for operators, `POST /v1/usage` (where a tenant stands, charging nothing),
+//! `POST /v1/admin/reset` and `GET /v1/admin/spend` (the ledger); `GET /healthz` and `GET /metrics`
 //! (Prometheus). Every endpoint but `/healthz` and `/metrics` requires a credential in
 //! `x-llmrl-token`: a data-plane one for the filter's endpoints, an admin one for usage
 //! and reset (see `credentials`). Each runs `lua/limits.lua` (see `limits`) by EVALSHA, but the
-//! calibration exchange, which runs `lua/calibration.lua`.
+//! calibration exchange, which runs `lua/calibration.lua`, and the ledger (`lua/ledger.lua`).
 
 mod batcher;
 mod calibration;

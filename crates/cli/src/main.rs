@@ -7,6 +7,7 @@ mod check_config;
 mod lint;
 mod package_wasm;
 mod reset;
+mod spend;
 mod tenant;
 mod usage;
 
@@ -32,6 +33,8 @@ enum Command {
     Usage(usage::Args),
     /// Delete a tenant's counters for a policy's limits (the tenant starts afresh).
     Reset(reset::Args),
+    /// The spend ledger over a date range: requests, tokens and cost by tenant, team, model, day.
+    Spend(spend::Args),
 }
 
 fn main() -> ExitCode {
@@ -40,6 +43,7 @@ fn main() -> ExitCode {
         Command::PackageWasm(args) => return package_wasm::run(&args),
         Command::Usage(args) => usage::run(&args),
         Command::Reset(args) => reset::run(&args),
+        Command::Spend(args) => spend::run(&args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
