@@ -50,10 +50,13 @@ fn spent_of(record: &Value) -> Spent {
 }
 
 /// What the records say, summed by (owner, model) as the ledger keeps it: each record
-/// under its tenant and its pool's owner; refused ones add nothing.
+/// under its tenant and its pool's owner; refused ones that used nothing add nothing.
 fn expected(records: &[Value]) -> BTreeMap<(String, String), Spent> {
     let mut sums: BTreeMap<(String, String), Spent> = BTreeMap::new();
-    for record in records.iter().filter(|r| r["decision"] != "refused") {
+    for record in records
+        .iter()
+        .filter(|r| r["decision"] != "refused" || spent_of(r) != Spent { requests: 1, ..Spent::default() })
+    {
         let model = record["model"].as_str().filter(|m| !m.is_empty()).unwrap_or("unknown").to_string();
         let mut owners = vec![record["tenant"].as_str().unwrap().to_string()];
         if let Some(team) = record["owners"]["team-tpm"].as_str() {

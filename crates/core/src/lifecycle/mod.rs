@@ -1568,17 +1568,15 @@ impl RequestFilter {
     }
 
     /// Adds what the request's record says it used to the worker's ledger aggregate, under
-    /// its tenant and each pool's claimant: every request with a tenant but a refused one
-    /// (which used nothing), with exactly the record's counts. Only with the companion
-    /// (`store: redis`): the local store keeps no ledger.
+    /// its tenant and each pool's claimant: every request with a tenant, with exactly the
+    /// record's counts, but a refused one that used nothing (a refusal is not a request
+    /// served). Only with the companion (`store: redis`): the local store keeps no ledger.
     fn add_to_ledger(&mut self, host: &mut impl Host, worker: &mut Worker, config: &Policy) {
         if std::mem::replace(&mut self.recorded.in_ledger, true) {
             return;
         }
-        if config.store != crate::config::Store::Redis
-            || self.tenant.is_empty()
-            || self.recorded.how == record::How::Refused
-        {
+        let refused = self.recorded.how == record::How::Refused && self.recorded.used == record::Used::default();
+        if config.store != crate::config::Store::Redis || self.tenant.is_empty() || refused {
             return;
         }
         let used = self.recorded.used;
