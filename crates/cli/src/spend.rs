@@ -89,20 +89,7 @@ pub fn run(args: &Args) -> Result<(), String> {
     );
     let config = ureq::Agent::config_builder().http_status_as_error(false).timeout_global(Some(args.timeout)).build();
     let agent = ureq::Agent::new_with_config(config);
-    let mut response = agent
-        .get(&url)
-        .header(TOKEN_HEADER, &token)
-        .call()
-        .map_err(|e| format!("cannot reach the companion at {url}: {e}"))?;
-    let status = response.status();
-    let body = response.body_mut().read_to_string().map_err(|e| format!("reading the companion's answer: {e}"))?;
-    if !status.is_success() {
-        let message = serde_json::from_str::<serde_json::Value>(&body)
-            .ok()
-            .and_then(|v| v.get("error").and_then(|e| e.as_str()).map(str::to_string))
-            .unwrap_or(body);
-        return Err(format!("the companion answered {}: {message}", status.as_u16()));
-    }
+    let body = crate::tenant::answer_body(&url, agent.get(&url).header(TOKEN_HEADER, &token).call())?;
     let reply: SpendReply =
         serde_json::from_str(&body).map_err(|e| format!("unexpected answer from the companion: {e}"))?;
     print!("{}", render(&reply, args.format)?);

@@ -143,20 +143,8 @@ impl TenantArgs {
             ureq::Agent::config_builder().http_status_as_error(false).timeout_global(Some(self.timeout)).build();
         let agent = ureq::Agent::new_with_config(config);
         let url = format!("{}{path}", self.companion.trim_end_matches('/'));
-        let mut response = agent
-            .post(&url)
-            .header(TOKEN_HEADER, &resolved.token)
-            .send_json(&resolved.request)
-            .map_err(|e| format!("cannot reach the companion at {url}: {e}"))?;
-        let status = response.status();
-        let body = response.body_mut().read_to_string().map_err(|e| format!("reading the companion's answer: {e}"))?;
-        if !status.is_success() {
-            let message = serde_json::from_str::<serde_json::Value>(&body)
-                .ok()
-                .and_then(|v| v.get("error").and_then(|e| e.as_str()).map(str::to_string))
-                .unwrap_or(body);
-            return Err(format!("the companion answered {}: {message}", status.as_u16()));
-        }
+        let sent = agent.post(&url).header(TOKEN_HEADER, &resolved.token).send_json(&resolved.request);
+        let body = answer_body(&url, sent)?;
         serde_json::from_str(&body).map_err(|e| format!("unexpected answer from the companion: {e}"))
     }
 }
@@ -178,6 +166,25 @@ fn spec(limit: &Limit) -> LimitSpec {
         kind: limit.kind,
         period_bounds_ms: limit.period_bounds_ms(now_ms()),
     }
+}
+
+/// The body of the companion's answer to a call to `url`: its error in words when the call
+/// failed or the status is not a success (the companion's `error` field, else the body).
+pub(crate) fn answer_body(
+    url: &str,
+    sent: Result<ureq::http::Response<ureq::Body>, ureq::Error>,
+) -> Result<String, String> {
+    let mut response = sent.map_err(|e| format!("cannot reach the companion at {url}: {e}"))?;
+    let status = response.status();
+    let body = response.body_mut().read_to_string().map_err(|e| format!("reading the companion's answer: {e}"))?;
+    if !status.is_success() {
+        let message = serde_json::from_str::<serde_json::Value>(&body)
+            .ok()
+            .and_then(|v| v.get("error").and_then(|e| e.as_str()).map(str::to_string))
+            .unwrap_or(body);
+        return Err(format!("the companion answered {}: {message}", status.as_u16()));
+    }
+    Ok(body)
 }
 
 #[cfg(test)]

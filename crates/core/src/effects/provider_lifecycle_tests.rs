@@ -110,26 +110,26 @@ fn a_spent_quota_is_answered_until_its_reset_in_anthropics_shape() {
     }
 }
 
+/// A Gemini `generateContent` request, its key where Google reads it.
+fn gemini_request() -> Request {
+    let body = r#"{"contents":[{"role":"user","parts":[{"text":"hi"}]}]}"#;
+    let mut request = Request::chat("g", body);
+    request.headers.retain(|(n, _)| n != "authorization" && n != ":path");
+    request.header(":path", "/v1beta/models/gemini-2.5-flash:generateContent").header("x-goog-api-key", "AIza-test")
+}
+
 #[test]
 fn googles_retry_time_is_read_from_the_error_body() {
     for kind in HOSTS {
         let world = World::new(kind);
         let mut proxy = Proxy::new(&world, &config(false));
         let mut companion = FakeCompanion::default();
-        let gemini = || {
-            let body = r#"{"contents":[{"role":"user","parts":[{"text":"hi"}]}]}"#;
-            let mut request = Request::chat("g", body);
-            request.headers.retain(|(n, _)| n != "authorization" && n != ":path");
-            request
-                .header(":path", "/v1beta/models/gemini-2.5-flash:generateContent")
-                .header("x-goog-api-key", "AIza-test")
-        };
-        let mut first = proxy.send(gemini(), &mut companion);
+        let mut first = proxy.send(gemini_request(), &mut companion);
         assert!(first.forwarded());
         let error = r#"{"error":{"code":429,"message":"Resource has been exhausted","status":"RESOURCE_EXHAUSTED","details":[{"@type":"type.googleapis.com/google.rpc.RetryInfo","retryDelay":"22s"}]}}"#;
         let (a, b) = error.split_at(40);
         proxy.reply_with_headers(&mut first, 429, "application/json", &[], &[a.as_bytes(), b.as_bytes()]);
-        let second = proxy.send(gemini(), &mut companion);
+        let second = proxy.send(gemini_request(), &mut companion);
         let answered = second.replied().expect("answered here");
         let body: Value = serde_json::from_str(&answered.body).expect("json");
         assert_eq!(body["error"]["status"], "RESOURCE_EXHAUSTED", "{kind:?}: Google's shape");
@@ -149,19 +149,11 @@ fn googles_retry_time_is_read_whatever_shape_the_answers_take() {
         written["error_format"] = json!("openai");
         let mut proxy = Proxy::new(&world, &written.to_string());
         let mut companion = FakeCompanion::default();
-        let gemini = || {
-            let body = r#"{"contents":[{"role":"user","parts":[{"text":"hi"}]}]}"#;
-            let mut request = Request::chat("g", body);
-            request.headers.retain(|(n, _)| n != "authorization" && n != ":path");
-            request
-                .header(":path", "/v1beta/models/gemini-2.5-flash:generateContent")
-                .header("x-goog-api-key", "AIza-test")
-        };
-        let mut first = proxy.send(gemini(), &mut companion);
+        let mut first = proxy.send(gemini_request(), &mut companion);
         assert!(first.forwarded());
         let error = r#"{"error":{"code":429,"message":"Resource has been exhausted","status":"RESOURCE_EXHAUSTED","details":[{"@type":"type.googleapis.com/google.rpc.RetryInfo","retryDelay":"22s"}]}}"#;
         proxy.reply_with_headers(&mut first, 429, "application/json", &[], &[error.as_bytes()]);
-        let second = proxy.send(gemini(), &mut companion);
+        let second = proxy.send(gemini_request(), &mut companion);
         let answered = second.replied().expect("answered here, from the provider's retry time");
         let body: Value = serde_json::from_str(&answered.body).expect("json");
         assert_eq!(body["error"]["code"], "rate_limit_exceeded", "{kind:?}: OpenAI's shape, as configured");
