@@ -161,29 +161,72 @@ impl Record<'_> {
         ]
     }
 
-    /// The record as one JSON object (fields named without the prefix).
+    /// The record as one JSON object (fields named without the prefix), keys in order.
+    /// Written straight into one string: every request publishes it, and a tree of values
+    /// would cost some thirty allocations each time.
     pub fn json(&self) -> String {
-        let owners: serde_json::Map<String, serde_json::Value> =
-            self.owners.iter().map(|(limit, owner)| (limit.to_string(), serde_json::Value::from(*owner))).collect();
-        serde_json::json!({
-            "tenant": self.tenant,
-            "owners": owners,
-            "provider": self.provider.map(provider_name),
-            "api": self.api.map(api_name),
-            "model": self.model,
-            "input_tokens": self.used.input,
-            "output_tokens": self.used.output,
-            "cached_tokens": self.used.cached,
-            "reasoning_tokens": self.used.reasoning,
-            "cost_micro_usd": self.used.cost_micro_usd,
-            "decision": self.how.name(),
-            "refused_by": self.refused_by,
-            "queued_ms": self.queued_ms,
-            "overflow": self.overflow,
-            "shadow": self.shadow,
-        })
-        .to_string()
+        let mut out = String::with_capacity(360 + self.model.len() + self.tenant.len());
+        let mut owners: Vec<&(&str, &str)> = self.owners.iter().collect();
+        owners.sort_unstable_by_key(|(limit, _)| *limit);
+        out.push_str("{\"api\":");
+        push_text(&mut out, self.api.map(api_name));
+        let _ = write!(
+            out,
+            ",\"cached_tokens\":{},\"cost_micro_usd\":{},\"decision\":\"{}\",\"input_tokens\":{},\"model\":",
+            self.used.cached,
+            self.used.cost_micro_usd,
+            self.how.name(),
+            self.used.input
+        );
+        push_text(&mut out, Some(self.model));
+        let _ = write!(out, ",\"output_tokens\":{},\"overflow\":", self.used.output);
+        push_text(&mut out, self.overflow);
+        out.push_str(",\"owners\":{");
+        for (i, (limit, owner)) in owners.into_iter().enumerate() {
+            if i > 0 {
+                out.push(',');
+            }
+            push_text(&mut out, Some(limit));
+            out.push(':');
+            push_text(&mut out, Some(owner));
+        }
+        out.push_str("},\"provider\":");
+        push_text(&mut out, self.provider.map(provider_name));
+        let _ = write!(
+            out,
+            ",\"queued_ms\":{},\"reasoning_tokens\":{},\"refused_by\":",
+            self.queued_ms, self.used.reasoning
+        );
+        push_text(&mut out, self.refused_by);
+        let _ = write!(out, ",\"shadow\":{},\"tenant\":", self.shadow);
+        push_text(&mut out, Some(self.tenant));
+        out.push('}');
+        out
     }
+}
+
+/// `text` as a JSON string (`null` for none): quotes, backslashes and control characters
+/// escaped, since a model name is the client's to choose.
+fn push_text(out: &mut String, text: Option<&str>) {
+    let Some(text) = text else {
+        out.push_str("null");
+        return;
+    };
+    out.push('"');
+    for c in text.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            c if u32::from(c) < 0x20 => {
+                let _ = write!(out, "\\u{:04x}", u32::from(c));
+            }
+            c => out.push(c),
+        }
+    }
+    out.push('"');
 }
 
 /// Where a property named `name` lives on `kind`: Envoy keeps it as filter state

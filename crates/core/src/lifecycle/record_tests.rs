@@ -160,3 +160,36 @@ fn a_request_decided_locally_records_the_degraded_mode() {
         assert_eq!((record["decision"].as_str(), record["output_tokens"].as_u64()), (Some("degraded"), Some(41)));
     }
 }
+
+/// The record is written by hand (one string, no tree of values): it must read back as the
+/// same JSON object serde would write, keys in order, whatever a client puts in the model
+/// name or a pool header (quotes, backslashes, control characters, non-ASCII).
+#[test]
+fn the_json_record_is_exact_json_whatever_the_names() {
+    use crate::lifecycle::record::{How, Record, Used};
+    for model in ["gpt-4o", "a\"b\\c\nd\u{1}e\u{7f}é😀", ""] {
+        let record = Record {
+            tenant: "0123456789abcdef0123456789abcdef",
+            owners: vec![("team-tpm", "team \"a\""), ("org-usd", "org\\1")],
+            provider: Some(crate::providers::Provider::Anthropic),
+            api: Some(crate::api::Api::Messages),
+            model,
+            used: Used { input: 1, output: 2, cached: 3, reasoning: 4, cost_micro_usd: u64::MAX },
+            how: How::Leased,
+            refused_by: None,
+            queued_ms: 7,
+            overflow: Some("backup"),
+            shadow: true,
+        };
+        let text = record.json();
+        let parsed: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}"));
+        let expected = json!({
+            "tenant": "0123456789abcdef0123456789abcdef", "owners": {"team-tpm": "team \"a\"", "org-usd": "org\\1"},
+            "provider": "anthropic", "api": "messages", "model": model, "input_tokens": 1, "output_tokens": 2,
+            "cached_tokens": 3, "reasoning_tokens": 4, "cost_micro_usd": u64::MAX, "decision": "lease",
+            "refused_by": null, "queued_ms": 7, "overflow": "backup", "shadow": true,
+        });
+        assert_eq!(parsed, expected);
+        assert_eq!(text, expected.to_string(), "written as serde writes it, keys in order");
+    }
+}
