@@ -28,7 +28,6 @@ fn policy(extra: Value) -> String {
     config(limits, extra)
 }
 
-/// The request's published record.
 /// The request's record as last published (on Nginx it is published as the response
 /// begins too, at the reservation: the settled one comes last).
 fn record_of(flight: &InFlight) -> Value {
@@ -215,4 +214,27 @@ fn the_local_store_keeps_no_ledger() {
     proxy.reply(&mut flight, 200, "application/json", &[&usage_reply(9, 41)]);
     ticks(&mut proxy, &mut nobody, 40);
     assert!(proxy.root.callouts.is_empty() && nobody.calls.is_empty());
+}
+
+/// Keys a client invents are refused by the upstream (401, 403): such a request did no work
+/// and is refunded, and it adds nothing to the ledger, whose rows Redis keeps for the
+/// retention (a year): a row per invented key would grow Redis with what clients invent.
+#[test]
+fn a_request_whose_credential_the_upstream_refused_adds_nothing() {
+    for kind in HOSTS {
+        let world = World::new(kind);
+        let mut proxy = Proxy::new(&world, &policy(json!({})));
+        let mut companion = FakeCompanion::default();
+        for (key, status) in [("sk-invented-1", 401), ("sk-invented-2", 403), ("sk-real", 200)] {
+            let mut flight = proxy.send(Request::chat(key, &chat("gpt-4o")), &mut companion);
+            assert!(flight.forwarded(), "{kind:?}");
+            let body =
+                if status == 200 { usage_reply(9, 41) } else { r#"{"error":{"message":"bad key"}}"#.to_string() };
+            proxy.reply(&mut flight, status, "application/json", &[&body]);
+        }
+        ticks(&mut proxy, &mut companion, 20);
+        let owners: Vec<String> = ledger_of(&companion).into_keys().map(|(owner, _)| owner).collect();
+        let real = crate::api::identity::tenant_id("sk-real");
+        assert_eq!(owners, [real], "{kind:?}: only the key the upstream took");
+    }
 }

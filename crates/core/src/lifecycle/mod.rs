@@ -1576,7 +1576,10 @@ impl RequestFilter {
             return;
         }
         let refused = self.recorded.how == record::How::Refused && self.recorded.used == record::Used::default();
-        if config.store != crate::config::Store::Redis || self.tenant.is_empty() || refused {
+        // A credential the upstream refused did no work and is refunded; its row would
+        // keep an id a client may have invented in Redis for the retention.
+        let invented = self.credential_refused && self.phase == Phase::Forwarded;
+        if config.store != crate::config::Store::Redis || self.tenant.is_empty() || refused || invented {
             return;
         }
         let used = self.recorded.used;
