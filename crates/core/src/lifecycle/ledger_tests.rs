@@ -123,10 +123,13 @@ fn every_request_adds_exactly_its_record_under_its_tenant_and_its_team() {
         assert!(records.iter().any(|r| r["cached_tokens"] == 100 && r["reasoning_tokens"] == 12), "{records:?}");
         ticks(&mut proxy, &mut companion, 20);
         assert_eq!(ledger_of(&companion), expected(&records), "{kind:?}");
-        // A team's rows carry its header and value; a tenant's say so; all dated today (UTC).
+        // A team's rows carry its header and its owner id, never the value in clear; a
+        // tenant's say so; all dated today (UTC).
         let labels: Vec<&str> = companion.ledger.keys().map(|(_, label, _, _)| label.as_str()).collect();
+        let team = |value: &str| format!("x-team={}", crate::plan::pools::pool_owner("x-team", value));
+        assert!(labels.contains(&team("team-a").as_str()) && labels.contains(&team("team-b").as_str()));
         assert!(
-            labels.contains(&"x-team=team-a") && labels.contains(&"x-team=team-b") && labels.contains(&TENANT_LABEL)
+            labels.contains(&TENANT_LABEL) && labels.iter().all(|l| !l.contains("team-a") && !l.contains("team-b"))
         );
         assert!(companion.ledger.keys().all(|(_, _, _, day)| *day == day_of_ms(proxy.now())));
         assert_eq!(companion.ledger_batches.len(), 1, "{kind:?}: one batch for the second");

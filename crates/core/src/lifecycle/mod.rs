@@ -878,8 +878,7 @@ impl RequestFilter {
         match counters {
             Ok(counters) => {
                 crate::plan::pools::assign(config, &mut plan, &counters);
-                self.recorded.pools =
-                    crate::plan::pools::claimants(config, &counters, |name| host.request_header_values(name));
+                self.recorded.pools = crate::plan::pools::claimants(config, &counters);
             }
             Err(crate::plan::pools::RepeatedHeader(header)) => {
                 self.plan = Some(plan);

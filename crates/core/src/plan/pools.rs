@@ -104,25 +104,18 @@ pub fn counters(
 }
 
 /// The distinct pool claimants of a request (limits counted per a header that it was
-/// charged on): each owner id with `<header>=<value>`, the value as counted (the
-/// header's, trimmed, or the limit's default), for the spend ledger. At most one per limit.
-pub fn claimants(
-    config: &Policy,
-    counters: &[Counter],
-    mut header_values: impl FnMut(&str) -> Vec<String>,
-) -> Vec<(String, String)> {
+/// charged on): each owner id with `<header>=<owner id>`, for the spend ledger. At most
+/// one per limit.
+pub fn claimants(config: &Policy, counters: &[Counter]) -> Vec<(String, String)> {
     let mut found: Vec<(String, String)> = Vec::new();
     for (limit, counter) in config.limits.iter().zip(counters) {
-        let (Per::Header { name, default }, Counter::Pool { owner, .. }) = (&limit.per, counter) else { continue };
+        let (Per::Header { name, .. }, Counter::Pool { owner, .. }) = (&limit.per, counter) else { continue };
         if found.iter().any(|(known, _)| known == owner) {
             continue;
         }
-        let values = header_values(name);
-        let value = match values.as_slice() {
-            [one] if !one.trim().is_empty() => one.trim().to_string(),
-            _ => default.clone().unwrap_or_default(),
-        };
-        found.push((owner.clone(), format!("{name}={value}")));
+        // Labelled by the owner's id, never the header's value: a pool's value (a team's
+        // name) is never kept in clear in Redis, as its counters' keys are not.
+        found.push((owner.clone(), format!("{name}={owner}")));
     }
     found
 }
