@@ -9,6 +9,7 @@
 use crate::config::{Per, Policy};
 use crate::plan::charge::ChargePlan;
 use crate::protocol::keys::{ALL_OWNER, POOL_OWNER_PREFIX};
+use crate::protocol::plans::END_USER_OWNER_PREFIX;
 use crate::protocol::FairClaim;
 use sha2::{Digest, Sha256};
 
@@ -38,7 +39,26 @@ pub fn pool_owner(header: &str, value: &str) -> String {
         .chain_update(b"\0")
         .chain_update(value.as_bytes())
         .finalize();
-    let mut id = String::from(POOL_OWNER_PREFIX);
+    owner_id(POOL_OWNER_PREFIX, &digest)
+}
+
+/// The owner id of end user `user` of tenant `tenant` (a shared key's user, see
+/// `Per::EndUser`): as a pool's, over the tenant id and the user, after
+/// `END_USER_OWNER_PREFIX`. The tenant is part of it, so two keys' users of one name are
+/// two owners, and a user never reaches another key's counters.
+pub fn end_user_owner(tenant: &str, user: &str) -> String {
+    let digest = Sha256::new()
+        .chain_update(b"llm-ratelimit/end-user/v1\0")
+        .chain_update(tenant.as_bytes())
+        .chain_update(b"\0")
+        .chain_update(user.as_bytes())
+        .finalize();
+    owner_id(END_USER_OWNER_PREFIX, &digest)
+}
+
+fn owner_id(prefix: &str, digest: &[u8]) -> String {
+    let mut id = String::with_capacity(33);
+    id.push_str(prefix);
     for nibble in digest.iter().take(16).flat_map(|b| [b >> 4, b & 0xf]) {
         id.push(char::from_digit(u32::from(nibble), 16).unwrap_or('0'));
     }
