@@ -21,11 +21,14 @@
 --             owners (a tenant's own, a team's pool, the upstream's quota: the
 --             companion's keys say whose), all charged or none, in this one call; on a
 --             cluster the companion splits such a call by owner (companion/src/pools.rs).
+-- KEYS[last m] with `plans` = m: the plans of the call's owners (a hash each, see
+--             "Plans"), each in its owner's hash slot; limits name theirs by number.
 --
 -- ARGV[1]     one JSON object with named fields; a field the op does not take is an
 --             error, so a misspelt name fails loudly instead of being ignored:
 --   op                  "charge", "settle", "lease", "touch", "release", "peek" or
 --                       "reset"
+--   plans               optional, every op: how many of the last KEYS are plans (m >= 0)
 --   reservation_ttl_ms  charge, optional: how long the reservation record lives (ms;
 --                       absent or 0: no record)
 --   share               lease, required: the share of what is left that one grant may
@@ -48,6 +51,8 @@
 --                        period's nominal length (unused)
 --     bounds      cal only, required: the period boundaries (ms since the epoch), 2 to 8
 --                 ascending numbers, as the proxy's clock places them (see "Calendar")
+--     plan        optional: {at, name}, the limit owner's plan (KEYS[#KEYS - m + at],
+--                 1 <= at <= m) and the limit's name in it (see "Plans")
 --     and, by op:
 --     charge   cost      what the call costs (>= 0; slots: 1); a cost of 0 charges
 --                        nothing but still refuses while the limit is overdrawn
@@ -119,12 +124,22 @@
 -- Batches let the companion settle many reservations in one round trip; each settlement
 -- in a batch is applied at most once exactly as alone (its reservation record decides).
 --
+-- Plans: an owner's limits changed at runtime (crates/protocol/src/plans.rs has the
+-- format). A plan's hash holds `cap:<name>` (the limit's capacity for this owner, 0: it
+-- refuses whatever costs anything), `suspended` (a reason), `expires_ms` and `at_expiry`
+-- ("revert", the default, or "suspend"). It is read in the call that charges, so a change
+-- holds from every proxy's next call. charge, lease, settle and peek apply the capacities
+-- (a settlement's refund is capped by the capacity the owner has now); an expired plan is
+-- no plan, or a suspension if at_expiry is "suspend" (by Redis's clock: TIME). A charge
+-- or lease that names a suspended owner's plan writes nothing and replies
+-- { -1, reason, i }: i the first such limit (0-based); the other ops go on.
+--
 -- Reply  { done, {status, limit, remaining, reset_after_ms, retry_after_ms, charged} per limit }
 --          done            charge: 1 if charged; settle: 1 if applied; lease: 1 if granted;
 --                          touch, release, peek: 1; reset: how many keys existed
 --          status          1 room, 0 not now, -1 never (cost > capacity); settle, touch,
 --                          release: 1
---          limit           the capacity
+--          limit           the capacity (the plan's, if it sets one)
 --          remaining       whole tokens (free slots) left, after the call if done
 --          reset_after_ms  time until the limit is full again (slots: 0)
 --          retry_after_ms  time until the limit has room for the cost (slots: until the
@@ -601,6 +616,70 @@ local function fair_correct(key, id, credit, window_ms)
 end
 
 --------------------------------------------------------------------------------------------
+-- Plans (see the header). A call reads each plan key once, whatever limits name it.
+--------------------------------------------------------------------------------------------
+
+local EXPIRED_REASON = 'the plan expired'
+
+-- The plan in `key` as it stands now: {caps, suspended}, or nil (none, or expired back to
+-- the config's limits).
+local function read_plan(key)
+  local fields = redis.call('HGETALL', key)
+  if #fields == 0 then
+    return nil
+  end
+  local plan, expires_ms, at_expiry = { caps = {} }, nil, nil
+  for i = 1, #fields, 2 do
+    local field, value = fields[i], fields[i + 1]
+    if string.sub(field, 1, 4) == 'cap:' then
+      plan.caps[string.sub(field, 5)] = tonumber(value)
+    elseif field == 'suspended' then
+      plan.suspended = value
+    elseif field == 'expires_ms' then
+      expires_ms = tonumber(value)
+    elseif field == 'at_expiry' then
+      at_expiry = value
+    end
+  end
+  if expires_ms and expires_ms <= now_ms then
+    if at_expiry == 'suspend' then
+      return { caps = {}, suspended = plan.suspended or EXPIRED_REASON }
+    end
+    return nil
+  end
+  return plan
+end
+
+-- Applies the plans to the limits that name one: their capacities; returns the index
+-- (0-based) of the first limit whose owner is suspended, and the reason, or nil. A
+-- capacity of 0 closes the limit (`closed`): the drivers keep working on the config's
+-- capacity (none of their arithmetic divides by 0), and admit refuses any cost.
+local function apply_plans(limits, plan_keys)
+  local read, suspended_at, reason = {}, nil, nil
+  for i, l in ipairs(limits) do
+    if l.plan then
+      local at = l.plan.at
+      if read[at] == nil then
+        read[at] = read_plan(plan_keys[at]) or false
+      end
+      local plan = read[at]
+      if plan then
+        local capacity = plan.caps[l.plan.name]
+        if capacity == 0 then
+          l.closed = true
+        elseif capacity and capacity > 0 then
+          l.capacity = capacity
+        end
+        if plan.suspended and not suspended_at then
+          suspended_at, reason = i - 1, plan.suspended
+        end
+      end
+    end
+  end
+  return suspended_at, reason
+end
+
+--------------------------------------------------------------------------------------------
 -- Ops. Each names the fields it takes (true: required, false: optional; all numbers),
 -- whether it is about the tenant rather than one request (tenant_wide: no member key),
 -- checks what the fields alone cannot say, and runs over the limits, already checked:
@@ -623,7 +702,7 @@ local function admit(limits, grants, required, least)
     local enforced = l.shadow ~= 1
     if l.look_only == 1 then
       l.status = 1
-    elseif least[i] > l.capacity then
+    elseif least[i] > l.capacity or (l.closed and required[i] > 0) then
       l.status = -1
       done = enforced and 0 or done
     elseif l.level < required[i] then
@@ -742,6 +821,7 @@ end
 local ops = {}
 
 ops.charge = {
+  refused_when_suspended = true,
   args = { reservation_ttl_ms = false },
   limit = { cost = true, min_cost = false, look_only = false, shadow = false },
   fair = true,
@@ -796,6 +876,7 @@ ops.charge = {
 }
 
 ops.lease = {
+  refused_when_suspended = true,
   args = { share = true },
   limit = { wanted = true, needed = false, look_only = false },
   check_args = function(args)
@@ -991,8 +1072,8 @@ local function is_array(value)
   return fields == #value
 end
 
-local TOP = { op = true, limits = true }
-local PER_LIMIT = { kind = true, capacity = true, window_ms = true, bounds = true, fair = true }
+local TOP = { op = true, limits = true, plans = true }
+local PER_LIMIT = { kind = true, capacity = true, window_ms = true, bounds = true, fair = true, plan = true }
 
 -- A calendar budget's bounds (2 to 8 ascending numbers); other kinds have none. Returns
 -- a problem, or nil.
@@ -1015,6 +1096,40 @@ local function check_bounds(spec, where)
 end
 
 local FAIR = { id = true, weight = true, max = true, idle_ms = true }
+local PLAN = { at = true, name = true }
+
+-- Whether `value`, found at `where`, is an object of the `fields` only. Returns a
+-- problem, or nil.
+local function check_object(value, where, fields)
+  if type(value) ~= 'table' then
+    return where .. ' must be an object, got ' .. shown(value)
+  end
+  for name in pairs(value) do
+    if not fields[name] then
+      return 'unknown field ' .. where .. '.' .. tostring(name)
+    end
+  end
+end
+
+-- A limit's plan: {at, name}, at naming one of the call's `plans` plan keys. Returns a
+-- problem, or nil.
+local function check_plan(spec, where, plans)
+  local plan = spec.plan
+  if plan == nil then
+    return nil
+  end
+  where = where .. 'plan'
+  local problem = check_object(plan, where, PLAN)
+  if problem then
+    return problem
+  end
+  if not is_number(plan.at) or plan.at % 1 ~= 0 or plan.at < 1 or plan.at > plans then
+    return where .. '.at must name one of the ' .. plans .. ' plan keys (1 to ' .. plans .. '), got ' .. shown(plan.at)
+  end
+  if type(plan.name) ~= 'string' or #plan.name < 1 or #plan.name > 64 then
+    return where .. '.name must be a limit name (1 to 64 characters), got ' .. shown(plan.name)
+  end
+end
 
 -- A fair pool's claimant (charge only, a token bucket or a sliding window). Returns a
 -- problem, or nil.
@@ -1030,13 +1145,9 @@ local function check_fair(spec, where, op)
   if spec.kind ~= 'tb' and spec.kind ~= 'sw' then
     return where .. ' needs a token bucket or a sliding window (kind "tb" or "sw")'
   end
-  if type(fair) ~= 'table' then
-    return where .. ' must be an object, got ' .. shown(fair)
-  end
-  for name in pairs(fair) do
-    if not FAIR[name] then
-      return 'unknown field ' .. where .. '.' .. tostring(name)
-    end
+  local problem = check_object(fair, where, FAIR)
+  if problem then
+    return problem
   end
   if type(fair.id) ~= 'string' or #fair.id < 1 or #fair.id > 64 or string.find(fair.id, '[^%w_.:-]') then
     return where .. '.id must be 1 to 64 letters, digits or "_.:-", got ' .. shown(fair.id)
@@ -1071,10 +1182,16 @@ local function parse(args, keys)
   if not is_array(given) then
     return nil, nil, 'limits must be a non-empty array, got ' .. shown(given)
   end
-  local n = #given
-  if #keys < n or #keys > n + 2 then
-    return nil, nil, n .. ' limits need ' .. n .. ' to ' .. (n + 2) .. ' keys, got ' .. #keys
+  local plans = args.plans or 0
+  if not is_number(plans) or plans % 1 ~= 0 or plans < 0 then
+    return nil, nil, 'plans must be a whole number >= 0, got ' .. shown(args.plans)
   end
+  local n = #given
+  if #keys < n + plans or #keys > n + 2 + plans then
+    return nil, nil, n .. ' limits and ' .. plans .. ' plans need ' .. (n + plans) .. ' to ' .. (n + 2 + plans)
+      .. ' keys, got ' .. #keys
+  end
+  local own_keys = #keys - plans
   local limits = {}
   for i, spec in ipairs(given) do
     local where = 'limits[' .. (i - 1) .. '].'
@@ -1088,7 +1205,7 @@ local function parse(args, keys)
     if type(spec.kind) ~= 'string' or not drivers[spec.kind] then
       return nil, nil, where .. 'kind must be "tb", "sw", "slots" or "cal", got ' .. shown(spec.kind)
     end
-    problem = check_bounds(spec, where) or check_fair(spec, where, op)
+    problem = check_bounds(spec, where) or check_fair(spec, where, op) or check_plan(spec, where, plans)
     if problem then
       return nil, nil, problem
     end
@@ -1097,7 +1214,7 @@ local function parse(args, keys)
         return nil, nil, where .. name .. ' must be a number > 0, got ' .. shown(spec[name])
       end
     end
-    local l = { key = keys[i], member = keys[n + 1], driver = drivers[spec.kind], status = 1, retry = 0, charged = 0 }
+    local l = { key = keys[i], member = own_keys > n and keys[n + 1] or nil, driver = drivers[spec.kind], status = 1, retry = 0, charged = 0 }
     for name, value in pairs(spec) do
       l[name] = value
     end
@@ -1120,18 +1237,34 @@ end
 
 -- Runs one parsed call over its keys: its reply, or an error reply (a table with `err`).
 local function run(args, op, limits, keys)
-  local n = #limits
+  local n, plans = #limits, args.plans or 0
   local misplaced = place_periods(limits)
   if misplaced then
     return { err = 'ERR limits: ' .. misplaced }
   end
-  local done = op.run(limits, args, { reservation = keys[n + 1], cancel_marker = keys[n + 2] })
+  local own_keys = #keys - plans
+  local plan_keys = {}
+  for j = 1, plans do
+    plan_keys[j] = keys[own_keys + j]
+  end
+  local suspended_at, reason = apply_plans(limits, plan_keys)
+  if suspended_at and op.refused_when_suspended then
+    return { -1, reason, suspended_at }
+  end
+  local done = op.run(limits, args, {
+    reservation = own_keys > n and keys[n + 1] or nil,
+    cancel_marker = own_keys > n + 1 and keys[n + 2] or nil,
+  })
   if type(done) == 'table' then
     return done
   end
   local reply = { done }
   for i, l in ipairs(limits) do
-    reply[i + 1] = { l.status, l.capacity, math.max(0, math.floor(l.level)), l.driver.reset_after(l), l.retry, l.charged }
+    local capacity, level = l.capacity, math.max(0, math.floor(l.level))
+    if l.closed then
+      capacity, level = 0, 0
+    end
+    reply[i + 1] = { l.status, capacity, level, l.driver.reset_after(l), l.retry, l.charged }
   end
   return reply
 end

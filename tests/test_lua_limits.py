@@ -368,7 +368,7 @@ TB5 = {"kind": "tb", "capacity": 5, "window_ms": 1000}
         ([], "expected one argument, a JSON object"),
         ([argv_of({**TB5})], "limits[0].cost must be a number, got nothing"),
         ([argv_of({**TB5, "cost": 1}, op="refund")], 'op must be "charge", "settle", "lease", "touch", "release", "peek" or "reset", got "refund"'),
-        ([argv_of({**TB5, "cost": 1}, {**TB5, "cost": 1})], "2 limits need 2 to 4 keys, got 1"),
+        ([argv_of({**TB5, "cost": 1}, {**TB5, "cost": 1})], "2 limits and 0 plans need 2 to 4 keys, got 1"),
         ([argv_of({**TB5, "capacity": 0, "cost": 1})], "limits[0].capacity must be a number > 0, got 0"),
         ([argv_of({**TB5, "window_ms": 0, "cost": 1})], "limits[0].window_ms must be a number > 0, got 0"),
         ([argv_of({**TB5, "cost": -1, "min_cost": 0})], "limits[0].cost must be >= 0, got -1"),

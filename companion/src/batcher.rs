@@ -299,7 +299,7 @@ mod tests {
 
     fn waiting(name: &str, age: Duration) -> Waiting {
         let since = Instant::now().checked_sub(age).unwrap_or_else(Instant::now);
-        let call = Call { op: limits::Op::Charge, keys: vec![name.to_string()], argument: String::new() };
+        let call = Call { op: limits::Op::Charge, keys: vec![name.to_string()], argument: String::new(), plans: 0 };
         Waiting { call, since, reply: oneshot::channel().0 }
     }
 

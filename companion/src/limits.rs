@@ -3,21 +3,24 @@
 //! settlement, a touch, a release, a peek or a reset, and the script's reply back to JSON.
 
 use llm_ratelimit_protocol::keys::{redis_key as key, CANCEL_KIND, ONCE_KIND, RESERVATION_KIND};
+use llm_ratelimit_protocol::plans::{PLAN_KIND, PLAN_NAME};
 use llm_ratelimit_protocol::{
     ChargeRequest, FairClaim, LeaseRequest, LimitKind, LimitOutcome, LimitStatus, LimitUsage, LimitsReply, Settlement,
-    TenantLimits, UsageReply,
+    Suspension, TenantLimits, UsageReply,
 };
 use redis::Value;
 use serde::Serialize;
 
 pub const SOURCE: &str = include_str!("../../lua/limits.lua");
 
-/// A script call: its op, its keys, and its one argument (ARGV[1], a JSON object).
+/// A script call: its op, its keys, and its one argument (ARGV[1], a JSON object). The
+/// last `plans` keys are the owners' plans (see the script's "Plans").
 #[derive(Debug, Clone)]
 pub struct Call {
     pub op: Op,
     pub keys: Vec<String>,
     pub argument: String,
+    pub plans: usize,
 }
 
 /// What the script is asked to do.
@@ -35,6 +38,12 @@ pub enum Op {
 }
 
 impl Op {
+    /// Whether the op reads the owners' plans: those that weigh a limit's capacity (a
+    /// settlement's refund is capped by it), not those about slots or keys alone.
+    fn reads_plans(self) -> bool {
+        matches!(self, Op::Charge | Op::Lease | Op::Settle | Op::Peek)
+    }
+
     /// The op's name, as the script knows it.
     pub fn name(self) -> &'static str {
         match self {
@@ -67,7 +76,14 @@ struct Arguments<'a> {
     /// settle, 1: the debits stand in for the record's charge, which was never answered.
     #[serde(skip_serializing_if = "Option::is_none")]
     stand_in: Option<u8>,
+    /// How many of the last keys are plans (absent: none).
+    #[serde(skip_serializing_if = "is_zero")]
+    plans: usize,
     limits: Vec<Limit<'a>>,
+}
+
+fn is_zero(n: &usize) -> bool {
+    *n == 0
 }
 
 /// How long a stand-alone adjustment's marker outlives it: longer than the filter keeps
@@ -96,6 +112,15 @@ struct Limit<'a> {
     /// shares").
     #[serde(skip_serializing_if = "Option::is_none")]
     fair: Option<ScriptFair<'a>>,
+    /// The owner's plan: which of the plan keys, and the limit's name in it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    plan: Option<ScriptPlan<'a>>,
+}
+
+#[derive(Serialize)]
+struct ScriptPlan<'a> {
+    at: usize,
+    name: &'a str,
 }
 
 /// A fair pool's claimant under the script's names.
@@ -122,7 +147,7 @@ impl<'a> Limit<'a> {
         bounds: &'a [u64],
         amounts: Amounts,
     ) -> Limit<'a> {
-        Limit { name, owner: None, kind, capacity, window_ms, bounds, amounts, fair: None }
+        Limit { name, owner: None, kind, capacity, window_ms, bounds, amounts, fair: None, plan: None }
     }
 
     fn owned_by(self, owner: Option<&'a str>) -> Limit<'a> {
@@ -173,7 +198,7 @@ fn script_kind<S: serde::Serializer>(kind: &LimitKind, serializer: S) -> Result<
     serializer.serialize_str(kind.script_name())
 }
 
-fn call(prefix: &str, domain: &str, tenant: &str, arguments: &Arguments, reservation: Option<&str>) -> Call {
+fn call(prefix: &str, domain: &str, tenant: &str, arguments: &mut Arguments, reservation: Option<&str>) -> Call {
     // The kind is part of the key: a limit that changes kind starts afresh rather than
     // meeting a key of the other type.
     // A shared pool's counter is its owner's, in the owner's hash slot (see `pools` for
@@ -186,17 +211,40 @@ fn call(prefix: &str, domain: &str, tenant: &str, arguments: &Arguments, reserva
     if let Some(id) = reservation {
         keys.push(key(prefix, domain, tenant, RESERVATION_KIND, id));
     }
+    // Each owner's plan once, in the owner's slot, after every other key.
+    let mut owners: Vec<&str> = Vec::new();
+    if arguments.op.reads_plans() {
+        for limit in &mut arguments.limits {
+            let owner = limit.owner.unwrap_or(tenant);
+            let at = match owners.iter().position(|o| *o == owner) {
+                Some(i) => i + 1,
+                None => {
+                    owners.push(owner);
+                    owners.len()
+                }
+            };
+            limit.plan = Some(ScriptPlan { at, name: limit.name });
+        }
+    }
+    arguments.plans = owners.len();
+    keys.extend(owners.iter().map(|owner| key(prefix, domain, owner, PLAN_KIND, PLAN_NAME)));
     // Serialising plain structs of numbers and strings cannot fail; an empty argument
     // would still be refused by the script, never misread.
     let argument = serde_json::to_string(arguments).unwrap_or_default();
-    Call { op: arguments.op, keys, argument }
+    Call { op: arguments.op, keys, argument, plans: owners.len() }
 }
 
 impl Call {
+    /// Adds a key of the call's own before the plans' (the cancel marker, a once marker).
+    fn push_own_key(&mut self, key: String) {
+        let at = self.keys.len() - self.plans;
+        self.keys.insert(at, key);
+    }
+
     /// Adds the request's cancel marker (see the script): a charge checks it, a cancelling
     /// or standing-in settlement sets it.
     pub fn with_cancel_marker(mut self, prefix: &str, domain: &str, tenant: &str, id: &str) -> Call {
-        self.keys.push(key(prefix, domain, tenant, CANCEL_KIND, id));
+        self.push_own_key(key(prefix, domain, tenant, CANCEL_KIND, id));
         self
     }
 }
@@ -224,15 +272,16 @@ pub fn charge(prefix: &str, request: &ChargeRequest) -> Call {
             .claimed_by(l.fair.as_ref())
         })
         .collect();
-    let arguments = Arguments {
+    let mut arguments = Arguments {
         op: Op::Charge,
         reservation_ttl_ms: Some(reservation.map_or(0, |r| r.ttl_ms)),
         share: None,
         once_ttl_ms: None,
         stand_in: None,
+        plans: 0,
         limits,
     };
-    let call = call(prefix, &request.domain, &request.tenant, &arguments, reservation.map(|r| r.id.as_str()));
+    let call = call(prefix, &request.domain, &request.tenant, &mut arguments, reservation.map(|r| r.id.as_str()));
     // Every charge under a reservation checks its cancel marker: a proxy that stopped
     // waiting for the answer cancels it (or stands in for it) and a charge that reaches
     // Redis after that must not count as well.
@@ -259,15 +308,16 @@ pub fn lease(prefix: &str, request: &LeaseRequest) -> Call {
             .owned_by(l.owner.as_deref())
         })
         .collect();
-    let arguments = Arguments {
+    let mut arguments = Arguments {
         op: Op::Lease,
         reservation_ttl_ms: None,
         share: Some(request.share),
         once_ttl_ms: None,
         stand_in: None,
+        plans: 0,
         limits,
     };
-    call(prefix, &request.domain, &request.tenant, &arguments, None)
+    call(prefix, &request.domain, &request.tenant, &mut arguments, None)
 }
 
 /// A settlement (`Op::Settle`), or a heartbeat for (`Op::Touch`) or early release of
@@ -290,17 +340,18 @@ pub fn adjust(prefix: &str, op: Op, settlement: &Settlement) -> Call {
     let once = settlement.once.as_deref().filter(|_| op == Op::Settle && settlement.reservation.is_none());
     let once_ttl_ms = once.map(|_| ONCE_TTL_MS);
     let stand_in = settlement.stand_in.as_ref().filter(|_| op == Op::Settle && settlement.reservation.is_some());
-    let arguments = Arguments {
+    let mut arguments = Arguments {
         op,
         reservation_ttl_ms: stand_in.map(|s| s.record_ttl_ms),
         share: None,
         once_ttl_ms,
         stand_in: stand_in.map(|_| 1),
+        plans: 0,
         limits,
     };
-    let mut call = call(prefix, domain, tenant, &arguments, settlement.reservation.as_deref());
+    let mut call = call(prefix, domain, tenant, &mut arguments, settlement.reservation.as_deref());
     if let Some(once) = once {
-        call.keys.push(key(prefix, domain, tenant, ONCE_KIND, once));
+        call.push_own_key(key(prefix, domain, tenant, ONCE_KIND, once));
     }
     match (&settlement.reservation, settlement.cancel || stand_in.is_some()) {
         (Some(id), true) => call.with_cancel_marker(prefix, domain, tenant, id),
@@ -315,8 +366,9 @@ pub fn tenant(prefix: &str, op: Op, request: &TenantLimits) -> Call {
         .iter()
         .map(|l| Limit::of(&l.name, l.kind, l.capacity, l.window_ms, &l.period_bounds_ms, Amounts::Nothing {}))
         .collect();
-    let arguments = Arguments { op, reservation_ttl_ms: None, share: None, once_ttl_ms: None, stand_in: None, limits };
-    call(prefix, &request.domain, &request.tenant, &arguments, None)
+    let mut arguments =
+        Arguments { op, reservation_ttl_ms: None, share: None, once_ttl_ms: None, stand_in: None, plans: 0, limits };
+    call(prefix, &request.domain, &request.tenant, &mut arguments, None)
 }
 
 /// A peek's reply as where the tenant stands on each limit of `request` (its reservations
@@ -376,9 +428,24 @@ pub fn batch_replies(value: &Value, calls: usize) -> Result<Vec<Result<&Value, S
 }
 
 /// The script's reply for the limits named `names`, in order.
-pub fn reply<'a>(names: impl ExactSizeIterator<Item = &'a str>, value: &Value) -> Result<LimitsReply, String> {
+pub fn reply<'a>(mut names: impl ExactSizeIterator<Item = &'a str>, value: &Value) -> Result<LimitsReply, String> {
     let items = as_array(value)?;
     let (done, outcomes) = items.split_first().ok_or("empty reply")?;
+    // A suspended owner: { -1, reason, the first such limit (0-based) }.
+    if as_int(done)? == -1 {
+        let [reason, at] = outcomes else {
+            return Err(format!("a suspension has {} fields, expected 2", outcomes.len()));
+        };
+        let at = usize::try_from(as_int(at)?).map_err(|_| "a suspension names no limit".to_string())?;
+        let limit = names.nth(at).ok_or_else(|| format!("a suspension names limit {at} of fewer"))?;
+        let reason = match reason {
+            Value::BulkString(bytes) => String::from_utf8_lossy(bytes).into_owned(),
+            Value::SimpleString(text) => text.clone(),
+            other => return Err(format!("a suspension's reason is {other:?}")),
+        };
+        let suspended = Some(Suspension { limit: limit.to_string(), reason });
+        return Ok(LimitsReply { allowed: false, waited_ms: 0, limits: Vec::new(), suspended });
+    }
     if outcomes.len() != names.len() {
         return Err(format!("reply has {} outcomes for {} limits", outcomes.len(), names.len()));
     }
@@ -408,7 +475,7 @@ pub fn reply<'a>(names: impl ExactSizeIterator<Item = &'a str>, value: &Value) -
             })
         })
         .collect::<Result<_, String>>()?;
-    Ok(LimitsReply { allowed: as_int(done)? == 1, waited_ms: 0, limits })
+    Ok(LimitsReply { allowed: as_int(done)? == 1, waited_ms: 0, limits, suspended: None })
 }
 
 fn as_array(value: &Value) -> Result<&[Value], String> {
@@ -505,24 +572,29 @@ mod tests {
                 "llmrl:{llm:abc123}:tb:rpm",
                 "llmrl:{llm:abc123}:tb:tpm",
                 "llmrl:{llm:abc123}:res:r42",
-                "llmrl:{llm:abc123}:cancel:r42"
+                "llmrl:{llm:abc123}:cancel:r42",
+                "llmrl:{llm:abc123}:plan:limits"
             ]
         );
+        // The tenant's plan, once for both limits, last.
         assert_eq!(
             argument(&call),
             json!({
                 "op": "charge",
                 "reservation_ttl_ms": 900_000,
+                "plans": 1,
                 "limits": [
-                    {"kind": "tb", "capacity": 20, "window_ms": 60_000, "cost": 1, "min_cost": 1},
-                    {"kind": "tb", "capacity": 10_000, "window_ms": 60_000, "cost": 750, "min_cost": 750},
+                    {"kind": "tb", "capacity": 20, "window_ms": 60_000, "cost": 1, "min_cost": 1,
+                     "plan": {"at": 1, "name": "rpm"}},
+                    {"kind": "tb", "capacity": 10_000, "window_ms": 60_000, "cost": 750, "min_cost": 750,
+                     "plan": {"at": 1, "name": "tpm"}},
                 ],
             })
         );
         let mut plain = request();
         plain.reservation = None;
         let call = charge("p:", &plain);
-        assert_eq!(call.keys.len(), 2);
+        assert_eq!(call.keys.len(), 3);
         assert_eq!(argument(&call)["reservation_ttl_ms"], 0);
     }
 
@@ -539,10 +611,15 @@ mod tests {
     #[test]
     fn a_settlement_carries_signed_credits_and_its_reservation() {
         let call = adjust("llmrl:", Op::Settle, &settlement(Some("r42"), LimitKind::TokenBucket, -120));
-        assert_eq!(call.keys, vec!["llmrl:{llm:abc123}:tb:tpm", "llmrl:{llm:abc123}:res:r42"]);
+        assert_eq!(
+            call.keys,
+            vec!["llmrl:{llm:abc123}:tb:tpm", "llmrl:{llm:abc123}:res:r42", "llmrl:{llm:abc123}:plan:limits"]
+        );
+        // A refund is capped by the capacity: the plan's, when it sets one.
         assert_eq!(
             argument(&call),
-            json!({"op": "settle", "limits": [{"kind": "tb", "capacity": 10_000, "window_ms": 60_000, "credit": -120}]})
+            json!({"op": "settle", "plans": 1, "limits": [{"kind": "tb", "capacity": 10_000, "window_ms": 60_000,
+                "credit": -120, "plan": {"at": 1, "name": "tpm"}}]})
         );
     }
 
@@ -553,7 +630,12 @@ mod tests {
         let call = adjust("llmrl:", Op::Settle, &cancelling);
         assert_eq!(
             call.keys,
-            vec!["llmrl:{llm:abc123}:tb:tpm", "llmrl:{llm:abc123}:res:r42", "llmrl:{llm:abc123}:cancel:r42"]
+            vec![
+                "llmrl:{llm:abc123}:tb:tpm",
+                "llmrl:{llm:abc123}:res:r42",
+                "llmrl:{llm:abc123}:cancel:r42",
+                "llmrl:{llm:abc123}:plan:limits"
+            ]
         );
     }
 
@@ -601,13 +683,15 @@ mod tests {
     fn a_lease_passes_wanted_needed_and_share() {
         let request = lease_request(500, Some(20), false);
         let call = lease("llmrl:", &request);
-        assert_eq!(call.keys, vec!["llmrl:{llm:abc123}:tb:tpm"]);
+        assert_eq!(call.keys, vec!["llmrl:{llm:abc123}:tb:tpm", "llmrl:{llm:abc123}:plan:limits"]);
         assert_eq!(
             argument(&call),
             json!({
                 "op": "lease",
                 "share": 0.5,
-                "limits": [{"kind": "tb", "capacity": 10_000, "window_ms": 60_000, "wanted": 500, "needed": 20}],
+                "plans": 1,
+                "limits": [{"kind": "tb", "capacity": 10_000, "window_ms": 60_000, "wanted": 500, "needed": 20,
+                    "plan": {"at": 1, "name": "tpm"}}],
             })
         );
     }
@@ -667,12 +751,12 @@ mod tests {
                 period_bounds_ms: Vec::new(),
             }],
         };
-        assert_eq!(adjust("p:", Op::Settle, &settlement).keys, vec!["p:{llm:t}:tb:rpm"]);
+        assert_eq!(adjust("p:", Op::Settle, &settlement).keys, vec!["p:{llm:t}:tb:rpm", "p:{llm:t}:plan:limits"]);
         assert_eq!(argument(&adjust("p:", Op::Settle, &settlement)).get("once_ttl_ms"), None);
         // With a once id, its marker is the record: applied at most once.
         let once = Settlement { once: Some("f00d1".into()), ..settlement };
         let call = adjust("p:", Op::Settle, &once);
-        assert_eq!(call.keys, vec!["p:{llm:t}:tb:rpm", "p:{llm:t}:once:f00d1"]);
+        assert_eq!(call.keys, vec!["p:{llm:t}:tb:rpm", "p:{llm:t}:once:f00d1", "p:{llm:t}:plan:limits"]);
         assert_eq!(argument(&call)["once_ttl_ms"], ONCE_TTL_MS);
     }
 
@@ -700,6 +784,17 @@ mod tests {
     }
 
     #[test]
+    fn maps_a_suspension_to_the_limit_it_names() {
+        let suspended = |at| Value::Array(vec![Value::Int(-1), Value::BulkString(b"invoice unpaid".to_vec()), at]);
+        let reply = reply(["rpm", "team-tpm"].into_iter(), &suspended(Value::Int(1))).expect("valid reply");
+        assert!(!reply.allowed && reply.limits.is_empty());
+        assert_eq!(reply.suspended, Some(Suspension { limit: "team-tpm".into(), reason: "invoice unpaid".into() }));
+        for bad in [Value::Int(2), Value::Int(-1), Value::Nil] {
+            assert!(super::reply(["rpm", "team-tpm"].into_iter(), &suspended(bad)).is_err());
+        }
+    }
+
+    #[test]
     fn a_stand_in_carries_its_record_and_cancel_marker() {
         let stand_in = Settlement {
             stand_in: Some(llm_ratelimit_protocol::StandIn { record_ttl_ms: 900_000 }),
@@ -708,7 +803,12 @@ mod tests {
         let call = adjust("llmrl:", Op::Settle, &stand_in);
         assert_eq!(
             call.keys,
-            vec!["llmrl:{llm:abc123}:tb:tpm", "llmrl:{llm:abc123}:res:r42", "llmrl:{llm:abc123}:cancel:r42"]
+            vec![
+                "llmrl:{llm:abc123}:tb:tpm",
+                "llmrl:{llm:abc123}:res:r42",
+                "llmrl:{llm:abc123}:cancel:r42",
+                "llmrl:{llm:abc123}:plan:limits"
+            ]
         );
         assert_eq!(argument(&call)["stand_in"], 1);
         assert_eq!(argument(&call)["reservation_ttl_ms"], 900_000);
@@ -730,8 +830,8 @@ mod tests {
         assert_eq!(
             serde_json::from_str::<Json>(&argument_text).expect("ARGV[1] is JSON"),
             json!({"calls": [
-                {"keys": 2, "call": argument(&settle)},
-                {"keys": 4, "call": argument(&plain)},
+                {"keys": 3, "call": argument(&settle)},
+                {"keys": 5, "call": argument(&plain)},
             ]})
         );
     }

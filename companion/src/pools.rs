@@ -110,6 +110,10 @@ pub async fn charge(batcher: &Arc<Batcher>, prefix: &str, request: &ChargeReques
             for (&i, outcome) in indices.iter().zip(&reply.limits) {
                 outcomes[i] = Some(outcome.clone());
             }
+            if reply.suspended.is_some() {
+                roll_back(batcher, prefix, &charged).await;
+                return Ok(reply);
+            }
             if !reply.allowed {
                 roll_back(batcher, prefix, &charged).await;
                 let rest = &groups[g + 1..];
@@ -253,7 +257,7 @@ fn merged<'a>(
 ) -> LimitsReply {
     let limits =
         limits.zip(outcomes).map(|((name, capacity), outcome)| outcome.unwrap_or_else(|| unreported(name, capacity)));
-    LimitsReply { allowed, waited_ms: 0, limits: limits.collect() }
+    LimitsReply { allowed, waited_ms: 0, limits: limits.collect(), suspended: None }
 }
 
 fn charged_names(request: &ChargeRequest) -> impl Iterator<Item = (&str, u64)> {
@@ -290,6 +294,10 @@ pub async fn lease(batcher: &Arc<Batcher>, prefix: &str, request: &LeaseRequest)
         };
         for (&i, outcome) in indices.iter().zip(&reply.limits) {
             outcomes[i] = Some(outcome.clone());
+        }
+        if reply.suspended.is_some() {
+            give_back(batcher, prefix, &granted).await;
+            return Ok(reply);
         }
         if !reply.allowed {
             give_back(batcher, prefix, &granted).await;
@@ -389,7 +397,7 @@ pub fn merged_adjustment(
         .zip(outcomes)
         .map(|(l, outcome)| outcome.unwrap_or_else(|| unreported(&l.name, l.capacity)))
         .collect();
-    Ok(LimitsReply { allowed, waited_ms: 0, limits })
+    Ok(LimitsReply { allowed, waited_ms: 0, limits, suspended: None })
 }
 
 #[cfg(test)]
@@ -455,16 +463,24 @@ mod tests {
         assert_eq!(one.len(), 1);
         assert_eq!(
             one[0].0.keys,
-            vec!["x:{llm:t}:tb:key", "x:{llm:p1}:tb:team", "x:{llm:all}:tb:org", "x:{llm:t}:res:r1"]
+            vec![
+                "x:{llm:t}:tb:key",
+                "x:{llm:p1}:tb:team",
+                "x:{llm:all}:tb:org",
+                "x:{llm:t}:res:r1",
+                "x:{llm:t}:plan:limits",
+                "x:{llm:p1}:plan:limits",
+                "x:{llm:all}:plan:limits"
+            ]
         );
         let parts = adjust("x:", Op::Settle, &settlement, true);
         let keys: Vec<&Vec<String>> = parts.iter().map(|(call, _)| &call.keys).collect();
         assert_eq!(
             keys,
             [
-                &vec!["x:{llm:t}:tb:key".to_string(), "x:{llm:t}:res:r1".into()],
-                &vec!["x:{llm:p1}:tb:team".to_string(), "x:{llm:p1}:res:r1".into()],
-                &vec!["x:{llm:all}:tb:org".to_string(), "x:{llm:all}:res:r1".into()],
+                &vec!["x:{llm:t}:tb:key".to_string(), "x:{llm:t}:res:r1".into(), "x:{llm:t}:plan:limits".into()],
+                &vec!["x:{llm:p1}:tb:team".to_string(), "x:{llm:p1}:res:r1".into(), "x:{llm:p1}:plan:limits".into()],
+                &vec!["x:{llm:all}:tb:org".to_string(), "x:{llm:all}:res:r1".into(), "x:{llm:all}:plan:limits".into()],
             ]
         );
         assert_eq!(parts.iter().map(|(_, i)| i.clone()).collect::<Vec<_>>(), [vec![0], vec![1], vec![2]]);

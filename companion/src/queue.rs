@@ -129,20 +129,22 @@ async fn is_head(store: &Store, metrics: &Metrics, key: &str, member: &str) -> R
     Ok(true)
 }
 
-/// Whether no wait within `left` can admit the request: a limit can never admit it, or a
+/// Whether no wait within `left` can admit the request: its owner is suspended, a limit
+/// can never admit it, or a
 /// limit that refused it needs longer than that. A provisional limit (tokens and cost,
 /// reserved at an estimate) is not judged by its retry time: that assumes nothing comes
 /// back, while requests in flight settle below their estimates and return capacity at
 /// any moment, so its waiter looks again until its time is up.
 fn is_hopeless(request: &ChargeRequest, reply: &LimitsReply, left: Duration) -> bool {
-    reply.limits.iter().any(|outcome| match outcome.status {
-        LimitStatus::Allowed => false,
-        LimitStatus::Never => true,
-        LimitStatus::Limited => {
-            let provisional = request.limits.iter().any(|l| l.name == outcome.name && l.provisional);
-            !provisional && Duration::from_millis(outcome.retry_after_ms) > left
-        }
-    })
+    reply.suspended.is_some()
+        || reply.limits.iter().any(|outcome| match outcome.status {
+            LimitStatus::Allowed => false,
+            LimitStatus::Never => true,
+            LimitStatus::Limited => {
+                let provisional = request.limits.iter().any(|l| l.name == outcome.name && l.provisional);
+                !provisional && Duration::from_millis(outcome.retry_after_ms) > left
+            }
+        })
 }
 
 /// One try, with the request's cancel marker (split by owner on a cluster, see `pools`).
@@ -277,7 +279,7 @@ mod tests {
             reservation: None,
             wait: None,
         };
-        let reply = LimitsReply { allowed: false, limits: outcomes, waited_ms: 0 };
+        let reply = LimitsReply { allowed: false, limits: outcomes, waited_ms: 0, suspended: None };
         is_hopeless(&request, &reply, Duration::from_millis(left_ms))
     }
 

@@ -752,7 +752,7 @@ fn refused_by_share(
             charged: 0,
         })
         .collect();
-    LimitsReply { allowed: false, waited_ms: 0, limits: outcomes }
+    LimitsReply { allowed: false, waited_ms: 0, limits: outcomes, suspended: None }
 }
 
 pub(crate) fn spec(

@@ -320,8 +320,21 @@ pub struct LimitsReply {
     /// Time spent waiting in the queue before this answer.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub waited_ms: u64,
-    /// One outcome per requested bucket, in request order.
+    /// One outcome per requested bucket, in request order (none when `suspended`).
     pub limits: Vec<LimitOutcome>,
+    /// The owner of limit `limit` is suspended by its plan (see [`plans`]): nothing was
+    /// charged or granted, and no wait will change that.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub suspended: Option<Suspension>,
+}
+
+/// Why a charge or a lease was refused without looking at a limit: a plan's suspension.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Suspension {
+    /// The limit (by name) whose owner's plan suspends it: the filter knows the owner.
+    pub limit: String,
+    /// The plan's reason, as the operator wrote it (quoted in the refusal).
+    pub reason: String,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -656,6 +669,7 @@ mod tests {
                 retry_after_ms: 12_000,
                 charged: 0,
             }],
+            suspended: None,
         };
         let json = serde_json::to_string(&reply).expect("serialise");
         assert!(json.contains(r#""status":"limited""#), "{json}");

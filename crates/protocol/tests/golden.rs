@@ -3,6 +3,7 @@
 //! that breaks one of these breaks a mixed-version deployment.
 
 use llm_ratelimit_protocol::keys::*;
+use llm_ratelimit_protocol::plans::{PLAN_KIND, PLAN_NAME};
 use llm_ratelimit_protocol::*;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -217,7 +218,8 @@ fn charge_reply() {
         retry_after_ms: 12_000,
         charged,
     };
-    let allowed = LimitsReply { allowed: true, waited_ms: 0, limits: vec![outcome(LimitStatus::Allowed, 1)] };
+    let allowed =
+        LimitsReply { allowed: true, waited_ms: 0, limits: vec![outcome(LimitStatus::Allowed, 1)], suspended: None };
     pinned(
         &allowed,
         r#"{"allowed":true,"limits":[{"name":"rpm","status":"allowed","limit":5,"remaining":2,"reset_after_ms":60000,"retry_after_ms":12000,"charged":1}]}"#,
@@ -226,6 +228,7 @@ fn charge_reply() {
         allowed: false,
         waited_ms: 250,
         limits: vec![outcome(LimitStatus::Limited, 0), outcome(LimitStatus::Never, 0)],
+        suspended: None,
     };
     pinned(
         &refused,
@@ -235,6 +238,13 @@ fn charge_reply() {
             r#"{"name":"rpm","status":"never","limit":5,"remaining":2,"reset_after_ms":60000,"retry_after_ms":12000,"charged":0}]}"#
         ),
     );
+    let suspended = LimitsReply {
+        allowed: false,
+        waited_ms: 0,
+        limits: Vec::new(),
+        suspended: Some(Suspension { limit: "rpm".into(), reason: "key leaked".into() }),
+    };
+    pinned(&suspended, r#"{"allowed":false,"limits":[],"suspended":{"limit":"rpm","reason":"key leaked"}}"#);
     // An older companion that does not send `charged` is still understood.
     let old = r#"{"allowed":true,"limits":[{"name":"rpm","status":"allowed","limit":5,"remaining":2,"reset_after_ms":1,"retry_after_ms":0}]}"#;
     assert_eq!(serde_json::from_str::<LimitsReply>(old).expect("parse").limits[0].charged, 0);
@@ -248,6 +258,7 @@ fn redis_keys() {
     assert_eq!(redis_key("llmrl:", "llm", "t1", RESERVATION_KIND, "abc1"), "llmrl:{llm:t1}:res:abc1");
     assert_eq!(redis_key("llmrl:", "llm", "t1", CANCEL_KIND, "abc1"), "llmrl:{llm:t1}:cancel:abc1");
     assert_eq!(redis_key("llmrl:", "llm", "t1", ONCE_KIND, "f00d1"), "llmrl:{llm:t1}:once:f00d1");
+    assert_eq!(redis_key("llmrl:", "llm", "t1", PLAN_KIND, PLAN_NAME), "llmrl:{llm:t1}:plan:limits");
     assert_eq!(redis_key("llmrl:", "llm", "t1", QUEUE_KIND, QUEUE_NAME), "llmrl:{llm:t1}:queue:waiters");
     assert_eq!(
         redis_key("llmrl:", "llm", CALIBRATION_TENANT, CALIBRATION_KIND, CALIBRATION_NAME),

@@ -123,7 +123,7 @@ fn take_all(
             outcome(spec, tokens, status, retry_after_ms, if allowed { take } else { 0 }, now_ms)
         })
         .collect();
-    LimitsReply { allowed, waited_ms: 0, limits }
+    LimitsReply { allowed, waited_ms: 0, limits, suspended: None }
 }
 
 fn outcome(
@@ -180,7 +180,7 @@ pub fn settle_charge_made_at(
             outcome(spec, tokens, LimitStatus::Allowed, 0, 0, now_ms)
         })
         .collect();
-    LimitsReply { allowed: true, waited_ms: 0, limits }
+    LimitsReply { allowed: true, waited_ms: 0, limits, suspended: None }
 }
 
 /// Where the period `now_ms` is in ends, for a calendar budget.

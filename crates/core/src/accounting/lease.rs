@@ -337,7 +337,7 @@ impl TenantLeases {
                 }
             })
             .collect();
-        LimitsReply { allowed: true, waited_ms: 0, limits }
+        LimitsReply { allowed: true, waited_ms: 0, limits, suspended: None }
     }
 }
 
@@ -449,6 +449,7 @@ mod tests {
                 retry_after_ms: 2_000,
                 charged: 0,
             }],
+            suspended: None,
         };
         leases.block(&refused, &[100], 1_000);
         let reply = leases.refusal(&[spec(100)], 1_500).expect("still refused");

@@ -1356,7 +1356,7 @@ impl RequestFilter {
                 })
             })
             .collect();
-        let reply = LimitsReply { allowed, waited_ms: 0, limits };
+        let reply = LimitsReply { allowed, waited_ms: 0, limits, suspended: None };
         if !reply.allowed {
             self.count_refusal(host, config, &reply);
             return self.rejection(config, &reply, now_ms).with_header(DEGRADED_HEADER, "local".to_string());

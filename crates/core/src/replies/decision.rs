@@ -476,6 +476,7 @@ mod tests {
                 outcome("rpd", LimitStatus::Allowed, 1000, 7, 600_000, 0),
                 outcome("tpm", LimitStatus::Allowed, 10_000, 8_800, 7_200, 0),
             ],
+            suspended: None,
         };
         let headers = rate_limit_headers(&reply, &config(), Caller::default());
         assert_eq!(header(&headers, "x-ratelimit-limit-requests"), Some("1000"));
@@ -500,6 +501,7 @@ mod tests {
                 outcome("rpm", LimitStatus::Allowed, 20, 12, 24_000, 0),
                 outcome("inflight", LimitStatus::Limited, 3, 0, 0, 800),
             ],
+            suspended: None,
         };
         let reply = rejection(&reply, &config(), &[], Caller::default());
         assert_eq!(header(&reply.headers, "x-ratelimit-limit-concurrency"), Some("3"));
@@ -520,6 +522,7 @@ mod tests {
                 outcome("rpm", LimitStatus::Allowed, 20, 15, 15_000, 0),
                 outcome("tpm", LimitStatus::Allowed, 10_000, 1_000, 54_000, 0),
             ],
+            suspended: None,
         };
         let mut config = config();
         config.headers = vec![HeaderStyle::Classic];
@@ -543,6 +546,7 @@ mod tests {
             allowed: true,
             waited_ms: 0,
             limits: vec![outcome("rpm", LimitStatus::Allowed, 20, 19, 3_000, 0)],
+            suspended: None,
         };
         let headers = rate_limit_headers(&reply, &config(), Caller::default());
         assert_eq!(header(&headers, "x-ratelimit-remaining-tokens"), None);
@@ -559,6 +563,7 @@ mod tests {
                 outcome("rph", LimitStatus::Limited, 100, 0, 3_600_000, 36_001),
                 outcome("rpd", LimitStatus::Allowed, 1000, 500, 100, 0),
             ],
+            suspended: None,
         };
         let reply = rejection(&reply, &config(), &[], Caller::default());
         assert_eq!(reply.status, 429);
@@ -580,6 +585,7 @@ mod tests {
                 outcome("rpm", LimitStatus::Allowed, 20, 12, 24_000, 0),
                 outcome("tpm", LimitStatus::Limited, 10_000, 300, 58_200, 5_400),
             ],
+            suspended: None,
         };
         let reply = rejection(&reply, &config(), &[charge("tpm", 1_200)], Caller::default());
         assert_eq!(header(&reply.headers, "retry-after"), Some("6"));
@@ -599,6 +605,7 @@ mod tests {
                 outcome("rpm", LimitStatus::Limited, 20, 0, 60_000, 2_500),
                 outcome("tpm", LimitStatus::Never, 10_000, 10_000, 0, 0),
             ],
+            suspended: None,
         };
         let reply = rejection(&reply, &config(), &[charge("tpm", 12_000)], Caller::default());
         assert_eq!(reply.status, 429);
@@ -619,6 +626,7 @@ mod tests {
             allowed: false,
             waited_ms: 0,
             limits: vec![outcome("day", LimitStatus::Limited, 5_000_000, 1_250, 86_000_000, 3_000)],
+            suspended: None,
         };
         let reply = rejection(&reply, &config, &[], Caller::default());
         let body: serde_json::Value = serde_json::from_str(&reply.body).expect("json body");
@@ -651,7 +659,7 @@ mod tests {
     }
 
     fn replied(allowed: bool, limits: Vec<LimitOutcome>) -> LimitsReply {
-        LimitsReply { allowed, waited_ms: 0, limits }
+        LimitsReply { allowed, waited_ms: 0, limits, suspended: None }
     }
 
     /// What an OpenAI caller has always seen: the exact body and headers, byte for byte.
