@@ -16,7 +16,7 @@ use crate::lifecycle::RequestFilter;
 use crate::protocol::ledger::{LedgerBatch, LedgerReply, Spent, LEDGER_PATH};
 use crate::protocol::{
     CalibrationExchange, CalibrationReply, ChargeRequest, LeaseRequest, LimitCharge, LimitKind, LimitOutcome,
-    LimitStatus, LimitsReply, RuleFigures, RunningFigure, SettleOutcome, SettleReply, SettlementBatch,
+    LimitStatus, LimitsReply, RuleFigures, RunningFigure, SettleOutcome, SettleReply, SettlementBatch, Suspension,
     CALIBRATION_PATH, CHARGE_PATH, LEASE_PATH, RELEASE_PATH, SETTLE_PATH, TOUCH_PATH,
 };
 use crate::replies::reply::LocalReply;
@@ -459,6 +459,39 @@ pub struct FakeCompanion {
     pub ledger_marks: BTreeMap<(String, String), u64>,
     /// Every ledger batch received (resent ones too).
     pub ledger_batches: Vec<LedgerBatch>,
+    /// The owners' plans, by owner id, as `lua/limits.lua` reads them.
+    pub plans: HashMap<String, FakePlan>,
+}
+
+/// An owner's plan (see `protocol::plans`).
+#[derive(Debug, Clone, Default)]
+pub struct FakePlan {
+    pub capacities: BTreeMap<String, u64>,
+    pub suspended: Option<String>,
+    pub expires_ms: Option<u64>,
+    /// What follows the expiry: a suspension (else the config's limits again).
+    pub then_suspend: bool,
+}
+
+impl FakePlan {
+    /// The plan from its hash's fields (`cap:<name>`, `suspended`, `expires_ms`,
+    /// `at_expiry`), as the case table writes them.
+    pub fn from_fields(fields: &BTreeMap<String, String>) -> FakePlan {
+        let mut plan = FakePlan::default();
+        for (field, value) in fields {
+            match field.as_str() {
+                "suspended" => plan.suspended = Some(value.clone()),
+                "expires_ms" => plan.expires_ms = value.parse().ok(),
+                "at_expiry" => plan.then_suspend = value == "suspend",
+                _ => {
+                    if let (Some(name), Ok(capacity)) = (field.strip_prefix("cap:"), value.parse()) {
+                        plan.capacities.insert(name.to_string(), capacity);
+                    }
+                }
+            }
+        }
+        plan
+    }
 }
 
 impl FakeCompanion {
@@ -483,6 +516,41 @@ impl FakeCompanion {
     fn counter_mut(&mut self, tenant: &str, spec: &LimitCharge) -> &mut Counter {
         let owner = spec.owner.as_deref().unwrap_or(tenant).to_string();
         self.counters.entry((owner, spec.name.clone())).or_insert_with(|| Counter::new(spec.kind))
+    }
+
+    /// Applies the owners' plans to `specs` of a call of `tenant` at `now_ms`, as the
+    /// script does: each limit's capacity; the first limit whose owner is suspended.
+    fn apply_plans(&self, tenant: &str, specs: &mut [LimitCharge], now_ms: u64) -> Option<Suspension> {
+        let mut suspended = None;
+        for spec in specs.iter_mut() {
+            let owner = spec.owner.as_deref().unwrap_or(tenant);
+            let Some(plan) = self.plans.get(owner) else { continue };
+            let expired = plan.expires_ms.is_some_and(|at| at <= now_ms);
+            if expired && !plan.then_suspend {
+                continue;
+            }
+            if expired {
+                let reason = plan.suspended.clone().unwrap_or_else(|| crate::protocol::plans::EXPIRED_REASON.into());
+                suspended.get_or_insert(Suspension { limit: spec.name.clone(), reason });
+                continue;
+            }
+            if let Some(&capacity) = plan.capacities.get(&spec.name) {
+                spec.capacity = capacity;
+            }
+            if let Some(reason) = &plan.suspended {
+                suspended.get_or_insert(Suspension { limit: spec.name.clone(), reason: reason.clone() });
+            }
+        }
+        suspended
+    }
+
+    /// A charge as the companion answers it: the plans applied, then charged.
+    pub fn charge_with_plans(&mut self, request: &ChargeRequest, now_ms: u64) -> LimitsReply {
+        let mut request = request.clone();
+        if let Some(suspension) = self.apply_plans(&request.tenant.clone(), &mut request.limits, now_ms) {
+            return LimitsReply { allowed: false, waited_ms: 0, limits: Vec::new(), suspended: Some(suspension) };
+        }
+        self.charge(&request, now_ms as f64)
     }
 
     /// Charges every limit or none, as the script's charge does, pools with fair shares
@@ -559,12 +627,12 @@ impl FakeCompanion {
                     // The script's "CANCELLED ..." error, which the companion answers 500.
                     return (500, br#"{"error":"CANCELLED the request was given up before its charge ran"}"#.to_vec());
                 }
-                serde_json::to_vec(&self.charge(&request, now))
+                serde_json::to_vec(&self.charge_with_plans(&request, now_ms))
             }
             LEASE_PATH => {
                 let request: LeaseRequest = serde_json::from_value(callout.body.clone()).expect("lease");
                 // Leases are token buckets only (the config refuses the other kinds with them).
-                let specs: Vec<LimitCharge> = request
+                let mut specs: Vec<LimitCharge> = request
                     .limits
                     .iter()
                     .map(|a| LimitCharge {
@@ -573,6 +641,11 @@ impl FakeCompanion {
                         ..spec(&a.name, a.capacity, a.window_ms, a.wanted, a.needed, LimitKind::TokenBucket)
                     })
                     .collect();
+                if let Some(suspension) = self.apply_plans(&request.tenant, &mut specs, now_ms) {
+                    let reply =
+                        LimitsReply { allowed: false, waited_ms: 0, limits: Vec::new(), suspended: Some(suspension) };
+                    return (200, serde_json::to_vec(&reply).unwrap_or_default());
+                }
                 let mut states: Vec<Option<BucketState>> =
                     specs.iter().map(|s| self.counter(&request.tenant, s).as_bucket(s, now)).collect();
                 let reply: LimitsReply = bucket::lease(&mut states, &specs, request.share, now);
@@ -589,7 +662,7 @@ impl FakeCompanion {
                 let batch: SettlementBatch = serde_json::from_value(callout.body.clone()).expect("settlements");
                 let mut results = Vec::new();
                 for settlement in batch.settlements {
-                    let specs: Vec<LimitCharge> = settlement
+                    let mut specs: Vec<LimitCharge> = settlement
                         .limits
                         .iter()
                         .map(|a| LimitCharge {
@@ -598,6 +671,8 @@ impl FakeCompanion {
                             ..spec(&a.name, a.capacity, a.window_ms, 0, None, a.kind)
                         })
                         .collect();
+                    // A refund is capped by the plan's capacity; a suspension stops no settlement.
+                    let _ = self.apply_plans(&settlement.tenant, &mut specs, now_ms);
                     let member = settlement.reservation.clone();
                     match callout.path.as_str() {
                         TOUCH_PATH => {
@@ -1166,6 +1241,90 @@ mod case_table {
                     let got = json!([status, got.remaining, got.reset_after_ms, got.retry_after_ms]);
                     assert_eq!(&got, want, "{what}");
                 }
+            }
+        }
+    }
+}
+
+/// The fake companion's plans against the case table that tests/test_lua_plans.py runs
+/// against lua/limits.lua in a real Redis.
+#[cfg(test)]
+mod plan_case_table {
+    use super::*;
+    use crate::protocol::LimitStatus;
+
+    #[test]
+    fn plans_follow_the_shared_case_table() {
+        let table: Value = serde_json::from_str(include_str!("../../../tests/cases/plans.json")).expect("case table");
+        let cases = table["cases"].as_array().expect("cases");
+        assert!(cases.len() >= 8);
+        let now = 1_800_000_000_000u64;
+        for case in cases {
+            let name = case["name"].as_str().unwrap();
+            let mut companion = FakeCompanion::default();
+            for (owner, fields) in case["plans"].as_object().unwrap() {
+                let mut fields: BTreeMap<String, String> = fields
+                    .as_object()
+                    .unwrap()
+                    .iter()
+                    .map(|(k, v)| (k.clone(), v.as_str().map_or_else(|| v.to_string(), str::to_string)))
+                    .collect();
+                if let Some(offset) = fields.remove("expires_in_ms") {
+                    let offset: i64 = offset.parse().unwrap();
+                    fields.insert("expires_ms".into(), (now as i64 + offset).to_string());
+                }
+                companion
+                    .plans
+                    .insert(if owner == "team" { "pteam" } else { "t" }.into(), FakePlan::from_fields(&fields));
+            }
+            let limits = case["limits"].as_array().unwrap();
+            for (step, charge) in case["charges"].as_array().unwrap().iter().enumerate() {
+                let what = format!("{name} / charge {step}");
+                let costs = charge["cost"].as_array().unwrap();
+                let specs = limits
+                    .iter()
+                    .zip(costs)
+                    .map(|(l, cost)| {
+                        let kind = match l["kind"].as_str() {
+                            Some("sw") => LimitKind::SlidingWindow,
+                            _ => LimitKind::TokenBucket,
+                        };
+                        let capacity = l["capacity"].as_u64().unwrap();
+                        let window_ms = l["window_ms"].as_u64().unwrap();
+                        LimitCharge {
+                            owner: (l["owner"] == "team").then(|| "pteam".to_string()),
+                            ..spec(l["name"].as_str().unwrap(), capacity, window_ms, cost.as_u64().unwrap(), None, kind)
+                        }
+                    })
+                    .collect();
+                let request = ChargeRequest {
+                    domain: "d".into(),
+                    tenant: "t".into(),
+                    limits: specs,
+                    reservation: None,
+                    wait: None,
+                };
+                let reply = companion.charge_with_plans(&request, now);
+                if charge["done"] == "suspended" {
+                    let suspension = reply.suspended.expect(&what);
+                    let at = charge["suspended_limit"].as_u64().unwrap() as usize;
+                    assert_eq!(suspension.reason, charge["reason"].as_str().unwrap(), "{what}");
+                    assert_eq!(suspension.limit, limits[at]["name"].as_str().unwrap(), "{what}");
+                    continue;
+                }
+                assert_eq!(u64::from(reply.allowed), charge["done"].as_u64().unwrap(), "{what}");
+                let statuses: Vec<&str> = reply
+                    .limits
+                    .iter()
+                    .map(|o| match o.status {
+                        LimitStatus::Allowed => "allowed",
+                        LimitStatus::Limited => "limited",
+                        LimitStatus::Never => "never",
+                    })
+                    .collect();
+                assert_eq!(serde_json::json!(statuses), charge["status"], "{what}");
+                let capacities: Vec<u64> = reply.limits.iter().map(|o| o.limit).collect();
+                assert_eq!(serde_json::json!(capacities), charge["limit"], "{what}");
             }
         }
     }

@@ -6,6 +6,7 @@
 use crate::accounting::breaker::{Breaker, Dispatch};
 use crate::accounting::lease::{lease_asks, LeaseEntry, TenantLeases};
 use crate::accounting::ledger::{Ledger, MAX_ROWS as LEDGER_ROWS};
+use crate::accounting::owner_plans::OwnerPlans;
 use crate::api::identity::TenantIds;
 use crate::config::{FailureMode, Policy, Store};
 use crate::effects::average_store::LocalAverages;
@@ -54,6 +55,9 @@ const BACKGROUND_TIMEOUT: Duration = Duration::from_secs(1);
 
 pub struct Worker {
     config: Option<Rc<Policy>>,
+    /// The owners' plans this VM has seen in the companion's replies: what the degraded
+    /// mode decides with while Redis is away.
+    pub owner_plans: OwnerPlans,
     host_kind: HostKind,
     settlements: SettleQueue,
     /// Lease entries (a tenant's, a pool's) this VM saw running low, with the limits each
@@ -131,6 +135,7 @@ impl Worker {
     pub fn new() -> Worker {
         Worker {
             config: None,
+            owner_plans: OwnerPlans::default(),
             host_kind: HostKind::default(),
             settlements: SettleQueue::new(SETTLE_QUEUE_CAPACITY),
             renewals: BTreeMap::new(),
@@ -326,6 +331,14 @@ impl Worker {
                     let holders = std::slice::from_ref(&holder);
                     let merged = lease_table::merge(host, &config, holders, outcome, None, now);
                     self.note_leased(&merged.slots, &merged.leases, now);
+                }
+                Ok(LimitsReply { suspended: Some(suspension), .. }) => {
+                    // Suspended by its plan: this proxy's leases of the owner end now
+                    // rather than at their expiry (what is left goes back with the expired).
+                    self.callout_succeeded(host, &config);
+                    let now = host.now_ms();
+                    lease_table::end(host, &config, &holder, now);
+                    self.owner_plans.suspend(&holder.name, &suspension.reason, now);
                 }
                 Ok(_) => {}
                 Err(why) => {

@@ -11,5 +11,6 @@ pub mod counters;
 pub mod fair_share;
 pub mod lease;
 pub mod ledger;
+pub mod owner_plans;
 pub mod reply_floor;
 pub mod reservation;

@@ -25,6 +25,9 @@ pub enum Refusal {
     Unidentified,
     /// A budget applies but the model has no price (403).
     NotPriced,
+    /// The caller (its key, its team, or its end user) is suspended by its plan, set at
+    /// runtime by an operator (403, not retryable): no wait lifts it, only the operator.
+    Suspended,
     /// A request the filter will not read one way while the upstream may read it another
     /// (400): conflicting credentials, a body it cannot parse, a field given twice, a path
     /// it refuses. OpenAI's `error.code` for it.
@@ -39,15 +42,15 @@ impl Refusal {
             Refusal::TooLarge => 413,
             Refusal::Unavailable => 503,
             Refusal::Unidentified => 401,
-            Refusal::NotPriced => 403,
+            Refusal::NotPriced | Refusal::Suspended => 403,
             Refusal::Unreadable(_) => 400,
         }
     }
 
     /// Whether the refusal is one a client's automatic retries cannot get past, though
-    /// its status is one they retry (429): it carries `x-should-retry: false`, which the
+    /// its status may be one they retry (429; some retry a 403 too): it carries `x-should-retry: false`, which the
     /// official OpenAI and Anthropic SDKs obey before they look at the status.
     pub fn lasts(self) -> bool {
-        matches!(self, Refusal::NeverFits(_) | Refusal::QuotaSpent { .. })
+        matches!(self, Refusal::NeverFits(_) | Refusal::QuotaSpent { .. } | Refusal::Suspended)
     }
 }

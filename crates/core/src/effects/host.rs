@@ -189,10 +189,12 @@ pub enum Metric {
     /// Requests sent to `provider_limits.overflow` while the provider refused, instead of
     /// being answered here (by limit: `decision="overflowed"` of the decisions series).
     ProviderOverflowed,
+    /// Requests refused because an owner's plan suspends it (also in `requests_limited`).
+    Suspended,
 }
 
 impl Metric {
-    pub const ALL: [Metric; 23] = [
+    pub const ALL: [Metric; 24] = [
         Metric::Allowed,
         Metric::Limited,
         Metric::Unidentified,
@@ -216,6 +218,7 @@ impl Metric {
         Metric::ProviderLowered,
         Metric::ProviderFleetWords,
         Metric::ProviderOverflowed,
+        Metric::Suspended,
     ];
 
     /// The counter's name, the same in Prometheus as in the host's own listing (Envoy's
@@ -246,6 +249,7 @@ impl Metric {
             Metric::ProviderLowered => "llm_ratelimit_provider_lowered_requests_total",
             Metric::ProviderFleetWords => "llm_ratelimit_provider_fleet_words_total",
             Metric::ProviderOverflowed => "llm_ratelimit_provider_overflowed_requests_total",
+            Metric::Suspended => "llm_ratelimit_requests_suspended_total",
         }
     }
 }

@@ -298,6 +298,19 @@ pub fn grant_out(host: &mut impl Host, config: &Policy, name: &str, policy: &Lea
     entry.leases.0.iter().any(|l| l.renewal_in_flight(policy, now))
 }
 
+/// Ends `holder`'s leases at `now` (its owner suspended by a plan): nothing more is
+/// admitted from them, and what is left is given back with the expired leases.
+pub fn end(host: &mut impl Host, config: &Policy, holder: &Holder, now: u64) {
+    update_existing(host, config, holder, |entry| {
+        for &i in &holder.indices {
+            if let Some(lease) = entry.leases.0.get_mut(i) {
+                lease.expires_ms = lease.expires_ms.min(now);
+            }
+        }
+        (true, ())
+    });
+}
+
 /// Lifts the renewal marker of `holder`'s leases: its renewal answered, granted or not.
 pub fn renewal_answered(host: &mut impl Host, config: &Policy, holder: &Holder) {
     update_existing(host, config, holder, |entry| {

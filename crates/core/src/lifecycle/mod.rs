@@ -28,7 +28,7 @@ use crate::plan::series::{self, Decision, TokenStage, TokenType};
 use crate::protocol::keys;
 use crate::protocol::{
     ChargeRequest, LeaseRequest, LimitCharge, LimitKind, LimitStatus, LimitsReply, Reservation, Settlement,
-    SettlementBatch, StandIn, Wait, CHARGE_PATH, LEASE_PATH, RELEASE_PATH,
+    SettlementBatch, StandIn, Suspension, Wait, CHARGE_PATH, LEASE_PATH, RELEASE_PATH,
 };
 use crate::providers;
 use crate::providers::bedrock;
@@ -1160,7 +1160,8 @@ impl RequestFilter {
         self.lift_marks(host, worker, config);
         let expected = self.plan.as_ref().map_or(0, |p| p.buckets.len());
         let reply = match callout_reply::<LimitsReply>(host, body_size) {
-            Ok(reply) if reply.limits.len() == expected => reply,
+            // A suspension answers for no limit.
+            Ok(reply) if reply.limits.len() == expected || reply.suspended.is_some() => reply,
             Ok(_) => {
                 return self.callout_failed(host, worker, config, "companion reply has the wrong number of limits")
             }
@@ -1188,6 +1189,10 @@ impl RequestFilter {
         reply: LimitsReply,
     ) -> Verdict {
         let now = host.now_ms();
+        if let Some(suspension) = &reply.suspended {
+            return self.refuse_suspended(host, worker, config, suspension, now);
+        }
+        self.learn_plans(worker, &reply, now);
         if !reply.allowed {
             self.admission = None; // nothing was charged
             if let Some(backend) = self.overflow_target(config, &reply) {
@@ -1261,6 +1266,57 @@ impl RequestFilter {
         }
     }
 
+    /// Refused: an owner of the request is suspended by its plan. No overflow (the caller
+    /// is suspended, not a backend short of capacity), no wait; the VM remembers it for
+    /// the degraded mode, and this proxy's leases of that owner end now.
+    fn refuse_suspended(
+        &mut self,
+        host: &mut impl Host,
+        worker: &mut Worker,
+        config: &Policy,
+        suspension: &Suspension,
+        now: u64,
+    ) -> Verdict {
+        self.admission = None; // nothing was charged
+        host.add_metric(Metric::Limited, 1);
+        host.add_metric(Metric::Suspended, 1);
+        self.recorded.how = record::How::Suspended;
+        self.recorded.refused_by = Some(suspension.limit.clone());
+        if let Some(owner) = self.owner_of(config, &suspension.limit) {
+            worker.owner_plans.suspend(&owner, &suspension.reason, now);
+            if self.ask == Ask::Lease {
+                for holder in self.holders(config).iter().filter(|h| h.name == owner) {
+                    lease_table::end(host, config, holder, now);
+                }
+            }
+        }
+        if self.ask == Ask::Lease {
+            self.put_back_hold(host, config);
+        }
+        Verdict::Reply(decision::suspension(suspension, config, self.caller(now)))
+    }
+
+    /// Notes, for the degraded mode, the limits whose capacity the companion answered
+    /// other than the filter sent it: an owner's plan.
+    fn learn_plans(&self, worker: &mut Worker, reply: &LimitsReply, now: u64) {
+        let Some(plan) = self.plan.as_ref() else { return };
+        let owners = crate::plan::pools::owners(plan);
+        for (i, (sent, answered)) in plan.buckets.iter().zip(&reply.limits).enumerate() {
+            if !plan.applies(i) || answered.name != sent.name {
+                continue;
+            }
+            let owner = owners.get(i).cloned().flatten().unwrap_or_else(|| self.tenant.clone());
+            worker.owner_plans.answered(&owner, i, sent.capacity, answered.limit, now);
+        }
+    }
+
+    /// The owner of limit `name`'s counter for this request: the tenant, or a pool's id.
+    fn owner_of(&self, config: &Policy, name: &str) -> Option<String> {
+        let index = config.limits.iter().position(|l| l.name == name)?;
+        let owners = self.owners();
+        Some(owners.get(index).cloned().flatten().unwrap_or_else(|| self.tenant.clone()))
+    }
+
     fn callout_failed(&mut self, host: &mut impl Host, worker: &mut Worker, config: &Policy, why: &str) -> Verdict {
         self.leave_queue(host, config);
         host.add_metric(Metric::CalloutFailures, 1);
@@ -1313,8 +1369,23 @@ impl RequestFilter {
         config: &Policy,
         unanswered: Option<&str>,
     ) -> Verdict {
-        let specs = self.plan.as_ref().map(|plan| local_specs(config, plan)).unwrap_or_default();
+        let mut specs = self.plan.as_ref().map(|plan| local_specs(config, plan)).unwrap_or_default();
         let now_ms = host.now_ms();
+        // The owners' plans as this VM last saw them: a suspension holds through the
+        // outage, a plan's capacity sizes the local share as the config's would.
+        let owners = self.owners();
+        for (i, spec) in specs.iter_mut().enumerate() {
+            let owner = owners.get(i).and_then(Option::as_deref).unwrap_or(&self.tenant);
+            if let Some(reason) = worker.owner_plans.suspended(owner) {
+                let suspension = Suspension { limit: spec.name.clone(), reason: reason.to_string() };
+                return self
+                    .refuse_suspended(host, worker, config, &suspension, now_ms)
+                    .with_header(DEGRADED_HEADER, "local".to_string());
+            }
+            if let Some(capacity) = worker.owner_plans.capacity(owner, i) {
+                spec.capacity = capacity.div_ceil(u64::from(config.fallback.instances));
+            }
+        }
         let holders = self.holders(config);
         let mut charged: Vec<&Holder> = Vec::new();
         let mut outcomes: Vec<Option<crate::protocol::LimitOutcome>> = vec![None; specs.len()];
@@ -1458,7 +1529,9 @@ impl RequestFilter {
             }
             Verdict::Reply(mut reply) => {
                 self.phase = Phase::Replied;
-                self.recorded.how = record::How::Refused;
+                if self.recorded.how != record::How::Suspended {
+                    self.recorded.how = record::How::Refused;
+                }
                 // Final now, and before the log phase, whatever the host.
                 if let Some(config) = self.config.clone() {
                     self.publish_record(host, &config);
@@ -1574,7 +1647,8 @@ impl RequestFilter {
         if std::mem::replace(&mut self.recorded.in_ledger, true) {
             return;
         }
-        let refused = self.recorded.how == record::How::Refused && self.recorded.used == record::Used::default();
+        let refused = matches!(self.recorded.how, record::How::Refused | record::How::Suspended)
+            && self.recorded.used == record::Used::default();
         // A credential the upstream refused did no work and is refunded; its row would
         // keep an id a client may have invented in Redis for the retention.
         let invented = self.credential_refused && self.phase == Phase::Forwarded;
@@ -1999,6 +2073,8 @@ mod local;
 mod local_tests;
 #[cfg(test)]
 mod overflow_tests;
+#[cfg(test)]
+mod plans_tests;
 #[cfg(test)]
 mod pools_tests;
 pub mod record;

@@ -54,6 +54,8 @@ pub enum How {
     DegradedAllowed,
     /// Refused (by `refused_by`, when a limit refused it).
     Refused,
+    /// Refused: an owner's plan suspends it (`refused_by`: the limit it came through).
+    Suspended,
 }
 
 impl How {
@@ -66,6 +68,7 @@ impl How {
             How::Degraded => "degraded",
             How::DegradedAllowed => "degraded_allow",
             How::Refused => "refused",
+            How::Suspended => "suspended",
         }
     }
 }

@@ -123,7 +123,7 @@ fn error_type(refusal: Refusal) -> &'static str {
         Refusal::TooLarge => "request_too_large",
         Refusal::Unavailable => "overloaded_error",
         Refusal::Unidentified => "authentication_error",
-        Refusal::NotPriced => "permission_error",
+        Refusal::NotPriced | Refusal::Suspended => "permission_error",
         Refusal::Unreadable(_) => "invalid_request_error",
     }
 }

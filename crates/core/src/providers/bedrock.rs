@@ -226,7 +226,7 @@ fn error_code(refusal: Refusal) -> &'static str {
         Refusal::QuotaSpent { .. } => "ServiceQuotaExceededException",
         Refusal::TooLarge => "ValidationException",
         Refusal::Unavailable => "ServiceUnavailableException",
-        Refusal::Unidentified | Refusal::NotPriced => "AccessDeniedException",
+        Refusal::Unidentified | Refusal::NotPriced | Refusal::Suspended => "AccessDeniedException",
         Refusal::Unreadable(_) => "ValidationException",
     }
 }

@@ -177,7 +177,7 @@ fn error_status(refusal: Refusal) -> &'static str {
         Refusal::TooLarge => "INVALID_ARGUMENT",
         Refusal::Unavailable => "UNAVAILABLE",
         Refusal::Unidentified => "UNAUTHENTICATED",
-        Refusal::NotPriced => "PERMISSION_DENIED",
+        Refusal::NotPriced | Refusal::Suspended => "PERMISSION_DENIED",
         Refusal::Unreadable(_) => "INVALID_ARGUMENT",
     }
 }

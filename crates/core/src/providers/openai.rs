@@ -196,6 +196,9 @@ fn error_codes(refusal: Refusal) -> (&'static str, &'static str) {
         Refusal::Unavailable => ("server_error", "rate_limiter_unavailable"),
         Refusal::Unidentified => ("invalid_request_error", "missing_api_key"),
         Refusal::NotPriced => ("invalid_request_error", "model_not_priced"),
+        // OpenAI's own for a key or organisation it has deactivated is a 401/403
+        // `permission_error`-like refusal; here the operator suspended the caller.
+        Refusal::Suspended => ("permission_error", "account_suspended"),
         Refusal::Unreadable(code) => ("invalid_request_error", code),
     }
 }

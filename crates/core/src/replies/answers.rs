@@ -127,6 +127,7 @@ mod tests {
             (Refusal::Unavailable, 503, "overloaded_error", "UNAVAILABLE", "ServiceUnavailableException"),
             (Refusal::Unidentified, 401, "authentication_error", "UNAUTHENTICATED", "AccessDeniedException"),
             (Refusal::NotPriced, 403, "permission_error", "PERMISSION_DENIED", "AccessDeniedException"),
+            (Refusal::Suspended, 403, "permission_error", "PERMISSION_DENIED", "AccessDeniedException"),
         ];
         for (refusal, status, anthropic, google, bedrock) in cases {
             let reply = error_reply(Dialect::Anthropic, refusal, "m", None);

@@ -3,9 +3,9 @@
 //! (`crate::replies::answers`), so existing SDKs parse them and back off.
 
 use crate::api::dialect::Dialect;
-use crate::config::{Dimension, HeaderStyle, Policy, TokenCount};
+use crate::config::{Dimension, HeaderStyle, Per, Policy, TokenCount};
 use crate::duration::format_reset;
-use crate::protocol::{LimitCharge, LimitOutcome, LimitStatus, LimitsReply};
+use crate::protocol::{LimitCharge, LimitOutcome, LimitStatus, LimitsReply, Suspension};
 use crate::providers::{self, HeaderQuota, RateLimitHeaders, ResetForm};
 use crate::replies::answers::{error_reply, rfc3339, Caller, Refusal};
 use crate::replies::reply::{tightest, Header, LocalReply};
@@ -214,6 +214,20 @@ pub fn rejection(reply: &LimitsReply, config: &Policy, charged: &[LimitCharge], 
     let refusal =
         if outcome.status == LimitStatus::Never { Refusal::NeverFits(kind) } else { Refusal::RateLimited(kind) };
     refuse(caller.dialect, refusal, &message, retry, headers)
+}
+
+/// The 403 for a caller its plan suspends (set at runtime by an operator): who is
+/// suspended (the key, its team, its end user, every caller: by the limit the suspension
+/// came through) and the operator's reason. No wait lifts it, so no `Retry-After`, and
+/// `x-should-retry: false` stops the SDKs' retries.
+pub fn suspension(suspension: &Suspension, config: &Policy, caller: Caller) -> LocalReply {
+    let who = match config.limit(&suspension.limit).map(|l| &l.per) {
+        Some(Per::Header { name, .. }) => format!("The {name} this request counts under is"),
+        Some(Per::All) => "This service is".to_string(),
+        Some(Per::Tenant) | None => "This API key is".to_string(),
+    };
+    let message = format!("{who} suspended: {}. Contact the operator of this service.", suspension.reason);
+    error_reply(caller.dialect, Refusal::Suspended, &message, None)
 }
 
 /// The limit a spent refusal names, and what the request asked of it.
