@@ -1,5 +1,5 @@
 """The filter's labelled metrics, end to end: traffic through a real Envoy started from
-envoy/demo.yaml (whose `stats_config.stats_tags` is the bootstrap snippet the README
+envoy/demo.yaml (whose `stats_config.stats_tags` is the bootstrap snippet docs/metrics.md
 gives), then `/stats/prometheus` scraped from its admin port. Also checks that every
 metric the Grafana dashboard queries exists (the filter's against this scrape)."""
 
@@ -173,7 +173,7 @@ def test_each_learned_figure_is_one_labelled_gauge(traffic):
     assert value(samples, "llm_ratelimit_prompt_factor_thousandths", model_rule="other") == 1000, \
         "a rule without replies keeps its configured factor"
     # A rule's label is its pattern without the wildcard: OpenAI's gpt-3.5* and gpt-4.1*
-    # as written (README "Metrics"); Azure's gpt-35* is the gpt-3.5 family, no label of its own.
+    # as written (docs/metrics.md); Azure's gpt-35* is the gpt-3.5 family, no label of its own.
     assert {"gpt-4o", "gpt-4.1", "gpt-3.5", "other"} <= set(rules), rules
     assert not any(rule.startswith("gpt-35") for rule in rules), rules
     gauges = {name for name, _ in samples if re.search(r"prompt_factor|output_prior|lease_bound", name)}
@@ -182,7 +182,7 @@ def test_each_learned_figure_is_one_labelled_gauge(traffic):
 
 def test_openais_and_azures_gpt_35_are_one_family_under_one_label(traffic, tiktoken_encodings):
     """OpenAI names the model `gpt-3.5-turbo`, Azure `gpt-35-turbo`: one family, so both
-    requests count under `model_rule="gpt-3.5"` (README "Metrics"), at cl100k_base's count."""
+    requests count under `model_rule="gpt-3.5"` (docs/metrics.md), at cl100k_base's count."""
     port, admin_port = traffic["port"], traffic["admin_port"]
     before = scrape(admin_port)
     reserved = series("llm_ratelimit_tokens_total", model_rule="gpt-3.5", gen_ai_token_type="input",
@@ -221,9 +221,13 @@ def test_the_filters_metrics_follow_prometheus_naming(traffic):
     assert "llm_ratelimit_queue_wait_seconds_total" in types
 
 
+METRICS_DOC = ROOT / "docs/metrics.md"
+TROUBLESHOOTING_DOC = ROOT / "docs/troubleshooting.md"
+
+
 def readme_table(heading: str) -> list[list[str]]:
-    """The body rows of the first table under README's `heading`, each a list of cells."""
-    section = (ROOT / "README.md").read_text().split(f"\n{heading}\n", 1)[1]
+    """The body rows of the first table under docs/metrics.md's `heading`, each a list of cells."""
+    section = METRICS_DOC.read_text().split(f"\n{heading}\n", 1)[1]
     table = list(itertools.takewhile(lambda line: line.startswith("|"), section[section.index("\n|") + 1:].split("\n")))
     return [[cell.strip() for cell in line.strip("|").split("|")] for line in table[2:]]
 
@@ -234,17 +238,17 @@ def first_name(cell: str) -> str:
 
 
 def readme_metrics() -> list[tuple[str, str]]:
-    """(name, type) of every row of README's "All counters and gauges", then of the
+    """(name, type) of every row of docs/metrics.md's "All counters and gauges", then of the
     labelled families of "Labelled" (which that table says are listed there)."""
-    listed = [(first_name(name), kind) for name, kind, _ in readme_table("#### All counters and gauges")]
+    listed = [(first_name(name), kind) for name, kind, _ in readme_table("### All counters and gauges")]
     return listed + [(first_name(name), "gauge" if counts.startswith("Gauge") else "counter")
-                     for name, _, counts in readme_table("#### Labelled: decisions per limit, tokens by kind")]
+                     for name, _, counts in readme_table("### Labelled: decisions per limit, tokens by kind")]
 
 
 @pytest.fixture(scope="module")
 def scraped_types(traffic):
     """The filter's `# TYPE` lines of the traffic Envoy and of one more in lease mode (the
-    only mode with `lease_bound`), once every name README lists shows (10 s at most)."""
+    only mode with `lease_bound`), once every name docs/metrics.md lists shows (10 s at most)."""
     backend = traffic["backend"]
     lease_admin = free_port()
     lease_port = backend.envoy(backend.filter_config(LIMITS, lease={"enabled": True}), name="envoy-lease",
@@ -259,28 +263,28 @@ def scraped_types(traffic):
 
 
 def test_every_metric_the_readme_lists_is_scraped_with_its_type_and_no_other(traffic, scraped_types):
-    """README "All counters and gauges" (with the labelled families): each name in a real
+    """docs/metrics.md "All counters and gauges" (with the labelled families): each name in a real
     Envoy's `/stats/prometheus` with the type and the labels the table states, and no
     other `llm_ratelimit_*` name."""
     types, lease_admin = scraped_types
     listed = readme_metrics()
     assert len(listed) >= 20, listed
     assert [(name, types.get(name)) for name, _ in listed] == listed
-    assert sorted(set(types) - {name for name, _ in listed}) == [], "scraped, but not in README's table"
+    assert sorted(set(types) - {name for name, _ in listed}) == [], "scraped, but not in docs/metrics.md's table"
     samples = {**traffic["samples"], **scrape(lease_admin)}
-    for cell, _, _ in readme_table("#### All counters and gauges"):
+    for cell, _, _ in readme_table("### All counters and gauges"):
         stated = set(re.findall(r"[a-z_]+", cell.split("{")[1])) if "{" in cell else set()
         found = series_of(samples, first_name(cell))
         assert found and all(set(labels) == stated for labels in found), (cell, found)
 
 
 def test_the_upgrade_tables_new_names_are_scraped_and_its_old_ones_are_gone(traffic, scraped_types):
-    """README "Upgrading: metric names": every right-hand name is scraped, no left-hand
+    """docs/metrics.md "Upgrading: metric names": every right-hand name is scraped, no left-hand
     one is (a `<limit>` or `<rule>` in it stands for each of the config's limits and
     rules, the rule also as the old names spelt it, `.` as `_`); and `/stats` has
     `wasmcustom.llm_ratelimit_<name>_total`, never `wasmcustom.llm_ratelimit.<name>`."""
     types, lease_admin = scraped_types
-    rows = [(old, new) for old, new in readme_table("#### Upgrading: metric names") if old.startswith("`llm_ratelimit_")]
+    rows = [(old, new) for old, new in readme_table("### Upgrading: metric names") if old.startswith("`llm_ratelimit_")]
     assert len(rows) >= 19, rows
     assert sorted({first_name(new) for _, new in rows} - set(types)) == []
     rules = {s["model_rule"] for s in series_of(traffic["samples"], "llm_ratelimit_tokens_total")}
@@ -299,8 +303,8 @@ def test_the_upgrade_tables_new_names_are_scraped_and_its_old_ones_are_gone(traf
 
 
 def test_the_readmes_bootstrap_snippet_is_the_demos():
-    """The README's stats_tags block is the one envoy/demo.yaml (and so every test) runs."""
-    readme = (ROOT / "README.md").read_text()
+    """docs/metrics.md's stats_tags block is the one envoy/demo.yaml (and so every test) runs."""
+    readme = METRICS_DOC.read_text()
     block = readme.split("<!-- stats-tags -->", 1)[1].split("```yaml", 1)[1].split("```", 1)[0]
     demo = yaml.safe_load((ROOT / "envoy/demo.yaml").read_text())
     assert yaml.safe_load(block) == {"stats_config": demo["stats_config"]}
@@ -313,7 +317,7 @@ def test_no_label_carries_a_tenant_or_a_key(traffic):
             assert not any(tenant_like.search(v) for _, v in labels), (name, labels)
 
 
-# README "Metrics": "5 counters per limit, 4 counters and 2 gauges per model rule, a gauge
+# docs/metrics.md: "5 counters per limit, 4 counters and 2 gauges per model rule, a gauge
 # per limit in lease mode: 111 for the demo's three limits and the 15 built-in rules and
 # catch-all, whatever the traffic".
 LABELLED = ("llm_ratelimit_decisions_total", "llm_ratelimit_tokens_total", "llm_ratelimit_lease_bound",
@@ -326,7 +330,7 @@ def labelled_series(samples: dict) -> set:
 
 
 def test_the_labelled_series_are_fixed_by_the_config(traffic):
-    """The number of labelled series is the README's arithmetic over the config (this
+    """The number of labelled series is docs/metrics.md's arithmetic over the config (this
     one: two limits, no lease, no rule of its own), and traffic that invents tenants and
     models adds none."""
     before = labelled_series(traffic["samples"])
@@ -334,7 +338,7 @@ def test_the_labelled_series_are_fixed_by_the_config(traffic):
     assert len(rules) == BUILT_IN_RULES_AND_CATCH_ALL, sorted(rules)
     assert len(before) == 5 * len(LIMITS) + (4 + 2) * BUILT_IN_RULES_AND_CATCH_ALL, sorted(before)
     demo_limits = filter_config_of(yaml.safe_load((ROOT / "envoy/demo.yaml").read_text()))["limits"]
-    assert 5 * len(demo_limits) + (4 + 2) * BUILT_IN_RULES_AND_CATCH_ALL == 111, "the README's figure for the demo"
+    assert 5 * len(demo_limits) + (4 + 2) * BUILT_IN_RULES_AND_CATCH_ALL == 111, "docs/metrics.md's figure for the demo"
     # New tenants asking for models no rule names, and one rule's variants: admitted and
     # settled, counted under the catch-all or their rule, never as series of their own.
     for i, model in enumerate(["invented-model-1", "invented-model-2", "gpt-4o-2099-01-01", "claude-made-up"]):
@@ -382,17 +386,16 @@ def test_every_metric_the_dashboard_and_alerts_query_exists(traffic):
     assert shown == {family(n) for n in companion_scraped}, "every companion metric is shown"
 
 
-def test_every_alert_is_per_instance_with_a_runbook_into_the_readme():
+def test_every_alert_is_per_instance_with_a_runbook_into_troubleshooting():
     """Each alert says which proxy or companion (`by (instance)`), and links to a
     Troubleshooting entry that exists."""
-    readme = (ROOT / "README.md").read_text()
-    anchors = set(re.findall(r'<a id="([a-z0-9-]+)"></a>', readme))
-    troubleshooting = readme.split("\n## Troubleshooting\n", 1)[1].split("\n## ", 1)[0]
+    troubleshooting = TROUBLESHOOTING_DOC.read_text()
+    anchors = set(re.findall(r'<a id="([a-z0-9-]+)"></a>', troubleshooting))
     rules = [rule for group in yaml.safe_load(ALERTS.read_text())["groups"] for rule in group["rules"]]
     assert len(rules) >= 10
     for rule in rules:
         assert "instance" in rule["expr"] and "by (instance" in rule["expr"], rule["alert"]
         url = rule["annotations"]["runbook_url"]
-        assert url.startswith("README.md#"), (rule["alert"], url)
+        assert url.startswith("docs/troubleshooting.md#"), (rule["alert"], url)
         anchor = url.split("#", 1)[1]
         assert anchor in anchors and f'<a id="{anchor}">' in troubleshooting, (rule["alert"], anchor)

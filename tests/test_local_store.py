@@ -213,8 +213,8 @@ def test_a_ring_hash_front_keeps_each_tenant_on_one_proxy_and_its_limit_exact(st
     assert landed[home] == 0 and landed[1 - home] == 7
 
 
-def test_the_readme_shows_the_local_store_config_as_the_bootstrap_has_it():
-    readme = (ROOT / "README.md").read_text()
+def test_the_docs_show_the_local_store_config_as_the_bootstrap_has_it():
+    readme = (ROOT / "docs/getting-started.md").read_text()
     block = readme.split("<!-- local-store-config -->", 1)[1].split("```json", 1)[1].split("```", 1)[0]
     config = yaml.safe_load(LOCAL_STORE.read_text())
     hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]

@@ -1,14 +1,14 @@
-"""The README's quick start, run as written, and every proxy snippet of the README loaded by
-the proxy it is for.
+"""The quick start (README.md, docs/getting-started.md), run as written, and every proxy snippet
+of the README and of docs/ loaded by the proxy it is for.
 
 - "Run it in front of your provider": the commands that start Redis and the companion are
-  taken from the README and run (with free ports), and `envoy/provider-openai.yaml`, the
+  taken from docs/getting-started.md and run (with free ports), and `envoy/provider-openai.yaml`, the
   complete bootstrap it starts, serves a chat through a TLS upstream this test makes with
   its own CA: a relay presenting a certificate for api.openai.com, in front of the mock
   (nothing outside this machine is reachable). The bootstrap's own TLS settings are kept:
   SNI, the SAN it requires, the Host it sends, the token from the environment; only
   addresses, ports and the CA file change.
-- Every ```yaml block of the README is an Envoy snippet: each is put where it belongs in a
+- Every ```yaml block of the README and of docs/ is an Envoy snippet: each is put where it belongs in a
   bootstrap and `envoy --mode validate` must accept it.
 - Every ```nginx block is run through `$NGINX -t` (an nginx built with ngx_wasm_module)
   where $NGINX is set; skipped, saying so, otherwise.
@@ -29,14 +29,16 @@ import yaml
 
 from stack import ROOT, WASM, envoy_bin, envoy_config, free_port, http_get, send, wait_until
 
-README = (ROOT / "README.md").read_text()
+# The pages whose snippets are checked: the README and every page of docs/, as one text.
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+DOCS = "\n".join(page.read_text() for page in PAGES)
 PROVIDER_CONFIG = ROOT / "envoy/provider-openai.yaml"
 PROVIDER = "api.openai.com"
 
 
 def block_after(marker: str) -> str:
     """The fenced block right after `<!-- marker -->`, dedented."""
-    rest = README.split(f"<!-- {marker} -->", 1)[1]
+    rest = DOCS.split(f"<!-- {marker} -->", 1)[1]
     body = rest.split("```", 2)[1]
     lines = body.split("\n")[1:]  # drop the language tag
     indent = min((len(line) - len(line.lstrip()) for line in lines if line.strip()), default=0)
@@ -44,9 +46,9 @@ def block_after(marker: str) -> str:
 
 
 def blocks(language: str) -> list[str]:
-    """Every fenced block of `language` in the README, dedented."""
+    """Every fenced block of `language` in the README and docs/, dedented."""
     found = []
-    for match in re.finditer(rf"^( *)```{language}\n(.*?)^\1```", README, re.S | re.M):
+    for match in re.finditer(rf"^( *)```{language}\n(.*?)^\1```", DOCS, re.S | re.M):
         indent = len(match.group(1))
         found.append("\n".join(line[indent:] for line in match.group(2).split("\n")))
     return found
@@ -191,7 +193,7 @@ def test_the_quick_start_serves_a_chat_through_tls_to_the_provider(stack, tls_fi
         reply = send(listen, key="sk-quickstart")
         assert reply.status == 200, reply.body
         assert reply.headers.get("x-ratelimit-limit-requests") == "60", reply.headers
-        assert "x-llm-ratelimit-degraded" not in reply.headers, "the companion from the README's command decided"
+        assert "x-llm-ratelimit-degraded" not in reply.headers, "the companion from the quick start's command decided"
         assert relay.server_names and set(relay.server_names) == {PROVIDER}, relay.server_names
         first = b"".join(relay.requests).decode(errors="replace").lower()
         assert f"host: {PROVIDER}" in first, first[:300]
@@ -273,13 +275,13 @@ def placed(snippet: dict) -> dict:
                 clusters.append({**copy.deepcopy(upstream), "name": name,
                                  "load_assignment": {**copy.deepcopy(upstream["load_assignment"]), "cluster_name": name}})
         else:
-            raise AssertionError(f"a README yaml snippet with a key this test does not place: {key}")
+            raise AssertionError(f"a yaml snippet of the docs with a key this test does not place: {key}")
     return config
 
 
-def test_every_envoy_snippet_of_the_readme_is_accepted_by_envoy(stack):
+def test_every_envoy_snippet_of_the_docs_is_accepted_by_envoy(stack):
     snippets = blocks("yaml")
-    assert len(snippets) >= 4, "the README's Envoy snippets went missing"
+    assert len(snippets) >= 4, "the docs' Envoy snippets went missing"
     refused = []
     for index, text in enumerate(snippets):
         result = validate(stack, placed(yaml.safe_load(text)), f"snippet-{index}")
@@ -293,13 +295,13 @@ def test_every_envoy_snippet_of_the_readme_is_accepted_by_envoy(stack):
 
 def test_envoy_validate_does_refuse_a_bad_snippet(stack):
     """The check above can fail: a misspelt field is refused."""
-    bad = yaml.safe_load(blocks("yaml")[0])
+    bad = next(snippet for snippet in map(yaml.safe_load, blocks("yaml")) if "http_filters" in snippet)
     bad["http_filters"][0]["typed_config"]["config"]["vm_confg"] = {}
     assert validate(stack, placed(bad), "bad-snippet").returncode != 0
 
 
 def nginx_conf(text: str, wasm_dir: Path) -> str:
-    """A README nginx snippet made loadable here: the wasm's path, an `events` block for a
+    """An nginx snippet of the docs made loadable here: the wasm's path, an `events` block for a
     fragment, an `http` block around a fragment of its directives (the overflow `map`),
     the provider's name (which `nginx -t` would resolve) as a loopback address."""
     text = text.replace("/path/to/llm_ratelimit.wasm", str(WASM)).replace(f"{PROVIDER}:443", "127.0.0.1:443")
@@ -310,25 +312,25 @@ def nginx_conf(text: str, wasm_dir: Path) -> str:
     return f"pid {wasm_dir}/nginx.pid;\nerror_log stderr;\n{text}"
 
 
-def test_every_nginx_location_of_the_readme_runs_the_filter_in_the_access_phase():
-    """Each README location that loads the filter carries `proxy_wasm_request_headers_in_access
+def test_every_nginx_location_of_the_docs_runs_the_filter_in_the_access_phase():
+    """Each location of the docs that loads the filter carries `proxy_wasm_request_headers_in_access
     on;`: without it ngx_wasm_module lets a bodiless request on a reused keep-alive connection
-    run on to proxy_pass undecided (unlimited, then the worker crashes; the README's host table).
+    run on to proxy_pass undecided (unlimited, then the worker crashes; docs/nginx.md's host table).
     Checked on the text, so it holds where no nginx is installed."""
     locations = [block for block in blocks("nginx") if "proxy_wasm llm_ratelimit" in block]
-    assert len(locations) >= 2, "the README's nginx snippets went missing"
+    assert len(locations) >= 2, "the docs' nginx snippets went missing"
     for block in locations:
         assert block.count("proxy_wasm llm_ratelimit") == block.count("proxy_wasm_request_headers_in_access on;"), block
 
 
-def test_every_nginx_snippet_of_the_readme_passes_nginx_t(tmp_path):
+def test_every_nginx_snippet_of_the_docs_passes_nginx_t(tmp_path):
     snippets = blocks("nginx")
     assert len(snippets) >= 2 and any(re.search(r"^events\b", s, re.M) for s in snippets), \
         "the complete nginx.conf of the quick start went missing"
     assert "proxy_wasm llm_ratelimit" in block_after("quickstart-nginx")
     nginx = os.environ.get("NGINX")
     if not nginx:
-        pytest.skip("NGINX is not set: the README's nginx snippets were NOT checked with nginx -t "
+        pytest.skip("NGINX is not set: the docs' nginx snippets were NOT checked with nginx -t "
                     "(set NGINX to an nginx built with ngx_wasm_module)")
     # nginx reads $NGINX itself (sockets inherited on upgrade): not in its environment.
     env = {k: v for k, v in os.environ.items() if k != "NGINX"}
@@ -354,6 +356,6 @@ def test_every_nginx_snippet_of_the_readme_passes_nginx_t(tmp_path):
             failed.append(f"snippet {index}:\n{conf.read_text()}\n{result.stderr}")
     assert not failed, "\n".join(failed)
     if unchecked:
-        pytest.skip(f"README nginx snippets {unchecked} proxy over TLS and {nginx} was built without "
+        pytest.skip(f"nginx snippets {unchecked} proxy over TLS and {nginx} was built without "
                     "http_ssl_module: their proxy_ssl_* lines were NOT checked with nginx -t (the rest of them and the "
                     "other snippets passed)")

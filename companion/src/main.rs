@@ -833,11 +833,12 @@ mod tests {
     use super::Args;
     use clap::CommandFactory;
 
-    /// The README's table of the companion's flags (`| flag | environment | default | … |`):
+    /// docs/companion.md's table of the companion's flags (`| flag | environment | default | … |`):
     /// each flag's environment variable and default are the ones the companion parses.
     #[test]
-    fn the_readme_flag_table_states_the_defaults_and_variables_the_companion_parses() {
-        let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../README.md")).expect("README");
+    fn the_docs_flag_table_states_the_defaults_and_variables_the_companion_parses() {
+        let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/companion.md"))
+            .expect("docs/companion.md");
         let table =
             readme.split("| flag | environment | default | meaning |").nth(1).expect("the companion's flag table");
         let command = Args::command();
@@ -855,7 +856,10 @@ mod tests {
                 match default.strip_prefix('`').and_then(|d| d.strip_suffix('`')) {
                     Some(stated) => assert_eq!(parsed, [stated], "{flag}"),
                     None => {
-                        assert!(parsed.is_empty(), "{flag}: the README states no default, the companion has {parsed:?}")
+                        assert!(
+                            parsed.is_empty(),
+                            "{flag}: docs/companion.md states no default, the companion has {parsed:?}"
+                        )
                     }
                 }
                 checked += 1;

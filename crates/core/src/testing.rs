@@ -1104,15 +1104,16 @@ impl Proxy {
     }
 }
 
-/// The JSON block after `<!-- marker -->` in the README (a policy the tests load as written).
-pub fn readme_json_block(marker: &str) -> String {
-    let readme = include_str!("../../../README.md");
-    readme
-        .split(&format!("<!-- {marker} -->"))
-        .nth(1)
+/// The JSON block after `<!-- marker -->` in the documentation pages that show policies
+/// (docs/configuration.md, docs/pools.md): a policy the tests load as written.
+pub fn docs_json_block(marker: &str) -> String {
+    let pages = [include_str!("../../../docs/configuration.md"), include_str!("../../../docs/pools.md")];
+    pages
+        .iter()
+        .find_map(|page| page.split(&format!("<!-- {marker} -->")).nth(1))
         .and_then(|rest| rest.split("```json").nth(1))
         .and_then(|rest| rest.split("```").next())
-        .unwrap_or_else(|| panic!("the README has no JSON block after <!-- {marker} -->"))
+        .unwrap_or_else(|| panic!("no page of docs/ has a JSON block after <!-- {marker} -->"))
         .to_string()
 }
 

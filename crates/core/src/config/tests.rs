@@ -144,10 +144,10 @@ fn tiers_come_from_a_header_with_a_default() {
     assert_eq!(applying("free"), ["rpm-free", "tpd"]);
 }
 
-/// The README's complete policy loads exactly as written.
+/// docs/configuration.md's complete policy loads exactly as written.
 #[test]
 fn the_readme_policy_loads_as_written() {
-    let block = crate::testing::readme_json_block("policy-example");
+    let block = crate::testing::docs_json_block("policy-example");
     let config = Policy::from_json(block.as_bytes()).unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(config.domain, "prod");
     assert_eq!(config.tier_of("0f1e2d3c4b5a69788796a5b4c3d2e1f0", Some("free")), "partner");

@@ -282,11 +282,11 @@ mod tests {
 mod readme_tests {
     use super::*;
 
-    /// The README's organisation policy loads exactly as written, each limit counted per
+    /// docs/pools.md's organisation policy loads exactly as written, each limit counted per
     /// what it says.
     #[test]
     fn the_readme_organisation_policy_loads_as_written() {
-        let block = crate::testing::readme_json_block("org-policy-example");
+        let block = crate::testing::docs_json_block("org-policy-example");
         let config = Policy::from_json(block.as_bytes()).unwrap_or_else(|e| panic!("{e}"));
         let per = |name: &str| config.limit(name).map(|l| l.per.clone());
         assert_eq!(per("upstream-gpt4o-tpm"), Some(Per::All));
