@@ -253,6 +253,13 @@ fn fair_share(
     };
     let between = super::per::per_at(&format!("{field}.between"), written.between.as_ref(), credentials)?;
     match &between {
+        super::Per::EndUser { .. } => {
+            return Err(invalid(
+                format!("{field}.between"),
+                "shares are between tenants or a trusted header's values; an end user's own share is its limit \
+                 (`per: \"end_user\"`) or its plan",
+            ))
+        }
         super::Per::All => {
             return Err(invalid(
                 format!("{field}.between"),

@@ -55,7 +55,7 @@ pub fn effective(bytes: &[u8]) -> Result<(Policy, Value), ConfigError> {
                     serde_json::json!({"header": name, "default": default})
                 }
                 super::Per::Header { name, default: None } => serde_json::json!({"header": name}),
-                super::Per::Tenant | super::Per::All => Value::String("tenant".into()),
+                super::Per::Tenant | super::Per::All | super::Per::EndUser { .. } => Value::String("tenant".into()),
             };
             shown.insert("between".into(), between);
         }

@@ -8,13 +8,33 @@ use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-/// `limits[].per` as written: `"tenant"` (the default), `"all"`, or
-/// `{"header": "x-team-id", "default": "unassigned"}`.
+/// `limits[].per` as written: `"tenant"` (the default), `"all"`, `"end_user"`,
+/// `{"header": "x-team-id", "default": "unassigned"}`, or
+/// `{"end_user": {"header": "x-end-user"}, "default": "anonymous"}`.
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(untagged)]
 pub enum PerShape {
     Named(String),
     Header(HeaderPer),
+    EndUser(EndUserPer),
+}
+
+/// `{"end_user": "body" | {"header": ...}, "default": ...}`.
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct EndUserPer {
+    pub end_user: EndUserSource,
+    /// The user a request without one counts as; unset: such a request is refused (400).
+    #[serde(default)]
+    pub default: Option<String>,
+}
+
+/// Where an end user is read: the request body (`"body"`), or a trusted header.
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(untagged)]
+pub enum EndUserSource {
+    Body(String),
+    Header { header: String },
 }
 
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
@@ -40,6 +60,11 @@ pub enum Per {
     Header { name: String, default: Option<String> },
     /// One counter for every caller: with `models`, the upstream's own quota.
     All,
+    /// One counter per end user of each tenant (a shared key's users): read from the body
+    /// (OpenAI's `safety_identifier` or `user`, Anthropic's `metadata.user_id`), or from a
+    /// trusted header (`header`, lower case). `default`: the user a request without one
+    /// counts as; `None`: such a request is refused.
+    EndUser { header: Option<String>, default: Option<String> },
 }
 
 /// The credential headers the providers' APIs use: a pool keyed on one would count per
@@ -63,35 +88,63 @@ pub(super) fn per_at(field: &str, written: Option<&PerShape>, credentials: &[Str
         None => Ok(Per::Tenant),
         Some(PerShape::Named(name)) if name == "tenant" => Ok(Per::Tenant),
         Some(PerShape::Named(name)) if name == "all" => Ok(Per::All),
+        Some(PerShape::Named(name)) if name == "end_user" => Ok(Per::EndUser { header: None, default: None }),
         Some(PerShape::Named(name)) => Err(invalid(
             field,
-            format!("{name:?} is not one of \"tenant\", \"all\" or {{\"header\": \"<a trusted request header>\"}}"),
+            format!(
+                "{name:?} is not one of \"tenant\", \"all\", \"end_user\" or {{\"header\": \"<a trusted request \
+                 header>\"}}"
+            ),
         )),
-        Some(PerShape::Header(HeaderPer { header, default })) => {
-            let name = header.trim().to_ascii_lowercase();
-            let valid = !name.is_empty() && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
-            if !valid {
-                return Err(invalid(format!("{field}.header"), format!("{header:?} is not a header name")));
-            }
-            if CREDENTIAL_HEADERS.contains(&name.as_str()) || credentials.contains(&name) {
-                return Err(invalid(
-                    format!("{field}.header"),
-                    format!(
-                        "{name:?} carries a credential: a limit per credential is `per: \"tenant\"`; a pool needs \
-                         a header naming a team or organisation, set by something trusted"
-                    ),
-                ));
-            }
-            if let Some(value) = default {
-                if value.trim().is_empty() || value.len() > MAX_DEFAULT || value.chars().any(char::is_control) {
+        Some(PerShape::EndUser(EndUserPer { end_user, default })) => {
+            let header = match end_user {
+                EndUserSource::Body(source) if source == "body" => None,
+                EndUserSource::Body(source) => {
                     return Err(invalid(
-                        format!("{field}.default"),
-                        format!("must be 1-{MAX_DEFAULT} printable characters"),
-                    ));
+                        format!("{field}.end_user"),
+                        format!("{source:?} is not \"body\" or {{\"header\": \"<a trusted request header>\"}}"),
+                    ))
                 }
-            }
-            Ok(Per::Header { name, default: default.as_ref().map(|d| d.trim().to_string()) })
+                EndUserSource::Header { header } => {
+                    Some(header_name(&format!("{field}.end_user.header"), header, credentials)?)
+                }
+            };
+            Ok(Per::EndUser { header, default: default_value(&field, default.as_deref())? })
         }
+        Some(PerShape::Header(HeaderPer { header, default })) => {
+            let name = header_name(&format!("{field}.header"), header, credentials)?;
+            Ok(Per::Header { name, default: default_value(&field, default.as_deref())? })
+        }
+    }
+}
+
+/// A trusted header's name, lower case, at `field`: never a credential's.
+fn header_name(field: &str, header: &str, credentials: &[String]) -> Result<String, ConfigError> {
+    let name = header.trim().to_ascii_lowercase();
+    let valid = !name.is_empty() && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
+    if !valid {
+        return Err(invalid(field, format!("{header:?} is not a header name")));
+    }
+    if CREDENTIAL_HEADERS.contains(&name.as_str()) || credentials.contains(&name) {
+        return Err(invalid(
+            field,
+            format!(
+                "{name:?} carries a credential: a limit per credential is `per: \"tenant\"`; a pool needs \
+                 a header naming a team or organisation, set by something trusted"
+            ),
+        ));
+    }
+    Ok(name)
+}
+
+/// A `per`'s `default` (at `field.default`), trimmed: 1 to MAX_DEFAULT printable characters.
+fn default_value(field: &str, default: Option<&str>) -> Result<Option<String>, ConfigError> {
+    match default {
+        None => Ok(None),
+        Some(value) if value.trim().is_empty() || value.len() > MAX_DEFAULT || value.chars().any(char::is_control) => {
+            Err(invalid(format!("{field}.default"), format!("must be 1-{MAX_DEFAULT} printable characters")))
+        }
+        Some(value) => Ok(Some(value.trim().to_string())),
     }
 }
 

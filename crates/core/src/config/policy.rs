@@ -152,10 +152,14 @@ impl Policy {
         value.map(str::trim).and_then(|v| self.tiers().find(|t| *t == v)).unwrap_or(&tier.default)
     }
 
-    /// Whether the request body must be read before deciding: to count tokens, or to
-    /// learn the model a per-model limit depends on.
+    /// Whether the request body must be read before deciding: to count tokens, to learn
+    /// the model a per-model limit depends on, or the end user a limit is counted per.
     pub fn reads_body(&self) -> bool {
-        self.counts_tokens() || self.limits.iter().any(|l| !l.models.is_empty())
+        self.counts_tokens()
+            || self
+                .limits
+                .iter()
+                .any(|l| !l.models.is_empty() || matches!(l.per, super::Per::EndUser { header: None, .. }))
     }
 
     /// Whether a refusal may send a request to another backend (a limit's `overflow`, or

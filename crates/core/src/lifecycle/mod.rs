@@ -862,8 +862,6 @@ impl RequestFilter {
         self.tier = config.tier_of(&self.tenant, tier_value.as_deref()).to_string();
         // The clock, read once for the decision.
         let now = host.now_ms();
-        let counters =
-            crate::plan::pools::counters(config, &self.tenant, &self.tier, |name| host.request_header_values(name));
         let mut learned = ProxyKnowledge {
             host,
             now,
@@ -875,7 +873,16 @@ impl RequestFilter {
         };
         let mut plan = plan(config, self.route.as_ref(), &self.tier, body, &mut learned);
         plan.date(config, now);
+        let counters =
+            crate::plan::pools::counters(config, &self.tenant, &self.tier, plan.end_user.as_deref(), |name| {
+                host.request_header_values(name)
+            });
         match counters {
+            Ok(counters) if crate::plan::pools::unnamed_end_user(config, &plan, &counters) => {
+                self.plan = Some(plan);
+                let verdict = Verdict::Reply(decision::no_end_user(self.dialect));
+                return self.apply(host, config, verdict, false);
+            }
             Ok(counters) => {
                 crate::plan::pools::assign(config, &mut plan, &counters);
                 self.recorded.pools = crate::plan::pools::claimants(config, &counters);

@@ -145,3 +145,82 @@ fn a_suspension_ends_a_leasing_proxys_lease_within_one_lease_ttl() {
         }
     }
 }
+
+fn chat_as(key: &str, user: Option<&str>) -> Request {
+    let user = user.map_or(String::new(), |u| format!(r#","user":"{u}""#));
+    Request::chat(
+        key,
+        &format!(r#"{{"model":"gpt-4o","messages":[{{"role":"user","content":"hi"}}],"max_tokens":5{user}}}"#),
+    )
+}
+
+/// One application key, its users counted apart (OpenAI's `user`): one user's plan holds
+/// for that user, another user of the same key is unaffected; a request naming no user
+/// is refused 400 where the limit has no default user.
+#[test]
+fn an_end_users_plan_holds_inside_a_shared_key_and_the_others_are_unaffected() {
+    for kind in HOSTS {
+        let world = World::new(kind);
+        let limits = json!([{"name": "user-rpm", "requests": 1, "window": "1m", "per": "end_user"}]);
+        let mut proxy = Proxy::new(&world, &config(limits, json!({})));
+        let mut companion = FakeCompanion::default();
+        let alice = crate::plan::pools::end_user_owner(&tenant("sk-app"), "alice");
+        companion.plans.insert(alice, capacity("user-rpm", 3));
+        let sent = |proxy: &mut Proxy, companion: &mut FakeCompanion, user| {
+            (0..4).filter(|_| proxy.send(chat_as("sk-app", user), companion).forwarded()).count()
+        };
+        assert_eq!(sent(&mut proxy, &mut companion, Some("alice")), 3, "{kind:?}: alice's plan");
+        assert_eq!(sent(&mut proxy, &mut companion, Some("bob")), 1, "{kind:?}: bob, the config's 1");
+        // Another key's alice is another owner.
+        assert_eq!(
+            (0..4).filter(|_| proxy.send(chat_as("sk-other", Some("alice")), &mut companion).forwarded()).count(),
+            1
+        );
+        let nobody = proxy.send(chat_as("sk-app", None), &mut companion);
+        assert_eq!(nobody.replied().map(|r| r.status), Some(400), "{kind:?}");
+        assert_eq!(body(&nobody)["error"]["code"], "missing_end_user", "{kind:?}");
+        // Suspending one user leaves the others.
+        companion.plans.insert(crate::plan::pools::end_user_owner(&tenant("sk-app"), "carol"), suspended("abuse"));
+        let carol = proxy.send(chat_as("sk-app", Some("carol")), &mut companion);
+        assert_eq!(carol.replied().map(|r| r.status), Some(403), "{kind:?}");
+        assert!(body(&carol)["error"]["message"].as_str().is_some_and(|m| m.contains("This end user is suspended")));
+        assert!(proxy.send(chat_as("sk-app", Some("dave")), &mut companion).forwarded(), "{kind:?}");
+    }
+}
+
+/// From a trusted header, with a default user for requests without one; Anthropic's
+/// `metadata.user_id` from the body.
+#[test]
+fn an_end_user_is_read_from_a_trusted_header_with_a_default_or_from_anthropics_metadata() {
+    let world = World::new(HostKind::Envoy);
+    let limits = json!([
+        {"name": "by-header", "requests": 1, "window": "1m", "per": {"end_user": {"header": "x-end-user"}, "default": "anyone"}},
+    ]);
+    let mut proxy = Proxy::new(&world, &config(limits, json!({})));
+    let mut companion = FakeCompanion::default();
+    let as_header = |user: &str| Request::get("sk-a", "/v1/models").header("x-end-user", user);
+    assert!(proxy.send(as_header("u1"), &mut companion).forwarded());
+    assert!(!proxy.send(as_header("u1"), &mut companion).forwarded());
+    assert!(proxy.send(as_header("u2"), &mut companion).forwarded());
+    assert!(proxy.send(Request::get("sk-a", "/v1/models"), &mut companion).forwarded(), "the default user");
+    assert!(!proxy.send(Request::get("sk-a", "/v1/models"), &mut companion).forwarded(), "the default user, once");
+
+    let world = World::new(HostKind::Envoy);
+    let limits = json!([{"name": "user-rpm", "requests": 1, "window": "1m", "per": "end_user"}]);
+    let mut proxy = Proxy::new(&world, &config(limits, json!({})));
+    let messages = |user: &str| {
+        let body = format!(
+            r#"{{"model":"claude-sonnet-4-5","max_tokens":5,"messages":[{{"role":"user","content":"hi"}}],"metadata":{{"user_id":"{user}"}}}}"#
+        );
+        let mut request = Request::chat("sk-a", &body);
+        for (name, value) in &mut request.headers {
+            if name == ":path" {
+                *value = "/v1/messages".into();
+            }
+        }
+        request
+    };
+    assert!(proxy.send(messages("m1"), &mut companion).forwarded());
+    assert!(!proxy.send(messages("m1"), &mut companion).forwarded());
+    assert!(proxy.send(messages("m2"), &mut companion).forwarded());
+}

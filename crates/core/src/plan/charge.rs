@@ -43,6 +43,8 @@ pub struct ChargePlan {
     pub parsed: bool,
     /// The parsed request.
     pub request: Option<LlmRequest>,
+    /// The end user the body names (for limits counted per end user).
+    pub end_user: Option<String>,
     /// The client's body, kept when it may be rewritten once the decision is known.
     pub rewritable_body: Option<Vec<u8>>,
     /// Whether the output cap follows what the charge granted (`tokens.clamp_max_tokens`).
@@ -344,6 +346,7 @@ pub fn plan(
         min_output,
         backend: None,
         parsed: request.is_some(),
+        end_user: request.as_ref().and_then(|r| r.end_user.clone()),
         request: None,
         rewritable_body: None,
         clamped,

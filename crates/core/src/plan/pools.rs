@@ -66,11 +66,13 @@ fn owner_id(prefix: &str, digest: &[u8]) -> String {
 }
 
 /// Each limit's counter, in config order, from the request's header values
-/// (`header_values(name)`: every copy the request has), for `tenant` of `tier`.
+/// (`header_values(name)`: every copy the request has) and the end user its body names,
+/// for `tenant` of `tier`.
 pub fn counters(
     config: &Policy,
     tenant: &str,
     tier: &str,
+    body_end_user: Option<&str>,
     mut header_values: impl FnMut(&str) -> Vec<String>,
 ) -> Result<Vec<Counter>, RepeatedHeader> {
     let mut value_of = |name: &str, default: Option<&str>| -> Result<Option<String>, RepeatedHeader> {
@@ -97,6 +99,20 @@ pub fn counters(
                     continue;
                 }
             },
+            Per::EndUser { header, default } => {
+                let user = match header {
+                    Some(name) => value_of(name, default.as_deref())?,
+                    None => body_end_user.filter(|u| !u.is_empty()).or(default.as_deref()).map(str::to_string),
+                };
+                match user {
+                    Some(user) => end_user_owner(tenant, &user),
+                    // Refused if the limit applies to the request (see `unnamed_end_user`).
+                    None => {
+                        counters.push(Counter::Absent);
+                        continue;
+                    }
+                }
+            }
         };
         let fair = match &limit.fair_share {
             None => None,
@@ -108,7 +124,7 @@ pub fn counters(
                         let value = value_of(name, default.as_deref())?.unwrap_or_default();
                         (pool_owner(name, &value), fair.weight_of(&value))
                     }
-                    Per::Tenant | Per::All => (tenant.to_string(), fair.weight_of(tier)),
+                    Per::Tenant | Per::All | Per::EndUser { .. } => (tenant.to_string(), fair.weight_of(tier)),
                 };
                 Some(FairClaim {
                     claimant,
@@ -121,6 +137,14 @@ pub fn counters(
         counters.push(Counter::Pool { owner, fair });
     }
     Ok(counters)
+}
+
+/// Whether a limit counted per end user applies to the request (`plan`) and it names
+/// none, with no default user: it is refused (400), never let through uncounted.
+pub fn unnamed_end_user(config: &Policy, plan: &ChargePlan, counters: &[Counter]) -> bool {
+    config.limits.iter().zip(counters).enumerate().any(|(i, (limit, counter))| {
+        matches!(limit.per, Per::EndUser { .. }) && *counter == Counter::Absent && plan.applies(i)
+    })
 }
 
 /// The distinct pool claimants of a request (limits counted per a header that it was
@@ -208,7 +232,7 @@ mod tests {
             "x-team-id" => vec!["team-a".to_string()],
             _ => vec![],
         };
-        let counters = counters(&config, "t1", "", headers).expect("no repeated header");
+        let counters = counters(&config, "t1", "", None, headers).expect("no repeated header");
         let pool = |owner: String| Counter::Pool { owner, fair: None };
         assert_eq!(
             counters,
@@ -219,9 +243,9 @@ mod tests {
                 pool("all".into())
             ]
         );
-        let absent = super::counters(&config, "t1", "", |_| vec![]).expect("nothing repeated");
+        let absent = super::counters(&config, "t1", "", None, |_| vec![]).expect("nothing repeated");
         assert_eq!(absent[1], Counter::Absent, "no header, no default: the team limit does not apply");
-        let twice = super::counters(&config, "t1", "", |name| vec![name.to_string(), "b".into()]);
+        let twice = super::counters(&config, "t1", "", None, |name| vec![name.to_string(), "b".into()]);
         assert_eq!(twice, Err(RepeatedHeader("x-team-id".into())));
     }
 
@@ -241,7 +265,7 @@ mod tests {
                 ("x-team-id", Some(team)) => vec![team.to_string()],
                 _ => vec![],
             };
-            let counters = counters(&config, tenant, tier, headers).expect("one value each");
+            let counters = counters(&config, tenant, tier, None, headers).expect("one value each");
             counters
                 .into_iter()
                 .take(2)
@@ -260,7 +284,7 @@ mod tests {
         assert_eq!(claim(None, "t3", "")[1], claim(None, "t4", "")[1]);
         assert_eq!(claim(None, "t3", "")[1].1, 1);
         // Two values of the team header: refused, as for a `per` header.
-        let twice = counters(&config, "t1", "", |name| match name {
+        let twice = counters(&config, "t1", "", None, |name| match name {
             "x-team-id" => vec!["a".into(), "b".into()],
             _ => vec![],
         });

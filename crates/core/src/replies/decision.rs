@@ -224,6 +224,7 @@ pub fn suspension(suspension: &Suspension, config: &Policy, caller: Caller) -> L
     let who = match config.limit(&suspension.limit).map(|l| &l.per) {
         Some(Per::Header { name, .. }) => format!("The {name} this request counts under is"),
         Some(Per::All) => "This service is".to_string(),
+        Some(Per::EndUser { .. }) => "This end user is".to_string(),
         Some(Per::Tenant) | None => "This API key is".to_string(),
     };
     let message = format!("{who} suspended: {}. Contact the operator of this service.", suspension.reason);
@@ -407,6 +408,14 @@ pub fn conflicting_credentials(dialect: Dialect) -> LocalReply {
 pub fn repeated_pool_header(header: &str, dialect: Dialect) -> LocalReply {
     let message = format!("The request carries the header '{header}' more than once. Send it exactly once.");
     error_reply(dialect, Refusal::Unreadable("repeated_header"), &message, None)
+}
+
+/// 400 for a request a limit counts per end user that names none, where the limit has
+/// no default user (`limits[].per.default`).
+pub fn no_end_user(dialect: Dialect) -> LocalReply {
+    let message = "This API key's requests are limited per end user, and this request names none: set `user` (or \
+                   `safety_identifier`; Anthropic: `metadata.user_id`), or the header the operator configured.";
+    error_reply(dialect, Refusal::Unreadable("missing_end_user"), message, None)
 }
 
 /// 400 for a body on an LLM path that cannot be read as its API's JSON, or that gives a
