@@ -9,7 +9,8 @@
 //! `POST /v1/release`, `POST /v1/calibration` (JSON in and out, see
 //! `llm_ratelimit_protocol`), `POST /v1/ledger` (a worker's spend-ledger batch, see
 //! `ledger`); for operators, `POST /v1/usage` (where a tenant stands, charging nothing),
-//! `POST /v1/admin/reset` and `GET /v1/admin/spend` (the ledger); `GET /healthz` and `GET /metrics`
+//! `POST /v1/admin/reset`, `GET /v1/admin/spend` (the ledger) and the plans' admin API
+//! (`/v1/admin/plan`, `/v1/admin/plans`, see `plans`); `GET /healthz` and `GET /metrics`
 //! (Prometheus). Every endpoint but `/healthz` and `/metrics` requires a credential in
 //! `x-llmrl-token`: a data-plane one for the filter's endpoints, an admin one for usage
 //! and reset (see `credentials`). Each runs `lua/limits.lua` (see `limits`) by EVALSHA, but the
@@ -21,6 +22,7 @@ mod credentials;
 mod ledger;
 mod limits;
 mod metrics;
+mod plans;
 mod pools;
 mod provider;
 mod queue;
@@ -30,6 +32,7 @@ mod sentinel;
 mod store;
 
 use axum::body::Bytes;
+use axum::extract::DefaultBodyLimit;
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -42,6 +45,7 @@ use credentials::{Credentials, Right};
 use limits::Op;
 use llm_ratelimit_protocol::duration::parse_duration;
 use llm_ratelimit_protocol::ledger::{LedgerBatch, LEDGER_PATH, SPEND_PATH};
+use llm_ratelimit_protocol::plan_admin::{HISTORY_PATH, IMPORT_PATH, MAX_IMPORT_BYTES, PLANS_PATH, PLAN_PATH};
 use llm_ratelimit_protocol::{
     CalibrationExchange, ChargeRequest, LeaseRequest, ProviderExchange, ResetReply, SettleOutcome, SettleReply,
     SettlementBatch, TenantLimits, CALIBRATION_PATH, CHARGE_PATH, HEALTH_PATH, LEASE_PATH, PROVIDER_PATH, RELEASE_PATH,
@@ -152,6 +156,8 @@ struct App {
     provider: Script,
     /// `lua/ledger.lua`, once per owner of a batch (see `ledger`).
     ledger: Script,
+    /// `lua/plans.lua`, an admin's change to a plan (see `plans`).
+    plans: Script,
     keeping: ledger::Keeping,
     refusals: refusals::RefusalLog,
     /// This companion's waiters, by tenant (see `queue`).
@@ -357,9 +363,15 @@ fn admin_only(app: &App, headers: &HeaderMap) -> Result<(), Box<Response>> {
         )));
     }
     if !authorised(app, headers, Right::Admin) {
+        let given = headers.get(TOKEN_HEADER).map(|v| v.as_bytes());
+        let data_plane = if app.credentials.allow(Right::DataPlane, given) {
+            " (the one given is a data-plane credential, which cannot administer)"
+        } else {
+            ""
+        };
         return Err(Box::new(error(
             StatusCode::UNAUTHORIZED,
-            format!("missing or wrong {TOKEN_HEADER}: this endpoint takes an admin credential"),
+            format!("missing or wrong {TOKEN_HEADER}: this endpoint takes an admin credential{data_plane}"),
         )));
     }
     Ok(())
@@ -707,9 +719,10 @@ async fn serve(args: Args) -> Result<(), String> {
     let calibration = Script::new("calibration", calibration::SOURCE);
     let provider = Script::new("provider", provider::SOURCE);
     let ledger_script = Script::new("ledger", ledger::SOURCE);
+    let plans_script = Script::new("plans", plans::SOURCE);
     // Both loaded now, so a NOSCRIPT reload later means Redis lost them (the metric's alert).
     let deadline = tokio::time::Instant::now() + args.startup_wait;
-    for script in [&script, &calibration, &provider, &ledger_script] {
+    for script in [&script, &calibration, &provider, &ledger_script, &plans_script] {
         while let Err(err) = store.load(script).await {
             if store::is_fatal(&err) || tokio::time::Instant::now() >= deadline {
                 return Err(format!("cannot load {}: {err}", script.name));
@@ -740,6 +753,7 @@ async fn serve(args: Args) -> Result<(), String> {
         calibration,
         provider,
         ledger: ledger_script,
+        plans: plans_script,
         keeping: ledger::Keeping {
             retention_s: args.ledger_retention.as_secs().max(1),
             max_models: args.ledger_max_models,
@@ -760,6 +774,10 @@ async fn serve(args: Args) -> Result<(), String> {
         .route(RESET_PATH, post(run_reset))
         .route(LEDGER_PATH, post(run_ledger))
         .route(SPEND_PATH, get(run_spend))
+        .route(PLAN_PATH, get(plans::run_show).post(plans::run_set).delete(plans::run_delete))
+        .route(PLANS_PATH, get(plans::run_list))
+        .route(HISTORY_PATH, get(plans::run_history))
+        .route(IMPORT_PATH, post(plans::run_import).layer(DefaultBodyLimit::max(MAX_IMPORT_BYTES)))
         .route(HEALTH_PATH, get(healthz))
         .with_state(app);
     let (router, metrics_server) = match &args.metrics_listen {

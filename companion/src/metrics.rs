@@ -119,6 +119,8 @@ pub struct Metrics {
     pub settlements_dropped: Counter,
     pub auth_failures: Counter,
     pub admin_resets: Counter,
+    /// Plans an admin set, deleted or imported (one per plan written).
+    pub plan_changes: Counter,
     /// Readiness checks that found Redis refusing the companion's credentials.
     pub redis_auth_failures: Counter,
     /// Credits refused for having no reservation or grant behind them, and credits cut
@@ -228,6 +230,13 @@ impl Metrics {
                 None,
                 Counter::default(),
             ),
+            plan_changes: registered(
+                r,
+                "plan_changes",
+                "Owners' plans an admin set, deleted or imported (one per plan written)",
+                None,
+                Counter::default(),
+            ),
             redis_auth_failures: registered(
                 r,
                 "redis_auth_failures",
@@ -289,6 +298,7 @@ mod tests {
             r#"llm_ratelimit_companion_settlements_total{outcome="applied"} 0"#,
             "llm_ratelimit_companion_auth_failures_total 0",
             "llm_ratelimit_companion_admin_resets_total 0",
+            "llm_ratelimit_companion_plan_changes_total 0",
             "# TYPE llm_ratelimit_companion_redis_call_duration_seconds histogram",
         ] {
             assert!(text.lines().any(|l| l == line), "{line} missing from\n{text}");

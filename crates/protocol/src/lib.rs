@@ -7,6 +7,7 @@ pub mod credential;
 pub mod duration;
 pub mod keys;
 pub mod ledger;
+pub mod plan_admin;
 pub mod plans;
 pub mod provider;
 mod tenant_ops;
