@@ -6,6 +6,7 @@
 mod check_config;
 mod lint;
 mod package_wasm;
+mod plan;
 mod reset;
 mod spend;
 mod tenant;
@@ -35,6 +36,8 @@ enum Command {
     Reset(reset::Args),
     /// The spend ledger over a date range: requests, tokens and cost by tenant, team, model, day.
     Spend(spend::Args),
+    /// Owners' plans at runtime: set, show, delete, list, import, export, history.
+    Plan(plan::Args),
 }
 
 fn main() -> ExitCode {
@@ -44,6 +47,7 @@ fn main() -> ExitCode {
         Command::Usage(args) => usage::run(&args),
         Command::Reset(args) => reset::run(&args),
         Command::Spend(args) => spend::run(&args),
+        Command::Plan(args) => plan::run(&args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
