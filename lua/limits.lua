@@ -227,16 +227,31 @@ local drivers = {}
 local tb = {}
 drivers.tb = tb
 
+-- A bucket written under a plan's capacity keeps it (`pcap`): when the plan's capacity
+-- changes (set, raised, lowered, removed), the level moves by the change, so what was
+-- spent stays spent and no more: a key drained at 2 and raised to 5 has 3 at once. Only
+-- a plan's change moves it; a capacity the call itself sends lower (the provider's word)
+-- caps the level as before.
 local function tb_store(l)
   redis.call('HSET', l.key, 'tokens', string.format('%.17g', l.level), 'ts', string.format('%.17g', now_ms))
+  if l.plan_capacity then
+    redis.call('HSET', l.key, 'pcap', string.format('%.17g', l.plan_capacity))
+  elseif l.stored_plan_capacity then
+    redis.call('HDEL', l.key, 'pcap')
+  end
   redis.call('PEXPIRE', l.key, math.max(1, math.ceil((l.capacity - l.level) * l.window_ms / l.capacity)))
 end
 
 function tb.refresh(l)
-  local state = redis.call('HMGET', l.key, 'tokens', 'ts')
+  local state = redis.call('HMGET', l.key, 'tokens', 'ts', 'pcap')
   local tokens, ts = tonumber(state[1]), tonumber(state[2])
   if tokens == nil or ts == nil then
     return l.capacity
+  end
+  local stored = tonumber(state[3])
+  l.stored_plan_capacity = stored
+  if stored ~= l.plan_capacity then
+    tokens = tokens + (l.plan_capacity or l.sent_capacity) - (stored or l.sent_capacity)
   end
   return math.min(l.capacity, tokens + math.max(0, now_ms - ts) * l.capacity / l.window_ms)
 end
@@ -668,7 +683,7 @@ local function apply_plans(limits, plan_keys)
         if capacity == 0 then
           l.closed = true
         elseif capacity and capacity > 0 then
-          l.capacity = capacity
+          l.sent_capacity, l.plan_capacity, l.capacity = l.capacity, capacity, capacity
         end
         if plan.suspended and not suspended_at then
           suspended_at, reason = i - 1, plan.suspended
@@ -1218,6 +1233,7 @@ local function parse(args, keys)
     for name, value in pairs(spec) do
       l[name] = value
     end
+    l.sent_capacity = l.capacity -- before a plan's (see apply_plans)
     if op.check then
       local field, value, rule = op.check(l)
       if field then

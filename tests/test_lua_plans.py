@@ -65,6 +65,9 @@ def test_plans_follow_the_shared_case_table(client, case):
     now_ms = redis_now_ms(client)
     write_plans(client, case["plans"], tags, now_ms)
     for step, charge in enumerate(case["charges"]):
+        for owner, fields in charge.get("set_plans", {}).items():
+            client.delete(plan_key(tags[owner]))
+            write_plans(client, {owner: fields} if fields else {}, tags, now_ms)
         keys, argument = call_for(case["limits"], tags, "charge", charge["cost"], "cost", {"reservation_ttl_ms": 0})
         reply = client.eval(PINNED_SCRIPT, len(keys), *keys, argument, clock_arg(now_ms))
         where = f"{case['name']}, charge {step}: {reply}"

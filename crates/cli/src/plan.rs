@@ -342,7 +342,7 @@ impl Kind {
     /// Whether `limit` is counted per owners of this kind.
     fn counts(&self, limit: &Limit) -> bool {
         match (&limit.per, self) {
-            (Per::Tenant, Kind::Tenant) | (Per::All, Kind::All) => true,
+            (Per::Tenant, Kind::Tenant) | (Per::All, Kind::All) | (Per::EndUser { .. }, Kind::EndUser) => true,
             (Per::Header { name, .. }, Kind::Pool(header)) => header.as_ref().is_none_or(|h| h == name),
             _ => false,
         }
@@ -364,6 +364,7 @@ fn per_text(per: &Per) -> String {
         Per::Tenant => "per tenant".into(),
         Per::All => "per all".into(),
         Per::Header { name, .. } => format!("per the header {name:?}"),
+        Per::EndUser { .. } => "per end user".into(),
     }
 }
 
@@ -746,7 +747,8 @@ mod tests {
         "limits": [{"name": "rpm", "requests": 20, "window": "1m"},
                    {"name": "monthly-usd", "usd": 100, "window": "30d"},
                    {"name": "team-tpm", "tokens": 1000, "window": "1m", "per": {"header": "x-team"}},
-                   {"name": "upstream", "tokens": 5000, "window": "1m", "per": "all"}]}"#;
+                   {"name": "upstream", "tokens": 5000, "window": "1m", "per": "all"},
+                   {"name": "user-rpm", "requests": 5, "window": "1m", "per": "end_user"}]}"#;
 
     fn policy() -> Policy {
         Policy::from_json(CONFIG.as_bytes()).expect("valid config")
@@ -782,13 +784,15 @@ mod tests {
         let policy = policy();
         assert!(limit_for(&policy, "rpm", &Kind::Tenant).is_ok());
         let err = limit_for(&policy, "rmp", &Kind::Tenant).err().unwrap_or_default();
-        assert!(err.contains(r#"no limit "rmp" (it has rpm, monthly-usd, team-tpm, upstream)"#), "{err}");
+        assert!(err.contains(r#"no limit "rmp" (it has rpm, monthly-usd, team-tpm, upstream, user-rpm)"#), "{err}");
         let err = limit_for(&policy, "team-tpm", &Kind::Tenant).err().unwrap_or_default();
         assert!(err.contains(r#"counted per the header "x-team", and the owner is a tenant"#), "{err}");
         assert!(limit_for(&policy, "team-tpm", &Kind::Pool(Some("x-team".into()))).is_ok());
         assert!(limit_for(&policy, "team-tpm", &Kind::Pool(Some("x-org".into()))).is_err());
         assert!(limit_for(&policy, "upstream", &Kind::All).is_ok());
-        assert!(limit_for(&policy, "rpm", &Kind::EndUser).is_err(), "no limit is counted per end user yet");
+        assert!(limit_for(&policy, "rpm", &Kind::EndUser).is_err(), "rpm is the tenant's");
+        assert!(limit_for(&policy, "user-rpm", &Kind::EndUser).is_ok());
+        assert!(limit_for(&policy, "user-rpm", &Kind::Tenant).is_err());
     }
 
     #[test]

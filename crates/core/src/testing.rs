@@ -461,6 +461,9 @@ pub struct FakeCompanion {
     pub ledger_batches: Vec<LedgerBatch>,
     /// The owners' plans, by owner id, as `lua/limits.lua` reads them.
     pub plans: HashMap<String, FakePlan>,
+    /// The plan's capacity each token bucket was last counted against (the script's
+    /// `pcap`), by (owner, limit name).
+    bucket_plan_capacities: HashMap<(String, String), u64>,
 }
 
 /// An owner's plan (see `protocol::plans`).
@@ -519,8 +522,34 @@ impl FakeCompanion {
     }
 
     /// Applies the owners' plans to `specs` of a call of `tenant` at `now_ms`, as the
-    /// script does: each limit's capacity; the first limit whose owner is suspended.
-    fn apply_plans(&self, tenant: &str, specs: &mut [LimitCharge], now_ms: u64) -> Option<Suspension> {
+    /// script does: each limit's capacity (a token bucket's level moved by a change of its
+    /// plan's capacity); the first limit whose owner is suspended.
+    fn apply_plans(&mut self, tenant: &str, specs: &mut [LimitCharge], now_ms: u64) -> Option<Suspension> {
+        let sent: Vec<u64> = specs.iter().map(|s| s.capacity).collect();
+        let suspended = self.plan_capacities(tenant, specs, now_ms);
+        for (spec, sent) in specs.iter().zip(sent) {
+            if spec.kind != LimitKind::TokenBucket {
+                continue;
+            }
+            let key = (spec.owner.clone().unwrap_or_else(|| tenant.to_string()), spec.name.clone());
+            // A capacity of 0 closes the limit without counting against it (the script's `closed`).
+            let planned = (spec.capacity != sent && spec.capacity > 0).then_some(spec.capacity);
+            let stored = self.bucket_plan_capacities.get(&key).copied();
+            if stored == planned {
+                continue;
+            }
+            if let Some(Counter::Bucket(Some(state))) = self.counters.get_mut(&key) {
+                state.tokens += planned.unwrap_or(sent) as f64 - stored.unwrap_or(sent) as f64;
+            }
+            match planned {
+                Some(capacity) => self.bucket_plan_capacities.insert(key, capacity),
+                None => self.bucket_plan_capacities.remove(&key),
+            };
+        }
+        suspended
+    }
+
+    fn plan_capacities(&self, tenant: &str, specs: &mut [LimitCharge], now_ms: u64) -> Option<Suspension> {
         let mut suspended = None;
         for spec in specs.iter_mut() {
             let owner = spec.owner.as_deref().unwrap_or(tenant);
@@ -1263,24 +1292,33 @@ mod plan_case_table {
         for case in cases {
             let name = case["name"].as_str().unwrap();
             let mut companion = FakeCompanion::default();
-            for (owner, fields) in case["plans"].as_object().unwrap() {
-                let mut fields: BTreeMap<String, String> = fields
-                    .as_object()
-                    .unwrap()
-                    .iter()
-                    .map(|(k, v)| (k.clone(), v.as_str().map_or_else(|| v.to_string(), str::to_string)))
-                    .collect();
-                if let Some(offset) = fields.remove("expires_in_ms") {
-                    let offset: i64 = offset.parse().unwrap();
-                    fields.insert("expires_ms".into(), (now as i64 + offset).to_string());
+            let set_plans = |companion: &mut FakeCompanion, plans: &Value| {
+                for (owner, fields) in plans.as_object().unwrap() {
+                    let mut fields: BTreeMap<String, String> = fields
+                        .as_object()
+                        .unwrap()
+                        .iter()
+                        .map(|(k, v)| (k.clone(), v.as_str().map_or_else(|| v.to_string(), str::to_string)))
+                        .collect();
+                    if let Some(offset) = fields.remove("expires_in_ms") {
+                        let offset: i64 = offset.parse().unwrap();
+                        fields.insert("expires_ms".into(), (now as i64 + offset).to_string());
+                    }
+                    let owner = if owner == "team" { "pteam" } else { "t" }.to_string();
+                    if fields.is_empty() {
+                        companion.plans.remove(&owner);
+                    } else {
+                        companion.plans.insert(owner, FakePlan::from_fields(&fields));
+                    }
                 }
-                companion
-                    .plans
-                    .insert(if owner == "team" { "pteam" } else { "t" }.into(), FakePlan::from_fields(&fields));
-            }
+            };
+            set_plans(&mut companion, &case["plans"]);
             let limits = case["limits"].as_array().unwrap();
             for (step, charge) in case["charges"].as_array().unwrap().iter().enumerate() {
                 let what = format!("{name} / charge {step}");
+                if let Some(plans) = charge.get("set_plans") {
+                    set_plans(&mut companion, plans);
+                }
                 let costs = charge["cost"].as_array().unwrap();
                 let specs = limits
                     .iter()
