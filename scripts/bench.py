@@ -11,7 +11,10 @@ all measured in one run on this machine so the ratios mean something on a noisy 
    cost of five limits against one, as token buckets and as sliding windows; and the
    hot tenant (`+ tokens, lease, 1 key`): one API key from all 16 connections, where the
    other rows rotate over 1,000; and a request limit with a shared pool every request
-   touches (`per: "all"`), direct and leased, next to the same limit without it. Three
+   touches (`per: "all"`), direct and leased, next to the same limit without it; and
+   the token rows with plans on (`, plans`: every tenant has a plan in Redis, capacities
+   equal to the config's, so the load is the same): what reading a plan in the script
+   costs. Three
    bodies: a tiny chat; a realistic one (a system prompt and three exchanges, 2.4 kB);
    and a conversation of 1 to 20 turns, each request resending the turns before it, as a
    chat client does. Envoy --concurrency 1 on CPU 0; wrk, the mock upstream, the
@@ -42,7 +45,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from stack import ROOT, Stack, envoy_config, free_port, http_get
+from stack import ROOT, Stack, envoy_config, free_port, http_get, redis_key, tenant_of
 
 TOKEN = "bench-companion-token-0123456789"  # at least 16 bytes: the companion refuses shorter
 EMPTY_WASM = ROOT / "target/wasm32-unknown-unknown/release/empty_filter.wasm"
@@ -63,6 +66,13 @@ LEASED_TOKENS = {**WITH_TOKENS, "lease": {"enabled": True}}
 POOLED = {**REQUESTS_ONLY, "limits": REQUESTS_ONLY["limits"] + [
     {"name": "upstream", "requests": 1_000_000_000, "window": "1m", "per": "all"}]}
 POOLED_LEASED = {**POOLED, "lease": {"enabled": True}}
+# Plans on (issue 44): the token rows in a domain of their own where every tenant has a
+# plan (written before the measured runs by `write_plans`), the rows without plans in
+# the default domain where none has: the difference is reading a plan in the script.
+PLANS_DOMAIN = "bench-plans"
+PLANNED_TOKENS = {**WITH_TOKENS, "domain": PLANS_DOMAIN}
+PLANNED_LEASED_TOKENS = {**LEASED_TOKENS, "domain": PLANS_DOMAIN}
+PLAN_ROWS = ("+ tokens, direct, plans", "+ tokens, lease, plans")
 # The local store (`"store": "local"`): every limit in the proxy's shared data, no callout.
 LOCAL_STORE = {"store": "local", "limits": REQUESTS_ONLY["limits"]}
 LOCAL_STORE_TOKENS = {"store": "local", "limits": WITH_TOKENS["limits"]}
@@ -127,6 +137,21 @@ def wrk(url: str, script: Path, connections: int, seconds: int) -> dict:
         "p50": pct(50),
         "p99": pct(99),
     }
+
+
+def write_plans(port: int, tenants: int) -> int:
+    """A plan for each API key the requests rotate over (crates/protocol/src/plans.rs):
+    both limits' capacities as the config has them, and a note, as an operator's plan for
+    a customer looks. Returns Redis's MEMORY USAGE of one, in bytes."""
+    commands = []
+    for n in range(tenants):
+        key = redis_key("llmrl:", PLANS_DOMAIN, tenant_of(f"sk-bench-{n}"), "plan", "limits")
+        commands.append(f"HSET {key} cap:rpm 1000000000 cap:tpm 1000000000000 note bench-plan-{n:06d}")
+    subprocess.run(["redis-cli", "-p", str(port)], input="\n".join(commands) + "\n", text=True, check=True,
+                   capture_output=True)
+    one = redis_key("llmrl:", PLANS_DOMAIN, tenant_of("sk-bench-1"), "plan", "limits")
+    return int(subprocess.run(["redis-cli", "-p", str(port), "MEMORY", "USAGE", one], capture_output=True, text=True,
+                              check=True).stdout)
 
 
 def redis_round_trips(port: int) -> int:
@@ -297,7 +322,8 @@ def main() -> None:
                     ("requests, direct", REQUESTS_ONLY, None), ("requests, lease", LEASED, None),
                     ("+ pool, direct", POOLED, None), ("+ pool, lease", POOLED_LEASED, None),
                     ("requests, queue on", QUEUED, None),
-                    ("+ tokens, direct", WITH_TOKENS, None), ("+ tokens, lease", LEASED_TOKENS, None),
+                    ("+ tokens, direct", WITH_TOKENS, None), (PLAN_ROWS[0], PLANNED_TOKENS, None),
+                    ("+ tokens, lease", LEASED_TOKENS, None), (PLAN_ROWS[1], PLANNED_LEASED_TOKENS, None),
                     (HOT_TENANT_ROWS[0], LEASED_TOKENS, None),
                     ("requests, local store", LOCAL_STORE, None), ("+ tokens, local store", LOCAL_STORE_TOKENS, None),
                     ("5 buckets, direct", FIVE_BUCKETS, None), ("1 sliding, direct", SLIDING, None),
@@ -316,6 +342,9 @@ def main() -> None:
         urls, procs = {}, {}
         for name, config, wasm in variants if {"2", "3"} & set(args.parts) else []:
             procs[name], urls[name] = bench.envoy(re.sub(r"[^a-z]+", "-", name).strip("-"), config, wasm)
+        plan_bytes = None
+        if "2" in args.parts and set(PLAN_ROWS) & urls.keys():
+            plan_bytes = write_plans(bench.redis_port, TENANTS)
         for _ in range(args.rounds if "2" in args.parts else 0):
             loads.append(os.getloadavg()[0])
             for name, _, _ in variants:
@@ -345,6 +374,9 @@ def main() -> None:
                     print(f"   {'':<24}rounds (req/s, CPU/req): {each}")
         if loads:
             print(f"   load average (1 min) at the start of each round: {', '.join(f'{l:.1f}' for l in loads)}")
+        if plan_bytes is not None:
+            print(f"   plans: every tenant of the rows `, plans` has one ({TENANTS:,}); Redis's MEMORY USAGE of one "
+                  f"(2 capacities and a note): {plan_bytes} B")
 
         if "3" in args.parts and {"passthrough", "+ tokens, direct"} <= urls.keys():
             prompt_size(workdir, urls, args.seconds)
