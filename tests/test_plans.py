@@ -5,15 +5,18 @@ either proxy's next charge, with no config push.
 The plans are written straight into Redis with `set_plan` (HSET, and PEXPIREAT for a plan
 that reverts at its expiry), in the documented format, not through the admin API: what is
 tested here is the data plane (lua/limits.lua reading the plan in the call that charges,
-the companion and the filter). End users as owners are not covered here (see
-`test_a_teams_plan_holds_for_the_team_and_not_for_another`)."""
+the companion and the filter). The last test goes through the operator's CLI and the admin
+API instead, for end users of a shared key."""
 
 import concurrent.futures
 import json
+import os
+import subprocess
 import random
 import threading
 import time
 from datetime import datetime, timedelta, timezone
+from pathlib import Path
 
 import pytest
 import redis
@@ -339,3 +342,48 @@ def test_a_plan_changed_under_load_loses_no_charge(proxies):
     assert spent("monthly-requests") == len(admitted)
     time.sleep(1)  # nothing more arrives later (no charge applied twice, late)
     assert (spent("monthly-tokens"), spent("monthly-requests")) == (used, len(admitted))
+
+
+# f. The operator's workflow: the CLI, end users, usage and history ------------------------
+CLI = Path(__file__).resolve().parents[1] / "target/release/llm-ratelimit"
+
+
+def test_an_operator_sets_end_users_plans_with_the_cli_and_both_proxies_hold_them(proxies, backend, tmp_path):
+    """Through the CLI and the admin API: one user of a shared key raised, another
+    suspended, a third unaffected, on either proxy's next request; `usage` shows the plan's
+    capacity; `plan history` shows each change with its before and after."""
+    limits = [{"name": "user-rpm", "requests": 1, "window": "1h", "per": "end_user"}]
+    a, b = proxies.start(limits)
+    config_file = tmp_path / "filter.json"
+    config_file.write_text(json.dumps(backend.filter_config(limits)))
+    env = {**os.environ, "LLMRL_ADMIN_TOKEN": backend.admin_token,
+           "LLMRL_COMPANION_URL": f"http://127.0.0.1:{backend.companion_port}"}
+
+    def cli(*args: str) -> str:
+        done = subprocess.run([str(CLI), *args], capture_output=True, text=True, timeout=60, env=env)
+        assert done.returncode == 0, (args, done.stdout, done.stderr)
+        return done.stdout
+
+    key = "sk-plan-shared-app"
+    as_user = lambda user: chat(user=user)  # noqa: E731
+    assert [send(p, key, as_user("alice")).status for p in (a, b)] == [200, 429]
+    cli("plan", "set", "--config", str(config_file), "--key", key, "--user", "alice", "user-rpm=3")
+    cli("plan", "set", "--config", str(config_file), "--key", key, "--user", "mallory", "--suspend", "abuse")
+    # Alice: 1 used of 3 now, on either proxy.
+    replies = [send(p, key, as_user("alice")) for p in (b, a, b)]
+    assert [r.status for r in replies] == [200, 200, 429], [r.body for r in replies]
+    assert replies[0].headers["x-ratelimit-limit-requests"] == "3"
+    assert_suspended(send(a, key, as_user("mallory")), "abuse", who="This end user")
+    assert [send(p, key, as_user("bob")).status for p in (a, b)] == [200, 429], "bob keeps the config's 1"
+    missing = send(a, key, chat())
+    assert missing.status == 400 and error_of(missing)["code"] == "missing_end_user", missing.body
+    # An invented user costs no plan and no memory that lasts: it is counted like bob.
+    assert send(b, key, as_user("someone-new")).status == 200
+    usage = json.loads(cli("usage", "--config", str(config_file), "--key", key, "--user", "alice", "--json"))
+    assert [(l["name"], l["limit"], l["remaining"]) for l in usage["limits"]] == [("user-rpm", 3, 0)], usage
+    history = [json.loads(line) for line in cli("plan", "history", "--config", str(config_file), "--limit", "10").splitlines()]
+    assert len(history) == 2 and {h["op"] for h in history} == {"set"}, history
+    assert all(h["before"] in (None, {}) for h in history), history
+    afters = sorted(json.dumps(h["after"], sort_keys=True) for h in history)
+    assert any('"cap:user-rpm": "3"' in a or '"user-rpm": 3' in a for a in afters), afters
+    assert any("abuse" in a for a in afters), afters

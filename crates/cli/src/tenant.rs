@@ -8,7 +8,7 @@
 
 use llm_ratelimit_core::api::identity::{is_tenant_id, tenant_id};
 use llm_ratelimit_core::config::{Limit, Per, Policy};
-use llm_ratelimit_core::plan::pools::pool_owner;
+use llm_ratelimit_core::plan::pools::{end_user_owner, pool_owner};
 use llm_ratelimit_protocol::keys::ALL_OWNER;
 use llm_ratelimit_protocol::{LimitSpec, TenantLimits, TOKEN_HEADER};
 use serde::de::DeserializeOwned;
@@ -36,6 +36,10 @@ pub struct TenantArgs {
     /// The pool of every caller: the limits counted per `all` (the upstream's quotas).
     #[arg(long)]
     pub all: bool,
+    /// An end user of the key (`--key`) or tenant (`--tenant`): the limits counted per end
+    /// user (`limits[].per: "end_user"`), the user hashed with the tenant as the filter does.
+    #[arg(long, value_name = "NAME", conflicts_with_all = ["per_value", "all"])]
+    pub user: Option<String>,
     /// Only these limits (repeat the flag); default every limit of the policy counted per
     /// what `--key`/`--tenant`, `--per-value` or `--all` names.
     #[arg(long = "limit", value_name = "NAME")]
@@ -105,9 +109,13 @@ impl TenantArgs {
         let of = |per: fn(&Per) -> bool| -> Vec<&Limit> {
             policy.limits.iter().filter(|l| per(&l.per)).filter(chosen).collect()
         };
+        let end_user = |tenant: String| match &self.user {
+            Some(user) => (end_user_owner(&tenant, user.trim()), of(|p| matches!(p, Per::EndUser { .. }))),
+            None => (tenant, of(|p| *p == Per::Tenant)),
+        };
         let (owner, limits) = match (&self.key, &self.tenant, &self.per_value) {
-            (Some(key), _, _) => (tenant_id(key.trim()), of(|p| *p == Per::Tenant)),
-            (None, Some(tenant), _) if is_tenant_id(tenant) => (tenant.clone(), of(|p| *p == Per::Tenant)),
+            (Some(key), _, _) => end_user(tenant_id(key.trim())),
+            (None, Some(tenant), _) if is_tenant_id(tenant) => end_user(tenant.clone()),
             (None, Some(_), _) => {
                 return Err(
                     "--tenant takes a tenant id (32 lower-case hex digits, or anonymous); for a key use --key".into()
