@@ -126,18 +126,34 @@ def commandstats(client: redis.Redis) -> dict:
 
 
 def benchmark(port: int, client: redis.Redis, sha: str, limits: list[dict], batch: int, requests: int,
-              connections: int) -> dict:
-    """redis-benchmark at saturation: EVALSHA of `batch` charges (random tenants)."""
+              connections: int, plans: int = 0) -> dict:
+    """redis-benchmark at saturation: EVALSHA of `batch` charges (random tenants). With
+    `plans`, each call reads its tenant's plan (as the companion sends every charge), and
+    that many tenants, every one the benchmark draws, have one (a capacity per limit and a
+    note, the capacities the config's: the same load). redis-benchmark draws each
+    `__rand_int__` apart, so a call's plan is another drawn tenant's: the same reads and
+    writes as its own."""
     call = json.loads(charge_argument(limits))
-    keys_per_call = len(limits)
-    keys = [f"{PREFIX}{{llm:__rand_int__}}:{l['kind']}:l{i}" for _ in range(batch) for i, l in enumerate(limits)]
+    one = [f"{PREFIX}{{llm:__rand_int__}}:{l['kind']}:l{i}" for i, l in enumerate(limits)]
+    call = {**call, "plans": 1, "limits": [{**l, "plan": {"at": 1, "name": f"l{i}"}} for i, l in enumerate(call["limits"])]}
+    one.append(f"{PREFIX}{{llm:__rand_int__}}:plan:limits")
+    keys_per_call = len(one)
+    keys = one * batch
     argument = json.dumps(call) if batch == 1 else json.dumps(
         {"calls": [{"keys": keys_per_call, "call": call} for _ in range(batch)]})
     client.flushall()
+    with client.pipeline(transaction=False) as pipe:
+        for tenant in range(plans):
+            fields = {f"cap:l{i}": str(l["capacity"]) for i, l in enumerate(limits)}
+            pipe.hset(f"{PREFIX}{{llm:{tenant:012d}}}:plan:limits", mapping={**fields, "note": "capacity run"})
+            if tenant % 10_000 == 9_999:
+                pipe.execute()
+        pipe.execute()
     before = commandstats(client)
     started = time.monotonic()
     out = subprocess.run(
-        ["redis-benchmark", "-p", str(port), "-c", str(connections), "-n", str(requests), "-r", "100000000", "-q",
+        ["redis-benchmark", "-p", str(port), "-c", str(connections), "-n", str(requests),
+         "-r", str(plans or 100000000), "-q",
          "--csv", "EVALSHA", sha, str(len(keys)), *keys, argument],
         capture_output=True, text=True, check=True, timeout=600,
     ).stdout
@@ -179,6 +195,9 @@ SHARD_MEMORY_BYTES = 16 * 2**30
 # takes seconds.
 SECONDS_IN_FLIGHT = 5
 LEASE_TTL_SECONDS = 10  # the filter's default lease.ttl
+# Tenants drawn by the plans' rows, each with a plan (a million plans is ~200 MB: this is
+# enough to be past any cache and quick to write).
+PLAN_TENANTS = 100_000
 
 
 def plan(figures: dict) -> list[str]:
@@ -279,6 +298,15 @@ def main() -> int:
                       f"= {row['charges_per_second']:>8,.0f} charges/s; in Redis {row['redis_usec_per_charge']:>5.1f} us "
                       f"per charge (wall), Redis CPU {row['redis_cpu_usec_per_charge']:>5.1f} us per charge = "
                       f"{row['charges_per_redis_core_second']:>8,.0f} charges per Redis core-second")
+        print(f"\n4. Plans (docs/plans.md): the same charges, each reading its tenant's plan, {PLAN_TENANTS:,} "
+              "tenants with a plan against none")
+        for label, count in (("no plan", 0), ("every tenant a plan", PLAN_TENANTS)):
+            requests = max(1000, args.requests // 10)
+            row = {"limits": "2 token buckets", "plans": count,
+                   **benchmark(port, client, sha, two_buckets, 10, requests, args.connections, plans=count)}
+            throughput.append(row)
+            print(f"   {label:<20} batch  10: Redis CPU {row['redis_cpu_usec_per_charge']:>5.1f} us per charge, "
+                  f"in Redis {row['redis_usec_per_charge']:>5.1f} us per charge (wall)")
         after = os.getloadavg()
         print(f"\nload average after: {after[0]:.2f} {after[1]:.2f} {after[2]:.2f} ({os.cpu_count()} cores)")
         args.out.parent.mkdir(parents=True, exist_ok=True)
