@@ -76,7 +76,8 @@ PLAN_ROWS = ("+ tokens, direct, plans", "+ tokens, lease, plans")
 # The local store (`"store": "local"`): every limit in the proxy's shared data, no callout.
 LOCAL_STORE = {"store": "local", "limits": REQUESTS_ONLY["limits"]}
 LOCAL_STORE_TOKENS = {"store": "local", "limits": WITH_TOKENS["limits"]}
-# The queue on, capacity free: what README's "no added latency" is measured by.
+# The queue on, capacity free: what docs/queue.md's "never enters the queue" costs
+# (the row `requests, queue on`).
 QUEUED = {**REQUESTS_ONLY, "queue": {"max_wait": "5s"}}
 
 # API keys the requests rotate over; the hot tenant rows send one key from every connection.

@@ -18,8 +18,8 @@
 
 Prints a table and writes the figures as JSON (--out); then the planning table derived
 from them (`plan`, also alone from saved figures: --plan FILE), with the assumptions it
-states. Redis calls per request in each mode come from `make bench` (README,
-"Benchmark").
+states. Redis calls per request in each mode come from `make bench`
+(docs/benchmark.md).
 """
 
 import argparse
@@ -178,10 +178,10 @@ def benchmark(port: int, client: redis.Redis, sha: str, limits: list[dict], batc
 
 
 # What the planning table assumes, beyond what this script measures.
-# The companion, one thread: charges/s at 16 connections, the companion alone (README,
-# "The companion", --threads).
+# The companion, one thread: charges/s at 16 connections, the companion alone
+# (docs/benchmark.md#the-companions-threads).
 COMPANION_CHARGES_PER_SECOND = 17_800
-# Script calls per request from `make bench` (README, "Benchmark", commit 5a9b8f3): lease
+# Script calls per request from `make bench` (docs/benchmark.md, commit 5a9b8f3): lease
 # mode with 1,000 tenants, each with ~13 requests/s.
 LEASE_CALLS_PER_REQUEST = 0.03
 # Direct mode: each request is charged, and settled (token or cost limits), by a call of

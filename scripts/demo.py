@@ -53,7 +53,8 @@ def up() -> None:
     stack = Stack(RUN)
     try:
         _, redis_port = stack.redis(REDIS_PORT, name="redis")
-        # Below the demo filter's companion.timeout (100ms), as the README asks.
+        # Below the demo filter's companion.timeout (100ms), as docs/troubleshooting.md asks
+        # (above twice --redis-timeout).
         stack.companion(f"redis://127.0.0.1:{redis_port}", token, port=COMPANION_PORT, admin_token=admin_token,
                         redis_timeout="40ms")
         stack.mock(MOCK_PORT, extra=["--completion-tokens", "40", "--chunk-delay-ms", "5"])

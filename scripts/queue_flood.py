@@ -4,7 +4,7 @@ One Envoy, a limit of 60 requests a minute per tenant, `queue.max_wait` 10 s: on
 sends N requests at once (they wait in the queue), and meanwhile other tenants send one
 request every 50 ms; their latency p50/max is reported, with the companion's Redis
 commands for the queue. Run with LLMRL_WASM / LLMRL_COMPANION_BIN pointing at another
-build to compare (the README's figures are from this script).
+build to compare (the figures of docs/benchmark.md, "A queue flood", are from this script).
 
     .venv/bin/python scripts/queue_flood.py [--waiters 1000] [--tenant-share 0.1]
 """

@@ -80,8 +80,8 @@ def tiktoken_encodings():
 
 
 def openai_chat_prompt_tokens(encoding, messages) -> int:
-    """A chat request's prompt as OpenAI bills it (OpenAI's cookbook formula, the one the
-    README cites): 3 tokens per message, each string field's tokens, 1 more per `name`,
+    """A chat request's prompt as OpenAI bills it (OpenAI's cookbook formula, the one
+    docs/tokens.md cites): 3 tokens per message, each string field's tokens, 1 more per `name`,
     and 3 to prime the reply."""
     total = 3
     for message in messages:

@@ -77,7 +77,7 @@ def test_a_proxy_started_later_reserves_at_what_the_fleet_learned(start):
         return max((int(r[2]) for r in ratios if len(r) == 3), default=0)
 
     wait_until(lambda: samples_handed_in() >= 4, 10, f"four samples in Redis (now {samples_handed_in()})")
-    # The hash lives 7 days after the last exchange (README, tokens.share_calibration):
+    # The hash lives 7 days after the last exchange (docs/configuration.md, tokens.share_calibration):
     # each exchange, about once a second here, sets it again.
     week_ms = 7 * 86_400_000
     assert week_ms - 60_000 < store.pttl(b"llmrl:{llm:models}:cal:rules") <= week_ms

@@ -1,7 +1,7 @@
 """Issue 26, as an adversarial tenant would try it, through real Envoy, the companion,
 Redis and the mock: limits that do not apply, the degraded mode's local buckets, the
 queue's share, and a tier header sent twice. Each test fails on the build before the fix
-(README "What a client cannot do")."""
+(docs/clients.md#what-a-client-cannot-do)."""
 
 import http.client
 import json

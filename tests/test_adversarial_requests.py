@@ -3,8 +3,8 @@ Envoy, the companion, Redis and the mock upstream: a credential of its own choos
 the one the upstream authenticates, a credential header sent twice, forged Bedrock requests
 naming a victim, `n: 64` at the price of one, bodies and paths the filter would read
 differently from the upstream, the Batch and Realtime APIs. Each test fails on the build
-before the fix (README "What a client cannot do", request side); the figures in each
-docstring are the old filter's."""
+before the fix (docs/clients.md#what-a-client-cannot-do, request side); the figures in
+each docstring are the old filter's."""
 
 import hashlib
 import json

@@ -229,7 +229,7 @@ def test_input_output_and_cached_limits_are_charged_and_settled_apart(backend):
 
 
 def test_anthropics_reset_is_when_the_bucket_is_full_again_rounded_up(backend):
-    """README: the reset is "the time the limit is full again (RFC 3339, UTC, by the
+    """docs/clients.md: the reset is "the time the limit is full again (RFC 3339, UTC, by the
     proxy's clock, rounded up to the second)". Ten requests per 10 s refill one a second:
     three requests taken at once are back three seconds after they were taken."""
     port, _ = backend.envoy(backend.filter_config([{"name": "rp10s", "requests": 10, "window": "10s"}]))
@@ -253,7 +253,7 @@ def test_anthropics_reset_is_when_the_bucket_is_full_again_rounded_up(backend):
                                                       "anthropic-ratelimit-requests-reset", "ratelimit"]),
 ], ids=["openai", "anthropic"])
 def test_our_headers_replace_the_upstreams_of_the_same_name(backend, path, body, ours):
-    """README: "The filter's headers replace any of the same name from the upstream". The
+    """docs/clients.md: "The filter's headers replace any of the same name from the upstream". The
     mock sends each of them itself (x-mock-set-<name>), with a value the filter never would;
     the client sees the filter's, once; a header the filter does not set passes."""
     port, _ = backend.envoy(backend.filter_config([{"name": "rpm", "requests": 20, "window": "1m"}]))

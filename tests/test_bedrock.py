@@ -233,7 +233,7 @@ def test_an_exception_inside_the_stream_settles_at_no_less_than_its_reservation(
     headers = {"x-mock-stream-exception": "modelStreamErrorException"}
     # A stream cut by an exception after its headers is an interrupted reply: the provider
     # may have generated more than it sent, so it is charged at least its reservation, part
-    # by part (README "What a client cannot do"). Converse: the prompt as estimated and
+    # by part (docs/clients.md#what-a-client-cannot-do). Converse: the prompt as estimated and
     # the whole output cap, not the one token streamed.
     client = bedrock(port, "AKIDEXCCONVERSE", headers=headers)
     reply = client.converse_stream(**converse_args())
@@ -251,9 +251,9 @@ def test_an_exception_inside_the_stream_settles_at_no_less_than_its_reservation(
     wait_level(env, "AKIDEXCINVOKE", BIG - (max(prompt, prompt_estimate(tiktoken_encodings)) + MAX_TOKENS))
 
 
-# Other models' own invoke bodies (README "AWS Bedrock"), each with its cap in its own
-# field, and the completion allowance README says is reserved for it: "from `max_tokens`
-# where the body has it", else `tokens.default_max_output` (4096, README `tokens`).
+# Other models' own invoke bodies (docs/providers.md#aws-bedrock), each with its cap in its
+# own field, and the completion allowance it says is reserved for it: "from `max_tokens`
+# where the body has it", else `tokens.default_max_output` (4096, docs/configuration.md `tokens`).
 DEFAULT_MAX_OUTPUT = 4096
 TITAN = "amazon.titan-text-express-v1"
 OTHER_BODIES = {
@@ -275,7 +275,7 @@ def open_reservations(env, key):
 
 @pytest.mark.parametrize("model", OTHER_BODIES)
 def test_another_models_invoke_reserves_no_prompt_and_settles_at_that_estimate(env, model):
-    """README "AWS Bedrock": other models' invoke bodies "are not parsed: their prompt is
+    """docs/providers.md#aws-bedrock: other models' invoke bodies "are not parsed: their prompt is
     estimated at 0 (the completion allowance is reserved as usual, from `max_tokens` where
     the body has it); their JSON replies settle at that estimate (their usage fields are
     not read)". Titan's `maxTokenCount` and Llama's `max_gen_len` are not `max_tokens`.
@@ -296,7 +296,7 @@ def test_another_models_invoke_reserves_no_prompt_and_settles_at_that_estimate(e
 
 
 def test_another_models_stream_settles_at_its_invocation_metrics(env):
-    """README "AWS Bedrock": other models' streams settle "at the
+    """docs/providers.md#aws-bedrock: other models' streams settle "at the
     `amazon-bedrock-invocationMetrics` of the last chunk" (a Titan stream as boto3 reads it)."""
     port, _ = env.start([{"name": "tpm", "tokens": BIG, "window": LONG}])
     client = bedrock(port, "AKIDTITANSTREAM", headers={"x-mock-chunk-delay-ms": "5"})

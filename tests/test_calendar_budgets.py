@@ -122,7 +122,7 @@ def test_a_monthly_budget_is_refused_until_midnight_on_the_1st_in_amsterdam(cale
 
 
 def test_usage_tables_full_in_is_the_local_time_of_the_periods_end_and_counts_names_the_period(calendar):
-    """README "Calendar budgets": `llm-ratelimit usage` "shows the local time in its `full
+    """docs/configuration.md#calendar-budgets: `llm-ratelimit usage` "shows the local time in its `full
     in` column, `counts` names the period (`tokens (calendar month (Europe/Amsterdam))`)".
     The local time is midnight on the 1st in Amsterdam by zoneinfo, written as the CLI
     writes local times (`2026-04-01 00:00 +02:00`, to the minute with the offset)."""

@@ -29,7 +29,7 @@ def test_a_429_carries_retry_after_ms_and_an_ietf_t_that_agrees_with_retry_after
 
 
 def test_a_client_that_waits_retry_after_finds_room(backend):
-    """README ("What a client sees"): "`Retry-After` is in whole seconds, rounded up: a
+    """docs/clients.md: "`Retry-After` is in whole seconds, rounded up: a
     client that waits that long finds room." One request per 3 s: the refusal's wait is
     under 3 s, and a client that waits its `Retry-After` from the refusal's arrival is
     admitted. A wait rounded down (2 s for 2.9) sends that client back too early: refused."""

@@ -159,7 +159,7 @@ def test_settles_each_reservation_once(single):
 
 
 def test_a_stand_alone_adjustment_applies_once_under_a_marker_that_lives_a_minute(single):
-    """README (The companion): an adjustment without a reservation (a returned lease, what
+    """docs/companion.md: an adjustment without a reservation (a returned lease, what
     was admitted locally) carries a once id; its marker `once:<id>` lives a minute, so the
     same batch sent again within it (after a lost answer) is not applied twice."""
     _, redis_port, port = single
@@ -345,7 +345,7 @@ def as_an_old_companion_charged(store, key, capacity, level):
 
 
 def test_a_reservation_record_written_by_an_old_companion_caps_nothing(single):
-    """README (Upgrading to two credentials and capped credits): "a record written by an
+    """docs/credentials.md#upgrading-to-two-credentials-and-capped-credits: "a record written by an
     old companion caps nothing when a new one settles it". The old record is the charge's
     time alone; settled here with a credit beyond what that charge took (100), the whole
     credit comes back, where a record of this companion's would cap it at 100."""
@@ -361,7 +361,7 @@ def test_a_reservation_record_written_by_an_old_companion_caps_nothing(single):
 
 
 def test_a_lease_granted_by_an_old_companion_gives_nothing_back_when_returned_here(single):
-    """README (Upgrading to two credentials and capped credits): "a lease granted by an
+    """docs/credentials.md#upgrading-to-two-credentials-and-capped-credits: "a lease granted by an
     old companion and returned to a new one gives nothing back (no grant was recorded):
     its remainder stays charged until its window refills". The return is applied (its
     once marker set) but credits nothing, and is counted as a credit refused `unbacked`."""
@@ -408,7 +408,7 @@ def fair_use(store, claimant):
 
 
 def test_a_charge_retried_from_the_queue_adds_nothing_to_the_tenants_fair_use_until_admitted(single):
-    """README (Fair shares of a scarce pool): "a charge retried from the queue adds
+    """docs/pools.md#fair-shares-of-a-scarce-pool: "a charge retried from the queue adds
     nothing to the tenant's use until it is admitted". Tenant b's charge of 300 finds 100
     left and waits; each retry rewrites its field of the pool's `|fair` hash (its time
     moves), its use staying 0; once a settlement of a's gives 500 back it is admitted,
@@ -452,7 +452,7 @@ def usage(port, tenant, limit):
 
 
 def test_a_companion_killed_between_a_parts_charge_and_its_rollback_leaves_that_part_charged_for_a_window(stack):
-    """README (Shared pools, on Redis Cluster): "If the companion dies in that window,
+    """docs/pools.md (on Redis Cluster): "If the companion dies in that window,
     what the part took stays charged until the counter refills (at most one request's
     cost per counter, for one window)". A request of 100 against its key's limit, its
     team's pool and the upstream's (exhausted) quota: the key's and the team's parts are
@@ -526,7 +526,7 @@ def answered_at(sockets):
 
 
 def test_with_redis_stalled_a_charge_is_answered_within_twice_the_redis_timeout(stack):
-    """README (The companion, `--redis-timeout`; Troubleshooting): `companion.timeout`
+    """docs/companion.md (`--redis-timeout`) and docs/troubleshooting.md: `companion.timeout`
     must be above twice `--redis-timeout`, as a call may wait one timeout for its turn and
     then run for another. With the companion's Redis stopped (SIGSTOP), 250 charges sent
     at once: the first goes out and times out, the next 100 go together after it and time
@@ -553,7 +553,7 @@ def test_with_redis_stalled_a_charge_is_answered_within_twice_the_redis_timeout(
 
 
 def test_the_fleets_provider_words_stay_within_256_keys_whatever_is_reported(single):
-    """README (Listening to the provider): the fleet's provider words are "one Redis hash of
+    """docs/provider-limits.md: the fleet's provider words are "one Redis hash of
     at most 256 fields". Through the companion's own endpoint, 6 exchanges of 64 reports
     for 384 different keys leave 256 fields, and the reply names no more."""
     from stack import redis_key

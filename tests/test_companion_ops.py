@@ -271,7 +271,7 @@ def test_the_queue_shows_its_depth_and_waits(backend):
     assert metric(samples, "queue_wait_seconds_count") == 1
     assert abs(metric(samples, "queue_wait_seconds_sum") - answers[0]["waited_ms"] / 1000) < 0.05
     assert metric(samples, "decisions_total", op="queue", outcome="allowed") == 1
-    # The first waiter of a line polls Redis "about every 20 ms" (README, the queue): one
+    # The first waiter of a line polls Redis "about every 20 ms" (docs/queue.md): one
     # head check per poll, beside the ZADD and PEXPIRE that queue it and the ZREM that
     # takes it out. Never faster than every 20 ms (a few shorter sleeps as the wait's end
     # nears, when the bucket says less than 20 ms are left), and never a sleep of 200 ms.
@@ -282,7 +282,7 @@ def test_the_queue_shows_its_depth_and_waits(backend):
 
 def test_a_count_past_a_million_keys_stops_and_says_at_least(stack):
     """The usage query counts reservation records by SCAN and stops after a million keys
-    examined (README: "stopping after a million keys examined and then saying `at least`"):
+    examined (docs/operating.md: "stopping after a million keys examined and then saying `at least`"):
     below that the count is complete and exact, above it incomplete and never more than
     there are."""
     redis_proc, redis_port = stack.redis()

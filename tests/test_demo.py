@@ -1,7 +1,7 @@
 """The README's first command, end to end: `make up` (scripts/demo.py up) starts Redis, the
 companion, the mock upstream and Envoy on the demo's fixed ports, `burst` shows the
 request limit answering 429 and streamed reservations settled, and `make down` stops
-exactly the processes `up` started (README: "stops exactly the processes `make up`
+exactly the processes `up` started (docs/getting-started.md: "stops exactly the processes `make up`
 started"), leaving another process of the same program running."""
 
 import json

@@ -4,7 +4,8 @@ its own companion, one Redis, the mock upstream. The scenario of `make fairness`
 on a shorter clock: a pool of 2,000 tokens per 20 s for 40 s.
 
 Without fair shares the heavy tenant takes the pool as fast as it refills and the light
-ones are refused (`fair=False` below shows it, the README quotes both)."""
+ones are refused (`fair=False` below shows it, docs/benchmark.md#fair-shares quotes
+both)."""
 
 import time
 

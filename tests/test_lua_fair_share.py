@@ -188,7 +188,7 @@ def test_reset_forgets_the_fair_shares(client):
 
 @pytest.mark.parametrize("tenants", [64, 256])
 def test_memory_per_tenant(client, tenants):
-    """What the README says a fair pool costs in Redis: its hash full of `tenants`
+    """What docs/benchmark.md#fair-shares says a fair pool costs in Redis: its hash full of `tenants`
     claimants (MEMORY USAGE), printed."""
     key = f"test:{{{uuid.uuid4().hex}}}:pool"
     for _ in range(tenants):

@@ -515,7 +515,7 @@ def test_a_sliding_window_admits_no_double_burst_at_the_edge(client):
 
 
 def test_a_sliding_windows_key_expires_a_window_and_a_second_after_its_last_entry(client):
-    """README (Capacity planning): a window's key expires a window (and a second) after its
+    """docs/capacity.md: a window's key expires a window (and a second) after its
     last entry, so a tenant that stops leaves nothing behind, and one that goes on keeps
     its window. Bounds measured around each call, whatever the machine's load."""
     tag = uuid.uuid4().hex
@@ -740,7 +740,7 @@ def test_windows_and_slots_case_table(client, case):
 
 
 def test_a_sliding_window_charge_reads_only_the_entries_that_expired(client):
-    """README (A complete policy): a sliding window keeps a running sum, "so a call costs
+    """docs/configuration.md#a-complete-policy: a sliding window keeps a running sum, "so a call costs
     only the entries that expired, never a scan". With 5,000 entries in the window and 3
     just expired, the commands an admitted charge runs (as Redis's MONITOR shows them)
     read no range but the expired one: nothing that visits the live entries."""

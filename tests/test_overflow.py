@@ -103,7 +103,7 @@ def test_while_the_provider_refuses_requests_go_to_the_fallback(backend):
 
 
 def test_in_shadow_mode_nothing_is_refused_so_nothing_overflows(backend):
-    """README "Overflow instead of a 429": "in shadow mode nothing is refused, so nothing
+    """docs/overflow.md: "in shadow mode nothing is refused, so nothing
     overflows". Past `primary-rpm`'s 2, the requests still go to the primary, with no
     overflow header; the fallback gets nothing and its limit is charged nothing."""
     port, admin, fallback = envoy_with_fallback(backend, LIMITS, name="envoy-shadow", mode="shadow")
@@ -116,6 +116,6 @@ def test_in_shadow_mode_nothing_is_refused_so_nothing_overflows(backend):
     assert received(backend.mock_port) - before == 4 and received(fallback) == 0
     assert redis.Redis(port=backend.redis_port).hget(bucket_key("sk-shadow-over", "backup-rpm"), "tokens") is None
     metric = lambda limit, decision: filter_metric(admin, "llm_ratelimit_decisions_total", limit=limit, decision=decision)
-    # README "Metrics": `shadow`, "this limit would have refused it; shadow mode let it through".
+    # docs/metrics.md: `shadow`, "this limit would have refused it; shadow mode let it through".
     wait_until(lambda: metric("primary-rpm", "shadow") == 2, 5, "the two shadow refusals counted")
     assert metric("primary-rpm", "overflowed") == 0 and metric("backup-rpm", "allowed") == 0

@@ -7,7 +7,7 @@ the fleet admit more than a pool holds (each grant is charged in Redis when gran
 a cluster a lease's parts are granted owner by owner and given back when one refuses).
 
 The race test prints what a race over leased pools admits on the cluster against each
-pool's capacity, the figure the README quotes."""
+pool's capacity, the figure docs/benchmark.md quotes (Shared pools on a cluster)."""
 
 import concurrent.futures
 import time

@@ -4,7 +4,8 @@ counters of a key, a team and the upstream live in different hash slots, and the
 companion charges them in order, rolling back on refusal: companion/src/pools.rs).
 
 The race test prints what a race over shared pools admits on the cluster against each
-pool's capacity (`make pools-race` runs it alone), the figure the README quotes."""
+pool's capacity (`make pools-race` runs it alone), the figure
+docs/benchmark.md quotes (Shared pools on a cluster)."""
 
 import hashlib
 import json
@@ -23,7 +24,7 @@ WINDOW = "366d"  # windows long enough that refill during a test stays far below
 
 
 def pool_owner(header: str, value: str) -> str:
-    """The owner id of a `per` header value's pool, as the README states it: `p` and the
+    """The owner id of a `per` header value's pool, as docs/pools.md states it: `p` and the
     first 16 bytes of SHA-256 over the separator, the header's name and the value."""
     digest = hashlib.sha256(b"llm-ratelimit/pool/v1\0" + header.encode() + b"\0" + value.encode()).hexdigest()
     return "p" + digest[:32]
@@ -147,7 +148,7 @@ def test_a_shadow_limit_is_charged_and_counted_but_refuses_nothing(setup):
     assert [send(port, key="sk-shadow").status for _ in range(4)] == [200] * 4
     assert setup.level(tenant_of("sk-shadow"), "key") == pytest.approx(6, abs=0.05)
     assert setup.level("all", "trial") == pytest.approx(-2, abs=0.05), "charged as if enforced"
-    # README "Shared pools": `decision="shadow"` counts the requests it would have
+    # docs/pools.md: `decision="shadow"` counts the requests it would have
     # refused, the two past its 2; each of the four counts once under the limit.
     trial = lambda decision: filter_metric(admin, "llm_ratelimit_decisions_total", limit="trial", decision=decision) or 0
     wait_until(lambda: trial("allowed") + trial("shadow") == 4, 5, "the four requests counted under trial")
@@ -155,7 +156,7 @@ def test_a_shadow_limit_is_charged_and_counted_but_refuses_nothing(setup):
 
 
 def test_a_shadow_output_limit_does_not_clamp_max_tokens(stack):
-    """README "Shared pools" / `limits[].mode`: a shadow limit "refuses nothing (nor clamps
+    """docs/pools.md / `limits[].mode`: a shadow limit "refuses nothing (nor clamps
     a completion allowance)". With clamping on and a shadow output limit of 100, a request
     asking 600 reaches the upstream with its 600 (the mock completes min(asked, max_tokens))."""
     setup = Setup(stack, "single")
@@ -235,7 +236,7 @@ def script_calls(setup) -> int:
 
 
 def test_in_direct_mode_a_pool_every_request_touches_costs_no_script_call_of_its_own(setup):
-    """README (Shared pools): "In direct mode a pool every request touches costs no round
+    """docs/pools.md: "In direct mode a pool every request touches costs no round
     trip of its own": on one Redis server the key's and the pool's counters are charged in
     the request's one script call; on a cluster the pool's hash slot takes a call of its
     own per batch (here, one request at a time, one per request)."""

@@ -78,7 +78,7 @@ def test_after_the_providers_429_the_fleet_answers_locally_with_its_retry_time(b
     # Past the retry time one probe goes (for the whole fleet) and the provider serves again.
     # The new window holds 3: the loop stops at its third success, since the other proxy
     # may not have heard yet that nothing is left, and may send one request into it (the
-    # README: "a proxy that has not yet heard ... can send one request into it itself").
+    # docs/provider-limits.md: "a proxy that has not yet heard ... can send one request into it itself").
     statuses, served_by = [], []
     deadline = time.monotonic() + WINDOW_MS / 1000 + 4
     while time.monotonic() < deadline and statuses.count(200) < 3:

@@ -58,7 +58,7 @@ def outage(env, key, requests=80):
     return statuses.count(200)
 
 
-# The README's promise: decisions are central again within this long after Redis or the
+# docs/failures.md's promise: decisions are central again within this long after Redis or the
 # companion answers again (`fallback.breaker_cooldown` 300 ms here, then one probe).
 RECOVERY_BOUND = 1.0
 

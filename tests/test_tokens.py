@@ -37,7 +37,7 @@ def bucket_level(env, key, limit="tpm"):
 def wait_level(env, key, expected, limit="tpm"):
     """Settlement is asynchronous (the next tick): wait for the bucket to show it (to the
     token: a 366-day window refills 0.03 a second), longer
-    than a settlement's retries take (about 11 s, README "When Redis or the companion fails")."""
+    than a settlement's retries take (about 11 s, docs/failures.md)."""
     return wait_until(lambda: bucket_level(env, key, limit) is not None and abs(bucket_level(env, key, limit) - expected) < 0.6,
                       15, f"bucket {limit} at {expected} (now {bucket_level(env, key, limit)})")
 

@@ -318,7 +318,7 @@ def test_the_companion_works_against_a_tls_redis_cluster_with_auth(stack, tmp_pa
 
 
 def test_the_admin_credential_and_the_redis_password_rotate_as_the_readme_says(stack):
-    """README (Rotating credentials), each step run: the admin list holds the old and the
+    """docs/credentials.md#rotating-credentials, each step run: the admin list holds the old and the
     new credential while operators switch; an ACL user's second password (`ACL SETUSER
     <user> >new`) lets companions started with either work, and once the old one is
     removed (`<old`) a companion with it is refused at start with a clear message while
@@ -355,7 +355,7 @@ def test_the_admin_credential_and_the_redis_password_rotate_as_the_readme_says(s
 
 
 def test_the_redis_ca_rotates_through_a_bundle_of_both(stack, tmp_path):
-    """README (Rotating credentials): "put the new CA in the bundle beside the old
+    """docs/credentials.md#rotating-credentials: "put the new CA in the bundle beside the old
     (`--redis-ca-file`), roll the companions, then switch the server's certificate". A
     companion with the bundle trusts the server before and after the switch; one with the
     old CA alone is refused by the new certificate, saying why."""

@@ -34,7 +34,7 @@ The bounds checked (token buckets, capacity L per window W, refill r = L/W):
   Streams are shorter than `slots.ttl`, so no live stream can lose its slot.
 - Together, any window of W admits at most (1 + Redis restarts in it)·L + r·W + pending
   credits + 2·ceil(L/2) per Envoy process that decided locally in it (its full local
-  bucket and a window's refill): the README's "up to one extra window's budget across
+  bucket and a window's refill): docs/failures.md's "up to one extra window's budget across
   all proxies while Redis is unreachable". Reported per window; the two checks above
   are stricter (the sum of the two shares) and decide.
 

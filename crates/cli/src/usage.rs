@@ -30,7 +30,7 @@ pub fn run(args: &Args) -> Result<(), String> {
     Ok(())
 }
 
-/// The companion's answer as the README lists it: every limit with its `kind` (the wire
+/// The companion's answer as docs/operating.md lists it (`--json`): every limit with its `kind` (the wire
 /// leaves out the default, a token bucket), the limit that binds marked (`binding`), a
 /// calendar budget's `resets_at` (the local time of its period's end, RFC 3339 with the
 /// zone's offset), and the tenant and domain asked about.

@@ -1,6 +1,6 @@
 //! `check-config` as a lint, on the fixture files in `tests/cases/lint/` (one file per
 //! finding), through the real binary: its exit status and the words it prints. What each
-//! finding must say comes from the README's "Checking a config before deploying".
+//! finding must say comes from docs/check-config.md.
 
 use std::path::PathBuf;
 use std::process::Command;

@@ -129,7 +129,7 @@ pub fn proxy_id_key(domain: &str) -> String {
 mod tests {
     use super::*;
 
-    /// The shared-data keys as operators see them in Envoy's stats and the README.
+    /// The shared-data keys as operators see them in Envoy's stats and docs/metrics.md.
     #[test]
     fn slot_keys_name_their_table_domain_and_slot() {
         assert_eq!(lease_key("llm", 0), "llmrl.lease.llm.0");

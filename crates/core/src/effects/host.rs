@@ -26,8 +26,8 @@ pub enum Action {
     Pause,
 }
 
-/// The hosts whose semantics differ in ways the filter must know (see the README's host
-/// notes). Detected at start-up by [`detect_kind`].
+/// The hosts whose semantics differ in ways the filter must know (see
+/// docs/nginx.md#what-differs-between-the-hosts). Detected at start-up by [`detect_kind`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum HostKind {
     /// Envoy (V8): end of stream is reported on headers; a request body is delivered while
@@ -63,7 +63,8 @@ impl HostKind {
     /// Whether a local reply with a body may be sent from the response of a callout that
     /// carried a body and got none back (a timeout, or an empty answer). ngx_wasm_module
     /// reuses the callout's body buffer for the reply and then empties it: the client gets
-    /// an empty reply, and a debug build aborts the worker (see the README's host notes).
+    /// an empty reply, and a debug build aborts the worker (see
+    /// docs/nginx.md#what-differs-between-the-hosts).
     /// There, such a reply goes out without its body: status and headers say it all.
     pub fn replies_after_an_empty_callout(self) -> bool {
         self == HostKind::Envoy

@@ -118,7 +118,8 @@ fn decode_exactly(bytes: &[u8], specs: &[LimitCharge]) -> Option<Vec<Counter>> {
 }
 
 /// Bytes of a tenant's entry at most, for `limits`: what `memory.tenant_slots` entries
-/// cost (the README's sizing of Nginx's `shm_kv` comes from this).
+/// cost (the sizing of Nginx's `shm_kv` in docs/getting-started.md#what-is-kept-and-how
+/// comes from this).
 pub fn entry_bytes_at_most(config: &Policy) -> usize {
     let most = config.memory.local_entries as usize;
     let counters: usize = config

@@ -252,9 +252,8 @@ fn another_error_says_nothing_of_the_providers_limits() {
     }
 }
 
-/// A shared `"all"` pool of a quota is lowered like a tenant's own limit (README,
-/// "Listening to the provider": the lowering takes the request's buckets, whatever made
-/// them), for every tenant the provider's quota serves (here two tenants named by the
+/// A shared `"all"` pool of a quota is lowered like a tenant's own limit
+/// (docs/provider-limits.md: the lowering takes the request's buckets, whatever made them), for every tenant the provider's quota serves (here two tenants named by the
 /// operator's header, behind one upstream key).
 #[test]
 fn a_shared_pool_is_charged_lowered_to_what_the_provider_says_is_left() {
@@ -284,7 +283,7 @@ fn a_shared_pool_is_charged_lowered_to_what_the_provider_says_is_left() {
     }
 }
 
-/// The fleet exchange's pace (README: "about every 200 ms when it heard something, once a
+/// The fleet exchange's pace (docs/provider-limits.md: "about every 200 ms when it heard something, once a
 /// second otherwise"): counted on the worker's tick with the clock moved by hand.
 #[test]
 fn the_fleet_exchange_goes_every_200_ms_after_news_and_every_second_otherwise() {

@@ -441,7 +441,7 @@ mod tests {
         assert_eq!(past.left[1], Some(Left { remaining: 5, reset_after_ms: 0 }), "a reset already past");
     }
 
-    /// The README: "a header value longer than 64 bytes is ignored … an error body is read
+    /// docs/provider-limits.md: "a header value longer than 64 bytes is ignored … an error body is read
     /// up to 16 KiB": at the edges, one byte in and one byte over.
     #[test]
     fn header_values_and_error_bodies_are_read_up_to_their_bounds_exactly() {

@@ -181,7 +181,7 @@ fn a_settlement_after_the_boundary_leaves_the_new_period_whole() {
 
 /// With the companion away (`failure_mode: "local"`), a calendar budget is held per proxy
 /// at its share (`fallback.instances`), by the proxy's clock, full again at the same
-/// boundary (README, "Calendar budgets").
+/// boundary (docs/configuration.md#calendar-budgets).
 #[test]
 fn without_the_companion_a_calendar_budget_is_held_at_the_proxys_share_until_its_boundary() {
     for kind in HOSTS {

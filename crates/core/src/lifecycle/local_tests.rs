@@ -202,8 +202,8 @@ fn invented_keys_fill_a_bounded_table() {
 }
 
 /// A host that refuses a write (Nginx's `shm_kv` zone with no room left) answers the
-/// request 503, counted in `shared_writes_refused`: never admitted uncounted (README,
-/// "Limits without Redis").
+/// request 503, counted in `shared_writes_refused`: never admitted uncounted
+/// (docs/getting-started.md#limits-without-redis-the-local-store).
 #[test]
 fn a_refused_write_is_answered_503_and_counted() {
     for kind in HOSTS {
@@ -255,7 +255,8 @@ fn an_entry_full_again_gives_its_place_to_a_newcomer() {
     }
 }
 
-/// What an entry costs: the README's sizing of Nginx's `shm_kv` for the local store.
+/// What an entry costs: the sizing of Nginx's `shm_kv` for the local store in
+/// docs/getting-started.md#what-is-kept-and-how.
 #[test]
 fn an_entry_is_at_most_the_stated_size() {
     let limits = json!([
@@ -313,9 +314,9 @@ fn a_calendar_budget_is_kept_locally_and_full_again_at_its_boundary() {
     }
 }
 
-/// The README: "a settlement that arrives after its tenant's entry was replaced is
-/// dropped". A long request's entry is full again (its window refilled) while the request
-/// is in flight, so a newcomer may take its place; the request's settlement then charges
+/// docs/getting-started.md#what-is-kept-and-how: "a settlement that arrives after its
+/// tenant's entry was replaced is dropped". A long request's entry is full again (its window
+/// refilled) while the request is in flight, so a newcomer may take its place; the request's settlement then charges
 /// nobody: neither the newcomer whose entry sits there now, nor a fresh entry of its own.
 #[test]
 fn a_settlement_after_its_entry_was_replaced_is_dropped() {

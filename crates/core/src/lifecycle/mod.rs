@@ -1,6 +1,6 @@
 //! One request's life, as plain Rust over [`Host`]: identified, planned, decided (from a
 //! lease, locally, or by the companion), forwarded or answered, then settled once from the
-//! usage its reply reports. The README's "Architecture" section draws the walk.
+//! usage its reply reports. docs/architecture.md draws the walk.
 //!
 //! The worker ([`Worker`]) holds what outlives a request; each callback borrows it.
 

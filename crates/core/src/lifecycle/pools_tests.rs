@@ -307,7 +307,7 @@ fn without_the_companion_a_pool_is_counted_once_per_proxy_all_or_nothing() {
     }
 }
 
-/// README (When Redis or the companion fails): "Leases still valid keep admitting during an
+/// docs/failures.md: "Leases still valid keep admitting during an
 /// outage (they were paid for in Redis), a pool's lease included". With the companion
 /// away, a tenant whose own lease and the pool's are live is admitted from them, not
 /// decided locally, and the pool's lease gives what it admitted.
@@ -413,7 +413,7 @@ fn a_pool_without_fair_shares_is_first_come_first_served() {
 }
 
 /// What a proxy admitted on its own under an `"all"` pool reaches the pool's counter in
-/// Redis once the companion is back, each admission once (README, "Shared pools": "Local
+/// Redis once the companion is back, each admission once (docs/pools.md: "Local
 /// admissions are queued as debits on the pool's counter, as for a tenant's").
 #[test]
 fn what_was_admitted_locally_under_a_pool_is_debited_from_the_pools_counter_once() {
@@ -463,7 +463,8 @@ fn what_was_admitted_locally_under_a_pool_is_debited_from_the_pools_counter_once
 }
 
 /// The degraded mode decides a pool with fair shares at the proxy's share of it, first
-/// come first served: it keeps no claimants (README: "the degraded mode knows no shares").
+/// come first served: it keeps no claimants (docs/pools.md#fair-shares-of-a-scarce-pool:
+/// "the degraded mode knows no shares").
 #[test]
 fn without_the_companion_a_fair_pool_is_first_come_first_served_at_the_proxys_share() {
     for kind in HOSTS {

@@ -765,7 +765,7 @@ fn what_one_proxy_learned_reaches_another_through_the_companion() {
 
 #[test]
 fn calibrations_are_exchanged_on_the_first_tick_each_second_while_learning_and_every_30_s_idle() {
-    // The README's cadence (tokens.share_calibration), in its own figures: the exchanges
+    // The cadence of docs/accuracy.md (tokens.share_calibration), in its own figures: the exchanges
     // a worker ticking every 50 ms sends, counted over simulated time.
     for kind in HOSTS {
         let world = World::new(kind);
@@ -1140,10 +1140,10 @@ fn memory_is_bounded_whatever_tenants_and_models_clients_invent() {
     }
 }
 
-/// The README's Memory section: "with one limit, a lease entry is 105 bytes, a local bucket
+/// docs/configuration.md#memory: "with one limit, a lease entry is 105 bytes, a local bucket
 /// 57 and an average 28 … each further limit adds 56 bytes to a lease entry and 16 to a
 /// local bucket", and "one 56-byte value" per model rule (its tag, two running averages
-/// and the shared-data fingerprint: the README said 48 until this test).
+/// and the shared-data fingerprint: the docs said 48 until this test).
 #[test]
 fn stored_values_have_the_sizes_the_readme_states() {
     use std::collections::BTreeSet;
@@ -1458,7 +1458,7 @@ fn one_tenant_holds_only_its_share_of_the_queue() {
     }
 }
 
-/// README, `queue.tenant_share`: "Tenants are counted in a fixed table of 1,024 counters
+/// docs/configuration.md, `queue.tenant_share`: "Tenants are counted in a fixed table of 1,024 counters
 /// (keyed hash, no key per tenant)". However many tenants queue, the proxy keeps at most
 /// 1,024 counter keys, and tenants spread over them.
 #[test]
@@ -1486,7 +1486,8 @@ fn admit(proxy: &mut Proxy, companion: &mut FakeCompanion, key: &str) -> (crate:
 
 /// At most `requests` in any window, exactly: a full window refuses until its oldest
 /// entry leaves it, where a bucket of the same size would have refilled part way and
-/// admitted (README, `algorithm: sliding_window`; lua/limits.lua's sliding window).
+/// admitted (docs/configuration.md#a-complete-policy, `algorithm: sliding_window`;
+/// lua/limits.lua's sliding window).
 #[test]
 fn a_sliding_window_refuses_until_its_oldest_entry_leaves() {
     for kind in HOSTS {
@@ -1611,7 +1612,7 @@ fn a_leased_reply_reads_its_status_once_and_an_idle_tick_reads_no_shared_data() 
     }
 }
 
-/// The README's "Not recognised" list: each such call reserves one request and
+/// The "Not recognised" list of docs/providers.md#apis-and-paths: each such call reserves one request and
 /// `tokens.unparsed_request_cost` tokens (1,000 by default); a reply with no usage the
 /// filter reads leaves that charge as it is, and one that reports a usage is charged what
 /// it reports, more or less. `batchGenerateContent` is refused outright, pinned elsewhere.

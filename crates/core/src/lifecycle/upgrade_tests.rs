@@ -1,6 +1,6 @@
-//! This filter beside an older companion (README, "The companion", Upgrading): such a
+//! This filter beside an older companion (docs/companion.md, Upgrading): such a
 //! companion refuses (400) the fields it does not know and does not serve the
-//! calibration exchange (404). Each refusal costs what the README lists, on both hosts.
+//! calibration exchange (404). Each refusal costs what docs/companion.md lists, on both hosts.
 
 use super::tests::{config, settle};
 use crate::effects::host::{HostKind, Metric};
