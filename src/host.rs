@@ -33,8 +33,6 @@ pub struct HostState {
     /// token and the request it answers. The SDK hands their answers to the root. As many
     /// as woken requests asking at once.
     pub routed: Vec<(u32, u32)>,
-    /// Whether the root ticks every `WAIT_TICK` (requests wait for a lease grant).
-    pub fast_ticks: bool,
     warned: BTreeSet<&'static str>,
     /// Gauge ids by name, defined once each, with the value this VM last recorded: the
     /// names come from the config (its limits and model rules), so this stays as small as

@@ -9,9 +9,8 @@ mod host;
 
 use host::{HostState, ProxyHost};
 use llm_ratelimit_core::effects::host::Action as CoreAction;
-use llm_ratelimit_core::effects::host::Host as _;
 use llm_ratelimit_core::lifecycle::{Phase, RequestFilter};
-use llm_ratelimit_core::worker::{Worker, TICK, WAIT_TICK};
+use llm_ratelimit_core::worker::{Worker, TICK};
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, ContextType, LogLevel};
 use std::cell::RefCell;
@@ -25,7 +24,6 @@ proxy_wasm::main! {{
             worker: Rc::new(RefCell::new(Worker::new())),
             state: Rc::new(RefCell::new(HostState::default())),
             acted_for: Rc::new(RefCell::new(Vec::new())),
-            full_tick_ms: 0,
         })
     });
 }}
@@ -49,9 +47,6 @@ struct Root {
     worker: Rc<RefCell<Worker>>,
     state: Rc<RefCell<HostState>>,
     acted_for: ActedFor,
-    /// When the last full tick ran (ms by the host's clock): while requests wait the root
-    /// ticks every `WAIT_TICK`, and the full tick's work still runs every `TICK`.
-    full_tick_ms: u64,
 }
 
 impl Root {
@@ -113,20 +108,15 @@ fn wake_waiters(worker: &mut Worker, acted_for: &ActedFor, root: &ProxyHost) {
     worker.due_again(not_now);
 }
 
-/// Ticks every `WAIT_TICK` while requests of the VM wait for a lease grant, every `TICK`
-/// otherwise.
-fn tick_for(worker: &Worker, state: &RefCell<HostState>, root_id: u32, context_id: u32) {
-    let fast = worker.has_waiters();
-    if state.borrow().fast_ticks == fast {
-        return;
-    }
-    state.borrow_mut().fast_ticks = fast;
+/// Sets the root's tick period when the worker says it changes (`Worker::tick_period_change`).
+fn tick_for(worker: &mut Worker, root_id: u32, context_id: u32) {
+    let Some(period) = worker.tick_period_change() else { return };
     // The tick is the root's: set as the root, whichever callback asks.
     let switch = context_id != root_id;
     if switch {
         host::make_effective(root_id);
     }
-    host::set_tick_period(if fast { WAIT_TICK } else { TICK });
+    host::set_tick_period(period);
     if switch {
         host::make_effective(context_id);
     }
@@ -152,7 +142,7 @@ impl Context for Root {
             None => worker.on_callout_response(&mut host, token, body_size),
         }
         wake_waiters(&mut worker, &self.acted_for, &host);
-        tick_for(&worker, &self.state, self.context_id, self.context_id);
+        tick_for(&mut worker, self.context_id, self.context_id);
     }
 }
 
@@ -182,19 +172,9 @@ impl RootContext for Root {
     fn on_tick(&mut self) {
         let mut host = self.host();
         let Ok(mut worker) = self.worker.try_borrow_mut() else { return };
-        let now = host.now_ms();
-        // A tick of WAIT_TICK only wakes waiters; the full one runs every TICK (a timer
-        // may fire a little early or late).
-        let full = !self.state.borrow().fast_ticks
-            || now.saturating_sub(self.full_tick_ms) + WAIT_TICK.as_millis() as u64 >= TICK.as_millis() as u64;
-        if full {
-            self.full_tick_ms = now;
-            worker.on_tick(&mut host);
-        } else {
-            worker.on_wait_tick(&mut host);
-        }
+        let full = worker.on_root_tick(&mut host);
         wake_waiters(&mut worker, &self.acted_for, &host);
-        tick_for(&worker, &self.state, self.context_id, self.context_id);
+        tick_for(&mut worker, self.context_id, self.context_id);
         drop(worker);
         if full {
             self.state.borrow_mut().flush_metrics();
@@ -237,7 +217,7 @@ impl Http {
             let context_id = self.host.context_id;
             forget(&self.acted_for, context_id);
             self.acted_for.borrow_mut().push((context_id, Rc::downgrade(&self.filter)));
-            tick_for(&worker, &self.host.state, self.host.root_id, self.host.context_id);
+            tick_for(&mut worker, self.host.root_id, self.host.context_id);
         }
         action(next)
     }

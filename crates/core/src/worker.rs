@@ -55,6 +55,10 @@ const BACKGROUND_TIMEOUT: Duration = Duration::from_secs(1);
 
 pub struct Worker {
     config: Option<Rc<Policy>>,
+    /// Whether the root ticks every `WAIT_TICK` (requests wait for a lease grant), and when
+    /// the last full tick ran (ms): the full tick's work still runs every `TICK`.
+    fast_ticks: bool,
+    full_tick_ms: u64,
     /// The owners' plans this VM has seen in the companion's replies: what the degraded
     /// mode decides with while Redis is away.
     pub owner_plans: OwnerPlans,
@@ -135,6 +139,8 @@ impl Worker {
     pub fn new() -> Worker {
         Worker {
             config: None,
+            fast_ticks: false,
+            full_tick_ms: 0,
             owner_plans: OwnerPlans::default(),
             host_kind: HostKind::default(),
             settlements: SettleQueue::new(SETTLE_QUEUE_CAPACITY),
@@ -487,6 +493,33 @@ impl Worker {
     /// Waiters the glue could not resume just now: due at its next chance.
     pub fn due_again(&mut self, contexts: Vec<u32>) {
         self.waiters_due.extend(contexts);
+    }
+
+    /// The root's tick, whatever its period: the full tick's work (`on_tick`) every `TICK`,
+    /// and between two, while requests wait, the short one that only wakes them (a timer
+    /// may fire a little early or late). Returns whether the full tick ran.
+    pub fn on_root_tick(&mut self, host: &mut impl Host) -> bool {
+        let now = host.now_ms();
+        let (tick, wait_tick) = (TICK.as_millis() as u64, WAIT_TICK.as_millis() as u64);
+        let full = !self.fast_ticks || now.saturating_sub(self.full_tick_ms) + wait_tick >= tick;
+        if full {
+            self.full_tick_ms = now;
+            self.on_tick(host);
+        } else {
+            self.on_wait_tick(host);
+        }
+        full
+    }
+
+    /// The root's tick period when it must change: `WAIT_TICK` once requests wait for a
+    /// lease grant (`has_waiters`), `TICK` again once none does; `None` while it stays.
+    pub fn tick_period_change(&mut self) -> Option<std::time::Duration> {
+        let fast = self.has_waiters();
+        if self.fast_ticks == fast {
+            return None;
+        }
+        self.fast_ticks = fast;
+        Some(if fast { WAIT_TICK } else { TICK })
     }
 
     /// The short tick between two full ones while requests wait (`has_waiters`): wakes those
@@ -918,6 +951,36 @@ fn mix(mut x: u64) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::testing::{advance, Proxy, World};
+
+    /// The root's pacing, which the glue only carries out: `TICK` while no request waits;
+    /// `WAIT_TICK` while some wait for a lease grant, the full tick's work still every
+    /// `TICK` between the short ones; `TICK` again once none waits.
+    #[test]
+    fn the_root_ticks_fast_only_while_requests_wait_and_its_full_work_stays_every_tick() {
+        let world = World::new(HostKind::Envoy);
+        let config = r#"{"companion": {"upstream": "c", "token": "test-token-0123456789"},
+            "limits": [{"name": "rpm", "requests": 100, "window": "1m"}]}"#;
+        let mut proxy = Proxy::new(&world, config);
+        let worker = &mut proxy.worker;
+        assert_eq!(worker.tick_period_change(), None, "no waiter: the period set at configure stays");
+        assert!(worker.on_root_tick(&mut proxy.root));
+        let until = proxy.root.now_ms() + 1_000;
+        worker.await_lease(7, "entry".into(), until);
+        assert_eq!(worker.tick_period_change(), Some(WAIT_TICK));
+        assert_eq!(worker.tick_period_change(), None, "said once");
+        let wait = WAIT_TICK.as_millis() as u64;
+        let full: Vec<bool> = (0..60)
+            .map(|_| {
+                advance(&world, wait);
+                worker.on_root_tick(&mut proxy.root)
+            })
+            .collect();
+        let fulls = full.iter().filter(|&&f| f).count();
+        assert_eq!(fulls, 60 / (TICK.as_millis() as usize), "the full work every TICK: {full:?}");
+        worker.stop_waiting(7);
+        assert_eq!(worker.tick_period_change(), Some(TICK));
+    }
 
     #[test]
     fn reservation_ids_are_the_hex_of_the_mixed_nonce_and_the_counter() {
