@@ -560,17 +560,27 @@ impl Worker {
         shared_read(host, &keys::breaker_key(&config.domain)).and_then(|b| Breaker::from_bytes(&b)).unwrap_or_default()
     }
 
+    /// The breaker's one read-modify-write: `change` takes its state and returns the next
+    /// one (`None`: unchanged) and what to answer; `None` if the host refused every write.
+    fn update_breaker<R>(
+        host: &mut impl Host,
+        config: &Policy,
+        mut change: impl FnMut(Breaker) -> (Option<Breaker>, R),
+    ) -> Option<R> {
+        shared_update(host, &keys::breaker_key(&config.domain), |bytes| {
+            let (next, answer) = change(bytes.and_then(Breaker::from_bytes).unwrap_or_default());
+            (next.map(|state| state.to_bytes().to_vec()), answer)
+        })
+    }
+
     /// Where a decision goes now: to the companion, or local while the breaker is open.
     pub(crate) fn dispatch(&mut self, host: &mut impl Host, config: &Policy, now: u64) -> Dispatch {
         let cooldown = config.fallback.breaker_cooldown.as_millis() as u64;
-        let mut dispatch = Dispatch::Local;
-        shared_update(host, &keys::breaker_key(&config.domain), |bytes| {
-            let state = bytes.and_then(Breaker::from_bytes).unwrap_or_default();
+        Self::update_breaker(host, config, |state| {
             let (chosen, probe) = state.dispatch(now, cooldown);
-            dispatch = chosen;
-            (probe.map(|p| p.to_bytes().to_vec()), ())
-        });
-        dispatch
+            (probe, chosen)
+        })
+        .unwrap_or(Dispatch::Local)
     }
 
     /// Counts a request that waited `waited_ms` in the companion's queue, and its wait in
@@ -584,14 +594,11 @@ impl Worker {
     }
 
     pub(crate) fn callout_succeeded(&mut self, host: &mut impl Host, config: &Policy) {
-        let mut reopened = false;
-        shared_update(host, &keys::breaker_key(&config.domain), |bytes| {
-            let state = bytes.and_then(Breaker::from_bytes).unwrap_or_default();
-            reopened = !state.is_closed();
+        let reopened = Self::update_breaker(host, config, |state| {
             let changed = state != Breaker::default();
-            (changed.then(|| state.on_success().to_bytes().to_vec()), ())
+            (changed.then(|| state.on_success()), !state.is_closed())
         });
-        if reopened {
+        if reopened == Some(true) {
             host.log(LogLevel::Info, "llm-ratelimit: the companion answers again; leaving degraded mode");
         }
     }
@@ -599,14 +606,11 @@ impl Worker {
     pub(crate) fn record_callout_failure(&mut self, host: &mut impl Host, config: &Policy) {
         let cooldown = config.fallback.breaker_cooldown.as_millis() as u64;
         let now = host.now_ms();
-        let mut opened = None;
-        shared_update(host, &keys::breaker_key(&config.domain), |bytes| {
-            let state = bytes.and_then(Breaker::from_bytes).unwrap_or_default();
+        let opened = Self::update_breaker(host, config, |state| {
             let next = state.on_failure(now, config.fallback.breaker_failures, cooldown);
-            opened = (state.is_closed() && !next.is_closed()).then_some(next.consecutive_failures);
-            (Some(next.to_bytes().to_vec()), ())
+            (Some(next), (state.is_closed() && !next.is_closed()).then_some(next.consecutive_failures))
         });
-        if let Some(failures) = opened {
+        if let Some(failures) = opened.flatten() {
             host.log(
                 LogLevel::Warn,
                 &format!("llm-ratelimit: {failures} failed callouts in a row; deciding locally for {cooldown} ms before probing"),
