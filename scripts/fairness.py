@@ -1,5 +1,5 @@
 """Fair shares of a scarce pool (`limits[].fair_share`), measured (`make fairness`; not
-part of `make test`, which runs a shorter version: tests/test_fair_share.py).
+part of `make test`, which runs a shorter version: tests/e2e/test_fair_share.py).
 
 One pool counted for every caller (`per: "all"`), of `--pool` tokens per `--window`
 seconds, through 3 Envoys (2 workers each), each with its own companion, one Redis and

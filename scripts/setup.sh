@@ -17,7 +17,7 @@ else
   done
 fi
 command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
-command -v redis-sentinel >/dev/null 2>&1 || missing+=(redis-sentinel)  # tests/test_sentinel.py
+command -v redis-sentinel >/dev/null 2>&1 || missing+=(redis-sentinel)  # tests/companion/test_sentinel.py
 command -v node >/dev/null 2>&1 || missing+=(nodejs)  # runs the wasm unit tests
 command -v wrk >/dev/null 2>&1 || missing+=(wrk)
 # libfaketime: moves Redis's clock to a month's last seconds in the calendar test.

@@ -3,7 +3,7 @@
 # check issue 24 asks of the suite (no test may pass or fail by the machine's load).
 #
 #   scripts/test_under_load.sh [RUNS] [command...]     (default: 5 runs of `make test`)
-#   make test-under-load UNDER_LOAD_RUNS=3 UNDER_LOAD_CMD='.venv/bin/python -m pytest tests/test_resilience.py -q'
+#   make test-under-load UNDER_LOAD_RUNS=3 UNDER_LOAD_CMD='.venv/bin/python -m pytest tests/e2e/test_resilience.py -q'
 #
 # The load is one busy loop per core (`nproc`), at the same priority as the tests. Each
 # loop is started here and stopped by its PID when the runs end, whatever their outcome

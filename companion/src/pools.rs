@@ -16,7 +16,7 @@
 //! than one server would. What differs is that a request later refused holds what it took
 //! from the earlier parts for one round trip to Redis (about a millisecond), during which a
 //! concurrent request may be refused although it would have fitted: refusals, not
-//! admissions, are what a race adds (measured by tests/test_pools.py, printed in
+//! admissions, are what a race adds (measured by tests/e2e/test_pools.py, printed in
 //! docs/benchmark.md). If the companion stops between a part's charge and its rollback, what that
 //! part took stays charged until the counter refills. A settlement is split the same way,
 //! each part applied at most once by its own record.

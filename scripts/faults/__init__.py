@@ -43,6 +43,6 @@ Exit code 0 and `faults: PASS`, or 1 and `faults: FAIL`.
 
 Modules: `settings` (the policy and the load), `traffic` (the clients and what each request
 got), `inject` (the stack and the faults), `checks` (the bounds above, over the recorded
-requests; unit-tested in tests/test_faults_checks.py), `report` (what is printed, what
+requests; unit-tested in tests/checks/test_faults_checks.py), `report` (what is printed, what
 fails), `__main__` (the run).
 """

@@ -1,6 +1,6 @@
 //! Every PromQL query shipped in deploy/ parses: the Grafana dashboard's (with Grafana's
 //! variables given values first) and the alerting rules'. Whether the metrics they name
-//! exist is tests/test_filter_metrics.py's part (against a real Envoy scrape).
+//! exist is tests/e2e/test_filter_metrics.py's part (against a real Envoy scrape).
 
 use serde_json::Value;
 use std::path::Path;

@@ -1187,7 +1187,7 @@ pub fn bad_configs() -> Vec<BadConfig> {
 }
 
 /// The fake companion's sliding windows and slots against the case table that
-/// tests/test_lua_limits.py runs against lua/limits.lua in a real Redis.
+/// tests/lua/test_lua_limits.py runs against lua/limits.lua in a real Redis.
 #[cfg(test)]
 mod case_table {
     use super::*;
@@ -1276,7 +1276,7 @@ mod case_table {
     }
 }
 
-/// The fake companion's plans against the case table that tests/test_lua_plans.py runs
+/// The fake companion's plans against the case table that tests/lua/test_lua_plans.py runs
 /// against lua/limits.lua in a real Redis.
 #[cfg(test)]
 mod plan_case_table {

@@ -311,7 +311,7 @@ fn calibration_exchange() {
 
 #[test]
 fn redis_keys_as_the_python_harness_names_them() {
-    // tests/cases/keys.json is read by tests/test_keys.py too.
+    // tests/cases/keys.json is read by tests/checks/test_keys.py too.
     let table: serde_json::Value =
         serde_json::from_str(include_str!("../../../tests/cases/keys.json")).expect("keys.json");
     let cases = table["redis"].as_array().expect("redis cases");

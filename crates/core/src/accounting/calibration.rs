@@ -187,7 +187,7 @@ mod tests {
 
     #[test]
     fn running_figures_follow_the_case_table_the_lua_script_is_tested_with() {
-        // tests/cases/calibration.json is read by tests/test_lua_calibration.py too.
+        // tests/cases/calibration.json is read by tests/lua/test_lua_calibration.py too.
         let table: serde_json::Value =
             serde_json::from_str(include_str!("../../../../tests/cases/calibration.json")).expect("calibration.json");
         let cases = table["cases"].as_array().expect("cases");

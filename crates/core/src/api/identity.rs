@@ -317,7 +317,7 @@ mod tests {
 
     #[test]
     fn tenant_ids_match_the_shared_key_table() {
-        // tests/cases/keys.json is read by tests/test_keys.py too.
+        // tests/cases/keys.json is read by tests/checks/test_keys.py too.
         let table: serde_json::Value =
             serde_json::from_str(include_str!("../../../../tests/cases/keys.json")).expect("keys.json");
         for case in table["tenants"].as_array().expect("tenants") {

@@ -698,7 +698,7 @@ mod tests {
         let reply = rejection(&reply, &config(), &[charge("rpm", 1)], Caller { dialect: Dialect::OpenAi, now_ms: 5 });
         assert_eq!(reply.status, 429);
         // As JSON: the order of its keys follows serde_json's features in the build
-        // (sorted in the filter's; tests/test_oversized.py pins those bytes end to end).
+        // (sorted in the filter's; tests/adversarial/test_oversized.py pins those bytes end to end).
         let body: serde_json::Value = serde_json::from_str(&reply.body).expect("json body");
         let message = "Rate limit reached for requests: limit \"rpm\" allows 20 per 1m0s. Please try again in 2.962s.";
         assert_eq!(

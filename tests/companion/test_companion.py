@@ -16,6 +16,7 @@ import pytest
 import redis
 
 from stack import http_get, wait_until
+from helpers import redis_now_ms
 
 TOKEN = "companion-test-token"
 
@@ -331,9 +332,6 @@ def test_a_charge_goes_before_a_backlog_of_settlements(pausable):
 YEAR_MS = 366 * 86_400_000
 
 
-def redis_now_ms(store):
-    seconds, micros = store.time()
-    return seconds * 1000 + micros / 1000
 
 
 def as_an_old_companion_charged(store, key, capacity, level):

@@ -9,14 +9,15 @@ from pathlib import Path
 
 import pytest
 import redis
-from lua_clock import clock_arg, pinned, redis_now_ms
+from helpers import redis_now_ms
+from lua_clock import clock_arg, pinned
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = (ROOT / "lua/limits.lua").read_text()
 TABLE = json.loads((ROOT / "tests/cases/fair_share.json").read_text())
 CASES = TABLE["cases"]
 
-# The script's clock is the table's (tests/lua_clock.py): every step runs at the case's
+# The script's clock is the table's (tests/lua/lua_clock.py): every step runs at the case's
 # start by Redis's clock plus the steps' advance_ms, and the stored times are those the
 # script wrote on that clock, so the time the machine takes between calls is no part of
 # any result.

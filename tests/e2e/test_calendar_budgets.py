@@ -24,6 +24,7 @@ import pytest
 import redis
 
 from stack import ROOT, COMPANION_BIN, envoy_config, filter_config, free_port, send, tenant_of, wait_until
+from helpers import redis_now_ms
 
 CLI = ROOT / "target/release/llm-ratelimit"
 TOKEN = "calendar-companion-token"
@@ -76,9 +77,6 @@ def this_month_in_amsterdam(now: datetime) -> tuple[datetime, datetime]:
     return start, following
 
 
-def redis_now_ms(client) -> float:
-    seconds, micros = client.time()
-    return seconds * 1000 + micros / 1000
 
 
 def reset_instant(header: str) -> datetime:

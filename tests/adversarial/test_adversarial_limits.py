@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import redis
 
 from stack import anthropic, chat, http_get, send, tenant_of
-from test_queue import waiters
+from helpers import queue_waiters as waiters
 
 
 def wait_until(condition, timeout=10.0, what="condition"):

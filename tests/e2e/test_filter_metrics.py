@@ -17,7 +17,7 @@ import redis
 from conftest import openai_chat_prompt_tokens
 from stack import Backend, bucket_level, chat, filter_config_of, free_port, http_get, send, wait_until
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "deploy/grafana/llm-ratelimit.json"
 ALERTS = ROOT / "deploy/prometheus/llm-ratelimit-alerts.yaml"
 TOKEN = "metrics-test-token"

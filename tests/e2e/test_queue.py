@@ -10,7 +10,7 @@ import pytest
 import redis
 
 from stack import chat, send, tenant_of, wait_until
-from test_companion_ops import metric, scrape
+from helpers import companion_metric as metric, companion_scrape as scrape, queue_waiters as waiters
 
 # The tier test pools key-less callers: the mock answers them as a provider behind a route
 # that adds the operator's key does.
@@ -30,9 +30,6 @@ def env(backend):
 QUEUE = {"max_wait": "5s", "priority_header": "x-priority", "default_priority": 5, "aging": "10s"}
 
 
-def waiters(store, tenant):
-    """How many of a tenant's requests wait in its queue in Redis now."""
-    return store.zcard(f"llmrl:{{llm:{tenant}}}:queue:waiters")
 
 
 def wait_queued(store, tenant, count):

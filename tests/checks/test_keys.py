@@ -6,7 +6,7 @@ from pathlib import Path
 
 from stack import redis_key, tenant_of
 
-TABLE = json.loads((Path(__file__).resolve().parent / "cases/keys.json").read_text())
+TABLE = json.loads((Path(__file__).resolve().parents[1] / "cases/keys.json").read_text())
 
 
 def test_tenant_ids_match_the_filter():

@@ -11,34 +11,16 @@ import urllib.request
 
 import pytest
 
+from helpers import companion_metric as metric, companion_scrape as scrape
 from stack import ROOT, Backend, free_port, http_get, send, tenant_of, wait_until
 
 TOKEN = "ops-companion-token"
 pytestmark = pytest.mark.backend(token=TOKEN)
 CLI = ROOT / "target/release/llm-ratelimit"
-PREFIX = "llm_ratelimit_companion_"
 
 
-def scrape(port: int, path: str = "/metrics") -> dict:
-    """The companion's metrics: {'name{labels}': value}, labels as written."""
-    status, body = http_get(f"http://127.0.0.1:{port}{path}")
-    assert status == 200
-    samples = {}
-    for line in body.decode().splitlines():
-        if line and not line.startswith("#"):
-            series, value = line.rsplit(" ", 1)
-            samples[series] = float(value)
-    return samples
 
 
-def metric(samples: dict, name: str, **labels) -> float:
-    """One series; labels in any order (the exposition sorts none)."""
-    wanted = {f'{k}="{v}"' for k, v in labels.items()}
-    for series, value in samples.items():
-        base, _, rest = series.partition("{")
-        if base == PREFIX + name and set(filter(None, rest.rstrip("}").split(","))) == wanted:
-            return value
-    raise AssertionError(f"no series {name} {labels} in {sorted(samples)}")
 
 
 def post(port: int, path: str, body: dict, token: str) -> int:

@@ -22,7 +22,7 @@ import pytest
 from stack import chat, send, wait_until
 from test_record import records
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CLI = Path(os.environ.get("LLMRL_CLI_BIN", ROOT / "target/release/llm-ratelimit"))
 PRICES = [{"match": "gpt-4o*", "input": 2.5, "output": 10.0},
           {"match": "o3*", "input": 1.1, "output": 4.4, "cached_input": 0.55}]

@@ -10,6 +10,7 @@ import pytest
 import redis
 
 from stack import chat, redis_key, send, tenant_of, wait_until
+from helpers import redis_now_ms
 
 
 @pytest.fixture
@@ -28,9 +29,6 @@ def held(env, key):
     return env.redis.zcard(redis_key("llmrl:", "llm", tenant_of(key), "slots", "inflight"))
 
 
-def redis_now_ms(client) -> float:
-    seconds, micros = client.time()
-    return seconds * 1000 + micros / 1000
 
 
 def wait_held(env, key, count):

@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 import redis
-from lua_clock import clock_arg, pinned, redis_now_ms
+from helpers import redis_now_ms
+from lua_clock import clock_arg, pinned
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = (ROOT / "lua/limits.lua").read_text()
 PINNED_SCRIPT = pinned(SCRIPT)
 CASES = json.loads((ROOT / "tests/cases/plans.json").read_text())["cases"]

@@ -10,12 +10,13 @@ from pathlib import Path
 import pytest
 import redis
 
-from lua_clock import clock_arg, pinned, redis_now_ms
+from helpers import redis_now_ms
+from lua_clock import clock_arg, pinned
 from stack import redis_key
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = (ROOT / "lua/provider.lua").read_text()
-# The script with its clock pinned (tests/lua_clock.py): a test that times an exchange
+# The script with its clock pinned (tests/lua/lua_clock.py): a test that times an exchange
 # against a retry time or an offer passes the script's time, so a loaded machine's pause
 # between two exchanges moves nothing. (The key's expiry, PEXPIRE ttl_ms, is relative.)
 PINNED_SCRIPT = pinned(SCRIPT)

@@ -19,12 +19,12 @@ import redis
 import yaml
 from stack import free_port, wait_until
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 CLI = Path(os.environ.get("LLMRL_CLI_BIN", ROOT / "target/release/llm-ratelimit"))
 WASM = ROOT / "target/wasm32-unknown-unknown/wasm/llm_ratelimit.wasm"
 # Kubernetes manifests; deploy/prometheus/ holds alerting rules (checked with the
-# dashboard's queries in tests/test_filter_metrics.py and crates/cli/tests/deploy_queries.rs).
+# dashboard's queries in tests/e2e/test_filter_metrics.py and crates/cli/tests/deploy_queries.rs).
 MANIFESTS = sorted(p for p in DEPLOY.rglob("*.yaml") if p.parent.name != "prometheus")
 # Kinds defined by CRDs: no schema ships with kubernetes-validate, so they are checked
 # for what they embed (the filter config) and their apiVersion only.

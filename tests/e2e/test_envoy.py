@@ -83,7 +83,7 @@ def test_streams_pass_through_untouched_with_headers(backend):
 
     status, headers, body = send(port, key=None, path="/v1/messages", body=anthropic("Hi", max_tokens=64, stream=True),
                                  headers={"x-api-key": "ak-tenant"})
-    # An Anthropic caller reads Anthropic's headers (tests/test_api_answers.py).
+    # An Anthropic caller reads Anthropic's headers (tests/e2e/test_api_answers.py).
     assert status == 200 and headers["anthropic-ratelimit-requests-remaining"] == "99"
     assert body.decode().rstrip().endswith('data: {"type":"message_stop"}')
 

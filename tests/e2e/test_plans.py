@@ -23,6 +23,7 @@ import redis
 
 from stack import chat, redis_key, send, tenant_of, wait_until
 from test_pools import pool_owner
+from helpers import redis_now_ms
 
 PREFIX = "llmrl:"  # the companion's --key-prefix default
 DOMAIN = "llm"  # the filter's `domain` default
@@ -54,9 +55,6 @@ def delete_plan(client, owner: str, domain: str = DOMAIN) -> None:
     client.delete(plan_key(owner, domain))
 
 
-def redis_now_ms(client) -> float:
-    seconds, micros = client.time()
-    return seconds * 1000 + micros / 1000
 
 
 def error_of(reply) -> dict:
@@ -345,7 +343,7 @@ def test_a_plan_changed_under_load_loses_no_charge(proxies):
 
 
 # f. The operator's workflow: the CLI, end users, usage and history ------------------------
-CLI = Path(__file__).resolve().parents[1] / "target/release/llm-ratelimit"
+CLI = Path(__file__).resolve().parents[2] / "target/release/llm-ratelimit"
 
 
 def test_an_operator_sets_end_users_plans_with_the_cli_and_both_proxies_hold_them(proxies, backend, tmp_path):

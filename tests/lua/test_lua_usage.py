@@ -13,7 +13,8 @@ import redis
 from test_lua_limits import (  # noqa: F401
     CASES, PINNED_SCRIPT, SCRIPT, age_keys, back_credits, case_keys, check_step, client, shift_window, step_args,
 )
-from lua_clock import clock_ahead, clock_arg, redis_now_ms
+from helpers import redis_now_ms
+from lua_clock import clock_ahead, clock_arg
 
 
 def peek_args(limits, op="peek"):
@@ -36,7 +37,7 @@ def test_a_peek_after_each_step_of_the_case_table_sees_what_the_charge_left(clie
     written_at, clock = {}, 0
     for i, step in enumerate(case["steps"]):
         clock += step["advance_ms"]
-        # The step and its peek at one instant (tests/lua_clock.py): a loaded machine's
+        # The step and its peek at one instant (tests/lua/lua_clock.py): a loaded machine's
         # pause between the two scripts moves neither.
         now = clock_arg(redis_now_ms(client))
         pipe = client.pipeline(transaction=True)
@@ -118,7 +119,7 @@ def test_a_sliding_window_peek_leaves_expired_entries_and_agrees_with_the_next_c
 
 
 def test_slots_peek_counts_live_slots_only_and_removes_none(client):
-    # Pinned (tests/lua_clock.py, clock_ahead): the slots live 1 s of the script's clock,
+    # Pinned (tests/lua/lua_clock.py, clock_ahead): the slots live 1 s of the script's clock,
     # whatever the machine's pauses, and Redis's own expiry of the set is an hour away, so
     # the expired slots are certainly still stored when the second peek looks.
     tag = uuid.uuid4().hex

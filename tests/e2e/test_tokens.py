@@ -12,7 +12,7 @@ import redis
 
 from conftest import openai_chat_prompt_tokens
 from stack import anthropic, bucket_key, chat, send, wait_until
-from test_companion_ops import metric, scrape
+from helpers import companion_metric as metric, companion_scrape as scrape
 
 # A budget so long-lived that refill during a test is below one token.
 BIG = 1_000_000
@@ -64,7 +64,7 @@ def test_the_reported_usage_is_charged_not_the_estimate(env, path, body, streame
     reserved = int(headers["x-llm-ratelimit-reserved-tokens"])
     cap = body.get("max_tokens")
     assert reserved > cap  # the prompt, counted in the proxy, plus the output cap
-    # Each caller reads its provider's headers (tests/test_api_answers.py).
+    # Each caller reads its provider's headers (tests/e2e/test_api_answers.py).
     convention = "anthropic-ratelimit-tokens-{}" if path == "/v1/messages" else "x-ratelimit-{}-tokens"
     assert int(headers[convention.format("remaining")]) == BIG - reserved
     assert headers[convention.format("limit")] == str(BIG)
@@ -165,7 +165,7 @@ def test_a_client_that_disconnects_mid_stream_is_charged_its_reservation(env, ti
     prompt = story_prompt(tiktoken_encodings)
     # The upstream goes on generating (and the provider bills it): the reservation (the
     # prompt and max_tokens 1,000) stands, not the dozen tokens the client saw
-    # (tests/test_adversarial_replies.py).
+    # (tests/adversarial/test_adversarial_replies.py).
     wait_level(env, "sk-leaver", BIG - (prompt + 1000))
 
 

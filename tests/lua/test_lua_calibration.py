@@ -10,7 +10,7 @@ import redis
 
 from stack import redis_key
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = (ROOT / "lua/calibration.lua").read_text()
 CASES = json.loads((ROOT / "tests/cases/calibration.json").read_text())["cases"]
 KEY = redis_key("llmrl:", "llm", "models", "cal", "rules")

@@ -1,7 +1,7 @@
 """The documentation as a reader follows it: every relative link of README.md and docs/
 reaches a file of the repository, and every `#anchor` a heading (or an `<a id>`) of the page
 it names, by GitHub's rules for heading anchors; the README stays short, and the commands
-it shows are the ones the docs pin (tests/test_quickstart.py runs those).
+it shows are the ones the docs pin (tests/e2e/test_quickstart.py runs those).
 
 No network: links to other sites are not followed."""
 
@@ -9,7 +9,7 @@ import re
 import unicodedata
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 PAGES = [README, *sorted((ROOT / "docs").rglob("*.md"))]
 
@@ -154,7 +154,7 @@ def test_the_readme_is_short():
 
 def test_the_readmes_commands_are_the_pinned_ones():
     """Every shell block of the README is word for word in a page of docs/ (where
-    tests/test_quickstart.py finds and runs the quick start's), so the two cannot drift."""
+    tests/e2e/test_quickstart.py finds and runs the quick start's), so the two cannot drift."""
     docs = "\n".join(page.read_text() for page in PAGES[1:])
     blocks = re.findall(r"^```sh\n(.*?)^```", README.read_text(), re.S | re.M)
     assert blocks, "the README shows no commands"

@@ -19,6 +19,7 @@ the real one) with locals, which the script's own code then sees.
 """
 
 import math
+from helpers import redis_now_ms
 
 PIN_TIME = """
 local pinned_us = math.floor(tonumber(ARGV[#ARGV]) * 1000 + 0.5)
@@ -45,13 +46,6 @@ def clock_arg(now_ms: float) -> str:
     return f"{now_ms:.3f}"
 
 
-def redis_now_ms(client) -> float:
-    """Redis's own clock (TIME), ms: where a case's pinned clock starts."""
-    time = client.time()
-    if isinstance(time, dict):  # a cluster client asks every node: one machine, one clock
-        time = next(iter(time.values()))
-    seconds, micros = time
-    return seconds * 1000 + micros / 1000
 
 
 # How far ahead of Redis's clock `clock_ahead` starts a pinned clock.

@@ -8,7 +8,7 @@ import pytest
 import redis
 
 from stack import after_a_tick, bucket_level, chat, filter_metric, send, tenant_of, wait_until
-from test_companion_ops import metric, scrape
+from helpers import companion_metric as metric, companion_scrape as scrape
 
 
 @pytest.fixture

@@ -5,7 +5,7 @@ crates/core/src/bucket.rs); and on a three-node Redis Cluster.
 The table's times are a virtual clock from the case's start. Each step places the period
 boundaries around Redis's own time (read just before the call, to the whole ms: what a
 proxy whose clock agrees with Redis's would send), pins the script's clock to that time
-(tests/lua_clock.py) and moves what the earlier steps stored to the virtual clock: a
+(tests/lua/lua_clock.py) and moves what the earlier steps stored to the virtual clock: a
 budget's period end (`ends`) and a reservation's charge time, in the same MULTI as the
 call. So the table's resets and retries hold to the millisecond, however long the machine
 takes between the calls. The other tests run on Redis's real clock (TOLERANCE_MS)."""
@@ -17,9 +17,10 @@ from pathlib import Path
 
 import pytest
 import redis
-from lua_clock import clock_arg, pinned, redis_now_ms
+from helpers import redis_now_ms
+from lua_clock import clock_arg, pinned
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = (ROOT / "lua/limits.lua").read_text()
 CASES = json.loads((ROOT / "tests/cases/calendar.json").read_text())["cases"]
 STATUS = {1: "allowed", 0: "limited", -1: "never"}

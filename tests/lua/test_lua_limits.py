@@ -11,11 +11,12 @@ from pathlib import Path
 
 import pytest
 import redis
-from lua_clock import clock_ahead, clock_arg, pinned, redis_now_ms
+from helpers import redis_now_ms
+from lua_clock import clock_ahead, clock_arg, pinned
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = (ROOT / "lua/limits.lua").read_text()
-# The script with its clock pinned (tests/lua_clock.py): the case tables run each step's
+# The script with its clock pinned (tests/lua/lua_clock.py): the case tables run each step's
 # MULTI at one instant, ARGV[2], so the keys' ages are exact whatever the machine's load.
 PINNED_SCRIPT = pinned(SCRIPT)
 CASES = json.loads((ROOT / "tests/cases/token_bucket.json").read_text())["cases"]
@@ -422,7 +423,7 @@ def test_slots_are_taken_released_and_renewed(client):
 
 
 def test_a_slot_expires_when_its_proxy_stops_renewing_it(client):
-    # Pinned (tests/lua_clock.py, clock_ahead): the slot lives 200 ms of the script's
+    # Pinned (tests/lua/lua_clock.py, clock_ahead): the slot lives 200 ms of the script's
     # clock, whatever the machine's pauses between the calls; Redis's real expiry of the
     # set, an hour away, cannot empty it under the test.
     tag = uuid.uuid4().hex

@@ -11,7 +11,7 @@ import redis
 
 from stack import redis_key
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = (ROOT / "lua/ledger.lua").read_text()
 OWNER = "0123456789abcdef0123456789abcdef"
 DAY, NEXT_DAY = "20261101", "20261102"
