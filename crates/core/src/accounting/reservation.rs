@@ -7,7 +7,7 @@
 //! run at once, which is why it includes the completion estimate rather than the prompt
 //! alone.
 
-use crate::readers::usage::ReportedUsage;
+use crate::api::ReportedUsage;
 
 /// Prompt and output tokens: what a request reserves (its estimate), or what it used
 /// (`actual_usage`).

@@ -21,15 +21,14 @@ mod tests;
 pub use effective::effective;
 pub use error::ConfigError;
 pub use per::{FairShare, HeaderPer, Per, PerShape};
+// The lifecycle's import, until it is split by route (issue 46).
+pub use crate::api::identity::MissingIdentity;
 pub use policy::{
     Bypass, Companion, Dimension, FailureMode, Fallback, HeaderStyle, Identity, LeaseConfig, Limit, Measure, Memory,
     Mode, ModelPolicy, Policy, Price, PriceEntry, ProviderLimits, QueueConfig, RecordMode, Secret, Slots, Store,
     TierConfig, TokenCount, TokenPolicy, UnknownPaths, UnreadableBody, REDACTED,
 };
 // Types of the policy's fields that belong to the modules that act on them.
-pub use crate::accounting::reservation::UpstreamErrorCharge;
-pub use crate::api::dialect::ErrorFormat;
-pub use crate::api::identity::{IdentitySource, MissingIdentity};
 
 impl Policy {
     /// Parses the plugin configuration and compiles it, outside a VM: a token named by

@@ -1,6 +1,9 @@
 //! The config end to end: JSON in, a policy or an error naming the field out.
 
 use super::*;
+use crate::accounting::reservation::UpstreamErrorCharge;
+use crate::api::dialect::ErrorFormat;
+use crate::api::identity::IdentitySource;
 use crate::protocol::LimitKind;
 use crate::tokens::Encoding;
 use std::time::Duration;

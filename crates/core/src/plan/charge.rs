@@ -397,7 +397,7 @@ mod tests {
     fn cold_chat_plan(config: &Policy) -> ChargePlan {
         plan(config, providers::route("/v1/chat/completions").as_ref(), "", Some(CHAT.as_bytes()), &mut Cold)
     }
-    use crate::readers::request::Api;
+    use crate::api::Api;
 
     fn config(tokens: &str) -> Policy {
         let json = format!(

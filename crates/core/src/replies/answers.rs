@@ -5,7 +5,7 @@
 //! `crate::replies::decision`'s; how it is wrapped for the caller is here.
 
 use crate::api::dialect::Dialect;
-pub use crate::api::refusal::Refusal;
+use crate::api::refusal::Refusal;
 use crate::providers::{self, bedrock};
 use crate::replies::reply::{Header, LocalReply};
 

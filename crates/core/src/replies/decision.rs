@@ -3,11 +3,12 @@
 //! (`crate::replies::answers`), so existing SDKs parse them and back off.
 
 use crate::api::dialect::Dialect;
+use crate::api::refusal::Refusal;
 use crate::config::{Dimension, HeaderStyle, Per, Policy, TokenCount};
 use crate::duration::format_reset;
 use crate::protocol::{LimitCharge, LimitOutcome, LimitStatus, LimitsReply, Suspension};
 use crate::providers::{self, HeaderQuota, RateLimitHeaders, ResetForm};
-use crate::replies::answers::{error_reply, rfc3339, Caller, Refusal};
+use crate::replies::answers::{error_reply, rfc3339, Caller};
 use crate::replies::reply::{tightest, Header, LocalReply};
 
 /// Set on responses that passed without a limiter decision (companion unavailable and
