@@ -1307,6 +1307,11 @@ impl RequestFilter {
     /// other than the filter sent it: an owner's plan.
     fn learn_plans(&self, worker: &mut Worker, reply: &LimitsReply, now: u64) {
         let Some(plan) = self.plan.as_ref() else { return };
+        // The common case, on every reply: no plan answered, none known: nothing to do.
+        let differs = plan.buckets.iter().zip(&reply.limits).any(|(sent, answered)| sent.capacity != answered.limit);
+        if !differs && worker.owner_plans.is_empty() {
+            return;
+        }
         let owners = crate::plan::pools::owners(plan);
         for (i, (sent, answered)) in plan.buckets.iter().zip(&reply.limits).enumerate() {
             if !plan.applies(i) || answered.name != sent.name {
