@@ -1,0 +1,276 @@
+//! What a request used, once its reply has said: the reply reader chosen from its headers,
+//! the credits of its settlement (what it reserved less what it used, by limit), and its
+//! record and ledger entry. Where the credits go is its admission route's. Names no route.
+
+use super::answer::count_tokens;
+use super::{record, Admission, Phase, ReplyReader, RequestFilter};
+use crate::accounting::calibration::Lesson;
+use crate::accounting::reply_floor;
+use crate::accounting::reservation::{actual_usage, credit, Ending, TokenCounts};
+use crate::config::{Measure, Policy, RecordMode};
+use crate::effects::host::{Host, Metric};
+use crate::plan::series::TokenStage;
+use crate::protocol::LimitKind;
+use crate::providers::bedrock;
+use crate::readers::request::Api;
+use crate::readers::usage::{EventStreamUsage, ReplyUsage, ReportedUsage, StreamUsage};
+use crate::worker::Worker;
+
+/// Largest SSE event (or Bedrock event-stream message) read for usage; larger SSE events
+/// are skipped, a larger event-stream message ends the reading as a bad CRC does.
+const MAX_SSE_EVENT: usize = 1 << 20;
+
+impl RequestFilter {
+    /// How the reply is to be read: its status, and for a request with tokens reserved
+    /// its encoding and framing.
+    pub(super) fn read_reply_headers(&mut self, host: &mut impl Host) {
+        // Read once: each read is a call into the host.
+        let status: u32 = host.response_header(":status").and_then(|s| s.parse().ok()).unwrap_or(0);
+        self.credential_refused = matches!(status, 401 | 403);
+        if self.plan.as_ref().is_some_and(|p| p.estimate.is_some()) {
+            self.upstream_error = status >= 400;
+            self.sight.started = true;
+            self.sight.unreadable =
+                !reply_floor::readable_encoding(host.response_header("content-encoding").as_deref());
+            let content_type = host.response_header("content-type").unwrap_or_default();
+            let encoding = self.plan.as_ref().map_or(crate::tokens::Encoding::O200kBase, |p| p.encoding);
+            // Gemini streams without `alt=sse` as one JSON array of responses.
+            let json_array =
+                self.plan.as_ref().and_then(|p| p.request.as_ref()).map(|r| r.api) == Some(Api::StreamGenerateContent);
+            self.reply = Some(if content_type.contains("text/event-stream") {
+                ReplyReader::Stream(StreamUsage::new(encoding, MAX_SSE_EVENT))
+            } else if content_type.contains(bedrock::EVENT_STREAM_CONTENT_TYPE) {
+                ReplyReader::EventStream(EventStreamUsage::new(encoding, MAX_SSE_EVENT))
+            } else if json_array {
+                self.usage_remover = None;
+                ReplyReader::Stream(StreamUsage::json_array(encoding, MAX_SSE_EVENT))
+            } else {
+                self.usage_remover = None;
+                ReplyReader::Json(ReplyUsage::new())
+            });
+        }
+    }
+
+    /// How the request was admitted, for its record (while it holds its admission).
+    pub(super) fn note_how_admitted(&mut self) {
+        if let Some(admission) = &self.admission {
+            self.recorded.how = match admission {
+                Admission::Reserved(_) | Admission::Charged => record::How::Charged,
+                Admission::Leased => record::How::Leased,
+                Admission::Local(_) => record::How::Degraded,
+                Admission::Stored { .. } => record::How::LocalStore,
+            };
+        }
+    }
+
+    /// Where the access log is written before `on_log` (`HostKind::logs_after_on_log`):
+    /// the record as the response begins, at what the request is charged if it is cut off
+    /// now (its reservation; an upstream error its prompt), published again when settled
+    /// before the log phase.
+    pub(super) fn publish_provisional_record(&mut self, host: &mut impl Host, config: &Policy) {
+        self.note_how_admitted();
+        let Some(plan) = self.plan.as_ref() else { return self.publish_record_now(host, config) };
+        if let (Some(estimate), Some(_)) = (plan.estimate, &self.admission) {
+            let used = if self.upstream_error { TokenCounts { output: 0, ..estimate } } else { estimate };
+            let price = plan.settlement_price(config, None);
+            self.recorded.used = record::Used {
+                input: used.prompt,
+                output: used.output,
+                cost_micro_usd: price.map_or(0, |price| price.micro_usd_cached(used, 0)),
+                ..record::Used::default()
+            };
+        }
+        self.publish_record_now(host, config);
+    }
+
+    /// Publishes the request's record, once (`record`).
+    pub(super) fn publish_record(&mut self, host: &mut impl Host, config: &Policy) {
+        if self.recorded.published {
+            return;
+        }
+        self.publish_record_now(host, config);
+        self.recorded.published = true;
+    }
+
+    pub(super) fn publish_record_now(&mut self, host: &mut impl Host, config: &Policy) {
+        if config.record == RecordMode::Off {
+            return;
+        }
+        let owners = self.owners();
+        let owners = config
+            .limits
+            .iter()
+            .zip(&owners)
+            .filter_map(|(limit, owner)| Some((limit.name.as_str(), owner.as_deref()?)));
+        let route = self.route.as_ref();
+        let record = record::Record {
+            tenant: &self.tenant,
+            owners: owners.collect(),
+            provider: route.map(|r| r.provider),
+            api: self
+                .plan
+                .as_ref()
+                .and_then(|p| p.request.as_ref())
+                .map(|r| r.api)
+                .or_else(|| route.and_then(|r| r.api)),
+            model: self.plan.as_ref().map_or("", |p| p.model.as_str()),
+            used: self.recorded.used,
+            how: self.recorded.how,
+            refused_by: self.recorded.refused_by.as_deref(),
+            queued_ms: self.recorded.queued_ms,
+            overflow: self.overflow.as_deref(),
+            shadow: self.recorded.shadow,
+        };
+        record::publish(host, self.host_kind, config.record, &record);
+    }
+
+    /// Adds what the request's record says it used to the worker's ledger aggregate, under
+    /// its tenant and each pool's claimant: every request with a tenant, with exactly the
+    /// record's counts, but a refused one that used nothing (a refusal is not a request
+    /// served). Only with the companion (`store: redis`): the local store keeps no ledger.
+    pub(super) fn add_to_ledger(&mut self, host: &mut impl Host, worker: &mut Worker, config: &Policy) {
+        if std::mem::replace(&mut self.recorded.in_ledger, true) {
+            return;
+        }
+        let refused = matches!(self.recorded.how, record::How::Refused | record::How::Suspended)
+            && self.recorded.used == record::Used::default();
+        // A credential the upstream refused did no work and is refunded; its row would
+        // keep an id a client may have invented in Redis for the retention.
+        let invented = self.credential_refused && self.phase == Phase::Forwarded;
+        if config.store != crate::config::Store::Redis || self.tenant.is_empty() || refused || invented {
+            return;
+        }
+        let used = self.recorded.used;
+        let mut owners = vec![(self.tenant.as_str(), crate::protocol::ledger::TENANT_LABEL)];
+        owners.extend(self.recorded.pools.iter().map(|(owner, label)| (owner.as_str(), label.as_str())));
+        let entry = crate::accounting::ledger::Entry {
+            owners,
+            model: self.plan.as_ref().map_or("", |p| p.model.as_str()),
+            day: crate::protocol::ledger::day_of_ms(host.now_ms()),
+            used: crate::protocol::ledger::Spent {
+                requests: 1,
+                input_tokens: used.input,
+                output_tokens: used.output,
+                cached_tokens: used.cached,
+                reasoning_tokens: used.reasoning,
+                cost_micro_usd: used.cost_micro_usd,
+            },
+        };
+        worker.ledger.add(&entry);
+    }
+
+    /// What gives back all this request took from each limit but slots (released on
+    /// their own): requests, tokens and dollars alike.
+    pub(super) fn refund_everything(&self, config: &Policy) -> Vec<(usize, i64)> {
+        let Some(plan) = self.plan.as_ref() else { return Vec::new() };
+        let limits = config.limits.iter().zip(&plan.buckets).enumerate().filter(|(i, _)| plan.applies(*i));
+        limits
+            .filter(|(_, (limit, _))| limit.kind != LimitKind::Slots)
+            .map(|(i, (_, bucket))| (i, i64::try_from(bucket.cost).unwrap_or(i64::MAX)))
+            .collect()
+    }
+
+    /// A release of each slot limit (credit 0) this request's charge would hold.
+    pub(super) fn slot_releases(&self, config: &Policy) -> Vec<(usize, i64)> {
+        let costs = self.costs();
+        let slots = config.limits.iter().enumerate().filter(|(_, l)| l.kind == LimitKind::Slots);
+        slots.filter(|(i, _)| costs.get(*i).is_some_and(|&c| c > 0)).map(|(i, _)| (i, 0)).collect()
+    }
+
+    /// What to give back for this request (negative: to take) to each token and cost
+    /// limit it applies to (per-model limits may not), by limit index: of the part of its
+    /// tokens the limit counts, or in micro-dollars, what it reserved less what the reply
+    /// says it used. Updates the running average of completions.
+    pub(super) fn credits(
+        &mut self,
+        host: &mut impl Host,
+        worker: &mut Worker,
+        config: &Policy,
+        ending: Ending,
+    ) -> Vec<(usize, i64)> {
+        let Some(plan) = self.plan.as_ref() else { return Vec::new() };
+        let Some(estimate) = plan.estimate else { return Vec::new() };
+        if plan.charged_most {
+            return Vec::new();
+        }
+        // Of a JSON reply, the bytes of text that passed to the client, for a cut one.
+        let mut passed_text_bytes = None;
+        let (reported, streamed_output, reply_model) = match self.reply.as_mut() {
+            Some(ReplyReader::Json(reader)) => {
+                passed_text_bytes = Some(reader.value_bytes());
+                (reader.finish(), None, reader.model())
+            }
+            Some(ReplyReader::Stream(reader)) => {
+                reader.finish();
+                (reader.reported(), Some(reader.output_tokens()), reader.model())
+            }
+            Some(ReplyReader::EventStream(reader)) => {
+                if let Some(why) = reader.broken() {
+                    host.warn_once("event-stream", &format!("llm-ratelimit: a Bedrock event stream stopped being read ({why:?}); settled on what came before"));
+                }
+                (reader.reported(), Some(reader.output_tokens()), None)
+            }
+            None => (ReportedUsage::default(), None, None),
+        };
+        let price = plan.settlement_price(config, reply_model);
+        let forwarded = self.phase == Phase::Forwarded;
+        // A request that never went upstream cost nothing.
+        self.sight.stream_without_usage = streamed_output.is_some() && reported.output.is_none();
+        // Matched only where it can matter (a stream that ended without its usage): the
+        // patterns are many (13 by default) and most replies report their usage.
+        self.sight.hidden_output_model = self.sight.stream_without_usage
+            && reply_floor::hides_output(&config.tokens.hidden_output_models, &plan.model);
+        let floor = reply_floor::floor(ending, self.sight, config.tokens.on_client_abort).filter(|_| forwarded);
+        let used = if forwarded {
+            let used = actual_usage(estimate, ending, reported, streamed_output, config.tokens.on_upstream_error);
+            match floor {
+                // Cut after its text and before its usage: a reservation set by a history
+                // the client chose may be far below what it already received.
+                Some(reply_floor::Floor::Cut) if reported.output.is_none() => {
+                    let asked =
+                        plan.request.as_ref().and_then(|r| r.max_output.map(|most| most.saturating_mul(r.choices)));
+                    let passed = reply_floor::passed_output(passed_text_bytes.unwrap_or(0), asked);
+                    let floored = reply_floor::at_least_reserved(estimate, used);
+                    TokenCounts { output: floored.output.max(passed), ..floored }
+                }
+                Some(_) => reply_floor::at_least_reserved(estimate, used),
+                None => used,
+            }
+        } else {
+            TokenCounts { prompt: 0, output: 0 }
+        };
+        host.add_metric(Metric::TokensCharged, used.total());
+        count_tokens(host, config, plan.rule, TokenStage::Charged, used);
+        // A reply the filter could not read teaches nothing: its visible part would teach
+        // the next reservations that completions are short.
+        if ending == Ending::Completed && forwarded && floor.is_none() {
+            let output = reported.output.or(streamed_output).filter(|_| plan.produces_output());
+            if let Some(output) = output {
+                worker.averages.teach(host, config, &self.tenant, &plan.model, output);
+            }
+            // What the provider counted against what the proxy did, for the next reservations.
+            let prompt = reported.input.map(|input| (plan.counted_prompt, input));
+            worker.calibrations.note(config, plan.rule, Lesson { prompt, output });
+        }
+        let cached = if forwarded { reported.cached_input.unwrap_or(0) } else { 0 };
+        self.recorded.used = record::Used {
+            input: used.prompt,
+            output: used.output,
+            cached,
+            reasoning: if forwarded { reported.reasoning.unwrap_or(0) } else { 0 },
+            cost_micro_usd: price.map_or(0, |price| price.micro_usd_cached(used, cached)),
+        };
+        let credits = config.limits.iter().zip(&plan.buckets).enumerate().filter(|(i, _)| plan.applies(*i));
+        credits
+            .filter_map(|(i, (limit, bucket))| match limit.measure {
+                Measure::Tokens { count, .. } => Some((i, credit(count.reserved(estimate), count.used(used, cached)))),
+                // Against what the budget was charged, at the price of each part used.
+                Measure::Usd { .. } => {
+                    let cost = price.map_or(0, |price| credit(bucket.cost, price.micro_usd_cached(used, cached)));
+                    Some((i, cost))
+                }
+                Measure::Requests(_) | Measure::Concurrency(_) => None,
+            })
+            .collect()
+    }
+}
