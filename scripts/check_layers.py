@@ -15,6 +15,12 @@ Only the layers listed in `HOST_LAYERS` may name the `Host` trait (the others ar
 tested without one), and the worker may never name `RequestFilter` (a request's life is
 the lifecycle's, above it).
 
+The lifecycle's admission routes (each file of `lifecycle/` but its `mod.rs`, the
+dispatcher, and the modules listed in `ROUTE_SHARED`) never call one another: a route returns
+its outcome to the dispatcher, which takes the next step. A route (or a shared module) that
+names another route's module (`super::lease::…`) or calls a function another route defines
+(`self.admit_from_lease(…)`, `take_place(…)`) fails.
+
 Cycles: strongly connected components of more than one unit in that graph, which layers
 going downward only cannot have; and within each layer folder, between its modules.
 
@@ -43,6 +49,13 @@ LAYER_LINE = re.compile(r"^//! ([a-z_]+(?:, [a-z_]+)*)(?:\s{2,}|$)")
 # The layers whose code runs over the host; every other layer is plain data and logic.
 HOST_LAYERS = {"effects", "worker", "lifecycle"}
 HOST = re.compile(r"\bHost\b")
+
+# The folder of admission routes, and its modules that are not routes: what every route
+# shares (and may call), which calls no route either. Its `mod.rs` is the dispatcher.
+ROUTE_FOLDER = "lifecycle"
+ROUTE_SHARED = {"answer", "settle", "record"}
+FREE_FN = re.compile(r"^(?:pub(?:\([a-z]+\))? )?fn ([a-z_][a-z0-9_]*)")
+METHOD = re.compile(r"^    (?:pub(?:\([a-z]+\))? )?fn ([a-z_][a-z0-9_]*)")
 REQUEST_FILTER = re.compile(r"\bRequestFilter\b")
 
 
@@ -155,6 +168,51 @@ def host_users(src: Path, order: list[list[str]] | None) -> list[str]:
     return problems
 
 
+def route_modules(src: Path) -> dict[str, tuple[Path, set[str]]]:
+    """Each module of the route folder (but its mod.rs): its file, and the functions it
+    defines (free ones, and methods of its inherent impls; a trait's methods are the
+    trait's, and are not counted)."""
+    found = {}
+    for file, module in layer_files(src):
+        if module[0] != ROUTE_FOLDER or len(module) != 2:
+            continue
+        names, inherent = set(), False
+        for line in code(file.read_text()).splitlines():
+            if line.startswith("impl"):
+                inherent = " for " not in line
+            if m := FREE_FN.match(line):
+                names.add(m.group(1))
+            elif (m := METHOD.match(line)) and inherent:
+                names.add(m.group(1))
+        found[module[1]] = (file, names)
+    return found
+
+
+def route_calls(src: Path) -> list[str]:
+    """A route, or a module every route shares, naming another route's module or calling
+    a function another route defines."""
+    modules = route_modules(src)
+    routes = {name: names for name, (_, names) in modules.items() if name not in ROUTE_SHARED}
+    problems = []
+    for name, (file, own) in sorted(modules.items()):
+        text = code(file.read_text())
+        named = {path[1] for path in paths(text, [ROUTE_FOLDER, name]) if path[0] == ROUTE_FOLDER and len(path) > 1}
+        # The body without its definitions' names: `fn send(` is not a call of `send`.
+        calls = re.sub(r"\bfn\s+\w+", "fn _", text)
+        for route, names in sorted(routes.items()):
+            if route == name:
+                continue
+            if route in named:
+                problems.append(f"{ROUTE_FOLDER}/{name}: names the {route} route's module")
+            for fn in sorted(names - own):
+                if re.search(rf"(?:(?<![\w:])|(?<=Self::)){fn}\s*(?:::<[^(]*>)?\(", calls):
+                    problems.append(
+                        f"{ROUTE_FOLDER}/{name}: calls {fn}, of the {route} route (a route returns its"
+                        f" outcome to the dispatcher in {ROUTE_FOLDER}/mod.rs, never calls another)"
+                    )
+    return problems
+
+
 def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
     """Tarjan's strongly connected components of more than one unit, each sorted."""
     index: dict[str, int] = {}
@@ -197,6 +255,7 @@ def check(src: Path, known: set[str]) -> list[str]:
     order = layers(src)
     present = {" ".join(c) for c in cycles(edges)}
     problems = upward(edges, order) + host_users(src, order) if order is not None else []
+    problems += route_calls(src)
     for unit in sorted(edges):
         problems += [f"import cycle in {unit}/: {' '.join(c)}" for c in cycles(folder_graph(src, unit))]
     problems += [f"import cycle: {c} (layers must import downward only)" for c in sorted(present - known)]

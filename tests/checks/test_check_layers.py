@@ -136,3 +136,94 @@ def test_only_the_host_layers_name_the_host_and_the_worker_no_request_filter(tmp
         "config.rs: names the Host, which only effects, lifecycle, worker take",
         "worker.rs: the worker names RequestFilter (a request's life is the lifecycle's)",
     ]
+
+
+ROUTES = {
+    "lib.rs": "pub mod lifecycle;\n",
+    # The dispatcher calls every route, and takes their outcomes.
+    "lifecycle/mod.rs": (
+        "mod answer; mod direct; mod lease;\n"
+        "use lease::FromLease;\n"
+        "pub struct RequestFilter;\n"
+        "impl RequestFilter {\n"
+        "    fn dispatch(&mut self) { match self.admit_from_lease() { FromLease::Ask => self.send_charge() } }\n"
+        "}\n"
+    ),
+    "lifecycle/lease.rs": (
+        "use super::RequestFilter;\n"
+        "pub(super) enum FromLease { Ask }\n"
+        "impl RequestFilter {\n"
+        "    pub(super) fn admit_from_lease(&mut self) -> FromLease { self.count_admission(); FromLease::Ask }\n"
+        "}\n"
+        "fn put_back(n: u32) -> u32 { n }\n"
+        "struct Knowledge;\n"
+        "impl Learned for Knowledge {\n"
+        "    fn count(&mut self) -> u64 { 0 }\n"
+        "}\n"
+    ),
+    "lifecycle/direct.rs": (
+        "use super::RequestFilter;\n"
+        "impl RequestFilter {\n"
+        "    // put_back(1) is only mentioned here\n"
+        "    pub(super) fn send_charge(&mut self) { self.count_admission(); [1].iter().count(); }\n"
+        "}\n"
+    ),
+    # Shared by every route: they may call it.
+    "lifecycle/answer.rs": (
+        "use super::RequestFilter;\n"
+        "impl RequestFilter {\n"
+        "    pub(super) fn count_admission(&self) {}\n"
+        "}\n"
+    ),
+    "lifecycle/direct_tests.rs": "fn t(f: &mut RequestFilter) { f.admit_from_lease(); }\n",
+}
+
+
+def test_an_admission_route_calling_another_fails(tmp_path):
+    """Routes return their outcome to the dispatcher in lifecycle/mod.rs: one calling a
+    method or function another route defines, or naming its module, fails; the shared
+    modules (`answer`) may be called by all and call no route. A trait's method of the same
+    name as a call (`count`), comments and test files are not calls."""
+    src = tree(tmp_path, ROUTES)
+    assert check_layers.route_calls(src) == []
+    assert check_layers.check(src, set()) == []
+    direct = src / "lifecycle/direct.rs"
+    clean = direct.read_text()
+    direct.write_text(clean.replace("self.count_admission();", "self.count_admission(); self.admit_from_lease();"))
+    route_call = (
+        "lifecycle/direct: calls admit_from_lease, of the lease route (a route returns its outcome to the"
+        " dispatcher in lifecycle/mod.rs, never calls another)"
+    )
+    assert check_layers.check(src, set()) == [route_call]
+    direct.write_text(clean.replace("[1].iter().count();", "let n = put_back(1);"))
+    assert check_layers.route_calls(src) == [route_call.replace("admit_from_lease", "put_back")]
+    direct.write_text("use super::lease::FromLease;\n" + clean)
+    assert check_layers.route_calls(src) == ["lifecycle/direct: names the lease route's module"]
+    direct.write_text(clean)
+    (src / "lifecycle/answer.rs").write_text(ROUTES["lifecycle/answer.rs"].replace("{}", "{ self.send_charge() }"))
+    assert check_layers.route_calls(src) == [
+        "lifecycle/answer: calls send_charge, of the direct route (a route returns its outcome to the"
+        " dispatcher in lifecycle/mod.rs, never calls another)"
+    ]
+
+
+def test_the_real_lifecycle_is_split_by_route_and_fails_on_a_route_calling_another(tmp_path):
+    """The rule is not vacuous over the core: it finds its routes, and a copy of the core
+    whose degraded mode puts the lease's hold back itself fails the script."""
+    import shutil
+
+    routes = check_layers.route_modules(ROOT / "crates/core/src")
+    assert {"identify", "provider", "overflow", "lease", "direct", "queue", "degraded", "store"} <= set(routes)
+    assert "put_back_hold" in routes["lease"][1]
+    src = tmp_path / "src"
+    shutil.copytree(ROOT / "crates/core/src", src)
+    degraded = src / "lifecycle/degraded.rs"
+    text = degraded.read_text()
+    anchor = "        host.add_metric(Metric::DegradedDecisions, 1);\n"
+    assert anchor in text
+    degraded.write_text(text.replace(anchor, anchor + "        self.put_back_hold(host, config);\n"))
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "scripts/check_layers.py"), "--src", str(src)], capture_output=True, text=True
+    )
+    assert run.returncode == 1
+    assert "lifecycle/degraded: calls put_back_hold, of the lease route" in run.stderr
