@@ -2,11 +2,12 @@
 //! authenticates (or the operator's own headers), the credential the upstream sees, its
 //! tier, and the plan of its charge.
 
-use super::{single_header, RequestFilter, Verdict};
+use super::{is_request_id, single_header, RequestFilter, Verdict};
 use crate::accounting::calibration::Calibration;
 use crate::accounting::reservation::OutputAverage;
+use crate::api::dialect::Dialect;
 use crate::api::identity::{read_credential, tenant_id, Credential, IdentitySource, TenantIds, ANONYMOUS_TENANT};
-use crate::config::{MissingIdentity, Policy, UnreadableBody};
+use crate::config::{MissingIdentity, Policy, UnknownPaths, UnreadableBody};
 use crate::effects::average_store::LocalAverages;
 use crate::effects::calibration_store::LocalCalibrations;
 use crate::effects::host::{Host, Metric};
@@ -17,7 +18,58 @@ use crate::tokens::prompt_cache::PromptCache;
 use crate::tokens::Encoding;
 use crate::worker::Worker;
 
+/// What a request's headers say of it, before its charge is planned.
+pub(super) enum Recognised {
+    /// Let through untouched (`bypass`).
+    Bypassed,
+    /// Refused before it is charged: a path no API is recognised in (or a batch or
+    /// realtime one), a credential missing or given twice.
+    Refused(Verdict),
+    /// Its tenant is known.
+    Identified,
+}
+
 impl RequestFilter {
+    /// Reads what the request's headers say of it before any budget is consulted: its id,
+    /// its path (the API, the shape of the filter's answers), its tenant, and the
+    /// credential its upstream sees.
+    pub(super) fn recognise(&mut self, host: &mut impl Host, worker: &mut Worker, config: &Policy) -> Recognised {
+        let raw_path = host.request_header(":path").unwrap_or_default();
+        // The one reading of the path: bypass and routing both see it.
+        let path = crate::parse::path::normalised(&raw_path);
+        self.request_id = match host.request_header("x-request-id") {
+            Some(id) if is_request_id(&id) => id,
+            _ => "llmrl-".to_string() + &worker.new_reservation_id(host),
+        };
+        if !config.bypass.paths.is_empty() && config.bypass.path(&path) {
+            host.add_metric(Metric::Bypassed, 1);
+            return Recognised::Bypassed;
+        }
+        self.route = providers::route_normalised(&path);
+        // Known before any body, so every answer, even one that never reads it, is in the
+        // caller's shape.
+        self.dialect = config.error_format.dialect(self.route.as_ref().map_or(Dialect::OpenAi, |route| route.dialect));
+        let unknown = self.route.is_none() && config.unknown_paths == UnknownPaths::Refuse;
+        if unknown || crate::parse::path::is_batch_or_realtime(&path) {
+            return Recognised::Refused(Verdict::Reply(decision::path_refused(self.dialect)));
+        }
+        match self.identify(host, config, &raw_path, &mut worker.tenant_ids) {
+            Ok(tenant) => self.tenant = tenant,
+            Err(verdict) => return Recognised::Refused(verdict),
+        }
+        if config.provider_limits.enabled {
+            self.provider.credential = match config.identity.sources {
+                None => self.tenant.clone(),
+                Some(_) => self.upstream_credential(host, &raw_path),
+            };
+        }
+        if config.bypass.tenant(&self.tenant) {
+            host.add_metric(Metric::Bypassed, 1);
+            return Recognised::Bypassed;
+        }
+        Recognised::Identified
+    }
+
     /// The tenant, from the places the request's upstream authenticates (or the
     /// operator's own headers): all of them, so that two credentials are refused rather
     /// than one chosen.

@@ -27,11 +27,11 @@ use crate::accounting::reply_floor::ReplySight;
 use crate::accounting::reservation::Ending;
 use crate::api::dialect::Dialect;
 use crate::config::Mode;
-use crate::config::{Policy, Store, UnknownPaths};
+use crate::config::{Policy, Store};
 use crate::effects::host::{Action, Host, HostKind, Metric};
 use crate::effects::lease_table::{self, Hold, Holder};
 use crate::effects::provider_state::ProviderState;
-use crate::effects::provider_word::{self, ProviderWord};
+use crate::effects::provider_word::ProviderWord;
 use crate::parse::sse::UsageChunkRemover;
 use crate::plan::charge::ChargePlan;
 use crate::protocol::{LimitKind, LimitsReply, Suspension, Wait};
@@ -41,6 +41,7 @@ use crate::replies::decision::{self, DEGRADED_HEADER, OVERFLOW_HEADER, QUEUED_HE
 use crate::replies::reply::{Header, LocalReply};
 use crate::worker::{callout_reply, Worker};
 use degraded::Degraded;
+use identify::Recognised;
 use lease::FromLease;
 use provider::ProviderSays;
 use std::rc::Rc;
@@ -289,38 +290,10 @@ impl RequestFilter {
             // send it to the fallback, bypassed or charged on the primary's limits.
             host.remove_request_header(OVERFLOW_HEADER);
         }
-        let raw_path = host.request_header(":path").unwrap_or_default();
-        // The one reading of the path: bypass and routing both see it.
-        let path = crate::parse::path::normalised(&raw_path);
-        self.request_id = match host.request_header("x-request-id") {
-            Some(id) if is_request_id(&id) => id,
-            _ => "llmrl-".to_string() + &worker.new_reservation_id(host),
-        };
-        if !config.bypass.paths.is_empty() && config.bypass.path(&path) {
-            host.add_metric(Metric::Bypassed, 1);
-            return Action::Continue;
-        }
-        self.route = providers::route_normalised(&path);
-        // Known before any body, so every answer, even one that never reads it, is in the
-        // caller's shape.
-        self.dialect = config.error_format.dialect(self.route.as_ref().map_or(Dialect::OpenAi, |route| route.dialect));
-        let unknown = self.route.is_none() && config.unknown_paths == UnknownPaths::Refuse;
-        if unknown || crate::parse::path::is_batch_or_realtime(&path) {
-            return self.apply(host, &config, Verdict::Reply(decision::path_refused(self.dialect)), false);
-        }
-        match self.identify(host, &config, &raw_path, &mut worker.tenant_ids) {
-            Ok(tenant) => self.tenant = tenant,
-            Err(verdict) => return self.apply(host, &config, verdict, false),
-        }
-        if config.provider_limits.enabled {
-            self.provider.credential = match config.identity.sources {
-                None => self.tenant.clone(),
-                Some(_) => self.upstream_credential(host, &raw_path),
-            };
-        }
-        if config.bypass.tenant(&self.tenant) {
-            host.add_metric(Metric::Bypassed, 1);
-            return Action::Continue;
+        match self.recognise(host, worker, &config) {
+            Recognised::Bypassed => return Action::Continue,
+            Recognised::Refused(verdict) => return self.apply(host, &config, verdict, false),
+            Recognised::Identified => {}
         }
         // Read before the filter writes a request header: a host reads a map whose
         // headers it changed afresh, all of it.
@@ -450,49 +423,12 @@ impl RequestFilter {
         end_of_stream: bool,
     ) -> Action {
         let Some(config) = self.config.clone() else { return Action::Continue };
-        if let Some((_, body)) = self.provider.pending.as_mut() {
-            let room = provider_word::MAX_ERROR_BODY.saturating_sub(body.len()).min(body_size);
-            body.extend_from_slice(host.response_body(body_size).get(..room).unwrap_or_default());
-            if end_of_stream {
-                self.hear_provider(host, worker, &config);
+        self.hear_throttling_body(host, worker, &config, body_size, end_of_stream);
+        if let Some(end) = self.read_reply(host, body_size, end_of_stream) {
+            if let Some(word) = &end.throttled {
+                self.hear_mid_stream(host, &config, word);
             }
-        }
-        if self.reply.is_none() || self.admission.is_none() {
-            return Action::Continue;
-        }
-        let chunk = host.response_body(body_size);
-        match self.reply.as_mut() {
-            Some(ReplyReader::Json(reader)) => reader.feed(&chunk),
-            Some(ReplyReader::Stream(reader)) => reader.feed(&chunk),
-            Some(ReplyReader::EventStream(reader)) => reader.feed(&chunk),
-            None => {}
-        }
-        if let Some(remover) = self.usage_remover.as_mut() {
-            let passed = remover.filter(&chunk, end_of_stream);
-            if passed != chunk && !host.replace_response_body(body_size, &passed) {
-                host.warn_once("response-body", "llm-ratelimit: the host refused to rewrite a response body");
-            }
-        }
-        if end_of_stream {
-            // A Bedrock stream that carried an exception ended before its reply did, and
-            // teaches nothing. Throttling is the provider's rate limit stopping the model:
-            // settled at the prompt and what was streamed (all it generated), and heard
-            // as the provider's refusal. Any other is settled as an interrupted reply.
-            let exception = match &self.reply {
-                Some(ReplyReader::EventStream(reader)) => reader.exception.clone(),
-                _ => None,
-            };
-            let throttled = exception.as_deref().and_then(provider_word::read_stream_exception);
-            let ending = match (self.upstream_error, &exception, &throttled) {
-                (true, _, _) => Ending::UpstreamError,
-                (false, _, Some(word)) => {
-                    self.hear_mid_stream(host, &config, word);
-                    Ending::Throttled
-                }
-                (false, Some(_), None) => Ending::Interrupted,
-                (false, None, None) => Ending::Completed,
-            };
-            self.settle(host, worker, &config, ending);
+            self.settle(host, worker, &config, end.ending);
         }
         Action::Continue
     }

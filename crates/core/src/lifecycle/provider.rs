@@ -118,4 +118,23 @@ impl RequestFilter {
             worker.provider_words.note(config, key, state);
         }
     }
+
+    /// Reads the body of a throttling error whose retry time may be in it (Google's),
+    /// and hears it at its end.
+    pub(super) fn hear_throttling_body(
+        &mut self,
+        host: &mut impl Host,
+        worker: &mut Worker,
+        config: &Policy,
+        body_size: usize,
+        end_of_stream: bool,
+    ) {
+        if let Some((_, body)) = self.provider.pending.as_mut() {
+            let room = provider_word::MAX_ERROR_BODY.saturating_sub(body.len()).min(body_size);
+            body.extend_from_slice(host.response_body(body_size).get(..room).unwrap_or_default());
+            if end_of_stream {
+                self.hear_provider(host, worker, config);
+            }
+        }
+    }
 }

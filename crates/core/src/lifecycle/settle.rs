@@ -9,6 +9,7 @@ use crate::accounting::reply_floor;
 use crate::accounting::reservation::{actual_usage, credit, Ending, TokenCounts};
 use crate::config::{Measure, Policy, RecordMode};
 use crate::effects::host::{Host, Metric};
+use crate::effects::provider_word::{self, ProviderWord};
 use crate::plan::series::TokenStage;
 use crate::protocol::LimitKind;
 use crate::providers::bedrock;
@@ -19,6 +20,13 @@ use crate::worker::Worker;
 /// Largest SSE event (or Bedrock event-stream message) read for usage; larger SSE events
 /// are skipped, a larger event-stream message ends the reading as a bad CRC does.
 const MAX_SSE_EVENT: usize = 1 << 20;
+
+/// How a reply ended, for its settlement.
+pub(super) struct ReplyEnd {
+    pub(super) ending: Ending,
+    /// A stream's exception said the provider throttled it mid-stream.
+    pub(super) throttled: Option<ProviderWord>,
+}
 
 impl RequestFilter {
     /// How the reply is to be read: its status, and for a request with tokens reserved
@@ -272,5 +280,52 @@ impl RequestFilter {
                 Measure::Requests(_) | Measure::Concurrency(_) => None,
             })
             .collect()
+    }
+
+    /// Reads a chunk of the reply for its usage (and takes out the usage chunks the filter
+    /// asked for and the client did not): at its end, how it ended.
+    pub(super) fn read_reply(
+        &mut self,
+        host: &mut impl Host,
+        body_size: usize,
+        end_of_stream: bool,
+    ) -> Option<ReplyEnd> {
+        if self.reply.is_none() || self.admission.is_none() {
+            return None;
+        }
+        let chunk = host.response_body(body_size);
+        match self.reply.as_mut() {
+            Some(ReplyReader::Json(reader)) => reader.feed(&chunk),
+            Some(ReplyReader::Stream(reader)) => reader.feed(&chunk),
+            Some(ReplyReader::EventStream(reader)) => reader.feed(&chunk),
+            None => {}
+        }
+        if let Some(remover) = self.usage_remover.as_mut() {
+            let passed = remover.filter(&chunk, end_of_stream);
+            if passed != chunk && !host.replace_response_body(body_size, &passed) {
+                host.warn_once("response-body", "llm-ratelimit: the host refused to rewrite a response body");
+            }
+        }
+        if !end_of_stream {
+            return None;
+        }
+        // A Bedrock stream that carried an exception ended before its reply did, and
+        // teaches nothing. Throttling is the provider's rate limit stopping the model:
+        // settled at the prompt and what was streamed (all it generated), and heard
+        // as the provider's refusal. Any other is settled as an interrupted reply.
+        let exception = match &self.reply {
+            Some(ReplyReader::EventStream(reader)) => reader.exception.clone(),
+            _ => None,
+        };
+        let throttled = exception.as_deref().and_then(provider_word::read_stream_exception);
+        let ending = match (self.upstream_error, &exception, &throttled) {
+            (true, _, _) => Ending::UpstreamError,
+            (false, _, Some(_)) => Ending::Throttled,
+            (false, Some(_), None) => Ending::Interrupted,
+            (false, None, None) => Ending::Completed,
+        };
+        // Heard as the provider's refusal only when it is what ended the reply.
+        let throttled = throttled.filter(|_| ending == Ending::Throttled);
+        Some(ReplyEnd { ending, throttled })
     }
 }
