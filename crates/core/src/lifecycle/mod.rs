@@ -36,7 +36,7 @@ use crate::parse::sse::UsageChunkRemover;
 use crate::plan::charge::ChargePlan;
 use crate::protocol::{LimitKind, LimitsReply, Suspension, Wait};
 use crate::providers;
-use crate::readers::usage::{EventStreamUsage, ReplyUsage, StreamUsage};
+use crate::readers::usage::ReplyReader;
 use crate::replies::decision::{self, DEGRADED_HEADER, OVERFLOW_HEADER, QUEUED_HEADER};
 use crate::replies::reply::{Header, LocalReply};
 use crate::worker::{callout_reply, Worker};
@@ -109,14 +109,6 @@ enum Resumed {
     /// asked for. A callout it sends there is the root's to the SDK, which hands the answer
     /// to the root: the glue passes it on to this request (see `src/lib.rs`).
     ByRoot,
-}
-
-/// Reads the reply for its usage.
-enum ReplyReader {
-    Json(ReplyUsage),
-    Stream(StreamUsage),
-    /// AWS's binary event stream (Bedrock).
-    EventStream(EventStreamUsage),
 }
 
 /// What to do with the paused request.

@@ -3,7 +3,7 @@
 //! record and ledger entry. Where the credits go is its admission route's. Names no route.
 
 use super::answer::count_tokens;
-use super::{record, Admission, Phase, ReplyReader, RequestFilter};
+use super::{record, Admission, Phase, RequestFilter};
 use crate::accounting::calibration::Lesson;
 use crate::accounting::reply_floor;
 use crate::accounting::reservation::{actual_usage, credit, Ending, TokenCounts};
@@ -12,9 +12,8 @@ use crate::effects::host::{Host, Metric};
 use crate::effects::provider_word::{self, ProviderWord};
 use crate::plan::series::TokenStage;
 use crate::protocol::LimitKind;
-use crate::providers::bedrock;
 use crate::readers::request::Api;
-use crate::readers::usage::{EventStreamUsage, ReplyUsage, ReportedUsage, StreamUsage};
+use crate::readers::usage::ReplyReader;
 use crate::worker::Worker;
 
 /// Largest SSE event (or Bedrock event-stream message) read for usage; larger SSE events
@@ -45,17 +44,11 @@ impl RequestFilter {
             // Gemini streams without `alt=sse` as one JSON array of responses.
             let json_array =
                 self.plan.as_ref().and_then(|p| p.request.as_ref()).map(|r| r.api) == Some(Api::StreamGenerateContent);
-            self.reply = Some(if content_type.contains("text/event-stream") {
-                ReplyReader::Stream(StreamUsage::new(encoding, MAX_SSE_EVENT))
-            } else if content_type.contains(bedrock::EVENT_STREAM_CONTENT_TYPE) {
-                ReplyReader::EventStream(EventStreamUsage::new(encoding, MAX_SSE_EVENT))
-            } else if json_array {
+            let reader = ReplyReader::for_reply(&content_type, json_array, encoding, MAX_SSE_EVENT);
+            if !reader.streams_events() {
                 self.usage_remover = None;
-                ReplyReader::Stream(StreamUsage::json_array(encoding, MAX_SSE_EVENT))
-            } else {
-                self.usage_remover = None;
-                ReplyReader::Json(ReplyUsage::new())
-            });
+            }
+            self.reply = Some(reader);
         }
     }
 
@@ -201,25 +194,18 @@ impl RequestFilter {
         if plan.charged_most {
             return Vec::new();
         }
+        let read = self.reply.as_mut().map(ReplyReader::finish).unwrap_or_default();
+        if let Some(why) = read.broken {
+            host.warn_once(
+                "event-stream",
+                &format!(
+                    "llm-ratelimit: a Bedrock event stream stopped being read ({why:?}); settled on what came before"
+                ),
+            );
+        }
+        let (reported, streamed_output, reply_model) = (read.reported, read.streamed_output, read.model);
         // Of a JSON reply, the bytes of text that passed to the client, for a cut one.
-        let mut passed_text_bytes = None;
-        let (reported, streamed_output, reply_model) = match self.reply.as_mut() {
-            Some(ReplyReader::Json(reader)) => {
-                passed_text_bytes = Some(reader.value_bytes());
-                (reader.finish(), None, reader.model())
-            }
-            Some(ReplyReader::Stream(reader)) => {
-                reader.finish();
-                (reader.reported(), Some(reader.output_tokens()), reader.model())
-            }
-            Some(ReplyReader::EventStream(reader)) => {
-                if let Some(why) = reader.broken() {
-                    host.warn_once("event-stream", &format!("llm-ratelimit: a Bedrock event stream stopped being read ({why:?}); settled on what came before"));
-                }
-                (reader.reported(), Some(reader.output_tokens()), None)
-            }
-            None => (ReportedUsage::default(), None, None),
-        };
+        let passed_text_bytes = read.passed_text_bytes;
         let price = plan.settlement_price(config, reply_model);
         let forwarded = self.phase == Phase::Forwarded;
         // A request that never went upstream cost nothing.
@@ -294,11 +280,8 @@ impl RequestFilter {
             return None;
         }
         let chunk = host.response_body(body_size);
-        match self.reply.as_mut() {
-            Some(ReplyReader::Json(reader)) => reader.feed(&chunk),
-            Some(ReplyReader::Stream(reader)) => reader.feed(&chunk),
-            Some(ReplyReader::EventStream(reader)) => reader.feed(&chunk),
-            None => {}
+        if let Some(reader) = self.reply.as_mut() {
+            reader.feed(&chunk);
         }
         if let Some(remover) = self.usage_remover.as_mut() {
             let passed = remover.filter(&chunk, end_of_stream);
@@ -313,10 +296,7 @@ impl RequestFilter {
         // teaches nothing. Throttling is the provider's rate limit stopping the model:
         // settled at the prompt and what was streamed (all it generated), and heard
         // as the provider's refusal. Any other is settled as an interrupted reply.
-        let exception = match &self.reply {
-            Some(ReplyReader::EventStream(reader)) => reader.exception.clone(),
-            _ => None,
-        };
+        let exception = self.reply.as_ref().and_then(ReplyReader::exception).map(str::to_string);
         let throttled = exception.as_deref().and_then(provider_word::read_stream_exception);
         let ending = match (self.upstream_error, &exception, &throttled) {
             (true, _, _) => Ending::UpstreamError,

@@ -569,6 +569,99 @@ impl EventStreamUsage {
     }
 }
 
+/// Reads a reply for its usage, in whichever framing it comes: one way to feed it, one to
+/// finish it.
+pub enum ReplyReader {
+    Json(ReplyUsage),
+    Stream(StreamUsage),
+    /// AWS's binary event stream (Bedrock).
+    EventStream(EventStreamUsage),
+}
+
+/// What a reply said of its usage, read as far as it went.
+#[derive(Debug, Default)]
+pub struct ReadUsage<'a> {
+    /// The usage the reply reported.
+    pub reported: ReportedUsage,
+    /// Of a stream, its output tokens: as reported, or else counted from its text.
+    pub streamed_output: Option<u64>,
+    /// The reply's own `model`, if it named one (an event stream names none).
+    pub model: Option<&'a str>,
+    /// Of a JSON reply, the bytes of text that passed to the client (for one cut short).
+    pub passed_text_bytes: Option<u64>,
+    /// Why an event stream stopped being read, if it did.
+    pub broken: Option<StreamError>,
+}
+
+impl ReplyReader {
+    /// The reader for a reply of `content_type`. `json_array`: a JSON reply that is a stream
+    /// of responses in one array (Gemini's `streamGenerateContent` without `alt=sse`).
+    pub fn for_reply(content_type: &str, json_array: bool, encoding: Encoding, max_event_bytes: usize) -> ReplyReader {
+        if content_type.contains("text/event-stream") {
+            ReplyReader::Stream(StreamUsage::new(encoding, max_event_bytes))
+        } else if content_type.contains(bedrock::EVENT_STREAM_CONTENT_TYPE) {
+            ReplyReader::EventStream(EventStreamUsage::new(encoding, max_event_bytes))
+        } else if json_array {
+            ReplyReader::Stream(StreamUsage::json_array(encoding, max_event_bytes))
+        } else {
+            ReplyReader::Json(ReplyUsage::new())
+        }
+    }
+
+    /// Whether the reply is a stream of events (SSE, or AWS's), whose usage chunks the
+    /// filter may take out.
+    pub fn streams_events(&self) -> bool {
+        match self {
+            ReplyReader::Json(_) => false,
+            ReplyReader::Stream(reader) => matches!(reader.parser, Framing::Sse(_)),
+            ReplyReader::EventStream(_) => true,
+        }
+    }
+
+    pub fn feed(&mut self, chunk: &[u8]) {
+        match self {
+            ReplyReader::Json(reader) => reader.feed(chunk),
+            ReplyReader::Stream(reader) => reader.feed(chunk),
+            ReplyReader::EventStream(reader) => reader.feed(chunk),
+        }
+    }
+
+    /// The exception an event stream carried, if it did.
+    pub fn exception(&self) -> Option<&str> {
+        match self {
+            ReplyReader::EventStream(reader) => reader.exception.as_deref(),
+            _ => None,
+        }
+    }
+
+    /// What the reply said of its usage, read as far as it went.
+    pub fn finish(&mut self) -> ReadUsage<'_> {
+        match self {
+            ReplyReader::Json(reader) => ReadUsage {
+                reported: reader.finish(),
+                model: reader.model(),
+                passed_text_bytes: Some(reader.value_bytes()),
+                ..ReadUsage::default()
+            },
+            ReplyReader::Stream(reader) => {
+                reader.finish();
+                ReadUsage {
+                    reported: reader.reported(),
+                    streamed_output: Some(reader.output_tokens()),
+                    model: reader.model(),
+                    ..ReadUsage::default()
+                }
+            }
+            ReplyReader::EventStream(reader) => ReadUsage {
+                reported: reader.reported(),
+                streamed_output: Some(reader.output_tokens()),
+                broken: reader.broken(),
+                ..ReadUsage::default()
+            },
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -587,6 +680,30 @@ mod tests {
     pub const AZURE_STREAM: &str = include_str!("../../../../tests/cases/streams/azure_chat_usage.sse");
     /// Every SSE transcript, for the tests that run them all (the property tests, which do
     /// not run under wasm).
+
+    #[cfg_attr(not(target_arch = "wasm32"), test)]
+    #[cfg_attr(target_arch = "wasm32", wasm_bindgen_test::wasm_bindgen_test)]
+    fn a_reply_reader_is_chosen_by_content_type_and_finishes_one_way() {
+        let read = |content_type: &str, json_array: bool| {
+            ReplyReader::for_reply(content_type, json_array, Encoding::O200kBase, 1 << 20)
+        };
+        assert!(read("text/event-stream; charset=utf-8", false).streams_events());
+        assert!(read(bedrock::EVENT_STREAM_CONTENT_TYPE, false).streams_events());
+        assert!(matches!(read("application/json", true), ReplyReader::Stream(_)));
+        assert!(!read("application/json", true).streams_events());
+        assert!(matches!(read("application/json", false), ReplyReader::Json(_)));
+        let mut sse = read("text/event-stream", false);
+        sse.feed(OPENAI_STREAM.as_bytes());
+        let usage = sse.finish();
+        assert!(usage.reported.output.is_some() && usage.streamed_output == usage.reported.output);
+        assert_eq!(usage.passed_text_bytes, None);
+        let mut json = read("application/json", false);
+        json.feed(br#"{"model":"gpt-4o","usage":{"prompt_tokens":3,"completion_tokens":5}}"#);
+        let usage = json.finish();
+        assert_eq!((usage.reported.input, usage.reported.output, usage.model), (Some(3), Some(5), Some("gpt-4o")));
+        assert_eq!(usage.streamed_output, None);
+    }
+
     #[cfg(not(target_arch = "wasm32"))]
     const SSE_STREAMS: [&str; 9] = [
         OPENAI_STREAM,
