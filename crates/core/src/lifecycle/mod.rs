@@ -17,8 +17,13 @@
 //! - `store.rs`: charged in this proxy's local store (`"store": "local"`).
 //!
 //! What every route shares, naming none: `answer.rs` (counting, the 429 and headers,
-//! carrying a verdict out) and `settle.rs` (what a reply says was used, the credits, the
-//! record). `record.rs` formats the record.
+//! carrying a verdict out) and `settle.rs` (the reply read for what it used, the credits
+//! of its settlement, its record and ledger entry). `record.rs` formats the record. Each
+//! route settles what it admitted (`settle_*`), as the dispatcher's `settle_admission`
+//! hands it the credits.
+//!
+//! A newcomer reads this file's callbacks and dispatcher first, then the route a question
+//! is about.
 //!
 //! The worker ([`Worker`]) holds what outlives a request; each callback borrows it.
 
@@ -26,8 +31,7 @@ use crate::accounting::breaker::Dispatch;
 use crate::accounting::reply_floor::ReplySight;
 use crate::accounting::reservation::Ending;
 use crate::api::dialect::Dialect;
-use crate::config::Mode;
-use crate::config::{Policy, Store};
+use crate::config::{Mode, Policy, Store};
 use crate::effects::host::{Action, Host, HostKind, Metric};
 use crate::effects::lease_table::{self, Hold, Holder};
 use crate::effects::provider_state::ProviderState;

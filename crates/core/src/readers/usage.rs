@@ -678,8 +678,6 @@ mod tests {
     pub const GROQ_STREAM: &str = include_str!("../../../../tests/cases/streams/groq_chat_x_groq.sse");
     pub const OLLAMA_STREAM: &str = include_str!("../../../../tests/cases/streams/ollama_chat_usage.sse");
     pub const AZURE_STREAM: &str = include_str!("../../../../tests/cases/streams/azure_chat_usage.sse");
-    /// Every SSE transcript, for the tests that run them all (the property tests, which do
-    /// not run under wasm).
 
     #[cfg_attr(not(target_arch = "wasm32"), test)]
     #[cfg_attr(target_arch = "wasm32", wasm_bindgen_test::wasm_bindgen_test)]
@@ -704,6 +702,8 @@ mod tests {
         assert_eq!(usage.streamed_output, None);
     }
 
+    /// Every SSE transcript, for the tests that run them all (the property tests, which do
+    /// not run under wasm).
     #[cfg(not(target_arch = "wasm32"))]
     const SSE_STREAMS: [&str; 9] = [
         OPENAI_STREAM,
