@@ -21,8 +21,6 @@ mod tests;
 pub use effective::effective;
 pub use error::ConfigError;
 pub use per::{FairShare, HeaderPer, Per, PerShape};
-// The lifecycle's import, until it is split by route (issue 46).
-pub use crate::api::identity::MissingIdentity;
 pub use policy::{
     Bypass, Companion, Dimension, FailureMode, Fallback, HeaderStyle, Identity, LeaseConfig, Limit, Measure, Memory,
     Mode, ModelPolicy, Policy, Price, PriceEntry, ProviderLimits, QueueConfig, RecordMode, Secret, Slots, Store,

@@ -3,7 +3,7 @@
 use super::*;
 use crate::accounting::reservation::UpstreamErrorCharge;
 use crate::api::dialect::ErrorFormat;
-use crate::api::identity::IdentitySource;
+use crate::api::identity::{IdentitySource, MissingIdentity};
 use crate::protocol::LimitKind;
 use crate::tokens::Encoding;
 use std::time::Duration;

@@ -7,12 +7,12 @@ use super::{record, Admission, Phase, RequestFilter};
 use crate::accounting::calibration::Lesson;
 use crate::accounting::reply_floor;
 use crate::accounting::reservation::{actual_usage, credit, Ending, TokenCounts};
+use crate::api::Api;
 use crate::config::{Measure, Policy, RecordMode};
 use crate::effects::host::{Host, Metric};
 use crate::effects::provider_word::{self, ProviderWord};
 use crate::plan::series::TokenStage;
 use crate::protocol::LimitKind;
-use crate::readers::request::Api;
 use crate::readers::usage::ReplyReader;
 use crate::worker::Worker;
 

@@ -5,7 +5,7 @@
 //! Where each API keeps these (its prompt, its output cap, how many completions it asks
 //! for) is its provider's body shape (`providers::body_shape`); this reads any of them.
 
-pub use crate::api::Api;
+use crate::api::Api;
 use crate::parse::json::Json;
 use crate::providers::{body_shape, PathModel, Route};
 use crate::tokens::Encoding;

@@ -18,7 +18,7 @@ use crate::providers::bedrock::{self, StreamPart};
 use crate::providers::{self, openai};
 use crate::tokens::Encoding;
 
-pub use crate::api::ReportedUsage;
+use crate::api::ReportedUsage;
 
 /// Usage from a usage object, or from a message holding one at `usage`, `message.usage`,
 /// `response.usage`, `usageMetadata` (Gemini) or `x_groq.usage` (Groq's streams).
