@@ -4,7 +4,8 @@
 //! below what the upstream will do; where they differ, the filter must have refused it.
 #![no_main]
 use libfuzzer_sys::fuzz_target;
-use llm_ratelimit_core::readers::request::{Api, LlmRequest};
+use llm_ratelimit_core::api::Api;
+use llm_ratelimit_core::readers::request::LlmRequest;
 use serde_json::Value;
 
 fn count(value: &Value) -> Option<u64> {

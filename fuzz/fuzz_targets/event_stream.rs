@@ -9,7 +9,7 @@ use libfuzzer_sys::fuzz_target;
 use llm_ratelimit_core::parse::eventstream::{encode, EventStreamDecoder, Message};
 use llm_ratelimit_core::readers::usage::EventStreamUsage;
 use llm_ratelimit_core::tokens::Encoding;
-use llm_ratelimit_core::readers::usage::ReportedUsage;
+use llm_ratelimit_core::api::ReportedUsage;
 
 const EVENTS: [&str; 5] = ["chunk", "contentBlockDelta", "metadata", "messageStart", "messageStop"];
 

@@ -6,7 +6,8 @@
 use libfuzzer_sys::fuzz_target;
 use llm_ratelimit_core::parse::json_array_stream::JsonArrayStream;
 use llm_ratelimit_core::tokens::Encoding;
-use llm_ratelimit_core::readers::usage::{ReportedUsage, StreamUsage};
+use llm_ratelimit_core::api::ReportedUsage;
+use llm_ratelimit_core::readers::usage::StreamUsage;
 
 const MAX_ELEMENT: usize = 1 << 12;
 

@@ -5,7 +5,8 @@
 #![no_main]
 use libfuzzer_sys::fuzz_target;
 use llm_ratelimit_core::providers;
-use llm_ratelimit_core::readers::request::{parse_on, Api};
+use llm_ratelimit_core::api::Api;
+use llm_ratelimit_core::readers::request::parse_on;
 use llm_ratelimit_core::tokens::Encoding;
 
 /// One path per API and provider, and the API its body is read as.

@@ -7,7 +7,7 @@ use llm_ratelimit_core::parse::sse::UsageChunkRemover;
 use llm_ratelimit_core::tokens::Encoding;
 use llm_ratelimit_core::readers::usage::StreamUsage;
 
-fn read(stream: &[u8], cuts: &[u8]) -> (llm_ratelimit_core::readers::usage::ReportedUsage, u64) {
+fn read(stream: &[u8], cuts: &[u8]) -> (llm_ratelimit_core::api::ReportedUsage, u64) {
     let mut usage = StreamUsage::new(Encoding::O200kBase, 1 << 16);
     let mut remover = UsageChunkRemover::default();
     let mut rest = stream;
