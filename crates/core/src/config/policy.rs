@@ -155,11 +155,12 @@ impl Policy {
     /// Whether the request body must be read before deciding: to count tokens, to learn
     /// the model a per-model limit depends on, or the end user a limit is counted per.
     pub fn reads_body(&self) -> bool {
-        self.counts_tokens()
-            || self
-                .limits
-                .iter()
-                .any(|l| !l.models.is_empty() || matches!(l.per, super::Per::EndUser { header: None, .. }))
+        self.counts_tokens() || self.reads_body_end_user() || self.limits.iter().any(|l| !l.models.is_empty())
+    }
+
+    /// Whether a limit is counted per an end user the body names.
+    pub fn reads_body_end_user(&self) -> bool {
+        self.limits.iter().any(|l| matches!(l.per, super::Per::EndUser { header: None, .. }))
     }
 
     /// Whether a refusal may send a request to another backend (a limit's `overflow`, or

@@ -346,7 +346,7 @@ pub fn plan(
         min_output,
         backend: None,
         parsed: request.is_some(),
-        end_user: request.as_ref().and_then(|r| r.end_user.clone()),
+        end_user: parsed.as_ref().filter(|_| config.reads_body_end_user()).and_then(|parsed| parsed.end_user()),
         request: None,
         rewritable_body: None,
         clamped,

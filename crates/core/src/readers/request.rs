@@ -29,8 +29,6 @@ pub struct LlmRequest {
     cap_field: &'static [&'static str],
     /// The body is covered by the client's signature (see `providers::Route`).
     pub body_is_signed: bool,
-    /// The end user the body names (`end_user`), for limits counted per end user.
-    pub end_user: Option<String>,
 }
 
 /// A request body parsed: what it asks for, and the tree its prompt is counted from.
@@ -93,28 +91,29 @@ impl LlmRequest {
             max_output,
             cap_field,
             body_is_signed: false,
-            end_user: end_user(api, &body),
         };
         Ok(ParsedBody { request, tree: body })
     }
 }
 
-/// The end user a body names, as its API has one: OpenAI's `safety_identifier` (the field
-/// that replaced `user`), else `user`; Anthropic's `metadata.user_id`. Gemini and Bedrock
-/// name none: a limit per end user reads a trusted header there. A value that is not a
-/// string is no user (the provider refuses such a body).
-fn end_user(api: Api, body: &Json) -> Option<String> {
-    let named = match api {
-        Api::ChatCompletions | Api::Completions | Api::Responses | Api::Embeddings => {
-            body.at("safety_identifier").as_str().or_else(|| body.at("user").as_str())
-        }
-        Api::Messages => body.at("metadata").at("user_id").as_str(),
-        Api::Converse | Api::GenerateContent | Api::StreamGenerateContent | Api::CountTokens => None,
-    };
-    named.map(str::to_string)
-}
-
 impl ParsedBody<'_> {
+    /// The end user the body names, as its API has one: OpenAI's `safety_identifier` (the
+    /// field that replaced `user`), else `user`; Anthropic's `metadata.user_id`. Gemini and
+    /// Bedrock name none: a limit per end user reads a trusted header there. A value that
+    /// is not a string is no user (the provider refuses such a body). Read only where a
+    /// limit is counted per end user, not on every request.
+    pub fn end_user(&self) -> Option<String> {
+        let body = &self.tree;
+        let named = match self.request.api {
+            Api::ChatCompletions | Api::Completions | Api::Responses | Api::Embeddings => {
+                body.at("safety_identifier").as_str().or_else(|| body.at("user").as_str())
+            }
+            Api::Messages => body.at("metadata").at("user_id").as_str(),
+            Api::Converse | Api::GenerateContent | Api::StreamGenerateContent | Api::CountTokens => None,
+        };
+        named.map(str::to_string)
+    }
+
     /// Prompt tokens under `encoding`, before any correction factor.
     pub fn prompt_tokens(&self, encoding: Encoding) -> u64 {
         self.prompt_tokens_with(&mut |text| encoding.count(text))
