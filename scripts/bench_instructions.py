@@ -63,7 +63,7 @@ BODIES = {
 TENANTS = 10
 
 
-# The filter's tick (`worker::TICK`): each VM's root is called this often.
+# The filter's tick (`effects::host::TICK`): each VM's root is called this often.
 TICKS_PER_SECOND = 20
 
 

@@ -3,7 +3,7 @@
 
 Reads every non-test `.rs` file under a crate's `src/`, collects the `crate::…` and
 `super::…` paths it names (in `use` lines and inline), and maps each to the top-level unit it
-lands in (a layer folder such as `providers/`, or a flat module such as `worker.rs`).
+lands in (a layer folder such as `providers/`, or a flat module such as `testing.rs`).
 
 The layer order is the drawing in the crate doc of `lib.rs` (a ```text block, top layer
 first, one layer a line: its unit's name, then two spaces and what it holds; indented lines

@@ -9,8 +9,9 @@ mod host;
 
 use host::{HostState, ProxyHost};
 use llm_ratelimit_core::effects::host::Action as CoreAction;
+use llm_ratelimit_core::effects::host::TICK;
 use llm_ratelimit_core::lifecycle::{Phase, RequestFilter};
-use llm_ratelimit_core::worker::{Worker, TICK};
+use llm_ratelimit_core::worker::Worker;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, ContextType, LogLevel};
 use std::cell::RefCell;

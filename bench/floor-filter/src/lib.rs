@@ -20,7 +20,7 @@ proxy_wasm::main! {{
     proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> { Box::new(Root) });
 }}
 
-/// The worker's tick in llm-ratelimit (`worker::TICK`): Envoy calls the root this often.
+/// The worker's tick in llm-ratelimit (`effects::host::TICK`): Envoy calls the root this often.
 const TICK: Duration = Duration::from_millis(50);
 
 /// One slot of shared data, standing for the tenant's lease entry.

@@ -13,7 +13,8 @@ use crate::plan::charge::ChargePlan;
 use crate::plan::series::Decision;
 use crate::protocol::{LimitCharge, LimitKind, LimitStatus, LimitsReply, Settlement, StandIn, Suspension};
 use crate::replies::decision::{self, DEGRADED_HEADER};
-use crate::worker::{adjustments, settlement, Worker};
+use crate::worker::settlements::{adjustments, settlement};
+use crate::worker::Worker;
 
 /// In the degraded mode a concurrency limit is a bucket that does not refill (a slot comes
 /// back when its request ends); this window makes the refill negligible.

@@ -9,7 +9,8 @@ use crate::plan::series::Decision;
 use crate::protocol::{
     ChargeRequest, LimitKind, LimitsReply, Reservation, SettlementBatch, Wait, CHARGE_PATH, RELEASE_PATH,
 };
-use crate::worker::{adjustments, settlement, Worker};
+use crate::worker::settlements::{adjustments, settlement};
+use crate::worker::Worker;
 use std::time::Duration;
 
 /// Releasing slots at once waits at least this long for the companion.

@@ -10,7 +10,8 @@ use crate::effects::local_store;
 use crate::plan::series::Decision;
 use crate::protocol::LimitKind;
 use crate::replies::decision;
-use crate::worker::{adjustments, settlement, Worker};
+use crate::worker::settlements::{adjustments, settlement};
+use crate::worker::Worker;
 
 impl RequestFilter {
     /// Charges the request's plan in the local store at `now` (ms) and says what to do.

@@ -694,7 +694,7 @@ fn the_prompt_factor_is_learned_from_settled_replies_and_shared_by_the_workers()
             Some(&2333),
             "{kind:?}: 21/9"
         );
-        advance(&world, crate::worker::TICK.as_millis() as u64);
+        advance(&world, crate::effects::host::TICK.as_millis() as u64);
         let flight = second.send(Request::chat("sk-b", CHAT), &mut companion);
         assert_eq!(charge_of(&flight).limits[1].cost, 21 + 300, "{kind:?}: the other worker reserves 21");
         // Another model's rule learned nothing: its prompt is reserved as counted.
@@ -704,7 +704,7 @@ fn the_prompt_factor_is_learned_from_settled_replies_and_shared_by_the_workers()
         assert_eq!(first.root.metric(Metric::SharedWritesRefused) + flight.host.metric(Metric::SharedWritesRefused), 0);
         // Within a tick a worker reads a rule's value once, however many requests it plans.
         let reads = || world.borrow().host_calls.get("shared_get").copied().unwrap_or(0);
-        advance(&world, crate::worker::TICK.as_millis() as u64);
+        advance(&world, crate::effects::host::TICK.as_millis() as u64);
         let before = reads();
         second.send(Request::chat("sk-b", CHAT), &mut companion);
         let after_one = reads();
@@ -747,7 +747,7 @@ fn what_one_proxy_learned_reaches_another_through_the_companion() {
             Some(&2333),
             "{kind:?}: 21/9"
         );
-        advance(&world_b, crate::worker::TICK.as_millis() as u64);
+        advance(&world_b, crate::effects::host::TICK.as_millis() as u64);
         let warm = b.send(Request::chat("sk-b", CHAT), &mut companion);
         assert_eq!(charge_of(&warm).limits[1].cost, 21 + 300, "{kind:?}");
         // Idle, it asks again only after IDLE_EXCHANGE_MS.
@@ -772,7 +772,7 @@ fn calibrations_are_exchanged_on_the_first_tick_each_second_while_learning_and_e
         let mut proxy = Proxy::new(&world, &rpm_tpm(json!({})));
         let mut companion = FakeCompanion::default();
         let exchanges = |c: &FakeCompanion| c.calls.get(CALIBRATION_PATH).copied().unwrap_or(0);
-        let tick_ms = crate::worker::TICK.as_millis() as u64;
+        let tick_ms = crate::effects::host::TICK.as_millis() as u64;
         assert_eq!(tick_ms, 50);
         // Idle for 61 s: the first tick, then 30 s and 60 s.
         let mut sent_at = Vec::new();
@@ -836,7 +836,7 @@ fn a_new_tenant_reserves_the_models_learned_completion_length() {
         proxy.reply(&mut flight, 200, "application/json", &[&usage_reply(9, 40)]);
         proxy.tick(Some(&mut companion));
         priors.push(proxy.root.gauges.get("model_rule=.=gpt-4o;.;llm_ratelimit_output_prior_tokens").copied());
-        advance(&world, crate::worker::TICK.as_millis() as u64);
+        advance(&world, crate::effects::host::TICK.as_millis() as u64);
     }
     assert_eq!(priors, [Some(0), Some(0), Some(40)], "known after three completions");
     // A tenant never seen reserves 1.5 x the model's 40, not its cap of 300.
