@@ -10,7 +10,7 @@ mod host;
 use host::{HostState, ProxyHost};
 use llm_ratelimit_core::effects::host::Action as CoreAction;
 use llm_ratelimit_core::effects::host::TICK;
-use llm_ratelimit_core::lifecycle::{Phase, RequestFilter};
+use llm_ratelimit_core::lifecycle::RequestFilter;
 use llm_ratelimit_core::worker::Worker;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, ContextType, LogLevel};
@@ -39,7 +39,8 @@ fn action(action: CoreAction) -> Action {
 /// The requests of this VM the root acts for, by context: those waiting for a lease grant
 /// another asked for (`Phase::AwaitingLease`), and those it woke that then asked a grant of
 /// their own. Each is woken, and handed the answer to its ask, from the root's callbacks.
-/// Entries leave when their request is decided or ends.
+/// Entries leave when their request is decided or ends (`RequestFilter::waits_for_grant`,
+/// `root_acts_for` say when; this keeps only the contexts, which the SDK owns).
 type ActedFor = Rc<RefCell<Vec<(u32, Weak<RefCell<RequestFilter>>)>>>;
 
 /// One per VM: holds the worker every request of this VM borrows.
@@ -54,11 +55,6 @@ impl Root {
     fn host(&self) -> ProxyHost {
         ProxyHost::new(self.context_id, self.context_id, self.state.clone())
     }
-}
-
-/// Whether a request is still the root's to act for after a callback from it.
-fn still_acted_for(filter: &RequestFilter) -> bool {
-    matches!(filter.phase(), Phase::AwaitingLease | Phase::Deciding)
 }
 
 /// Runs `f` for the request `context_id` the root acts for, with its context effective
@@ -83,7 +79,7 @@ fn act_for(
     }
     let mut host = ProxyHost::acting_for(context_id, root.root_id, root.state.clone());
     f(&mut request, &mut host);
-    if !still_acted_for(&request) {
+    if !request.root_acts_for() {
         forget(acted_for, context_id);
     }
     host::make_effective(root.context_id);
@@ -214,7 +210,7 @@ impl Http {
             return Action::Continue;
         };
         let next = f(&mut filter, &mut self.host, &mut worker);
-        if filter.phase() == Phase::AwaitingLease {
+        if filter.waits_for_grant() {
             let context_id = self.host.context_id;
             forget(&self.acted_for, context_id);
             self.acted_for.borrow_mut().push((context_id, Rc::downgrade(&self.filter)));

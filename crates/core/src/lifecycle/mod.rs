@@ -278,6 +278,20 @@ impl RequestFilter {
         self.phase
     }
 
+    /// Whether, after one of its own callbacks, the request waits for a lease grant another
+    /// asked for: its root then acts for it, and wakes it (`on_lease_news`) from a root
+    /// callback once the worker says it is due.
+    pub fn waits_for_grant(&self) -> bool {
+        self.phase == Phase::AwaitingLease
+    }
+
+    /// Whether the root still acts for the request after waking it: it waits again, or it
+    /// asked for a grant of its own from the root's callback, whose answer the SDK gives the
+    /// root to hand on (`on_callout_response`). Otherwise it is decided and its own again.
+    pub fn root_acts_for(&self) -> bool {
+        matches!(self.phase, Phase::AwaitingLease | Phase::Deciding)
+    }
+
     // ---- host callbacks ----
 
     pub fn on_request_headers(&mut self, host: &mut impl Host, worker: &mut Worker, end_of_stream: bool) -> Action {

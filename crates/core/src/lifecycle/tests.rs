@@ -454,6 +454,10 @@ fn one_renewal_of_a_lease_is_out_at_a_time_per_proxy_however_slow_the_companion(
             for i in 0..10 {
                 let flight = workers[i % 2].send(Request::get("sk-a", "/v1/models"), &mut companion);
                 assert_eq!(flight.filter.phase(), crate::lifecycle::Phase::AwaitingLease, "{kind:?}: request {i}");
+                assert!(
+                    flight.filter.waits_for_grant() && flight.filter.root_acts_for(),
+                    "{kind:?}: the root's to wake"
+                );
                 assert!(flight.host.callouts.is_empty(), "{kind:?}: a waiting request asks nothing");
                 waiting[i % 2].push(flight);
             }
@@ -479,6 +483,7 @@ fn one_renewal_of_a_lease_is_out_at_a_time_per_proxy_however_slow_the_companion(
             for flight in owners.iter().chain(others.iter()) {
                 assert!(flight.forwarded() && flight.host.resumed == 1, "{kind:?}: admitted from the renewal, resumed");
                 assert!(flight.host.callouts.is_empty(), "{kind:?}: without a grant of its own");
+                assert!(!flight.filter.root_acts_for(), "{kind:?}: decided, its own again: the glue lets it go");
             }
             assert_eq!(companion.calls.get(crate::protocol::LEASE_PATH).copied().unwrap_or(0), asked + 1, "{kind:?}");
         } else {
@@ -1704,6 +1709,7 @@ fn a_dry_lease_is_asked_for_once_and_the_other_requests_wait_for_that_grant() {
         let flights: Vec<InFlight> = (0..n).map(|_| proxy.start(Request::chat("sk-a", CHAT))).collect();
         assert_eq!(flights[0].filter.phase(), Phase::Deciding, "the first to find it dry asks");
         assert_eq!(flights[0].host.last_callout().path, LEASE_PATH);
+        assert!(!flights[0].filter.waits_for_grant(), "its own callout: the glue does not hand it to the root");
         for waiter in &flights[1..] {
             assert_eq!(waiter.filter.phase(), Phase::AwaitingLease);
             assert!(waiter.host.callouts.is_empty(), "a waiter asks nothing");
@@ -1718,6 +1724,7 @@ fn a_dry_lease_is_asked_for_once_and_the_other_requests_wait_for_that_grant() {
     let answer_the_rest = |proxy: &mut Proxy, companion: &mut FakeCompanion, flights: &mut [InFlight]| {
         for flight in flights.iter_mut().filter(|f| f.filter.phase() == Phase::Deciding) {
             assert_eq!(flight.host.callouts.len(), 1, "a woken request asks once, for itself");
+            assert!(flight.filter.root_acts_for(), "its ask went out from the root's callback: the root hands it on");
             proxy.answer(flight, companion);
         }
         for flight in flights.iter() {
