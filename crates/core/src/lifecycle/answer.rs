@@ -83,15 +83,10 @@ impl RequestFilter {
         let reply = self.keep_relevant(reply);
         let mut headers = decision::rate_limit_headers(&reply, config, self.caller(now));
         headers.extend(decision::budget_low(&reply, config, now));
-        if let Some(plan) = self.plan.as_ref() {
-            if let Some(estimate) = plan.estimate {
-                count_tokens(host, config, plan.rule, TokenStage::Reserved, estimate);
-            }
-        }
-        if self.plan.as_ref().is_some_and(|p| p.estimate.is_some()) {
-            let reserved = self.reserved_tokens();
-            host.add_metric(Metric::TokensReserved, reserved);
-            headers.push((RESERVED_TOKENS_HEADER, decision::decimal(reserved)));
+        if let (Some(plan), Some(reserved)) = (self.plan.as_ref(), self.reserved()) {
+            count_tokens(host, config, plan.rule, TokenStage::Reserved, reserved);
+            host.add_metric(Metric::TokensReserved, reserved.total());
+            headers.push((RESERVED_TOKENS_HEADER, decision::decimal(reserved.total())));
         }
         headers
     }
@@ -111,9 +106,10 @@ impl RequestFilter {
         if !self.holding_headers {
             return;
         }
-        let Some(plan) = self.plan.as_mut() else { return };
+        let Some(plan) = self.plan.as_ref() else { return };
         let charged: Vec<u64> = reply.limits.iter().map(|o| o.charged).collect();
-        let Some(body) = plan.apply_grant(config, &charged) else { return };
+        self.grant = plan.grant(&charged);
+        let Some(body) = plan.body_for(config, self.grant) else { return };
         if host.replace_request_body(self.body_len, &body)
             && host.set_request_header("content-length", &body.len().to_string())
             && config.tokens.request_stream_usage

@@ -29,7 +29,7 @@
 
 use crate::accounting::breaker::Dispatch;
 use crate::accounting::reply_floor::ReplySight;
-use crate::accounting::reservation::Ending;
+use crate::accounting::reservation::{Ending, TokenCounts};
 use crate::api::dialect::Dialect;
 use crate::config::{Mode, Policy, Store};
 use crate::effects::host::{Action, Host, HostKind, Metric};
@@ -37,7 +37,7 @@ use crate::effects::lease_table::{self, Hold, Holder};
 use crate::effects::provider_state::ProviderState;
 use crate::effects::provider_word::ProviderWord;
 use crate::parse::sse::UsageChunkRemover;
-use crate::plan::charge::ChargePlan;
+use crate::plan::charge::{ChargePlan, Grant};
 use crate::protocol::{LimitKind, LimitsReply, Suspension, Wait};
 use crate::providers;
 use crate::readers::usage::ReplyReader;
@@ -145,6 +145,9 @@ pub struct RequestFilter {
     /// The tenant's tier, when tiers are configured.
     tier: String,
     plan: Option<ChargePlan>,
+    /// What the decision granted beyond the plan: a clamped output allowance (the plan
+    /// itself is never changed by a decision; see `reserved`).
+    grant: Option<Grant>,
     ask: Ask,
     /// Set once admitted, until settled.
     admission: Option<Admission>,
@@ -240,6 +243,7 @@ impl RequestFilter {
             tier: String::new(),
             plan: None,
             ask: Ask::Charge,
+            grant: None,
             admission: None,
             response_headers: Vec::new(),
             reply: None,
@@ -742,8 +746,10 @@ impl RequestFilter {
         self.plan.as_ref().map(|p| p.buckets.iter().map(|b| b.cost).collect()).unwrap_or_default()
     }
 
-    fn reserved_tokens(&self) -> u64 {
-        self.plan.as_ref().map_or(0, ChargePlan::reserved_tokens)
+    /// What the request holds reserved: its plan's estimate, as the decision granted it;
+    /// `None` when no limit counts tokens.
+    fn reserved(&self) -> Option<TokenCounts> {
+        self.plan.as_ref()?.reserved(self.grant)
     }
 
     /// The reply as it concerns this request: the limits that apply to it.
@@ -782,7 +788,7 @@ impl RequestFilter {
     /// within its wait; anything else only ever settles a refund, decided by the reply's
     /// status.
     fn record_ttl_ms(&self, config: &Policy, wait: Option<&Wait>) -> u64 {
-        match (self.plan.as_ref().and_then(|p| p.estimate), wait) {
+        match (self.reserved(), wait) {
             (Some(_), _) => config.tokens.reservation_ttl.as_millis() as u64,
             (None, Some(wait)) => wait.max_ms + CANCEL_WINDOW_MS,
             (None, None) => REFUND_WINDOW_MS,

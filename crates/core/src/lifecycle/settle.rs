@@ -71,7 +71,7 @@ impl RequestFilter {
     pub(super) fn publish_provisional_record(&mut self, host: &mut impl Host, config: &Policy) {
         self.note_how_admitted();
         let Some(plan) = self.plan.as_ref() else { return self.publish_record_now(host, config) };
-        if let (Some(estimate), Some(_)) = (plan.estimate, &self.admission) {
+        if let (Some(estimate), Some(_)) = (self.reserved(), &self.admission) {
             let used = if self.upstream_error { TokenCounts { output: 0, ..estimate } } else { estimate };
             let price = plan.settlement_price(config, None);
             self.recorded.used = record::Used {
@@ -189,8 +189,8 @@ impl RequestFilter {
         config: &Policy,
         ending: Ending,
     ) -> Vec<(usize, i64)> {
+        let Some(estimate) = self.reserved() else { return Vec::new() };
         let Some(plan) = self.plan.as_ref() else { return Vec::new() };
-        let Some(estimate) = plan.estimate else { return Vec::new() };
         if plan.charged_most {
             return Vec::new();
         }

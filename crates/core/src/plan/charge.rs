@@ -10,6 +10,10 @@ use crate::providers::Route;
 use crate::readers::request::{parse_on, LlmRequest, ParsedBody};
 use crate::tokens::Encoding;
 
+/// What a request is charged, planned before its decision. Changed only before a decision
+/// is made on it (dated at the decision's clock, lowered by the provider's word, re-routed
+/// by an overflow before its second charge); what a decision adds (a clamped output,
+/// [`Grant`]) is kept apart by the lifecycle.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ChargePlan {
     /// One per configured limit, in config order, with this request's cost.
@@ -60,6 +64,16 @@ pub struct ChargePlan {
     /// reply says about a request the filter could not read lowers it).
     pub charged_most: bool,
     pub unreadable: Option<String>,
+}
+
+/// The output a charge granted a clamped request: what the decision adds to its plan,
+/// kept apart from it (see `ChargePlan::grant`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Grant {
+    /// Each choice's output cap.
+    pub per_choice: u64,
+    /// All choices' together: what the reservation holds of output.
+    pub output: u64,
 }
 
 /// A limit as charged, with this `cost` and nothing else of a request's: no owner, not
@@ -169,34 +183,35 @@ impl ChargePlan {
         }
     }
 
-    /// The tokens this request reserved (0 when no limit counts tokens).
-    pub fn reserved_tokens(&self) -> u64 {
-        self.estimate.map_or(0, TokenCounts::total)
-    }
-
-    /// After the charge: the output allowance granted (`charged` is what each bucket was
-    /// charged, in plan order) and the body to send upstream instead of the client's, if
-    /// it changes. Shrinks the estimate to the grant, so the settlement is against it.
-    /// Every elastic bucket (a `total` or `output` token limit, when clamping) gave up the
-    /// same reduction of the output allowance, so any one of them tells the grant.
-    pub fn apply_grant(&mut self, config: &Policy, charged: &[u64]) -> Option<Vec<u8>> {
+    /// What the charge granted (`charged`: what each bucket was charged, in plan order):
+    /// the output allowance, all choices together, when clamping shrank it; `None` when the
+    /// whole estimate stands. Every elastic bucket (a `total` or `output` token limit, when
+    /// clamping) gave up the same reduction of the output allowance, so any one of them
+    /// tells the grant. Several choices share it, each an equal part.
+    pub fn grant(&self, charged: &[u64]) -> Option<Grant> {
+        let estimate = self.estimate.filter(|_| self.clamped)?;
         let reduction = self
             .buckets
             .iter()
             .zip(charged)
             .find(|(bucket, _)| bucket.min_cost.is_some())
             .map_or(0, |(bucket, &charged)| bucket.cost.saturating_sub(charged));
-        // Several choices share the grant: each gets an equal part, and the settlement is
-        // against what they may spend together.
         let choices = self.request.as_ref().map_or(1, |r| r.choices);
-        let granted = match (self.clamped, &mut self.estimate) {
-            (true, Some(estimate)) => {
-                let per_choice = estimate.output.saturating_sub(reduction) / choices;
-                estimate.output = per_choice.saturating_mul(choices);
-                Some(per_choice)
-            }
-            _ => None,
-        };
+        let per_choice = estimate.output.saturating_sub(reduction) / choices;
+        Some(Grant { per_choice, output: per_choice.saturating_mul(choices) })
+    }
+
+    /// What the request holds reserved once `grant` is known: the estimate, its output cut
+    /// to the grant; what it is settled against.
+    pub fn reserved(&self, grant: Option<Grant>) -> Option<TokenCounts> {
+        let estimate = self.estimate?;
+        Some(grant.map_or(estimate, |grant| TokenCounts { output: grant.output, ..estimate }))
+    }
+
+    /// The body to send upstream instead of the client's, if it changes: the output cap
+    /// at what `grant` allows each choice, stream usage requested (as configured).
+    pub fn body_for(&self, config: &Policy, grant: Option<Grant>) -> Option<Vec<u8>> {
+        let granted = grant.map(|grant| grant.per_choice);
         self.request.as_ref()?.rewritten(self.rewritable_body.as_deref()?, config.tokens.request_stream_usage, granted)
     }
 
@@ -359,7 +374,7 @@ pub fn plan(
     plan.route_to(config, None);
     plan.unpriced = price.is_none()
         && config.limits.iter().any(|l| l.dimension() == Dimension::Cost && applies(l) && l.counts_on(None));
-    // Only a body that may change is kept past the decision (see `apply_grant`).
+    // Only a body that may change is kept past the decision (see `body_for`).
     let rewritable =
         request.as_ref().is_some_and(|r| clamped || (policy.request_stream_usage && r.wants_usage_added()));
     plan.rewritable_body = body.filter(|_| rewritable).map(<[u8]>::to_vec);
@@ -552,9 +567,10 @@ mod tests {
     fn asks_for_stream_usage_when_configured() {
         let config = config(r#"{"request_stream_usage": true}"#);
         let body = r#"{"model":"gpt-4o","stream":true,"messages":[]}"#;
-        let mut plan =
+        let plan =
             plan(&config, providers::route("/v1/chat/completions").as_ref(), "", Some(body.as_bytes()), &mut Cold);
-        let rewritten = json(plan.apply_grant(&config, &[1, 999]));
+        assert_eq!(plan.grant(&[1, 999]), None, "not clamping");
+        let rewritten = json(plan.body_for(&config, plan.grant(&[1, 999])));
         assert_eq!(rewritten["stream_options"]["include_usage"], true);
         assert!(rewritten.get("max_completion_tokens").is_none(), "not clamping: {rewritten}");
     }
@@ -563,7 +579,7 @@ mod tests {
     #[cfg_attr(target_arch = "wasm32", wasm_bindgen_test::wasm_bindgen_test)]
     fn clamping_reserves_the_upper_bound_elastically_and_caps_the_grant() {
         let config = config(r#"{"clamp_max_tokens": true, "min_output_tokens": 50}"#);
-        let mut plan = plan(
+        let plan = plan(
             &config,
             providers::route("/v1/chat/completions").as_ref(),
             "",
@@ -578,11 +594,15 @@ mod tests {
         assert_eq!((tpm.cost, tpm.min_cost), (bound + 300, Some(bound + 50)));
         assert_eq!(plan.buckets[0].min_cost, None);
         // Charged the bound and 120: the request may generate 120 tokens, and is told so.
-        assert_eq!(json(plan.apply_grant(&config, &[1, bound + 120]))["max_tokens"], 120);
-        assert_eq!(plan.estimate, Some(TokenCounts { prompt: bound, output: 120 }));
+        let grant = plan.grant(&[1, bound + 120]);
+        assert_eq!(json(plan.body_for(&config, grant))["max_tokens"], 120);
+        assert_eq!(plan.reserved(grant), Some(TokenCounts { prompt: bound, output: 120 }));
+        assert_eq!(plan.estimate, Some(TokenCounts { prompt: bound, output: 300 }), "the plan stays as planned");
         // Granted in full: the body stays as it was.
-        let mut plan = cold_chat_plan(&config);
-        assert_eq!(plan.apply_grant(&config, &[1, bound + 300]), None);
+        let plan = cold_chat_plan(&config);
+        let grant = plan.grant(&[1, bound + 300]);
+        assert_eq!(plan.body_for(&config, grant), None);
+        assert_eq!(plan.reserved(grant), plan.estimate);
     }
 
     #[test]
@@ -691,13 +711,13 @@ mod tests {
         let clamped = written
             .replace(r#""factor": 2.0}]"#, r#""factor": 2.0}], "clamp_max_tokens": true, "min_output_tokens": 50"#);
         let config = Policy::from_json(clamped.as_bytes()).expect("config");
-        let mut plan = cold_chat_plan(&config);
+        let plan = cold_chat_plan(&config);
         let least: Vec<Option<u64>> = plan.buckets.iter().map(|b| b.min_cost).collect();
         assert_eq!(least, [Some(21 + 50), None, Some(50), None, None]);
         // The output limit had 120 left: every elastic limit gave up 180.
-        let rewritten = json(plan.apply_grant(&config, &[21 + 120, 21, 120, 0, 1]));
-        assert_eq!(rewritten["max_tokens"], 120);
-        assert_eq!(plan.estimate, Some(TokenCounts { prompt: 21, output: 120 }));
+        let grant = plan.grant(&[21 + 120, 21, 120, 0, 1]);
+        assert_eq!(json(plan.body_for(&config, grant))["max_tokens"], 120);
+        assert_eq!(plan.reserved(grant), Some(TokenCounts { prompt: 21, output: 120 }));
     }
 
     #[test]
