@@ -19,7 +19,7 @@
 //!                 companion (exchange)
 //! replies       what the client is told, in its API's shape: reply, answers, decision
 //! plan          what the policy makes of a request: the charge plan (charge), the
-//!                 metric series (series)
+//!                 metric series (series), its settlement (settlement)
 //! config        the config, checked and compiled to policy
 //! accounting    pure limiter math: bucket, calendar, counters (the script's limit kinds),
 //!                 lease, breaker, reservation, reply_floor, calibration (the figures)

@@ -11,9 +11,9 @@ use crate::effects::lease_table::Holder;
 use crate::effects::tables::{update_own, update_own_or_oldest, TenantTable};
 use crate::plan::charge::ChargePlan;
 use crate::plan::series::Decision;
+use crate::plan::settlement::{adjustments, settlement};
 use crate::protocol::{LimitCharge, LimitKind, LimitStatus, LimitsReply, Settlement, StandIn, Suspension};
 use crate::replies::decision::{self, DEGRADED_HEADER};
-use crate::worker::settlements::{adjustments, settlement};
 use crate::worker::Worker;
 
 /// In the degraded mode a concurrency limit is a bucket that does not refill (a slot comes

@@ -6,10 +6,10 @@ use super::{Admission, RequestFilter, Verdict};
 use crate::config::Policy;
 use crate::effects::host::{Host, LogLevel, Metric, Owner};
 use crate::plan::series::Decision;
+use crate::plan::settlement::{adjustments, settlement};
 use crate::protocol::{
     ChargeRequest, LimitKind, LimitsReply, Reservation, SettlementBatch, Wait, CHARGE_PATH, RELEASE_PATH,
 };
-use crate::worker::settlements::{adjustments, settlement};
 use crate::worker::Worker;
 use std::time::Duration;
 

@@ -1,18 +1,19 @@
 //! What a request used, once its reply has said: the reply reader chosen from its headers,
-//! the credits of its settlement (what it reserved less what it used, by limit), and its
-//! record and ledger entry. Where the credits go is its admission route's. Names no route.
+//! what it is charged as having used (the figures of its settlement are
+//! `plan::settlement`'s), its lessons for the next reservations, and its record and ledger
+//! entry. Where the credits go is its admission route's. Names no route.
 
 use super::answer::count_tokens;
 use super::{record, Admission, Phase, RequestFilter};
 use crate::accounting::calibration::Lesson;
 use crate::accounting::reply_floor;
-use crate::accounting::reservation::{actual_usage, credit, Ending, TokenCounts};
+use crate::accounting::reservation::{actual_usage, Ending, TokenCounts};
 use crate::api::Api;
-use crate::config::{Measure, Policy, RecordMode};
+use crate::config::{Policy, RecordMode};
 use crate::effects::host::{Host, Metric};
 use crate::effects::provider_word::{self, ProviderWord};
 use crate::plan::series::TokenStage;
-use crate::protocol::LimitKind;
+use crate::plan::settlement::{self, Settled};
 use crate::readers::usage::ReplyReader;
 use crate::worker::Worker;
 
@@ -163,19 +164,12 @@ impl RequestFilter {
     /// What gives back all this request took from each limit but slots (released on
     /// their own): requests, tokens and dollars alike.
     pub(super) fn refund_everything(&self, config: &Policy) -> Vec<(usize, i64)> {
-        let Some(plan) = self.plan.as_ref() else { return Vec::new() };
-        let limits = config.limits.iter().zip(&plan.buckets).enumerate().filter(|(i, _)| plan.applies(*i));
-        limits
-            .filter(|(_, (limit, _))| limit.kind != LimitKind::Slots)
-            .map(|(i, (_, bucket))| (i, i64::try_from(bucket.cost).unwrap_or(i64::MAX)))
-            .collect()
+        self.plan.as_ref().map(|plan| settlement::refund_everything(config, plan)).unwrap_or_default()
     }
 
     /// A release of each slot limit (credit 0) this request's charge would hold.
     pub(super) fn slot_releases(&self, config: &Policy) -> Vec<(usize, i64)> {
-        let costs = self.costs();
-        let slots = config.limits.iter().enumerate().filter(|(_, l)| l.kind == LimitKind::Slots);
-        slots.filter(|(i, _)| costs.get(*i).is_some_and(|&c| c > 0)).map(|(i, _)| (i, 0)).collect()
+        self.plan.as_ref().map(|plan| settlement::slot_releases(config, plan)).unwrap_or_default()
     }
 
     /// What to give back for this request (negative: to take) to each token and cost
@@ -217,19 +211,7 @@ impl RequestFilter {
         let floor = reply_floor::floor(ending, self.sight, config.tokens.on_client_abort).filter(|_| forwarded);
         let used = if forwarded {
             let used = actual_usage(estimate, ending, reported, streamed_output, config.tokens.on_upstream_error);
-            match floor {
-                // Cut after its text and before its usage: a reservation set by a history
-                // the client chose may be far below what it already received.
-                Some(reply_floor::Floor::Cut) if reported.output.is_none() => {
-                    let asked =
-                        plan.request.as_ref().and_then(|r| r.max_output.map(|most| most.saturating_mul(r.choices)));
-                    let passed = reply_floor::passed_output(passed_text_bytes.unwrap_or(0), asked);
-                    let floored = reply_floor::at_least_reserved(estimate, used);
-                    TokenCounts { output: floored.output.max(passed), ..floored }
-                }
-                Some(_) => reply_floor::at_least_reserved(estimate, used),
-                None => used,
-            }
+            settlement::floored(plan, estimate, used, floor, reported.output.is_some(), passed_text_bytes)
         } else {
             TokenCounts { prompt: 0, output: 0 }
         };
@@ -254,18 +236,7 @@ impl RequestFilter {
             reasoning: if forwarded { reported.reasoning.unwrap_or(0) } else { 0 },
             cost_micro_usd: price.map_or(0, |price| price.micro_usd_cached(used, cached)),
         };
-        let credits = config.limits.iter().zip(&plan.buckets).enumerate().filter(|(i, _)| plan.applies(*i));
-        credits
-            .filter_map(|(i, (limit, bucket))| match limit.measure {
-                Measure::Tokens { count, .. } => Some((i, credit(count.reserved(estimate), count.used(used, cached)))),
-                // Against what the budget was charged, at the price of each part used.
-                Measure::Usd { .. } => {
-                    let cost = price.map_or(0, |price| credit(bucket.cost, price.micro_usd_cached(used, cached)));
-                    Some((i, cost))
-                }
-                Measure::Requests(_) | Measure::Concurrency(_) => None,
-            })
-            .collect()
+        settlement::credits(config, plan, Settled { reserved: estimate, used, cached, price })
     }
 
     /// Reads a chunk of the reply for its usage (and takes out the usage chunks the filter

@@ -8,9 +8,9 @@ use crate::config::Policy;
 use crate::effects::host::{Host, Metric};
 use crate::effects::local_store;
 use crate::plan::series::Decision;
+use crate::plan::settlement::{adjustments, settlement};
 use crate::protocol::LimitKind;
 use crate::replies::decision;
-use crate::worker::settlements::{adjustments, settlement};
 use crate::worker::Worker;
 
 impl RequestFilter {

@@ -1,7 +1,7 @@
 //! What the worker sends the companion for its requests: settlements, queued and sent in
 //! batches (again when an answer is lost), the spend ledger's aggregate, and the
-//! heartbeats that keep held concurrency slots alive. The one way a settlement and its
-//! adjustments are made is here.
+//! heartbeats that keep held concurrency slots alive. What a settlement says is made in
+//! `plan::settlement`.
 
 use super::companion::{callout_reply, BACKGROUND_TIMEOUT};
 use super::{RootAnswer, Worker};
@@ -10,11 +10,9 @@ use crate::config::{Policy, Store};
 use crate::effects::host::{Host, LogLevel, Metric, Owner};
 use crate::effects::settle_queue::Queued;
 use crate::plan::charge::limit_charge;
+use crate::plan::settlement::{adjustments, settlement};
 use crate::protocol::ledger::{LedgerReply, LEDGER_PATH};
-use crate::protocol::{
-    Adjustment, LimitCharge, LimitKind, SettleOutcome, SettleReply, Settlement, SettlementBatch, SETTLE_PATH,
-    TOUCH_PATH,
-};
+use crate::protocol::{LimitCharge, SettleOutcome, SettleReply, Settlement, SettlementBatch, SETTLE_PATH, TOUCH_PATH};
 
 /// Most settlements in one callout: all a call may carry. The companion applies them in
 /// script calls of a hundred, so a large batch costs few round trips; with one batch out
@@ -179,50 +177,4 @@ impl Worker {
             }
         }
     }
-}
-
-/// The one way a settlement is made.
-pub(crate) fn settlement(
-    config: &Policy,
-    tenant: &str,
-    reservation: Option<String>,
-    cancel: bool,
-    limits: Vec<Adjustment>,
-) -> Settlement {
-    Settlement {
-        domain: config.domain.clone(),
-        tenant: tenant.to_string(),
-        reservation,
-        once: None,
-        cancel,
-        stand_in: None,
-        limits,
-    }
-}
-
-/// Adjustments of configured limits (by index): buckets and windows with a non-zero
-/// credit, and slot limits (released or renewed, whatever the credit), each on the
-/// counter of its owner in `owners` (by index; missing: the tenant's); calendar budgets
-/// dated at `now_ms`.
-pub(crate) fn adjustments(
-    config: &Policy,
-    owners: &[Option<String>],
-    credits: impl Iterator<Item = (usize, i64)>,
-    now_ms: u64,
-) -> Vec<Adjustment> {
-    credits
-        .filter_map(|(i, credit)| {
-            let limit = config.limits.get(i)?;
-            let kind = limit.kind;
-            (credit != 0 || kind == LimitKind::Slots).then(|| Adjustment {
-                name: limit.name.clone(),
-                capacity: limit.capacity(),
-                window_ms: limit.window_ms(),
-                credit,
-                kind,
-                period_bounds_ms: limit.period_bounds_ms(now_ms),
-                owner: owners.get(i).cloned().flatten(),
-            })
-        })
-        .collect()
 }
