@@ -14,12 +14,11 @@ close`, as soon as the limit is passed. A client that reads the response while i
 """
 
 import json
-import socket
-import threading
 
 import pytest
 import requests
 
+from helpers import chat_of_size as body_of, post_reading_early, too_large_message as too_large
 from stack import chat, envoy_config, free_port, send
 
 LIMITS = [{"name": "rpm", "requests": 1_000_000, "window": "1m"},
@@ -31,59 +30,6 @@ def policy(backend, limits=LIMITS, **options) -> dict:
     """A filter config; the companion timeout is generous because the first requests after
     Envoy starts wait for the vocabularies to be built (longer on a busy machine)."""
     return backend.filter_config(limits, companion_timeout="10s", **options)
-
-
-def too_large(limit: int) -> str:
-    return f"The request body is larger than the {limit} bytes this gateway reads to count tokens."
-WORDS = "the quick brown fox jumps over the lazy dog while counting tokens for a rate limit ".split()
-
-
-def body_of(size: int) -> bytes:
-    """A chat request of about `size` bytes of ordinary text (long runs of one character
-    are the tokenizer's worst case: not what this is about)."""
-    text = " ".join(WORDS[i % len(WORDS)] for i in range(size // 5 + 16))
-    shell = len(json.dumps(chat("")))
-    return json.dumps(chat(text[: size - shell])).encode()
-
-
-def post_reading_early(port: int, body: bytes, key: str = "sk-oversized", timeout: float = 30.0,
-                       path: str = "/v1/chat/completions"):
-    """POSTs `body` from a thread while reading the response, the way a client must to see
-    an answer that comes before its upload ends. Returns (status, headers, body, upload
-    error or None)."""
-    sock = socket.create_connection(("127.0.0.1", port), timeout=timeout)
-    head = (f"POST {path} HTTP/1.1\r\nhost: 127.0.0.1:{port}\r\ncontent-type: application/json\r\n"
-            f"authorization: Bearer {key}\r\ncontent-length: {len(body)}\r\n\r\n").encode()
-    upload_error = []
-
-    def upload():
-        try:
-            sock.sendall(head + body)
-        except OSError as err:  # the server answered and closed before the body ended
-            upload_error.append(err)
-
-    sender = threading.Thread(target=upload, daemon=True)
-    sender.start()
-    data = b""
-    try:
-        while True:
-            chunk = sock.recv(65536)
-            if not chunk:
-                break
-            data += chunk
-            head_part, sep, rest = data.partition(b"\r\n\r\n")
-            if sep:
-                lines = head_part.decode("latin-1").split("\r\n")
-                headers = {k.strip().lower(): v.strip() for k, v in (line.split(":", 1) for line in lines[1:])}
-                if len(rest) >= int(headers.get("content-length", "-1")) >= 0:
-                    break
-    finally:
-        sender.join(timeout)
-        sock.close()
-    head_part, _, rest = data.partition(b"\r\n\r\n")
-    lines = head_part.decode("latin-1").split("\r\n")
-    headers = {k.strip().lower(): v.strip() for k, v in (line.split(":", 1) for line in lines[1:])}
-    return int(lines[0].split()[1]), headers, rest[: int(headers["content-length"])], (upload_error or [None])[0]
 
 
 def openai_error(headers: dict, payload: bytes) -> dict:

@@ -13,6 +13,7 @@ import urllib.request
 
 import pytest
 
+from certificates import make_certificates
 from stack import COMPANION_BIN, free_port, http_get, wait_until
 
 TOKEN = "sentinel-test-token-0123"
@@ -172,8 +173,6 @@ def test_a_manual_failover_moves_the_companion_off_the_old_primary_at_once(stack
 def test_rediss_sentinel_speaks_tls_to_the_sentinels_and_the_data_nodes(stack, tmp_path):
     """Every process TLS only, client certificates required: the companion shows its own,
     checks theirs against the CA, and follows a failover."""
-    from test_trust import make_certificates
-
     certs = make_certificates(tmp_path)
     group = stack.redis_sentinel(password=DATA_PASSWORD, sentinel_password=SENTINEL_PASSWORD, tls=certs)
     assert group.url().startswith("rediss+sentinel://")

@@ -9,6 +9,7 @@ import urllib.request
 
 import pytest
 
+from certificates import make_certificates
 from stack import COMPANION_BIN, free_cluster_port, free_port, http_get, wait_until
 
 DATA = "trust-data-plane-0123456789"
@@ -174,21 +175,6 @@ def test_a_wrong_redis_password_ends_the_start_with_a_clear_message(stack):
         refused_then = result.stderr.split("Redis refused the companion's credentials", 1)[1]
         assert "waiting for Redis" not in refused_then, "no retrying what waiting cannot mend"
         assert "not-the-password" not in result.stderr
-
-
-def make_certificates(directory):
-    """A CA, a server certificate for 127.0.0.1 and a client certificate, with openssl."""
-    def run(*args):
-        subprocess.run(["openssl", *args], check=True, capture_output=True, cwd=directory)
-    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "1",
-        "-subj", "/CN=llmrl test CA")
-    (directory / "san.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
-    for name in ("server", "client"):
-        run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr",
-            "-subj", f"/CN={name}")
-        run("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
-            "-out", f"{name}.pem", "-days", "1", "-extfile", "san.ext")
-    return directory
 
 
 def tls_redis(stack, certs, *extra):

@@ -18,6 +18,7 @@ import redis
 from botocore.config import Config
 from google import genai
 
+from helpers import chat_of_size as body_of, post_reading_early, too_large_message as too_large
 from stack import anthropic, bucket_key, chat, free_port, send, wait_until
 
 BIG = 1_000_000
@@ -153,8 +154,6 @@ def test_envoys_own_413_is_mapped_into_the_callers_shape(backend, path, shape):
     """A body past Envoy's buffer limit (2 MiB in envoy/demo.yaml) is refused by Envoy
     before the filter can answer; the demo's local reply mappers put it in the shape the
     filter would have used for that path."""
-    from test_oversized import body_of, post_reading_early, too_large
-
     port, _ = backend.envoy(backend.filter_config([{"name": "tpm", "tokens": BIG, "window": LONG}],
                                                   tokens={"max_request_bytes": 16 << 20}))
     status, headers, payload, _ = post_reading_early(port, body_of(8_000_000), path=path)

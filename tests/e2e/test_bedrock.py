@@ -9,24 +9,16 @@ ThrottlingException."""
 import json
 from types import SimpleNamespace
 
-import boto3
 import botocore.exceptions
 import pytest
 import redis
-from botocore.config import Config
 
+from bedrock_client import MAX_TOKENS, NOVA, STORY, bedrock, converse_args, invoke_args
 from conftest import openai_chat_prompt_tokens
 from stack import bucket_key, filter_metric, tenant_of, wait_until
 
 BIG = 1_000_000
 LONG = "366d"
-STORY = "Tell me a story about rate limits."
-MAX_TOKENS = 300
-# The mock checks signatures with this secret whatever the access key id; a test makes a
-# tenant by choosing an access key id.
-SECRET = "mock-bedrock-secret"
-CLAUDE = "anthropic.claude-3-haiku-20240307-v1:0"  # boto3 sends the colon as %3A
-NOVA = "us.amazon.nova-lite-v1:0"
 pytestmark = pytest.mark.backend(mock_args=["--completion-tokens", "20"])
 
 
@@ -36,22 +28,6 @@ def env(backend):
         return backend.envoy_for(limits, tokens=tokens)
 
     return SimpleNamespace(backend=backend, redis=redis.Redis(port=backend.redis_port), start=start)
-
-
-def bedrock(port, access_key, secret=SECRET, headers=None):
-    """A bedrock-runtime client aimed at Envoy, retries off (boto3 retries throttling by
-    default); `headers` (the mock's per-request controls) are added after signing."""
-    client = boto3.client(
-        "bedrock-runtime", endpoint_url=f"http://127.0.0.1:{port}", region_name="us-east-1",
-        aws_access_key_id=access_key, aws_secret_access_key=secret, aws_session_token=None,
-        config=Config(retries={"mode": "standard", "total_max_attempts": 1}, read_timeout=30),
-    )
-    if headers:
-        def add_headers(request, **_):
-            for name, value in headers.items():
-                request.headers[name] = value
-        client.meta.events.register("before-send.bedrock-runtime.*", add_headers)
-    return client
 
 
 def level(env, key, limit="tpm"):
@@ -70,17 +46,6 @@ def prompt_estimate(tiktoken_encodings):
     the reply, 3 for the message, its role and text in o200k_base): a Bedrock body with
     the same message is estimated the same way. Counted by OpenAI's tiktoken."""
     return openai_chat_prompt_tokens(tiktoken_encodings["o200k_base"], [{"role": "user", "content": STORY}])
-
-
-def converse_args(model=NOVA):
-    return {"modelId": model, "messages": [{"role": "user", "content": [{"text": STORY}]}],
-            "inferenceConfig": {"maxTokens": MAX_TOKENS}}
-
-
-def invoke_args(model=CLAUDE):
-    body = {"anthropic_version": "bedrock-2023-05-31", "max_tokens": MAX_TOKENS,
-            "messages": [{"role": "user", "content": STORY}]}
-    return {"modelId": model, "body": json.dumps(body), "contentType": "application/json", "accept": "application/json"}
 
 
 def run_converse(client):

@@ -15,6 +15,7 @@ import yaml
 import redis
 
 from conftest import openai_chat_prompt_tokens
+from helpers import PROMETHEUS_SAMPLE as SAMPLE, envoy_scrape as scrape
 from stack import Backend, bucket_level, chat, filter_config_of, free_port, http_get, send, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -26,25 +27,6 @@ LIMITS = [{"name": "rpm", "requests": 3, "window": "1m"}, {"name": "tpm", "token
 
 # What Prometheus derives from a histogram's name.
 HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
-
-SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})? (\S+)$')
-LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
-
-
-def scrape(admin_port: int) -> dict:
-    """`/stats/prometheus` as {(name, frozenset of label pairs): value}."""
-    status, body = http_get(f"http://127.0.0.1:{admin_port}/stats/prometheus", timeout=10)
-    assert status == 200
-    samples = {}
-    for line in body.decode().splitlines():
-        if not line or line.startswith("#"):
-            continue
-        match = SAMPLE.match(line)
-        assert match, f"not Prometheus text: {line!r}"
-        name, labels, value = match.groups()
-        samples[(name, frozenset(LABEL.findall(labels or "")))] = float(value)
-    return samples
-
 
 def value(samples: dict, name: str, **labels) -> float:
     return samples[(name, frozenset(labels.items()))]

@@ -6,8 +6,8 @@ companion logs the refused credentials, at most one line per interval."""
 
 import time
 
+from helpers import envoy_scrape as scrape
 from stack import free_port, send, wait_until
-from test_filter_metrics import scrape
 
 WRONG_TOKEN = "a-token-that-is-not-the-companions-0123456789"
 LIMITS = [{"name": "rpm", "requests": 1_000_000, "window": "1m"}]

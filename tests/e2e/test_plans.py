@@ -21,9 +21,8 @@ from pathlib import Path
 import pytest
 import redis
 
+from helpers import pool_owner, redis_now_ms
 from stack import chat, redis_key, send, tenant_of, wait_until
-from test_pools import pool_owner
-from helpers import redis_now_ms
 
 PREFIX = "llmrl:"  # the companion's --key-prefix default
 DOMAIN = "llm"  # the filter's `domain` default

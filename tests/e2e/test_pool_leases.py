@@ -10,13 +10,13 @@ The race test prints what a race over leased pools admits on the cluster against
 pool's capacity, the figure docs/benchmark.md quotes (Shared pools on a cluster)."""
 
 import concurrent.futures
-import time
 
 import pytest
 import redis
 
+from helpers import pool_owner
+from pool_setup import RACE_LIMITS, Setup, chat_as, race
 from stack import tenant_of, wait_until
-from test_pools import RACE_LIMITS, Setup, chat_as, pool_owner, race
 
 LEASE = {"enabled": True, "ttl": "2s"}
 

@@ -7,67 +7,15 @@ The race test prints what a race over shared pools admits on the cluster against
 pool's capacity (`make pools-race` runs it alone), the figure
 docs/benchmark.md quotes (Shared pools on a cluster)."""
 
-import hashlib
 import json
 import socket
-import threading
-import time
 
 import pytest
 import redis
 
-from stack import chat, envoy_config, filter_metric, free_port, redis_key, send, tenant_of, wait_until
-
-TOKEN = "pools-test-token-0123"
-ADMIN = "pools-admin-credential"
-WINDOW = "366d"  # windows long enough that refill during a test stays far below 0.01 of a unit
-
-
-def pool_owner(header: str, value: str) -> str:
-    """The owner id of a `per` header value's pool, as docs/pools.md states it: `p` and the
-    first 16 bytes of SHA-256 over the separator, the header's name and the value."""
-    digest = hashlib.sha256(b"llm-ratelimit/pool/v1\0" + header.encode() + b"\0" + value.encode()).hexdigest()
-    return "p" + digest[:32]
-
-
-class Setup:
-    """Redis (one server or a cluster), companions, the mock upstream, and Envoys."""
-
-    def __init__(self, stack, topology: str, companions: int = 1):
-        self.stack = stack
-        if topology == "cluster":
-            ports = stack.redis_cluster(3)
-            url = "redis+cluster://" + ",".join(f"127.0.0.1:{p}" for p in ports)
-            self.redis = redis.RedisCluster(host="127.0.0.1", port=ports[0])
-        else:
-            _, port = stack.redis()
-            url = f"redis://127.0.0.1:{port}"
-            self.redis = redis.Redis(port=port)
-        self.companion_ports = [
-            stack.companion(url, TOKEN, name=f"companion-{i}", admin_token=ADMIN)[1] for i in range(companions)
-        ]
-        _, self.mock_port = stack.mock()
-
-    def envoy(self, limits: list[dict], name: str = "envoy", companion: int = 0, admin: int | None = None,
-              **options) -> int:
-        config = {
-            "companion": {"upstream": "llm_ratelimit_companion", "token": TOKEN, "timeout": "2s"},
-            "failure_mode": "deny",
-            "limits": limits,
-            **options,
-        }
-        port = free_port()
-        self.stack.envoy(
-            envoy_config(listen_port=port, admin_port=admin or free_port(), upstream_port=self.mock_port,
-                         companion_port=self.companion_ports[companion], filter_config=config),
-            name=name,
-        )
-        return port
-
-    def level(self, owner: str, limit: str) -> float | None:
-        raw = self.redis.hget(redis_key("llmrl:", "llm", owner, "tb", limit), "tokens")
-        return None if raw is None else float(raw)
-
+from helpers import pool_owner
+from pool_setup import RACE_LIMITS, WINDOW, Setup, chat_as, race
+from stack import chat, filter_metric, free_port, send, tenant_of, wait_until
 
 @pytest.fixture(params=["single", "cluster"])
 def setup(stack, request):
@@ -79,10 +27,6 @@ KEY_TEAM_UPSTREAM = [
     {"name": "team", "requests": 3, "window": WINDOW, "per": {"header": "x-team-id"}},
     {"name": "upstream", "requests": 5, "window": WINDOW, "per": "all", "models": ["gpt-4o*"]},
 ]
-
-
-def chat_as(port, key, team, model="gpt-4o"):
-    return send(port, key=key, body=chat(model=model), headers={"x-team-id": team})
 
 
 def test_a_key_team_and_upstream_limit_are_charged_together_and_refused_together(setup):
@@ -165,35 +109,6 @@ def test_a_shadow_output_limit_does_not_clamp_max_tokens(stack):
     reply = send(port, key="sk-shadow-clamp", body=chat(max_tokens=600), headers={"x-mock-completion-tokens": "600"})
     assert reply.status == 200, reply.body
     assert reply.headers["x-mock-completion-tokens"] == "600", "max_tokens reached the upstream unclamped"
-
-
-RACE_LIMITS = [
-    {"name": "key", "requests": 3, "window": WINDOW},
-    {"name": "team", "requests": 12, "window": WINDOW, "per": {"header": "x-team-id"}},
-    {"name": "upstream", "requests": 30, "window": WINDOW, "per": "all"},
-]
-
-
-def race(ports, clients: int, per_client: int):
-    """Every client sends `per_client` chats at once through its Envoy; returns the
-    statuses by (key, team)."""
-    results = {}
-    lock = threading.Lock()
-    start = threading.Barrier(clients)
-
-    def client(i):
-        key, team = f"sk-race-{i}", f"team-{i % 4}"
-        start.wait()
-        statuses = [chat_as(ports[i % len(ports)], key, team).status for _ in range(per_client)]
-        with lock:
-            results[(key, team)] = statuses
-
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    return results
 
 
 @pytest.mark.parametrize("topology", ["cluster"])

@@ -20,9 +20,9 @@ import time
 
 import pytest
 
+from bedrock_client import bedrock, converse_args
 from provider_bench import gemini, offer
 from stack import anthropic, filter_metric, http_get, send, wait_until
-from test_bedrock import bedrock, converse_args
 
 WINDOW_MS = 3000
 pytestmark = pytest.mark.backend(mock_args=["--provider-requests", "3", "--provider-window-ms", str(WINDOW_MS)])

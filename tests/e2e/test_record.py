@@ -6,10 +6,10 @@ SSE stream, an upstream error, a client that hangs up mid-stream, and a refusal.
 
 import json
 import socket
-import time
 
 import pytest
 
+from helpers import access_log_records as records
 from stack import chat, filter_metric, send, wait_until
 
 PRICES = [{"match": "gpt-4o*", "input": 2.5, "output": 10.0}]
@@ -27,19 +27,6 @@ def proxy(backend):
     config = backend.filter_config(LIMITS, prices=PRICES)
     port, envoy = backend.envoy(config)
     return port, envoy
-
-
-def records(envoy, path_part: str = "/v1/") -> list[dict]:
-    """The access log's lines for LLM paths, each with its record parsed."""
-    lines = []
-    for line in envoy.log_path.read_text(errors="replace").splitlines():
-        if line.startswith("{") and '"llm_ratelimit"' in line:
-            entry = json.loads(line)
-            if path_part in (entry.get("path") or ""):
-                raw = entry["llm_ratelimit"]
-                entry["record"] = json.loads(raw) if raw else None
-                lines.append(entry)
-    return lines
 
 
 def next_record(envoy, seen: int) -> dict:

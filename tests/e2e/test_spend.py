@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers import access_log_records as records
 from stack import chat, send, wait_until
-from test_record import records
 
 ROOT = Path(__file__).resolve().parents[2]
 CLI = Path(os.environ.get("LLMRL_CLI_BIN", ROOT / "target/release/llm-ratelimit"))

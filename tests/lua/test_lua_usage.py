@@ -9,11 +9,11 @@ import uuid
 import pytest
 import redis
 
+from helpers import redis_now_ms
 # The redis-server fixture too (the three-node cluster is conftest's).
-from test_lua_limits import (  # noqa: F401
+from limits_script import (  # noqa: F401
     CASES, PINNED_SCRIPT, SCRIPT, age_keys, back_credits, case_keys, check_step, client, shift_window, step_args,
 )
-from helpers import redis_now_ms
 from lua_clock import clock_ahead, clock_arg
 
 
