@@ -33,7 +33,6 @@ def imports_of_test_modules(tests: Path) -> list[str]:
     return found
 
 
-
 def test_no_module_of_the_tests_imports_a_test_module():
     assert imports_of_test_modules(TESTS) == [], "move what is shared into a helper module (tests/helpers.py)"
 
