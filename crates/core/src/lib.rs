@@ -13,7 +13,8 @@
 //!                 exchange, the breaker (never a RequestFilter)
 //! effects       the Host trait (host); bounded tenant tables in shared data (tables);
 //!                 where calibrations are kept (calibration_store); the settle queue;
-//!                 the local store: every limit in shared data (local_store)
+//!                 the local limiter: exact counters in shared data, for the local store
+//!                 and the degraded mode (local_limiter)
 //!                 the provider's word on its limits, read from a reply (provider_word)
 //!                 and kept (provider_state); the pace of the exchanges with the
 //!                 companion (exchange)

@@ -68,7 +68,8 @@ pub fn lease_key(domain: &str, slot: u32) -> String {
     slot_key("lease", domain, slot)
 }
 
-/// Shared data: slot `slot` of the table of local buckets (the degraded mode).
+/// Shared data: slot `slot` of the local limiter's table (the degraded mode's counters, or
+/// the local store's).
 pub fn local_key(domain: &str, slot: u32) -> String {
     slot_key("local", domain, slot)
 }
@@ -85,7 +86,7 @@ pub fn queued_tenant_key(domain: &str, slot: u32) -> String {
 }
 
 /// Shared data: the local store's secret for the tables' slot hash (see the filter's
-/// `local_store::slot_key`).
+/// `local_limiter::slot_key`).
 pub fn local_secret_key(domain: &str) -> String {
     format!("llmrl.local-secret.{domain}")
 }

@@ -17,33 +17,6 @@ pub struct BucketState {
     pub updated_ms: f64,
 }
 
-/// The buckets of one tenant as one shared-data value (so a multi-limit decision is one
-/// compare-and-swap): 16 bytes each, a missing (full) bucket stored as NaN. Stored
-/// states that do not match `limits` decode as full buckets.
-pub fn encode_states(states: &[Option<BucketState>]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(states.len() * 16);
-    for state in states {
-        let (tokens, updated) = state.map_or((f64::NAN, f64::NAN), |s| (s.tokens, s.updated_ms));
-        out.extend_from_slice(&tokens.to_le_bytes());
-        out.extend_from_slice(&updated.to_le_bytes());
-    }
-    out
-}
-
-pub fn decode_states(bytes: Option<&[u8]>, limits: usize) -> Vec<Option<BucketState>> {
-    let decoded = bytes.filter(|b| b.len() == limits * 16).map(|bytes| {
-        bytes
-            .chunks(16)
-            .map(|chunk| {
-                let tokens = f64::from_le_bytes(chunk.get(..8)?.try_into().ok()?);
-                let updated_ms = f64::from_le_bytes(chunk.get(8..16)?.try_into().ok()?);
-                (tokens.is_finite() && updated_ms.is_finite()).then_some(BucketState { tokens, updated_ms })
-            })
-            .collect()
-    });
-    decoded.unwrap_or_else(|| vec![None; limits])
-}
-
 /// Refills every bucket to `now_ms`, then charges each its cost if all have room. Elastic
 /// buckets (`min_cost` below `cost`) all give up the same reduction, the smallest that
 /// makes each fit, as long as none falls below its minimum. `states[i]` belongs to
@@ -440,18 +413,6 @@ mod tests {
         let at = check_and_charge(&mut states, specs, 2_000.0);
         assert!(at.allowed, "full again at the boundary: {at:?}");
         assert_eq!(at.limits[0].reset_after_ms, 1_000);
-    }
-
-    #[test]
-    fn states_round_trip_through_bytes() {
-        let states = vec![
-            Some(BucketState { tokens: 2.5, updated_ms: 1e12 }),
-            None,
-            Some(BucketState { tokens: -3.0, updated_ms: 7.0 }),
-        ];
-        assert_eq!(decode_states(Some(&encode_states(&states)), 3), states);
-        assert_eq!(decode_states(Some(&encode_states(&states)), 2), vec![None, None]);
-        assert_eq!(decode_states(None, 1), vec![None]);
     }
 
     /// However calls are spaced, a bucket never admits more than capacity plus what the

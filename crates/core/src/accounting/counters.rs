@@ -7,8 +7,8 @@
 //!
 //! Two users, one model: the fake companion (tests) answers with it, pinned against the
 //! script in a real Redis by `tests/cases/windows_and_slots.json` (and the buckets by
-//! `token_bucket.json`); the local store (`store: "local"`, `local_store.rs`) decides with
-//! it in the proxy's shared data.
+//! `token_bucket.json`); the local limiter (`local_limiter.rs`) decides with it in the
+//! proxy's shared data, for the local store (`store: "local"`) and the degraded mode.
 
 use crate::accounting::bucket::{self, BucketState};
 use crate::protocol::{LimitCharge, LimitKind, LimitOutcome, LimitStatus, LimitsReply};

@@ -72,7 +72,7 @@ pub enum Store {
     /// In Redis, through the companion: one budget for every proxy of the domain.
     #[default]
     Redis,
-    /// In this proxy's shared data, across its workers (`effects/local_store.rs`): no companion, no
+    /// In this proxy's shared data, across its workers (`effects/local_limiter.rs`): no companion, no
     /// Redis; each proxy counts only what passes through it.
     Local,
 }

@@ -416,7 +416,7 @@ pub struct Fallback {
 #[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Memory {
-    /// Entries of the tenant tables (leases, and local buckets in the degraded mode); a
+    /// Entries of the tenant tables (leases, and the local limiter's entries); a
     /// tenant's entry is at a slot chosen by a hash of its id.
     pub tenant_slots: u32,
     /// Entries of the table of running completion averages, by tenant and model.

@@ -7,7 +7,7 @@ pub mod calibration_store;
 pub mod exchange;
 pub mod host;
 pub mod lease_table;
-pub mod local_store;
+pub mod local_limiter;
 pub mod provider_state;
 pub mod provider_word;
 pub mod settle_queue;

@@ -14,15 +14,16 @@
 //! reads all eight once.
 //!
 //! Who may replace whose entry is the caller's rule: a tenant's lease entry only once its
-//! leases have expired and been returned; a local bucket only once it has admitted
-//! nothing for a whole window (else a newcomer would hand its owner a fresh budget), except
-//! that in the degraded mode a newcomer finding all its slots held takes the one written
-//! longest ago rather than be refused service (`update_own_or_oldest`). (The
+//! leases have expired and been returned; a local limiter's entry only once it counts
+//! nothing (else a newcomer would hand its owner a fresh budget), except that in the
+//! degraded mode a newcomer finding all its slots held takes the least recently used one
+//! holding no live slot rather than be refused service (`update_own_or_oldest`, as
+//! `local_limiter::Room` says). (The
 //! running averages, a table of their own, are in `average_store`.)
 //!
 //! Slots come from a keyed hash (SipHash-2-4) whose key is derived from the companion
 //! token, which clients never see: a client cannot grind credentials offline for one
-//! whose slots are another tenant's (or its own, to reset its local bucket).
+//! whose slots are another tenant's (or its own, to reset its local entry).
 
 use crate::config::Policy;
 use crate::effects::host::{shared_get_read, shared_read, shared_update, shared_update_from, Host, SharedRead};
@@ -38,7 +39,8 @@ pub const TENANT_BYTES: usize = 33;
 pub enum TenantTable {
     /// Leased budgets (lease mode).
     Leases,
-    /// Local counters: the degraded mode's buckets, or the local store's limits.
+    /// The local limiter's entries (`local_limiter`): the degraded mode's, or the local
+    /// store's.
     Local,
 }
 

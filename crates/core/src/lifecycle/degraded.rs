@@ -1,24 +1,20 @@
 //! The degraded mode: a request decided without the companion, as `failure_mode` says
-//! (`local`: each limit divided by `fallback.instances`, as token buckets in this proxy's
-//! shared data, what it admits queued as debits Redis learns of when it is back), and what
-//! this VM learns of the owners' plans for it.
+//! (`local`: each limit divided by `fallback.instances`, counted exactly by the local
+//! limiter in this proxy's shared data, what it admits queued as debits Redis learns of
+//! when it is back), and what this VM learns of the owners' plans for it.
 
 use super::{record, Admission, RequestFilter, Verdict};
-use crate::accounting::bucket::{check_and_charge, decode_states, encode_states, level_at, BucketState};
 use crate::config::{FailureMode, Policy};
 use crate::effects::host::{Host, LogLevel, Metric};
 use crate::effects::lease_table::Holder;
-use crate::effects::tables::{update_own, update_own_or_oldest, TenantTable};
+use crate::effects::local_limiter::{self, Room};
 use crate::plan::charge::ChargePlan;
 use crate::plan::series::Decision;
 use crate::plan::settlement::{adjustments, settlement};
 use crate::protocol::{LimitCharge, LimitKind, LimitStatus, LimitsReply, Settlement, StandIn, Suspension};
 use crate::replies::decision::{self, DEGRADED_HEADER};
+use crate::worker::settlements::HeldSlots;
 use crate::worker::Worker;
-
-/// In the degraded mode a concurrency limit is a bucket that does not refill (a slot comes
-/// back when its request ends); this window makes the refill negligible.
-const LOCAL_SLOTS_NEVER_REFILL_MS: u64 = u64::MAX / 4;
 
 /// What the degraded mode makes of a request.
 pub(super) enum Degraded {
@@ -55,13 +51,13 @@ impl RequestFilter {
         }
     }
 
-    /// The degraded mode: each limit divided by `fallback.instances`, as token buckets in
-    /// shared data, decided with the same model the Lua script follows. What is admitted
-    /// is queued as a debit, so Redis learns of it when it is back. A shared pool is
-    /// counted in its own local entry (named by its owner id, as in the lease table), so
-    /// it holds its share for this proxy whatever the number of tenants; the tenant's
-    /// entry and each pool's are charged in turn, all or nothing, each given back when a
-    /// later one refuses.
+    /// The degraded mode: each limit divided by `fallback.instances`, counted exactly by
+    /// the local limiter in this proxy's shared data (the local store's counters: windows
+    /// and slots as the Lua script keeps them). What is admitted is queued as a debit, so
+    /// Redis learns of it when it is back. A shared pool is counted in its own local entry
+    /// (named by its owner id, as in the lease table), so it holds its share for this
+    /// proxy whatever the number of tenants; the tenant's entry and each pool's are
+    /// charged in turn, all or nothing, each given back when a later one refuses.
     pub(super) fn decide_locally(
         &mut self,
         host: &mut impl Host,
@@ -69,7 +65,7 @@ impl RequestFilter {
         config: &Policy,
         unanswered: Option<&str>,
     ) -> Degraded {
-        let mut specs = self.plan.as_ref().map(|plan| local_specs(config, plan)).unwrap_or_default();
+        let mut specs = self.plan.as_ref().map(|plan| shares(config, plan)).unwrap_or_default();
         let now_ms = host.now_ms();
         // The owners' plans as this VM last saw them: a suspension holds through the
         // outage, a plan's capacity sizes the local share as the config's would.
@@ -84,19 +80,24 @@ impl RequestFilter {
                 spec.capacity = capacity.div_ceil(u64::from(config.fallback.instances));
             }
         }
-        let holders = self.holders(config);
+        // Standing in for the charge (unanswered, or never sent while the breaker is
+        // open), which the stand-in stops.
+        let id = unanswered.map_or_else(|| worker.new_reservation_id(host), str::to_string);
+        let holder = local_limiter::holder(&id);
+        let entries = self.holders(config);
         let mut charged: Vec<&Holder> = Vec::new();
         let mut outcomes: Vec<Option<crate::protocol::LimitOutcome>> = vec![None; specs.len()];
         let mut allowed = true;
-        for holder in &holders {
-            let part = holder_specs(&specs, &holder.indices);
-            let Some(reply) = charge_local(host, config, &holder.name, &part, now_ms) else {
+        for entry in &entries {
+            let part = entry_specs(&specs, &entry.indices);
+            let room = Room::OrLeastRecentlyUsed;
+            let Some(Ok(reply)) = local_limiter::charge(host, config, &entry.name, &part, &holder, now_ms, room) else {
                 for done in &charged {
-                    give_back_local(host, config, done, &specs, now_ms);
+                    give_back(host, config, done, &specs, now_ms, &holder);
                 }
                 return Degraded::Decided(Verdict::Reply(decision::limiter_unavailable(self.dialect)));
             };
-            for &i in &holder.indices {
+            for &i in &entry.indices {
                 if let (Some(slot), Some(outcome)) = (outcomes.get_mut(i), reply.limits.get(i)) {
                     *slot = Some(outcome.clone());
                 }
@@ -104,11 +105,11 @@ impl RequestFilter {
             if !reply.allowed {
                 allowed = false;
                 for done in &charged {
-                    give_back_local(host, config, done, &specs, now_ms);
+                    give_back(host, config, done, &specs, now_ms, &holder);
                 }
                 break;
             }
-            charged.push(holder);
+            charged.push(entry);
         }
         let limits = specs
             .iter()
@@ -135,18 +136,24 @@ impl RequestFilter {
         // Redis learns of the budget spent here; slots are this proxy's alone.
         let debits = specs.iter().enumerate().filter(|(_, b)| b.kind != LimitKind::Slots);
         let debits = debits.map(|(i, b)| (i, -(b.cost as i64)));
-        // Standing in for the charge (unanswered, or never sent while the breaker is
-        // open), which the stand-in stops; an unanswered one may hold Redis slots, which
-        // it releases.
+        // An unanswered charge may hold Redis slots, which the stand-in releases.
         let releases = if unanswered.is_some() { self.slot_releases(config) } else { Vec::new() };
-        let id = unanswered.map_or_else(|| worker.new_reservation_id(host), str::to_string);
         let limits = adjustments(config, &self.owners(), debits.chain(releases), now_ms);
         if !limits.is_empty() {
             let stand_in = Some(StandIn { record_ttl_ms: self.record_ttl_ms(config, None) });
             let queued = settlement(config, &self.tenant, Some(id.clone()), false, limits);
             worker.queue_settlement(host, Settlement { stand_in, ..queued });
         }
-        self.admission = Some(Admission::Local(id));
+        // The slots it took are kept alive on the worker's tick while it is in flight, as
+        // the local store's are, and released when it ends.
+        let holding = entries.iter().filter(|entry| {
+            entry.indices.iter().any(|&i| specs.get(i).is_some_and(|s| s.kind == LimitKind::Slots && s.cost > 0))
+        });
+        let holding: Vec<String> = holding.map(|entry| entry.name.clone()).collect();
+        if !holding.is_empty() {
+            worker.hold_slots(id.clone(), HeldSlots::InSharedData { entries: holding, holder });
+        }
+        self.admission = Some(Admission::Degraded { id, charged_at_ms: now_ms });
         let admitted = Verdict::Forward(self.admitted_headers(host, config, reply, now_ms));
         Degraded::Decided(admitted.with_header(DEGRADED_HEADER, "local".to_string()))
     }
@@ -170,129 +177,64 @@ impl RequestFilter {
         }
     }
 
-    /// Settles a request the degraded mode admitted (reservation `id`): this proxy's own
-    /// slots (of `slot_limits`) go back at once; the credits go to Redis, against the
-    /// stand-in's record (or the late charge's, if it came first).
+    /// Settles a request the degraded mode admitted at `charged_at_ms` (reservation `id`):
+    /// the local limiter's entries take its `credits` back and release its slots at once,
+    /// as the local store's do; the credits go to Redis too, against the stand-in's record
+    /// (or the late charge's, if it came first).
     pub(super) fn settle_degraded(
         &self,
         host: &mut impl Host,
         worker: &mut Worker,
         config: &Policy,
         id: String,
+        charged_at_ms: u64,
         credits: Vec<(usize, i64)>,
-        slot_limits: &[usize],
     ) {
-        if !slot_limits.is_empty() {
-            self.release_local_slots(host, config, slot_limits);
+        worker.take_slots(&id);
+        if let Some(plan) = self.plan.as_ref() {
+            let specs = shares(config, plan);
+            let holder = local_limiter::holder(&id);
+            for entry in self.holders(config) {
+                let own: Vec<(usize, i64)> =
+                    credits.iter().copied().filter(|(i, _)| entry.indices.contains(i)).collect();
+                local_limiter::settle(host, config, &entry.name, &specs, &own, charged_at_ms, &holder);
+            }
         }
         let credits = credits.into_iter();
         worker.settle_credits(host, config, &self.tenant, Some(id), false, &self.owners(), credits);
     }
-
-    pub(super) fn release_local_slots(&self, host: &mut impl Host, config: &Policy, indices: &[usize]) {
-        let Some(plan) = self.plan.as_ref() else { return };
-        let specs = local_specs(config, plan);
-        let credits: Vec<i64> = (0..specs.len()).map(|i| i64::from(indices.contains(&i))).collect();
-        let now = host.now_ms() as f64;
-        for holder in self.holders(config).iter().filter(|h| h.indices.iter().any(|i| indices.contains(i))) {
-            let credits: Vec<i64> =
-                credits.iter().enumerate().map(|(i, &c)| if holder.indices.contains(&i) { c } else { 0 }).collect();
-            credit_local(host, config, &holder.name, &specs, &credits, now);
-        }
-    }
 }
 
-/// The degraded mode's buckets: each limit divided by `fallback.instances`; a slot comes
-/// back when its request ends, not with time.
-fn local_specs(config: &Policy, plan: &ChargePlan) -> Vec<LimitCharge> {
+/// The degraded mode's share of each limit for this proxy: its capacity divided by
+/// `fallback.instances`.
+fn shares(config: &Policy, plan: &ChargePlan) -> Vec<LimitCharge> {
     let instances = u64::from(config.fallback.instances);
     plan.buckets
         .iter()
-        .map(|b| LimitCharge {
-            capacity: b.capacity.div_ceil(instances),
-            min_cost: None,
-            window_ms: if b.kind == LimitKind::Slots { LOCAL_SLOTS_NEVER_REFILL_MS } else { b.window_ms },
-            ..b.clone()
-        })
+        .map(|b| LimitCharge { capacity: b.capacity.div_ceil(instances), min_cost: None, ..b.clone() })
         .collect()
 }
 
-/// `specs` as `holder`'s local entry charges them: its limits at their cost, the others
-/// at none.
-fn holder_specs(specs: &[LimitCharge], indices: &[usize]) -> Vec<LimitCharge> {
+/// `specs` as `indices`' entry charges them: its limits at their cost, the others at none.
+fn entry_specs(specs: &[LimitCharge], indices: &[usize]) -> Vec<LimitCharge> {
     let part = specs.iter().enumerate();
     part.map(|(i, s)| if indices.contains(&i) { s.clone() } else { LimitCharge { cost: 0, ..s.clone() } }).collect()
 }
 
-/// Charges `specs` in the local entry `name` (a tenant's or a pool's), if it admits;
-/// `None` when its slot is another's that may not be taken yet, or the write failed.
-fn charge_local(
+/// Gives back to `entry` what a request took of it (charged at `charged_at_ms`), its
+/// slots released.
+fn give_back(
     host: &mut impl Host,
     config: &Policy,
-    name: &str,
+    entry: &Holder,
     specs: &[LimitCharge],
-    now_ms: u64,
-) -> Option<LimitsReply> {
-    let now = now_ms as f64;
-    // A colliding entry's local bucket may be replaced only once it has admitted nothing
-    // for a whole window: taken sooner, its owner would find a fresh budget.
-    let idle = |payload: &[u8]| {
-        let states = decode_states(Some(payload), specs.len());
-        states.iter().zip(specs).all(|(state, spec)| state.is_none_or(|s| now - s.updated_ms >= spec.window_ms as f64))
-    };
-    // Failing that, when all its slots are held, the entry written longest ago that holds
-    // no concurrency slot: an outage must not refuse a newcomer service because the
-    // table remembers older tenants (a day's limit keeps every entry for a day). What
-    // that tenant spent here is in Redis's debits all the same; only its local share
-    // starts afresh (see `tables`).
-    let left_at = |payload: &[u8]| {
-        let states = decode_states(Some(payload), specs.len());
-        let holds_slot = states.iter().zip(specs).any(|(state, spec)| {
-            spec.kind == LimitKind::Slots && state.is_some_and(|s| s.tokens < spec.capacity as f64)
-        });
-        (!holds_slot).then(|| states.iter().flatten().map(|s| s.updated_ms as u64).max().unwrap_or(0))
-    };
-    let reply = update_own_or_oldest(host, config, TenantTable::Local, name, idle, left_at, |payload| {
-        let mut states = decode_states(payload, specs.len());
-        let reply = check_and_charge(&mut states, specs, now);
-        if !reply.allowed {
-            // Its own entry is written as of now (the same levels): a tenant refused here
-            // is still in use, so its spent entry is never the one a newcomer takes as
-            // written longest ago. A newcomer refused takes no place.
-            if payload.is_none() {
-                return (None, reply);
-            }
-            for (state, spec) in states.iter_mut().zip(specs) {
-                *state = state.map(|s| BucketState { tokens: level_at(spec, Some(s), now), updated_ms: now });
-            }
-        }
-        (Some(encode_states(&states)), reply)
-    });
-    reply.and_then(Result::ok)
-}
-
-/// Gives back to `holder`'s local entry what a request took of it.
-fn give_back_local(host: &mut impl Host, config: &Policy, holder: &Holder, specs: &[LimitCharge], now_ms: u64) {
-    let credits: Vec<i64> = specs
+    charged_at_ms: u64,
+    holder: &str,
+) {
+    let credits: Vec<(usize, i64)> = entry
+        .indices
         .iter()
-        .enumerate()
-        .map(|(i, s)| if holder.indices.contains(&i) { i64::try_from(s.cost).unwrap_or(i64::MAX) } else { 0 })
+        .filter_map(|&i| Some((i, i64::try_from(specs.get(i)?.cost).unwrap_or(i64::MAX))))
         .collect();
-    credit_local(host, config, &holder.name, specs, &credits, now_ms as f64);
-}
-
-fn credit_local(host: &mut impl Host, config: &Policy, name: &str, specs: &[LimitCharge], credits: &[i64], now: f64) {
-    update_own(
-        host,
-        config,
-        TenantTable::Local,
-        name,
-        |_| false,
-        |payload| {
-            let Some(payload) = payload else { return (None, ()) }; // replaced meanwhile
-            let mut states = decode_states(Some(payload), specs.len());
-            crate::accounting::bucket::settle(&mut states, specs, credits, now);
-            (Some(encode_states(&states)), ())
-        },
-    );
+    local_limiter::settle(host, config, &entry.name, specs, &credits, charged_at_ms, holder);
 }

@@ -10,6 +10,7 @@ use crate::plan::settlement::{adjustments, settlement};
 use crate::protocol::{
     ChargeRequest, LimitKind, LimitsReply, Reservation, SettlementBatch, Wait, CHARGE_PATH, RELEASE_PATH,
 };
+use crate::worker::settlements::HeldSlots;
 use crate::worker::Worker;
 use std::time::Duration;
 
@@ -75,7 +76,7 @@ impl RequestFilter {
                 .map(|(i, _)| (i, 0));
             let held = adjustments(config, &self.owners(), held, now);
             let slots = settlement(config, &self.tenant, Some(id.clone()), false, held);
-            worker.hold_slots(id.clone(), slots);
+            worker.hold_slots(id.clone(), HeldSlots::InRedis(slots));
         }
         Verdict::Forward(self.admitted_headers(host, config, reply, now))
     }
@@ -116,7 +117,9 @@ impl RequestFilter {
             // Released at once where the host lets a finished request call out; the
             // settlement below releases them too, within a tick, everywhere.
             let slots = worker.take_slots(id);
-            if let Some(slots) = slots.filter(|_| worker.host_kind().dispatches_in_response_phases()) {
+            if let Some(HeldSlots::InRedis(slots)) =
+                slots.filter(|_| worker.host_kind().dispatches_in_response_phases())
+            {
                 release_now(host, worker, config, slots);
             }
         }

@@ -212,7 +212,7 @@ fn a_refused_write_is_answered_503_and_counted() {
         assert!(send(&mut workers[0], Request::chat("sk-a", CHAT)).forwarded(), "{kind:?}");
         world.borrow_mut().full = true;
         if kind == HostKind::Envoy {
-            // Envoy's table is made whole at load (`local_store::create_table`): a full host
+            // Envoy's table is made whole at load (`local_limiter::create_table`): a full host
             // refuses no write of it.
             assert!(send(&mut workers[1], Request::chat("sk-new", CHAT)).forwarded());
             continue;
@@ -266,8 +266,12 @@ fn an_entry_is_at_most_the_stated_size() {
         {"name": "inflight", "concurrency": 10}
     ]);
     let policy = crate::config::Policy::from_json(local(limits, json!({})).as_bytes()).expect("config");
-    // 8 fingerprint + 33 tenant (or pool) + 1 format; per limit 3 + 16 per entry: 1, 1, 64, 10.
-    assert_eq!(crate::effects::local_store::entry_bytes_at_most(&policy), 8 + 33 + 1 + 4 * 3 + 16 * (1 + 1 + 64 + 10));
+    // 8 fingerprint + 33 tenant (or pool) + 1 format + 8 time of use; per limit 3 + 16 per
+    // entry: 1, 1, 64, 10.
+    assert_eq!(
+        crate::effects::local_limiter::entry_bytes_at_most(&policy),
+        8 + 33 + 1 + 8 + 4 * 3 + 16 * (1 + 1 + 64 + 10)
+    );
     // A full window of 64 requests a minute is that big in shared data (fingerprint aside).
     let window = json!([{"name": "rpw", "requests": 64, "window": "1m", "algorithm": "sliding_window"}]);
     for kind in HOSTS {
@@ -285,7 +289,7 @@ fn an_entry_is_at_most_the_stated_size() {
         let keys = world.borrow().keys();
         let mut entries = keys.iter().filter(|k| k.starts_with("llmrl.local."));
         let stored = entries.find_map(|key| workers[0].root.shared_value(key)).expect("an entry");
-        assert_eq!(stored.len(), 33 + 1 + 3 + 16 * 64, "{kind:?}");
+        assert_eq!(stored.len(), 33 + 1 + 8 + 3 + 16 * 64, "{kind:?}");
     }
 }
 

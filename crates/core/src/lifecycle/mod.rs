@@ -93,12 +93,13 @@ enum Admission {
     Reserved(String),
     /// Taken from this proxy's lease.
     Leased,
-    /// Decided locally while the companion was away; reconciled with Redis later by a
-    /// stand-in for the charge under this reservation, whose record the request's
-    /// settlement is made against.
-    Local(String),
-    /// Charged in this proxy's local store (`"store": "local"`) at this time (ms), under
-    /// this reservation id (its slots' holder).
+    /// Decided by the local limiter while the companion was away (the degraded mode), at
+    /// this time (ms); reconciled with Redis later by a stand-in for the charge under this
+    /// reservation (its slots' holder too), whose record the request's settlement is made
+    /// against.
+    Degraded { id: String, charged_at_ms: u64 },
+    /// Charged by the local limiter under the local store (`"store": "local"`) at this
+    /// time (ms), under this reservation id (its slots' holder).
     Stored { id: String, charged_at_ms: u64 },
     /// Charged in Redis by a lease grant that could not be kept as a lease: the
     /// settlement's credits go to Redis on their own, backed by what the grant took.
@@ -695,7 +696,7 @@ impl RequestFilter {
                 .refuse_suspended(host, worker, config, &suspension, now)
                 .with_header(DEGRADED_HEADER, "local".to_string()),
         };
-        if let Some(id) = unanswered.filter(|_| !matches!(self.admission, Some(Admission::Local(_)))) {
+        if let Some(id) = unanswered.filter(|_| !matches!(self.admission, Some(Admission::Degraded { .. }))) {
             self.give_up_charge(host, worker, config, id);
         }
         verdict
@@ -732,7 +733,9 @@ impl RequestFilter {
         match admission {
             Admission::Reserved(id) => self.settle_charge(host, worker, config, Some(id), credits, slot_limits),
             Admission::Charged => self.settle_charge(host, worker, config, None, credits, slot_limits),
-            Admission::Local(id) => self.settle_degraded(host, worker, config, id, credits, &slot_limits),
+            Admission::Degraded { id, charged_at_ms } => {
+                self.settle_degraded(host, worker, config, id, charged_at_ms, credits)
+            }
             Admission::Leased => self.settle_leased(host, worker, config, &credits),
             Admission::Stored { id, charged_at_ms } => {
                 self.settle_in_store(host, worker, config, &id, charged_at_ms, &credits)
@@ -826,6 +829,8 @@ mod answers_tests;
 #[cfg(test)]
 mod calendar_tests;
 mod degraded;
+#[cfg(test)]
+mod degraded_tests;
 mod direct;
 mod identify;
 mod lease;

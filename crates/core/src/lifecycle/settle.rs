@@ -59,7 +59,7 @@ impl RequestFilter {
             self.recorded.how = match admission {
                 Admission::Reserved(_) | Admission::Charged => record::How::Charged,
                 Admission::Leased => record::How::Leased,
-                Admission::Local(_) => record::How::Degraded,
+                Admission::Degraded { .. } => record::How::Degraded,
                 Admission::Stored { .. } => record::How::LocalStore,
             };
         }

@@ -1,16 +1,16 @@
-//! A request under the local store (`"store": "local"`, see `local_store.rs`): charged in
-//! this proxy's shared data as soon as it is planned (no callout, so it never waits), and
+//! A request under the local store (`"store": "local"`): charged by the local limiter
+//! (`effects/local_limiter.rs`) in this proxy's shared data as soon as it is planned (no callout, so it never waits), and
 //! settled there once its reply has said what it used. Its answers, headers and metrics
 //! are those of a request the companion decided.
 
 use super::{Admission, RequestFilter, Verdict};
 use crate::config::Policy;
 use crate::effects::host::{Host, Metric};
-use crate::effects::local_store;
+use crate::effects::local_limiter::{self, Room};
 use crate::plan::series::Decision;
-use crate::plan::settlement::{adjustments, settlement};
 use crate::protocol::LimitKind;
 use crate::replies::decision;
+use crate::worker::settlements::HeldSlots;
 use crate::worker::Worker;
 
 impl RequestFilter {
@@ -24,8 +24,8 @@ impl RequestFilter {
     ) -> Verdict {
         let specs = self.plan.as_ref().map(|plan| plan.buckets.clone()).unwrap_or_default();
         let id = worker.new_reservation_id(host);
-        let holder = local_store::holder(&id);
-        let reply = match local_store::charge(host, config, &self.tenant, &specs, &holder, now) {
+        let holder = local_limiter::holder(&id);
+        let reply = match local_limiter::charge(host, config, &self.tenant, &specs, &holder, now, Room::IdleOnly) {
             Some(Ok(reply)) => reply,
             Some(Err(crate::effects::tables::Busy)) => {
                 // All of the tenant's slots hold other tenants' live counters: no room to
@@ -48,10 +48,8 @@ impl RequestFilter {
         self.admission = Some(Admission::Stored { id: id.clone(), charged_at_ms: now });
         self.rewrite_body(host, config, &reply);
         // The slots it took are renewed on the worker's tick while it is in flight.
-        let held = specs.iter().enumerate().filter(|(_, spec)| spec.kind == LimitKind::Slots && spec.cost > 0);
-        let slots = adjustments(config, &self.owners(), held.map(|(i, _)| (i, 0)), now);
-        if !slots.is_empty() {
-            worker.hold_slots(id, settlement(config, &self.tenant, Some(holder), false, slots));
+        if specs.iter().any(|spec| spec.kind == LimitKind::Slots && spec.cost > 0) {
+            worker.hold_slots(id, HeldSlots::InSharedData { entries: vec![self.tenant.clone()], holder });
         }
         Verdict::Forward(self.admitted_headers(host, config, reply, now))
     }
@@ -69,6 +67,6 @@ impl RequestFilter {
     ) {
         worker.take_slots(id);
         let specs = self.plan.as_ref().map(|plan| plan.buckets.clone()).unwrap_or_default();
-        local_store::settle(host, config, &self.tenant, &specs, credits, charged_at_ms, &local_store::holder(id));
+        local_limiter::settle(host, config, &self.tenant, &specs, credits, charged_at_ms, &local_limiter::holder(id));
     }
 }

@@ -28,7 +28,7 @@ pub const LABELS: [&str; 5] = ["limit", "decision", "model_rule", "gen_ai_token_
 pub enum Decision {
     /// Admitted with Redis's agreement (a charge, or a lease taken from Redis).
     Allowed,
-    /// Refused by this limit (by Redis, a lease, or the degraded mode's local bucket).
+    /// Refused by this limit (by Redis, a lease, or the degraded mode's local limiter).
     Limited,
     /// Admitted without Redis: the degraded mode (`failure_mode` `local` or `allow`).
     Degraded,

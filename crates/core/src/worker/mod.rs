@@ -25,7 +25,7 @@ use crate::effects::lease_table::Holder;
 use crate::effects::provider_state::LocalProviderWords;
 use crate::effects::settle_queue::{Queued, SettleQueue};
 use crate::effects::tables::{self, TenantTable};
-use crate::protocol::{LeaseAsk, Settlement};
+use crate::protocol::LeaseAsk;
 use crate::tokens::prompt_cache::PromptCache;
 use ids::{take_vm_number, ReservationIds};
 use std::collections::{BTreeMap, HashMap};
@@ -63,9 +63,9 @@ pub struct Worker {
     /// Slots of the lease table this VM granted leases into, each with the time its first
     /// lease expires: what expires is returned. Bounded by the table's size.
     leased: BTreeMap<u32, u64>,
-    /// Concurrency slots held by this VM's requests, by reservation id: renewed until the
-    /// request releases them.
-    slots: HashMap<String, Settlement>,
+    /// Concurrency slots held by this VM's requests, by reservation id, and where: renewed
+    /// until the request releases them.
+    slots: HashMap<String, settlements::HeldSlots>,
     ids: ReservationIds,
     ticks: u32,
     warmed_up: bool,
@@ -178,7 +178,7 @@ impl Worker {
         let variable = |name: &str| environment.iter().find(|(key, _)| key == name).map(|(_, value)| value.clone());
         let mut config = Policy::from_json_in(bytes, &variable).map_err(|e| e.to_string())?;
         if config.store == Store::Local {
-            config.memory.slot_key = crate::effects::local_store::slot_key(host, &config.domain);
+            config.memory.slot_key = crate::effects::local_limiter::slot_key(host, &config.domain);
         }
         if self.ids.vm == 0 {
             self.ids.vm = take_vm_number(host, &config.domain);
@@ -186,7 +186,7 @@ impl Worker {
         check_for_host(&config, self.host_kind)?;
         // After the checks: a config this host refuses makes no table.
         if config.store == Store::Local {
-            crate::effects::local_store::create_table(host, &config, self.host_kind);
+            crate::effects::local_limiter::create_table(host, &config, self.host_kind);
         }
         self.tables_to_make.clear();
         if tables::made_ahead(&config, self.host_kind) {

@@ -150,31 +150,50 @@ impl Worker {
         }
     }
 
-    pub(crate) fn hold_slots(&mut self, id: String, slots: Settlement) {
+    pub(crate) fn hold_slots(&mut self, id: String, slots: HeldSlots) {
         self.slots.insert(id, slots);
     }
 
-    pub(crate) fn take_slots(&mut self, id: &str) -> Option<Settlement> {
+    pub(crate) fn take_slots(&mut self, id: &str) -> Option<HeldSlots> {
         self.slots.remove(id)
     }
 
     /// Renews the slots of this VM's requests in flight, so a long stream keeps its slot
-    /// while a crashed proxy's slots expire.
+    /// while a crashed proxy's slots expire: those in Redis through the companion, those
+    /// the local limiter counts (the local store's, the degraded mode's) in shared data.
     pub(super) fn touch_slots(&mut self, host: &mut impl Host, config: &Policy) {
-        if config.store == Store::Local {
-            let specs: Vec<LimitCharge> = config.limits.iter().map(|limit| limit_charge(limit, 0)).collect();
-            for held in self.slots.values() {
-                let holder = held.reservation.as_deref().unwrap_or_default();
-                crate::effects::local_store::touch(host, config, &held.tenant, &specs, holder);
+        let mut in_redis = Vec::new();
+        let specs: Vec<LimitCharge> = config.limits.iter().map(|limit| limit_charge(limit, 0)).collect();
+        for held in self.slots.values() {
+            match held {
+                HeldSlots::InRedis(settlement) => in_redis.push(settlement.clone()),
+                HeldSlots::InSharedData { entries, holder } => {
+                    for entry in entries {
+                        crate::effects::local_limiter::touch(host, config, entry, &specs, holder);
+                    }
+                }
             }
-            return;
         }
-        let settlements: Vec<Settlement> = self.slots.values().cloned().collect();
-        for chunk in settlements.chunks(SETTLE_BATCH) {
+        if config.store == Store::Local {
+            return; // no companion (and so no slot in Redis)
+        }
+        for chunk in in_redis.chunks(SETTLE_BATCH) {
             let request = SettlementBatch { settlements: chunk.to_vec() };
             if let Err(why) = self.call_companion(host, config, TOUCH_PATH, &request, BACKGROUND_TIMEOUT, Owner::Root) {
                 host.log(LogLevel::Warn, &format!("llm-ratelimit: cannot renew concurrency slots: {why}"));
             }
         }
     }
+}
+
+/// Where the concurrency slots of a request in flight are held, so the worker renews them
+/// there until the request ends.
+#[derive(Debug, Clone)]
+pub(crate) enum HeldSlots {
+    /// In Redis, renewed through the companion by this settlement (its reservation names
+    /// them).
+    InRedis(Settlement),
+    /// Counted by the local limiter in this proxy's shared data: in these entries (a
+    /// tenant's, a pool's), under this holder.
+    InSharedData { entries: Vec<String>, holder: String },
 }

@@ -1,28 +1,35 @@
-//! `"store": "local"`: every limit kept in this proxy's shared data, across its workers,
-//! with no companion and no Redis. A tenant's limits are one entry of the bounded tenant
-//! table (`tables.rs`, the table the degraded mode keeps its local buckets in), so a
-//! decision over all of them is one compare-and-swap, and memory is the table's size
-//! whatever the clients invent. The math is the script's, as `counters.rs` models it.
+//! The local limiter: every limit of a tenant (or of a shared pool) counted exactly in this
+//! proxy's shared data, across its workers, with the math of the Lua script as
+//! `counters.rs` models it (token buckets, sliding windows as the log of what each call
+//! took, concurrency slots as their holders with the time each expires). Its two users:
+//! the local store (`"store": "local"`, `lifecycle/store.rs`), which keeps every limit
+//! here, and the degraded mode (`failure_mode: "local"`, `lifecycle/degraded.rs`), which
+//! keeps each limit's share of the proxy here while the companion is away.
 //!
-//! A tenant's entry, after the table's 32-byte tenant id and the shared value's 8-byte
-//! fingerprint: a format byte, then per limit its kind (1 byte), how many entries follow
-//! (2 bytes) and 16 bytes per entry: a bucket's level and time (at most 1 entry), a
-//! window's (time, amount) pairs (at most `memory.local_entries`), a slot's holder and
-//! expiry (at most the limit's capacity, itself at most `memory.local_entries`).
+//! An entry is one of the bounded tenant table's (`tables.rs`, `TenantTable::Local`), so a
+//! decision over all of its limits is one compare-and-swap, and memory is the table's size
+//! whatever the clients invent. After the table's 33-byte tenant id and the shared value's
+//! 8-byte fingerprint: a format byte, the time it was last charged or refused (8 bytes,
+//! ms: the degraded mode replaces the least recently used entry), then per limit its kind
+//! (1 byte), how many entries follow (2 bytes) and 16 bytes per entry: a bucket's level
+//! and time (at most 1 entry), a window's (time, amount) pairs (at most
+//! `memory.local_entries`), a slot's holder and expiry (at most the limit's capacity).
 //!
 //! What the companion keeps in a reservation record the request keeps itself here: the
 //! time of its charge (where a window's correction goes) and its slots' holder.
 
 use crate::accounting::counters::{self, Counter};
-use crate::config::Policy;
+use crate::config::{Policy, Store};
 use crate::effects::host::{shared_update, Host};
-use crate::effects::tables::{fnv1a, update_own, Busy, TenantTable};
+use crate::effects::tables::{fnv1a, update_own, update_own_or_oldest, Busy, TenantTable};
 use crate::protocol::{LimitCharge, LimitKind, LimitsReply};
 use std::collections::BTreeMap;
 
-/// The first byte of an entry: an entry of another format (the degraded mode's buckets,
-/// after a config change) reads as fresh counters.
-const FORMAT: u8 = 0x4c;
+/// The first byte of an entry; an entry of another format reads as fresh counters.
+const FORMAT: u8 = 0x4d;
+/// The format before the time of use was kept (the local store's until issue 46): read
+/// as used at time 0.
+const FORMAT_WITHOUT_USE: u8 = 0x4c;
 const KIND_BUCKET: u8 = 1;
 const KIND_WINDOW: u8 = 2;
 const KIND_SLOTS: u8 = 3;
@@ -30,15 +37,24 @@ const KIND_SLOTS: u8 = 3;
 pub const ENTRY_BYTES: usize = 16;
 /// Bytes of a counter before its entries.
 pub const COUNTER_HEADER_BYTES: usize = 3;
+/// Bytes of an entry's own header: its format and when it was last used.
+pub const HEADER_BYTES: usize = 1 + 8;
 
 /// The holder of a request's slots, as its entry names it: a hash of its reservation id.
 pub fn holder(reservation: &str) -> String {
     format!("{:016x}", fnv1a(&[reservation]))
 }
 
-fn encode(counters: &[Counter]) -> Vec<u8> {
+/// An entry's counters, and when it was last charged or refused (ms).
+struct Counted {
+    used_ms: u64,
+    counters: Vec<Counter>,
+}
+
+fn encode(counted: &Counted) -> Vec<u8> {
     let mut out = vec![FORMAT];
-    for counter in counters {
+    out.extend_from_slice(&counted.used_ms.to_le_bytes());
+    for counter in &counted.counters {
         let pairs: Vec<(u64, f64)> = match counter {
             Counter::Bucket(None) => Vec::new(),
             Counter::Bucket(Some(state)) => vec![(state.tokens.to_bits(), state.updated_ms)],
@@ -63,17 +79,22 @@ fn encode(counters: &[Counter]) -> Vec<u8> {
 }
 
 /// The counters of `specs` as stored; a payload of another shape (other limits, another
-/// format, cut short) reads as fresh counters.
-fn decode(payload: Option<&[u8]>, specs: &[LimitCharge]) -> Vec<Counter> {
-    let fresh = || specs.iter().map(|spec| Counter::new(spec.kind)).collect();
+/// format, cut short) reads as fresh counters, never used.
+fn decode(payload: Option<&[u8]>, specs: &[LimitCharge]) -> Counted {
+    let fresh = || Counted { used_ms: 0, counters: specs.iter().map(|spec| Counter::new(spec.kind)).collect() };
     payload.and_then(|bytes| decode_exactly(bytes, specs)).unwrap_or_else(fresh)
 }
 
-fn decode_exactly(bytes: &[u8], specs: &[LimitCharge]) -> Option<Vec<Counter>> {
-    let (&format, mut rest) = bytes.split_first()?;
-    if format != FORMAT {
-        return None;
-    }
+fn decode_exactly(bytes: &[u8], specs: &[LimitCharge]) -> Option<Counted> {
+    let (&format, rest) = bytes.split_first()?;
+    let (used_ms, mut rest) = match format {
+        FORMAT => {
+            let (used, rest) = rest.split_at_checked(8)?;
+            (u64::from_le_bytes(used.try_into().ok()?), rest)
+        }
+        FORMAT_WITHOUT_USE => (0, rest),
+        _ => return None,
+    };
     let mut counters = Vec::with_capacity(specs.len());
     for spec in specs {
         let (header, after) = rest.split_at_checked(COUNTER_HEADER_BYTES)?;
@@ -114,74 +135,117 @@ fn decode_exactly(bytes: &[u8], specs: &[LimitCharge]) -> Option<Vec<Counter>> {
         }
         counters.push(counter);
     }
-    rest.is_empty().then_some(counters)
+    rest.is_empty().then_some(Counted { used_ms, counters })
 }
 
-/// Bytes of a tenant's entry at most, for `limits`: what `memory.tenant_slots` entries
+/// The most entries a limit's counter keeps: a bucket 1, a window `memory.local_entries`
+/// (see `Counter::bound`), slots the capacity (what the local store allows, and the
+/// degraded mode's share of it: the limit over `fallback.instances`).
+fn entries_at_most(config: &Policy, limit: &crate::config::Limit) -> usize {
+    match limit.kind {
+        LimitKind::TokenBucket | LimitKind::Calendar => 1,
+        LimitKind::SlidingWindow => config.memory.local_entries as usize,
+        LimitKind::Slots if config.store == Store::Local => limit.capacity() as usize,
+        LimitKind::Slots => limit.capacity().div_ceil(u64::from(config.fallback.instances.max(1))) as usize,
+    }
+}
+
+/// Bytes of an entry at most, for the config's limits: what `memory.tenant_slots` entries
 /// cost (the sizing of Nginx's `shm_kv` in docs/getting-started.md#what-is-kept-and-how
-/// comes from this).
+/// and docs/nginx.md comes from this).
 pub fn entry_bytes_at_most(config: &Policy) -> usize {
-    let most = config.memory.local_entries as usize;
     let counters: usize = config
         .limits
         .iter()
-        .map(|limit| {
-            let entries = match limit.kind {
-                LimitKind::TokenBucket | LimitKind::Calendar => 1,
-                LimitKind::SlidingWindow => most,
-                LimitKind::Slots => (limit.capacity() as usize).min(most),
-            };
-            COUNTER_HEADER_BYTES + entries * ENTRY_BYTES
-        })
+        .map(|limit| COUNTER_HEADER_BYTES + entries_at_most(config, limit).min(usize::from(u16::MAX)) * ENTRY_BYTES)
         .sum();
-    crate::effects::host::FINGERPRINT_BYTES + crate::effects::tables::TENANT_BYTES + 1 + counters
+    crate::effects::host::FINGERPRINT_BYTES + crate::effects::tables::TENANT_BYTES + HEADER_BYTES + counters
 }
 
-/// Whether a colliding tenant's entry may be replaced: only once none of its counters
-/// holds anything (else the newcomer would hand its owner a fresh budget).
+/// Whether another tenant's entry may be replaced: only once none of its counters holds
+/// anything (else the newcomer would hand its owner a fresh budget).
 fn idle(payload: &[u8], specs: &[LimitCharge], now: f64) -> bool {
-    decode(Some(payload), specs).iter().zip(specs).all(|(counter, spec)| counter.is_idle(spec, now))
+    let counted = decode(Some(payload), specs);
+    counted.counters.iter().zip(specs).all(|(counter, spec)| counter.is_idle(spec, now))
 }
 
-fn bounded(mut counters: Vec<Counter>, config: &Policy) -> Vec<u8> {
-    for counter in &mut counters {
+/// When an entry holding no live slot was last used (`None`: it holds one, and stays).
+fn used_unless_holding(payload: &[u8], specs: &[LimitCharge], now: f64) -> Option<u64> {
+    let counted = decode(Some(payload), specs);
+    let holds_slot = counted.counters.iter().any(|counter| match counter {
+        Counter::Slots(held) => held.values().any(|&expiry| expiry > now),
+        _ => false,
+    });
+    (!holds_slot).then_some(counted.used_ms)
+}
+
+fn bounded(mut counted: Counted, config: &Policy) -> Vec<u8> {
+    for counter in &mut counted.counters {
         counter.bound(config.memory.local_entries as usize);
     }
-    encode(&counters)
+    encode(&counted)
 }
 
-/// Charges `tenant`'s limits (`specs`, this request's costs) all or none at `now_ms`;
-/// `holder` names the slots it takes. `Err(Busy)` when both of the tenant's slots hold
-/// other tenants' live entries; `None` when the host refused the write.
+/// Whose entry a newcomer may take when none of its slots of the table is free.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Room {
+    /// Only an idle one (see [`idle`]): refused otherwise (`Busy`). The local store, whose
+    /// counters are the only ones: replacing a live entry would hand its owner a fresh
+    /// budget.
+    IdleOnly,
+    /// Failing an idle one, the least recently used one holding no live slot, so that an
+    /// outage never refuses a newcomer service because the table remembers older tenants
+    /// (a day's limit keeps every entry for a day): the degraded mode, whose admissions
+    /// Redis learns of all the same; only the replaced tenant's local share starts afresh.
+    /// A refusal counts as a use: a tenant refused here is still in use, so its spent
+    /// entry is never the least recently used.
+    OrLeastRecentlyUsed,
+}
+
+/// Charges `entry`'s limits (`specs`, this request's costs; a tenant's entry or a pool's)
+/// all or none at `now_ms`; `holder` names the slots it takes. `Err(Busy)` when the
+/// entry found no room (see [`Room`]); `None` when the host refused the write.
 pub fn charge(
     host: &mut impl Host,
     config: &Policy,
-    tenant: &str,
+    entry: &str,
     specs: &[LimitCharge],
     holder: &str,
     now_ms: u64,
+    room: Room,
 ) -> Option<Result<LimitsReply, Busy>> {
     let now = now_ms as f64;
     let evictable = |payload: &[u8]| idle(payload, specs, now);
-    update_own(host, config, TenantTable::Local, tenant, evictable, |payload| {
-        let mut counters = decode(payload, specs);
-        let reply = counters::charge(&mut counters, specs, Some(holder), now);
-        (reply.allowed.then(|| bounded(counters, config)), reply)
-    })
+    let change = |payload: Option<&[u8]>| {
+        let mut counted = decode(payload, specs);
+        let reply = counters::charge(&mut counted.counters, specs, Some(holder), now);
+        // A newcomer refused takes no place; a refused tenant's entry is in use all the
+        // same where the least recently used one may be replaced.
+        let write = reply.allowed || (room == Room::OrLeastRecentlyUsed && payload.is_some());
+        counted.used_ms = now_ms;
+        (write.then(|| bounded(counted, config)), reply)
+    };
+    match room {
+        Room::IdleOnly => update_own(host, config, TenantTable::Local, entry, evictable, change),
+        Room::OrLeastRecentlyUsed => {
+            let left = |payload: &[u8]| used_unless_holding(payload, specs, now);
+            update_own_or_oldest(host, config, TenantTable::Local, entry, evictable, left, change)
+        }
+    }
 }
 
 /// Settles a request charged at `charged_at_ms`: `credits` (by limit index; negative: a
-/// further debit) go back to its counters, and the slots `holder` took are released.
+/// further debit) go back to `entry`'s counters, and the slots `holder` took are released.
 pub fn settle(
     host: &mut impl Host,
     config: &Policy,
-    tenant: &str,
+    entry: &str,
     specs: &[LimitCharge],
     credits: &[(usize, i64)],
     charged_at_ms: u64,
     holder: &str,
 ) {
-    update_existing(host, config, tenant, specs, |counters, now| {
+    update_existing(host, config, entry, specs, |counters, now| {
         for &(i, credit) in credits.iter().filter(|(_, credit)| *credit != 0) {
             if let (Some(counter), Some(spec)) = (counters.get_mut(i), specs.get(i)) {
                 counter.give_back(credit, charged_at_ms as f64, spec, now);
@@ -191,23 +255,23 @@ pub fn settle(
     });
 }
 
-/// Renews the slots `holder` holds for `tenant` (its request is still in flight), so a
+/// Renews the slots `holder` holds in `entry` (its request is still in flight), so a
 /// stream longer than `slots.ttl` keeps them while a crashed worker's expire. `specs`: the
 /// config's limits.
-pub fn touch(host: &mut impl Host, config: &Policy, tenant: &str, specs: &[LimitCharge], holder: &str) {
-    update_existing(host, config, tenant, specs, |counters, now| {
+pub fn touch(host: &mut impl Host, config: &Policy, entry: &str, specs: &[LimitCharge], holder: &str) {
+    update_existing(host, config, entry, specs, |counters, now| {
         for (counter, spec) in counters.iter_mut().zip(specs) {
             counter.touch(holder, spec, now);
         }
     });
 }
 
-/// Changes `tenant`'s counters where it has an entry; an entry replaced meanwhile (evicted
-/// once idle) holds nothing of the request's, so then nothing is written.
+/// Changes `entry`'s counters where it is in the table; an entry replaced meanwhile holds
+/// nothing of the request's, so then nothing is written. Its time of use stays.
 fn update_existing(
     host: &mut impl Host,
     config: &Policy,
-    tenant: &str,
+    entry: &str,
     specs: &[LimitCharge],
     mut change: impl FnMut(&mut [Counter], f64),
 ) {
@@ -216,13 +280,13 @@ fn update_existing(
         host,
         config,
         TenantTable::Local,
-        tenant,
+        entry,
         |_| false,
         |payload| {
             let Some(payload) = payload else { return (None, ()) };
-            let mut counters = decode(Some(payload), specs);
-            change(&mut counters, now);
-            (Some(bounded(counters, config)), ())
+            let mut counted = decode(Some(payload), specs);
+            change(&mut counted.counters, now);
+            (Some(bounded(counted, config)), ())
         },
     );
 }
