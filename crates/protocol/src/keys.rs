@@ -52,7 +52,7 @@ pub const LEDGER_INDEX_KIND: &str = "owners";
 
 /// Shared data: `llmrl.<table>.<domain>.<slot>`. Built without `format!`: a request names
 /// two or three of these, and formatting costs several times the copying.
-fn slot_key(table: &str, domain: &str, slot: u32) -> String {
+fn table_key(table: &str, domain: &str, slot: u32) -> String {
     let mut digits = itoa::Buffer::new();
     let slot = digits.format(slot);
     let mut key = String::with_capacity(8 + table.len() + domain.len() + slot.len());
@@ -65,13 +65,13 @@ fn slot_key(table: &str, domain: &str, slot: u32) -> String {
 /// Shared data: slot `slot` of the table of leases (the tenant is stored in the value;
 /// tables are bounded, see the filter's `memory` config).
 pub fn lease_key(domain: &str, slot: u32) -> String {
-    slot_key("lease", domain, slot)
+    table_key("lease", domain, slot)
 }
 
 /// Shared data: slot `slot` of the local limiter's table (the degraded mode's counters, or
 /// the local store's).
 pub fn local_key(domain: &str, slot: u32) -> String {
-    slot_key("local", domain, slot)
+    table_key("local", domain, slot)
 }
 
 /// Shared data: how many requests this proxy has waiting in the queue.
@@ -82,7 +82,7 @@ pub fn queued_key(domain: &str) -> String {
 /// Shared data: how many requests of the tenants at `slot` (a fixed table, see the
 /// core's `tables::queued_slot`) wait in this proxy's queue.
 pub fn queued_tenant_key(domain: &str, slot: u32) -> String {
-    slot_key("queued", domain, slot)
+    table_key("queued", domain, slot)
 }
 
 /// Shared data: the local store's secret for the tables' slot hash (see the filter's
@@ -105,19 +105,19 @@ pub fn vm_numbers_key(domain: &str) -> String {
 /// Shared data: slot `slot` of the table of running completion averages (by tenant and
 /// model; model names are hashed, never part of a key).
 pub fn average_key(domain: &str, slot: u32) -> String {
-    slot_key("avg", domain, slot)
+    table_key("avg", domain, slot)
 }
 
 /// Shared data: what the filter learned from settled replies about the models of rule
 /// `rule` (its index among the configured and built-in model rules; bounded by the config).
 pub fn calibration_key(domain: &str, rule: u32) -> String {
-    slot_key("cal", domain, rule)
+    table_key("cal", domain, rule)
 }
 
 /// Shared data: slot `slot` of the table of provider words (by upstream credential and
 /// model, hashed; the owner's hash is stored in the value).
 pub fn provider_key(domain: &str, slot: u32) -> String {
-    slot_key("prov", domain, slot)
+    table_key("prov", domain, slot)
 }
 
 /// Shared data: this proxy's id in the fleet's exchange of provider words (written once
@@ -132,7 +132,7 @@ mod tests {
 
     /// The shared-data keys as operators see them in Envoy's stats and docs/metrics.md.
     #[test]
-    fn slot_keys_name_their_table_domain_and_slot() {
+    fn table_keys_name_their_table_domain_and_slot() {
         assert_eq!(lease_key("llm", 0), "llmrl.lease.llm.0");
         assert_eq!(average_key("my-domain", 16_383), "llmrl.avg.my-domain.16383");
         assert_eq!(queued_tenant_key("llm", 1023), "llmrl.queued.llm.1023");

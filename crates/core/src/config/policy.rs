@@ -106,7 +106,8 @@ pub struct Refusals {
 pub struct Memory {
     pub tenant_slots: u32,
     pub average_slots: u32,
-    /// The local store's bound on a window's entries and a concurrency limit's slots.
+    /// The local limiter's bound on a window's entries (and, with the local store, on a
+    /// concurrency limit's slots).
     pub local_entries: u32,
     /// The secret key of the tables' slot hash (derived at compile: `config::compile`).
     pub slot_key: [u64; 2],

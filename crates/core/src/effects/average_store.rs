@@ -79,7 +79,7 @@ fn write(host: &mut impl Host, config: &Policy, pair: Pair, outputs: &[u64]) -> 
 
 /// One VM's side of the averages (see the module's comment).
 #[derive(Debug, Default)]
-pub struct LocalAverages {
+pub struct VmAverages {
     /// Each pair's stored average as read or written since the last tick. (A pair is a
     /// keyed hash already: FxHash only spreads it.)
     known: FxHashMap<Pair, Option<OutputAverage>>,
@@ -87,7 +87,7 @@ pub struct LocalAverages {
     pending: FxHashMap<Pair, Vec<u64>>,
 }
 
-impl LocalAverages {
+impl VmAverages {
     /// (`tenant`, `model`)'s average as this VM knows it: the stored one, read at most once a
     /// tick, with what this VM was taught since.
     pub fn get(&mut self, host: &mut impl Host, config: &Policy, tenant: &str, model: &str) -> Option<OutputAverage> {
@@ -186,7 +186,7 @@ mod tests {
     fn taught_on(kind: HostKind) {
         let config = config(64);
         let mut host = FakeHost::new(&World::new(kind));
-        let (mut mine, mut other) = (LocalAverages::default(), LocalAverages::default());
+        let (mut mine, mut other) = (VmAverages::default(), VmAverages::default());
         assert_eq!(mine.get(&mut host, &config, "t", "gpt-4o"), None);
         assert_eq!(other.get(&mut host, &config, "t", "gpt-4o"), None);
         mine.teach(&mut host, &config, "t", "gpt-4o", 40);
@@ -214,7 +214,7 @@ mod tests {
         let config = config(64);
         let world = World::new(HostKind::Nginx);
         let mut host = FakeHost::new(&world);
-        let mut averages = LocalAverages::default();
+        let mut averages = VmAverages::default();
         for output in 0..10 {
             averages.get(&mut host, &config, "t", "m");
             averages.teach(&mut host, &config, "t", "m", output);
@@ -238,7 +238,7 @@ mod tests {
         let config = config(64);
         let world = World::new(HostKind::Envoy);
         let mut host = FakeHost::new(&world);
-        let mut averages = LocalAverages::default();
+        let mut averages = VmAverages::default();
         let outputs: Vec<u64> = (1..=MAX_PENDING_LESSONS as u64 + 1).collect();
         for &output in &outputs {
             averages.teach(&mut host, &config, "t", "m", output);
@@ -261,12 +261,12 @@ mod tests {
     fn a_colliding_pair_never_reads_another_pairs_average() {
         let config = config(16); // the smallest table: collisions certain among 40 pairs
         let mut host = FakeHost::new(&World::new(HostKind::Envoy));
-        let mut averages = LocalAverages::default();
+        let mut averages = VmAverages::default();
         for i in 0..40 {
             averages.teach(&mut host, &config, &format!("t{i}"), "m", 100 + i);
         }
         averages.flush(&mut host, &config);
-        let mut fresh = LocalAverages::default();
+        let mut fresh = VmAverages::default();
         for i in 0..40 {
             let seen = fresh.get(&mut host, &config, &format!("t{i}"), "m");
             assert!(seen.is_none() || seen == Some(OutputAverage::first(100 + i)), "{i}: {seen:?}");

@@ -86,7 +86,7 @@ const MAX_PENDING_LESSONS: usize = 256;
 /// value is read from shared data at most once a tick. What another worker learned shows
 /// here within a tick or two.
 #[derive(Debug, Default)]
-pub struct LocalCalibrations {
+pub struct VmCalibrations {
     pending: Vec<(usize, Lesson)>,
     /// Each rule's value as last read or written, and when (bounded by the config's rules).
     known: rustc_hash::FxHashMap<usize, (Calibration, u64)>,
@@ -101,7 +101,7 @@ pub struct LocalCalibrations {
 pub const EXCHANGE_MS: u64 = 1_000;
 pub const IDLE_EXCHANGE_MS: u64 = 30_000;
 
-impl LocalCalibrations {
+impl VmCalibrations {
     /// What this proxy has learned about rule `rule` (nothing when calibration is off).
     pub fn get(&mut self, host: &mut impl Host, config: &Policy, rule: usize, now_ms: u64) -> Calibration {
         if !config.tokens.calibrate {

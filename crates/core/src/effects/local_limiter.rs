@@ -304,7 +304,7 @@ pub fn create_table(host: &mut impl Host, config: &Policy, kind: crate::effects:
     crate::effects::tables::make_keys(host, config, TenantTable::Local, 0, config.memory.tenant_slots);
 }
 
-/// The local store's key for the tables' slot hash. There is no companion token to derive
+/// The local store's `memory.slot_key`, the key of the tables' slot hash. There is no companion token to derive
 /// it from, so the first worker to start draws one from its clock (`now_nanos`; no client
 /// knows the proxy's start to the nanosecond) and every worker of the proxy takes that one
 /// from shared data (which outlives a config reload; a restart draws another).

@@ -290,7 +290,8 @@ fn key_hex(key: u64) -> String {
     format!("{key:016x}")
 }
 
-fn slot_key(config: &Policy, key: u64) -> String {
+/// The shared-data key of the slot `key` (the pair's hash) sits at.
+fn shared_key(config: &Policy, key: u64) -> String {
     let slots = u64::from(config.provider_limits.slots.max(1));
     keys::provider_key(&config.domain, (key % slots) as u32)
 }
@@ -325,7 +326,7 @@ pub fn judge(
     now: u64,
     needs: [u64; QUOTAS],
 ) -> (Judgement, Option<ProviderState>) {
-    let slot = slot_key(config, key);
+    let slot = shared_key(config, key);
     let Some(state) = own(shared_read(host, &slot).as_deref(), key) else { return (Judgement::Forward, None) };
     if !matches!(state.judge(now, needs).0, Judgement::Probe) {
         return (state.judge(now, needs).0, Some(state));
@@ -350,7 +351,7 @@ pub fn hear(
 ) -> Option<ProviderState> {
     let now = host.now_ms();
     let refusing = word.out_for_ms(config.provider_limits.default_retry_ms).is_some();
-    shared_update(host, &slot_key(config, key), |stored| {
+    shared_update(host, &shared_key(config, key), |stored| {
         if !may_take(stored, key, now, refusing) {
             return (None, None);
         }
@@ -364,7 +365,7 @@ pub fn hear(
 
 /// One worker's side of the fleet's exchange of provider words.
 #[derive(Debug, Default)]
-pub struct LocalProviderWords {
+pub struct VmProviderWords {
     /// What this worker heard since its last exchange, by key (bounded by
     /// `MAX_PROVIDER_REPORTS`: beyond it, news of new keys waits for the next exchange's
     /// room, and what the fleet says of them meanwhile stands).
@@ -374,7 +375,7 @@ pub struct LocalProviderWords {
     proxy: Option<String>,
 }
 
-impl LocalProviderWords {
+impl VmProviderWords {
     /// Keeps `state` of `key` for the next exchange.
     pub fn note(&mut self, config: &Policy, key: u64, state: ProviderState) {
         if !config.provider_limits.share
@@ -421,7 +422,7 @@ impl LocalProviderWords {
             }
             let Ok(key) = u64::from_str_radix(&entry.key, 16) else { continue };
             let refusing = entry.out_until_ms > now;
-            let changed = shared_update(host, &slot_key(config, key), |stored| {
+            let changed = shared_update(host, &shared_key(config, key), |stored| {
                 if !may_take(stored, key, now, refusing) {
                     return (None, false);
                 }

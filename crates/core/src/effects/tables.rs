@@ -45,7 +45,9 @@ pub enum TenantTable {
 }
 
 impl TenantTable {
-    pub fn slot_key(self, config: &Policy, slot: u32) -> String {
+    /// The shared-data key of this table's slot `slot` (not `memory.slot_key`, the key of
+    /// the hash that picks a tenant's slots).
+    pub fn shared_key(self, config: &Policy, slot: u32) -> String {
         match self {
             TenantTable::Leases => keys::lease_key(&config.domain, slot),
             TenantTable::Local => keys::local_key(&config.domain, slot),
@@ -127,7 +129,7 @@ fn encode_entry(tenant: &str, payload: &[u8]) -> Vec<u8> {
 /// slot was held).
 pub fn read_own(host: &mut impl Host, config: &Policy, table: TenantTable, tenant: &str) -> Option<Vec<u8>> {
     TenantTable::slots(config, tenant).into_iter().find_map(|slot| {
-        let stored = shared_read(host, &table.slot_key(config, slot));
+        let stored = shared_read(host, &table.shared_key(config, slot));
         match entry(stored.as_deref(), tenant) {
             Entry::Own(payload) => Some(payload.to_vec()),
             _ => None,
@@ -199,7 +201,7 @@ fn update_own_choosing<R>(
         let mut oldest: Option<(u64, u32, SharedRead)> = None;
         let mut own = None;
         for slot in TenantTable::slots(config, tenant) {
-            let read = shared_get_read(host, table.slot_key(config, slot));
+            let read = shared_get_read(host, table.shared_key(config, slot));
             match entry(read.value(), tenant) {
                 Entry::Own(_) => {
                     own = Some((slot, read));
@@ -263,7 +265,7 @@ pub fn made_ahead(config: &Policy, kind: crate::effects::host::HostKind) -> bool
 
 /// Whether `table`'s keys are all made: its last key is made last.
 pub fn table_made(host: &mut impl Host, config: &Policy, table: TenantTable) -> bool {
-    let last = table.slot_key(config, config.memory.tenant_slots.max(1) - 1);
+    let last = table.shared_key(config, config.memory.tenant_slots.max(1) - 1);
     host.shared_get(&last).0.is_some()
 }
 
@@ -276,7 +278,7 @@ pub fn make_keys(host: &mut impl Host, config: &Policy, table: TenantTable, from
     let slots = config.memory.tenant_slots.max(1);
     let until = from.saturating_add(count).min(slots);
     for slot in from..until {
-        let key = table.slot_key(config, slot);
+        let key = table.shared_key(config, slot);
         if host.shared_get(&key).0.is_none() {
             // Refused (the host's memory is full) or overwritten meanwhile: the slot is
             // then made by its first write, as it would be without this.
@@ -296,7 +298,7 @@ pub fn update_slot<R>(
     slot: u32,
     mut change: impl FnMut(&str, &[u8]) -> (Option<Vec<u8>>, R),
 ) -> Option<R> {
-    shared_update(host, &table.slot_key(config, slot), |stored| match stored.and_then(split_entry) {
+    shared_update(host, &table.shared_key(config, slot), |stored| match stored.and_then(split_entry) {
         Some((owner, payload)) => {
             let (next, result) = change(owner, payload);
             (next.map(|payload| encode_entry(owner, &payload)), Some(result))

@@ -9,8 +9,8 @@ use crate::api::dialect::Dialect;
 use crate::api::identity::MissingIdentity;
 use crate::api::identity::{read_credential, tenant_id, Credential, IdentitySource, TenantIds, ANONYMOUS_TENANT};
 use crate::config::{Policy, UnknownPaths, UnreadableBody};
-use crate::effects::average_store::LocalAverages;
-use crate::effects::calibration_store::LocalCalibrations;
+use crate::effects::average_store::VmAverages;
+use crate::effects::calibration_store::VmCalibrations;
 use crate::effects::host::{Host, Metric};
 use crate::plan::charge::{plan, Learned};
 use crate::providers;
@@ -184,8 +184,8 @@ struct ProxyKnowledge<'a, H> {
     config: &'a Policy,
     tenant: &'a str,
     prompt_cache: &'a mut PromptCache,
-    calibrations: &'a mut LocalCalibrations,
-    averages: &'a mut LocalAverages,
+    calibrations: &'a mut VmCalibrations,
+    averages: &'a mut VmAverages,
 }
 
 impl<H: Host> Learned for ProxyKnowledge<'_, H> {

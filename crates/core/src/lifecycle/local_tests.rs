@@ -348,7 +348,7 @@ fn a_settlement_after_its_entry_was_replaced_is_dropped() {
         let stored = |workers: &mut [Proxy; 2]| -> Vec<Option<Vec<u8>>> {
             slots
                 .iter()
-                .map(|&slot| workers[0].root.shared_value(&TenantTable::Local.slot_key(&policy, slot)))
+                .map(|&slot| workers[0].root.shared_value(&TenantTable::Local.shared_key(&policy, slot)))
                 .collect()
         };
         let before = stored(&mut workers);
@@ -374,7 +374,7 @@ fn two_workers_charging_a_new_tenant_at_once_never_overwrite_each_other_on_envoy
     let (_world, mut workers) = workers(HostKind::Envoy, &config);
     let policy = workers[0].worker.config().expect("configured").clone();
     let tenant = crate::api::identity::tenant_id("sk-new");
-    let key = TenantTable::Local.slot_key(&policy, TenantTable::slots(&policy, &tenant)[0]);
+    let key = TenantTable::Local.shared_key(&policy, TenantTable::slots(&policy, &tenant)[0]);
     let [first, second] = &mut workers;
     let (_, cas_a) = first.root.shared_get(&key);
     let (_, cas_b) = second.root.shared_get(&key);

@@ -1372,7 +1372,7 @@ fn a_colliding_newcomer_does_not_reset_a_spent_local_bucket() {
         advance(&world, 60_001);
         let newcomer = (0..20_000).map(|i| format!("sk-n{i}")).find(|n| slots(n)[0] == own).unwrap();
         assert!(proxy.send(Request::get(&newcomer, "/v1/models"), &mut companion).forwarded(), "{kind:?}");
-        let key = crate::effects::tables::TenantTable::Local.slot_key(&config, own);
+        let key = crate::effects::tables::TenantTable::Local.shared_key(&config, own);
         let stored = proxy.root.shared_value(&key).expect("an entry");
         let owner = crate::effects::tables::split_entry(&stored).map(|(owner, _)| owner.to_string());
         assert_eq!(owner, Some(tenant(&newcomer)), "{kind:?}");
@@ -1820,7 +1820,7 @@ fn the_lease_and_degraded_tables_are_made_over_the_first_ticks_on_envoy() {
         );
         let mut proxy = Proxy::new(&world, &policy_json);
         let policy = proxy.worker.config().expect("configured").clone();
-        let prefix = |table: TenantTable| table.slot_key(&policy, 0).trim_end_matches('0').to_string();
+        let prefix = |table: TenantTable| table.shared_key(&policy, 0).trim_end_matches('0').to_string();
         let made = |table: TenantTable| world.borrow().key_count(&prefix(table));
         assert_eq!((made(TenantTable::Leases), made(TenantTable::Local)), (0, 0), "{kind:?}: nothing made at load");
         let mut after_each_tick = Vec::new();
@@ -1835,7 +1835,7 @@ fn the_lease_and_degraded_tables_are_made_over_the_first_ticks_on_envoy() {
         assert_eq!(after_each_tick, [(1024, 0), (2048, 0), (2048, 1024), (2048, 2048), (2048, 2048)], "{kind:?}");
         // Two workers' first writes of a new tenant's lease entry: the second fails its CAS.
         let tenant = crate::api::identity::tenant_id("sk-new");
-        let key = TenantTable::Leases.slot_key(&policy, TenantTable::slots(&policy, &tenant)[0]);
+        let key = TenantTable::Leases.shared_key(&policy, TenantTable::slots(&policy, &tenant)[0]);
         let mut second = Proxy::new(&world, &policy_json);
         let (_, cas_a) = proxy.root.shared_get(&key);
         let (_, cas_b) = second.root.shared_get(&key);
@@ -1860,7 +1860,7 @@ fn the_lease_and_degraded_tables_are_made_over_the_first_ticks_on_envoy() {
                        "memory": {"tenant_slots": 2048}});
     let mut proxy = Proxy::new(&world, &config(json!([{"name": "rpm", "requests": 100, "window": "1m"}]), extra));
     let policy = proxy.worker.config().expect("configured").clone();
-    let prefix = TenantTable::Local.slot_key(&policy, 0).trim_end_matches('0').to_string();
+    let prefix = TenantTable::Local.shared_key(&policy, 0).trim_end_matches('0').to_string();
     let made = |world: &std::rc::Rc<std::cell::RefCell<World>>| world.borrow().key_count(&prefix);
     let mut failing = FakeCompanion::failing(503);
     assert!(proxy.send(Request::get("sk-a", "/v1/models"), &mut failing).forwarded(), "decided locally");

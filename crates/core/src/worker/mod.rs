@@ -18,11 +18,11 @@ use crate::accounting::ledger::Ledger;
 use crate::accounting::owner_plans::OwnerPlans;
 use crate::api::identity::TenantIds;
 use crate::config::{FailureMode, Policy, Store};
-use crate::effects::average_store::LocalAverages;
-use crate::effects::calibration_store::LocalCalibrations;
+use crate::effects::average_store::VmAverages;
+use crate::effects::calibration_store::VmCalibrations;
 use crate::effects::host::{detect_kind, Host, HostKind, LogLevel, Metric, TICK, WAIT_TICK};
 use crate::effects::lease_table::Holder;
-use crate::effects::provider_state::LocalProviderWords;
+use crate::effects::provider_state::VmProviderWords;
 use crate::effects::settle_queue::{Queued, SettleQueue};
 use crate::effects::tables::{self, TenantTable};
 use crate::protocol::LeaseAsk;
@@ -90,11 +90,11 @@ pub struct Worker {
     /// Tenant ids of the credentials this VM saw last (bounded).
     pub(crate) tenant_ids: TenantIds,
     /// What settled replies teach, gathered for the tick, and the calibrations as read.
-    pub(crate) calibrations: LocalCalibrations,
+    pub(crate) calibrations: VmCalibrations,
     /// The completion averages as read, and what replies taught them, for the tick.
-    pub(crate) averages: LocalAverages,
+    pub(crate) averages: VmAverages,
     /// What providers said of their limits, for the fleet's exchange.
-    pub(crate) provider_words: LocalProviderWords,
+    pub(crate) provider_words: VmProviderWords,
     /// Queue waits not yet counted in `queue_wait_seconds_total`: host counters take whole
     /// numbers, so the milliseconds short of a second wait here for the next wait.
     queue_wait_ms_uncounted: u64,
@@ -150,9 +150,9 @@ impl Worker {
             waiters_due: Vec::new(),
             prompt_cache: PromptCache::new(0),
             tenant_ids: TenantIds::new(TENANT_ID_CACHE_SLOTS),
-            calibrations: LocalCalibrations::default(),
-            averages: LocalAverages::default(),
-            provider_words: LocalProviderWords::default(),
+            calibrations: VmCalibrations::default(),
+            averages: VmAverages::default(),
+            provider_words: VmProviderWords::default(),
             queue_wait_ms_uncounted: 0,
             ledger: Ledger::default(),
         }
