@@ -1133,6 +1133,132 @@ impl Proxy {
     }
 }
 
+/// The per-request workload of `examples/request_bench.rs` and of the allocation test
+/// (`tests/request_allocations.rs`): a config per store mode, the request bodies, the
+/// upstream's reply, and a proxy serving them as a loaded one does, ticking as it goes.
+pub mod bench {
+    use super::{advance, FakeCompanion, Proxy, Request, World};
+    use crate::effects::host::HostKind;
+    use serde_json::json;
+    use std::cell::RefCell;
+    use std::rc::Rc;
+
+    const SYSTEM: &str = "You are a careful assistant for a logistics company. Answer in plain English, \
+cite the shipment id when you refer to one, never invent tracking numbers, and keep answers under \
+two hundred words unless the user asks for detail. If a question is about billing, say that billing \
+questions go to the accounts team and give the address accounts@example.com.";
+
+    fn turn(i: usize) -> (String, String) {
+        (
+            format!(
+                "Where is shipment SH-{i:05}? It left Rotterdam on the {}th and the customer asks daily.",
+                i % 28 + 1
+            ),
+            format!(
+                "Shipment SH-{i:05} cleared customs in Antwerp and is on the truck to Lyon; the carrier expects \
+                 delivery within {} days. I will flag it if the estimate moves.",
+                i % 5 + 1
+            ),
+        )
+    }
+
+    /// A chat body: the system prompt and `turns` exchanges, then a new question.
+    pub fn chat(turns: usize) -> String {
+        let mut messages = vec![json!({"role": "system", "content": SYSTEM})];
+        for i in 0..turns {
+            let (question, answer) = turn(i);
+            messages.push(json!({"role": "user", "content": question}));
+            messages.push(json!({"role": "assistant", "content": answer}));
+        }
+        messages.push(json!({"role": "user", "content": turn(turns).0}));
+        json!({"model": "gpt-4o-mini", "messages": messages, "max_tokens": 256}).to_string()
+    }
+
+    /// The policy of a mode: `lease` or `direct` (a companion, leases on or off), `local`
+    /// (every limit in the proxy's shared data), `local-requests` (its request limit only).
+    pub fn config(mode: &str) -> String {
+        let limits = json!([{"name": "rpm", "requests": 1_000_000_000u64, "window": "1m"},
+                            {"name": "tpm", "tokens": 1_000_000_000_000u64, "window": "1m"}]);
+        let companion = json!({"upstream": "companion", "token": "test-token-0123456789"});
+        match mode {
+            "lease" | "direct" => json!({
+                "companion": companion, "failure_mode": "deny", "lease": {"enabled": mode == "lease"}, "limits": limits
+            }),
+            "local" => json!({"store": "local", "limits": limits}),
+            "local-requests" => json!({"store": "local", "limits": [limits[0].clone()]}),
+            other => panic!("mode lease, direct, local or local-requests, not {other}"),
+        }
+        .to_string()
+    }
+
+    /// The bodies a kind of traffic cycles through: `small` (a tiny chat), `chat` (three
+    /// exchanges), `turns` (a conversation growing by one exchange per request, as a client
+    /// resends the whole chat each turn), `idle` (one short chat).
+    pub fn bodies(kind: &str) -> Vec<String> {
+        match kind {
+            "small" => vec![json!({"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "Say hello"}], "max_tokens": 8})
+                .to_string()],
+            "chat" => vec![chat(3)],
+            "turns" => (0..20).map(chat).collect(),
+            "idle" => vec![chat(0)],
+            other => panic!("body small, chat, turns or idle, not {other}"),
+        }
+    }
+
+    /// The upstream's answer to every request.
+    pub fn reply() -> String {
+        json!({"id": "c1", "object": "chat.completion", "model": "gpt-4o-mini",
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": "Hello there, how can I help?"}, "finish_reason": "stop"}],
+            "usage": {"prompt_tokens": 12, "completion_tokens": 8, "total_tokens": 20}})
+        .to_string()
+    }
+
+    /// A proxy worker serving requests of `tenants` API keys in turn, `per_tick` requests
+    /// between two ticks 50 ms apart (250: a proxy at 5,000 requests a second).
+    pub struct Run {
+        pub world: Rc<RefCell<World>>,
+        pub proxy: Proxy,
+        pub companion: FakeCompanion,
+        keys: Vec<String>,
+        per_tick: usize,
+        /// Requests served so far.
+        pub served: usize,
+    }
+
+    impl Run {
+        pub fn new(mode: &str, tenants: usize, per_tick: usize) -> Run {
+            let world = World::new(HostKind::Envoy);
+            let proxy = Proxy::new(&world, &config(mode));
+            let keys = (0..tenants.max(1)).map(|i| format!("sk-bench-{i}")).collect();
+            Run { world, proxy, companion: FakeCompanion::default(), keys, per_tick: per_tick.max(1), served: 0 }
+        }
+
+        /// The next request, with `body`, from the next tenant.
+        pub fn request(&self, body: &str) -> Request {
+            Request::chat(&self.keys[self.served % self.keys.len()], body)
+        }
+
+        /// Serves `request` to the end with `reply`, then moves the clock and ticks as due.
+        pub fn serve(&mut self, request: Request, reply: &str) {
+            let i = self.served;
+            let mut flight = self.proxy.send(request, &mut self.companion);
+            if !flight.forwarded() {
+                panic!("request {i} was not forwarded: {:?}", flight.replied());
+            }
+            self.proxy.reply(&mut flight, 200, "application/json", &[reply]);
+            drop(flight);
+            let per_tick = self.per_tick;
+            if (i + 1) * 50 / per_tick > i * 50 / per_tick {
+                advance(&self.world, ((i + 1) * 50 / per_tick - i * 50 / per_tick) as u64);
+            }
+            if i % per_tick == per_tick - 1 {
+                self.proxy.tick(Some(&mut self.companion));
+            }
+            self.served += 1;
+        }
+    }
+}
+
 /// The JSON block after `<!-- marker -->` in the documentation pages that show policies
 /// (docs/configuration.md, docs/pools.md): a policy the tests load as written.
 pub fn docs_json_block(marker: &str) -> String {
