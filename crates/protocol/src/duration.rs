@@ -30,31 +30,42 @@ pub fn parse_duration(text: &str) -> Result<Duration, String> {
 /// Formats milliseconds the way OpenAI's reset headers do (Go's `time.Duration` string):
 /// `0s`, `17ms`, `1s`, `1.5s`, `6m0s`, `1h2m3s`.
 pub fn format_reset(ms: u64) -> String {
+    let mut text = String::with_capacity(8);
+    reset_pieces(ms, &mut |piece| text.push_str(piece));
+    text
+}
+
+/// [`format_reset`]'s text handed to `piece` a piece at a time, in order, without `format!`
+/// or a `String` of its own: a header written on every admitted response is filled in place.
+pub fn reset_pieces(ms: u64, piece: &mut impl FnMut(&str)) {
     if ms == 0 {
-        return "0s".to_string();
+        return piece("0s");
     }
+    let mut digits = itoa::Buffer::new();
     if ms < 1_000 {
-        // The common case (a bucket that refills continuously resets within a second),
-        // without `format!`.
-        let mut text = String::with_capacity(5);
-        text.push_str(itoa::Buffer::new().format(ms));
-        text.push_str("ms");
-        return text;
+        // The common case: a bucket that refills continuously resets within a second.
+        piece(digits.format(ms));
+        return piece("ms");
     }
-    let hours = ms / 3_600_000;
-    let minutes = (ms % 3_600_000) / 60_000;
-    let seconds_ms = ms % 60_000;
-    let seconds = if seconds_ms % 1_000 == 0 {
-        format!("{}s", seconds_ms / 1_000)
-    } else {
-        let text = format!("{}.{:03}", seconds_ms / 1_000, seconds_ms % 1_000);
-        format!("{}s", text.trim_end_matches('0'))
-    };
-    match (hours, minutes) {
-        (0, 0) => seconds,
-        (0, m) => format!("{m}m{seconds}"),
-        (h, m) => format!("{h}h{m}m{seconds}"),
+    let (hours, minutes, seconds_ms) = (ms / 3_600_000, (ms % 3_600_000) / 60_000, ms % 60_000);
+    if hours > 0 {
+        piece(digits.format(hours));
+        piece("h");
     }
+    if hours > 0 || minutes > 0 {
+        piece(digits.format(minutes));
+        piece("m");
+    }
+    piece(digits.format(seconds_ms / 1_000));
+    let fraction = seconds_ms % 1_000;
+    if fraction != 0 {
+        // Three digits less their trailing zeros (at least one digit is not a zero).
+        let milli = [fraction / 100, fraction / 10 % 10, fraction % 10].map(|d| b'0' + d as u8);
+        let kept = milli.iter().rposition(|&d| d != b'0').map_or(0, |last| last + 1);
+        piece(".");
+        piece(std::str::from_utf8(milli.get(..kept).unwrap_or_default()).unwrap_or_default());
+    }
+    piece("s");
 }
 
 #[cfg(test)]
@@ -106,6 +117,9 @@ mod tests {
             (360_000, "6m0s"),
             (90_500, "1m30.5s"),
             (3_723_000, "1h2m3s"),
+            (1_010, "1.01s"),
+            (3_600_000, "1h0m0s"),
+            (3_600_100, "1h0m0.1s"),
         ];
         for (ms, text) in cases {
             assert_eq!(format_reset(ms), text, "{ms}");

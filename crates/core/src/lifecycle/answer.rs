@@ -138,7 +138,7 @@ impl RequestFilter {
                     .filter(|(name, _)| *name != "retry-after" && !answers::belongs_to_the_error(name))
                     .collect();
                 let would = if self.shadow_overflow { "overflow".to_string() } else { reply.status.to_string() };
-                headers.push((SHADOW_HEADER, would));
+                headers.push((SHADOW_HEADER, would.into()));
                 Verdict::Forward(headers)
             }
             other => other,
@@ -151,7 +151,7 @@ impl RequestFilter {
                 self.phase = Phase::Forwarded;
                 self.provider.sent_ms = host.now_ms();
                 if let Some(mark) = self.provider.mark {
-                    headers.push((PROVIDER_HEADER, mark.to_string()));
+                    headers.push((PROVIDER_HEADER, mark.into()));
                 }
                 if let Some(backend) = &self.overflow {
                     // The route table (Envoy clears its route cache on a header the filter
@@ -159,7 +159,7 @@ impl RequestFilter {
                     if !host.set_request_header(OVERFLOW_HEADER, backend) {
                         host.warn_once("overflow", "llm-ratelimit: the host refused the overflow request header");
                     }
-                    headers.push((OVERFLOW_HEADER, backend.clone()));
+                    headers.push((OVERFLOW_HEADER, backend.as_str().into()));
                 }
                 self.response_headers = headers;
                 if paused {
@@ -182,8 +182,8 @@ impl RequestFilter {
                 // OpenAI's SDK reads `x-request-id`, Anthropic's `request-id`: a caller can
                 // quote either when it asks why it was refused.
                 if !self.request_id.is_empty() {
-                    reply.headers.push(("x-request-id", self.request_id.clone()));
-                    reply.headers.push(("request-id", self.request_id.clone()));
+                    reply.headers.push(("x-request-id", self.request_id.as_str().into()));
+                    reply.headers.push(("request-id", self.request_id.as_str().into()));
                 }
                 host.send_reply(&reply);
                 Action::Pause

@@ -45,7 +45,7 @@ impl RequestFilter {
             FailureMode::Allow => {
                 self.recorded.how = record::How::DegradedAllowed;
                 self.count_per_limit(host, config, Decision::Degraded);
-                Degraded::Decided(Verdict::Forward(vec![(DEGRADED_HEADER, "companion-unavailable".to_string())]))
+                Degraded::Decided(Verdict::Forward(vec![(DEGRADED_HEADER, "companion-unavailable".into())]))
             }
             FailureMode::Deny => Degraded::Decided(Verdict::Reply(decision::limiter_unavailable(self.dialect))),
         }

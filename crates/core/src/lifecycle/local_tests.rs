@@ -39,7 +39,7 @@ fn send(proxy: &mut Proxy, request: Request) -> InFlight {
 
 fn reply_header(flight: &InFlight, name: &str) -> Option<String> {
     let reply = flight.replied()?;
-    reply.headers.iter().find(|(n, _)| *n == name).map(|(_, v)| v.clone())
+    reply.headers.iter().find(|(n, _)| *n == name).map(|(_, v)| v.to_string())
 }
 
 fn header(flight: &InFlight, name: &str) -> Option<String> {

@@ -131,8 +131,8 @@ impl Verdict {
     /// The same verdict, its response carrying one more header.
     fn with_header(mut self, name: &'static str, value: String) -> Verdict {
         match &mut self {
-            Verdict::Forward(headers) => headers.push((name, value)),
-            Verdict::Reply(reply) => reply.headers.push((name, value)),
+            Verdict::Forward(headers) => headers.push((name, value.into())),
+            Verdict::Reply(reply) => reply.headers.push((name, value.into())),
             Verdict::Recharging => {}
         }
         self

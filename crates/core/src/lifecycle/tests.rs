@@ -1486,7 +1486,8 @@ fn tenants_in_the_queue_are_counted_in_1024_counters_whatever_their_number() {
 /// `retry-after` of its refusal. A forwarded request is left in flight (its slot held).
 fn admit(proxy: &mut Proxy, companion: &mut FakeCompanion, key: &str) -> (crate::testing::InFlight, Option<String>) {
     let flight = proxy.send(Request::get(key, "/v1/models"), companion);
-    let retry = flight.replied().and_then(|r| r.headers.iter().find(|(n, _)| *n == "retry-after").map(|h| h.1.clone()));
+    let retry =
+        flight.replied().and_then(|r| r.headers.iter().find(|(n, _)| *n == "retry-after").map(|h| h.1.to_string()));
     assert!(flight.forwarded() || flight.replied().map(|r| r.status) == Some(429), "{:?}", flight.replied());
     (flight, retry)
 }

@@ -646,11 +646,7 @@ mod tests {
         let refused = proxy.send(signed_request("AKIDTENANT1", path, CONVERSE), &mut companion);
         let reply = refused.replied().expect("a 429");
         assert_eq!(reply.status, 429);
-        assert!(
-            reply.headers.contains(&("x-amzn-errortype", "ThrottlingException".to_string())),
-            "{:?}",
-            reply.headers
-        );
+        assert!(reply.headers.contains(&("x-amzn-errortype", "ThrottlingException".into())), "{:?}", reply.headers);
         let body: serde_json::Value = serde_json::from_str(&reply.body).expect("JSON");
         assert!(body["message"].as_str().is_some_and(|m| m.contains("rpm")), "{body}");
         // An OpenAI request from the same proxy keeps OpenAI's shape.
@@ -675,7 +671,7 @@ mod tests {
         let refused = proxy.send(signed_request("AKIDTENANT1", path, CONVERSE), &mut companion);
         let reply = refused.replied().expect("a 503");
         assert_eq!(reply.status, 503);
-        assert!(reply.headers.contains(&("x-amzn-errortype", "ServiceUnavailableException".to_string())));
+        assert!(reply.headers.contains(&("x-amzn-errortype", "ServiceUnavailableException".into())));
         let body: serde_json::Value = serde_json::from_str(&reply.body).expect("JSON");
         assert!(body["message"].as_str().is_some_and(|m| !m.is_empty()), "{body}");
     }

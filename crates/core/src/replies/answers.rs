@@ -35,10 +35,10 @@ pub struct Caller {
 /// refusal that lasts.
 pub fn error_reply(dialect: Dialect, refusal: Refusal, message: &str, retry_after_seconds: Option<u64>) -> LocalReply {
     let envelope = providers::error_envelope(dialect, refusal, message, retry_after_seconds);
-    let mut headers: Vec<Header> = vec![("content-type", "application/json".to_string())];
-    headers.extend(envelope.header);
+    let mut headers: Vec<Header> = vec![("content-type", "application/json".into())];
+    headers.extend(envelope.header.map(|(name, value)| (name, value.into())));
     if refusal.lasts() {
-        headers.push((SHOULD_RETRY_HEADER, "false".to_string()));
+        headers.push((SHOULD_RETRY_HEADER, "false".into()));
     }
     LocalReply { status: refusal.status(), headers, body: envelope.body.to_string() }
 }

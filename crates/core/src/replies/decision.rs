@@ -5,11 +5,11 @@
 use crate::api::dialect::Dialect;
 use crate::api::refusal::Refusal;
 use crate::config::{Dimension, HeaderStyle, Per, Policy, TokenCount};
-use crate::duration::format_reset;
+use crate::duration::{format_reset, reset_pieces};
 use crate::protocol::{LimitCharge, LimitOutcome, LimitStatus, LimitsReply, Suspension};
 use crate::providers::{self, HeaderQuota, RateLimitHeaders, ResetForm};
 use crate::replies::answers::{error_reply, rfc3339, Caller};
-use crate::replies::reply::{tightest, Header, LocalReply};
+use crate::replies::reply::{tightest, Header, HeaderValue, LocalReply};
 
 /// Set on responses that passed without a limiter decision (companion unavailable and
 /// `failure_mode: allow`), so operators and clients can tell.
@@ -45,13 +45,13 @@ pub fn rate_limit_headers(reply: &LimitsReply, config: &Policy, caller: Caller) 
         }
     }
     // The IETF and classic fields describe quotas per time window: concurrency is not one.
-    let windowed: Vec<_> = reply.limits.iter().filter(|o| dimension_of(config, o) != Dimension::Concurrency).collect();
+    let windowed = || reply.limits.iter().filter(|o| dimension_of(config, o) != Dimension::Concurrency);
     if config.headers.contains(&HeaderStyle::Ietf) {
-        ietf_headers(&windowed, config, caller.now_ms, &mut headers);
+        ietf_headers(windowed(), config, caller.now_ms, &mut headers);
     }
     if config.headers.contains(&HeaderStyle::Classic) {
         // The most restrictive: the smallest share of its limit left.
-        let tightest = windowed.iter().min_by(|a, b| {
+        let tightest = windowed().min_by(|a, b| {
             let share = |o: &LimitOutcome| o.remaining as f64 / o.limit.max(1) as f64;
             share(a).total_cmp(&share(b))
         });
@@ -91,8 +91,12 @@ fn provider_headers(
             headers.push((quota.remaining, decimal(o.remaining)));
             if let Some(reset) = quota.reset {
                 let when = match names.reset {
-                    ResetForm::After => format_reset(o.reset_after_ms),
-                    ResetForm::At => rfc3339(now_ms.saturating_add(o.reset_after_ms).div_ceil(1000)),
+                    ResetForm::After => {
+                        let mut when = HeaderValue::default();
+                        reset_pieces(o.reset_after_ms, &mut |piece| when.push_str(piece));
+                        when
+                    }
+                    ResetForm::At => rfc3339(now_ms.saturating_add(o.reset_after_ms).div_ceil(1000)).into(),
                 };
                 headers.push((reset, when));
             }
@@ -100,13 +104,19 @@ fn provider_headers(
     }
 }
 
-/// A number as header text (every admitted request writes several).
-pub fn decimal(n: u64) -> String {
-    itoa::Buffer::new().format(n).to_string()
+/// A number as header text (every admitted request writes several), kept in place.
+pub fn decimal(n: u64) -> HeaderValue {
+    HeaderValue::from(itoa::Buffer::new().format(n))
 }
 
-fn ietf_headers(windowed: &[&LimitOutcome], config: &Policy, now_ms: u64, headers: &mut Vec<Header>) {
-    if windowed.is_empty() {
+fn ietf_headers<'r>(
+    windowed: impl Iterator<Item = &'r LimitOutcome>,
+    config: &Policy,
+    now_ms: u64,
+    headers: &mut Vec<Header>,
+) {
+    let mut windowed = windowed.peekable();
+    if windowed.peek().is_none() {
         return;
     }
     let seconds = |ms: u64| ms.div_ceil(1000);
@@ -114,7 +124,7 @@ fn ietf_headers(windowed: &[&LimitOutcome], config: &Policy, now_ms: u64, header
     // pieces rather than `write!`: this runs for every admitted request.
     let (mut policy, mut state) = (String::with_capacity(64), String::with_capacity(64));
     let mut digits = itoa::Buffer::new();
-    for (i, o) in windowed.iter().enumerate() {
+    for (i, o) in windowed.enumerate() {
         let separator = if i == 0 { "" } else { ", " };
         let window = config.limit(&o.name).map_or(0, |l| l.window_ms_at(now_ms));
         // `t` says when `r` is worth asking again: with nothing left, when a request fits
@@ -131,8 +141,8 @@ fn ietf_headers(windowed: &[&LimitOutcome], config: &Policy, now_ms: u64, header
             field.push_str(digits.format(second.1));
         }
     }
-    headers.push(("ratelimit-policy", policy));
-    headers.push(("ratelimit", state));
+    headers.push(("ratelimit-policy", policy.into()));
+    headers.push(("ratelimit", state.into()));
 }
 
 /// The 429 for a reply that was not allowed. It names the limit that binds longest; when
@@ -287,7 +297,7 @@ fn spent_refusal(spent: &Spent, config: &Policy, caller: Caller, headers: Vec<He
     );
     let refusal = Refusal::QuotaSpent { status: config.refusals.spent_status };
     let mut reply = error_reply(caller.dialect, refusal, &message, None);
-    let retry_after = ("retry-after", retry_after_seconds(wait_ms).to_string());
+    let retry_after = ("retry-after", decimal(retry_after_seconds(wait_ms)));
     reply.headers.splice(0..0, headers.into_iter().chain([retry_after]));
     reply
 }
@@ -315,7 +325,7 @@ pub fn budget_low(reply: &LimitsReply, config: &Policy, now_ms: u64) -> Option<H
         })
         .map(|o| o.name.as_str())
         .collect();
-    (!low.is_empty()).then(|| (BUDGET_LOW_HEADER, low.join(", ")))
+    (!low.is_empty()).then(|| (BUDGET_LOW_HEADER, low.join(", ").into()))
 }
 
 /// A 429 in `dialect`'s shape with the rate-limit headers and, when a wait helps (`retry_ms`),
@@ -335,7 +345,7 @@ fn refuse(
 /// `retry-after` in whole seconds (HTTP's), and `retry-after-ms`, which the OpenAI and
 /// Anthropic SDKs read first, exact to the millisecond (at least 1).
 fn retry_headers(ms: u64) -> [Header; 2] {
-    [("retry-after", retry_after_seconds(ms).to_string()), ("retry-after-ms", ms.max(1).to_string())]
+    [("retry-after", decimal(retry_after_seconds(ms))), ("retry-after-ms", decimal(ms.max(1)))]
 }
 
 /// On a response the provider's own word shaped (`provider_limits`): `refused` on a 429
@@ -370,7 +380,7 @@ pub fn provider_refusal(dialect: Dialect, wait_ms: u64, short: Option<(&'static 
         ),
     };
     let mut reply = refuse(dialect, Refusal::RateLimited(kind), &message, Some(wait_ms), Vec::new());
-    reply.headers.push((PROVIDER_HEADER, "refused".to_string()));
+    reply.headers.push((PROVIDER_HEADER, "refused".into()));
     reply
 }
 
@@ -1020,13 +1030,13 @@ mod tests {
             ],
         );
         let config = refusals_config(serde_json::json!({"warn_below": 0.1}));
-        assert_eq!(budget_low(&admitted, &config, 0), Some((BUDGET_LOW_HEADER, "rpd, usd-day, monthly".to_string())));
+        assert_eq!(budget_low(&admitted, &config, 0), Some((BUDGET_LOW_HEADER, "rpd, usd-day, monthly".into())));
         // Off by default; and nothing said while every budget has enough.
         assert_eq!(budget_low(&admitted, &refusals_config(serde_json::json!({})), 0), None);
         let config = refusals_config(serde_json::json!({"warn_below": 0.01}));
-        assert_eq!(budget_low(&admitted, &config, 0), Some((BUDGET_LOW_HEADER, "usd-day".to_string())));
+        assert_eq!(budget_low(&admitted, &config, 0), Some((BUDGET_LOW_HEADER, "usd-day".into())));
         // A horizon longer than a day: a day's window is no budget, the calendar month still is.
         let config = refusals_config(serde_json::json!({"warn_below": 0.1, "retry_horizon": "1d"}));
-        assert_eq!(budget_low(&admitted, &config, 0), Some((BUDGET_LOW_HEADER, "usd-day, monthly".to_string())));
+        assert_eq!(budget_low(&admitted, &config, 0), Some((BUDGET_LOW_HEADER, "usd-day, monthly".into())));
     }
 }
