@@ -99,12 +99,12 @@ fn assert_at_most(mode: &str, body: &str, ceiling: f64) {
 
 #[test]
 fn a_leased_tiny_chat_allocates_little() {
-    assert_at_most("lease", "small", 119.0);
+    assert_at_most("lease", "small", 112.0);
 }
 
 #[test]
 fn a_leased_chat_allocates_little() {
-    assert_at_most("lease", "chat", 138.0);
+    assert_at_most("lease", "chat", 131.0);
 }
 
 #[test]

@@ -109,6 +109,12 @@ impl Lease {
         self.blocked_until_ms = 0;
     }
 
+    /// Whether a request of `cost` is refused here without asking Redis: Redis recently
+    /// refused as much, and this lease cannot cover it.
+    pub fn blocks(&self, cost: u64, now_ms: u64) -> bool {
+        self.blocked_for(cost, now_ms).is_some() && !(self.is_live(now_ms) && self.remaining >= cost as f64)
+    }
+
     /// Whether Redis recently refused what a request of `cost` needs, and for how much
     /// longer (ms).
     pub fn blocked_for(&self, cost: u64, now_ms: u64) -> Option<u64> {
@@ -294,14 +300,16 @@ impl TenantLeases {
         }
     }
 
+    /// Whether some limit blocks its part of `costs` (see [`Lease::blocks`]): what
+    /// [`TenantLeases::refusal`] answers, without building its reply.
+    pub fn blocks(&self, costs: &[u64], now_ms: u64) -> bool {
+        self.0.iter().zip(costs).any(|(lease, &cost)| lease.blocks(cost, now_ms))
+    }
+
     /// If a limit recently refused what this request needs (and its lease cannot cover
     /// it), the reply to give without asking Redis again: that limit, with its retry time.
     pub fn refusal(&self, specs: &[LimitCharge], now_ms: u64) -> Option<LimitsReply> {
-        let blocked = self.0.iter().zip(specs).any(|(lease, spec)| {
-            lease.blocked_for(spec.cost, now_ms).is_some()
-                && !(lease.is_live(now_ms) && lease.remaining >= spec.cost as f64)
-        });
-        if !blocked {
+        if !self.0.iter().zip(specs).any(|(lease, spec)| lease.blocks(spec.cost, now_ms)) {
             return None;
         }
         let mut reply = self.as_reply(specs);

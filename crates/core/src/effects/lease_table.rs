@@ -31,13 +31,12 @@ pub struct Holder {
     pub indices: Vec<usize>,
 }
 
-/// The entries a request with these `owners` (one per limit, `None`: the tenant's; empty:
-/// every limit the tenant's) over `limits` limits draws from: the tenant's first, then
-/// each pool in config order.
-pub fn holders(tenant: &str, owners: &[Option<String>], limits: usize) -> Vec<Holder> {
-    let mut holders = vec![Holder { name: tenant.to_string(), indices: Vec::new() }];
+/// The entries a request whose limit `i` is counted by `owner(i)` (`None`: the tenant)
+/// over `limits` limits draws from: the tenant's first, then each pool in config order.
+pub fn holders<'a>(tenant: &str, owner: impl Fn(usize) -> Option<&'a str>, limits: usize) -> Vec<Holder> {
+    let mut holders = vec![Holder { name: tenant.to_string(), indices: Vec::with_capacity(limits) }];
     for i in 0..limits {
-        let name = owners.get(i).and_then(Option::as_deref).unwrap_or(tenant);
+        let name = owner(i).unwrap_or(tenant);
         match holders.iter_mut().find(|h| h.name == name) {
             Some(holder) => holder.indices.push(i),
             None => holders.push(Holder { name: name.to_string(), indices: vec![i] }),
@@ -150,7 +149,8 @@ pub fn take(
     let costs: Vec<u64> = specs.iter().map(|s| s.cost).collect();
     let mut view = TenantLeases::decode(None, limits);
     let mut renew = Vec::new();
-    let mut taken: Vec<Holder> = Vec::new();
+    // What was taken, as the caller's holders: cloned only if it must be held.
+    let mut taken: Vec<&Holder> = Vec::new();
     let mut slots: Vec<u32> = Vec::new();
     let mut short: Vec<Holder> = Vec::new();
     let mut marked: Vec<Holder> = Vec::new();
@@ -159,8 +159,6 @@ pub fn take(
         if part.iter().all(|&c| c == 0) {
             continue; // nothing to take here (a limit of another model, a missing header)
         }
-        let part_specs: Vec<LimitCharge> =
-            specs.iter().zip(&part).map(|(s, &cost)| LimitCharge { cost, ..s.clone() }).collect();
         let step = update_own_at(host, config, TenantTable::Leases, &holder.name, evictable(limits, now), |payload| {
             let mut entry = LeaseEntry::decode(payload, limits);
             if entry.leases.admit(&part, now) {
@@ -175,7 +173,7 @@ pub fn take(
                 }
                 return (Some(entry.encode()), Part::Took { low, leases: entry.leases });
             }
-            if entry.leases.refusal(&part_specs, now).is_some() {
+            if entry.leases.blocks(&part, now) {
                 return (None, Part::Blocked);
             }
             if entry.repeats(policy.ttl_ms, now) {
@@ -203,7 +201,7 @@ pub fn take(
                 if low {
                     renew.push(holder.clone());
                 }
-                taken.push(holder.clone());
+                taken.push(holder);
                 slots.push(slot);
                 continue;
             }
@@ -218,7 +216,7 @@ pub fn take(
             Some(Ok((_, Part::Blocked))) => None,
             Some(Ok((_, Part::FirstSeen)) | Err(Busy)) | None => Some(Taken::Direct),
         };
-        put_back(host, config, &taken, &costs, now);
+        put_back(host, config, taken, &costs, now);
         // Nobody asks for these now: a later request (or tick) may.
         for holder in marked.iter().chain(&renew) {
             renewal_answered(host, config, holder);
@@ -233,7 +231,7 @@ pub fn take(
     if short.is_empty() {
         return Taken::Admitted { renew, leases: view, slots };
     }
-    Taken::Ask(Hold { held: taken, short, leases: view, renew, slots, marked })
+    Taken::Ask(Hold { held: taken.into_iter().cloned().collect(), short, leases: view, renew, slots, marked })
 }
 
 /// What to ask Redis for a request's `short` entries: each of their limits sized by
@@ -269,7 +267,13 @@ fn copy_indices(view: &mut TenantLeases, from: &TenantLeases, indices: &[usize])
 
 /// Gives back what `taken` gave of `costs`. A lease that expired in between keeps it
 /// (its remainder went back to Redis without it): the request's cost stays charged there.
-pub fn put_back(host: &mut impl Host, config: &Policy, taken: &[Holder], costs: &[u64], now: u64) {
+pub fn put_back<'h>(
+    host: &mut impl Host,
+    config: &Policy,
+    taken: impl IntoIterator<Item = &'h Holder>,
+    costs: &[u64],
+    now: u64,
+) {
     let credits: Vec<(usize, i64)> =
         costs.iter().enumerate().map(|(i, &c)| (i, i64::try_from(c).unwrap_or(i64::MAX))).collect();
     for holder in taken {
@@ -451,16 +455,16 @@ mod tests {
 
     #[test]
     fn the_tenant_comes_first_then_each_pool_once() {
-        let owners = [None, Some("all".to_string()), Some("pteam".to_string()), Some("all".to_string()), None];
+        let owners = [None, Some("all"), Some("pteam"), Some("all"), None];
         let names: Vec<(String, Vec<usize>)> =
-            holders("t1", &owners, 5).into_iter().map(|h| (h.name, h.indices)).collect();
+            holders("t1", |i| owners[i], 5).into_iter().map(|h| (h.name, h.indices)).collect();
         assert_eq!(
             names,
             [("t1".into(), vec![0, 4]), ("all".into(), vec![1, 3]), ("pteam".into(), vec![2])],
             "one entry per owner, limits in config order"
         );
-        let pools_only = holders("t1", &[Some("all".to_string())], 1);
+        let pools_only = holders("t1", |_| Some("all"), 1);
         assert_eq!(pools_only, [Holder { name: "all".into(), indices: vec![0] }], "no empty tenant entry");
-        assert_eq!(holders("t1", &[], 2), [Holder { name: "t1".into(), indices: vec![0, 1] }]);
+        assert_eq!(holders("t1", |_| None, 2), [Holder { name: "t1".into(), indices: vec![0, 1] }]);
     }
 }

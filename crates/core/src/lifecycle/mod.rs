@@ -776,7 +776,8 @@ impl RequestFilter {
 
     /// The lease entries this request draws from: its tenant's, and each shared pool's.
     fn holders(&self, config: &Policy) -> Vec<Holder> {
-        lease_table::holders(&self.tenant, &self.owners(), config.limits.len())
+        let buckets = self.plan.as_ref().map_or(&[][..], |plan| &plan.buckets);
+        lease_table::holders(&self.tenant, |i| buckets.get(i).and_then(|b| b.owner.as_deref()), config.limits.len())
     }
 
     /// The owner of limit `name`'s counter for this request: the tenant, or a pool's id.
