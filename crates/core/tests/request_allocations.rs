@@ -109,5 +109,5 @@ fn a_leased_chat_allocates_little() {
 
 #[test]
 fn a_tiny_chat_on_the_local_store_allocates_little() {
-    assert_at_most("local", "small", 127.0);
+    assert_at_most("local", "small", 111.0);
 }

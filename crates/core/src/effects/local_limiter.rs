@@ -51,28 +51,49 @@ struct Counted {
     counters: Vec<Counter>,
 }
 
+/// Pairs a counter stores at most (its count is 2 bytes).
+const MOST_PAIRS: usize = u16::MAX as usize;
+
 fn encode(counted: &Counted) -> Vec<u8> {
-    let mut out = vec![FORMAT];
+    // Sized once: an entry is written on every charge and every settlement.
+    let pairs_at_most = |counter: &Counter| match counter {
+        Counter::Bucket(state) => usize::from(state.is_some()),
+        Counter::Window(entries) => entries.len().min(MOST_PAIRS),
+        Counter::Slots(held) => held.len().min(MOST_PAIRS),
+    };
+    let counters = &counted.counters;
+    let size =
+        HEADER_BYTES + counters.iter().map(|c| COUNTER_HEADER_BYTES + pairs_at_most(c) * ENTRY_BYTES).sum::<usize>();
+    let mut out = Vec::with_capacity(size);
+    out.push(FORMAT);
     out.extend_from_slice(&counted.used_ms.to_le_bytes());
-    for counter in &counted.counters {
-        let pairs: Vec<(u64, f64)> = match counter {
-            Counter::Bucket(None) => Vec::new(),
-            Counter::Bucket(Some(state)) => vec![(state.tokens.to_bits(), state.updated_ms)],
-            Counter::Window(entries) => entries.iter().map(|&(at, amount)| (at.to_bits(), amount)).collect(),
-            Counter::Slots(held) => held
-                .iter()
-                .filter_map(|(holder, &expiry)| u64::from_str_radix(holder, 16).ok().map(|h| (h, expiry)))
-                .collect(),
-        };
+    for counter in counters {
         out.push(match counter.kind() {
             LimitKind::TokenBucket | LimitKind::Calendar => KIND_BUCKET,
             LimitKind::SlidingWindow => KIND_WINDOW,
             LimitKind::Slots => KIND_SLOTS,
         });
-        out.extend_from_slice(&(pairs.len().min(usize::from(u16::MAX)) as u16).to_le_bytes());
-        for (first, second) in pairs.into_iter().take(usize::from(u16::MAX)) {
-            out.extend_from_slice(&first.to_le_bytes());
-            out.extend_from_slice(&second.to_le_bytes());
+        let count_at = out.len();
+        out.extend_from_slice(&[0, 0]);
+        let mut count = 0usize;
+        let mut put = |first: u64, second: f64| {
+            if count < MOST_PAIRS {
+                out.extend_from_slice(&first.to_le_bytes());
+                out.extend_from_slice(&second.to_le_bytes());
+                count += 1;
+            }
+        };
+        match counter {
+            Counter::Bucket(None) => {}
+            Counter::Bucket(Some(state)) => put(state.tokens.to_bits(), state.updated_ms),
+            Counter::Window(entries) => entries.iter().for_each(|&(at, amount)| put(at.to_bits(), amount)),
+            Counter::Slots(held) => held
+                .iter()
+                .filter_map(|(holder, &expiry)| u64::from_str_radix(holder, 16).ok().map(|h| (h, expiry)))
+                .for_each(|(h, expiry)| put(h, expiry)),
+        }
+        if let Some(field) = out.get_mut(count_at..count_at + 2) {
+            field.copy_from_slice(&(count as u16).to_le_bytes());
         }
     }
     out
@@ -102,26 +123,24 @@ fn decode_exactly(bytes: &[u8], specs: &[LimitCharge]) -> Option<Counted> {
         let count = usize::from(u16::from_le_bytes(count.try_into().ok()?));
         let (entries, after) = after.split_at_checked(count * ENTRY_BYTES)?;
         rest = after;
-        let pairs = entries.chunks_exact(ENTRY_BYTES).map(|chunk| {
+        // Read in place: a bucket (most limits) keeps no list of its one pair.
+        let mut pairs = entries.chunks_exact(ENTRY_BYTES).map(|chunk| {
             let (first, second) = chunk.split_at(8);
-            Some((u64::from_le_bytes(first.try_into().ok()?), f64::from_le_bytes(second.try_into().ok()?)))
+            let word = |bytes: &[u8]| <[u8; 8]>::try_from(bytes).unwrap_or_default();
+            (u64::from_le_bytes(word(first)), f64::from_le_bytes(word(second)))
         });
-        let pairs: Vec<(u64, f64)> = pairs.collect::<Option<_>>()?;
         let counter = match (kind, spec.kind) {
             (KIND_BUCKET, LimitKind::TokenBucket | LimitKind::Calendar) => {
-                Counter::Bucket(pairs.first().map(|&(tokens, updated_ms)| crate::accounting::bucket::BucketState {
+                Counter::Bucket(pairs.next().map(|(tokens, updated_ms)| crate::accounting::bucket::BucketState {
                     tokens: f64::from_bits(tokens),
                     updated_ms,
                 }))
             }
             (KIND_WINDOW, LimitKind::SlidingWindow) => {
-                Counter::Window(pairs.into_iter().map(|(at, amount)| (f64::from_bits(at), amount)).collect())
+                Counter::Window(pairs.map(|(at, amount)| (f64::from_bits(at), amount)).collect())
             }
             (KIND_SLOTS, LimitKind::Slots) => Counter::Slots(
-                pairs
-                    .into_iter()
-                    .map(|(holder, expiry)| (format!("{holder:016x}"), expiry))
-                    .collect::<BTreeMap<_, _>>(),
+                pairs.map(|(holder, expiry)| (format!("{holder:016x}"), expiry)).collect::<BTreeMap<_, _>>(),
             ),
             _ => return None,
         };
@@ -326,4 +345,44 @@ pub fn slot_key(host: &mut impl Host, domain: &str) -> [u64; 2] {
     let Some(bytes) = taken else { return drawn };
     let (low, high) = bytes.split_at(8);
     [u64::from_le_bytes(low.try_into().unwrap_or_default()), u64::from_le_bytes(high.try_into().unwrap_or_default())]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::accounting::bucket::BucketState;
+    use crate::testing::spec;
+
+    #[test]
+    fn counters_read_back_as_written_each_kind_and_at_their_bound() {
+        let specs = [
+            spec("a", 10, 60_000, 1, None, LimitKind::TokenBucket),
+            spec("b", 10, 60_000, 1, None, LimitKind::TokenBucket),
+            spec("c", 10, 60_000, 1, None, LimitKind::SlidingWindow),
+            spec("d", 10, 60_000, 1, None, LimitKind::Slots),
+            spec("e", 10, 60_000, 1, None, LimitKind::SlidingWindow),
+        ];
+        let held: BTreeMap<String, f64> =
+            [("00000000000000ff", 5.0), ("0123456789abcdef", 7.5)].map(|(h, e)| (h.to_string(), e)).into();
+        let counters = vec![
+            Counter::Bucket(None),
+            Counter::Bucket(Some(BucketState { tokens: 2.5, updated_ms: 1_000.0 })),
+            Counter::Window(vec![(1.0, 2.0), (3.0, 4.5)]),
+            Counter::Slots(held),
+            // Past what a count of 2 bytes says: the newest are left out.
+            Counter::Window((0..MOST_PAIRS + 3).map(|i| (i as f64, 1.0)).collect()),
+        ];
+        let bytes = encode(&Counted { used_ms: 42, counters: counters.clone() });
+        let pairs = 1 + 2 + 2 + MOST_PAIRS;
+        assert_eq!(bytes.len(), HEADER_BYTES + specs.len() * COUNTER_HEADER_BYTES + pairs * ENTRY_BYTES);
+        let mut expected = counters;
+        if let Some(Counter::Window(entries)) = expected.last_mut() {
+            entries.truncate(MOST_PAIRS);
+        }
+        let read = decode(Some(&bytes), &specs);
+        assert_eq!((read.used_ms, read.counters), (42, expected));
+        // A holder that is not a hash of a reservation id is not kept.
+        let odd = Counted { used_ms: 0, counters: vec![Counter::Slots([("not-hex".to_string(), 1.0)].into())] };
+        assert_eq!(decode(Some(&encode(&odd)), &specs[3..4]).counters, [Counter::Slots(BTreeMap::new())]);
+    }
 }
