@@ -193,8 +193,15 @@ impl LeaseEntry {
     }
 
     pub fn encode(&self) -> Vec<u8> {
-        let mut out = self.seen_ms.to_le_bytes().to_vec();
-        out.extend_from_slice(&self.leases.encode());
+        self.encode_with_room(0)
+    }
+
+    /// `encode` in one allocation with `room` bytes to spare, for what its table puts in
+    /// front of it (an entry is written on every leased request).
+    pub fn encode_with_room(&self, room: usize) -> Vec<u8> {
+        let mut out = Vec::with_capacity(room + 8 + self.leases.0.len() * LEASE_BYTES);
+        out.extend_from_slice(&self.seen_ms.to_le_bytes());
+        self.leases.encode_into(&mut out);
         out
     }
 
@@ -231,10 +238,14 @@ impl TenantLeases {
 
     pub fn encode(&self) -> Vec<u8> {
         let mut out = Vec::with_capacity(self.0.len() * LEASE_BYTES);
-        for lease in &self.0 {
-            lease.to_bytes(&mut out);
-        }
+        self.encode_into(&mut out);
         out
+    }
+
+    fn encode_into(&self, out: &mut Vec<u8>) {
+        for lease in &self.0 {
+            lease.to_bytes(out);
+        }
     }
 
     /// Takes `costs[i]` from lease `i`, all or none: only live leases with enough left.

@@ -414,9 +414,9 @@ pub fn shared_update_from<R>(
         }
         let (next, result) = change(read.value());
         let Some(next) = next else { return Some(result) };
-        let mut tagged = Vec::with_capacity(FINGERPRINT_BYTES + next.len());
-        tagged.extend_from_slice(&fingerprint(&read.key));
-        tagged.extend_from_slice(&next);
+        // In place where the value left room at its front (`tables::ENTRY_ROOM`).
+        let mut tagged = next;
+        tagged.splice(0..0, fingerprint(&read.key));
         match host.shared_set(&read.key, &tagged, read.cas) {
             Ok(()) => return Some(result),
             Err(SharedWriteError::CasMismatch) => continue,

@@ -20,7 +20,7 @@
 use crate::accounting::lease::{lease_asks, LeaseEntry, LeasePolicy, TenantLeases};
 use crate::config::Policy;
 use crate::effects::host::Host;
-use crate::effects::tables::{read_own, update_own, update_own_at, Busy, TenantTable};
+use crate::effects::tables::{read_own, update_own, update_own_at, Busy, TenantTable, ENTRY_ROOM};
 use crate::protocol::{LeaseAsk, LimitCharge, LimitOutcome, LimitStatus, LimitsReply};
 
 /// One entry of the lease table a request draws from: whose it is (the tenant's id or a
@@ -171,7 +171,7 @@ pub fn take(
                         }
                     }
                 }
-                return (Some(entry.encode()), Part::Took { low, leases: entry.leases });
+                return (Some(entry.encode_with_room(ENTRY_ROOM)), Part::Took { low, leases: entry.leases });
             }
             if entry.leases.blocks(&part, now) {
                 return (None, Part::Blocked);
@@ -188,12 +188,12 @@ pub fn take(
                                 lease.renewal_asked_ms = now;
                             }
                         }
-                        return (Some(entry.encode()), Part::Short { marked: true });
+                        return (Some(entry.encode_with_room(ENTRY_ROOM)), Part::Short { marked: true });
                     }
                 }
             }
             entry.seen_ms = now;
-            (Some(entry.encode()), Part::FirstSeen)
+            (Some(entry.encode_with_room(ENTRY_ROOM)), Part::FirstSeen)
         });
         let outcome = match step {
             Some(Ok((slot, Part::Took { low, leases }))) => {
@@ -347,7 +347,7 @@ fn update_existing<R: Default>(
             let Some(payload) = payload else { return (None, R::default()) };
             let mut entry = LeaseEntry::decode(Some(payload), limits);
             let (write, result) = change(&mut entry);
-            (write.then(|| entry.encode()), result)
+            (write.then(|| entry.encode_with_room(ENTRY_ROOM)), result)
         },
     );
     match done {
@@ -388,7 +388,7 @@ pub fn merge<'a>(
                         }
                     }
                 }
-                (Some(entry.encode()), entry.leases)
+                (Some(entry.encode_with_room(ENTRY_ROOM)), entry.leases)
             });
         match merged {
             Some(Ok((slot, leases))) => {
@@ -444,7 +444,7 @@ pub fn block(host: &mut impl Host, config: &Policy, holders: &[Holder], reply: &
         update_own(host, config, TenantTable::Leases, &holder.name, evictable(limits, now), |payload| {
             let mut entry = LeaseEntry::decode(payload, limits);
             entry.leases.block(reply, &part, now);
-            (Some(entry.encode()), ())
+            (Some(entry.encode_with_room(ENTRY_ROOM)), ())
         });
     }
 }

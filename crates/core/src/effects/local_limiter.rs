@@ -21,7 +21,7 @@
 use crate::accounting::counters::{self, Counter};
 use crate::config::{Policy, Store};
 use crate::effects::host::{shared_update, Host};
-use crate::effects::tables::{fnv1a, update_own, update_own_or_oldest, Busy, TenantTable};
+use crate::effects::tables::{fnv1a, update_own, update_own_or_oldest, Busy, TenantTable, ENTRY_ROOM};
 use crate::protocol::{LimitCharge, LimitKind, LimitsReply};
 use std::collections::BTreeMap;
 
@@ -62,8 +62,9 @@ fn encode(counted: &Counted) -> Vec<u8> {
         Counter::Slots(held) => held.len().min(MOST_PAIRS),
     };
     let counters = &counted.counters;
-    let size =
-        HEADER_BYTES + counters.iter().map(|c| COUNTER_HEADER_BYTES + pairs_at_most(c) * ENTRY_BYTES).sum::<usize>();
+    let size = ENTRY_ROOM
+        + HEADER_BYTES
+        + counters.iter().map(|c| COUNTER_HEADER_BYTES + pairs_at_most(c) * ENTRY_BYTES).sum::<usize>();
     let mut out = Vec::with_capacity(size);
     out.push(FORMAT);
     out.extend_from_slice(&counted.used_ms.to_le_bytes());
