@@ -11,6 +11,8 @@
 //! `dropped`. At most `MAX_ROWS + 2 * SPARE_ROWS` rows, about 2,560 x 200 B = 0.5 MB.
 
 use crate::protocol::ledger::{LedgerBatch, LedgerRow, Spent, MAX_LEDGER_LABEL, MAX_LEDGER_MODEL, OTHER_MODEL};
+use std::borrow::Borrow;
+use std::cmp::Ordering;
 use std::collections::BTreeMap;
 
 /// Rows a worker sums before it must fold new ones into `other` (about 200 bytes each).
@@ -37,6 +39,52 @@ pub struct Out {
     pub seq: u64,
     pub rows: Vec<LedgerRow>,
     pub token: Option<u32>,
+}
+
+/// A row's key, (owner, model, day), as stored or as borrowed: a request adding to an
+/// existing row (most do) finds it without copying its owner and model into strings.
+trait RowKey {
+    fn parts(&self) -> (&str, &str, u32);
+}
+
+impl RowKey for (String, String, u32) {
+    fn parts(&self) -> (&str, &str, u32) {
+        (&self.0, &self.1, self.2)
+    }
+}
+
+impl RowKey for (&str, &str, u32) {
+    fn parts(&self) -> (&str, &str, u32) {
+        *self
+    }
+}
+
+// The stored key orders as its parts do (a tuple's order is its fields' in turn), so a
+// borrowed key finds what an owned one would.
+impl<'a> Borrow<dyn RowKey + 'a> for (String, String, u32) {
+    fn borrow(&self) -> &(dyn RowKey + 'a) {
+        self
+    }
+}
+
+impl PartialEq for dyn RowKey + '_ {
+    fn eq(&self, other: &Self) -> bool {
+        self.parts() == other.parts()
+    }
+}
+
+impl Eq for dyn RowKey + '_ {}
+
+impl PartialOrd for dyn RowKey + '_ {
+    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl Ord for dyn RowKey + '_ {
+    fn cmp(&self, other: &Self) -> Ordering {
+        self.parts().cmp(&other.parts())
+    }
 }
 
 #[derive(Debug, Default)]
@@ -75,13 +123,12 @@ impl Ledger {
     }
 
     fn add_row(&mut self, owner: &str, label: &str, model: &str, day: u32, used: &Spent) {
-        let key = (owner.to_string(), model.to_string(), day);
-        if let Some((_, sum)) = self.rows.get_mut(&key) {
+        if let Some((_, sum)) = self.rows.get_mut(&(owner, model, day) as &dyn RowKey) {
             sum.add(used);
             return;
         }
         if self.rows.len() < MAX_ROWS {
-            self.rows.insert(key, (label.to_string(), *used));
+            self.rows.insert((owner.to_string(), model.to_string(), day), (label.to_string(), *used));
             return;
         }
         // Full: the owner's `other` row, else the `other` owner of the label's kind.
