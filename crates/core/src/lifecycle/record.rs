@@ -216,28 +216,39 @@ fn push_text(out: &mut String, text: Option<&str>) {
         return;
     };
     out.push('"');
-    for c in text.chars() {
-        match c {
-            '"' => out.push_str("\\\""),
-            '\\' => out.push_str("\\\\"),
-            '\n' => out.push_str("\\n"),
-            '\r' => out.push_str("\\r"),
-            '\t' => out.push_str("\\t"),
-            c if u32::from(c) < 0x20 => {
-                let _ = write!(out, "\\u{:04x}", u32::from(c));
+    // Runs of text that need no escape are copied whole (a byte that does is ASCII, never
+    // inside a multi-byte character, so every run is whole characters).
+    let mut run = 0;
+    for (at, byte) in text.bytes().enumerate() {
+        let escape = match byte {
+            b'"' => "\\\"",
+            b'\\' => "\\\\",
+            b'\n' => "\\n",
+            b'\r' => "\\r",
+            b'\t' => "\\t",
+            byte if byte < 0x20 => "",
+            _ => continue,
+        };
+        out.push_str(text.get(run..at).unwrap_or_default());
+        run = at + 1;
+        match escape {
+            "" => {
+                let _ = write!(out, "\\u{:04x}", byte);
             }
-            c => out.push(c),
+            escape => out.push_str(escape),
         }
     }
+    out.push_str(text.get(run..).unwrap_or_default());
     out.push('"');
 }
 
-/// Where a property named `name` lives on `kind`: Envoy keeps it as filter state
-/// (`wasm.<name>`); ngx_wasm_module sets the Nginx variable `$<name>` for `ngx.<name>`.
-fn path(kind: HostKind, name: &str) -> Vec<&str> {
+/// Sets the property named `name` where it lives on `kind`: Envoy keeps it as filter
+/// state (`wasm.<name>`); ngx_wasm_module sets the Nginx variable `$<name>` for
+/// `ngx.<name>`.
+fn set_property(host: &mut impl Host, kind: HostKind, name: &str, value: &[u8]) -> bool {
     match kind {
-        HostKind::Envoy => vec![name],
-        HostKind::Nginx => vec!["ngx", name],
+        HostKind::Envoy => host.set_property(&[name], value),
+        HostKind::Nginx => host.set_property(&["ngx", name], value),
     }
 }
 
@@ -246,13 +257,13 @@ fn path(kind: HostKind, name: &str) -> Vec<&str> {
 pub fn publish(host: &mut impl Host, kind: HostKind, mode: RecordMode, record: &Record) {
     let mut refused = None;
     if matches!(mode, RecordMode::Json | RecordMode::Both)
-        && !host.set_property(&path(kind, RECORD_PROPERTY), record.json().as_bytes())
+        && !set_property(host, kind, RECORD_PROPERTY, record.json().as_bytes())
     {
         refused = Some(RECORD_PROPERTY);
     }
     if matches!(mode, RecordMode::Fields | RecordMode::Both) {
         for (name, value) in record.fields() {
-            if !host.set_property(&path(kind, name), value.as_bytes()) {
+            if !set_property(host, kind, name, value.as_bytes()) {
                 refused = refused.or(Some(name));
             }
         }
@@ -266,5 +277,32 @@ pub fn publish(host: &mut impl Host, kind: HostKind, mode: RecordMode, record: &
             "record",
             &format!("llm-ratelimit: the host refused the request record's property {name}{hint}"),
         );
+    }
+}
+
+#[cfg(all(test, not(target_arch = "wasm32")))]
+mod text_tests {
+    use super::push_text;
+    use proptest::prelude::*;
+
+    fn json_text(text: &str) -> String {
+        let mut out = String::new();
+        push_text(&mut out, Some(text));
+        out
+    }
+
+    #[test]
+    fn a_text_is_a_json_string_of_itself() {
+        assert_eq!(json_text("gpt-4o"), "\"gpt-4o\"");
+        assert_eq!(json_text("a\"b\\c\nd\re\tf\u{1}g\u{1f}é😀"), "\"a\\\"b\\\\c\\nd\\re\\tf\\u0001g\\u001fé😀\"");
+        assert_eq!(json_text(""), "\"\"");
+    }
+
+    proptest! {
+        #[test]
+        fn any_text_reads_back_as_written(text in any::<String>()) {
+            let read: String = serde_json::from_str(&json_text(&text)).expect("JSON");
+            prop_assert_eq!(read, text);
+        }
     }
 }
