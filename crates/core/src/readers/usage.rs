@@ -89,6 +89,33 @@ const USUAL_USAGE_OBJECT: usize = 512;
 /// Containers whose kind (object or array) is tracked: usage sits at depth 3 at most.
 const TRACKED_DEPTH: u32 = 64;
 
+/// A key as far as it matters: up to one byte past the longest that does, in place.
+#[derive(Debug, Default)]
+struct KeptKey {
+    bytes: [u8; KEPT_KEY_BYTES + 1],
+    len: usize,
+}
+
+impl KeptKey {
+    /// Adds what of `more` fits; the rest is dropped.
+    fn extend(&mut self, more: &[u8]) {
+        let Some(room) = self.bytes.get_mut(self.len..) else { return };
+        let taken = room.len().min(more.len());
+        if let (Some(to), Some(from)) = (room.get_mut(..taken), more.get(..taken)) {
+            to.copy_from_slice(from);
+            self.len += taken;
+        }
+    }
+
+    fn bytes(&self) -> &[u8] {
+        self.bytes.get(..self.len).unwrap_or_default()
+    }
+
+    fn clear(&mut self) {
+        self.len = 0;
+    }
+}
+
 /// Finds a JSON reply's usage as its bytes pass, whatever its size: the reply is scanned
 /// once, chunk by chunk, and only the usage objects (at `usage`, `message.usage`,
 /// `response.usage` or `usageMetadata`) and the top-level `model` are kept, then read when the reply ends. Text inside strings is
@@ -108,7 +135,7 @@ pub struct ReplyUsage {
     reading_key: bool,
     /// The string being read is a key, at any depth.
     in_key: bool,
-    key: Vec<u8>,
+    key: KeptKey,
     /// The keys leading to the current position at depths 1 and 2.
     path: [Option<PathKey>; 2],
     /// A `:` was the last structural byte: the next value belongs to the last key.
@@ -129,8 +156,7 @@ pub struct ReplyUsage {
 
 impl ReplyUsage {
     pub fn new() -> ReplyUsage {
-        // The key is kept up to one byte past the longest that matters: never grown.
-        ReplyUsage { key: Vec::with_capacity(KEPT_KEY_BYTES + 1), ..ReplyUsage::default() }
+        ReplyUsage::default()
     }
 
     /// Inside a string that is a value (not a key) below the top level.
@@ -167,8 +193,7 @@ impl ReplyUsage {
                     }
                 }
                 if self.reading_key {
-                    let room = (KEPT_KEY_BYTES + 1).saturating_sub(self.key.len());
-                    self.key.extend_from_slice(text.get(..room.min(text.len())).unwrap_or(&[]));
+                    self.key.extend(text);
                 }
                 self.keep_model_text(text);
                 at += skip;
@@ -204,7 +229,7 @@ impl ReplyUsage {
                 self.in_string = false;
                 if self.reading_key {
                     self.reading_key = false;
-                    let key = PathKey::of(&self.key);
+                    let key = PathKey::of(self.key.bytes());
                     match self.depth {
                         1 => self.path = [Some(key), None],
                         2 => self.path[1] = Some(key),
@@ -228,8 +253,8 @@ impl ReplyUsage {
                 }
                 return;
             }
-            if self.reading_key && self.key.len() <= KEPT_KEY_BYTES {
-                self.key.push(byte);
+            if self.reading_key {
+                self.key.extend(&[byte]);
             }
             return;
         }
