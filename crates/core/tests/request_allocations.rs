@@ -9,6 +9,12 @@
 //! run, the fake host's own included (it hands out owned headers, bodies and shared data
 //! as the proxy-wasm SDK does, and records what it is given). Building the request is
 //! left out. A ceiling lowered by a change that allocates less keeps it honest.
+//!
+//! The ceilings are set for `make test`'s `cargo test --workspace`, where mock-llm's
+//! `preserve_order` feature of serde_json is unified into this crate (its maps are then
+//! `IndexMap`s, which the fake companion's JSON allocates more with): there the counts are
+//! 106.8, 128.8 and 107.7. Alone (`cargo test -p llm-ratelimit-core`, serde_json as the
+//! .wasm has it) they are 3 to 10 lower: 103.8, 118.8 and 104.7.
 
 use llm_ratelimit_core::testing::bench::{self, Run};
 use std::alloc::{GlobalAlloc, Layout, System};
@@ -99,15 +105,15 @@ fn assert_at_most(mode: &str, body: &str, ceiling: f64) {
 
 #[test]
 fn a_leased_tiny_chat_allocates_little() {
-    assert_at_most("lease", "small", 104.0);
+    assert_at_most("lease", "small", 107.0);
 }
 
 #[test]
 fn a_leased_chat_allocates_little() {
-    assert_at_most("lease", "chat", 119.0);
+    assert_at_most("lease", "chat", 129.0);
 }
 
 #[test]
 fn a_tiny_chat_on_the_local_store_allocates_little() {
-    assert_at_most("local", "small", 105.0);
+    assert_at_most("local", "small", 108.0);
 }
