@@ -2,6 +2,8 @@
 //! configuration, compiled once, at load, into the `Policy` the filter runs on.
 //!
 //! - `shape`: the JSON as written, with its defaults; parsing rejects unknown fields.
+//! - `read`: runs the shape's serde code over the parsed JSON, naming the field (and the
+//!   line and column) of an error.
 //! - `compile`: checks each section and builds the policy. Every error names the field
 //!   (as a path such as `limits[0].window`) and the bad value, so the proxy refuses a bad
 //!   config with a message that says what to fix.
@@ -14,6 +16,7 @@ mod effective;
 mod error;
 mod per;
 mod policy;
+mod read;
 pub mod shape;
 #[cfg(test)]
 mod tests;

@@ -101,11 +101,9 @@ pub struct Document {
 impl Document {
     /// Reads the JSON; an error names the field as a path (`limits[0].window`).
     pub fn parse(bytes: &[u8]) -> Result<Document, ConfigError> {
-        let mut deserializer = serde_json::Deserializer::from_slice(bytes);
-        serde_path_to_error::deserialize(&mut deserializer).map_err(|e| {
-            let path = e.path().to_string();
-            let field = if path == "." { "(top level)".to_string() } else { path };
-            invalid(field, e.into_inner().to_string())
+        super::read::from_slice(bytes).map_err(|e| {
+            let field = if e.path == "." { "(top level)".to_string() } else { e.path };
+            invalid(field, e.message)
         })
     }
 }
