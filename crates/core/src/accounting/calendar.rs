@@ -12,7 +12,7 @@
 
 use jiff::civil::Date;
 use jiff::tz::{TimeZone, TimeZoneDatabase};
-use jiff::{Timestamp, ToSpan};
+use jiff::{Span, Timestamp};
 use serde::{Deserialize, Serialize};
 
 /// How many boundaries a charge carries: the starts of the period before the proxy's,
@@ -52,7 +52,7 @@ impl Period {
     fn first_day(self, date: Date) -> Option<Date> {
         match self {
             Period::Day => Some(date),
-            Period::Week => date.checked_sub(i64::from(date.weekday().to_monday_zero_offset()).days()).ok(),
+            Period::Week => date.checked_sub(days(i64::from(date.weekday().to_monday_zero_offset()))?).ok(),
             Period::Month => Some(date.first_of_month()),
         }
     }
@@ -60,11 +60,18 @@ impl Period {
     /// The first day of the period `periods` after (or before) the one starting `first`.
     fn shifted(self, first: Date, periods: i64) -> Option<Date> {
         match self {
-            Period::Day => first.checked_add(periods.days()).ok(),
-            Period::Week => first.checked_add((7 * periods).days()).ok(),
-            Period::Month => first.checked_add(periods.months()).ok(),
+            Period::Day => first.checked_add(days(periods)?).ok(),
+            Period::Week => first.checked_add(days(7 * periods)?).ok(),
+            Period::Month => first.checked_add(Span::new().try_months(periods).ok()?).ok(),
         }
     }
+}
+
+/// A span of `n` days, `None` out of jiff's range. The fallible form: jiff's `days()`
+/// panics there, and its panic message brings jiff's whole error formatting (some 35 KB of
+/// code) into the module, which V8 compiles at start-up.
+fn days(n: i64) -> Option<Span> {
+    Span::new().try_days(n).ok()
 }
 
 /// A calendar period in a time zone: the window of a calendar budget.
