@@ -8,7 +8,7 @@ pub mod identity;
 pub mod prompt;
 pub mod refusal;
 
-use crate::parse::json::Json;
+use crate::parse::json::{Json, Kind};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Api {
@@ -84,17 +84,16 @@ impl ReportedUsage {
 
 /// Every string in a JSON value except identifiers and data blobs, plus the key names of
 /// objects that carry free-form JSON (tool arguments, schemas).
-pub fn text_leaves(value: &Json, count: &mut (impl FnMut(&str) -> u64 + ?Sized)) -> u64 {
+pub fn text_leaves(value: Json, count: &mut (impl FnMut(&str) -> u64 + ?Sized)) -> u64 {
     const SKIPPED: [&str; 9] =
         ["type", "id", "call_id", "tool_use_id", "tool_call_id", "cache_control", "source", "detail", "status"];
-    match value {
-        Json::String(text) => count(text),
-        Json::Array(items) => items.iter().map(|v| text_leaves(v, count)).sum(),
-        Json::Object(fields) => fields
-            .iter()
-            .filter(|(key, _)| !SKIPPED.contains(&key.as_ref()))
-            .map(|(key, v)| match v {
-                Json::Object(_) | Json::Array(_)
+    match value.kind() {
+        Kind::String(text) => count(text),
+        Kind::Array(items) => items.map(|v| text_leaves(v, count)).sum(),
+        Kind::Object(fields) => fields
+            .filter(|(key, _)| !SKIPPED.contains(key))
+            .map(|(key, v)| match v.kind() {
+                Kind::Object(_) | Kind::Array(_)
                     if key == "input" || key == "parameters" || key == "input_schema" || key == "properties" =>
                 {
                     // Schemas and tool inputs reach the model as JSON text.
@@ -103,7 +102,7 @@ pub fn text_leaves(value: &Json, count: &mut (impl FnMut(&str) -> u64 + ?Sized))
                 _ => text_leaves(v, count),
             })
             .sum(),
-        Json::Number(n) => count(&n.to_string()),
+        Kind::Number(n) => count(&n.to_string()),
         _ => 0,
     }
 }

@@ -8,7 +8,7 @@
 //! providers' body shapes, so it sits below them.
 
 use crate::api::text_leaves;
-use crate::parse::json::Json;
+use crate::parse::json::{Json, Kind};
 
 /// Tokens charged for one image part: a 1024x1024 image at high detail for GPT-4o.
 pub const IMAGE_TOKENS: u64 = 765;
@@ -17,12 +17,12 @@ const TOKENS_PER_NAME: u64 = 1;
 const REPLY_PRIMING: u64 = 3;
 
 /// A JSON number read as a count (a negative or non-number is none).
-pub fn as_count(value: &Json) -> Option<u64> {
+pub fn as_count(value: Json) -> Option<u64> {
     value.as_u64().or_else(|| value.as_f64().filter(|f| *f >= 0.0).map(|f| f as u64))
 }
 
 /// OpenAI's message formula, also used for Anthropic's messages.
-pub fn chat_messages(messages: &Json, count: &mut (impl FnMut(&str) -> u64 + ?Sized)) -> u64 {
+pub fn chat_messages(messages: Json, count: &mut (impl FnMut(&str) -> u64 + ?Sized)) -> u64 {
     let Some(messages) = messages.as_array() else {
         return 0;
     };
@@ -33,12 +33,12 @@ pub fn chat_messages(messages: &Json, count: &mut (impl FnMut(&str) -> u64 + ?Si
             continue;
         };
         for (key, value) in fields {
-            total += match key.as_ref() {
+            total += match key {
                 "role" => value.as_str().map_or(0, &mut *count),
                 "name" => value.as_str().map_or(0, &mut *count) + TOKENS_PER_NAME,
                 "content" => content(value, count),
                 "tool_calls" => {
-                    value.as_array().map_or(0, |calls| calls.iter().map(|c| text_leaves(c.at("function"), count)).sum())
+                    value.as_array().map_or(0, |calls| calls.map(|c| text_leaves(c.at("function"), count)).sum())
                 }
                 "function_call" => text_leaves(value, count),
                 "tool_call_id" => 0,
@@ -51,20 +51,20 @@ pub fn chat_messages(messages: &Json, count: &mut (impl FnMut(&str) -> u64 + ?Si
 
 /// Content as a string, or a list of parts (text, image, tool use and result, input
 /// items). Text is counted; images cost `IMAGE_TOKENS`; structured inputs count as text.
-pub fn content(value: &Json, count: &mut (impl FnMut(&str) -> u64 + ?Sized)) -> u64 {
-    match value {
-        Json::String(text) => count(text),
-        Json::Array(parts) => parts.iter().map(|part| content_part(part, count)).sum(),
-        Json::Object(_) => content_part(value, count),
+pub fn content(value: Json, count: &mut (impl FnMut(&str) -> u64 + ?Sized)) -> u64 {
+    match value.kind() {
+        Kind::String(text) => count(text),
+        Kind::Array(parts) => parts.map(|part| content_part(part, count)).sum(),
+        Kind::Object(_) => content_part(value, count),
         _ => 0,
     }
 }
 
-fn content_part(part: &Json, count: &mut (impl FnMut(&str) -> u64 + ?Sized)) -> u64 {
+fn content_part(part: Json, count: &mut (impl FnMut(&str) -> u64 + ?Sized)) -> u64 {
     match part.at("type").as_str().unwrap_or("") {
         "image_url" | "input_image" | "image" => IMAGE_TOKENS,
         // Bedrock Converse's blocks are keyed by kind, with no `type`.
-        "" if part.get("image").is_some_and(Json::is_object) => IMAGE_TOKENS,
+        "" if part.get("image").is_some_and(|image| image.is_object()) => IMAGE_TOKENS,
         // Responses API message items: {role, content}; count like a chat message.
         _ if part.get("role").is_some() && part.get("content").is_some() => {
             TOKENS_PER_MESSAGE + part.at("role").as_str().map_or(0, &mut *count) + content(part.at("content"), count)
@@ -73,16 +73,16 @@ fn content_part(part: &Json, count: &mut (impl FnMut(&str) -> u64 + ?Sized)) -> 
     }
 }
 
-pub fn tools(value: &Json, count: &mut (impl FnMut(&str) -> u64 + ?Sized)) -> u64 {
-    value.as_array().map_or(0, |tools| tools.iter().map(|t| text_leaves(t, count)).sum())
+pub fn tools(value: Json, count: &mut (impl FnMut(&str) -> u64 + ?Sized)) -> u64 {
+    value.as_array().map_or(0, |tools| tools.map(|t| text_leaves(t, count)).sum())
 }
 
 /// A prompt or embedding input: a string, strings, token ids, or lists of token ids.
-pub fn inputs(value: &Json, count: &mut (impl FnMut(&str) -> u64 + ?Sized)) -> u64 {
-    match value {
-        Json::String(text) => count(text),
-        Json::Number(_) => 1,
-        Json::Array(items) => items.iter().map(|item| inputs(item, count)).sum(),
+pub fn inputs(value: Json, count: &mut (impl FnMut(&str) -> u64 + ?Sized)) -> u64 {
+    match value.kind() {
+        Kind::String(text) => count(text),
+        Kind::Number(_) => 1,
+        Kind::Array(items) => items.map(|item| inputs(item, count)).sum(),
         _ => 0,
     }
 }

@@ -1,7 +1,7 @@
-//! Reading untrusted JSON: fields without indexing, and request bodies as a tree that
-//! borrows its strings from the body.
+//! Reading untrusted JSON: fields without indexing, and request bodies as a flat document
+//! that borrows its strings from the body.
 
-use serde::de::{Deserialize, Deserializer, MapAccess, SeqAccess, Visitor};
+use serde::de::{DeserializeSeed, Deserializer, MapAccess, SeqAccess, Visitor};
 use serde::ser::{Serialize, SerializeMap, SerializeSeq, Serializer};
 use serde_json::{Number, Value};
 use std::borrow::Cow;
@@ -21,29 +21,92 @@ impl Field for Value {
     }
 }
 
-/// A JSON value whose strings point into the text it was parsed from (unless they hold
-/// escapes): a request body is walked for its prompt without copying every string and
-/// building a map per object, which a `serde_json::Value` does. Objects keep their fields
-/// sorted by key, the last of a repeated key winning, so reading one is a binary search
-/// and walking one sees what a `Value` (a `BTreeMap`) would see, in the same order.
+/// A parsed JSON document whose strings point into the text it was parsed from (unless
+/// they hold escapes), as one flat list of nodes in document order: a request body is
+/// walked for its prompt without copying every string or allocating a container per
+/// object and array, as a `serde_json::Value` (or a tree of `Vec`s) does. Read it through
+/// [`JsonDoc::root`]'s [`Json`] views.
+///
+/// A container's node says where its last descendant ends, so a sibling is one step away.
+/// An object's fields are its children in pairs, a key node and its value's nodes. A key
+/// given twice is refused by `Json::parse_request`; elsewhere the last of a repeated key
+/// wins, as in a `Value` (a `BTreeMap`): the earlier ones are marked shadowed when the
+/// object closes, and neither reading nor walking sees them.
 #[derive(Debug, Clone, PartialEq)]
-pub enum Json<'a> {
+pub struct JsonDoc<'a> {
+    nodes: Vec<Node<'a>>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+enum Node<'a> {
     Null,
     Bool(bool),
     Number(Number),
     String(Cow<'a, str>),
-    Array(Vec<Json<'a>>),
-    Object(Vec<(Cow<'a, str>, Json<'a>)>),
+    /// `end`: the index past its last descendant.
+    Array {
+        end: u32,
+    },
+    Object {
+        end: u32,
+    },
+    Key {
+        text: Cow<'a, str>,
+        shadowed: bool,
+    },
 }
 
-static JSON_NULL: Json<'static> = Json::Null;
+/// The node a missing field reads as.
+static NULL_NODE: [Node<'static>; 1] = [Node::Null];
 
-impl<'a> Json<'a> {
+/// One value of a [`JsonDoc`]: a position in its nodes, copied freely.
+#[derive(Debug, Clone, Copy)]
+pub struct Json<'t> {
+    nodes: &'t [Node<'t>],
+    at: usize,
+}
+
+/// What a value is, to match on; containers as iterators over their items or fields.
+#[derive(Debug, Clone)]
+pub enum Kind<'t> {
+    Null,
+    Bool(bool),
+    Number(&'t Number),
+    String(&'t str),
+    Array(Items<'t>),
+    Object(Fields<'t>),
+}
+
+/// Nodes a body of `len` bytes is first given room for: a chat body holds a node for every
+/// 8 to 20 bytes, so most bodies are parsed without the list growing more than once.
+fn first_room(len: usize) -> usize {
+    (len / 10).clamp(16, 32 * 1024)
+}
+
+impl<'a> JsonDoc<'a> {
+    /// The document's value.
+    pub fn root(&self) -> Json<'_> {
+        if self.nodes.is_empty() {
+            return Json::null();
+        }
+        Json { nodes: &self.nodes, at: 0 }
+    }
+
+    fn parse_text<const UNIQUE: bool>(text: &'a str) -> Result<JsonDoc<'a>, String> {
+        let mut builder = Builder { nodes: Vec::with_capacity(first_room(text.len())) };
+        let mut deserializer = serde_json::Deserializer::from_str(text);
+        Into::<UNIQUE>(&mut builder).deserialize(&mut deserializer).map_err(|err| err.to_string())?;
+        deserializer.end().map_err(|err| err.to_string())?;
+        Ok(JsonDoc { nodes: builder.nodes })
+    }
+}
+
+impl<'t> Json<'t> {
     /// Parses `text`, which must be UTF-8 (as JSON is): checked once for the whole text,
     /// which spares the parser checking each string it borrows.
-    pub fn parse(text: &'a [u8]) -> Result<Json<'a>, String> {
+    pub fn parse(text: &[u8]) -> Result<JsonDoc<'_>, String> {
         let text = std::str::from_utf8(text).map_err(|err| format!("not UTF-8: {err}"))?;
-        serde_json::from_str(text).map_err(|err| err.to_string())
+        JsonDoc::parse_text::<false>(text)
     }
 
     /// Parses a request body as the upstreams it goes to can read it, or not at all: a
@@ -51,208 +114,369 @@ impl<'a> Json<'a> {
     /// and a key given twice in any object is refused, since upstreams disagree on which
     /// of the two wins. What serde_json refuses (a number out of range like `1e400`, a lone
     /// surrogate escape, nesting past 128) is refused too: never read as something smaller.
-    pub fn parse_request(text: &'a [u8]) -> Result<Json<'a>, String> {
+    pub fn parse_request(text: &[u8]) -> Result<JsonDoc<'_>, String> {
         let text = std::str::from_utf8(text).map_err(|err| format!("not UTF-8: {err}"))?;
         let text = text.strip_prefix('\u{feff}').unwrap_or(text);
-        serde_json::from_str::<Tree<'a, true>>(text).map(|tree| tree.0).map_err(|err| err.to_string())
+        JsonDoc::parse_text::<true>(text)
+    }
+
+    /// A `null` that belongs to no document: what a missing field reads as.
+    pub fn null() -> Json<'static> {
+        Json { nodes: &NULL_NODE, at: 0 }
+    }
+
+    fn node(self) -> &'t Node<'t> {
+        self.nodes.get(self.at).unwrap_or(&Node::Null)
+    }
+
+    /// The index past this value's last node.
+    fn end(self) -> usize {
+        match self.node() {
+            Node::Array { end } | Node::Object { end } => *end as usize,
+            _ => self.at + 1,
+        }
+    }
+
+    pub fn kind(self) -> Kind<'t> {
+        match self.node() {
+            Node::Null | Node::Key { .. } => Kind::Null,
+            Node::Bool(b) => Kind::Bool(*b),
+            Node::Number(n) => Kind::Number(n),
+            Node::String(text) => Kind::String(text),
+            Node::Array { end } => Kind::Array(Items { nodes: self.nodes, next: self.at + 1, end: *end as usize }),
+            Node::Object { end } => Kind::Object(Fields { nodes: self.nodes, next: self.at + 1, end: *end as usize }),
+        }
     }
 
     /// The field `key`, or `null` when it is missing or `self` is not an object.
-    pub fn at(&self, key: &str) -> &Json<'a> {
-        self.get(key).unwrap_or(&JSON_NULL)
+    pub fn at(self, key: &str) -> Json<'t> {
+        self.get(key).unwrap_or(Json::null())
     }
 
-    pub fn get(&self, key: &str) -> Option<&Json<'a>> {
-        let Json::Object(fields) = self else { return None };
-        let at = fields.binary_search_by(|(name, _)| name.as_ref().cmp(key)).ok()?;
-        fields.get(at).map(|(_, value)| value)
+    pub fn get(self, key: &str) -> Option<Json<'t>> {
+        let mut fields = self.as_object()?;
+        fields.find(|(name, _)| *name == key).map(|(_, value)| value)
     }
 
-    pub fn as_str(&self) -> Option<&str> {
-        match self {
-            Json::String(text) => Some(text),
+    pub fn as_str(self) -> Option<&'t str> {
+        match self.node() {
+            Node::String(text) => Some(text),
             _ => None,
         }
     }
 
-    pub fn as_bool(&self) -> Option<bool> {
-        match self {
-            Json::Bool(b) => Some(*b),
+    pub fn as_bool(self) -> Option<bool> {
+        match self.node() {
+            Node::Bool(b) => Some(*b),
             _ => None,
         }
     }
 
-    pub fn as_u64(&self) -> Option<u64> {
-        match self {
-            Json::Number(n) => n.as_u64(),
+    pub fn as_u64(self) -> Option<u64> {
+        match self.node() {
+            Node::Number(n) => n.as_u64(),
             _ => None,
         }
     }
 
-    pub fn as_f64(&self) -> Option<f64> {
-        match self {
-            Json::Number(n) => n.as_f64(),
+    pub fn as_f64(self) -> Option<f64> {
+        match self.node() {
+            Node::Number(n) => n.as_f64(),
             _ => None,
         }
     }
 
-    pub fn as_array(&self) -> Option<&[Json<'a>]> {
-        match self {
-            Json::Array(items) => Some(items),
+    pub fn as_array(self) -> Option<Items<'t>> {
+        match self.kind() {
+            Kind::Array(items) => Some(items),
             _ => None,
         }
     }
 
-    pub fn as_object(&self) -> Option<&[(Cow<'a, str>, Json<'a>)]> {
-        match self {
-            Json::Object(fields) => Some(fields),
+    /// The fields in the body's order, a repeated key's earlier values left out.
+    pub fn as_object(self) -> Option<Fields<'t>> {
+        match self.kind() {
+            Kind::Object(fields) => Some(fields),
             _ => None,
         }
     }
 
-    pub fn is_object(&self) -> bool {
-        matches!(self, Json::Object(_))
+    pub fn is_object(self) -> bool {
+        matches!(self.node(), Node::Object { .. })
     }
 
-    /// Compact JSON text, as `serde_json::Value`'s `to_string` writes it.
-    pub fn to_json_string(&self) -> String {
-        serde_json::to_string(self).unwrap_or_default()
+    pub fn is_null(self) -> bool {
+        matches!(self.node(), Node::Null)
+    }
+
+    /// Compact JSON text, as `serde_json::Value`'s `to_string` writes it (objects' keys
+    /// sorted: the text counted for a schema is the same whatever order the client wrote).
+    pub fn to_json_string(self) -> String {
+        serde_json::to_string(&self).unwrap_or_default()
     }
 }
 
-impl<'de: 'a, 'a> Deserialize<'de> for Json<'a> {
-    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Json<'a>, D::Error> {
-        Tree::<false>::deserialize(deserializer).map(|tree| tree.0)
+/// An array's items.
+#[derive(Debug, Clone)]
+pub struct Items<'t> {
+    nodes: &'t [Node<'t>],
+    next: usize,
+    end: usize,
+}
+
+impl<'t> Iterator for Items<'t> {
+    type Item = Json<'t>;
+
+    fn next(&mut self) -> Option<Json<'t>> {
+        if self.next >= self.end {
+            return None;
+        }
+        let item = Json { nodes: self.nodes, at: self.next };
+        self.next = item.end();
+        Some(item)
     }
 }
 
-/// A tree whose objects may repeat a key (the last kept) or, `UNIQUE`, may not.
-struct Tree<'a, const UNIQUE: bool>(Json<'a>);
+/// An object's fields, as (key, value), a repeated key's earlier values left out.
+#[derive(Debug, Clone)]
+pub struct Fields<'t> {
+    nodes: &'t [Node<'t>],
+    next: usize,
+    end: usize,
+}
 
-impl<'de: 'a, 'a, const UNIQUE: bool> Deserialize<'de> for Tree<'a, UNIQUE> {
-    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Tree<'a, UNIQUE>, D::Error> {
-        deserializer.deserialize_any(JsonVisitor::<UNIQUE>).map(Tree)
+impl<'t> Iterator for Fields<'t> {
+    type Item = (&'t str, Json<'t>);
+
+    fn next(&mut self) -> Option<(&'t str, Json<'t>)> {
+        while self.next < self.end {
+            let key = self.nodes.get(self.next)?;
+            let value = Json { nodes: self.nodes, at: self.next + 1 };
+            self.next = value.end();
+            match key {
+                Node::Key { text, shadowed: false } => return Some((text, value)),
+                _ => continue,
+            }
+        }
+        None
     }
 }
 
-struct JsonVisitor<const UNIQUE: bool>;
+/// Builds a [`JsonDoc`] as serde_json reads the text.
+struct Builder<'a> {
+    nodes: Vec<Node<'a>>,
+}
 
-impl<'de, const UNIQUE: bool> Visitor<'de> for JsonVisitor<UNIQUE> {
-    type Value = Json<'de>;
+impl<'a> Builder<'a> {
+    fn push(&mut self, node: Node<'a>) -> usize {
+        self.nodes.push(node);
+        self.nodes.len() - 1
+    }
+
+    /// The end of the container at `at`, now that its last descendant is in.
+    fn close(&mut self, at: usize) {
+        let end = u32::try_from(self.nodes.len()).unwrap_or(u32::MAX);
+        if let Some(Node::Array { end: e } | Node::Object { end: e }) = self.nodes.get_mut(at) {
+            *e = end;
+        }
+    }
+
+    fn key_text(&self, at: usize) -> &str {
+        match self.nodes.get(at) {
+            Some(Node::Key { text, .. }) => text,
+            _ => "",
+        }
+    }
+
+    /// The positions of the keys of the object at `at`, in order.
+    fn key_positions(&self, at: usize) -> impl Iterator<Item = usize> + Clone + '_ {
+        let end = match self.nodes.get(at) {
+            Some(Node::Object { end }) => *end as usize,
+            _ => at,
+        };
+        let mut next = at + 1;
+        std::iter::from_fn(move || {
+            let key = next;
+            (key < end).then(|| {
+                next = Json { nodes: &self.nodes, at: key + 1 }.end();
+                key
+            })
+        })
+    }
+
+    /// The keys of the object at `at`, which just closed: a repeat is an error (`UNIQUE`),
+    /// or its earlier occurrences are shadowed. A small object's keys are compared
+    /// pairwise, in place; a large one's through a sorted list, so a body of many keys
+    /// costs n log n.
+    fn check_keys<const UNIQUE: bool>(&mut self, at: usize) -> Result<(), String> {
+        let keys = self.key_positions(at);
+        let mut repeats: Vec<usize> = Vec::new();
+        if keys.clone().nth(16).is_none() {
+            let mut rest = keys;
+            while let Some(earlier) = rest.next() {
+                let text = self.key_text(earlier);
+                if rest.clone().any(|later| self.key_text(later) == text) {
+                    repeats.push(earlier);
+                }
+            }
+        } else {
+            let mut sorted: Vec<usize> = keys.collect();
+            sorted.sort_by(|&a, &b| self.key_text(a).cmp(self.key_text(b)).then(a.cmp(&b)));
+            for pair in sorted.windows(2) {
+                if let [earlier, later] = pair {
+                    if self.key_text(*earlier) == self.key_text(*later) {
+                        repeats.push(*earlier);
+                    }
+                }
+            }
+        }
+        if let (true, Some(&first)) = (UNIQUE, repeats.first()) {
+            return Err(format!("the key {:?} is given twice", self.key_text(first)));
+        }
+        for at in repeats {
+            if let Some(Node::Key { shadowed, .. }) = self.nodes.get_mut(at) {
+                *shadowed = true;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Reads one value into the builder.
+struct Into<'b, 'a, const UNIQUE: bool>(&'b mut Builder<'a>);
+
+impl<'de: 'a, 'a, const UNIQUE: bool> DeserializeSeed<'de> for Into<'_, 'a, UNIQUE> {
+    type Value = ();
+
+    fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<(), D::Error> {
+        deserializer.deserialize_any(self)
+    }
+}
+
+impl<'de: 'a, 'a, const UNIQUE: bool> Visitor<'de> for Into<'_, 'a, UNIQUE> {
+    type Value = ();
 
     fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
         f.write_str("any JSON value")
     }
 
-    fn visit_unit<E>(self) -> Result<Json<'de>, E> {
-        Ok(Json::Null)
+    fn visit_unit<E>(self) -> Result<(), E> {
+        self.0.push(Node::Null);
+        Ok(())
     }
 
-    fn visit_none<E>(self) -> Result<Json<'de>, E> {
-        Ok(Json::Null)
+    fn visit_none<E>(self) -> Result<(), E> {
+        self.0.push(Node::Null);
+        Ok(())
     }
 
-    fn visit_bool<E>(self, b: bool) -> Result<Json<'de>, E> {
-        Ok(Json::Bool(b))
+    fn visit_bool<E>(self, b: bool) -> Result<(), E> {
+        self.0.push(Node::Bool(b));
+        Ok(())
     }
 
-    fn visit_u64<E>(self, n: u64) -> Result<Json<'de>, E> {
-        Ok(Json::Number(n.into()))
+    fn visit_u64<E>(self, n: u64) -> Result<(), E> {
+        self.0.push(Node::Number(n.into()));
+        Ok(())
     }
 
-    fn visit_i64<E>(self, n: i64) -> Result<Json<'de>, E> {
-        Ok(Json::Number(n.into()))
+    fn visit_i64<E>(self, n: i64) -> Result<(), E> {
+        self.0.push(Node::Number(n.into()));
+        Ok(())
     }
 
-    fn visit_f64<E>(self, n: f64) -> Result<Json<'de>, E> {
-        Ok(Number::from_f64(n).map_or(Json::Null, Json::Number))
+    fn visit_f64<E>(self, n: f64) -> Result<(), E> {
+        self.0.push(Number::from_f64(n).map_or(Node::Null, Node::Number));
+        Ok(())
     }
 
-    fn visit_borrowed_str<E>(self, text: &'de str) -> Result<Json<'de>, E> {
-        Ok(Json::String(Cow::Borrowed(text)))
+    fn visit_borrowed_str<E>(self, text: &'de str) -> Result<(), E> {
+        self.0.push(Node::String(Cow::Borrowed(text)));
+        Ok(())
     }
 
-    fn visit_str<E>(self, text: &str) -> Result<Json<'de>, E> {
-        Ok(Json::String(Cow::Owned(text.to_string())))
+    fn visit_str<E>(self, text: &str) -> Result<(), E> {
+        self.0.push(Node::String(Cow::Owned(text.to_string())));
+        Ok(())
     }
 
-    fn visit_string<E>(self, text: String) -> Result<Json<'de>, E> {
-        Ok(Json::String(Cow::Owned(text)))
+    fn visit_string<E>(self, text: String) -> Result<(), E> {
+        self.0.push(Node::String(Cow::Owned(text)));
+        Ok(())
     }
 
-    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Json<'de>, A::Error> {
-        let mut items = Vec::with_capacity(seq.size_hint().unwrap_or(0).min(64));
-        while let Some(Tree(item)) = seq.next_element::<Tree<UNIQUE>>()? {
-            items.push(item);
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
+        let at = self.0.push(Node::Array { end: 0 });
+        while seq.next_element_seed(Into::<UNIQUE>(&mut *self.0))?.is_some() {}
+        self.0.close(at);
+        Ok(())
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
+        let at = self.0.push(Node::Object { end: 0 });
+        while map.next_key_seed(KeyInto(&mut *self.0))?.is_some() {
+            map.next_value_seed(Into::<UNIQUE>(&mut *self.0))?;
         }
-        Ok(Json::Array(items))
-    }
-
-    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Json<'de>, A::Error> {
-        let mut fields: Vec<(Cow<'de, str>, Json<'de>)> = Vec::with_capacity(map.size_hint().unwrap_or(0).min(64));
-        while let Some(Key(key)) = map.next_key()? {
-            let Tree(value) = map.next_value::<Tree<UNIQUE>>()?;
-            fields.push((key, value));
-        }
-        // Sorted, the last of a repeated key kept: what a BTreeMap built in order holds.
-        if !fields.is_sorted_by(|a, b| a.0 < b.0) {
-            fields.sort_by(|a, b| a.0.cmp(&b.0)); // stable: repeats stay in body order
-            let mut kept: Vec<(Cow<'de, str>, Json<'de>)> = Vec::with_capacity(fields.len());
-            for field in fields {
-                match kept.last_mut() {
-                    Some(last) if last.0 == field.0 && UNIQUE => {
-                        return Err(serde::de::Error::custom(format!("the key {:?} is given twice", field.0)));
-                    }
-                    Some(last) if last.0 == field.0 => *last = field,
-                    _ => kept.push(field),
-                }
-            }
-            fields = kept;
-        }
-        Ok(Json::Object(fields))
+        self.0.close(at);
+        self.0.check_keys::<UNIQUE>(at).map_err(serde::de::Error::custom)
     }
 }
 
-/// An object key, borrowed from the text where it holds no escapes.
-struct Key<'a>(Cow<'a, str>);
+/// Reads an object key into the builder, borrowed from the text where it holds no escapes.
+struct KeyInto<'b, 'a>(&'b mut Builder<'a>);
 
-impl<'de: 'a, 'a> Deserialize<'de> for Key<'a> {
-    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Key<'a>, D::Error> {
-        struct KeyVisitor;
-        impl<'de> Visitor<'de> for KeyVisitor {
-            type Value = Key<'de>;
-            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
-                f.write_str("an object key")
-            }
-            fn visit_borrowed_str<E>(self, text: &'de str) -> Result<Key<'de>, E> {
-                Ok(Key(Cow::Borrowed(text)))
-            }
-            fn visit_str<E>(self, text: &str) -> Result<Key<'de>, E> {
-                Ok(Key(Cow::Owned(text.to_string())))
-            }
-        }
-        deserializer.deserialize_str(KeyVisitor)
+impl<'de: 'a, 'a> DeserializeSeed<'de> for KeyInto<'_, 'a> {
+    type Value = ();
+
+    fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<(), D::Error> {
+        deserializer.deserialize_str(self)
+    }
+}
+
+impl<'de: 'a, 'a> Visitor<'de> for KeyInto<'_, 'a> {
+    type Value = ();
+
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("an object key")
+    }
+
+    fn visit_borrowed_str<E>(self, text: &'de str) -> Result<(), E> {
+        self.key(Cow::Borrowed(text));
+        Ok(())
+    }
+
+    fn visit_str<E>(self, text: &str) -> Result<(), E> {
+        self.key(Cow::Owned(text.to_string()));
+        Ok(())
+    }
+}
+
+impl<'a> KeyInto<'_, 'a> {
+    fn key(self, text: Cow<'a, str>) {
+        self.0.push(Node::Key { text, shadowed: false });
     }
 }
 
 impl Serialize for Json<'_> {
     fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
-        match self {
-            Json::Null => serializer.serialize_unit(),
-            Json::Bool(b) => serializer.serialize_bool(*b),
-            Json::Number(n) => n.serialize(serializer),
-            Json::String(text) => serializer.serialize_str(text),
-            Json::Array(items) => {
-                let mut seq = serializer.serialize_seq(Some(items.len()))?;
+        match self.kind() {
+            Kind::Null => serializer.serialize_unit(),
+            Kind::Bool(b) => serializer.serialize_bool(b),
+            Kind::Number(n) => n.serialize(serializer),
+            Kind::String(text) => serializer.serialize_str(text),
+            Kind::Array(items) => {
+                let mut seq = serializer.serialize_seq(None)?;
                 for item in items {
-                    seq.serialize_element(item)?;
+                    seq.serialize_element(&item)?;
                 }
                 seq.end()
             }
-            Json::Object(fields) => {
+            Kind::Object(fields) => {
+                let mut fields: Vec<(&str, Json)> = fields.collect();
+                fields.sort_by(|a, b| a.0.cmp(b.0));
                 let mut map = serializer.serialize_map(Some(fields.len()))?;
                 for (key, value) in fields {
-                    map.serialize_entry(key.as_ref(), value)?;
+                    map.serialize_entry(key, &value)?;
                 }
                 map.end()
             }
@@ -314,15 +538,37 @@ mod tests {
             r#""just a string""#,
         ];
         for body in bodies {
-            let tree = Json::parse(body.as_bytes()).expect(body);
+            let doc = Json::parse(body.as_bytes()).expect(body);
             let value: Value = serde_json::from_str(body).expect(body);
-            assert_eq!(tree.to_json_string(), sorted_text(&value), "{body}");
+            assert_eq!(doc.root().to_json_string(), sorted_text(&value), "{body}");
         }
-        let tree = Json::parse(br#"{"b":{"c":"d"},"a":1,"b":{"c":"e"}}"#).expect("json");
+        let doc = Json::parse(br#"{"b":{"c":"d"},"a":1,"b":{"c":"e"}}"#).expect("json");
+        let tree = doc.root();
         assert_eq!(tree.at("b").at("c").as_str(), Some("e"));
         assert_eq!(tree.at("a").as_u64(), Some(1));
-        assert_eq!(tree.at("missing").at("deeper"), &Json::Null);
-        assert!(matches!(tree.at("b").at("c"), Json::String(Cow::Borrowed(_))), "strings without escapes are borrowed");
+        assert!(tree.at("missing").at("deeper").is_null());
+        assert!(
+            matches!(tree.at("b").at("c").node(), Node::String(Cow::Borrowed(_))),
+            "strings without escapes are borrowed"
+        );
+        // Walking sees a repeated key once, with its last value, as a Value does.
+        let fields: Vec<(&str, Option<&str>)> =
+            tree.as_object().expect("object").map(|(k, v)| (k, v.at("c").as_str())).collect();
+        assert_eq!(fields, [("a", None), ("b", Some("e"))]);
+    }
+
+    #[test]
+    fn a_repeated_key_is_refused_in_a_request_and_the_last_wins_elsewhere() {
+        for size in [3, 40] {
+            let mut fields: Vec<String> = (0..size).map(|i| format!("\"k{i}\":{i}")).collect();
+            fields.push("\"k1\":\"again\"".to_string());
+            let body = format!("{{{}}}", fields.join(","));
+            let refused = Json::parse_request(body.as_bytes()).expect_err(&body);
+            assert!(refused.starts_with("the key \"k1\" is given twice"), "{refused}");
+            let doc = Json::parse(body.as_bytes()).expect(&body);
+            assert_eq!(doc.root().at("k1").as_str(), Some("again"), "{body}");
+            assert_eq!(doc.root().as_object().map(Iterator::count), Some(size), "{body}");
+        }
     }
 
     #[test]
@@ -359,12 +605,31 @@ mod tests {
             })
         }
 
+        /// The value a document's walk sees: its iterators and `kind` only.
+        fn as_value(json: Json) -> Value {
+            match json.kind() {
+                Kind::Null => Value::Null,
+                Kind::Bool(b) => Value::Bool(b),
+                Kind::Number(n) => Value::Number(n.clone()),
+                Kind::String(text) => Value::from(text),
+                Kind::Array(items) => Value::Array(items.map(as_value).collect()),
+                Kind::Object(fields) => Value::Object(fields.map(|(k, v)| (k.to_string(), as_value(v))).collect()),
+            }
+        }
+
         proptest! {
             #[test]
             fn the_tree_agrees_with_a_value(text in json_text()) {
                 let value: Value = serde_json::from_str(&text).expect("generated JSON");
-                let tree = Json::parse(text.as_bytes()).expect("generated JSON");
-                prop_assert_eq!(tree.to_json_string(), sorted_text(&value));
+                let doc = Json::parse(text.as_bytes()).expect("generated JSON");
+                prop_assert_eq!(doc.root().to_json_string(), sorted_text(&value));
+                // Walked and read by key, it holds what the Value holds.
+                prop_assert_eq!(&as_value(doc.root()), &value);
+                if let Some(fields) = value.as_object() {
+                    for (key, field) in fields {
+                        prop_assert_eq!(&as_value(doc.root().at(key)), field);
+                    }
+                }
             }
         }
     }

@@ -76,7 +76,7 @@ pub const MESSAGES: BodyShape = BodyShape {
 
 /// Anthropic's figures in a usage object (Responses' `input_tokens` and `output_tokens`
 /// are named alike, with no cache fields).
-pub(crate) fn usage(usage: &Json) -> ReportedUsage {
+pub(crate) fn usage(usage: Json) -> ReportedUsage {
     let field = |name: &str| usage.at(name).as_u64();
     let input = field("input_tokens").map(|base| {
         let cache_parts = [field("cache_creation_input_tokens"), field("cache_read_input_tokens")];
@@ -97,7 +97,7 @@ pub(crate) fn ends_stream(kind: &str) -> bool {
 
 /// The generated text of one streamed event of type `kind`: text, tool-input and thinking
 /// deltas.
-pub(crate) fn streamed_texts(message: &Json, kind: Option<&str>, text: &mut impl FnMut(Option<&str>)) {
+pub(crate) fn streamed_texts(message: Json, kind: Option<&str>, text: &mut impl FnMut(Option<&str>)) {
     if kind == Some("content_block_delta") {
         let delta = &message.at("delta");
         text(delta.at("text").as_str().or(delta.at("partial_json").as_str()).or(delta.at("thinking").as_str()));

@@ -133,15 +133,15 @@ pub const CONVERSE: BodyShape = BodyShape {
 
 /// Converse's `toolConfig.tools[].toolSpec`, each counted as its JSON text (name,
 /// description and input schema reach the model as text).
-pub(crate) fn converse_tools(tool_config: &Json, count: &mut (impl FnMut(&str) -> u64 + ?Sized)) -> u64 {
+pub(crate) fn converse_tools(tool_config: Json, count: &mut (impl FnMut(&str) -> u64 + ?Sized)) -> u64 {
     let Some(tools) = tool_config.at("tools").as_array() else { return 0 };
-    tools.iter().map(|tool| tool.get("toolSpec").map_or(0, |spec| count(&spec.to_json_string()))).sum()
+    tools.map(|tool| tool.get("toolSpec").map_or(0, |spec| count(&spec.to_json_string()))).sum()
 }
 
 /// Bedrock's `TokenUsage` (camelCase), if `usage` is one. Bedrock's `inputTokens`
 /// excludes the tokens read from and written to the prompt cache, which are billed too:
 /// the input is their sum, as it is for Anthropic's usage.
-pub(crate) fn converse_usage(usage: &Json) -> Option<ReportedUsage> {
+pub(crate) fn converse_usage(usage: Json) -> Option<ReportedUsage> {
     let field = |name: &str| usage.at(name).as_u64();
     if field("inputTokens").is_none() && field("outputTokens").is_none() {
         return None;
@@ -156,7 +156,7 @@ pub(crate) fn converse_usage(usage: &Json) -> Option<ReportedUsage> {
 /// What Bedrock adds to the last event of an invoke stream:
 /// `amazon-bedrock-invocationMetrics` with `inputTokenCount` and `outputTokenCount` (and,
 /// with prompt caching, `cacheReadInputTokenCount` and `cacheWriteInputTokenCount`).
-pub(crate) fn invocation_metrics(event: &Json) -> ReportedUsage {
+pub(crate) fn invocation_metrics(event: Json) -> ReportedUsage {
     let metrics = event.at("amazon-bedrock-invocationMetrics");
     let field = |name: &str| metrics.at(name).as_u64();
     let cache_read = field("cacheReadInputTokenCount");
@@ -173,7 +173,7 @@ pub(crate) enum StreamPart<'a> {
     Exception(&'a str),
     /// invoke-with-response-stream's `chunk`: one of Anthropic's events (base64 in
     /// `bytes`), and the usage Bedrock adds to the last (`invocation_metrics`).
-    Event(&'a Json<'a>, ReportedUsage),
+    Event(Json<'a>, ReportedUsage),
     /// converse-stream's `contentBlockDelta`: generated text, tool input or reasoning.
     Text(&'a str),
     /// converse-stream's `metadata`, the end of the stream, with its usage if it has one.
@@ -190,12 +190,14 @@ pub(crate) fn read_stream_message(message: &Message, on: &mut impl FnMut(StreamP
         return;
     }
     let Ok(payload) = Json::parse(&message.payload) else { return };
+    let payload = payload.root();
     match message.header(":event-type").unwrap_or("") {
         "chunk" => {
             let Some(encoded) = payload.at("bytes").as_str() else { return };
             let Ok(bytes) = base64::engine::general_purpose::STANDARD.decode(encoded) else { return };
             let Ok(event) = Json::parse(&bytes) else { return };
-            on(StreamPart::Event(&event, invocation_metrics(&event)));
+            let event = event.root();
+            on(StreamPart::Event(event, invocation_metrics(event)));
         }
         "contentBlockDelta" => {
             let delta = payload.at("delta");

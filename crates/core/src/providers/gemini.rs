@@ -81,24 +81,22 @@ pub const COUNT_TOKENS: BodyShape = BodyShape {
 /// `systemInstruction` (function calls and results as their JSON), each media part at
 /// `MEDIA_PART_TOKENS`, and function declarations counted as text. Google adds no
 /// published per-turn overhead, so none is added here.
-pub(crate) fn prompt_tokens(body: &Json, count: &mut (impl FnMut(&str) -> u64 + ?Sized)) -> u64 {
+pub(crate) fn prompt_tokens(body: Json, count: &mut (impl FnMut(&str) -> u64 + ?Sized)) -> u64 {
     let contents = body
         .at("contents")
         .as_array()
-        .map_or(0, |contents| contents.iter().map(|content| parts(content.at("parts"), count)).sum::<u64>());
+        .map_or(0, |contents| contents.map(|content| parts(content.at("parts"), count)).sum::<u64>());
     let system = parts(body.at("systemInstruction").at("parts"), count);
     let tools = body.at("tools").as_array().map_or(0, |tools| {
-        let declarations =
-            tools.iter().flat_map(|tool| tool.at("functionDeclarations").as_array().into_iter().flatten());
+        let declarations = tools.flat_map(|tool| tool.at("functionDeclarations").as_array().into_iter().flatten());
         declarations.map(|declaration| text_leaves(declaration, count)).sum::<u64>()
     });
     contents + system + tools
 }
 
-fn parts(parts: &Json, count: &mut (impl FnMut(&str) -> u64 + ?Sized)) -> u64 {
+fn parts(parts: Json, count: &mut (impl FnMut(&str) -> u64 + ?Sized)) -> u64 {
     let Some(parts) = parts.as_array() else { return 0 };
     parts
-        .iter()
         .map(|part| {
             if let Some(text) = part.at("text").as_str() {
                 count(text)
@@ -119,7 +117,7 @@ fn parts(parts: &Json, count: &mut (impl FnMut(&str) -> u64 + ?Sized)) -> u64 {
 /// Usage from a `usageMetadata` object. Input: `promptTokenCount` (which includes the
 /// cached content) plus `toolUsePromptTokenCount`; output: `candidatesTokenCount` plus
 /// `thoughtsTokenCount` (thinking is billed as output); cached: `cachedContentTokenCount`.
-pub(crate) fn usage_from_metadata(metadata: &Json) -> ReportedUsage {
+pub(crate) fn usage_from_metadata(metadata: Json) -> ReportedUsage {
     let field = |name: &str| metadata.at(name).as_u64();
     let sum = |a: Option<u64>, b: Option<u64>| match (a, b) {
         (None, None) => None,
@@ -135,7 +133,7 @@ pub(crate) fn usage_from_metadata(metadata: &Json) -> ReportedUsage {
 
 /// The generated text of one streamed response: every part's text (thoughts included,
 /// since they are billed as output), for a stream that never reports its usage.
-pub(crate) fn streamed_texts<'a>(message: &'a Json<'a>) -> impl Iterator<Item = &'a str> + 'a {
+pub(crate) fn streamed_texts<'a>(message: Json<'a>) -> impl Iterator<Item = &'a str> + 'a {
     message
         .at("candidates")
         .as_array()
@@ -146,11 +144,11 @@ pub(crate) fn streamed_texts<'a>(message: &'a Json<'a>) -> impl Iterator<Item = 
 }
 
 /// Whether a streamed response ends its candidates (`finishReason` set).
-pub(crate) fn is_final(message: &Json) -> bool {
+pub(crate) fn is_final(message: Json) -> bool {
     message
         .at("candidates")
         .as_array()
-        .is_some_and(|candidates| candidates.iter().any(|c| c.at("finishReason").as_str().is_some()))
+        .is_some_and(|mut candidates| candidates.any(|c| c.at("finishReason").as_str().is_some()))
 }
 
 /// Google's error: `{"error": {"code", "message", "status", "details"}}` with the
@@ -293,7 +291,7 @@ mod tests {
 
     #[test]
     fn usage_metadata_maps_thoughts_to_output_and_tool_prompts_to_input() {
-        let usage = |text: &str| usage_from_metadata(&Json::parse(text.as_bytes()).expect(text));
+        let usage = |text: &str| usage_from_metadata(Json::parse(text.as_bytes()).expect(text).root());
         assert_eq!(
             usage(
                 r#"{"promptTokenCount":12,"candidatesTokenCount":9,"thoughtsTokenCount":20,"cachedContentTokenCount":4,"toolUsePromptTokenCount":3,"totalTokenCount":44}"#

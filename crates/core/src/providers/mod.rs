@@ -146,14 +146,14 @@ pub type TextCounter<'a> = dyn FnMut(&str) -> u64 + 'a;
 /// How one API lays out a request body, as the provider module that owns the API says.
 pub struct BodyShape {
     /// The output cap the client set, if it set one.
-    pub max_output: fn(&Json) -> Option<u64>,
+    pub max_output: fn(Json) -> Option<u64>,
     /// Where a lower cap is written (a field, or a path of fields); empty where a body is
     /// never rewritten.
-    pub cap_field: fn(&Json) -> &'static [&'static str],
+    pub cap_field: fn(Json) -> &'static [&'static str],
     /// How many completions one request generates, each up to the cap, if the body says.
-    pub choices: fn(&Json) -> Option<u64>,
+    pub choices: fn(Json) -> Option<u64>,
     /// The prompt's tokens, each text counted by the function given.
-    pub prompt: fn(&Json, &mut TextCounter) -> u64,
+    pub prompt: fn(Json, &mut TextCounter) -> u64,
 }
 
 /// The body shape of `api`, from the module of the provider whose API it is.
@@ -273,7 +273,7 @@ pub fn missing_credential(dialect: Dialect) -> &'static str {
 /// `x_groq.usage`), in whichever provider's shape it is: Bedrock's when it is one; else
 /// each figure as OpenAI names it, or else as Anthropic does. Replies are read this way
 /// on every route, since OpenAI-compatible servers answer in more than one shape.
-pub fn usage_object(usage: &Json) -> ReportedUsage {
+pub fn usage_object(usage: Json) -> ReportedUsage {
     if let Some(bedrock) = bedrock::converse_usage(usage) {
         return bedrock;
     }
@@ -290,19 +290,19 @@ pub fn usage_object(usage: &Json) -> ReportedUsage {
 }
 
 /// Usage from Gemini's `usageMetadata`.
-pub fn usage_metadata(metadata: &Json) -> ReportedUsage {
+pub fn usage_metadata(metadata: Json) -> ReportedUsage {
     gemini::usage_from_metadata(metadata)
 }
 
 /// Whether one streamed message ends its stream: `kind` is its `type`, else its SSE event
 /// name. (OpenAI's chat streams end with `openai::DONE`, which is no JSON.)
-pub fn ends_stream(message: &Json, kind: &str) -> bool {
+pub fn ends_stream(message: Json, kind: &str) -> bool {
     anthropic::ends_stream(kind) || openai::ends_stream(kind) || gemini::is_final(message)
 }
 
 /// The generated text one streamed message carries, in every provider's shape, each piece
 /// handed to `text` (for a stream that never reports its output tokens).
-pub fn streamed_texts(message: &Json, text: &mut impl FnMut(Option<&str>)) {
+pub fn streamed_texts(message: Json, text: &mut impl FnMut(Option<&str>)) {
     openai::chat_texts(message, text);
     let kind = message.at("type").as_str();
     anthropic::streamed_texts(message, kind, text);

@@ -80,7 +80,7 @@ pub const CHAT_COMPLETIONS: BodyShape = BodyShape {
 
 /// The field the client used, else the one the API documents (`max_completion_tokens`,
 /// which reasoning models require).
-fn chat_cap_field(body: &Json) -> &'static [&'static str] {
+fn chat_cap_field(body: Json) -> &'static [&'static str] {
     if body.get("max_tokens").is_some() && body.get("max_completion_tokens").is_none() {
         &["max_tokens"]
     } else {
@@ -115,7 +115,7 @@ pub const EMBEDDINGS: BodyShape = BodyShape {
 /// OpenAI's own figures in a usage object: chat's `prompt_tokens` and `completion_tokens`,
 /// and the cached prompt tokens (chat's `prompt_tokens_details`, Responses'
 /// `input_tokens_details`).
-pub(crate) fn usage(usage: &Json) -> ReportedUsage {
+pub(crate) fn usage(usage: Json) -> ReportedUsage {
     let cached_input = usage
         .at("prompt_tokens_details")
         .at("cached_tokens")
@@ -135,7 +135,7 @@ pub(crate) fn usage(usage: &Json) -> ReportedUsage {
 
 /// Whether a usage object has a total: embeddings report their prompt and a total only,
 /// so their output is zero, not unknown.
-pub(crate) fn has_total(usage: &Json) -> bool {
+pub(crate) fn has_total(usage: Json) -> bool {
     usage.get("total_tokens").is_some()
 }
 
@@ -146,7 +146,7 @@ pub(crate) fn ends_stream(kind: &str) -> bool {
 
 /// The generated text of one streamed chat or completions chunk: deltas' content,
 /// refusals, reasoning and tool calls, and legacy completions' `text`.
-pub(crate) fn chat_texts(message: &Json, text: &mut impl FnMut(Option<&str>)) {
+pub(crate) fn chat_texts(message: Json, text: &mut impl FnMut(Option<&str>)) {
     let Some(choices) = message.at("choices").as_array() else { return };
     for choice in choices {
         let delta = &choice.at("delta");
@@ -169,7 +169,7 @@ pub(crate) fn chat_texts(message: &Json, text: &mut impl FnMut(Option<&str>)) {
 
 /// The generated text of one streamed Responses event of type `kind`: its text and
 /// argument deltas.
-pub(crate) fn responses_texts(message: &Json, kind: Option<&str>, text: &mut impl FnMut(Option<&str>)) {
+pub(crate) fn responses_texts(message: Json, kind: Option<&str>, text: &mut impl FnMut(Option<&str>)) {
     if kind.is_some_and(|kind| kind.starts_with("response.") && kind.ends_with(".delta")) {
         text(message.at("delta").as_str());
     }

@@ -6,7 +6,7 @@
 //! for) is its provider's body shape (`providers::body_shape`); this reads any of them.
 
 use crate::api::Api;
-use crate::parse::json::Json;
+use crate::parse::json::{Json, JsonDoc};
 use crate::providers::{body_shape, PathModel, Route};
 use crate::tokens::Encoding;
 use serde_json::Value;
@@ -31,11 +31,11 @@ pub struct LlmRequest {
     pub body_is_signed: bool,
 }
 
-/// A request body parsed: what it asks for, and the tree its prompt is counted from.
+/// A request body parsed: what it asks for, and the document its prompt is counted from.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ParsedBody<'a> {
     pub request: LlmRequest,
-    tree: Json<'a>,
+    doc: JsonDoc<'a>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -74,14 +74,15 @@ pub fn parse_on<'a>(route: &Route, body: &'a [u8]) -> Option<Result<ParsedBody<'
 
 impl LlmRequest {
     pub fn parse(api: Api, body: &[u8]) -> Result<ParsedBody<'_>, BodyError> {
-        let body = Json::parse_request(body).map_err(BodyError::NotJson)?;
+        let doc = Json::parse_request(body).map_err(BodyError::NotJson)?;
+        let body = doc.root();
         if !body.is_object() {
             return Err(BodyError::NotAnObject);
         }
         let shape = body_shape(api);
-        let max_output = (shape.max_output)(&body);
-        let cap_field = (shape.cap_field)(&body);
-        let choices = (shape.choices)(&body);
+        let max_output = (shape.max_output)(body);
+        let cap_field = (shape.cap_field)(body);
+        let choices = (shape.choices)(body);
         let request = LlmRequest {
             api,
             choices: choices.unwrap_or(1).max(1),
@@ -92,7 +93,7 @@ impl LlmRequest {
             cap_field,
             body_is_signed: false,
         };
-        Ok(ParsedBody { request, tree: body })
+        Ok(ParsedBody { request, doc })
     }
 }
 
@@ -103,7 +104,7 @@ impl ParsedBody<'_> {
     /// is not a string is no user (the provider refuses such a body). Read only where a
     /// limit is counted per end user, not on every request.
     pub fn end_user(&self) -> Option<String> {
-        let body = &self.tree;
+        let body = self.doc.root();
         let named = match self.request.api {
             Api::ChatCompletions | Api::Completions | Api::Responses | Api::Embeddings => {
                 body.at("safety_identifier").as_str().or_else(|| body.at("user").as_str())
@@ -128,7 +129,7 @@ impl ParsedBody<'_> {
 
     /// Prompt tokens, each text counted by `count`.
     pub fn prompt_tokens_with(&self, count: &mut impl FnMut(&str) -> u64) -> u64 {
-        (body_shape(self.request.api).prompt)(&self.tree, count)
+        (body_shape(self.request.api).prompt)(self.doc.root(), count)
     }
 }
 

@@ -22,13 +22,13 @@ use crate::api::ReportedUsage;
 
 /// Usage from a usage object, or from a message holding one at `usage`, `message.usage`,
 /// `response.usage`, `usageMetadata` (Gemini) or `x_groq.usage` (Groq's streams).
-pub fn reported_usage(message: &Json) -> ReportedUsage {
+pub fn reported_usage(message: Json) -> ReportedUsage {
     let mut found = ReportedUsage::default();
     for usage in [
-        &message.at("usage"),
-        &message.at("message").at("usage"),
-        &message.at("response").at("usage"),
-        &message.at("x_groq").at("usage"),
+        message.at("usage"),
+        message.at("message").at("usage"),
+        message.at("response").at("usage"),
+        message.at("x_groq").at("usage"),
     ] {
         if usage.is_object() {
             found.merge(providers::usage_object(usage));
@@ -352,11 +352,11 @@ impl ReplyUsage {
         let [top, message, response, metadata] = &self.found;
         for bytes in [top, message, response].into_iter().flatten() {
             if let Ok(object) = Json::parse(bytes) {
-                usage.merge(providers::usage_object(&object));
+                usage.merge(providers::usage_object(object.root()));
             }
         }
         if let Some(Ok(object)) = metadata.as_deref().map(Json::parse) {
-            usage.merge(providers::usage_metadata(&object));
+            usage.merge(providers::usage_metadata(object.root()));
         }
         usage
     }
@@ -463,17 +463,17 @@ impl StreamUsage {
 
     /// One message of the stream as it came (`event`: its SSE event name, if it has one).
     fn on_message_bytes(&mut self, bytes: &[u8], event: &str) {
-        // A tree borrowing from the event: a delta's text is read, not copied, until it
-        // is added to the text kept for counting.
+        // A document borrowing from the event: a delta's text is read, not copied, until
+        // it is added to the text kept for counting.
         let Ok(message) = Json::parse(bytes) else {
             return;
         };
-        self.on_message(&message, event);
+        self.on_message(message.root(), event);
     }
 
     /// One message's JSON, however it was framed (SSE, a JSON array, AWS's event stream for
     /// Bedrock), and the message's event name if the framing gives one.
-    pub(crate) fn on_message(&mut self, message: &Json, event_name: &str) {
+    pub(crate) fn on_message(&mut self, message: Json, event_name: &str) {
         self.reported.merge(reported_usage(message));
         let model = message.at("model").as_str().or_else(|| message.at("message").at("model").as_str());
         if let Some(model) = model.filter(|m| !m.is_empty() && m.len() <= crate::providers::MAX_MODEL_NAME) {
@@ -499,7 +499,7 @@ impl StreamUsage {
     }
 
     /// The generated text of one event, in whichever provider's shape it is.
-    fn collect_text(&mut self, message: &Json) {
+    fn collect_text(&mut self, message: Json) {
         providers::streamed_texts(message, &mut |text| self.push_text(text));
     }
 
@@ -1037,8 +1037,8 @@ mod tests {
             for chunk in in_chunks(text.as_bytes(), &cuts) {
                 reply.feed(chunk);
             }
-            prop_assert_eq!(reply.finish(), reported_usage(&whole));
-            prop_assert_eq!(reply.model(), whole.at("model").as_str().filter(|m| !m.is_empty()));
+            prop_assert_eq!(reply.finish(), reported_usage(whole.root()));
+            prop_assert_eq!(reply.model(), whole.root().at("model").as_str().filter(|m| !m.is_empty()));
         }
 
         /// Mangled streams and replies never panic.
