@@ -74,8 +74,8 @@ pub enum DryOut {
     /// another's callback (ngx_wasm_module), so none could wait for another's grant.
     AskEach,
     /// One request asks and marks the entry; while that grant is out the others wait for
-    /// it, then take again (`may_wait`: this request has not waited yet; a request waits
-    /// once, then asks for itself).
+    /// it, then take again (`may_wait`: this request is within its bound on waiting; past
+    /// it, it asks for itself even while a grant is out).
     Coalesce { may_wait: bool },
 }
 

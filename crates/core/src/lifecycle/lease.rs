@@ -36,7 +36,7 @@ impl RequestFilter {
         let holders = self.holders(config);
         let policy = config.lease_policy();
         let dry_out = if worker.host_kind().resumes_other_contexts() {
-            DryOut::Coalesce { may_wait: !self.waited_for_lease }
+            DryOut::Coalesce { may_wait: self.lease_wait_until.is_none_or(|until| now < until) }
         } else {
             DryOut::AskEach
         };
@@ -86,8 +86,9 @@ impl RequestFilter {
             }
             None => {
                 self.phase = Phase::AwaitingLease;
-                self.waited_for_lease = true;
-                let until = now.saturating_add(config.lease_policy().renewal_wait_ms);
+                // A request waiting again keeps the bound of its first wait.
+                let until =
+                    *self.lease_wait_until.get_or_insert(now.saturating_add(config.lease_policy().renewal_wait_ms));
                 worker.await_lease(host.context_id(), entry, until);
                 true
             }

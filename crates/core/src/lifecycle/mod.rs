@@ -165,10 +165,12 @@ pub struct RequestFilter {
     /// Lease mode: the parts of the request its covered lease entries gave, held while a
     /// grant for the short ones is asked.
     lease_hold: Option<Hold>,
-    /// Lease mode: whether the request has waited for a grant another asked for (the
-    /// worker keeps until when: no longer than such a grant can be out). A request waits
-    /// once; woken, it takes from the lease again and, if that falls short, asks for itself.
-    waited_for_lease: bool,
+    /// Lease mode: until when the request may wait for grants others asked for, set when
+    /// it first waits: no longer, in all, than one such grant can be out. Woken, it takes
+    /// from the lease again; if that falls short while a newer grant is out it waits for
+    /// that one too (a grant of its own beside it would be a second grant of the tenant
+    /// out), and past this time it asks for itself.
+    lease_wait_until: Option<u64>,
     /// Whether the headers are held while the body is read.
     holding_headers: bool,
     /// What the request's `:path` says, read once when its headers arrive; `None` for a
@@ -253,7 +255,7 @@ impl RequestFilter {
             body_len: 0,
             queued: false,
             lease_hold: None,
-            waited_for_lease: false,
+            lease_wait_until: None,
             holding_headers: false,
             route: None,
             dialect: Dialect::default(),
@@ -534,7 +536,7 @@ impl RequestFilter {
                 FromLease::Await(_) if !worker.breaker(host, config).is_closed() => {
                     // No grant can be asked while the breaker is open: nothing to wait for,
                     // so take again as a request that may not wait.
-                    self.waited_for_lease = true;
+                    self.lease_wait_until = Some(now);
                     return self.admit_or_ask(host, worker, config, now, run);
                 }
                 FromLease::Await(entry) => {
