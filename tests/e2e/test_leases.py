@@ -138,6 +138,7 @@ class SlowLeaseForwarder:
     def __init__(self, companion_port, delay, every_grant=False):
         lock = threading.Lock()
         self.in_flight, self.most, self.renewals = collections.Counter(), 0, 0
+        self.closed = False
         forwarder = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -160,6 +161,13 @@ class SlowLeaseForwarder:
                         forwarder.most = max(forwarder.most, forwarder.in_flight[renewal])
                     time.sleep(delay)  # the slow companion this stands for
                 try:
+                    if forwarder.closed:
+                        # The test is over and its companion is being stopped: a call still
+                        # held here (or sent since on a kept-alive connection) is dropped,
+                        # not forwarded, so that no refused connection is reported in the
+                        # next test's output as if that test's companion had gone.
+                        self.close_connection = True
+                        return
                     conn = http.client.HTTPConnection("127.0.0.1", companion_port, timeout=10)
                     conn.request("POST", self.path, body=body, headers={
                         k: v for k, v in self.headers.items() if k.lower() not in ("host", "connection")})
@@ -185,6 +193,7 @@ class SlowLeaseForwarder:
         self.thread.start()
 
     def close(self):
+        self.closed = True
         self.server.shutdown()
         self.server.server_close()
 
