@@ -7,6 +7,8 @@ use serde_json::{Number, Value};
 use std::borrow::Cow;
 use std::fmt;
 
+mod scan;
+
 static NULL: Value = Value::Null;
 
 pub trait Field {
@@ -94,6 +96,15 @@ impl<'a> JsonDoc<'a> {
 
     fn parse_text<const UNIQUE: bool>(text: &'a str) -> Result<JsonDoc<'a>, String> {
         let mut builder = Builder { nodes: Vec::with_capacity(first_room(text.len())) };
+        if scan::document::<UNIQUE>(text, &mut builder).is_some() {
+            return Ok(JsonDoc { nodes: builder.nodes });
+        }
+        // What the fast path gave up on, serde_json decides (and words its error).
+        builder.nodes.clear();
+        JsonDoc::parse_with_serde::<UNIQUE>(text, builder)
+    }
+
+    fn parse_with_serde<const UNIQUE: bool>(text: &'a str, mut builder: Builder<'a>) -> Result<JsonDoc<'a>, String> {
         let mut deserializer = serde_json::Deserializer::from_str(text);
         Into::<UNIQUE>(&mut builder).deserialize(&mut deserializer).map_err(|err| err.to_string())?;
         deserializer.end().map_err(|err| err.to_string())?;
@@ -605,6 +616,75 @@ mod tests {
             })
         }
 
+        /// The fast path's nodes and serde_json's for one text, read as a request (`UNIQUE`)
+        /// or not: where the fast path reads a text, serde_json reads the same nodes.
+        fn paths_agree<const UNIQUE: bool>(text: &str) -> Result<bool, TestCaseError> {
+            let mut fast = Builder { nodes: Vec::new() };
+            let read = scan::document::<UNIQUE>(text, &mut fast).is_some();
+            let slow = JsonDoc::parse_with_serde::<UNIQUE>(text, Builder { nodes: Vec::new() });
+            if read {
+                prop_assert_eq!(Ok(&fast.nodes), slow.as_ref().map(|doc| &doc.nodes), "{:?}", text);
+            }
+            Ok(read)
+        }
+
+        /// `text` with a few bytes replaced, inserted or removed: broken JSON, mostly.
+        fn broken(text: String, edits: Vec<(usize, u8, u8)>) -> String {
+            const BYTES: &[u8] = b"{}[]:,\"\\ \n\t0123456789-+.eEtrufalsn\x01\x1fu\x7f\xc3\xa9";
+            let mut bytes = text.into_bytes();
+            for (at, kind, pick) in edits {
+                let byte = BYTES[usize::from(pick) % BYTES.len()];
+                let at = if bytes.is_empty() { 0 } else { at % bytes.len() };
+                match kind % 3 {
+                    0 if !bytes.is_empty() => bytes[at] = byte,
+                    1 => bytes.insert(at, byte),
+                    _ if !bytes.is_empty() => {
+                        bytes.remove(at);
+                    }
+                    _ => {}
+                }
+            }
+            String::from_utf8_lossy(&bytes).into_owned()
+        }
+
+        /// Numbers and escapes at their edges, each as a whole document and inside one.
+        const EDGES: [&str; 22] = [
+            "0",
+            "-0",
+            "00",
+            "01",
+            "-",
+            "1.",
+            ".5",
+            "1e400",
+            "-1e400",
+            "1.5e-3",
+            "2E+8",
+            "18446744073709551615",
+            "18446744073709551616",
+            "-9223372036854775808",
+            "-9223372036854775809",
+            r#""\ud83d\ude00""#,
+            r#""\ud83d""#,
+            r#""\ude00x""#,
+            r#""\u00e9\/\b\f""#,
+            r#""\x""#,
+            "\"tab\there\"",
+            "[1,]",
+        ];
+
+        #[test]
+        fn the_fast_path_reads_the_edges_as_serde_json_does() {
+            for edge in EDGES {
+                for text in [edge.to_string(), format!("{{\"a\": [{edge}], \"b\": {edge}}}")] {
+                    paths_agree::<true>(&text).expect(&text);
+                    paths_agree::<false>(&text).expect(&text);
+                }
+            }
+            let deep = format!("{}1{}", "[".repeat(127), "]".repeat(127));
+            paths_agree::<false>(&deep).expect("deep");
+        }
+
         /// The value a document's walk sees: its iterators and `kind` only.
         fn as_value(json: Json) -> Value {
             match json.kind() {
@@ -618,6 +698,22 @@ mod tests {
         }
 
         proptest! {
+            #[test]
+            fn the_fast_path_reads_every_document_and_as_serde_json_does(text in json_text()) {
+                prop_assert!(paths_agree::<false>(&text)?, "the fast path gave up on a plain document: {}", text);
+                paths_agree::<true>(&text)?;
+            }
+
+            #[test]
+            fn the_fast_path_reads_broken_documents_as_serde_json_does(
+                text in json_text(),
+                edits in prop::collection::vec((any::<usize>(), any::<u8>(), any::<u8>()), 1..4),
+            ) {
+                let text = broken(text, edits);
+                paths_agree::<false>(&text)?;
+                paths_agree::<true>(&text)?;
+            }
+
             #[test]
             fn the_tree_agrees_with_a_value(text in json_text()) {
                 let value: Value = serde_json::from_str(&text).expect("generated JSON");
