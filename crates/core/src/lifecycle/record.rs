@@ -306,3 +306,127 @@ mod text_tests {
         }
     }
 }
+
+/// The record as the access log reads it, byte for byte, against `record.golden`: nulls,
+/// owners out of order, every decision, escapes, non-ASCII and the largest numbers, as
+/// JSON and as fields. A change to what operators' log pipelines parse fails here.
+#[cfg(all(test, not(target_arch = "wasm32")))]
+mod golden_tests {
+    use super::*;
+
+    fn records() -> Vec<(&'static str, Record<'static>)> {
+        let full = Record {
+            tenant: "t-4f2a9c01",
+            owners: vec![("team-tpm", "x-team=research"), ("org-rpm", "x-org=acme"), ("user-rpd", "u-17")],
+            provider: Some(Provider::OpenAi),
+            api: Some(Api::ChatCompletions),
+            model: "gpt-4o-mini",
+            used: Used { input: 12, output: 8, cached: 3, reasoning: 2, cost_micro_usd: 433 },
+            how: How::Leased,
+            refused_by: None,
+            queued_ms: 250,
+            overflow: None,
+            shadow: false,
+        };
+        let mut out = vec![("nothing known", Record::default()), ("leased, three owners", full.clone())];
+        let providers = [Provider::OpenAi, Provider::Anthropic, Provider::Gemini, Provider::Azure, Provider::Bedrock];
+        let apis = [
+            Api::ChatCompletions,
+            Api::Completions,
+            Api::Responses,
+            Api::Embeddings,
+            Api::Messages,
+            Api::Converse,
+            Api::GenerateContent,
+            Api::StreamGenerateContent,
+            Api::CountTokens,
+        ];
+        let hows = [
+            How::Unlimited,
+            How::Charged,
+            How::Leased,
+            How::LocalStore,
+            How::Degraded,
+            How::DegradedAllowed,
+            How::Refused,
+            How::Suspended,
+        ];
+        for (i, how) in hows.into_iter().enumerate() {
+            out.push((
+                "each decision, provider and API",
+                Record {
+                    how,
+                    provider: providers.get(i % providers.len()).copied(),
+                    api: apis.get(i).copied(),
+                    owners: Vec::new(),
+                    ..full.clone()
+                },
+            ));
+        }
+        out.push((
+            "refused in shadow mode, overflowed",
+            Record {
+                how: How::Refused,
+                refused_by: Some("org-rpm"),
+                overflow: Some("backup-cluster"),
+                shadow: true,
+                api: Some(Api::CountTokens),
+                ..full.clone()
+            },
+        ));
+        out.push((
+            "escapes and non-ASCII",
+            Record {
+                tenant: "t-\u{7f}\u{80}",
+                owners: vec![("pool \"q\"", "x-user=a\\b\tc"), ("ünï", "名前\u{1}\u{1f}")],
+                model: "gpt\"4o\\mini\n\r\t\u{0}\u{8}\u{c}\u{1b}é😀\u{2028}\u{2029}",
+                refused_by: Some("quote\"d"),
+                overflow: Some("back\\slash"),
+                ..full.clone()
+            },
+        ));
+        out.push((
+            "the largest numbers",
+            Record {
+                used: Used {
+                    input: u64::MAX,
+                    output: u64::MAX - 1,
+                    cached: 10_000_000_000,
+                    reasoning: 1,
+                    cost_micro_usd: u64::MAX,
+                },
+                queued_ms: u64::MAX,
+                ..full
+            },
+        ));
+        out
+    }
+
+    #[test]
+    fn the_record_is_unchanged_to_the_byte() {
+        let mut text = String::new();
+        for (what, record) in records() {
+            text.push_str(&format!("== {what}\n{}\n", record.json()));
+            for (name, value) in record.fields() {
+                text.push_str(&format!("{name}={value:?}\n"));
+            }
+        }
+        let golden = include_str!("record.golden");
+        if golden != text {
+            let _ = std::fs::write(concat!(env!("CARGO_MANIFEST_DIR"), "/src/lifecycle/record.golden.new"), &text);
+        }
+        assert!(golden == text, "the record changed: see src/lifecycle/record.golden.new");
+    }
+
+    #[test]
+    fn the_record_is_json_of_its_fields() {
+        for (what, record) in records() {
+            let read: serde_json::Value = serde_json::from_str(&record.json()).expect(what);
+            assert_eq!(read["model"], record.model, "{what}");
+            assert_eq!(read["tenant"], record.tenant, "{what}");
+            for (limit, owner) in &record.owners {
+                assert_eq!(read["owners"][*limit], *owner, "{what}");
+            }
+        }
+    }
+}

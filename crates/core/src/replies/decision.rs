@@ -1039,4 +1039,93 @@ mod tests {
         let config = refusals_config(serde_json::json!({"warn_below": 0.1, "retry_horizon": "1d"}));
         assert_eq!(budget_low(&admitted, &config, 0), Some((BUDGET_LOW_HEADER, "usd-day, monthly".into())));
     }
+
+    /// Every header style and provider dialect, over limits of every kind (a calendar
+    /// budget, tokens of each count, money, concurrency) and replies in config order, out
+    /// of it, with ties, spent limits and a limit the config does not name: the headers as
+    /// text, byte for byte, against `decision_headers.golden`. A change to what any client
+    /// is sent fails here.
+    #[test]
+    fn rate_limit_headers_are_unchanged_to_the_byte() {
+        const STYLES: [&str; 8] = [
+            "[]",
+            r#"["provider"]"#,
+            r#"["openai"]"#,
+            r#"["anthropic"]"#,
+            r#"["ietf"]"#,
+            r#"["classic"]"#,
+            r#"["provider", "ietf"]"#,
+            r#"["provider", "openai", "anthropic", "ietf", "classic"]"#,
+        ];
+        let config = |styles: &str| {
+            let json = format!(
+                r#"{{"companion": {{"upstream": "c", "token": "test-token-0123456789"}}, "headers": {styles},
+                "prices": [{{"match": "*", "input": 1, "output": 1}}], "limits": [
+                {{"name": "rpm", "requests": 50, "window": "1m"}},
+                {{"name": "rpd", "requests": 1000, "window": "1d"}},
+                {{"name": "tpm", "tokens": 96000, "window": "1m"}},
+                {{"name": "itpm", "tokens": 80000, "window": "90s", "count": "input"}},
+                {{"name": "otpm", "tokens": 16000, "window": "1m", "count": "output"}},
+                {{"name": "ctpm", "tokens": 5000, "window": "1m", "count": "cached_input"}},
+                {{"name": "usd-day", "usd": 5, "window": "1d"}},
+                {{"name": "inflight", "concurrency": 3}},
+                {{"name": "monthly", "requests": 300, "window": {{"calendar": "month", "time_zone": "Europe/Amsterdam"}}}}]}}"#
+            );
+            Policy::from_json(json.as_bytes()).expect("config")
+        };
+        let every = vec![
+            outcome("rpm", LimitStatus::Allowed, 50, 49, 1_200, 0),
+            outcome("rpd", LimitStatus::Allowed, 1000, 49, 86_399_001, 0),
+            outcome("tpm", LimitStatus::Allowed, 96_000, 95_000, 625, 0),
+            outcome("itpm", LimitStatus::Allowed, 80_000, 79_000, 750, 0),
+            outcome("otpm", LimitStatus::Allowed, 16_000, 15_000, 3_750, 0),
+            outcome("ctpm", LimitStatus::Allowed, 5_000, 5_000, 0, 0),
+            outcome("usd-day", LimitStatus::Allowed, 5_000_000, 4_999_000, 86_000_000, 0),
+            outcome("inflight", LimitStatus::Allowed, 3, 2, 0, 0),
+            outcome("monthly", LimitStatus::Allowed, 300, 120, 1_000_000_000, 0),
+        ];
+        let replies = [
+            ("every limit", every.clone()),
+            ("none", vec![]),
+            (
+                "spent, ties, a lowered limit",
+                vec![
+                    outcome("rpm", LimitStatus::Limited, 50, 0, 60_000, 2_962),
+                    outcome("rpd", LimitStatus::Allowed, 1000, 0, 59_000, 0),
+                    outcome("tpm", LimitStatus::Allowed, 96_000, 0, 61_000, 0),
+                    outcome("itpm", LimitStatus::Allowed, 40_000, 0, 61_000, 0),
+                    outcome("otpm", LimitStatus::Never, 16_000, 16_000, 0, 0),
+                    outcome("inflight", LimitStatus::Limited, 3, 0, 0, 800),
+                ],
+            ),
+            ("out of order, one unknown", {
+                let mut some = vec![every[4].clone(), every[0].clone(), every[7].clone()];
+                some.push(outcome("elsewhere", LimitStatus::Allowed, 7, 3, 4_500, 0));
+                some.push(every[2].clone());
+                some
+            }),
+            ("concurrency and money only", vec![every[6].clone(), every[7].clone()]),
+            ("u64 extremes", vec![outcome("tpm", LimitStatus::Allowed, u64::MAX, u64::MAX - 1, u64::MAX / 2, u64::MAX)]),
+        ];
+        let mut text = String::new();
+        for styles in STYLES {
+            let config = config(styles);
+            for (what, limits) in &replies {
+                for dialect in DIALECTS {
+                    // 2026-12-01T15:37:00.500Z, within a month of 31 days in Amsterdam.
+                    let caller = Caller { dialect, now_ms: 1_796_139_420_500 };
+                    let reply = replied(true, limits.clone());
+                    text.push_str(&format!("== headers {styles}, {what}, {dialect:?}\n"));
+                    for (name, value) in rate_limit_headers(&reply, &config, caller) {
+                        text.push_str(&format!("{name}: {value}\n"));
+                    }
+                }
+            }
+        }
+        let golden = include_str!("decision_headers.golden");
+        if golden != text {
+            let _ = std::fs::write(concat!(env!("CARGO_MANIFEST_DIR"), "/src/replies/decision_headers.golden.new"), &text);
+        }
+        assert!(golden == text, "the headers changed: see src/replies/decision_headers.golden.new");
+    }
 }
