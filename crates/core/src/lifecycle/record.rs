@@ -165,47 +165,85 @@ impl Record<'_> {
     }
 
     /// The record as one JSON object (fields named without the prefix), keys in order.
-    /// Written straight into one string: every request publishes it, and a tree of values
-    /// would cost some thirty allocations each time.
     pub fn json(&self) -> String {
-        let mut out = String::with_capacity(360 + self.model.len() + self.tenant.len());
-        let mut owners: Vec<&(&str, &str)> = self.owners.iter().collect();
-        owners.sort_unstable_by_key(|(limit, _)| *limit);
+        let mut out = String::new();
+        self.write_json(&mut out);
+        out
+    }
+
+    /// Writes [`Record::json`] into `out`, in one allocation at most: every request
+    /// publishes it, so it is written by pieces (the keys between the values as one
+    /// literal each, numbers by `itoa`), never through `format!`'s machinery, and the
+    /// owners in their keys' order without a sorted copy.
+    pub fn write_json(&self, out: &mut String) {
+        let texts = [Some(self.tenant), Some(self.model), self.refused_by, self.overflow];
+        let owners: usize = self.owners.iter().map(|(limit, owner)| limit.len() + owner.len() + 6).sum();
+        // The keys, the names and every number at its longest, and the texts unescaped:
+        // only escapes can outgrow it.
+        out.reserve(330 + owners + texts.iter().map(|t| t.map_or(0, str::len)).sum::<usize>());
+        let mut digits = itoa::Buffer::new();
         out.push_str("{\"api\":");
-        push_text(&mut out, self.api.map(api_name));
-        let _ = write!(
-            out,
-            ",\"cached_tokens\":{},\"cost_micro_usd\":{},\"decision\":\"{}\",\"input_tokens\":{},\"model\":",
-            self.used.cached,
-            self.used.cost_micro_usd,
-            self.how.name(),
-            self.used.input
-        );
-        push_text(&mut out, Some(self.model));
-        let _ = write!(out, ",\"output_tokens\":{},\"overflow\":", self.used.output);
-        push_text(&mut out, self.overflow);
+        push_name(out, self.api.map(api_name));
+        out.push_str(",\"cached_tokens\":");
+        out.push_str(digits.format(self.used.cached));
+        out.push_str(",\"cost_micro_usd\":");
+        out.push_str(digits.format(self.used.cost_micro_usd));
+        out.push_str(",\"decision\":\"");
+        out.push_str(self.how.name());
+        out.push_str("\",\"input_tokens\":");
+        out.push_str(digits.format(self.used.input));
+        out.push_str(",\"model\":");
+        push_text(out, Some(self.model));
+        out.push_str(",\"output_tokens\":");
+        out.push_str(digits.format(self.used.output));
+        out.push_str(",\"overflow\":");
+        push_text(out, self.overflow);
         out.push_str(",\"owners\":{");
-        for (i, (limit, owner)) in owners.into_iter().enumerate() {
+        // In order of the limits' names (unique in a config): each time the least name
+        // after the last one written.
+        let mut last: Option<&str> = None;
+        for i in 0..self.owners.len() {
+            let next = self.owners.iter().filter(|(limit, _)| last.is_none_or(|last| *limit > last)).min();
+            let Some((limit, owner)) = next else { break };
             if i > 0 {
                 out.push(',');
             }
-            push_text(&mut out, Some(limit));
+            push_text(out, Some(limit));
             out.push(':');
-            push_text(&mut out, Some(owner));
+            push_text(out, Some(owner));
+            last = Some(limit);
         }
         out.push_str("},\"provider\":");
-        push_text(&mut out, self.provider.map(provider_name));
-        let _ = write!(
-            out,
-            ",\"queued_ms\":{},\"reasoning_tokens\":{},\"refused_by\":",
-            self.queued_ms, self.used.reasoning
-        );
-        push_text(&mut out, self.refused_by);
-        let _ = write!(out, ",\"shadow\":{},\"tenant\":", self.shadow);
-        push_text(&mut out, Some(self.tenant));
+        push_name(out, self.provider.map(provider_name));
+        out.push_str(",\"queued_ms\":");
+        out.push_str(digits.format(self.queued_ms));
+        out.push_str(",\"reasoning_tokens\":");
+        out.push_str(digits.format(self.used.reasoning));
+        out.push_str(",\"refused_by\":");
+        push_text(out, self.refused_by);
+        out.push_str(if self.shadow { ",\"shadow\":true,\"tenant\":" } else { ",\"shadow\":false,\"tenant\":" });
+        push_text(out, Some(self.tenant));
         out.push('}');
-        out
     }
+}
+
+/// One of the record's own names (no character in them needs an escape) as a JSON
+/// string, `null` for none.
+fn push_name(out: &mut String, name: Option<&'static str>) {
+    match name {
+        Some(name) => {
+            out.push('"');
+            out.push_str(name);
+            out.push('"');
+        }
+        None => out.push_str("null"),
+    }
+}
+
+/// Whether JSON needs `byte` escaped in a string: quotes, backslashes and control
+/// characters. Every other byte, those of multi-byte characters included, is copied.
+fn needs_escape(byte: u8) -> bool {
+    byte < 0x20 || byte == b'"' || byte == b'\\'
 }
 
 /// `text` as a JSON string (`null` for none): quotes, backslashes and control characters
@@ -216,6 +254,13 @@ fn push_text(out: &mut String, text: Option<&str>) {
         return;
     };
     out.push('"');
+    // Most texts need no escape: looked for over the whole text at once (a loop without
+    // an early exit, which the compiler can widen), then copied whole.
+    if !text.bytes().fold(false, |any, byte| any | needs_escape(byte)) {
+        out.push_str(text);
+        out.push('"');
+        return;
+    }
     // Runs of text that need no escape are copied whole (a byte that does is ASCII, never
     // inside a multi-byte character, so every run is whole characters).
     let mut run = 0;
@@ -233,7 +278,11 @@ fn push_text(out: &mut String, text: Option<&str>) {
         run = at + 1;
         match escape {
             "" => {
-                let _ = write!(out, "\\u{:04x}", byte);
+                const HEX: &[u8; 16] = b"0123456789abcdef";
+                out.push_str("\\u00");
+                for digit in [byte >> 4, byte & 0xf] {
+                    out.push(char::from(HEX.get(usize::from(digit)).copied().unwrap_or(b'0')));
+                }
             }
             escape => out.push_str(escape),
         }

@@ -98,12 +98,13 @@ impl RequestFilter {
         if config.record == RecordMode::Off {
             return;
         }
-        let owners = self.owners();
+        // Each pool's claimant, borrowed from the plan's buckets (one per limit, in order).
+        let buckets = self.plan.as_ref().map_or(&[][..], |plan| plan.buckets.as_slice());
         let owners = config
             .limits
             .iter()
-            .zip(&owners)
-            .filter_map(|(limit, owner)| Some((limit.name.as_str(), owner.as_deref()?)));
+            .zip(buckets)
+            .filter_map(|(limit, bucket)| Some((limit.name.as_str(), bucket.owner.as_deref()?)));
         let route = self.route.as_ref();
         let record = record::Record {
             tenant: &self.tenant,
