@@ -9,6 +9,7 @@
 //! bypass, prices, tier, queue, then what may not be combined.
 
 use super::error::{invalid, ConfigError};
+use super::headers::HeaderPlan;
 use super::policy::Secret;
 use super::policy::{
     model_policies, tiers_named, Bypass, Companion, Dimension, Fallback, Identity, LeaseConfig, Limit, Measure, Memory,
@@ -74,6 +75,7 @@ pub(super) fn compile(
     super::per::combine(&limits, &lease)?;
     overflows(&limits, &provider_limits, &lease, written.store)?;
     deployments(&written.deployments)?;
+    let headers = HeaderPlan::new(&written.headers, &limits);
     Ok(Policy {
         store: written.store,
         companion,
@@ -86,7 +88,7 @@ pub(super) fn compile(
         tier,
         prices,
         mode: written.mode,
-        headers: written.headers.clone(),
+        headers,
         error_format: written.error_format,
         bypass,
         queue,

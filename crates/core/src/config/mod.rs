@@ -14,6 +14,7 @@ mod compile;
 pub(crate) use compile::slot_key;
 mod effective;
 mod error;
+mod headers;
 mod per;
 mod policy;
 mod read;
@@ -23,6 +24,7 @@ mod tests;
 
 pub use effective::effective;
 pub use error::ConfigError;
+pub use headers::{Callers, HeaderPlan, LimitHeaders, ProviderHeaders};
 pub use per::{FairShare, HeaderPer, Per, PerShape};
 pub use policy::{
     Bypass, Companion, Dimension, FailureMode, Fallback, HeaderStyle, Identity, LeaseConfig, Limit, Measure, Memory,

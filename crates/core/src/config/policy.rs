@@ -32,7 +32,8 @@ pub struct Policy {
     /// Tried in order.
     pub prices: Vec<PriceEntry>,
     pub mode: Mode,
-    pub headers: Vec<HeaderStyle>,
+    /// The rate-limit headers responses carry, decided for each limit at load.
+    pub headers: super::HeaderPlan,
     /// Whose shape local replies and the `provider` headers take.
     pub error_format: ErrorFormat,
     pub bypass: Bypass,

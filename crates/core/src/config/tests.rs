@@ -64,7 +64,7 @@ fn fills_defaults() {
     assert_eq!(config.identity.missing, MissingIdentity::Reject);
     assert_eq!(config.failure_mode, FailureMode::Local);
     assert_eq!(config.mode, Mode::Enforce);
-    assert_eq!(config.headers, vec![HeaderStyle::Provider, HeaderStyle::Ietf]);
+    assert_eq!(config.headers.styles, vec![HeaderStyle::Provider, HeaderStyle::Ietf]);
     assert_eq!(config.error_format, ErrorFormat::Auto, "answered in the caller's shape");
     assert!(!config.bypass.path("/v1/chat/completions"));
     assert_eq!(config.fallback.instances, 1);

@@ -4,12 +4,12 @@
 
 use crate::api::dialect::Dialect;
 use crate::api::refusal::Refusal;
-use crate::config::{Dimension, HeaderStyle, Per, Policy, TokenCount};
+use crate::config::{Callers, Dimension, Per, Policy, ProviderHeaders, TokenCount};
 use crate::duration::{format_reset, reset_pieces};
 use crate::protocol::{LimitCharge, LimitOutcome, LimitStatus, LimitsReply, Suspension};
-use crate::providers::{self, HeaderQuota, RateLimitHeaders, ResetForm};
+use crate::providers::{self, ResetForm};
 use crate::replies::answers::{error_reply, rfc3339, Caller};
-use crate::replies::reply::{tightest, Header, HeaderValue, LocalReply};
+use crate::replies::reply::{Header, HeaderValue, LocalReply};
 
 /// Set on responses that passed without a limiter decision (companion unavailable and
 /// `failure_mode: allow`), so operators and clients can tell.
@@ -29,33 +29,32 @@ fn dimension_of(config: &Policy, outcome: &LimitOutcome) -> Dimension {
     config.limit(&outcome.name).map_or(Dimension::Requests, |l| l.dimension())
 }
 
-/// The rate-limit headers `headers` configures: the caller's provider's own
-/// (`provider`: OpenAI's `x-ratelimit-*` or Anthropic's `anthropic-ratelimit-*`, named by
-/// the provider's module), each named convention, and the IETF `RateLimit-Policy` /
-/// `RateLimit` fields listing every limit.
+/// The rate-limit headers the policy writes (`config.headers`, decided at load): the
+/// caller's provider's own (OpenAI's `x-ratelimit-*` or Anthropic's
+/// `anthropic-ratelimit-*`, named by the provider's module), each named convention, and
+/// the IETF `RateLimit-Policy` / `RateLimit` fields listing every limit. Every admitted
+/// request writes them: each quota's tightest outcome is picked and its digits written.
 pub fn rate_limit_headers(reply: &LimitsReply, config: &Policy, caller: Caller) -> Vec<Header> {
+    let plan = &config.headers;
     let mut headers = Vec::with_capacity(12);
-    let wants = |style: HeaderStyle, dialect: Dialect| {
-        config.headers.contains(&style)
-            || (config.headers.contains(&HeaderStyle::Provider) && caller.dialect == dialect)
-    };
-    for (style, dialect) in [(HeaderStyle::Openai, Dialect::OpenAi), (HeaderStyle::Anthropic, Dialect::Anthropic)] {
-        if let Some(names) = providers::rate_limit_headers(dialect).filter(|_| wants(style, dialect)) {
-            provider_headers(names, reply, config, caller.now_ms, &mut headers);
+    for (p, provider) in plan.providers.iter().enumerate() {
+        let wanted = match provider.to {
+            Some(Callers::Every) => true,
+            Some(Callers::TheProvidersOwn) => caller.dialect == provider.dialect,
+            None => false,
+        };
+        if wanted {
+            provider_headers(p, provider, reply, config, caller.now_ms, &mut headers);
         }
     }
-    // The IETF and classic fields describe quotas per time window: concurrency is not one.
-    let windowed = || reply.limits.iter().filter(|o| dimension_of(config, o) != Dimension::Concurrency);
-    if config.headers.contains(&HeaderStyle::Ietf) {
-        ietf_headers(windowed(), config, caller.now_ms, &mut headers);
+    if plan.ietf {
+        ietf_headers(reply, config, caller.now_ms, &mut headers);
     }
-    if config.headers.contains(&HeaderStyle::Classic) {
+    if plan.classic {
         // The most restrictive: the smallest share of its limit left.
-        let tightest = windowed().min_by(|a, b| {
-            let share = |o: &LimitOutcome| o.remaining as f64 / o.limit.max(1) as f64;
-            share(a).total_cmp(&share(b))
-        });
-        if let Some(o) = tightest {
+        let share = |o: &LimitOutcome| o.remaining as f64 / o.limit.max(1) as f64;
+        let windowed = outcomes(reply, config).filter(|(limit, _)| plan.limit(*limit).windowed);
+        if let Some((_, o)) = windowed.min_by(|(_, a), (_, b)| share(a).total_cmp(&share(b))) {
             headers.push(("x-ratelimit-limit", decimal(o.limit)));
             headers.push(("x-ratelimit-remaining", decimal(o.remaining)));
             headers.push(("x-ratelimit-reset", decimal(o.reset_after_ms.div_ceil(1000))));
@@ -64,42 +63,61 @@ pub fn rate_limit_headers(reply: &LimitsReply, config: &Policy, caller: Caller) 
     headers
 }
 
-/// A provider's headers (`names`), each quota's for the most restrictive of the limits it
-/// reports on. A money budget is none of them: the IETF and classic fields cover it.
+/// Each outcome of `reply` with the index of its limit in `config` (`None`: a limit the
+/// config does not name). A reply lists a request's limits in the config's order, so each
+/// is looked for from just after the last one found, mostly at the first try.
+fn outcomes<'r>(reply: &'r LimitsReply, config: &'r Policy) -> impl Iterator<Item = (Option<usize>, &'r LimitOutcome)> {
+    let limits = &config.limits;
+    let mut next = 0;
+    reply.limits.iter().map(move |o| {
+        let from = next.min(limits.len());
+        let found = (from..limits.len()).chain(0..from).find(|&i| limits.get(i).is_some_and(|l| l.name == o.name));
+        if let Some(i) = found {
+            next = i + 1;
+        }
+        (found, o)
+    })
+}
+
+/// Most quotas a provider's headers report on (a bit each in `LimitHeaders::quotas`).
+const MAX_QUOTAS: usize = 8;
+
+/// A provider's headers (the `p`th of the plan's), each quota's for the most restrictive
+/// of the limits the plan says report on it: fewest left; on a tie, longest to reset; on
+/// a tie again, the first. A money budget is none of them: the IETF and classic fields
+/// cover it.
 fn provider_headers(
-    names: &RateLimitHeaders,
+    p: usize,
+    provider: &ProviderHeaders,
     reply: &LimitsReply,
     config: &Policy,
     now_ms: u64,
     headers: &mut Vec<Header>,
 ) {
-    for quota in names.quotas {
-        let reports = |name: &str| {
-            let limit = config.limit(name);
-            let count = limit.and_then(|l| l.token_count());
-            match (quota.quota, limit.map_or(Dimension::Requests, |l| l.dimension())) {
-                (HeaderQuota::Requests, Dimension::Requests) | (HeaderQuota::AnyTokens, Dimension::Tokens) => true,
-                (HeaderQuota::Concurrency, Dimension::Concurrency) => true,
-                (HeaderQuota::TotalTokens, Dimension::Tokens) => count == Some(TokenCount::Total),
-                (HeaderQuota::InputTokens, Dimension::Tokens) => count == Some(TokenCount::Input),
-                (HeaderQuota::OutputTokens, Dimension::Tokens) => count == Some(TokenCount::Output),
-                _ => false,
+    let mut tightest: [Option<&LimitOutcome>; MAX_QUOTAS] = [None; MAX_QUOTAS];
+    for (limit, o) in outcomes(reply, config) {
+        let quotas = config.headers.limit(limit).quotas.get(p).copied().unwrap_or(0);
+        let key = |o: &LimitOutcome| (o.remaining, std::cmp::Reverse(o.reset_after_ms));
+        for (q, held) in tightest.iter_mut().enumerate() {
+            if quotas & (1 << q) != 0 && held.is_none_or(|held| key(o) < key(held)) {
+                *held = Some(o);
             }
-        };
-        if let Some(o) = tightest(reply, reports) {
-            headers.push((quota.limit, decimal(o.limit)));
-            headers.push((quota.remaining, decimal(o.remaining)));
-            if let Some(reset) = quota.reset {
-                let when = match names.reset {
-                    ResetForm::After => {
-                        let mut when = HeaderValue::default();
-                        reset_pieces(o.reset_after_ms, &mut |piece| when.push_str(piece));
-                        when
-                    }
-                    ResetForm::At => rfc3339(now_ms.saturating_add(o.reset_after_ms).div_ceil(1000)).into(),
-                };
-                headers.push((reset, when));
-            }
+        }
+    }
+    for (quota, o) in provider.names.quotas.iter().zip(tightest) {
+        let Some(o) = o else { continue };
+        headers.push((quota.limit, decimal(o.limit)));
+        headers.push((quota.remaining, decimal(o.remaining)));
+        if let Some(reset) = quota.reset {
+            let when = match provider.names.reset {
+                ResetForm::After => {
+                    let mut when = HeaderValue::default();
+                    reset_pieces(o.reset_after_ms, &mut |piece| when.push_str(piece));
+                    when
+                }
+                ResetForm::At => rfc3339(now_ms.saturating_add(o.reset_after_ms).div_ceil(1000)).into(),
+            };
+            headers.push((reset, when));
         }
     }
 }
@@ -109,37 +127,27 @@ pub fn decimal(n: u64) -> HeaderValue {
     HeaderValue::from(itoa::Buffer::new().format(n))
 }
 
-fn ietf_headers<'r>(
-    windowed: impl Iterator<Item = &'r LimitOutcome>,
-    config: &Policy,
-    now_ms: u64,
-    headers: &mut Vec<Header>,
-) {
-    let mut windowed = windowed.peekable();
+fn ietf_headers(reply: &LimitsReply, config: &Policy, now_ms: u64, headers: &mut Vec<Header>) {
+    let plan = &config.headers;
+    let mut windowed = outcomes(reply, config).filter(|(limit, _)| plan.limit(*limit).windowed).peekable();
     if windowed.peek().is_none() {
         return;
     }
-    let seconds = |ms: u64| ms.div_ceil(1000);
-    // Each field written in one string as it goes (every response carries both), by
-    // pieces rather than `write!`: this runs for every admitted request.
+    // Each field written in one string as it goes (every response carries both), from
+    // the items the policy made of each limit at load.
     let (mut policy, mut state) = (String::with_capacity(64), String::with_capacity(64));
-    let mut digits = itoa::Buffer::new();
-    for (i, o) in windowed.enumerate() {
-        let separator = if i == 0 { "" } else { ", " };
-        let window = config.limit(&o.name).map_or(0, |l| l.window_ms_at(now_ms));
+    for (i, (index, o)) in windowed.enumerate() {
+        if i > 0 {
+            policy.push_str(", ");
+            state.push_str(", ");
+        }
+        let limit = plan.limit(index);
+        limit.write_policy_item(&mut policy, &o.name, o.limit, index.and_then(|i| config.limits.get(i)), now_ms);
         // `t` says when `r` is worth asking again: with nothing left, when a request fits
         // again (what `retry-after` says), not when the whole window has refilled, which
         // would keep a client that follows this header waiting many times too long.
         let wait = if o.remaining == 0 && o.retry_after_ms > 0 { o.retry_after_ms } else { o.reset_after_ms };
-        for (field, first, second) in [
-            (&mut policy, ("\";q=", o.limit), (";w=", seconds(window))),
-            (&mut state, ("\";r=", o.remaining), (";t=", seconds(wait))),
-        ] {
-            for part in [separator, "\"", o.name.as_str(), first.0, digits.format(first.1), second.0] {
-                field.push_str(part);
-            }
-            field.push_str(digits.format(second.1));
-        }
+        limit.write_state_item(&mut state, &o.name, o.remaining, wait.div_ceil(1000));
     }
     headers.push(("ratelimit-policy", policy.into()));
     headers.push(("ratelimit", state.into()));
@@ -467,6 +475,7 @@ pub fn retry_after_seconds(ms: u64) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::{HeaderPlan, HeaderStyle};
 
     fn config() -> Policy {
         let json = r#"{"companion": {"upstream": "c", "token": "test-token-0123456789"}, "limits": [
@@ -559,18 +568,18 @@ mod tests {
             suspended: None,
         };
         let mut config = config();
-        config.headers = vec![HeaderStyle::Classic];
+        config.headers = HeaderPlan::new(&[HeaderStyle::Classic], &config.limits);
         let headers = rate_limit_headers(&reply, &config, Caller::default());
         let names: Vec<&str> = headers.iter().map(|(n, _)| *n).collect();
         assert_eq!(names, ["x-ratelimit-limit", "x-ratelimit-remaining", "x-ratelimit-reset"]);
         // tpm has 10% left, rpm 75%: tpm is the most restrictive.
         assert_eq!(header(&headers, "x-ratelimit-limit"), Some("10000"));
         assert_eq!(header(&headers, "x-ratelimit-reset"), Some("54"));
-        config.headers = vec![HeaderStyle::Ietf];
+        config.headers = HeaderPlan::new(&[HeaderStyle::Ietf], &config.limits);
         let headers = rate_limit_headers(&reply, &config, Caller::default());
         assert_eq!(header(&headers, "x-ratelimit-remaining-requests"), None);
         assert!(header(&headers, "ratelimit").is_some());
-        config.headers.clear();
+        config.headers = HeaderPlan::new(&[], &config.limits);
         assert!(rate_limit_headers(&reply, &config, Caller::default()).is_empty());
     }
 
@@ -803,7 +812,7 @@ mod tests {
         // Named conventions apply whatever the caller: OpenAI's on an Anthropic caller,
         // its tokens headers for the tightest token limit of any count.
         let mut config = dimensions_config();
-        config.headers = vec![HeaderStyle::Openai];
+        config.headers = HeaderPlan::new(&[HeaderStyle::Openai], &config.limits);
         let headers = rate_limit_headers(&reply, &config, caller);
         assert_eq!(header(&headers, "x-ratelimit-remaining-tokens"), Some("5000"));
         assert_eq!(header(&headers, "anthropic-ratelimit-requests-limit"), None);
@@ -1105,7 +1114,10 @@ mod tests {
                 some
             }),
             ("concurrency and money only", vec![every[6].clone(), every[7].clone()]),
-            ("u64 extremes", vec![outcome("tpm", LimitStatus::Allowed, u64::MAX, u64::MAX - 1, u64::MAX / 2, u64::MAX)]),
+            (
+                "u64 extremes",
+                vec![outcome("tpm", LimitStatus::Allowed, u64::MAX, u64::MAX - 1, u64::MAX / 2, u64::MAX)],
+            ),
         ];
         let mut text = String::new();
         for styles in STYLES {
@@ -1124,7 +1136,8 @@ mod tests {
         }
         let golden = include_str!("decision_headers.golden");
         if golden != text {
-            let _ = std::fs::write(concat!(env!("CARGO_MANIFEST_DIR"), "/src/replies/decision_headers.golden.new"), &text);
+            let _ =
+                std::fs::write(concat!(env!("CARGO_MANIFEST_DIR"), "/src/replies/decision_headers.golden.new"), &text);
         }
         assert!(golden == text, "the headers changed: see src/replies/decision_headers.golden.new");
     }

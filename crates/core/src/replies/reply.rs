@@ -3,8 +3,6 @@
 //! what shapes them for the caller's API (`crate::replies::answers`), and below the `Host` that
 //! sends them.
 
-use crate::protocol::{LimitOutcome, LimitsReply};
-
 pub type Header = (&'static str, HeaderValue);
 
 /// Bytes a header value holds without an allocation: every number and duration the
@@ -138,12 +136,6 @@ impl LocalReply {
         self.body.clear();
         self
     }
-}
-
-/// The most restrictive of the reply's limits whose name `of_kind` accepts: fewest left;
-/// on a tie, longest to reset.
-pub(crate) fn tightest(reply: &LimitsReply, of_kind: impl Fn(&str) -> bool) -> Option<&LimitOutcome> {
-    reply.limits.iter().filter(|o| of_kind(&o.name)).min_by_key(|o| (o.remaining, std::cmp::Reverse(o.reset_after_ms)))
 }
 
 #[cfg(test)]
