@@ -10,7 +10,9 @@
 //! than `SPARE_ROWS` kinds of owner-days) is a request's share dropped, counted in
 //! `dropped`. At most `MAX_ROWS + 2 * SPARE_ROWS` rows, about 2,560 x 200 B = 0.5 MB.
 
-use crate::protocol::ledger::{LedgerBatch, LedgerRow, Spent, MAX_LEDGER_LABEL, MAX_LEDGER_MODEL, OTHER_MODEL};
+use crate::protocol::ledger::{
+    LedgerBatch, LedgerRow, Spent, MAX_LEDGER_LABEL, MAX_LEDGER_MODEL, OTHER_MODEL, TENANT_LABEL,
+};
 use std::borrow::Borrow;
 use std::cmp::Ordering;
 use std::collections::BTreeMap;
@@ -26,8 +28,11 @@ pub const OTHER_OWNER: &str = "other";
 /// One request's share for the ledger.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Entry<'a> {
-    /// Each owner id with its label (`tenant`, `<header>=<value>`).
-    pub owners: Vec<(&'a str, &'a str)>,
+    /// The tenant's id (labelled `tenant`).
+    pub tenant: &'a str,
+    /// Each pool's claimant with its label (`<header>=<value>`), borrowed from the
+    /// request: every request adds one entry, which copies nothing it already has.
+    pub pools: &'a [(String, String)],
     pub model: &'a str,
     pub day: u32,
     pub used: Spent,
@@ -95,6 +100,8 @@ pub struct Ledger {
     last_seq: u64,
     /// Rows dropped since the worker started (the aggregate and its spare rows full).
     pub dropped: u64,
+    /// The last day asked of `day_of_ms`: days since the epoch, and its date.
+    today: Option<(u64, u32)>,
 }
 
 /// `text` cut to at most `max` bytes at a character boundary.
@@ -110,6 +117,20 @@ fn cut(text: &str, max: usize) -> &str {
 }
 
 impl Ledger {
+    /// The UTC date of `ms` that rows are summed under (`20261201`), worked out once a
+    /// day: every request asks it.
+    pub fn day_of_ms(&mut self, ms: u64) -> u32 {
+        let days = ms / 86_400_000;
+        match self.today {
+            Some((today, date)) if today == days => date,
+            _ => {
+                let date = crate::protocol::ledger::day_of_ms(ms);
+                self.today = Some((days, date));
+                date
+            }
+        }
+    }
+
     /// Adds one request's use under each of its owners.
     pub fn add(&mut self, entry: &Entry) {
         let model = match cut(entry.model, MAX_LEDGER_MODEL) {
@@ -117,7 +138,8 @@ impl Ledger {
             model if model.starts_with('~') => "unknown",
             model => model,
         };
-        for &(owner, label) in &entry.owners {
+        let pools = entry.pools.iter().map(|(owner, label)| (owner.as_str(), label.as_str()));
+        for (owner, label) in std::iter::once((entry.tenant, TENANT_LABEL)).chain(pools) {
             self.add_row(owner, cut(label, MAX_LEDGER_LABEL), model, entry.day, &entry.used);
         }
     }
@@ -226,12 +248,23 @@ mod tests {
     }
 
     #[test]
+    fn the_date_is_worked_out_again_when_the_day_changes() {
+        let mut ledger = Ledger::default();
+        // 2026-12-01T23:59:59.999Z, then a millisecond later, then back.
+        let last_ms = 1_796_169_599_999;
+        for (ms, date) in [(last_ms, 20_261_201), (last_ms + 1, 20_261_202), (last_ms, 20_261_201), (0, 19_700_101)] {
+            assert_eq!(ledger.day_of_ms(ms), date, "{ms}");
+            assert_eq!(ledger.day_of_ms(ms), crate::protocol::ledger::day_of_ms(ms), "{ms}");
+        }
+    }
+
+    #[test]
     fn sums_per_owner_model_and_day() {
         let mut ledger = Ledger::default();
-        let owners = vec![("t1", "tenant"), ("pa", "x-team=a")];
-        ledger.add(&Entry { owners: owners.clone(), model: "gpt-4o", day: 20_261_101, used: used(10, 3) });
-        ledger.add(&Entry { owners: owners.clone(), model: "gpt-4o", day: 20_261_101, used: used(5, 2) });
-        ledger.add(&Entry { owners, model: "gpt-4o", day: 20_261_102, used: used(1, 1) });
+        let pools = [("pa".to_string(), "x-team=a".to_string())];
+        ledger.add(&Entry { tenant: "t1", pools: &pools, model: "gpt-4o", day: 20_261_101, used: used(10, 3) });
+        ledger.add(&Entry { tenant: "t1", pools: &pools, model: "gpt-4o", day: 20_261_101, used: used(5, 2) });
+        ledger.add(&Entry { tenant: "t1", pools: &pools, model: "gpt-4o", day: 20_261_102, used: used(1, 1) });
         assert_eq!(ledger.rows(), 4);
         assert!(ledger.seal());
         let rows = &ledger.out().unwrap().rows;
@@ -246,7 +279,7 @@ mod tests {
         let ids: Vec<String> = (0..MAX_ROWS + 2 * SPARE_ROWS).map(|i| format!("t{i}")).collect();
         for id in &ids {
             for model in ["m1", "m2"] {
-                ledger.add(&Entry { owners: vec![(id, "tenant")], model, day: 1, used: used(1, 1) });
+                ledger.add(&Entry { tenant: id, pools: &[], model, day: 1, used: used(1, 1) });
             }
         }
         assert!(ledger.rows() <= MAX_ROWS + 2 * SPARE_ROWS, "bounded: {}", ledger.rows());
@@ -259,7 +292,7 @@ mod tests {
     #[test]
     fn a_batch_is_kept_and_resent_with_its_number_until_acknowledged() {
         let mut ledger = Ledger::default();
-        let entry = Entry { owners: vec![("t1", "tenant")], model: "m", day: 1, used: used(1, 1) };
+        let entry = Entry { tenant: "t1", pools: &[], model: "m", day: 1, used: used(1, 1) };
         ledger.add(&entry);
         assert!(ledger.seal());
         let first = ledger.to_send("llm", "vm1").unwrap();
@@ -282,8 +315,8 @@ mod tests {
         assert_eq!(cut("ééé", 3), "é");
         let mut ledger = Ledger::default();
         let model = "x".repeat(500);
-        ledger.add(&Entry { owners: vec![("t1", "tenant")], model: &model, day: 1, used: used(1, 1) });
-        ledger.add(&Entry { owners: vec![("t1", "tenant")], model: "", day: 1, used: used(1, 1) });
+        ledger.add(&Entry { tenant: "t1", pools: &[], model: &model, day: 1, used: used(1, 1) });
+        ledger.add(&Entry { tenant: "t1", pools: &[], model: "", day: 1, used: used(1, 1) });
         assert!(ledger.seal());
         let batch = ledger.to_send("llm", "v").unwrap();
         assert_eq!(batch.validate(), Err("rows[0].day 1 is not a date as YYYYMMDD".into()));

@@ -144,12 +144,11 @@ impl RequestFilter {
             return;
         }
         let used = self.recorded.used;
-        let mut owners = vec![(self.tenant.as_str(), crate::protocol::ledger::TENANT_LABEL)];
-        owners.extend(self.recorded.pools.iter().map(|(owner, label)| (owner.as_str(), label.as_str())));
         let entry = crate::accounting::ledger::Entry {
-            owners,
+            tenant: &self.tenant,
+            pools: &self.recorded.pools,
             model: self.plan.as_ref().map_or("", |p| p.model.as_str()),
-            day: crate::protocol::ledger::day_of_ms(host.now_ms()),
+            day: worker.ledger.day_of_ms(host.now_ms()),
             used: crate::protocol::ledger::Spent {
                 requests: 1,
                 input_tokens: used.input,
