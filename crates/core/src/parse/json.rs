@@ -94,19 +94,20 @@ impl<'a> JsonDoc<'a> {
         Json { nodes: &self.nodes, at: 0 }
     }
 
-    fn parse_text<const UNIQUE: bool>(text: &'a str) -> Result<JsonDoc<'a>, String> {
-        let mut builder = Builder { nodes: Vec::with_capacity(first_room(text.len())) };
-        if scan::document::<UNIQUE>(text, &mut builder).is_some() {
+    /// `unique`: a key given twice in an object is an error (else the last wins).
+    fn parse_text(text: &'a str, unique: bool) -> Result<JsonDoc<'a>, String> {
+        let mut builder = Builder { nodes: Vec::with_capacity(first_room(text.len())), unique };
+        if scan::document(text, &mut builder).is_some() {
             return Ok(JsonDoc { nodes: builder.nodes });
         }
         // What the fast path gave up on, serde_json decides (and words its error).
         builder.nodes.clear();
-        JsonDoc::parse_with_serde::<UNIQUE>(text, builder)
+        JsonDoc::parse_with_serde(text, builder)
     }
 
-    fn parse_with_serde<const UNIQUE: bool>(text: &'a str, mut builder: Builder<'a>) -> Result<JsonDoc<'a>, String> {
+    fn parse_with_serde(text: &'a str, mut builder: Builder<'a>) -> Result<JsonDoc<'a>, String> {
         let mut deserializer = serde_json::Deserializer::from_str(text);
-        Into::<UNIQUE>(&mut builder).deserialize(&mut deserializer).map_err(|err| err.to_string())?;
+        Into(&mut builder).deserialize(&mut deserializer).map_err(|err| err.to_string())?;
         deserializer.end().map_err(|err| err.to_string())?;
         Ok(JsonDoc { nodes: builder.nodes })
     }
@@ -117,7 +118,7 @@ impl<'t> Json<'t> {
     /// which spares the parser checking each string it borrows.
     pub fn parse(text: &[u8]) -> Result<JsonDoc<'_>, String> {
         let text = std::str::from_utf8(text).map_err(|err| format!("not UTF-8: {err}"))?;
-        JsonDoc::parse_text::<false>(text)
+        JsonDoc::parse_text(text, false)
     }
 
     /// Parses a request body as the upstreams it goes to can read it, or not at all: a
@@ -128,7 +129,7 @@ impl<'t> Json<'t> {
     pub fn parse_request(text: &[u8]) -> Result<JsonDoc<'_>, String> {
         let text = std::str::from_utf8(text).map_err(|err| format!("not UTF-8: {err}"))?;
         let text = text.strip_prefix('\u{feff}').unwrap_or(text);
-        JsonDoc::parse_text::<true>(text)
+        JsonDoc::parse_text(text, true)
     }
 
     /// A `null` that belongs to no document: what a missing field reads as.
@@ -276,6 +277,8 @@ impl<'t> Iterator for Fields<'t> {
 /// Builds a [`JsonDoc`] as serde_json reads the text.
 struct Builder<'a> {
     nodes: Vec<Node<'a>>,
+    /// A key given twice in an object is an error (a request body), else the last wins.
+    unique: bool,
 }
 
 impl<'a> Builder<'a> {
@@ -315,11 +318,11 @@ impl<'a> Builder<'a> {
         })
     }
 
-    /// The keys of the object at `at`, which just closed: a repeat is an error (`UNIQUE`),
+    /// The keys of the object at `at`, which just closed: a repeat is an error (`unique`),
     /// or its earlier occurrences are shadowed. A small object's keys are compared
     /// pairwise, in place; a large one's through a sorted list, so a body of many keys
     /// costs n log n.
-    fn check_keys<const UNIQUE: bool>(&mut self, at: usize) -> Result<(), String> {
+    fn check_keys(&mut self, at: usize) -> Result<(), String> {
         let keys = self.key_positions(at);
         let mut repeats: Vec<usize> = Vec::new();
         if keys.clone().nth(16).is_none() {
@@ -332,7 +335,7 @@ impl<'a> Builder<'a> {
             }
         } else {
             let mut sorted: Vec<usize> = keys.collect();
-            sorted.sort_by(|&a, &b| self.key_text(a).cmp(self.key_text(b)).then(a.cmp(&b)));
+            sorted.sort_unstable_by(|&a, &b| self.key_text(a).cmp(self.key_text(b)).then(a.cmp(&b)));
             for pair in sorted.windows(2) {
                 if let [earlier, later] = pair {
                     if self.key_text(*earlier) == self.key_text(*later) {
@@ -341,7 +344,7 @@ impl<'a> Builder<'a> {
                 }
             }
         }
-        if let (true, Some(&first)) = (UNIQUE, repeats.first()) {
+        if let (true, Some(&first)) = (self.unique, repeats.first()) {
             return Err(format!("the key {:?} is given twice", self.key_text(first)));
         }
         for at in repeats {
@@ -354,9 +357,9 @@ impl<'a> Builder<'a> {
 }
 
 /// Reads one value into the builder.
-struct Into<'b, 'a, const UNIQUE: bool>(&'b mut Builder<'a>);
+struct Into<'b, 'a>(&'b mut Builder<'a>);
 
-impl<'de: 'a, 'a, const UNIQUE: bool> DeserializeSeed<'de> for Into<'_, 'a, UNIQUE> {
+impl<'de: 'a, 'a> DeserializeSeed<'de> for Into<'_, 'a> {
     type Value = ();
 
     fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<(), D::Error> {
@@ -364,7 +367,7 @@ impl<'de: 'a, 'a, const UNIQUE: bool> DeserializeSeed<'de> for Into<'_, 'a, UNIQ
     }
 }
 
-impl<'de: 'a, 'a, const UNIQUE: bool> Visitor<'de> for Into<'_, 'a, UNIQUE> {
+impl<'de: 'a, 'a> Visitor<'de> for Into<'_, 'a> {
     type Value = ();
 
     fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
@@ -418,7 +421,7 @@ impl<'de: 'a, 'a, const UNIQUE: bool> Visitor<'de> for Into<'_, 'a, UNIQUE> {
 
     fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
         let at = self.0.push(Node::Array { end: 0 });
-        while seq.next_element_seed(Into::<UNIQUE>(&mut *self.0))?.is_some() {}
+        while seq.next_element_seed(Into(&mut *self.0))?.is_some() {}
         self.0.close(at);
         Ok(())
     }
@@ -426,10 +429,10 @@ impl<'de: 'a, 'a, const UNIQUE: bool> Visitor<'de> for Into<'_, 'a, UNIQUE> {
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
         let at = self.0.push(Node::Object { end: 0 });
         while map.next_key_seed(KeyInto(&mut *self.0))?.is_some() {
-            map.next_value_seed(Into::<UNIQUE>(&mut *self.0))?;
+            map.next_value_seed(Into(&mut *self.0))?;
         }
         self.0.close(at);
-        self.0.check_keys::<UNIQUE>(at).map_err(serde::de::Error::custom)
+        self.0.check_keys(at).map_err(serde::de::Error::custom)
     }
 }
 
@@ -484,7 +487,7 @@ impl Serialize for Json<'_> {
             }
             Kind::Object(fields) => {
                 let mut fields: Vec<(&str, Json)> = fields.collect();
-                fields.sort_by(|a, b| a.0.cmp(b.0));
+                fields.sort_unstable_by(|a, b| a.0.cmp(b.0)); // no key twice: the earlier are shadowed
                 let mut map = serializer.serialize_map(Some(fields.len()))?;
                 for (key, value) in fields {
                     map.serialize_entry(key, &value)?;
@@ -522,7 +525,7 @@ mod tests {
                 Value::Array(items) => Value::Array(items.iter().map(sorted).collect()),
                 Value::Object(map) => {
                     let mut fields: Vec<(&String, &Value)> = map.iter().collect();
-                    fields.sort_by(|a, b| a.0.cmp(b.0));
+                    fields.sort_unstable_by(|a, b| a.0.cmp(b.0)); // no key twice: the earlier are shadowed
                     Value::Object(fields.into_iter().map(|(k, v)| (k.clone(), sorted(v))).collect())
                 }
                 other => other.clone(),
@@ -616,12 +619,12 @@ mod tests {
             })
         }
 
-        /// The fast path's nodes and serde_json's for one text, read as a request (`UNIQUE`)
+        /// The fast path's nodes and serde_json's for one text, read as a request (`unique`)
         /// or not: where the fast path reads a text, serde_json reads the same nodes.
-        fn paths_agree<const UNIQUE: bool>(text: &str) -> Result<bool, TestCaseError> {
-            let mut fast = Builder { nodes: Vec::new() };
-            let read = scan::document::<UNIQUE>(text, &mut fast).is_some();
-            let slow = JsonDoc::parse_with_serde::<UNIQUE>(text, Builder { nodes: Vec::new() });
+        fn paths_agree(text: &str, unique: bool) -> Result<bool, TestCaseError> {
+            let mut fast = Builder { nodes: Vec::new(), unique };
+            let read = scan::document(text, &mut fast).is_some();
+            let slow = JsonDoc::parse_with_serde(text, Builder { nodes: Vec::new(), unique });
             if read {
                 prop_assert_eq!(Ok(&fast.nodes), slow.as_ref().map(|doc| &doc.nodes), "{:?}", text);
             }
@@ -677,12 +680,12 @@ mod tests {
         fn the_fast_path_reads_the_edges_as_serde_json_does() {
             for edge in EDGES {
                 for text in [edge.to_string(), format!("{{\"a\": [{edge}], \"b\": {edge}}}")] {
-                    paths_agree::<true>(&text).expect(&text);
-                    paths_agree::<false>(&text).expect(&text);
+                    paths_agree(&text, true).expect(&text);
+                    paths_agree(&text, false).expect(&text);
                 }
             }
             let deep = format!("{}1{}", "[".repeat(127), "]".repeat(127));
-            paths_agree::<false>(&deep).expect("deep");
+            paths_agree(&deep, false).expect("deep");
         }
 
         /// The value a document's walk sees: its iterators and `kind` only.
@@ -700,8 +703,8 @@ mod tests {
         proptest! {
             #[test]
             fn the_fast_path_reads_every_document_and_as_serde_json_does(text in json_text()) {
-                prop_assert!(paths_agree::<false>(&text)?, "the fast path gave up on a plain document: {}", text);
-                paths_agree::<true>(&text)?;
+                prop_assert!(paths_agree(&text, false)?, "the fast path gave up on a plain document: {}", text);
+                paths_agree(&text, true)?;
             }
 
             #[test]
@@ -710,8 +713,8 @@ mod tests {
                 edits in prop::collection::vec((any::<usize>(), any::<u8>(), any::<u8>()), 1..4),
             ) {
                 let text = broken(text, edits);
-                paths_agree::<false>(&text)?;
-                paths_agree::<true>(&text)?;
+                paths_agree(&text, false)?;
+                paths_agree(&text, true)?;
             }
 
             #[test]

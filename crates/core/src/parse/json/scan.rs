@@ -16,10 +16,10 @@ use std::borrow::Cow;
 /// 128 deep, and nothing near that depth is worth reading fast.
 const MOST_DEPTH: u32 = 100;
 
-pub(super) fn document<'a, const UNIQUE: bool>(text: &'a str, builder: &mut Builder<'a>) -> Option<()> {
+pub(super) fn document<'a>(text: &'a str, builder: &mut Builder<'a>) -> Option<()> {
     let mut scan = Scan { text, bytes: text.as_bytes(), at: 0, builder };
     scan.whitespace();
-    scan.value::<UNIQUE>(0)?;
+    scan.value(0)?;
     scan.whitespace();
     (scan.at == scan.bytes.len()).then_some(())
 }
@@ -55,10 +55,10 @@ impl<'a> Scan<'a, '_> {
         })
     }
 
-    fn value<const UNIQUE: bool>(&mut self, depth: u32) -> Option<()> {
+    fn value(&mut self, depth: u32) -> Option<()> {
         match self.peek()? {
-            b'{' => self.object::<UNIQUE>(depth),
-            b'[' => self.array::<UNIQUE>(depth),
+            b'{' => self.object(depth),
+            b'[' => self.array(depth),
             b'"' => {
                 self.at += 1;
                 let text = self.string()?;
@@ -77,7 +77,7 @@ impl<'a> Scan<'a, '_> {
         }
     }
 
-    fn object<const UNIQUE: bool>(&mut self, depth: u32) -> Option<()> {
+    fn object(&mut self, depth: u32) -> Option<()> {
         if depth >= MOST_DEPTH {
             return None;
         }
@@ -94,17 +94,17 @@ impl<'a> Scan<'a, '_> {
                 self.whitespace();
                 self.eat(b':')?;
                 self.whitespace();
-                self.value::<UNIQUE>(depth + 1)?;
+                self.value(depth + 1)?;
                 if self.after_item(b'}')? {
                     break;
                 }
             }
         }
         self.builder.close(at);
-        self.builder.check_keys::<UNIQUE>(at).ok()
+        self.builder.check_keys(at).ok()
     }
 
-    fn array<const UNIQUE: bool>(&mut self, depth: u32) -> Option<()> {
+    fn array(&mut self, depth: u32) -> Option<()> {
         if depth >= MOST_DEPTH {
             return None;
         }
@@ -115,7 +115,7 @@ impl<'a> Scan<'a, '_> {
             self.at += 1;
         } else {
             loop {
-                self.value::<UNIQUE>(depth + 1)?;
+                self.value(depth + 1)?;
                 if self.after_item(b']')? {
                     break;
                 }
