@@ -311,19 +311,6 @@ fn update_existing(
     );
 }
 
-/// Makes every slot's key of the local table, empty, when a VM loads its config (see
-/// `tables::make_keys` for why). The local store charges from the first request, so its
-/// table is made before the VM serves; the degraded mode's is made over the first ticks
-/// (`Worker`).
-pub fn create_table(host: &mut impl Host, config: &Policy, kind: crate::effects::host::HostKind) {
-    if !crate::effects::tables::made_ahead(config, kind)
-        || crate::effects::tables::table_made(host, config, TenantTable::Local)
-    {
-        return;
-    }
-    crate::effects::tables::make_keys(host, config, TenantTable::Local, 0, config.memory.tenant_slots);
-}
-
 /// The local store's `memory.slot_key`, the key of the tables' slot hash. There is no companion token to derive
 /// it from, so the first worker to start draws one from its clock (`now_nanos`; no client
 /// knows the proxy's start to the nanosecond) and every worker of the proxy takes that one

@@ -263,36 +263,41 @@ pub const MOST_SLOTS_MADE_AHEAD: u32 = 65_536;
 /// `memory.tenant_slots` slots). Envoy makes a key on any write
 /// without a CAS, and two workers making one at once both succeed: the first writes of a
 /// new tenant's entry on two workers could then lose one (a charge or a concurrency slot
-/// uncounted, a lease grant parked nowhere). With the keys made, empty, every write
-/// carries the key's CAS. ngx_wasm_module makes a key only where none is (a write
-/// without a CAS on an existing key fails): nothing to do there.
+/// uncounted, a lease grant parked nowhere, the marker of a lease grant out erased so that
+/// a second is asked beside it). With the keys made, empty, every write carries the key's
+/// CAS. ngx_wasm_module makes a key only where none is (a write without a CAS on an
+/// existing key fails): nothing to do there.
 pub fn made_ahead(config: &Policy, kind: crate::effects::host::HostKind) -> bool {
     kind == crate::effects::host::HostKind::Envoy && config.memory.tenant_slots <= MOST_SLOTS_MADE_AHEAD
 }
 
-/// Whether `table`'s keys are all made: its last key is made last.
-pub fn table_made(host: &mut impl Host, config: &Policy, table: TenantTable) -> bool {
-    let last = table.shared_key(config, config.memory.tenant_slots.max(1) - 1);
-    host.shared_get(&last).0.is_some()
-}
-
-/// Makes the keys of `table`'s slots `from..from + count` (at most to its end) where none
-/// is, empty, in order; the next slot to make, or `None` once the last is made. A key is
-/// made only where none is, so a live entry is never touched (but a write landing between
-/// the read and the empty write would be: made before the table is used, or while it is
-/// not yet used).
-pub fn make_keys(host: &mut impl Host, config: &Policy, table: TenantTable, from: u32, count: u32) -> Option<u32> {
-    let slots = config.memory.tenant_slots.max(1);
-    let until = from.saturating_add(count).min(slots);
-    for slot in from..until {
+/// Makes every key of `table`, empty, when a VM loads a config that writes it, where the
+/// host needs it (`made_ahead`) and no VM made them yet: before the VM serves, since a
+/// table is written from the first request that concerns it (the lease table's entry
+/// remembers when its tenant was first seen), and a request may reach a worker a few
+/// milliseconds after it loaded the config. A key is made only where none is (no CAS: an
+/// existing key, empty or not, is never written), so a live entry is never touched (but a
+/// first write landing between the read and the empty write would be: hence before the
+/// VM serves). Its last key is made last.
+pub fn make_table(host: &mut impl Host, config: &Policy, kind: crate::effects::host::HostKind, table: TenantTable) {
+    if !made_ahead(config, kind) || table_made(host, config, table) {
+        return;
+    }
+    for slot in 0..config.memory.tenant_slots.max(1) {
         let key = table.shared_key(config, slot);
-        if host.shared_get(&key).0.is_none() {
+        if host.shared_get(&key).1.is_none() {
             // Refused (the host's memory is full) or overwritten meanwhile: the slot is
             // then made by its first write, as it would be without this.
             let _ = host.shared_set(&key, &[], None);
         }
     }
-    (until < slots).then_some(until)
+}
+
+/// Whether `table`'s keys are all made: its last key is. A key is there when it has a
+/// CAS: Envoy reads a key made empty as no value.
+pub fn table_made(host: &mut impl Host, config: &Policy, table: TenantTable) -> bool {
+    let last = table.shared_key(config, config.memory.tenant_slots.max(1) - 1);
+    host.shared_get(&last).1.is_some()
 }
 
 /// Read-modify-write of whatever entry slot `slot` of `table` holds: `change` gets its

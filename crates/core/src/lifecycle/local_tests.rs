@@ -212,7 +212,7 @@ fn a_refused_write_is_answered_503_and_counted() {
         assert!(send(&mut workers[0], Request::chat("sk-a", CHAT)).forwarded(), "{kind:?}");
         world.borrow_mut().full = true;
         if kind == HostKind::Envoy {
-            // Envoy's table is made whole at load (`local_limiter::create_table`): a full host
+            // Envoy's table is made whole at load (`tables::make_table`): a full host
             // refuses no write of it.
             assert!(send(&mut workers[1], Request::chat("sk-new", CHAT)).forwarded());
             continue;

@@ -31,9 +31,6 @@ use ids::{take_vm_number, ReservationIds};
 use std::collections::{BTreeMap, HashMap};
 use std::rc::Rc;
 
-/// Keys of a tenant table made per tick (see `Worker::make_tables`): 16,384 slots in 16
-/// ticks, under a second, at two host calls a key.
-const TABLE_KEYS_PER_TICK: u32 = 1_024;
 const SETTLE_QUEUE_CAPACITY: usize = 20_000;
 /// Credentials whose tenant ids a VM keeps: 1,024 clients returning in turn are hashed
 /// once each; at most ~300 KB (slots of 32 B, each credential at most 256 B and its id).
@@ -73,11 +70,6 @@ pub struct Worker {
     settling: Option<(u32, Vec<Queued>)>,
     /// Lease renewals out, by token: the entry and what was asked.
     renewing: HashMap<u32, (Holder, Vec<LeaseAsk>)>,
-    /// Tenant tables whose keys this VM still makes, empty, a share each tick, with the next
-    /// slot to make (see `tables::made_ahead`): the lease table and the degraded mode's
-    /// local table, used from a tenant's second request and from an outage on, so made in
-    /// the first second rather than before the VM serves. The local store's is made at load.
-    tables_to_make: Vec<(TenantTable, u32)>,
     /// Requests of this VM waiting for a lease grant another asked for: each one's context,
     /// the entry it waits on and until when. At most one per request in flight, and only
     /// while a dry-out lasts: a list, which also keeps the module's code small.
@@ -145,7 +137,6 @@ impl Worker {
             warmed_up: false,
             settling: None,
             renewing: HashMap::new(),
-            tables_to_make: Vec::new(),
             lease_waiters: Vec::new(),
             waiters_due: Vec::new(),
             prompt_cache: PromptCache::new(0),
@@ -184,17 +175,15 @@ impl Worker {
             self.ids.vm = take_vm_number(host, &config.domain);
         }
         check_for_host(&config, self.host_kind)?;
-        // After the checks: a config this host refuses makes no table.
-        if config.store == Store::Local {
-            crate::effects::local_limiter::create_table(host, &config, self.host_kind);
-        }
-        self.tables_to_make.clear();
-        if tables::made_ahead(&config, self.host_kind) {
-            let degraded = config.store == Store::Redis && config.failure_mode == FailureMode::Local;
-            for (table, used) in [(TenantTable::Leases, config.lease.enabled), (TenantTable::Local, degraded)] {
-                if used && !tables::table_made(host, &config, table) {
-                    self.tables_to_make.push((table, 0));
-                }
+        // After the checks: a config this host refuses makes no table. Each table the
+        // config writes is made before the VM serves (see `tables::make_table`): the lease
+        // table is written from a tenant's first request on (when it was first seen), the
+        // local table from the first request (the local store) or the first of an outage,
+        // which may be the proxy's first.
+        let local = config.store == Store::Local || config.failure_mode == FailureMode::Local;
+        for (table, used) in [(TenantTable::Leases, config.lease.enabled), (TenantTable::Local, local)] {
+            if used {
+                tables::make_table(host, &config, self.host_kind, table);
             }
         }
         host.log(
@@ -257,7 +246,6 @@ impl Worker {
         if config.lease.enabled {
             self.tend_leases(host, &config, now);
         }
-        self.make_tables(host, &config);
         self.calibrations.flush(host, &config, now);
         self.averages.flush(host, &config);
         // The local store has no companion: nothing to exchange or send.
@@ -310,22 +298,6 @@ impl Worker {
         }
         self.fast_ticks = fast;
         Some(if fast { WAIT_TICK } else { TICK })
-    }
-
-    /// Makes the next `TABLE_KEYS_PER_TICK` keys of the first table still to make. Not while
-    /// this VM decides locally (the breaker open): the degraded mode's entries are written
-    /// then, and a write landing between a key's read and its empty write would be lost.
-    fn make_tables(&mut self, host: &mut impl Host, config: &Policy) {
-        let Some(&(table, next)) = self.tables_to_make.first() else { return };
-        if !self.breaker(host, config).is_closed() {
-            return;
-        }
-        match (tables::make_keys(host, config, table, next, TABLE_KEYS_PER_TICK), self.tables_to_make.first_mut()) {
-            (Some(next), Some(making)) => making.1 = next,
-            _ => {
-                self.tables_to_make.remove(0);
-            }
-        }
     }
 
     /// Counts a request that waited `waited_ms` in the companion's queue, and its wait in
