@@ -1678,6 +1678,32 @@ fn calls_the_filter_does_not_recognise_cost_the_unparsed_cost_or_what_the_reply_
     }
 }
 
+/// A proxy (Envoy) with a daily limit of `tokens` whose tenant leases grant 1% of it
+/// (1,000 tokens of 100,000: three CHATs, each reserving 309), renewed only when almost
+/// empty: a CHAT finds the lease dry with no renewal out.
+fn small_grants_proxy(world: &std::rc::Rc<std::cell::RefCell<World>>, tokens: u64) -> (Proxy, FakeCompanion) {
+    let limits = json!([{"name": "tpd", "tokens": tokens, "window": "1d"}]);
+    let lease =
+        json!({"enabled": true, "ttl": "30s", "initial_fraction": 0.01, "max_fraction": 0.01, "low_water": 0.01});
+    let companion_config = json!({"upstream": "companion", "token": "test-token-0123456789", "timeout": "1s"});
+    (
+        Proxy::new(world, &config(limits, json!({"companion": companion_config, "lease": lease}))),
+        FakeCompanion::default(),
+    )
+}
+
+/// `sk-a`'s CHATs until its lease has too little left for one more.
+fn spend_until_dry(proxy: &mut Proxy, companion: &mut FakeCompanion) {
+    for _ in 0..10 {
+        let lease = lease_of(proxy, "sk-a").0[0];
+        if lease.granted > 0.0 && lease.remaining < CHAT_RESERVES as f64 {
+            return;
+        }
+        assert!(proxy.send(Request::chat("sk-a", CHAT), companion).forwarded());
+    }
+    panic!("the lease never ran dry");
+}
+
 /// Issue 28: when a tenant's lease runs dry under parallel load, one request asks Redis
 /// for a grant and the others wait for it and take from it (on Envoy: ngx_wasm_module
 /// cannot resume one request from another's callback, see the test above). A request waits
@@ -1689,25 +1715,8 @@ fn a_dry_lease_is_asked_for_once_and_the_other_requests_wait_for_that_grant() {
     use crate::protocol::LEASE_PATH;
     use crate::testing::InFlight;
     let world = World::new(HostKind::Envoy);
-    let limits = json!([{"name": "tpd", "tokens": 100_000, "window": "1d"}]);
-    // Grants of 1,000 tokens, renewed only when almost empty: a CHAT (309) finds the lease
-    // dry with no renewal out.
-    let lease =
-        json!({"enabled": true, "ttl": "30s", "initial_fraction": 0.01, "max_fraction": 0.01, "low_water": 0.01});
-    let companion_config = json!({"upstream": "companion", "token": "test-token-0123456789", "timeout": "1s"});
-    let mut proxy = Proxy::new(&world, &config(limits, json!({"companion": companion_config, "lease": lease})));
-    let mut companion = FakeCompanion::default();
+    let (mut proxy, mut companion) = small_grants_proxy(&world, 100_000);
     let grants = |c: &FakeCompanion| c.calls.get(LEASE_PATH).copied().unwrap_or(0);
-    let spend_until_dry = |proxy: &mut Proxy, companion: &mut FakeCompanion| {
-        for _ in 0..10 {
-            let granted = lease_of(proxy, "sk-a").0[0].granted > 0.0;
-            if granted && lease_of(proxy, "sk-a").0[0].remaining < CHAT_RESERVES as f64 {
-                return;
-            }
-            assert!(proxy.send(Request::chat("sk-a", CHAT), companion).forwarded());
-        }
-        panic!("the lease never ran dry");
-    };
     let dry_burst = |proxy: &mut Proxy, n: usize| -> Vec<InFlight> {
         let flights: Vec<InFlight> = (0..n).map(|_| proxy.start(Request::chat("sk-a", CHAT))).collect();
         assert_eq!(flights[0].filter.phase(), Phase::Deciding, "the first to find it dry asks");
@@ -1805,9 +1814,7 @@ fn a_dry_lease_is_asked_for_once_and_the_other_requests_wait_for_that_grant() {
     // Near the limit the asker's grant is refused: the refusal is remembered until its retry
     // time, and the waiters it wakes are refused with it, without asking.
     let world = World::new(HostKind::Envoy);
-    let limits = json!([{"name": "tpd", "tokens": 1_000, "window": "1d"}]);
-    let mut proxy = Proxy::new(&world, &config(limits, json!({"companion": companion_config, "lease": lease})));
-    let mut companion = FakeCompanion::default();
+    let (mut proxy, mut companion) = small_grants_proxy(&world, 1_000);
     // Three CHATs (927 tokens), the first charged directly, each later one by a grant of
     // what it needs: 73 tokens are left, and the lease is dry.
     for _ in 0..3 {
@@ -1839,24 +1846,8 @@ fn a_waiter_that_finds_the_lease_dry_again_waits_for_the_grant_out_rather_than_a
     use crate::protocol::LEASE_PATH;
     use crate::testing::InFlight;
     let world = World::new(HostKind::Envoy);
-    let limits = json!([{"name": "tpd", "tokens": 100_000, "window": "1d"}]);
-    // Grants of 1,000 tokens (three CHATs), renewed only when almost empty.
-    let lease =
-        json!({"enabled": true, "ttl": "30s", "initial_fraction": 0.01, "max_fraction": 0.01, "low_water": 0.01});
-    let companion_config = json!({"upstream": "companion", "token": "test-token-0123456789", "timeout": "1s"});
-    let mut proxy = Proxy::new(&world, &config(limits, json!({"companion": companion_config, "lease": lease})));
-    let mut companion = FakeCompanion::default();
+    let (mut proxy, mut companion) = small_grants_proxy(&world, 100_000);
     let grants_out = |flights: &[&InFlight]| flights.iter().filter(|f| f.filter.phase() == Phase::Deciding).count();
-    let spend_until_dry = |proxy: &mut Proxy, companion: &mut FakeCompanion| {
-        for _ in 0..10 {
-            let lease = lease_of(proxy, "sk-a").0[0];
-            if lease.granted > 0.0 && lease.remaining < CHAT_RESERVES as f64 {
-                return;
-            }
-            assert!(proxy.send(Request::chat("sk-a", CHAT), companion).forwarded());
-        }
-        panic!("the lease never ran dry");
-    };
     let wake = |proxy: &mut Proxy, flights: &mut [InFlight]| {
         let mut waiting: Vec<&mut InFlight> = flights.iter_mut().collect();
         proxy.wake(&mut waiting)
