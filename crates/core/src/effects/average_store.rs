@@ -4,12 +4,18 @@
 //! never stored and whoever collides just replaces it: it is an estimate), and each VM's
 //! side of it.
 //!
-//! A request's path makes no shared-data call for them: the VM reads an average at most once
-//! a tick, and what replies teach it is gathered and written on the tick, one
-//! compare-and-swap per (tenant, model) that learned something. Before, every request read
-//! its average once and rewrote it once (a read and a write per request, each read a call
-//! back into the VM to allocate the value). A VM sees what it was taught at once; another
-//! worker sees it within two ticks (one to write, one to read), as it does calibrations.
+//! A request's path makes no shared-data call for them once its average is known: what
+//! replies teach is gathered and written on the tick, one compare-and-swap per (tenant,
+//! model), and the shared-data traffic follows what changed, not the request rate:
+//! - A first average, or lessons that move one by more than an eighth, are written on the
+//!   next tick, and an average not learned yet is looked for again every tick: another
+//!   worker sees a new tenant's first average within two ticks.
+//! - Lessons that barely move an average wait for the settling tick, once a second, and an
+//!   average a VM has read stands for it until then: a steady tenant costs each worker one
+//!   read and one write a second, not one of each a request (at a low rate the tick's
+//!   writes were a request's costliest host calls).
+//!
+//! A VM sees what it was taught at once.
 
 use crate::accounting::reservation::OutputAverage;
 use crate::config::Policy;
@@ -21,13 +27,18 @@ use rustc_hash::FxHashMap;
 /// The owner tag of a stored average: a hash of (tenant, model).
 const OWNER_HASH_BYTES: usize = 8;
 
-/// Averages a VM remembers reading in one tick, at most (beyond, a read is not kept).
+/// Averages a VM remembers, learned and not learned yet, at most each (beyond, a read is
+/// not kept).
 const MAX_KNOWN: usize = 4_096;
-/// (tenant, model) pairs with lessons waiting for the tick, at most, and lessons each: a
-/// pair taught more within one tick, or a new pair once the table is full, is written at
-/// once, as every lesson was before. At most 1,024 x 32 x 8 B = 256 KiB per VM.
+/// (tenant, model) pairs with lessons waiting for a tick, at most, and lessons each: a pair
+/// taught more before its lessons are written, or a new pair once the table is full, is
+/// written at once. At most 1,024 x 32 x 8 B = 256 KiB per VM.
 const MAX_PENDING_PAIRS: usize = 1_024;
 const MAX_PENDING_LESSONS: usize = 32;
+/// Lessons that move an average by more than this share of it are written on the next
+/// tick; the rest wait for the settling tick. (A reservation is 1.5 x the average: an
+/// eighth of it is well inside that margin.)
+const MATERIAL_SHARE: f64 = 0.125;
 
 /// Where (tenant, model)'s average lives: its hash (the VM's key for it) gives the slot and
 /// the owner tag.
@@ -77,77 +88,148 @@ fn write(host: &mut impl Host, config: &Policy, pair: Pair, outputs: &[u64]) -> 
     })
 }
 
+/// A pair's lessons not written yet, in order, and what they make of its average as the
+/// VM knew it at the first (so a tick tells whether they matter without going over them).
+#[derive(Debug)]
+struct Lessons {
+    outputs: Vec<u64>,
+    known: Option<OutputAverage>,
+    taught: Option<OutputAverage>,
+}
+
+impl Lessons {
+    fn new(known: Option<OutputAverage>) -> Lessons {
+        Lessons { outputs: Vec::new(), known, taught: known }
+    }
+
+    fn push(&mut self, output: u64) {
+        self.outputs.push(output);
+        self.taught = taught(self.taught, &[output]);
+    }
+
+    /// Whether they move the average enough to write now: a first average always does.
+    fn material(&self) -> bool {
+        match (self.known, self.taught) {
+            (Some(before), Some(after)) => (after.mean - before.mean).abs() > MATERIAL_SHARE * before.mean.max(1.0),
+            _ => true,
+        }
+    }
+}
+
 /// One VM's side of the averages (see the module's comment).
 #[derive(Debug, Default)]
 pub struct VmAverages {
-    /// Each pair's stored average as read or written since the last tick. (A pair is a
-    /// keyed hash already: FxHash only spreads it.)
-    known: FxHashMap<Pair, Option<OutputAverage>>,
-    /// What replies taught since the last tick, by pair, in order.
-    pending: FxHashMap<Pair, Vec<u64>>,
+    /// Each learned average as read or written since the settling tick. (A pair is a keyed
+    /// hash already: FxHash only spreads it.)
+    learned: FxHashMap<Pair, OutputAverage>,
+    /// The pairs read with no average since the last tick.
+    unlearned: rustc_hash::FxHashSet<Pair>,
+    /// What replies taught and is not written yet, by pair.
+    pending: FxHashMap<Pair, Lessons>,
+    /// The pairs whose lessons a tick writes (kept to reuse its room).
+    due: Vec<Pair>,
+    /// When the last settling tick ran.
+    settled_ms: u64,
 }
 
 impl VmAverages {
-    /// (`tenant`, `model`)'s average as this VM knows it: the stored one, read at most once a
-    /// tick, with what this VM was taught since.
+    /// (`tenant`, `model`)'s average as this VM knows it: the stored one, as read (see the
+    /// module's comment), with what this VM was taught since.
     pub fn get(&mut self, host: &mut impl Host, config: &Policy, tenant: &str, model: &str) -> Option<OutputAverage> {
         let pair = Pair::of(config, tenant, model);
-        let stored = match self.known.get(&pair) {
-            Some(stored) => *stored,
+        let stored = match self.learned.get(&pair) {
+            Some(&average) => Some(average),
+            None if self.unlearned.contains(&pair) => None,
             None => {
                 let stored = pair.own(shared_read(host, &pair.key(config)).as_deref());
-                if self.known.len() < MAX_KNOWN {
-                    self.known.insert(pair, stored);
-                }
+                self.remember(pair, stored);
                 stored
             }
         };
-        taught(stored, self.pending.get(&pair).map_or(&[], Vec::as_slice))
+        taught(stored, self.pending.get(&pair).map_or(&[], |lessons| lessons.outputs.as_slice()))
     }
 
-    /// Keeps a completion of `output` tokens for the tick.
+    /// Keeps a completion of `output` tokens for a tick.
     pub fn teach(&mut self, host: &mut impl Host, config: &Policy, tenant: &str, model: &str, output: u64) {
         let pair = Pair::of(config, tenant, model);
         let room = self.pending.len() < MAX_PENDING_PAIRS;
         match self.pending.get_mut(&pair) {
-            Some(outputs) if outputs.len() < MAX_PENDING_LESSONS => outputs.push(output),
+            Some(lessons) if lessons.outputs.len() < MAX_PENDING_LESSONS => lessons.push(output),
             None if room => {
-                self.pending.insert(pair, vec![output]);
+                let mut lessons = Lessons::new(self.learned.get(&pair).copied());
+                lessons.push(output);
+                self.pending.insert(pair, lessons);
             }
             full => {
-                let mut outputs = full.map(std::mem::take).unwrap_or_default();
+                let mut outputs = full.map(|lessons| std::mem::take(&mut lessons.outputs)).unwrap_or_default();
                 outputs.push(output);
                 self.pending.remove(&pair);
-                let written = write(host, config, pair, &outputs);
-                self.remember(pair, written);
+                self.write(host, config, pair, &outputs);
             }
         }
     }
 
-    /// The tick: what was taught is written, and every average is read afresh next time
-    /// (another worker may have written it).
-    pub fn flush(&mut self, host: &mut impl Host, config: &Policy) {
-        self.known.clear();
-        for (pair, outputs) in std::mem::take(&mut self.pending) {
-            let written = write(host, config, pair, &outputs);
-            self.remember(pair, written);
+    /// The tick: the lessons that matter are written (all of them on the settling tick,
+    /// once a second), and the averages not learned yet are read afresh next time (all of
+    /// them after the settling tick: another worker may have written them).
+    pub fn flush(&mut self, host: &mut impl Host, config: &Policy, now_ms: u64) {
+        self.unlearned.clear();
+        if now_ms.saturating_sub(self.settled_ms) >= super::host::SETTLE.as_millis() as u64 {
+            self.settled_ms = now_ms;
+            self.settle(host, config);
+            return;
+        }
+        let mut due = std::mem::take(&mut self.due);
+        due.extend(self.pending.iter().filter(|(_, lessons)| lessons.material()).map(|(pair, _)| *pair));
+        for pair in due.drain(..) {
+            if let Some(lessons) = self.pending.remove(&pair) {
+                self.write(host, config, pair, &lessons.outputs);
+            }
+        }
+        self.due = due;
+    }
+
+    /// Writes every lesson, and lets go of every average read (a new config's averages are
+    /// read afresh; the settling tick's, by then, may be stale).
+    pub fn settle(&mut self, host: &mut impl Host, config: &Policy) {
+        self.learned.clear();
+        for (pair, lessons) in std::mem::take(&mut self.pending) {
+            self.write(host, config, pair, &lessons.outputs);
         }
     }
 
     /// A new config: its slots and hashes are other ones.
     pub fn forget(&mut self) {
-        self.known.clear();
+        self.learned.clear();
+        self.unlearned.clear();
         self.pending.clear();
     }
 
-    fn remember(&mut self, pair: Pair, written: Option<Option<OutputAverage>>) {
-        match written {
-            Some(average) if self.known.len() < MAX_KNOWN => {
-                self.known.insert(pair, average);
+    /// Teaches `outputs` to `pair`'s stored average, and remembers what it became (a write
+    /// the host refused is read afresh next time).
+    fn write(&mut self, host: &mut impl Host, config: &Policy, pair: Pair, outputs: &[u64]) {
+        match write(host, config, pair, outputs) {
+            Some(average) => self.remember(pair, average),
+            None => {
+                self.learned.remove(&pair);
+                self.unlearned.remove(&pair);
             }
-            // Refused: the next read asks the host.
-            _ => {
-                self.known.remove(&pair);
+        }
+    }
+
+    fn remember(&mut self, pair: Pair, stored: Option<OutputAverage>) {
+        match stored {
+            Some(average) => {
+                self.unlearned.remove(&pair);
+                if self.learned.len() < MAX_KNOWN || self.learned.contains_key(&pair) {
+                    self.learned.insert(pair, average);
+                }
+            }
+            None => {
+                self.learned.remove(&pair);
+                if self.unlearned.len() < MAX_KNOWN {
+                    self.unlearned.insert(pair);
+                }
             }
         }
     }
@@ -195,22 +277,22 @@ mod tests {
         assert_eq!(mine.get(&mut host, &config, "t", "gpt-4o"), Some(expected));
         assert_eq!(stored_average(&mut host, &config, "t", "gpt-4o"), None, "nothing written before the tick");
         assert_eq!(other.get(&mut host, &config, "t", "gpt-4o"), None, "the other read this tick already");
-        mine.flush(&mut host, &config);
+        mine.flush(&mut host, &config, 0);
         assert_eq!(stored_average(&mut host, &config, "t", "gpt-4o"), Some(expected));
         assert_eq!(other.get(&mut host, &config, "t", "gpt-4o"), None, "still its read of this tick");
-        other.flush(&mut host, &config);
+        other.flush(&mut host, &config, 0);
         assert_eq!(other.get(&mut host, &config, "t", "gpt-4o"), Some(expected));
         // Both workers' lessons end up in the stored average, each in its order.
         other.teach(&mut host, &config, "t", "gpt-4o", 10);
         mine.teach(&mut host, &config, "t", "gpt-4o", 20);
-        other.flush(&mut host, &config);
-        mine.flush(&mut host, &config);
+        other.flush(&mut host, &config, 0);
+        mine.flush(&mut host, &config, 0);
         assert_eq!(stored_average(&mut host, &config, "t", "gpt-4o"), Some(expected.update(10).update(20)));
         assert_eq!(mine.get(&mut host, &config, "t", "gpt-4o"), Some(expected.update(10).update(20)));
     }
 
     #[test]
-    fn a_read_costs_one_host_call_a_tick_and_a_lesson_none_until_the_tick() {
+    fn a_first_average_costs_one_read_and_its_lessons_one_write_on_the_tick() {
         let config = config(64);
         let world = World::new(HostKind::Nginx);
         let mut host = FakeHost::new(&world);
@@ -221,7 +303,7 @@ mod tests {
         }
         assert_eq!(calls(&world, "shared_get"), 1);
         assert_eq!(calls(&world, "shared_set"), 0);
-        averages.flush(&mut host, &config);
+        averages.flush(&mut host, &config, 0);
         let after_tick = (calls(&world, "shared_get"), calls(&world, "shared_set"));
         assert_eq!(after_tick, (2, 1), "one compare-and-swap for ten lessons");
         averages.get(&mut host, &config, "t", "m");
@@ -229,8 +311,66 @@ mod tests {
         // A second tick's lesson is taken in on top of the first's (Nginx: the write carries
         // the key's CAS, or it would be refused once the key exists).
         averages.teach(&mut host, &config, "t", "m", 100);
-        averages.flush(&mut host, &config);
+        averages.flush(&mut host, &config, 0);
         assert_eq!(stored_average(&mut host, &config, "t", "m"), taught(None, &[0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 100]));
+    }
+
+    #[test]
+    fn a_steady_average_costs_a_read_and_a_write_a_second_a_moving_or_first_one_goes_out_on_the_tick() {
+        for kind in HOSTS {
+            steady_on(kind);
+        }
+    }
+
+    fn steady_on(kind: HostKind) {
+        let config = config(64);
+        let world = World::new(kind);
+        let mut host = FakeHost::new(&world);
+        let (mut mine, mut other) = (VmAverages::default(), VmAverages::default());
+        let settle = crate::effects::host::SETTLE.as_millis() as u64;
+        let tick = crate::effects::host::TICK.as_millis() as u64;
+        let host_calls = |world: &Rc<RefCell<World>>| (calls(world, "shared_get"), calls(world, "shared_set"));
+        // Both workers settle at 1 s; the first average goes out on the next tick.
+        mine.flush(&mut host, &config, settle);
+        other.flush(&mut host, &config, settle);
+        assert_eq!(mine.get(&mut host, &config, "t", "m"), None);
+        mine.teach(&mut host, &config, "t", "m", 100);
+        mine.flush(&mut host, &config, settle + tick);
+        assert_eq!(stored_average(&mut host, &config, "t", "m"), Some(OutputAverage::first(100)));
+        assert_eq!(other.get(&mut host, &config, "t", "m"), Some(OutputAverage::first(100)));
+        // Steady replies: a second of ticks makes no shared-data call, for either worker.
+        let before = host_calls(&world);
+        let mut expected = OutputAverage::first(100);
+        for k in 2..settle / tick {
+            assert_eq!(mine.get(&mut host, &config, "t", "m"), Some(expected));
+            assert_eq!(other.get(&mut host, &config, "t", "m"), Some(OutputAverage::first(100)));
+            mine.teach(&mut host, &config, "t", "m", 104);
+            expected = expected.update(104);
+            mine.flush(&mut host, &config, settle + k * tick);
+            other.flush(&mut host, &config, settle + k * tick);
+        }
+        assert_eq!(host_calls(&world), before, "small lessons wait, a read average stands");
+        assert_eq!(mine.get(&mut host, &config, "t", "m"), Some(expected), "its own lessons it sees at once");
+        // The settling tick writes them in one compare-and-swap, and lets the others' reads go.
+        mine.flush(&mut host, &config, 2 * settle);
+        other.flush(&mut host, &config, 2 * settle);
+        assert_eq!(host_calls(&world), (before.0 + 1, before.1 + 1));
+        assert_eq!(stored_average(&mut host, &config, "t", "m"), Some(expected));
+        assert_eq!(other.get(&mut host, &config, "t", "m"), Some(expected));
+        // A lesson that moves the average by more than an eighth goes out on the next tick.
+        mine.teach(&mut host, &config, "t", "m", 1_000);
+        mine.flush(&mut host, &config, 2 * settle + tick);
+        assert_eq!(stored_average(&mut host, &config, "t", "m"), Some(expected.update(1_000)));
+        assert_eq!(other.get(&mut host, &config, "t", "m"), Some(expected), "read before, it stands");
+        other.flush(&mut host, &config, 3 * settle);
+        assert_eq!(other.get(&mut host, &config, "t", "m"), Some(expected.update(1_000)));
+        // A pair read with no average is looked for again after every tick.
+        assert_eq!(other.get(&mut host, &config, "new", "m"), None);
+        mine.teach(&mut host, &config, "new", "m", 7);
+        mine.flush(&mut host, &config, 3 * settle + tick);
+        assert_eq!(other.get(&mut host, &config, "new", "m"), None, "not before its own tick");
+        other.flush(&mut host, &config, 3 * settle + tick);
+        assert_eq!(other.get(&mut host, &config, "new", "m"), Some(OutputAverage::first(7)));
     }
 
     #[test]
@@ -265,7 +405,7 @@ mod tests {
         for i in 0..40 {
             averages.teach(&mut host, &config, &format!("t{i}"), "m", 100 + i);
         }
-        averages.flush(&mut host, &config);
+        averages.flush(&mut host, &config, 0);
         let mut fresh = VmAverages::default();
         for i in 0..40 {
             let seen = fresh.get(&mut host, &config, &format!("t{i}"), "m");

@@ -14,7 +14,7 @@
 
 use crate::accounting::calibration::{Calibration, Lesson, Running};
 use crate::config::{ModelPolicy, Policy};
-use crate::effects::host::{shared_read, shared_update, Host};
+use crate::effects::host::{shared_read, shared_update, Host, SETTLE};
 use crate::effects::tables::fnv1a;
 use crate::plan::series;
 use crate::protocol::{keys, CalibrationExchange, CalibrationReply, RuleSamples, MAX_SAMPLES_PER_EXCHANGE};
@@ -77,23 +77,38 @@ fn learn(host: &mut impl Host, config: &Policy, rule: usize, lessons: &[Lesson])
     rewrite(host, config, rule, |stored| lessons.iter().fold(stored, |calibration, lesson| calibration.learn(*lesson)))
 }
 
-/// Lessons waiting for the next tick, at most: a burst beyond teaches nothing new.
+/// Lessons of a rule waiting for a tick, at most: once they fill this room the next tick
+/// takes them in, and a burst beyond within one tick teaches nothing new.
 const MAX_PENDING_LESSONS: usize = 256;
+
+/// A rule's lessons not taken in yet, in order, and what they make of its calibration as
+/// the VM knew it at the first (so a tick tells whether they matter without going over
+/// them).
+#[derive(Debug)]
+struct Lessons {
+    lessons: Vec<Lesson>,
+    known: Option<Calibration>,
+    taught: Calibration,
+}
 
 /// One VM's side of the shared calibrations, so that they cost a request no host call of
 /// its own: lessons are gathered and taken in together on the worker's tick (one
-/// compare-and-swap and one pair of gauges per rule that learned something), and a rule's
-/// value is read from shared data at most once a tick. What another worker learned shows
-/// here within a tick or two.
+/// compare-and-swap and one pair of gauges per rule whose figures they move, and every
+/// rule's once a second), and a rule's value is read from shared data at most once a tick.
+/// What moves another worker's figures shows here within a tick or two; what barely moves
+/// them, within a second.
 #[derive(Debug, Default)]
 pub struct VmCalibrations {
-    pending: Vec<(usize, Lesson)>,
+    /// Lessons not taken in yet, by rule (bounded by the config's rules).
+    pending: rustc_hash::FxHashMap<usize, Lessons>,
     /// Each rule's value as last read or written, and when (bounded by the config's rules).
     known: rustc_hash::FxHashMap<usize, (Calibration, u64)>,
     /// Samples for the next exchange with the other proxies, by rule (bounded by the
     /// config's rules and `MAX_SAMPLES_PER_EXCHANGE`).
     outbox: std::collections::BTreeMap<usize, RuleSamples>,
     pace: super::exchange::ExchangePace,
+    /// When the last settling tick ran.
+    settled_ms: u64,
 }
 
 /// How often a worker that learned something exchanges it, and how often one that did not
@@ -120,8 +135,17 @@ impl VmCalibrations {
 
     /// Keeps `lesson` for the next tick, and its samples for the next exchange.
     pub fn note(&mut self, config: &Policy, rule: usize, lesson: Lesson) {
-        if config.tokens.calibrate && lesson != Lesson::default() && self.pending.len() < MAX_PENDING_LESSONS {
-            self.pending.push((rule, lesson));
+        if config.tokens.calibrate && lesson != Lesson::default() {
+            let known = self.known.get(&rule).map(|&(calibration, _)| calibration);
+            let pending = self.pending.entry(rule).or_insert_with(|| Lessons {
+                lessons: Vec::new(),
+                known,
+                taught: known.unwrap_or_default(),
+            });
+            if pending.lessons.len() < MAX_PENDING_LESSONS {
+                pending.lessons.push(lesson);
+                pending.taught = pending.taught.learn(lesson);
+            }
         }
         if !config.tokens.share_calibration {
             return;
@@ -194,18 +218,49 @@ impl VmCalibrations {
         }
     }
 
-    /// Takes the lessons gathered since the last tick into the shared calibrations.
+    /// The tick: takes the lessons that move a rule's figures into its shared calibration
+    /// (every rule's on the settling tick, once a second, or once the lessons fill their
+    /// room); the rest wait, so a steady rule costs a write a second, not one a tick.
     pub fn flush(&mut self, host: &mut impl Host, config: &Policy, now_ms: u64) {
-        let mut pending = std::mem::take(&mut self.pending);
-        pending.sort_by_key(|(rule, _)| *rule); // stable: each rule's lessons stay in order
-        for group in pending.chunk_by(|a, b| a.0 == b.0) {
-            let Some(&(rule, _)) = group.first() else { continue };
-            let lessons: Vec<Lesson> = group.iter().map(|(_, lesson)| *lesson).collect();
-            if let Some(learned) = learn(host, config, rule, &lessons) {
+        let settling = now_ms.saturating_sub(self.settled_ms) >= SETTLE.as_millis() as u64;
+        if settling {
+            self.settled_ms = now_ms;
+        }
+        let policy = |rule| config.tokens.rule(rule);
+        let due = |pending: &Lessons, rule| {
+            settling || pending.lessons.len() >= MAX_PENDING_LESSONS || material(policy(rule), pending)
+        };
+        let rules: Vec<usize> =
+            self.pending.iter().filter(|&(&rule, pending)| due(pending, rule)).map(|(&rule, _)| rule).collect();
+        for rule in rules {
+            let Some(pending) = self.pending.remove(&rule) else { continue };
+            if let Some(learned) = learn(host, config, rule, &pending.lessons) {
                 self.known.insert(rule, (learned, now_ms));
             }
         }
     }
+}
+
+/// Lessons that move a rule's prompt factor by more than this share of it, or its
+/// completion prior by more than `PRIOR_SHARE`, are taken in on the next tick; the rest
+/// wait for the settling tick. (The factor scales every prompt's reservation: a share of
+/// 1/256 is under a token on most prompts.)
+const FACTOR_SHARE: f64 = 1.0 / 256.0;
+const PRIOR_SHARE: f64 = 0.125;
+
+/// Whether `pending` moves rule `policy`'s calibration enough to take it in now: any
+/// lesson does when the VM knew nothing of the rule.
+fn material(policy: &ModelPolicy, pending: &Lessons) -> bool {
+    let (Some(before), after) = (pending.known, pending.taught) else { return true };
+    let floor = policy.rule.factor;
+    let (factor_before, factor_after) = (before.prompt_factor(floor), after.prompt_factor(floor));
+    let prior_moved = match (before.output_prior(), after.output_prior()) {
+        (Some(prior_before), Some(prior_after)) => {
+            (prior_after - prior_before).abs() > PRIOR_SHARE * prior_before.max(1.0)
+        }
+        (prior_before, prior_after) => prior_before.is_some() != prior_after.is_some(),
+    };
+    (factor_after - factor_before).abs() > FACTOR_SHARE * factor_before || prior_moved
 }
 
 /// Sets rule `policy`'s gauges, labelled `model_rule`: `prompt_factor_thousandths`, the
@@ -216,4 +271,67 @@ pub fn show(host: &mut impl Host, policy: &ModelPolicy, calibration: Calibration
     host.set_gauge(&series::rule_gauge(series::PROMPT_FACTOR, &policy.label), factor);
     let prior = calibration.output_prior().map_or(0, |p| p.round() as u64);
     host.set_gauge(&series::rule_gauge(series::OUTPUT_PRIOR, &policy.label), prior);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::effects::host::{HostKind, TICK};
+    use crate::testing::{FakeHost, World};
+    use std::cell::RefCell;
+    use std::rc::Rc;
+
+    fn host_calls(world: &Rc<RefCell<World>>) -> (u64, u64) {
+        let world = world.borrow();
+        let calls = |name| world.host_calls.get(name).copied().unwrap_or(0);
+        (calls("shared_get"), calls("shared_set"))
+    }
+
+    fn lesson(counted: u64, reported: u64) -> Lesson {
+        Lesson { prompt: Some((counted, reported)), output: None }
+    }
+
+    #[test]
+    fn lessons_that_move_a_rules_figures_go_out_on_the_tick_and_the_rest_once_a_second() {
+        for kind in [HostKind::Envoy, HostKind::Nginx] {
+            let config = Policy::from_json(
+                br#"{"companion": {"upstream": "c", "token": "test-token-0123456789"},
+                     "limits": [{"name": "tpm", "tokens": 1000, "window": "1m"}]}"#,
+            )
+            .expect("config");
+            let world = World::new(kind);
+            let mut host = FakeHost::new(&world);
+            let (mut mine, mut other) = (VmCalibrations::default(), VmCalibrations::default());
+            let (settle, tick) = (SETTLE.as_millis() as u64, TICK.as_millis() as u64);
+            let rule = config.tokens.all_rules().next().map(|(index, _)| index).expect("a rule");
+            let factor = |calibration: Calibration| calibration.prompt_factor(config.tokens.rule(rule).rule.factor);
+            mine.flush(&mut host, &config, settle);
+            assert_eq!(mine.get(&mut host, &config, rule, settle), Calibration::default());
+            // The first lesson moves the factor from its floor: it goes out on the next tick.
+            mine.note(&config, rule, lesson(100, 200));
+            mine.flush(&mut host, &config, settle + tick);
+            let first = read(&mut host, &config, rule);
+            assert!((factor(first) - 2.0).abs() < 1e-9, "{first:?}");
+            assert_eq!(other.get(&mut host, &config, rule, settle + tick), first);
+            // The same ratio again moves nothing: no compare-and-swap until the settling tick.
+            let before = host_calls(&world);
+            for k in 2..settle / tick {
+                mine.note(&config, rule, lesson(100, 200));
+                mine.flush(&mut host, &config, settle + k * tick);
+            }
+            assert_eq!(host_calls(&world), before);
+            assert_eq!(read(&mut host, &config, rule), first);
+            mine.flush(&mut host, &config, 2 * settle);
+            let settled = read(&mut host, &config, rule);
+            assert_eq!(host_calls(&world).1, before.1 + 1, "one write for the second's lessons");
+            assert_eq!(settled.prompt_ratio.map(|r| r.samples), Some(u32::try_from(settle / tick - 1).unwrap_or(0)));
+            // A provider that now counts far more moves the factor: out on the next tick, and
+            // another worker reading a tick later takes it.
+            mine.note(&config, rule, lesson(100, 400));
+            mine.flush(&mut host, &config, 2 * settle + tick);
+            let moved = read(&mut host, &config, rule);
+            assert!(factor(moved) > factor(settled) * 1.01, "{moved:?}");
+            assert_eq!(other.get(&mut host, &config, rule, 2 * settle + 2 * tick), moved);
+        }
+    }
 }

@@ -13,6 +13,11 @@ use std::time::Duration;
 /// counts as fresh.
 pub const TICK: Duration = Duration::from_millis(50);
 
+/// How often a worker writes the lessons that barely moved what it learned (completion
+/// averages, calibrations), and how long a learned average it read stands for it: the
+/// lessons that matter go out on the next tick (see `effects::average_store`).
+pub const SETTLE: Duration = Duration::from_secs(1);
+
 /// The root timer's period while requests of the VM wait for a lease grant another asked
 /// for (`Worker::has_waiters`): each such tick wakes those whose grant landed, so a waiter
 /// waits about this long more than the grant itself. The full tick's work still runs

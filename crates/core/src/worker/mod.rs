@@ -217,7 +217,7 @@ impl Worker {
         }
         // What the old config's replies taught is written under it; the new one reads afresh.
         if let Some(old) = self.config.clone() {
-            self.averages.flush(host, &old);
+            self.averages.settle(host, &old);
         }
         self.averages.forget();
         self.config = Some(Rc::new(config));
@@ -247,7 +247,7 @@ impl Worker {
             self.tend_leases(host, &config, now);
         }
         self.calibrations.flush(host, &config, now);
-        self.averages.flush(host, &config);
+        self.averages.flush(host, &config, now);
         // The local store has no companion: nothing to exchange or send.
         if config.store == Store::Redis {
             self.exchange_calibrations(host, &config, now);
