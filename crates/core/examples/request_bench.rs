@@ -1,6 +1,6 @@
 //! The core's per-request path on the fake host, without a proxy: where a request's cycles
 //! go (body parse, tokenization, lease bookkeeping, reply reading) shows here without V8.
-//! Usage: cargo run --release --features testing --example request_bench -- [lease|direct|local|local-requests] [small|chat|turns|idle] [N] [TENANTS] [PER_TICK]
+//! Usage: cargo run --release --features testing --example request_bench -- [lease|direct|local|local-requests] [small|stream|chat|turns|idle] [N] [TENANTS] [PER_TICK]
 //! (`idle`: N ticks of a VM at rest after serving its tenants once each.)
 //! (TENANTS: API keys the requests rotate over, 1,000 by default; `scripts/bench_instructions.py` uses 10.)
 //! (PER_TICK: requests between two ticks, 250 by default, a proxy at 5,000 requests a second;
@@ -21,7 +21,7 @@ fn main() {
     let per_tick: usize = args.get(4).and_then(|n| n.parse().ok()).unwrap_or(250);
     // Bodies built before timing.
     let bodies = bench::bodies(body_kind);
-    let reply = bench::reply();
+    let reply = bench::reply(body_kind);
     let mut run = Run::new(mode, tenants, per_tick);
     let world = run.world.clone();
     let started = Instant::now();
@@ -30,7 +30,8 @@ fn main() {
         for _ in 0..tenants.max(1) {
             let request = run.request(&bodies[0]);
             let mut flight = run.proxy.send(request, &mut run.companion);
-            run.proxy.reply(&mut flight, 200, "application/json", &[&reply]);
+            let chunks: Vec<&str> = reply.chunks.iter().map(String::as_str).collect();
+            run.proxy.reply(&mut flight, 200, reply.content_type, &chunks);
             run.served += 1;
         }
         let before = world.borrow().host_calls.clone();

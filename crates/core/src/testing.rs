@@ -1194,26 +1194,57 @@ questions go to the accounts team and give the address accounts@example.com.";
         .to_string()
     }
 
-    /// The bodies a kind of traffic cycles through: `small` (a tiny chat), `chat` (three
-    /// exchanges), `turns` (a conversation growing by one exchange per request, as a client
-    /// resends the whole chat each turn), `idle` (one short chat).
+    /// The bodies a kind of traffic cycles through: `small` (a tiny chat), `stream` (the
+    /// tiny chat streamed), `chat` (three exchanges), `turns` (a conversation growing by one
+    /// exchange per request, as a client resends the whole chat each turn), `idle` (one
+    /// short chat).
     pub fn bodies(kind: &str) -> Vec<String> {
         match kind {
             "small" => vec![json!({"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "Say hello"}], "max_tokens": 8})
                 .to_string()],
+            "stream" => vec![json!({"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "Say hello"}], "max_tokens": 8,
+                "stream": true, "stream_options": {"include_usage": true}})
+            .to_string()],
             "chat" => vec![chat(3)],
             "turns" => (0..20).map(chat).collect(),
             "idle" => vec![chat(0)],
-            other => panic!("body small, chat, turns or idle, not {other}"),
+            other => panic!("body small, stream, chat, turns or idle, not {other}"),
         }
     }
 
-    /// The upstream's answer to every request.
-    pub fn reply() -> String {
-        json!({"id": "c1", "object": "chat.completion", "model": "gpt-4o-mini",
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": "Hello there, how can I help?"}, "finish_reason": "stop"}],
-            "usage": {"prompt_tokens": 12, "completion_tokens": 8, "total_tokens": 20}})
-        .to_string()
+    /// The upstream's answer to every request: its content type and its body in the pieces
+    /// the host hands over.
+    pub struct Reply {
+        pub content_type: &'static str,
+        pub chunks: Vec<String>,
+    }
+
+    /// The upstream's answer to every request of body kind `kind`: one JSON completion, or
+    /// for `stream` OpenAI's server-sent events, one event a piece (a word each, then the
+    /// usage chunk and `[DONE]`), as a streaming upstream sends them.
+    pub fn reply(kind: &str) -> Reply {
+        let words = ["Hello", " there,", " how", " can", " I", " help", "?", ""];
+        if kind != "stream" {
+            let text: String = words.concat();
+            let body = json!({"id": "c1", "object": "chat.completion", "model": "gpt-4o-mini",
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}],
+                "usage": {"prompt_tokens": 12, "completion_tokens": 8, "total_tokens": 20}});
+            return Reply { content_type: "application/json", chunks: vec![body.to_string()] };
+        }
+        let event = |chunk: serde_json::Value| format!("data: {chunk}\n\n");
+        let mut chunks: Vec<String> = words
+            .iter()
+            .enumerate()
+            .map(|(i, word)| {
+                let finish = (i + 1 == words.len()).then_some("stop");
+                event(json!({"id": "c1", "object": "chat.completion.chunk", "created": 1, "model": "gpt-4o-mini",
+                    "choices": [{"index": 0, "delta": {"content": word}, "finish_reason": finish}]}))
+            })
+            .collect();
+        chunks.push(event(json!({"id": "c1", "object": "chat.completion.chunk", "created": 1, "model": "gpt-4o-mini",
+            "choices": [], "usage": {"prompt_tokens": 12, "completion_tokens": 8, "total_tokens": 20}})));
+        chunks.push("data: [DONE]\n\n".to_string());
+        Reply { content_type: "text/event-stream", chunks }
     }
 
     /// A proxy worker serving requests of `tenants` API keys in turn, `per_tick` requests
@@ -1242,13 +1273,14 @@ questions go to the accounts team and give the address accounts@example.com.";
         }
 
         /// Serves `request` to the end with `reply`, then moves the clock and ticks as due.
-        pub fn serve(&mut self, request: Request, reply: &str) {
+        pub fn serve(&mut self, request: Request, reply: &Reply) {
             let i = self.served;
             let mut flight = self.proxy.send(request, &mut self.companion);
             if !flight.forwarded() {
                 panic!("request {i} was not forwarded: {:?}", flight.replied());
             }
-            self.proxy.reply(&mut flight, 200, "application/json", &[reply]);
+            let chunks: Vec<&str> = reply.chunks.iter().map(String::as_str).collect();
+            self.proxy.reply(&mut flight, 200, reply.content_type, &chunks);
             drop(flight);
             let per_tick = self.per_tick;
             if (i + 1) * 50 / per_tick > i * 50 / per_tick {

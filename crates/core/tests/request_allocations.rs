@@ -75,7 +75,7 @@ const COUNTED: usize = 1_000;
 /// Allocator calls per request in `mode` with `body` traffic, once warm.
 fn allocations_per_request(mode: &str, body: &str) -> f64 {
     let bodies = bench::bodies(body);
-    let reply = bench::reply();
+    let reply = bench::reply("small");
     // 10 tenants, as `scripts/bench_instructions.py` runs the benchmark.
     let mut run = Run::new(mode, 10, 250);
     for i in 0..WARM_UP {
