@@ -65,6 +65,24 @@ def test_each_request_is_recorded_with_what_it_used_and_cost(proxy):
     assert failed["cost_micro_usd"] == micro_usd(failed["input_tokens"], 0)
 
 
+def test_a_leased_stream_asks_for_usage_and_is_recorded_at_what_the_upstream_billed(backend):
+    # Admitted from a lease, with no callout: the body is still rewritten to ask for the
+    # usage chunk (`tokens.request_stream_usage`), which the client does not see. Before,
+    # only callout and local-store admissions were: a leased stream was charged its text
+    # as the proxy counted it, not what the upstream billed.
+    config = backend.filter_config(LIMITS, prices=PRICES, lease={"enabled": True})
+    port, envoy = backend.envoy(config)
+    # The first request asks for the tenant's lease; the others are admitted from it.
+    for i in range(3):
+        reply = send(port, "sk-leased-stream", chat("stream it, please, at some length", model="gpt-4o", stream=True))
+        assert reply.status == 200
+        assert '"choices":[]' not in reply.body.decode(), "the client did not ask for the usage chunk"
+        billed_in, billed_out = int(reply.headers["x-mock-prompt-tokens"]), int(reply.headers["x-mock-completion-tokens"])
+        record = next_record(envoy, i)["record"]
+        assert (record["input_tokens"], record["output_tokens"]) == (billed_in, billed_out), (i, record)
+        assert record["cost_micro_usd"] == micro_usd(billed_in, billed_out)
+
+
 def test_a_client_that_hangs_up_mid_stream_is_recorded_at_what_it_was_charged(backend, proxy):
     port, envoy = proxy
     admin_port = json.loads((envoy.log_path.parent / "envoy.json").read_text())["admin"]["address"]["socket_address"]["port_value"]

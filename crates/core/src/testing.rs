@@ -1195,7 +1195,8 @@ questions go to the accounts team and give the address accounts@example.com.";
     }
 
     /// The bodies a kind of traffic cycles through: `small` (a tiny chat), `stream` (the
-    /// tiny chat streamed), `chat` (three exchanges), `turns` (a conversation growing by one
+    /// tiny chat streamed, without asking for usage: the proxy asks for it, and takes the
+    /// usage chunk out of the stream), `chat` (three exchanges), `turns` (a conversation growing by one
     /// exchange per request, as a client resends the whole chat each turn), `idle` (one
     /// short chat).
     pub fn bodies(kind: &str) -> Vec<String> {
@@ -1203,7 +1204,7 @@ questions go to the accounts team and give the address accounts@example.com.";
             "small" => vec![json!({"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "Say hello"}], "max_tokens": 8})
                 .to_string()],
             "stream" => vec![json!({"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "Say hello"}], "max_tokens": 8,
-                "stream": true, "stream_options": {"include_usage": true}})
+                "stream": true})
             .to_string()],
             "chat" => vec![chat(3)],
             "turns" => (0..20).map(chat).collect(),

@@ -149,6 +149,8 @@ impl RequestFilter {
         worker.note_leased(slots, leases, now);
         self.admission = Some(Admission::Leased);
         let reply = leases.as_reply(self.plan.as_ref().map_or(&[][..], |p| &p.buckets));
+        // As a callout's or the local store's admission: a stream is asked for its usage.
+        self.rewrite_body(host, config, &reply);
         Verdict::Forward(self.admitted_headers(host, config, reply, now))
     }
 
