@@ -254,9 +254,8 @@ impl RequestFilter {
         if let Some(reader) = self.reply.as_mut() {
             reader.feed(&chunk);
         }
-        if let Some(remover) = self.usage_remover.as_mut() {
-            let passed = remover.filter(&chunk, end_of_stream);
-            if passed != chunk && !host.replace_response_body(body_size, &passed) {
+        if let Some(passed) = self.usage_remover.as_mut().and_then(|remover| remover.filter(&chunk, end_of_stream)) {
+            if !host.replace_response_body(body_size, &passed) {
                 host.warn_once("response-body", "llm-ratelimit: the host refused to rewrite a response body");
             }
         }

@@ -4,8 +4,6 @@
 //! are skipped; several `data:` lines join with `\n`. Memory is bounded: an event larger
 //! than the limit is dropped, never buffered without end.
 
-use crate::parse::json::Field;
-
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct SseEvent {
     /// The `event:` field, empty if none.
@@ -46,10 +44,23 @@ impl SseParser {
                 chunk = rest;
             }
         }
-        while let Some(end) = chunk.iter().position(|&b| b == b'\n' || b == b'\r') {
+        while let Some(end) = memchr::memchr2(b'\n', b'\r', chunk) {
             let (line, rest) = chunk.split_at(end);
-            self.push_line_bytes(line);
-            self.end_line(on_event);
+            if self.line.is_empty() {
+                // The whole line is in this chunk: read in place, measured as
+                // `push_line_bytes` would measure it.
+                if !self.oversized && line.len() + self.data.len() > self.max_event_bytes {
+                    self.oversized = true;
+                    self.data.clear();
+                }
+                self.take_line(line, on_event);
+            } else {
+                self.push_line_bytes(line);
+                let line = std::mem::take(&mut self.line);
+                self.take_line(&line, on_event);
+                self.line = line;
+                self.line.clear();
+            }
             let crlf = rest.starts_with(b"\r\n");
             chunk = rest.get(if crlf { 2 } else { 1 }..).unwrap_or(&[]);
             if !crlf && rest.first() == Some(&b'\r') && chunk.is_empty() {
@@ -62,7 +73,8 @@ impl SseParser {
     /// The stream ended: an event not closed by a blank line is still delivered.
     pub fn finish(&mut self, on_event: &mut impl FnMut(SseEvent)) {
         if !self.line.is_empty() {
-            self.end_line(on_event);
+            let line = std::mem::take(&mut self.line);
+            self.take_line(&line, on_event);
         }
         self.dispatch(on_event);
     }
@@ -80,16 +92,20 @@ impl SseParser {
         self.line.extend_from_slice(bytes);
     }
 
-    fn end_line(&mut self, on_event: &mut impl FnMut(SseEvent)) {
-        let line = std::mem::take(&mut self.line);
-        if line.is_empty() {
+    /// One whole line (without its end): a blank one ends the event, and so does any line
+    /// of an event grown past the limit (dropped).
+    fn take_line(&mut self, line: &[u8], on_event: &mut impl FnMut(SseEvent)) {
+        if line.is_empty() || self.oversized {
             self.dispatch(on_event);
             return;
         }
-        if self.oversized || line.first() == Some(&b':') {
+        if line.first() == Some(&b':') {
             return;
         }
-        let line = String::from_utf8_lossy(&line);
+        let line = match std::str::from_utf8(line) {
+            Ok(text) => std::borrow::Cow::Borrowed(text),
+            Err(_) => String::from_utf8_lossy(line),
+        };
         let (field, value) = match line.split_once(':') {
             Some((field, value)) => (field, value.strip_prefix(' ').unwrap_or(value)),
             None => (line.as_ref(), ""),
@@ -128,46 +144,82 @@ pub struct UsageChunkRemover {
 }
 
 impl UsageChunkRemover {
-    /// The bytes to pass on for this chunk (`end`: the stream's last).
-    pub fn filter(&mut self, chunk: &[u8], end: bool) -> Vec<u8> {
+    /// The bytes to pass on for this chunk (`end`: the stream's last), or `None` when they
+    /// are the chunk as it came: whole events, none of them the usage chunk (most chunks).
+    pub fn filter(&mut self, chunk: &[u8], end: bool) -> Option<Vec<u8>> {
+        let held = self.pending.len();
         self.pending.extend_from_slice(chunk);
-        let mut out = Vec::with_capacity(self.pending.len());
+        let mut removed: Vec<std::ops::Range<usize>> = Vec::new();
         let mut start = 0;
         while let Some(len) = event_length(self.pending.get(start..).unwrap_or(&[])) {
-            let event = self.pending.get(start..start + len).unwrap_or(&[]);
-            if !is_usage_only(event) {
-                out.extend_from_slice(event);
+            if is_usage_only(self.pending.get(start..start + len).unwrap_or(&[])) {
+                removed.push(start..start + len);
             }
             start += len;
         }
-        self.pending.drain(..start);
-        if end {
-            out.append(&mut self.pending);
+        let passed = if end { self.pending.len() } else { start };
+        if held == 0 && removed.is_empty() && passed == self.pending.len() {
+            self.pending.clear();
+            return None;
         }
-        out
+        let mut out = Vec::with_capacity(passed);
+        let mut from = 0;
+        for range in removed {
+            out.extend_from_slice(self.pending.get(from..range.start).unwrap_or(&[]));
+            from = range.end;
+        }
+        out.extend_from_slice(self.pending.get(from..passed).unwrap_or(&[]));
+        self.pending.drain(..passed);
+        Some(out)
     }
 }
 
 /// Length of the first complete event in `bytes`, its closing blank line included.
 fn event_length(bytes: &[u8]) -> Option<usize> {
-    (0..bytes.len()).find_map(|i| {
+    // Every way a blank line ends starts with CR or LF: only those places are looked at.
+    let mut from = 0;
+    while let Some(at) = memchr::memchr2(b'\n', b'\r', bytes.get(from..)?) {
+        let i = from + at;
         let rest = bytes.get(i..)?;
-        [&b"\r\n\r\n"[..], b"\n\n", b"\r\r"].iter().find(|end| rest.starts_with(end)).map(|end| i + end.len())
-    })
+        if let Some(end) = [&b"\r\n\r\n"[..], b"\n\n", b"\r\r"].iter().find(|end| rest.starts_with(end)) {
+            return Some(i + end.len());
+        }
+        from = i + 1;
+    }
+    None
 }
 
+/// Whether `event` is the usage-only chunk: its data (its `data:` lines joined, as the
+/// SSE parser joins them) a JSON object with `"choices": []` and a `usage` object.
 fn is_usage_only(event: &[u8]) -> bool {
-    let text = String::from_utf8_lossy(event);
-    let data: String = text
-        .lines()
-        .filter_map(|line| line.strip_prefix("data:"))
-        .map(|value| value.strip_prefix(' ').unwrap_or(value))
-        .collect::<Vec<_>>()
-        .join("\n");
-    match serde_json::from_str::<serde_json::Value>(&data) {
-        Ok(chunk) => chunk.at("choices").as_array().is_some_and(|c| c.is_empty()) && chunk.at("usage").is_object(),
-        Err(_) => false,
+    let mut data: Option<std::borrow::Cow<'_, [u8]>> = None;
+    for line in event.split(|&b| b == b'\n') {
+        let line = line.strip_suffix(b"\r").unwrap_or(line);
+        let Some(value) = line.strip_prefix(b"data:") else { continue };
+        let value = value.strip_prefix(b" ").unwrap_or(value);
+        data = Some(match data {
+            None => std::borrow::Cow::Borrowed(value),
+            Some(joined) => std::borrow::Cow::Owned([&joined[..], b"\n", value].concat()),
+        });
     }
+    let Some(data) = data else { return false };
+    // `"choices": []` can only be written as `[`, JSON's whitespace, `]`: data without an
+    // empty array (every chunk of text) is not parsed.
+    if !has_empty_array(&data) {
+        return false;
+    }
+    let Ok(chunk) = crate::parse::json::Json::parse(&data) else { return false };
+    let chunk = chunk.root();
+    chunk.at("choices").as_array().is_some_and(|mut choices| choices.next().is_none()) && chunk.at("usage").is_object()
+}
+
+/// Whether `text` holds `[` followed by nothing but JSON whitespace and `]` (in a string
+/// or not).
+fn has_empty_array(text: &[u8]) -> bool {
+    memchr::memchr_iter(b'[', text).any(|at| {
+        let after = text.get(at + 1..).unwrap_or(&[]);
+        after.iter().find(|b| !matches!(b, b' ' | b'\t' | b'\n' | b'\r')) == Some(&b']')
+    })
 }
 
 #[cfg(test)]
@@ -229,10 +281,53 @@ mod tests {
         for at in 0..=stream.len() {
             let mut remover = UsageChunkRemover::default();
             let (a, b) = stream.split_at(at);
-            let mut out = remover.filter(a, false);
-            out.extend(remover.filter(b, true));
+            let mut out = remover.filter(a, false).unwrap_or_else(|| a.to_vec());
+            out.extend(remover.filter(b, true).unwrap_or_else(|| b.to_vec()));
             assert_eq!(String::from_utf8(out).expect("utf8"), expected, "split at {at}");
         }
+    }
+
+    #[cfg_attr(not(target_arch = "wasm32"), test)]
+    #[cfg_attr(target_arch = "wasm32", wasm_bindgen_test::wasm_bindgen_test)]
+    fn an_oversized_event_is_dropped_alike_whatever_the_split() {
+        // A line read in place (whole in one chunk) is measured as a buffered one is.
+        let text =
+            format!("data: {}\ndata: after\n\ndata: small\n\n: {}\ndata: x\r\n\r\n", "y".repeat(70), "c".repeat(80));
+        let text = text.as_bytes();
+        let parse = |chunks: &[&[u8]]| {
+            let mut parser = SseParser::new(64);
+            let mut events = Vec::new();
+            for chunk in chunks {
+                parser.feed(chunk, &mut |e| events.push(e));
+            }
+            parser.finish(&mut |e| events.push(e));
+            events
+        };
+        let whole = parse(&[text]);
+        assert!(whole.contains(&ev("", "small")) && whole.contains(&ev("", "x")), "{whole:?}");
+        for i in 0..=text.len() {
+            for j in (i..=text.len()).step_by(3) {
+                let (a, rest) = text.split_at(i);
+                let (b, c) = rest.split_at(j - i);
+                assert_eq!(parse(&[a, b, c]), whole, "split at {i}, {j}");
+            }
+        }
+    }
+
+    #[test]
+    fn whole_events_without_the_usage_chunk_pass_as_they_came() {
+        let mut remover = UsageChunkRemover::default();
+        let delta = b"data: {\"choices\":[{\"delta\":{\"content\":\"hi\"}}],\"usage\":null}\n\n";
+        assert_eq!(remover.filter(delta, false), None, "nothing to copy");
+        // Half an event is held back until its end comes.
+        let (head, tail) = delta.split_at(10);
+        assert_eq!(remover.filter(head, false), Some(Vec::new()));
+        assert_eq!(remover.filter(tail, false), Some(delta.to_vec()));
+        let usage = b"data: {\"choices\":[],\"usage\":{\"total_tokens\":3}}\n\n";
+        assert_eq!(
+            remover.filter(&[&delta[..], usage, b"data: [DONE]\n\n"].concat(), true),
+            Some([&delta[..], b"data: [DONE]\n\n"].concat())
+        );
     }
 
     #[test]
