@@ -193,7 +193,11 @@ fn event_length(bytes: &[u8]) -> Option<usize> {
 /// SSE parser joins them) a JSON object with `"choices": []` and a `usage` object.
 fn is_usage_only(event: &[u8]) -> bool {
     let mut data: Option<std::borrow::Cow<'_, [u8]>> = None;
-    for line in event.split(|&b| b == b'\n') {
+    let mut start = 0;
+    let ends = memchr::memchr_iter(b'\n', event).chain(std::iter::once(event.len()));
+    for end in ends {
+        let line = event.get(start..end).unwrap_or(&[]);
+        start = end + 1;
         let line = line.strip_suffix(b"\r").unwrap_or(line);
         let Some(value) = line.strip_prefix(b"data:") else { continue };
         let value = value.strip_prefix(b" ").unwrap_or(value);

@@ -18,6 +18,8 @@ pub struct LlmRequest {
     pub stream: bool,
     /// `stream_options.include_usage` as the client sent it.
     pub include_usage: bool,
+    /// Whether the body has a `stream_options` field at all (whatever its value).
+    stream_options_given: bool,
     /// `max_completion_tokens`, `max_tokens` or `max_output_tokens`, whichever applies.
     pub max_output: Option<u64>,
     /// How many completions one request generates, each up to `max_output`: OpenAI's `n`
@@ -89,6 +91,7 @@ impl LlmRequest {
             model: body.at("model").as_str().map(str::to_string),
             stream: api == Api::StreamGenerateContent || body.at("stream").as_bool().unwrap_or(false),
             include_usage: body.at("stream_options").at("include_usage").as_bool().unwrap_or(false),
+            stream_options_given: body.get("stream_options").is_some(),
             max_output,
             cap_field,
             body_is_signed: false,
@@ -148,7 +151,14 @@ impl LlmRequest {
         if !add_usage && cap_field.is_none() {
             return None;
         }
-        // Rare enough (clamping, or usage asked of a stream) to parse a whole Value for.
+        // The common case, a stream that says nothing of its options: the field is written
+        // in front of the client's first, the rest of its bytes as they came.
+        if add_usage && cap_field.is_none() && !self.stream_options_given {
+            if let Some(body) = with_usage_asked(body) {
+                return Some(body);
+            }
+        }
+        // Clamping, or options to merge into: a whole Value is parsed and written again.
         let mut body: Value = serde_json::from_slice(body).ok()?;
         let object = body.as_object_mut()?;
         if add_usage {
@@ -177,6 +187,20 @@ impl LlmRequest {
     pub fn wants_usage_added(&self) -> bool {
         self.api == Api::ChatCompletions && self.stream && !self.include_usage
     }
+}
+
+/// `body`, an object whose first member is a key, with `"stream_options":
+/// {"include_usage": true}` written before that key; `None` for any other shape.
+fn with_usage_asked(body: &[u8]) -> Option<Vec<u8>> {
+    const FIELD: &[u8] = br#""stream_options":{"include_usage":true},"#;
+    let first_byte = |from: usize| {
+        let rest = body.get(from..)?;
+        rest.iter().position(|b| !matches!(b, b' ' | b'\t' | b'\n' | b'\r')).map(|at| from + at)
+    };
+    let open = first_byte(0).filter(|&at| body.get(at) == Some(&b'{'))?;
+    first_byte(open + 1).filter(|&at| body.get(at) == Some(&b'"'))?;
+    let (head, tail) = body.split_at_checked(open + 1)?;
+    Some([head, FIELD, tail].concat())
 }
 
 #[cfg(test)]
@@ -323,6 +347,29 @@ mod tests {
             assert_eq!(rewritten(Api::ChatCompletions, already_fine, true), None);
         }
         assert_eq!(rewritten(Api::Messages, r#"{"stream":true,"messages":[]}"#, true), None);
+    }
+
+    #[test]
+    fn usage_is_asked_for_in_front_of_the_clients_bytes_or_merged_into_its_options() {
+        let rewritten = |body: &str| {
+            let bytes = request(Api::ChatCompletions, body).rewritten(body.as_bytes(), true, None).expect(body);
+            String::from_utf8(bytes).expect("UTF-8")
+        };
+        // Nothing of the client's is re-encoded: its spacing, key order and escapes stay.
+        let body = " {\n  \"stream\": true, \"model\": \"m\", \"messages\": [{\"role\": \"user\", \"content\": \"caf\\u00e9\"}]}";
+        assert_eq!(
+            rewritten(body),
+            " {\"stream_options\":{\"include_usage\":true},\n  \"stream\": true, \"model\": \"m\", \"messages\": [{\"role\": \"user\", \"content\": \"caf\\u00e9\"}]}"
+        );
+        // Options the client gave, in any spelling or shape, are merged into as before.
+        for body in [
+            r#"{"stream":true,"stream_options":{"include_usage":false,"other":1},"messages":[]}"#,
+            r#"{"stream":true,"stream_\u006fptions":null,"messages":[]}"#,
+        ] {
+            let rewritten: Value = serde_json::from_str(&rewritten(body)).expect("JSON");
+            assert_eq!(rewritten["stream_options"]["include_usage"], true, "{body}");
+            assert_eq!(rewritten.as_object().map(|o| o.keys().filter(|k| *k == "stream_options").count()), Some(1));
+        }
     }
 
     #[test]
