@@ -25,7 +25,11 @@ lease, as each of the 1,000 does at bench.py's rates. Start-up takes minutes und
 valgrind.
 
 Usage: scripts/bench_instructions.py [--rows passthrough,empty,floor,lease,local] [--wasm PATH]
-                                     [--rounds 2] [--keep] [--startup-only] [--first N]
+                                     [--bodies tiny,realistic,turns,stream] [--rounds 2] [--keep]
+                                     [--startup-only] [--first N]
+
+`--bodies stream` adds the tiny chat streamed (an event a token; the filter asks for the
+usage chunk and takes it out of what the client gets).
 
 With --first N, the first N requests after /ready are counted one by one (one tenant's tiny
 chat, one at a time, before any other traffic): the first request should cost no more than
@@ -67,7 +71,12 @@ BODIES = {
     "tiny": {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "Say hello"}], "max_tokens": 8},
     "realistic": bench.conversation(3),
     "turns": [bench.conversation(turns) for turns in range(20)],
+    # The tiny chat streamed, without asking for usage (as most clients): the mock answers
+    # with an event a token (8) and [DONE]; the filter asks for the usage chunk and hides it.
+    "stream": {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "Say hello"}], "max_tokens": 8,
+               "stream": True},
 }
+DEFAULT_BODIES = "tiny,realistic,turns"
 TENANTS = 10
 
 
@@ -219,6 +228,7 @@ def main() -> None:
     parser.add_argument("--wasm", type=Path, help="llm-ratelimit .wasm for the lease and local rows (default: make wasm's)")
     parser.add_argument("--rounds", type=int, default=2, help="runs per body; each figure is their median")
     parser.add_argument("--seconds", type=int, default=8, help="duration of each run")
+    parser.add_argument("--bodies", default=DEFAULT_BODIES, help=f"comma-separated: {', '.join(BODIES)}")
     parser.add_argument("--startup-only", action="store_true", help="only the instructions to /ready")
     parser.add_argument("--first", type=int, default=0, metavar="N",
                         help="also the instructions of each of the first N requests after /ready (one tenant, "
@@ -231,7 +241,10 @@ def main() -> None:
     bench.TENANTS = TENANTS
     workdir = Path(tempfile.mkdtemp(prefix="llmrl-instructions-"))
     bench_ = bench.Bench(workdir, args.seconds)
-    scripts = {} if args.startup_only else {body: bench.script_for(workdir, body, b) for body, b in BODIES.items()}
+    bodies = args.bodies.split(",")
+    if unknown := [body for body in bodies if body not in BODIES]:
+        sys.exit(f"bench_instructions: no body {', '.join(unknown)} (the bodies: {', '.join(BODIES)})")
+    scripts = {} if args.startup_only else {body: bench.script_for(workdir, body, BODIES[body]) for body in bodies}
     print(f"{'row':<8}{'start-up':>14}{'idle/s':>12}" + "".join(f"{body + ' /req':>22}" for body in scripts)
           + "   (instructions; Redis trips/req)", flush=True)
     try:

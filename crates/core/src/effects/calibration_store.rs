@@ -223,6 +223,16 @@ impl VmCalibrations {
     /// room); the rest wait, so a steady rule costs a write a second, not one a tick.
     pub fn flush(&mut self, host: &mut impl Host, config: &Policy, now_ms: u64) {
         let settling = now_ms.saturating_sub(self.settled_ms) >= SETTLE.as_millis() as u64;
+        self.take_in(host, config, now_ms, settling);
+    }
+
+    /// Takes every lesson in (before a new config, whose rules are other ones).
+    pub fn settle(&mut self, host: &mut impl Host, config: &Policy, now_ms: u64) {
+        self.take_in(host, config, now_ms, true);
+        self.known.clear();
+    }
+
+    fn take_in(&mut self, host: &mut impl Host, config: &Policy, now_ms: u64, settling: bool) {
         if settling {
             self.settled_ms = now_ms;
         }
@@ -291,14 +301,18 @@ mod tests {
         Lesson { prompt: Some((counted, reported)), output: None }
     }
 
+    fn config() -> Policy {
+        Policy::from_json(
+            br#"{"companion": {"upstream": "c", "token": "test-token-0123456789"},
+                 "limits": [{"name": "tpm", "tokens": 1000, "window": "1m"}]}"#,
+        )
+        .expect("config")
+    }
+
     #[test]
     fn lessons_that_move_a_rules_figures_go_out_on_the_tick_and_the_rest_once_a_second() {
         for kind in [HostKind::Envoy, HostKind::Nginx] {
-            let config = Policy::from_json(
-                br#"{"companion": {"upstream": "c", "token": "test-token-0123456789"},
-                     "limits": [{"name": "tpm", "tokens": 1000, "window": "1m"}]}"#,
-            )
-            .expect("config");
+            let config = config();
             let world = World::new(kind);
             let mut host = FakeHost::new(&world);
             let (mut mine, mut other) = (VmCalibrations::default(), VmCalibrations::default());
@@ -333,5 +347,24 @@ mod tests {
             assert!(factor(moved) > factor(settled) * 1.01, "{moved:?}");
             assert_eq!(other.get(&mut host, &config, rule, 2 * settle + 2 * tick), moved);
         }
+    }
+
+    #[test]
+    fn lessons_held_under_a_config_are_taken_in_before_the_next() {
+        let config = config();
+        let mut host = FakeHost::new(&World::new(HostKind::Envoy));
+        let mut calibrations = VmCalibrations::default();
+        let (settle, tick) = (SETTLE.as_millis() as u64, TICK.as_millis() as u64);
+        let rule = config.tokens.all_rules().next().map(|(index, _)| index).expect("a rule");
+        calibrations.flush(&mut host, &config, settle);
+        calibrations.get(&mut host, &config, rule, settle);
+        calibrations.note(&config, rule, lesson(100, 200));
+        calibrations.flush(&mut host, &config, settle + tick);
+        calibrations.note(&config, rule, lesson(100, 200));
+        calibrations.flush(&mut host, &config, settle + 2 * tick);
+        assert_eq!(read(&mut host, &config, rule).prompt_ratio.map(|r| r.samples), Some(1), "the second is held");
+        calibrations.settle(&mut host, &config, settle + 2 * tick);
+        assert_eq!(read(&mut host, &config, rule).prompt_ratio.map(|r| r.samples), Some(2));
+        assert!(calibrations.pending.is_empty());
     }
 }

@@ -751,6 +751,29 @@ fn the_prompt_factor_is_learned_from_settled_replies_and_shared_by_the_workers()
     }
 }
 
+/// A lesson too small to write on the next tick waits for the settling tick; a new config
+/// takes it in first, under the old config's rule (its rules may be other ones).
+#[test]
+fn a_new_config_takes_in_the_lessons_held_under_the_old_one() {
+    let world = World::new(HostKind::Envoy);
+    let mut proxy = Proxy::new(&world, &rpm_tpm(json!({})));
+    let mut companion = FakeCompanion::default();
+    let samples = |proxy: &mut Proxy| {
+        let config = proxy.worker.config().cloned().expect("configured");
+        let rule = config.tokens.rule_for(Some("gpt-4o")).0;
+        crate::effects::calibration_store::read(&mut proxy.root, &config, rule).prompt_ratio.map(|r| r.samples)
+    };
+    for _ in 0..2 {
+        let mut flight = proxy.send(Request::chat("sk-a", CHAT), &mut companion);
+        proxy.reply(&mut flight, 200, "application/json", &[&usage_reply(21, 41)]);
+        advance(&world, crate::effects::host::TICK.as_millis() as u64);
+        proxy.tick(Some(&mut companion));
+    }
+    assert_eq!(samples(&mut proxy), Some(1), "the second lesson moved nothing: held");
+    proxy.worker.configure(&mut proxy.root, rpm_tpm(json!({})).as_bytes()).expect("config");
+    assert_eq!(samples(&mut proxy), Some(2));
+}
+
 #[test]
 fn what_one_proxy_learned_reaches_another_through_the_companion() {
     for kind in HOSTS {

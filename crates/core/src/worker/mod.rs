@@ -215,9 +215,12 @@ impl Worker {
                 crate::effects::calibration_store::show(host, model, learned);
             }
         }
-        // What the old config's replies taught is written under it; the new one reads afresh.
+        // What the old config's replies taught is written under it (its rules by their
+        // indices there); the new one reads afresh.
         if let Some(old) = self.config.clone() {
+            let now = host.now_ms();
             self.averages.settle(host, &old);
+            self.calibrations.settle(host, &old, now);
         }
         self.averages.forget();
         self.config = Some(Rc::new(config));
