@@ -151,11 +151,14 @@ impl UsageChunkRemover {
         self.pending.extend_from_slice(chunk);
         let mut removed: Vec<std::ops::Range<usize>> = Vec::new();
         let mut start = 0;
-        while let Some(len) = event_length(self.pending.get(start..).unwrap_or(&[])) {
+        // What was held was looked through already, but for a blank line it may end in.
+        let mut from = held.saturating_sub(3);
+        while let Some(len) = event_length(self.pending.get(start..).unwrap_or(&[]), from) {
             if is_usage_only(self.pending.get(start..start + len).unwrap_or(&[])) {
                 removed.push(start..start + len);
             }
             start += len;
+            from = 0;
         }
         let passed = if end { self.pending.len() } else { start };
         if held == 0 && removed.is_empty() && passed == self.pending.len() {
@@ -174,10 +177,11 @@ impl UsageChunkRemover {
     }
 }
 
-/// Length of the first complete event in `bytes`, its closing blank line included.
-fn event_length(bytes: &[u8]) -> Option<usize> {
+/// Length of the first complete event in `bytes`, its closing blank line included, looking
+/// for that line from `from` on (an event held over many chunks is not read again from its
+/// start each time).
+fn event_length(bytes: &[u8], mut from: usize) -> Option<usize> {
     // Every way a blank line ends starts with CR or LF: only those places are looked at.
-    let mut from = 0;
     while let Some(at) = memchr::memchr2(b'\n', b'\r', bytes.get(from..)?) {
         let i = from + at;
         let rest = bytes.get(i..)?;
