@@ -111,6 +111,9 @@ def test_a_new_tenant_reserves_the_models_learned_completion_length(start):
         assert int(headers["x-llm-ratelimit-reserved-tokens"]) > 1000, "no history anywhere yet: the cap"
         after_a_tick()
     wait_until(lambda: gauge(admin, "output_prior_tokens", "gpt-4o") == 20, 10, "the model's completion length learned")
+    # The gauge shows the write of whichever worker wrote last; the other reads it within
+    # a tick (a worker reads a rule's value at most once a tick).
+    after_a_tick()
     # A tenant never seen before reserves 1.5 x the model's 20, not its cap of 1,000.
     status, headers, _ = send(port, "sk-newcomer", chat("hi", max_tokens=1000), headers=short)
     assert status == 200
