@@ -108,6 +108,11 @@ impl<'t> Json<'t> {
         JsonDoc::parse_text(text, false)
     }
 
+    /// `parse` of text already known to be UTF-8 (a streamed event's data, say).
+    pub fn parse_str(text: &str) -> Result<JsonDoc<'_>, String> {
+        JsonDoc::parse_text(text, false)
+    }
+
     /// Parses a request body as the upstreams it goes to can read it, or not at all: a
     /// leading UTF-8 byte order mark is skipped (Python's `json.loads` of bytes skips it),
     /// and a key given twice in any object is refused, since upstreams disagree on which

@@ -458,17 +458,18 @@ impl StreamUsage {
             self.finished = true;
             return;
         }
-        self.on_message_bytes(event.data.as_bytes(), &event.event);
+        // A document borrowing from the event: a delta's text is read, not copied, until
+        // it is added to the text kept for counting. (The parser made the data UTF-8.)
+        if let Ok(message) = Json::parse_str(&event.data) {
+            self.on_message(message.root(), &event.event);
+        }
     }
 
     /// One message of the stream as it came (`event`: its SSE event name, if it has one).
     fn on_message_bytes(&mut self, bytes: &[u8], event: &str) {
-        // A document borrowing from the event: a delta's text is read, not copied, until
-        // it is added to the text kept for counting.
-        let Ok(message) = Json::parse(bytes) else {
-            return;
-        };
-        self.on_message(message.root(), event);
+        if let Ok(message) = Json::parse(bytes) {
+            self.on_message(message.root(), event);
+        }
     }
 
     /// One message's JSON, however it was framed (SSE, a JSON array, AWS's event stream for
