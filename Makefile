@@ -16,7 +16,7 @@ WASM_CARGO := RUSTC_BOOTSTRAP=1 RUSTC=/usr/bin/rustc /usr/bin/cargo
 WASM_FLAGS := -Zbuild-std=std,panic_abort
 endif
 
-.PHONY: help setup build wasm empty-filter floor-filter native test test-under-load wasm-test fuzz fuzz-check unit integration up down demo bench soak faults accuracy capacity provider-bench fairness lint clean
+.PHONY: help setup build wasm empty-filter floor-filter request-bench-v8 native test test-under-load wasm-test fuzz fuzz-check unit integration up down demo bench soak faults accuracy capacity provider-bench fairness lint clean
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -38,6 +38,10 @@ empty-filter: setup
 # The benchmark's ABI floor: the host calls of a leased token-aware request, no logic.
 floor-filter: setup
 	CARGO_TARGET_DIR=$(CURDIR)/target $(WASM_CARGO) build --release --manifest-path bench/floor-filter/Cargo.toml --target $(WASM_TARGET) $(WASM_FLAGS)
+
+# request_bench's loop as a wasm module Node's V8 runs (scripts/bench_v8.py).
+request-bench-v8:
+	$(WASM_CARGO) build -p llm-ratelimit-core --example request_bench_v8 --features testing --profile wasm --target $(WASM_TARGET) $(WASM_FLAGS)
 
 native:
 	cargo build --release -p llm-ratelimit-companion -p mock-llm -p llm-ratelimit-cli
