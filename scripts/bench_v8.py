@@ -60,8 +60,10 @@ def run_args(runner, args, n):
 
 def instructions(runner, args, n, out):
     """Total instructions of one run of `n` requests under callgrind."""
-    subprocess.run(["valgrind", "--tool=callgrind", "--smc-check=all-non-file", f"--callgrind-out-file={out}",
-                    *NODE, *run_args(runner, args, n)], check=True, capture_output=True)
+    run = subprocess.run(["valgrind", "--tool=callgrind", "--smc-check=all-non-file", f"--callgrind-out-file={out}",
+                          *NODE, *run_args(runner, args, n)], capture_output=True, text=True)
+    if run.returncode != 0:
+        raise SystemExit(f"the run of {n} requests failed:\n{run.stderr[-2000:]}")
     for line in Path(out).read_text(errors="replace").splitlines():
         if line.startswith(("summary:", "totals:")):
             return int(line.split()[1])

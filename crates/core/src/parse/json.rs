@@ -35,13 +35,29 @@ enum Node<'a> {
     Array {
         end: u32,
     },
+    /// `keys`: a bit for each of its keys (`key_bit`), so that asking for a key it has
+    /// not (most lookups: each provider's fields are asked of every reply and event) is
+    /// answered without walking its fields.
     Object {
         end: u32,
+        keys: u64,
     },
     Key {
         text: Cow<'a, str>,
         shadowed: bool,
     },
+}
+
+/// A key's bit in its object's `keys`: from its length and its first and last bytes,
+/// which tell apart the keys an object holds side by side in the APIs read here. A shared
+/// bit only costs the walk.
+fn key_bit(key: &str) -> u64 {
+    let bytes = key.as_bytes();
+    let (first, last) = (bytes.first().copied().unwrap_or(0), bytes.last().copied().unwrap_or(0));
+    let mixed = (bytes.len() as u32).wrapping_mul(0x9e37_79b9)
+        ^ u32::from(first).wrapping_mul(0x85eb_ca6b)
+        ^ u32::from(last).wrapping_mul(0xc2b2_ae35);
+    1 << (mixed >> 26)
 }
 
 /// The node a missing field reads as.
@@ -136,7 +152,7 @@ impl<'t> Json<'t> {
     /// The index past this value's last node.
     fn end(self) -> usize {
         match self.node() {
-            Node::Array { end } | Node::Object { end } => *end as usize,
+            Node::Array { end } | Node::Object { end, .. } => *end as usize,
             _ => self.at + 1,
         }
     }
@@ -148,7 +164,9 @@ impl<'t> Json<'t> {
             Node::Number(n) => Kind::Number(n),
             Node::String(text) => Kind::String(text),
             Node::Array { end } => Kind::Array(Items { nodes: self.nodes, next: self.at + 1, end: *end as usize }),
-            Node::Object { end } => Kind::Object(Fields { nodes: self.nodes, next: self.at + 1, end: *end as usize }),
+            Node::Object { end, .. } => {
+                Kind::Object(Fields { nodes: self.nodes, next: self.at + 1, end: *end as usize })
+            }
         }
     }
 
@@ -158,6 +176,11 @@ impl<'t> Json<'t> {
     }
 
     pub fn get(self, key: &str) -> Option<Json<'t>> {
+        if let Node::Object { keys, .. } = self.node() {
+            if keys & key_bit(key) == 0 {
+                return None;
+            }
+        }
         let mut fields = self.as_object()?;
         fields.find(|(name, _)| *name == key).map(|(_, value)| value)
     }
@@ -282,7 +305,7 @@ impl<'a> Builder<'a> {
     /// The end of the container at `at`, now that its last descendant is in.
     fn close(&mut self, at: usize) {
         let end = u32::try_from(self.nodes.len()).unwrap_or(u32::MAX);
-        if let Some(Node::Array { end: e } | Node::Object { end: e }) = self.nodes.get_mut(at) {
+        if let Some(Node::Array { end: e } | Node::Object { end: e, .. }) = self.nodes.get_mut(at) {
             *e = end;
         }
     }
@@ -297,7 +320,7 @@ impl<'a> Builder<'a> {
     /// The positions of the keys of the object at `at`, in order.
     fn key_positions(&self, at: usize) -> impl Iterator<Item = usize> + Clone + '_ {
         let end = match self.nodes.get(at) {
-            Some(Node::Object { end }) => *end as usize,
+            Some(Node::Object { end, .. }) => *end as usize,
             _ => at,
         };
         let mut next = at + 1;
@@ -310,11 +333,25 @@ impl<'a> Builder<'a> {
         })
     }
 
-    /// The keys of the object at `at`, which just closed: a repeat is an error (`unique`),
-    /// or its earlier occurrences are shadowed. A small object's keys are compared
+    /// The keys of the object at `at`, which just closed, kept as its key bits; a repeat is
+    /// an error (`unique`), or its earlier occurrences are shadowed. A small object's keys are compared
     /// pairwise, in place; a large one's through a sorted list, so a body of many keys
     /// costs n log n.
     fn check_keys(&mut self, at: usize) -> Result<(), String> {
+        // The object's key bits, and whether two keys share one: where none do, no key
+        // can repeat, and the keys need no comparing.
+        let (mut bits, mut shared) = (0u64, false);
+        for key in self.key_positions(at) {
+            let bit = key_bit(self.key_text(key));
+            shared |= bits & bit != 0;
+            bits |= bit;
+        }
+        if let Some(Node::Object { keys, .. }) = self.nodes.get_mut(at) {
+            *keys = bits;
+        }
+        if !shared {
+            return Ok(());
+        }
         let keys = self.key_positions(at);
         let mut repeats: Vec<usize> = Vec::new();
         if keys.clone().nth(16).is_none() {
@@ -419,7 +456,7 @@ impl<'de: 'a, 'a> Visitor<'de> for Into<'_, 'a> {
     }
 
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
-        let at = self.0.push(Node::Object { end: 0 });
+        let at = self.0.push(Node::Object { end: 0, keys: 0 });
         while map.next_key_seed(KeyInto(&mut *self.0))?.is_some() {
             map.next_value_seed(Into(&mut *self.0))?;
         }
@@ -723,6 +760,16 @@ mod tests {
                     for (key, field) in fields {
                         prop_assert_eq!(&as_value(doc.root().at(key)), field);
                     }
+                }
+                // A key it has not is missing, however its bit falls (the probes the
+                // providers' readers make, and near misses of the keys it has).
+                let near: Vec<String> = value.as_object().into_iter().flatten().flat_map(|(key, _)| {
+                    [format!("{key}x"), format!("x{key}"), key.chars().rev().collect()]
+                }).collect();
+                let probes = ["usage", "model", "choices", "delta", "type", "message", "usageMetadata", "", "a"];
+                for key in probes.iter().copied().chain(near.iter().map(String::as_str)) {
+                    let read = doc.root().get(key).map(as_value);
+                    prop_assert_eq!(read.as_ref(), value.get(key), "{}", key);
                 }
             }
         }

@@ -82,7 +82,7 @@ impl<'a> Scan<'a, '_> {
             return None;
         }
         self.at += 1;
-        let at = self.builder.push(Node::Object { end: 0 });
+        let at = self.builder.push(Node::Object { end: 0, keys: 0 });
         self.whitespace();
         if self.peek()? == b'}' {
             self.at += 1;
