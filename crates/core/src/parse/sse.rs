@@ -4,12 +4,17 @@
 //! are skipped; several `data:` lines join with `\n`. Memory is bounded: an event larger
 //! than the limit is dropped, never buffered without end.
 
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
-pub struct SseEvent {
+/// One event, borrowed from the parser until the callback returns (its buffers are kept
+/// for the next event: a stream of many events allocates for none of them).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SseEvent<'a> {
     /// The `event:` field, empty if none.
-    pub event: String,
-    pub data: String,
+    pub event: &'a str,
+    pub data: &'a str,
 }
+
+/// The room an event's data keeps for the next one; events are mostly far smaller.
+const KEPT_DATA_BYTES: usize = 16 * 1024;
 
 #[derive(Debug)]
 pub struct SseParser {
@@ -37,7 +42,7 @@ impl SseParser {
         }
     }
 
-    pub fn feed(&mut self, mut chunk: &[u8], on_event: &mut impl FnMut(SseEvent)) {
+    pub fn feed(&mut self, mut chunk: &[u8], on_event: &mut impl FnMut(SseEvent<'_>)) {
         if self.after_cr && !chunk.is_empty() {
             self.after_cr = false;
             if let Some(rest) = chunk.strip_prefix(b"\n") {
@@ -71,7 +76,7 @@ impl SseParser {
     }
 
     /// The stream ended: an event not closed by a blank line is still delivered.
-    pub fn finish(&mut self, on_event: &mut impl FnMut(SseEvent)) {
+    pub fn finish(&mut self, on_event: &mut impl FnMut(SseEvent<'_>)) {
         if !self.line.is_empty() {
             let line = std::mem::take(&mut self.line);
             self.take_line(&line, on_event);
@@ -94,7 +99,7 @@ impl SseParser {
 
     /// One whole line (without its end): a blank one ends the event, and so does any line
     /// of an event grown past the limit (dropped).
-    fn take_line(&mut self, line: &[u8], on_event: &mut impl FnMut(SseEvent)) {
+    fn take_line(&mut self, line: &[u8], on_event: &mut impl FnMut(SseEvent<'_>)) {
         if line.is_empty() || self.oversized {
             self.dispatch(on_event);
             return;
@@ -118,19 +123,26 @@ impl SseParser {
                 self.data.push_str(value);
                 self.has_data = true;
             }
-            "event" => self.event = value.to_string(),
+            "event" => {
+                self.event.clear();
+                self.event.push_str(value);
+            }
             _ => {}
         }
     }
 
-    fn dispatch(&mut self, on_event: &mut impl FnMut(SseEvent)) {
-        let event = SseEvent { event: std::mem::take(&mut self.event), data: std::mem::take(&mut self.data) };
-        let deliver = self.has_data && !self.oversized;
+    fn dispatch(&mut self, on_event: &mut impl FnMut(SseEvent<'_>)) {
+        if self.has_data && !self.oversized {
+            on_event(SseEvent { event: &self.event, data: &self.data });
+        }
+        self.event.clear();
+        self.data.clear();
+        if self.data.capacity() > KEPT_DATA_BYTES {
+            // A large event's room is not kept for the rest of the stream.
+            self.data = String::new();
+        }
         self.has_data = false;
         self.oversized = false;
-        if deliver {
-            on_event(event);
-        }
     }
 }
 
@@ -234,18 +246,18 @@ fn has_empty_array(text: &[u8]) -> bool {
 mod tests {
     use super::*;
 
-    fn parse_all(chunks: &[&[u8]]) -> Vec<SseEvent> {
+    fn parse_all(chunks: &[&[u8]]) -> Vec<(String, String)> {
         let mut parser = SseParser::new(1 << 20);
         let mut events = Vec::new();
         for chunk in chunks {
-            parser.feed(chunk, &mut |e| events.push(e));
+            parser.feed(chunk, &mut |e| events.push(ev(e.event, e.data)));
         }
-        parser.finish(&mut |e| events.push(e));
+        parser.finish(&mut |e| events.push(ev(e.event, e.data)));
         events
     }
 
-    fn ev(event: &str, data: &str) -> SseEvent {
-        SseEvent { event: event.into(), data: data.into() }
+    fn ev(event: &str, data: &str) -> (String, String) {
+        (event.into(), data.into())
     }
 
     #[test]
@@ -306,9 +318,9 @@ mod tests {
             let mut parser = SseParser::new(64);
             let mut events = Vec::new();
             for chunk in chunks {
-                parser.feed(chunk, &mut |e| events.push(e));
+                parser.feed(chunk, &mut |e| events.push(ev(e.event, e.data)));
             }
-            parser.finish(&mut |e| events.push(e));
+            parser.finish(&mut |e| events.push(ev(e.event, e.data)));
             events
         };
         let whole = parse(&[text]);
@@ -344,7 +356,7 @@ mod tests {
         let mut events = Vec::new();
         let big = format!("data: {}\n\ndata: small\n\n", "x".repeat(200));
         for chunk in big.as_bytes().chunks(7) {
-            parser.feed(chunk, &mut |e| events.push(e));
+            parser.feed(chunk, &mut |e| events.push(ev(e.event, e.data)));
         }
         assert_eq!(events, vec![ev("", "small")]);
     }

@@ -379,6 +379,13 @@ fn model_name(text: &[u8]) -> Option<String> {
 #[derive(Debug)]
 pub struct StreamUsage {
     parser: Framing,
+    read: StreamRead,
+}
+
+/// What a stream's messages said so far: kept apart from the framing's parser, which lends
+/// each message to it while the parser is borrowed.
+#[derive(Debug)]
+struct StreamRead {
     reported: ReportedUsage,
     encoding: Encoding,
     text: String,
@@ -387,7 +394,7 @@ pub struct StreamUsage {
     model: Option<String>,
     /// True once the stream said it was complete (`[DONE]`, `message_stop`,
     /// `response.completed`).
-    pub finished: bool,
+    finished: bool,
 }
 
 /// How a stream's messages are framed.
@@ -413,46 +420,75 @@ impl StreamUsage {
     }
 
     fn framed(encoding: Encoding, parser: Framing) -> StreamUsage {
-        StreamUsage {
-            parser,
+        let read = StreamRead {
             reported: ReportedUsage::default(),
             encoding,
             text: String::new(),
             counted_output: 0,
             model: None,
             finished: false,
-        }
+        };
+        StreamUsage { parser, read }
     }
 
     pub fn feed(&mut self, chunk: &[u8]) {
+        let read = &mut self.read;
         match &mut self.parser {
-            Framing::Sse(parser) => {
-                let mut events = Vec::new();
-                parser.feed(chunk, &mut |event| events.push(event));
-                for event in events {
-                    self.on_event(event);
-                }
-            }
-            Framing::JsonArray(parser) => {
-                let mut messages = Vec::new();
-                parser.feed(chunk, &mut |message| messages.push(message.to_vec()));
-                for message in messages {
-                    self.on_message_bytes(&message, "");
-                }
-            }
+            Framing::Sse(parser) => parser.feed(chunk, &mut |event| read.on_event(event)),
+            Framing::JsonArray(parser) => parser.feed(chunk, &mut |message| read.on_message_bytes(message, "")),
         }
     }
 
     pub fn finish(&mut self) {
-        let mut events = Vec::new();
         if let Framing::Sse(parser) = &mut self.parser {
-            parser.finish(&mut |event| events.push(event));
-        }
-        for event in events {
-            self.on_event(event);
+            let read = &mut self.read;
+            parser.finish(&mut |event| read.on_event(event));
         }
     }
 
+    /// One message's JSON, however it was framed (SSE, a JSON array, AWS's event stream for
+    /// Bedrock), and the message's event name if the framing gives one.
+    pub(crate) fn on_message(&mut self, message: Json, event_name: &str) {
+        self.read.on_message(message, event_name);
+    }
+
+    /// Usage a stream reported in a shape of its own; it overrides earlier reports.
+    pub(crate) fn add_reported(&mut self, usage: ReportedUsage) {
+        self.read.reported.merge(usage);
+    }
+
+    /// Generated text a stream carried in a shape of its own, counted if no usage is.
+    pub(crate) fn add_text(&mut self, text: &str) {
+        self.read.push_text(Some(text));
+    }
+
+    /// The stream said it was complete (`[DONE]`, `message_stop`, `response.completed`,
+    /// Bedrock's `metadata`).
+    pub fn finished(&self) -> bool {
+        self.read.finished
+    }
+
+    pub(crate) fn set_finished(&mut self) {
+        self.read.finished = true;
+    }
+
+    pub fn reported(&self) -> ReportedUsage {
+        self.read.reported
+    }
+
+    /// The model the stream's messages named last, if any.
+    pub fn model(&self) -> Option<&str> {
+        self.read.model.as_deref()
+    }
+
+    /// Output tokens: as reported, or else counted from the streamed text.
+    pub fn output_tokens(&self) -> u64 {
+        let read = &self.read;
+        read.reported.output.unwrap_or_else(|| read.counted_output + read.encoding.count(&read.text))
+    }
+}
+
+impl StreamRead {
     fn on_event(&mut self, event: SseEvent) {
         if event.data.trim() == openai::DONE {
             self.finished = true;
@@ -460,8 +496,8 @@ impl StreamUsage {
         }
         // A document borrowing from the event: a delta's text is read, not copied, until
         // it is added to the text kept for counting. (The parser made the data UTF-8.)
-        if let Ok(message) = Json::parse_str(&event.data) {
-            self.on_message(message.root(), &event.event);
+        if let Ok(message) = Json::parse_str(event.data) {
+            self.on_message(message.root(), event.event);
         }
     }
 
@@ -472,9 +508,7 @@ impl StreamUsage {
         }
     }
 
-    /// One message's JSON, however it was framed (SSE, a JSON array, AWS's event stream for
-    /// Bedrock), and the message's event name if the framing gives one.
-    pub(crate) fn on_message(&mut self, message: Json, event_name: &str) {
+    fn on_message(&mut self, message: Json, event_name: &str) {
         self.reported.merge(reported_usage(message));
         let model = message.at("model").as_str().or_else(|| message.at("message").at("model").as_str());
         if let Some(model) = model.filter(|m| !m.is_empty() && m.len() <= crate::providers::MAX_MODEL_NAME) {
@@ -486,21 +520,7 @@ impl StreamUsage {
         if providers::ends_stream(message, kind) {
             self.finished = true;
         }
-        self.collect_text(message);
-    }
-
-    /// Usage a stream reported in a shape of its own; it overrides earlier reports.
-    pub(crate) fn add_reported(&mut self, usage: ReportedUsage) {
-        self.reported.merge(usage);
-    }
-
-    /// Generated text a stream carried in a shape of its own, counted if no usage is.
-    pub(crate) fn add_text(&mut self, text: &str) {
-        self.push_text(Some(text));
-    }
-
-    /// The generated text of one event, in whichever provider's shape it is.
-    fn collect_text(&mut self, message: Json) {
+        // The generated text, in whichever provider's shape it is.
         providers::streamed_texts(message, &mut |text| self.push_text(text));
     }
 
@@ -511,20 +531,6 @@ impl StreamUsage {
             self.counted_output += self.encoding.count(&self.text);
             self.text.clear();
         }
-    }
-
-    pub fn reported(&self) -> ReportedUsage {
-        self.reported
-    }
-
-    /// The model the stream's messages named last, if any.
-    pub fn model(&self) -> Option<&str> {
-        self.model.as_deref()
-    }
-
-    /// Output tokens: as reported, or else counted from the streamed text.
-    pub fn output_tokens(&self) -> u64 {
-        self.reported.output.unwrap_or_else(|| self.counted_output + self.encoding.count(&self.text))
     }
 }
 
@@ -570,7 +576,7 @@ impl EventStreamUsage {
                 if let Some(usage) = usage {
                     events.add_reported(usage);
                 }
-                events.finished = true;
+                events.set_finished();
             }
         });
     }
@@ -586,7 +592,7 @@ impl EventStreamUsage {
 
     /// Whether the stream said it was complete (the `metadata` event, `message_stop`).
     pub fn finished(&self) -> bool {
-        self.events.finished
+        self.events.finished()
     }
 
     /// Why the framing stopped being read (a bad CRC, an oversized message), if it did.
@@ -770,7 +776,7 @@ mod tests {
             tracker.feed(chunk);
         }
         tracker.finish();
-        (tracker.reported(), tracker.output_tokens(), tracker.finished)
+        (tracker.reported(), tracker.output_tokens(), tracker.finished())
     }
 
     #[cfg_attr(not(target_arch = "wasm32"), test)]
