@@ -44,12 +44,12 @@ impl JsonArrayStream {
             let rest = chunk.get(at..).unwrap_or(&[]);
             if self.in_string && !self.escaped {
                 // String text up to the next quote or escape, in one search.
-                let text = memchr::memchr2(b'"', b'\\', rest).unwrap_or(rest.len());
+                let text = super::find2(b'"', b'\\', rest).unwrap_or(rest.len());
                 self.keep(rest.get(..text).unwrap_or(&[]));
                 at += text;
             } else if self.depth == 0 && !self.in_string {
                 // Between elements only an object's opening brace (or a string) matters.
-                match memchr::memchr2(b'{', b'"', rest) {
+                match super::find2(b'{', b'"', rest) {
                     Some(found) => at += found,
                     None => return,
                 }

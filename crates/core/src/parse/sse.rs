@@ -49,7 +49,7 @@ impl SseParser {
                 chunk = rest;
             }
         }
-        while let Some(end) = memchr::memchr2(b'\n', b'\r', chunk) {
+        while let Some(end) = super::find2(b'\n', b'\r', chunk) {
             let (line, rest) = chunk.split_at(end);
             if self.line.is_empty() {
                 // The whole line is in this chunk: read in place, measured as
@@ -194,7 +194,7 @@ impl UsageChunkRemover {
 /// start each time).
 fn event_length(bytes: &[u8], mut from: usize) -> Option<usize> {
     // Every way a blank line ends starts with CR or LF: only those places are looked at.
-    while let Some(at) = memchr::memchr2(b'\n', b'\r', bytes.get(from..)?) {
+    while let Some(at) = super::find2(b'\n', b'\r', bytes.get(from..)?) {
         let i = from + at;
         let rest = bytes.get(i..)?;
         if let Some(end) = [&b"\r\n\r\n"[..], b"\n\n", b"\r\r"].iter().find(|end| rest.starts_with(end)) {

@@ -181,7 +181,7 @@ impl ReplyUsage {
                 // Skip string text up to the next quote or escape in one search; a key
                 // keeps what `byte` would have kept of it.
                 let rest = chunk.get(at..).unwrap_or(&[]);
-                let skip = memchr::memchr2(b'"', b'\\', rest).unwrap_or(rest.len());
+                let skip = crate::parse::find2(b'"', b'\\', rest).unwrap_or(rest.len());
                 let text = rest.get(..skip).unwrap_or(&[]);
                 if self.in_value_below_top() {
                     self.value_bytes += text.len() as u64;

@@ -250,25 +250,12 @@ impl<'a> Scan<'a, '_> {
 /// a quote, a backslash or a control character (all of `bytes` if none does). Eight bytes
 /// are tested at a time: a long prompt costs little more than its copy.
 fn special_run(bytes: &[u8]) -> usize {
-    const ONES: u64 = 0x0101_0101_0101_0101;
-    const HIGHS: u64 = 0x8080_8080_8080_8080;
-    let mut words = bytes.chunks_exact(8);
-    let mut run = 0;
-    for word in words.by_ref() {
-        let mut eight = [0u8; 8];
-        eight.copy_from_slice(word);
-        let word = u64::from_le_bytes(eight);
-        // Each test sets a byte's high bit where that byte matches (exactly for the lowest
-        // match, which is the one wanted): equal to `"`, equal to `\`, below 0x20.
-        let zero_in = |x: u64| x.wrapping_sub(ONES) & !x & HIGHS;
-        let found = zero_in(word ^ (ONES * u64::from(b'"')))
+    use crate::parse::{first_match, zero_in, HIGHS, ONES};
+    let in_word = |word: u64| {
+        // Equal to `"`, equal to `\`, below 0x20 (its own test: below, not equal).
+        zero_in(word ^ (ONES * u64::from(b'"')))
             | zero_in(word ^ (ONES * u64::from(b'\\')))
-            | (word.wrapping_sub(ONES * 0x20) & !word & HIGHS);
-        if found != 0 {
-            return run + (found.trailing_zeros() / 8) as usize;
-        }
-        run += 8;
-    }
-    let rest = words.remainder();
-    run + rest.iter().position(|&b| b == b'"' || b == b'\\' || b < 0x20).unwrap_or(rest.len())
+            | (word.wrapping_sub(ONES * 0x20) & !word & HIGHS)
+    };
+    first_match(bytes, in_word, |b| b == b'"' || b == b'\\' || b < 0x20).unwrap_or(bytes.len())
 }
