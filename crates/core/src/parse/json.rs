@@ -333,10 +333,10 @@ impl<'a> Builder<'a> {
         })
     }
 
-    /// The keys of the object at `at`, which just closed, kept as its key bits; a repeat is
-    /// an error (`unique`), or its earlier occurrences are shadowed. A small object's keys are compared
-    /// pairwise, in place; a large one's through a sorted list, so a body of many keys
-    /// costs n log n.
+    /// The keys of the object at `at`, which just closed, kept as its key bits; a repeat
+    /// is an error (`unique`), or its earlier occurrences are shadowed. A small object's
+    /// keys are compared pairwise, in place; a large one's through a sorted list, so a
+    /// body of many keys costs n log n.
     fn check_keys(&mut self, at: usize) -> Result<(), String> {
         // The object's key bits, and whether two keys share one: where none do, no key
         // can repeat, and the keys need no comparing.
