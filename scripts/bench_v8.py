@@ -7,7 +7,9 @@ not evenly (allocation, copies, bounds, 64-bit arithmetic on a 32-bit target). N
 is older than Envoy's: confirm a step in Envoy with `bench_instructions.py` at its end.
 
 The figure is the slope between two runs of N and 3N requests (after 500 to warm up),
-so start-up and compilation fall out of it.
+so start-up and compilation fall out of it. It is repeatable to the instruction (seeds
+fixed, no address randomisation), but it grows with N (the harness's tables fill):
+compare figures of one N.
 
 With --profile, V8's sampling profiler (`node --cpu-prof`) over a longer run instead: the
 functions by their own time and by time under them (names from the module's name
@@ -45,8 +47,13 @@ const started = process.hrtime.bigint();
 if (instance.exports.serve(mode, body, n, tenants, perTick) !== n) throw new Error('run failed');
 console.log(JSON.stringify({requests: n, us_per_request: Number(process.hrtime.bigint() - started) / 1e3 / n}));
 """
-# Liftoff off, as the proxy-wasm host has it; one thread, so callgrind sees all of it.
-NODE = ["node", "--no-liftoff", "--single-threaded"]
+# Liftoff off, as the proxy-wasm host has it. For the count: one thread, so callgrind sees
+# all of it, and every seed fixed, V8's garbage collection made predictable and the
+# address space not randomised (setarch -R), so the same module counts the same to the
+# instruction: without them two runs differed by up to 7k a request.
+NODE = ["node", "--no-liftoff"]
+COUNTED = ["setarch", "-R", "valgrind", "--tool=callgrind", "--smc-check=all-non-file"]
+DETERMINISTIC = ["--single-threaded", "--predictable", "--hash-seed=1", "--random-seed=1"]
 
 
 def build():
@@ -60,8 +67,8 @@ def run_args(runner, args, n):
 
 def instructions(runner, args, n, out):
     """Total instructions of one run of `n` requests under callgrind."""
-    run = subprocess.run(["valgrind", "--tool=callgrind", "--smc-check=all-non-file", f"--callgrind-out-file={out}",
-                          *NODE, *run_args(runner, args, n)], capture_output=True, text=True)
+    run = subprocess.run([*COUNTED, f"--callgrind-out-file={out}", *NODE, *DETERMINISTIC, *run_args(runner, args, n)],
+                         capture_output=True, text=True)
     if run.returncode != 0:
         raise SystemExit(f"the run of {n} requests failed:\n{run.stderr[-2000:]}")
     for line in Path(out).read_text(errors="replace").splitlines():
@@ -85,7 +92,7 @@ def profile(runner, args, tmp):
     """V8's sampling profile of a run: (own, under) samples by function, and the run's total."""
     n = max(args.n * 200, 200_000)
     # Compiled on other threads, so that compiling does not show as the module's time.
-    subprocess.run([*NODE[:-1], "--cpu-prof", f"--cpu-prof-dir={tmp}", "--cpu-prof-interval", "50",
+    subprocess.run([*NODE, "--cpu-prof", f"--cpu-prof-dir={tmp}", "--cpu-prof-interval", "50",
                     *run_args(runner, args, n)], check=True, capture_output=True)
     data = json.loads(next(Path(tmp).glob("*.cpuprofile")).read_text())
     nodes = {node["id"]: node for node in data["nodes"]}
