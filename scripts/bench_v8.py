@@ -3,7 +3,7 @@ host included) built for wasm32 and run by Node's V8 with TurboFan only, as Envo
 the filter, under callgrind. A minute a figure, against several for
 `bench_instructions.py`, and closer to Envoy's own work than the native `request_bench`:
 V8's compiled code spends about 2.4 times the native instructions on the same path, and
-not evenly (allocation, copies, bounds, 64-bit arithmetic on a 32-bit target). Node's V8
+not evenly (allocation weighs more, and so do copies, which V8 makes a call into C). Node's V8
 is older than Envoy's: confirm a step in Envoy with `bench_instructions.py` at its end.
 
 The figure is the slope between two runs of N and 3N requests (after 500 to warm up),

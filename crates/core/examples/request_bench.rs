@@ -48,10 +48,7 @@ fn main() {
         );
         return;
     }
-    for i in 0..n {
-        let request = run.request(&bodies[i % bodies.len()]);
-        run.serve(request, &reply);
-    }
+    run.serve_all(&bodies, &reply, n);
     let elapsed = started.elapsed();
     println!(
         "{{\"mode\": \"{mode}\", \"body\": \"{body_kind}\", \"requests\": {n}, \"us_per_request\": {:.2}, \"host_calls_per_request\": {{{}}}}}",

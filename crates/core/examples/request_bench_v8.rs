@@ -1,7 +1,8 @@
 //! `request_bench`'s loop built for wasm32 and run by Node's V8 with TurboFan only, as
 //! Envoy runs the filter: the core's per-request work as V8's compiled code does it,
-//! which differs from the native build by more than a constant (allocation, copies and
-//! bounds are the module's own; the fake host is in the counts, as in `request_bench`).
+//! which differs from the native build by more than a constant (allocation and copies,
+//! which V8 makes a call into C, weigh more; the fake host is in the counts, as in
+//! `request_bench`).
 //! `scripts/bench_v8.py` builds it, runs it under callgrind and prints the slope.
 
 use llm_ratelimit_core::testing::bench::{self, Run};
@@ -17,9 +18,6 @@ pub extern "C" fn serve(mode: u32, body: u32, n: u32, tenants: u32, per_tick: u3
     let bodies = bench::bodies(body_kind);
     let reply = bench::reply(body_kind);
     let mut run = Run::new(mode, tenants as usize, per_tick as usize);
-    for i in 0..n as usize {
-        let request = run.request(&bodies[i % bodies.len()]);
-        run.serve(request, &reply);
-    }
+    run.serve_all(&bodies, &reply, n as usize);
     run.served as u32
 }

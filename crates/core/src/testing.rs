@@ -1292,6 +1292,14 @@ questions go to the accounts team and give the address accounts@example.com.";
             }
             self.served += 1;
         }
+
+        /// Serves `n` requests, the bodies in turn, each answered with `reply`.
+        pub fn serve_all(&mut self, bodies: &[String], reply: &Reply, n: usize) {
+            for body in bodies.iter().cycle().take(n) {
+                let request = self.request(body);
+                self.serve(request, reply);
+            }
+        }
     }
 }
 
